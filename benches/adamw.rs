@@ -1,0 +1,2 @@
+//! Benchmark: adamw (to be filled).
+fn main() {}

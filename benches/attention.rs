@@ -1,0 +1,2 @@
+//! Benchmark: attention (to be filled).
+fn main() {}

@@ -1,0 +1,2 @@
+//! Benchmark: streaming (to be filled).
+fn main() {}

@@ -1,0 +1,2 @@
+//! Benchmark: training (to be filled).
+fn main() {}

@@ -1,0 +1,70 @@
+//! How a streamed model is placed and moved.
+use candle_core::{DType, Device};
+use std::path::PathBuf;
+
+/// Configuration of a [`crate::StreamedSequential`] and its pool.
+#[derive(Clone, Debug)]
+pub struct StreamConfig {
+    /// Where blocks compute. Weights always live on the host.
+    pub device: Device,
+    /// Blocks loaded ahead of the one computing; the window is `prefetch_ahead + 1`.
+    pub prefetch_ahead: usize,
+    /// Compute dtype: the dtype of the weights on the device and of the inputs.
+    pub dtype: DType,
+    /// Dtype of the host masters; `None` means the compute dtype. An f32 master with
+    /// bf16/f16 compute is converted on the device after each copy.
+    pub master_dtype: Option<DType>,
+    /// Upper bound on one slot's bytes; a block larger than this is an error.
+    /// `None` sizes slots to the largest block.
+    pub slot_budget_bytes: Option<usize>,
+    /// Tied weights stored once under another name: `(alias, canonical)` pairs.
+    /// In-memory tensors that share storage are detected without this.
+    pub aliases: Vec<(String, String)>,
+    /// Record a Chrome-trace/Perfetto timeline of copies and compute; written by
+    /// [`crate::StreamedSequential::write_timeline`].
+    pub timeline: bool,
+    /// Where `write_timeline` writes when given no path.
+    pub timeline_path: Option<PathBuf>,
+}
+
+impl Default for StreamConfig {
+    fn default() -> Self {
+        Self {
+            device: Device::Cpu,
+            prefetch_ahead: 1,
+            dtype: DType::F32,
+            master_dtype: None,
+            slot_budget_bytes: None,
+            aliases: Vec::new(),
+            timeline: false,
+            timeline_path: None,
+        }
+    }
+}
+
+impl StreamConfig {
+    /// The dtype of the host masters.
+    pub fn master_dtype(&self) -> DType {
+        self.master_dtype.unwrap_or(self.dtype)
+    }
+
+    /// Number of device slots (blocks that may hold device state at once).
+    pub fn window(&self) -> usize {
+        self.prefetch_ahead + 1
+    }
+
+    /// Rejects requests that cannot work, before anything is loaded.
+    pub fn validate(&self) -> candle_core::Result<()> {
+        for (what, dt) in [("dtype", self.dtype), ("master_dtype", self.master_dtype())] {
+            if !dt.is_float() {
+                candle_core::bail!(
+                    "StreamConfig.{what} must be a float dtype (f16, bf16, f32, f64), got {dt:?}"
+                );
+            }
+        }
+        if self.slot_budget_bytes == Some(0) {
+            candle_core::bail!("StreamConfig.slot_budget_bytes must be positive, got 0");
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,198 @@
+//! Raw CUDA work of the pool: page-locking host masters in place, asynchronous
+//! copies on the transfer stream, and launches of our conversion kernel.
+use candle_core::{CudaDevice, DType, Result};
+use cudarc::driver::{sys, CudaContext, CudaStream, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+fn check(r: sys::CUresult, what: &str) -> Result<()> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        candle_core::bail!("CUDA error in {what}: {r:?}")
+    }
+}
+
+const PAGE: usize = 4096;
+
+/// Host pages registered with the driver (page-locked in place); unregistered on drop.
+pub(crate) struct PinnedRegion {
+    base: *mut std::ffi::c_void,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the region is only a registration handle; the memory it names is owned
+// by a host tensor that outlives it, and unregistering works from any thread.
+unsafe impl Send for PinnedRegion {}
+unsafe impl Sync for PinnedRegion {}
+
+impl PinnedRegion {
+    /// Registers the pages under `[ptr, ptr + bytes)`. A page at either end may be
+    /// shared with a neighbouring allocation that is registered already; then only
+    /// the pages wholly inside this range are registered. Returns `None` when the
+    /// range is too small to hold a whole page (a tiny tensor stays pageable).
+    pub(crate) fn register(ctx: &Arc<CudaContext>, ptr: *mut u8, bytes: usize) -> Result<Option<Self>> {
+        ctx.bind_to_thread().map_err(candle_core::Error::wrap)?;
+        let start = ptr as usize;
+        let end = start + bytes;
+        let outer = (start / PAGE * PAGE, end.div_ceil(PAGE) * PAGE);
+        let inner = (start.div_ceil(PAGE) * PAGE, end / PAGE * PAGE);
+        for (lo, hi) in [outer, inner] {
+            if hi <= lo {
+                continue;
+            }
+            // SAFETY: the pages belong to live host allocations (the master's and at
+            // most its neighbours'); registration does not change their contents.
+            let r = unsafe {
+                sys::cuMemHostRegister_v2(lo as *mut _, hi - lo, sys::CU_MEMHOSTREGISTER_PORTABLE)
+            };
+            match r {
+                sys::CUresult::CUDA_SUCCESS => {
+                    return Ok(Some(Self {
+                        base: lo as *mut _,
+                        ctx: ctx.clone(),
+                    }))
+                }
+                sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED => continue,
+                e => check(e, "cuMemHostRegister")?,
+            }
+        }
+        Ok(None)
+    }
+}
+
+impl Drop for PinnedRegion {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `base` is exactly the pointer registered in `register`.
+            let r = unsafe { sys::cuMemHostUnregister(self.base) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                self.ctx.record_err::<()>(Err(cudarc::driver::DriverError(r)));
+            }
+        }
+    }
+}
+
+/// Enqueues a host-to-device copy on `stream`.
+///
+/// # Safety
+/// `dst..dst+bytes` must be device memory that stays allocated until the copy
+/// completes, and `src..src+bytes` host memory that stays valid and unmodified
+/// until then (the pool synchronizes the transfer stream before masters change).
+pub(crate) unsafe fn htod_async(dst: u64, src: *const u8, bytes: usize, stream: &CudaStream) -> Result<()> {
+    check(
+        sys::cuMemcpyHtoDAsync_v2(dst, src as *const _, bytes, stream.cu_stream()),
+        "cuMemcpyHtoDAsync",
+    )
+}
+
+/// Enqueues a device-to-host copy on `stream`.
+///
+/// # Safety
+/// As [`htod_async`], with the roles of host and device swapped; the host memory
+/// must not be read until the stream has passed the copy.
+pub(crate) unsafe fn dtoh_async(dst: *mut u8, src: u64, bytes: usize, stream: &CudaStream) -> Result<()> {
+    check(
+        sys::cuMemcpyDtoHAsync_v2(dst as *mut _, src, bytes, stream.cu_stream()),
+        "cuMemcpyDtoHAsync",
+    )
+}
+
+/// Whether our cast kernel covers this conversion.
+pub(crate) fn has_cast(from: DType, to: DType) -> bool {
+    matches!(
+        (from, to),
+        (DType::F32, DType::BF16) | (DType::F32, DType::F16) | (DType::BF16, DType::F32) | (DType::F16, DType::F32)
+    )
+}
+
+/// Enqueues our cast kernel on `stream`, converting `n` elements at `src` into `dst`.
+///
+/// # Safety
+/// `src` and `dst` must be device buffers of at least `n` elements of `from`/`to`,
+/// alive until the stream passes the kernel.
+pub(crate) unsafe fn cast(
+    dev: &CudaDevice,
+    stream: &CudaStream,
+    from: DType,
+    src: u64,
+    to: DType,
+    dst: u64,
+    n: usize,
+) -> Result<()> {
+    let name = match (from, to) {
+        (DType::F32, DType::BF16) => "cast_f32_bf16",
+        (DType::F32, DType::F16) => "cast_f32_f16",
+        (DType::BF16, DType::F32) => "cast_bf16_f32",
+        (DType::F16, DType::F32) => "cast_f16_f32",
+        _ => candle_core::bail!("no cast kernel from {from:?} to {to:?}"),
+    };
+    if n == 0 {
+        return Ok(());
+    }
+    let func = dev.get_or_load_custom_func(name, streamer_kernels::module::CAST, streamer_kernels::CAST)?;
+    let threads = 256u32;
+    // Enough blocks to fill any GPU several times over; the kernel's grid-stride
+    // loop covers whatever is left, so no device property is hard-coded.
+    let blocks = n.div_ceil(threads as usize).min(65_535) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(&func);
+    b.arg(&src).arg(&dst).arg(&n);
+    b.launch(cfg).map_err(candle_core::Error::wrap)?;
+    Ok(())
+}
+
+/// Allocates a flat device tensor of `elems` elements of `dtype` and returns it with
+/// its raw device address (stable for the tensor's life), for the pool's slots.
+pub(crate) fn alloc_flat(dev: &CudaDevice, dtype: DType, elems: usize) -> Result<(candle_core::Tensor, u64)> {
+    use candle_core::{backprop::BackpropOp, CudaStorage, Storage, Tensor};
+    use cudarc::driver::DevicePtr;
+    let stream = dev.cuda_stream();
+    macro_rules! alloc {
+        ($t:ty) => {{
+            let s = dev.alloc_zeros::<$t>(elems)?;
+            let ptr = {
+                let (p, _guard) = s.device_ptr(&stream);
+                p
+            };
+            (CudaStorage::wrap_cuda_slice(s, dev.clone()), ptr)
+        }};
+    }
+    let (storage, ptr) = match dtype {
+        DType::BF16 => alloc!(half::bf16),
+        DType::F16 => alloc!(half::f16),
+        DType::F32 => alloc!(f32),
+        DType::F64 => alloc!(f64),
+        dt => candle_core::bail!("slots hold float weights, got {dt:?}"),
+    };
+    let t = Tensor::from_storage(Storage::Cuda(storage), elems, BackpropOp::none(), false);
+    Ok((t, ptr))
+}
+
+/// The device address of a contiguous CUDA tensor's first element.
+pub(crate) fn device_ptr(t: &candle_core::Tensor) -> Result<u64> {
+    use candle_core::Storage;
+    use cudarc::driver::DevicePtr;
+    let (s, l) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*s else {
+        candle_core::bail!("expected a CUDA tensor, found {:?}", t.device().location())
+    };
+    let stream = cs.device.cuda_stream();
+    macro_rules! ptr {
+        ($t:ty) => {{
+            let (p, _guard) = cs.as_cuda_slice::<$t>()?.device_ptr(&stream);
+            p
+        }};
+    }
+    let base = match t.dtype() {
+        DType::BF16 => ptr!(half::bf16),
+        DType::F16 => ptr!(half::f16),
+        DType::F32 => ptr!(f32),
+        DType::F64 => ptr!(f64),
+        dt => candle_core::bail!("unsupported dtype {dt:?}"),
+    };
+    Ok(base + (l.start_offset() * t.dtype().size_in_bytes()) as u64)
+}

@@ -1,0 +1,173 @@
+//! Host masters: one host tensor per distinct weight, in the master dtype,
+//! allocated once, page-locked in place when the pool streams to a CUDA device.
+use crate::source::WeightSource;
+use candle_core::{DType, Result, Shape, Tensor, Var};
+use std::collections::HashMap;
+
+/// One distinct weight on the host.
+pub struct Master {
+    /// Canonical name (the first name it was found under).
+    pub name: String,
+    /// The host tensor, contiguous, in the master dtype. Optimizers update it in place.
+    pub var: Var,
+    /// Every name it is known by (more than one when tied).
+    pub names: Vec<String>,
+    #[cfg(feature = "cuda")]
+    pub(crate) pin: Option<crate::cuda::PinnedRegion>,
+}
+
+impl Master {
+    /// The master's shape.
+    pub fn shape(&self) -> &Shape {
+        self.var.shape()
+    }
+
+    /// Bytes of the master as stored on the host.
+    pub fn bytes(&self) -> usize {
+        self.var.elem_count() * self.var.dtype().size_in_bytes()
+    }
+
+    /// Whether the host memory is page-locked (copies from it are asynchronous DMA).
+    pub fn is_pinned(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            self.pin.is_some()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            false
+        }
+    }
+}
+
+/// All masters of a model, found by name.
+#[derive(Default)]
+pub struct HostMasters {
+    pub(crate) masters: Vec<Master>,
+    by_name: HashMap<String, usize>,
+    by_identity: HashMap<(usize, usize, Vec<usize>), usize>,
+    aliases: HashMap<String, String>,
+}
+
+impl HostMasters {
+    pub(crate) fn new(aliases: &[(String, String)]) -> Self {
+        Self {
+            aliases: aliases.iter().cloned().collect(),
+            ..Default::default()
+        }
+    }
+
+    /// Number of distinct masters.
+    pub fn len(&self) -> usize {
+        self.masters.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.masters.is_empty()
+    }
+
+    /// The masters, in load order.
+    pub fn iter(&self) -> impl Iterator<Item = &Master> {
+        self.masters.iter()
+    }
+
+    /// A master by index.
+    pub fn get(&self, i: usize) -> &Master {
+        &self.masters[i]
+    }
+
+    /// The index of the master a name resolves to, if loaded.
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.by_name.get(name).copied()
+    }
+
+    /// Total host bytes of the masters.
+    pub fn bytes(&self) -> usize {
+        self.masters.iter().map(Master::bytes).sum()
+    }
+
+    /// Finds or loads the master for `name`, resolving ties (aliases, shared
+    /// in-memory storage) so a tied weight is stored once.
+    pub(crate) fn resolve(&mut self, src: &WeightSource, name: &str, dtype: DType) -> Result<usize> {
+        if let Some(&i) = self.by_name.get(name) {
+            return Ok(i);
+        }
+        let canonical = self.aliases.get(name).cloned();
+        let idx = if let Some(c) = canonical {
+            self.resolve(src, &c, dtype)?
+        } else if let Some(&i) = src
+            .identity(name)
+            .as_ref()
+            .and_then(|k| self.by_identity.get(k))
+        {
+            i
+        } else {
+            let t = src.load(name, dtype)?;
+            let var = Var::from_tensor(&t)?;
+            drop(t);
+            if let Some(k) = src.identity(name) {
+                self.by_identity.insert(k, self.masters.len());
+            }
+            self.masters.push(Master {
+                name: name.to_string(),
+                var,
+                names: Vec::new(),
+                #[cfg(feature = "cuda")]
+                pin: None,
+            });
+            self.masters.len() - 1
+        };
+        self.masters[idx].names.push(name.to_string());
+        self.by_name.insert(name.to_string(), idx);
+        Ok(idx)
+    }
+
+    /// Page-locks every master in place (registers its pages with the driver) so
+    /// copies from it are asynchronous DMA at full bandwidth.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn pin(&mut self, ctx: &std::sync::Arc<cudarc::driver::CudaContext>) -> Result<()> {
+        for m in self.masters.iter_mut() {
+            if m.pin.is_none() {
+                let (ptr, bytes) = host_bytes(m.var.as_tensor())?;
+                m.pin = crate::cuda::PinnedRegion::register(ctx, ptr as *mut u8, bytes)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(feature = "cuda")]
+/// The host address and byte length of a contiguous CPU tensor's data.
+#[cfg(feature = "cuda")]
+pub(crate) fn host_bytes(t: &Tensor) -> Result<(*const u8, usize)> {
+    use candle_core::{CpuStorage, Storage};
+    let (s, l) = t.storage_and_layout();
+    if !l.is_contiguous() {
+        candle_core::bail!("host master must be contiguous");
+    }
+    let Storage::Cpu(cs) = &*s else {
+        candle_core::bail!("host master must be on the CPU, found {:?}", t.device().location())
+    };
+    let es = t.dtype().size_in_bytes();
+    let base: *const u8 = match cs {
+        CpuStorage::U8(v) => v.as_ptr() as *const u8,
+        CpuStorage::U32(v) => v.as_ptr() as *const u8,
+        CpuStorage::I64(v) => v.as_ptr() as *const u8,
+        CpuStorage::BF16(v) => v.as_ptr() as *const u8,
+        CpuStorage::F16(v) => v.as_ptr() as *const u8,
+        CpuStorage::F32(v) => v.as_ptr() as *const u8,
+        CpuStorage::F64(v) => v.as_ptr() as *const u8,
+        _ => candle_core::bail!("unsupported host dtype {:?}", t.dtype()),
+    };
+    // SAFETY: start_offset is within the storage by the layout's invariant.
+    let ptr = unsafe { base.add(l.start_offset() * es) };
+    Ok((ptr, t.elem_count() * es))
+}
+
+impl HostMasters {
+    /// Whether `name` is declared as an alias of another weight.
+    pub fn has_alias(&self, name: &str) -> bool {
+        self.aliases.contains_key(name)
+    }
+}

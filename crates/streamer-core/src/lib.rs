@@ -1,0 +1,55 @@
+//! `streamer-core`: run native Candle blocks whose weights live in host memory,
+//! streamed through a bounded window of device slots.
+//!
+//! - [`StreamedSequential`]: a sequence of blocks built from `VarBuilder`s, run
+//!   with at most `prefetch_ahead + 1` blocks' weights on the device.
+//! - [`ResidencyPool`]: the slots, the transfer stream and its events, and the
+//!   statistics ([`StreamStats`]); the training crate drives it in reverse.
+//! - [`HostMasters`]: one host copy of each weight, page-locked in place on CUDA.
+//!
+//! Everything runs on the CPU too (copies are memory copies), which is what CI
+//! tests; the `cuda` feature adds the CUDA path with the same behaviour.
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_nn::{linear, VarBuilder, VarMap};
+//! use streamer_core::{BlockSpec, StreamConfig, StreamedSequential};
+//!
+//! let varmap = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+//! for i in 0..3 {
+//!     linear(8, 8, vb.pp(format!("layers.{i}")))?;
+//! }
+//! let blocks = (0..3)
+//!     .map(|i| BlockSpec::module(format!("layers.{i}"), |vb| linear(8, 8, vb)))
+//!     .collect();
+//! let cfg = StreamConfig { prefetch_ahead: 1, ..Default::default() };
+//! let model = StreamedSequential::from_varmap(&varmap, blocks, cfg)?;
+//! let y = model.forward(&Tensor::zeros((2, 8), DType::F32, &Device::Cpu)?)?;
+//! assert_eq!(y.dims(), &[2, 8]);
+//! println!("{}", model.stats()?);
+//! # Ok::<(), candle_core::Error>(())
+//! ```
+#![warn(missing_docs)]
+
+mod block;
+mod config;
+mod convert;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+mod host;
+mod pool;
+mod sequential;
+mod source;
+mod stats;
+mod timeline;
+
+pub use block::{Block, BlockSpec, ModuleBlock};
+pub use config::StreamConfig;
+pub use convert::convert;
+pub use host::{HostMasters, Master};
+pub use pool::{BlockLayout, Entry, ResidencyPool};
+pub use sequential::{release_all, run_block, run_blocks, StreamedSequential};
+pub use source::{expand_paths, WeightSource};
+pub use stats::{Observer, StreamStats, Transition, TransitionKind, TRANSITION_LOG_LEN};
+pub use timeline::{Timeline, TraceEvent, TraceKind};

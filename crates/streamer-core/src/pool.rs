@@ -1,0 +1,652 @@
+//! The residency pool: a bounded window of device slots that blocks' weights are
+//! copied into from the host masters, in order, with copies overlapping compute.
+//!
+//! Protocol, per block: `load` (issue the copy into a free slot) → `acquire`
+//! (compute waits for the copy, gets views of the weights) → run the block →
+//! `release` (the slot may be refilled once this compute has finished). At most
+//! `window` blocks are loaded and not yet released, so at most `window` blocks'
+//! state is on the device, copies in flight included.
+//!
+//! On CUDA, copies run on a dedicated transfer stream; compute waits on each
+//! block's ready event and the transfer stream waits on the slot's free event,
+//! both on the device, so the host never blocks. On the CPU the same protocol
+//! runs with plain memory copies.
+use crate::config::StreamConfig;
+use crate::host::HostMasters;
+use crate::stats::{Observer, StreamStats, Transition, TransitionKind};
+use crate::timeline::{Timeline, TraceKind};
+use candle_core::{DType, Device, Result, Shape, Tensor};
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Offsets inside a slot are aligned to this many bytes (vector loads, tensor cores).
+const ALIGN_BYTES: usize = 256;
+
+/// One weight of a block, as laid out in a slot.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    /// Name relative to the block's prefix (what the block's `VarBuilder` asks for).
+    pub local: String,
+    /// Index of the host master.
+    pub master: usize,
+    /// Offset in the slot, in elements of the compute dtype.
+    pub offset: usize,
+    /// Shape of the weight.
+    pub shape: Shape,
+}
+
+/// Where each of a block's weights sits in a slot. Tied weights within a block
+/// share one entry offset and are copied once.
+#[derive(Debug, Clone, Default)]
+pub struct BlockLayout {
+    /// Every name the block uses.
+    pub entries: Vec<Entry>,
+    /// Distinct masters and their slot offsets: what one load copies.
+    pub unique: Vec<(usize, usize)>,
+    /// Elements of the slot this block occupies (compute dtype, with alignment).
+    pub elems: usize,
+}
+
+impl BlockLayout {
+    pub(crate) fn push(&mut self, local: String, master: usize, shape: Shape, dtype: DType) {
+        let offset = match self.unique.iter().find(|(m, _)| *m == master) {
+            Some(&(_, off)) => off,
+            None => {
+                let align = (ALIGN_BYTES / dtype.size_in_bytes()).max(1);
+                let off = self.elems.div_ceil(align) * align;
+                self.unique.push((master, off));
+                self.elems = off + shape.elem_count();
+                off
+            }
+        };
+        self.entries.push(Entry {
+            local,
+            master,
+            offset,
+            shape,
+        });
+    }
+
+    /// Bytes of device memory the block's weights occupy.
+    pub fn bytes(&self, dtype: DType) -> usize {
+        self.elems * dtype.size_in_bytes()
+    }
+}
+
+struct Slot {
+    flat: Tensor,
+    block: Option<usize>,
+    #[cfg(feature = "cuda")]
+    ptr: u64,
+    #[cfg(feature = "cuda")]
+    free: Option<Arc<cudarc::driver::CudaEvent>>,
+    #[cfg(feature = "cuda")]
+    ready: Option<Arc<cudarc::driver::CudaEvent>>,
+    #[cfg(feature = "cuda")]
+    compute: Option<(cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
+    cpu_compute_start: Option<Instant>,
+}
+
+#[cfg(feature = "cuda")]
+struct CudaEngine {
+    dev: candle_core::CudaDevice,
+    compute: Arc<cudarc::driver::CudaStream>,
+    transfer: Arc<cudarc::driver::CudaStream>,
+    /// f32 staging for masters whose dtype differs from the compute dtype:
+    /// copied here, then converted into the slot by our cast kernel.
+    staging: Option<(cudarc::driver::CudaSlice<u8>, u64)>,
+    epoch: cudarc::driver::CudaEvent,
+    pending: Vec<PendingTiming>,
+}
+
+#[cfg(feature = "cuda")]
+enum PendingTiming {
+    Load {
+        block: usize,
+        start: cudarc::driver::CudaEvent,
+        end: Arc<cudarc::driver::CudaEvent>,
+    },
+    Compute {
+        block: usize,
+        wait: cudarc::driver::CudaEvent,
+        start: cudarc::driver::CudaEvent,
+        end: Arc<cudarc::driver::CudaEvent>,
+    },
+}
+
+enum Engine {
+    Cpu,
+    #[cfg(feature = "cuda")]
+    Cuda(Box<CudaEngine>),
+}
+
+/// The pool of device slots and the host masters they are filled from.
+pub struct ResidencyPool {
+    device: Device,
+    dtype: DType,
+    masters: Arc<HostMasters>,
+    layouts: Vec<BlockLayout>,
+    names: Vec<String>,
+    slots: Vec<Slot>,
+    free: VecDeque<usize>,
+    slot_of: Vec<Option<usize>>,
+    engine: Engine,
+    stats: StreamStats,
+    observer: Option<Observer>,
+    timeline: Option<Timeline>,
+    cpu_epoch: Instant,
+}
+
+impl ResidencyPool {
+    /// Allocates `cfg.window()` slots, each as large as the largest block (or
+    /// `slot_budget_bytes`, which no block may exceed: checked here, before any copy).
+    pub fn new(
+        cfg: &StreamConfig,
+        masters: Arc<HostMasters>,
+        layouts: Vec<BlockLayout>,
+        names: Vec<String>,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let dtype = cfg.dtype;
+        let largest = layouts.iter().map(|l| l.elems).max().unwrap_or(0);
+        if let Some(budget) = cfg.slot_budget_bytes {
+            for (l, name) in layouts.iter().zip(&names) {
+                if l.bytes(dtype) > budget {
+                    candle_core::bail!(
+                        "block {name:?} needs {} bytes ({:.1} MiB) of {dtype:?} weights, over slot_budget_bytes = {budget} ({:.1} MiB)",
+                        l.bytes(dtype),
+                        l.bytes(dtype) as f64 / 1048576.0,
+                        budget as f64 / 1048576.0
+                    );
+                }
+            }
+        }
+        let slot_elems = largest.max(1);
+        let window = cfg.window();
+        let engine = match &cfg.device {
+            Device::Cpu => Engine::Cpu,
+            #[cfg(feature = "cuda")]
+            Device::Cuda(dev) => Engine::Cuda(Box::new(CudaEngine::new(dev, &masters, &layouts, cfg)?)),
+            d => candle_core::bail!("streaming to {:?} is not supported", d.location()),
+        };
+        let mut slots = Vec::with_capacity(window);
+        for _ in 0..window {
+            slots.push(Slot::new(&cfg.device, dtype, slot_elems)?);
+        }
+        let stats = StreamStats {
+            slot_bytes: window * slot_elems * dtype.size_in_bytes(),
+            ..Default::default()
+        };
+        Ok(Self {
+            device: cfg.device.clone(),
+            dtype,
+            masters,
+            slot_of: vec![None; layouts.len()],
+            layouts,
+            names,
+            slots,
+            free: (0..window).collect(),
+            engine,
+            stats,
+            observer: None,
+            timeline: cfg.timeline.then(Timeline::default),
+            cpu_epoch: Instant::now(),
+        })
+    }
+
+    /// Number of blocks.
+    pub fn len(&self) -> usize {
+        self.layouts.len()
+    }
+
+    /// Whether there are no blocks.
+    pub fn is_empty(&self) -> bool {
+        self.layouts.is_empty()
+    }
+
+    /// Slots in the window.
+    pub fn window(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// The device blocks compute on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The compute dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The host masters.
+    pub fn masters(&self) -> &Arc<HostMasters> {
+        &self.masters
+    }
+
+    /// A block's slot layout.
+    pub fn layout(&self, block: usize) -> &BlockLayout {
+        &self.layouts[block]
+    }
+
+    /// Whether `block` is loaded (its copy issued and not yet released).
+    pub fn is_loaded(&self, block: usize) -> bool {
+        self.slot_of.get(block).is_some_and(|s| s.is_some())
+    }
+
+    /// Sets the function called on every residency transition.
+    pub fn set_observer(&mut self, observer: Option<Observer>) {
+        self.observer = observer;
+    }
+
+    fn transition(&mut self, block: usize, slot: usize, kind: TransitionKind) {
+        let t = Transition {
+            block,
+            slot,
+            kind,
+            resident_blocks: self.stats.resident_blocks,
+            resident_bytes: self.stats.resident_bytes,
+        };
+        self.stats.push(t);
+        if let Some(o) = &self.observer {
+            o(&t);
+        }
+    }
+
+    /// Issues the copy of `block`'s weights into a free slot.
+    pub fn load(&mut self, block: usize) -> Result<()> {
+        if block >= self.layouts.len() {
+            candle_core::bail!("block index {block} out of range ({} blocks)", self.layouts.len());
+        }
+        if self.slot_of[block].is_some() {
+            candle_core::bail!("block {:?} is already loaded", self.names[block]);
+        }
+        let Some(slot) = self.free.pop_front() else {
+            let loaded: Vec<&str> = (0..self.layouts.len())
+                .filter(|&b| self.slot_of[b].is_some())
+                .map(|b| self.names[b].as_str())
+                .collect();
+            candle_core::bail!(
+                "cannot load block {:?}: all {} slots hold blocks {loaded:?}; release one first",
+                self.names[block],
+                self.slots.len()
+            );
+        };
+        let layout = &self.layouts[block];
+        let mut bytes = 0u64;
+        match &mut self.engine {
+            Engine::Cpu => {
+                let t0 = Instant::now();
+                let flat = &self.slots[slot].flat;
+                for &(m, off) in &layout.unique {
+                    let master = self.masters.get(m).var.as_tensor();
+                    bytes += (master.elem_count() * master.dtype().size_in_bytes()) as u64;
+                    let src = master.flatten_all()?.to_dtype(self.dtype)?;
+                    flat.slice_set(&src, 0, off)?;
+                }
+                let dt = t0.elapsed();
+                self.stats.h2d_seconds += dt.as_secs_f64();
+                if let Some(tl) = &mut self.timeline {
+                    let ts = (t0 - self.cpu_epoch).as_secs_f64() * 1e6;
+                    tl.push(TraceKind::Transfer, &self.names[block], ts, dt.as_secs_f64() * 1e6);
+                }
+            }
+            #[cfg(feature = "cuda")]
+            Engine::Cuda(e) => {
+                let s = &mut self.slots[slot];
+                bytes = e.load(block, layout, &self.masters, s, self.dtype)?;
+                // Keep the queue of timing events bounded on long runs: fold in the
+                // ones that have completed (the old ones, in steady state).
+                if e.pending_len() > 1024 {
+                    e.resolve(false, &mut self.stats, self.timeline.as_mut(), &self.names)?;
+                }
+            }
+        }
+        self.slots[slot].block = Some(block);
+        self.slot_of[block] = Some(slot);
+        self.stats.loads += 1;
+        self.stats.h2d_bytes += bytes;
+        self.stats.resident_blocks += 1;
+        self.stats.resident_bytes += layout.bytes(self.dtype);
+        self.stats.peak_resident_blocks = self.stats.peak_resident_blocks.max(self.stats.resident_blocks);
+        self.stats.peak_resident_bytes = self.stats.peak_resident_bytes.max(self.stats.resident_bytes);
+        self.transition(block, slot, TransitionKind::LoadIssued);
+        Ok(())
+    }
+
+    /// Orders compute after `block`'s copy and returns its weights as device
+    /// tensors keyed by their names relative to the block's prefix. The tensors
+    /// are views into the slot: drop them before `release`.
+    pub fn acquire(&mut self, block: usize) -> Result<HashMap<String, Tensor>> {
+        let Some(slot) = self.slot_of.get(block).copied().flatten() else {
+            candle_core::bail!("block {block} was not loaded before use");
+        };
+        match &mut self.engine {
+            Engine::Cpu => self.slots[slot].cpu_compute_start = Some(Instant::now()),
+            #[cfg(feature = "cuda")]
+            Engine::Cuda(e) => e.acquire(&mut self.slots[slot])?,
+        }
+        let flat = &self.slots[slot].flat;
+        let mut views = HashMap::with_capacity(self.layouts[block].entries.len());
+        for e in &self.layouts[block].entries {
+            let v = flat.narrow(0, e.offset, e.shape.elem_count())?.reshape(e.shape.clone())?;
+            views.insert(e.local.clone(), v);
+        }
+        self.transition(block, slot, TransitionKind::ComputeStart);
+        Ok(views)
+    }
+
+    /// Marks `block`'s compute as issued: its slot is refilled only after that
+    /// compute has finished (ordered on the device on CUDA).
+    pub fn release(&mut self, block: usize) -> Result<()> {
+        let Some(slot) = self.slot_of.get(block).copied().flatten() else {
+            candle_core::bail!("block {block} released without being loaded");
+        };
+        match &mut self.engine {
+            Engine::Cpu => {
+                if let Some(t0) = self.slots[slot].cpu_compute_start.take() {
+                    let dt = t0.elapsed();
+                    self.stats.compute_seconds += dt.as_secs_f64();
+                    if let Some(tl) = &mut self.timeline {
+                        let ts = (t0 - self.cpu_epoch).as_secs_f64() * 1e6;
+                        tl.push(TraceKind::Compute, &self.names[block], ts, dt.as_secs_f64() * 1e6);
+                    }
+                }
+            }
+            #[cfg(feature = "cuda")]
+            Engine::Cuda(e) => e.release(block, &mut self.slots[slot])?,
+        }
+        self.slots[slot].block = None;
+        self.slot_of[block] = None;
+        self.free.push_back(slot);
+        self.stats.resident_blocks -= 1;
+        self.stats.resident_bytes -= self.layouts[block].bytes(self.dtype);
+        self.transition(block, slot, TransitionKind::Evicted);
+        Ok(())
+    }
+
+    /// Whether `t` shares storage with a slot (and so would be overwritten when
+    /// the slot is refilled).
+    pub fn aliases_slot(&self, t: &Tensor) -> bool {
+        let key = storage_key(t);
+        self.slots.iter().any(|s| storage_key(&s.flat) == key)
+    }
+
+    /// Waits for every copy and compute the pool issued.
+    pub fn synchronize(&mut self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Engine::Cuda(e) = &mut self.engine {
+            e.transfer.synchronize().map_err(candle_core::Error::wrap)?;
+            e.compute.synchronize().map_err(candle_core::Error::wrap)?;
+        }
+        Ok(())
+    }
+
+    /// Statistics so far (on CUDA this waits for the timing events issued so far).
+    pub fn stats(&mut self) -> Result<StreamStats> {
+        self.resolve_timings(true)?;
+        Ok(self.stats.clone())
+    }
+
+    /// Clears the statistics counters and the transition log.
+    pub fn reset_stats(&mut self) -> Result<()> {
+        self.resolve_timings(true)?;
+        self.stats.reset();
+        if let Some(tl) = &mut self.timeline {
+            tl.clear();
+        }
+        Ok(())
+    }
+
+    /// The recorded timeline, if enabled (on CUDA this waits for its events).
+    pub fn timeline(&mut self) -> Result<Option<&Timeline>> {
+        self.resolve_timings(true)?;
+        Ok(self.timeline.as_ref())
+    }
+
+    /// Folds finished timing events into the statistics. With `all`, waits for all.
+    pub(crate) fn resolve_timings(&mut self, all: bool) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Engine::Cuda(e) = &mut self.engine {
+            e.resolve(all, &mut self.stats, self.timeline.as_mut(), &self.names)?;
+        }
+        let _ = all;
+        Ok(())
+    }
+
+    /// Adds device-to-host traffic (gradients) to the statistics.
+    pub fn add_d2h(&mut self, bytes: u64, seconds: f64) {
+        self.stats.d2h_bytes += bytes;
+        self.stats.d2h_seconds += seconds;
+    }
+
+    /// Adds host time spent blocked on the pool's work.
+    pub fn add_host_wait(&mut self, seconds: f64) {
+        self.stats.host_wait_seconds += seconds;
+    }
+}
+
+impl Drop for ResidencyPool {
+    fn drop(&mut self) {
+        // Copies in flight read host masters and write slots: let them finish
+        // before either can be freed.
+        let _ = self.synchronize();
+    }
+}
+
+/// A key equal for tensors that share storage.
+pub(crate) fn storage_key(t: &Tensor) -> usize {
+    let (s, _) = t.storage_and_layout();
+    &*s as *const candle_core::Storage as usize
+}
+
+impl Slot {
+    fn new(device: &Device, dtype: DType, elems: usize) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        let mut ptr = 0u64;
+        let flat = match device {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(dev) => {
+                let (t, p) = crate::cuda::alloc_flat(dev, dtype, elems)?;
+                ptr = p;
+                t
+            }
+            _ => Tensor::zeros(elems, dtype, device)?,
+        };
+        Ok(Self {
+            flat,
+            block: None,
+            #[cfg(feature = "cuda")]
+            ptr,
+            #[cfg(feature = "cuda")]
+            free: None,
+            #[cfg(feature = "cuda")]
+            ready: None,
+            #[cfg(feature = "cuda")]
+            compute: None,
+            cpu_compute_start: None,
+        })
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl CudaEngine {
+    fn new(
+        dev: &candle_core::CudaDevice,
+        masters: &HostMasters,
+        layouts: &[BlockLayout],
+        cfg: &StreamConfig,
+    ) -> Result<Self> {
+        use cudarc::driver::sys::CUevent_flags;
+        let compute = dev.cuda_stream();
+        let transfer = compute.context().new_stream().map_err(candle_core::Error::wrap)?;
+        let master_dt = cfg.master_dtype();
+        let staging = if master_dt != cfg.dtype {
+            if !crate::cuda::has_cast(master_dt, cfg.dtype) {
+                candle_core::bail!(
+                    "no device conversion from master dtype {master_dt:?} to compute dtype {:?}",
+                    cfg.dtype
+                );
+            }
+            let largest = layouts
+                .iter()
+                .flat_map(|l| l.unique.iter())
+                .map(|&(m, _)| masters.get(m).bytes())
+                .max()
+                .unwrap_or(0)
+                .max(1);
+            let s = dev.alloc_zeros::<u8>(largest)?;
+            let p = {
+                use cudarc::driver::DevicePtr;
+                let (p, _g) = s.device_ptr(&compute);
+                p
+            };
+            Some((s, p))
+        } else {
+            None
+        };
+        let epoch = compute
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(candle_core::Error::wrap)?;
+        // Make sure slot allocations (on the compute stream) are done before the
+        // transfer stream writes into them.
+        transfer.join(&compute).map_err(candle_core::Error::wrap)?;
+        Ok(Self {
+            dev: dev.clone(),
+            compute,
+            transfer,
+            staging,
+            epoch,
+            pending: Vec::new(),
+        })
+    }
+
+    fn event(stream: &cudarc::driver::CudaStream) -> Result<cudarc::driver::CudaEvent> {
+        stream
+            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(candle_core::Error::wrap)
+    }
+
+    fn load(
+        &mut self,
+        block: usize,
+        layout: &BlockLayout,
+        masters: &HostMasters,
+        slot: &mut Slot,
+        dtype: DType,
+    ) -> Result<u64> {
+        if let Some(free) = slot.free.take() {
+            // The slot's previous block must have finished computing (device-side wait).
+            self.transfer.wait(&free).map_err(candle_core::Error::wrap)?;
+        }
+        let start = Self::event(&self.transfer)?;
+        let mut bytes = 0u64;
+        let es = dtype.size_in_bytes() as u64;
+        for &(m, off) in &layout.unique {
+            let master = masters.get(m);
+            let (src, n) = crate::host::host_bytes(master.var.as_tensor())?;
+            bytes += n as u64;
+            let dst = slot.ptr + off as u64 * es;
+            match &self.staging {
+                None => {
+                    // SAFETY: dst lies in the slot (offset + size <= slot elems by layout);
+                    // the master stays alive and unmodified until the transfer stream is
+                    // synchronized (pool drop, or before optimizers write masters).
+                    unsafe { crate::cuda::htod_async(dst, src, n, &self.transfer)? }
+                }
+                Some((_, stage)) => {
+                    // SAFETY: staging holds the largest master; the cast reads it before
+                    // the next copy overwrites it (same stream, in order).
+                    unsafe {
+                        crate::cuda::htod_async(*stage, src, n, &self.transfer)?;
+                        crate::cuda::cast(
+                            &self.dev,
+                            &self.transfer,
+                            master.var.dtype(),
+                            *stage,
+                            dtype,
+                            dst,
+                            master.var.elem_count(),
+                        )?;
+                    }
+                }
+            }
+        }
+        let end = Arc::new(Self::event(&self.transfer)?);
+        slot.ready = Some(end.clone());
+        self.pending.push(PendingTiming::Load { block, start, end });
+        Ok(bytes)
+    }
+
+    fn acquire(&mut self, slot: &mut Slot) -> Result<()> {
+        let wait = Self::event(&self.compute)?;
+        if let Some(ready) = &slot.ready {
+            self.compute.wait(ready).map_err(candle_core::Error::wrap)?;
+        }
+        let start = Self::event(&self.compute)?;
+        slot.compute = Some((wait, start));
+        Ok(())
+    }
+
+    fn release(&mut self, block: usize, slot: &mut Slot) -> Result<()> {
+        let end = Arc::new(Self::event(&self.compute)?);
+        slot.free = Some(end.clone());
+        if let Some((wait, start)) = slot.compute.take() {
+            self.pending.push(PendingTiming::Compute { block, wait, start, end });
+        }
+        Ok(())
+    }
+
+    /// Unresolved timing records.
+    fn pending_len(&self) -> usize {
+        self.pending.len()
+    }
+
+    fn resolve(
+        &mut self,
+        all: bool,
+        stats: &mut StreamStats,
+        mut timeline: Option<&mut Timeline>,
+        names: &[String],
+    ) -> Result<()> {
+        let w = |e: cudarc::driver::DriverError| candle_core::Error::wrap(e);
+        let mut keep = Vec::new();
+        for p in self.pending.drain(..) {
+            let last = match &p {
+                PendingTiming::Load { end, .. } => end.clone(),
+                PendingTiming::Compute { end, .. } => end.clone(),
+            };
+            if !all && !last.is_complete() {
+                keep.push(p);
+                continue;
+            }
+            last.synchronize().map_err(w)?;
+            match p {
+                PendingTiming::Load { block, start, end } => {
+                    let ms = start.elapsed_ms(&end).map_err(w)? as f64;
+                    stats.h2d_seconds += ms / 1e3;
+                    if let Some(tl) = timeline.as_deref_mut() {
+                        let ts = self.epoch.elapsed_ms(&start).map_err(w)? as f64 * 1e3;
+                        tl.push(TraceKind::Transfer, &names[block], ts, ms * 1e3);
+                    }
+                }
+                PendingTiming::Compute { block, wait, start, end } => {
+                    let stall = wait.elapsed_ms(&start).map_err(w)? as f64;
+                    let ms = start.elapsed_ms(&end).map_err(w)? as f64;
+                    stats.stall_seconds += stall / 1e3;
+                    stats.compute_seconds += ms / 1e3;
+                    if let Some(tl) = timeline.as_deref_mut() {
+                        let ts_wait = self.epoch.elapsed_ms(&wait).map_err(w)? as f64 * 1e3;
+                        if stall > 0.0 {
+                            tl.push(TraceKind::Stall, &names[block], ts_wait, stall * 1e3);
+                        }
+                        tl.push(TraceKind::Compute, &names[block], ts_wait + stall * 1e3, ms * 1e3);
+                    }
+                }
+            }
+        }
+        self.pending = keep;
+        Ok(())
+    }
+}

@@ -1,0 +1,434 @@
+//! `StreamedSequential`: a sequence of native Candle blocks run with their weights
+//! streamed from host memory through the residency pool.
+use crate::block::BlockSpec;
+use crate::config::StreamConfig;
+use crate::host::HostMasters;
+use crate::pool::{BlockLayout, ResidencyPool};
+use crate::source::WeightSource;
+use crate::stats::{Observer, StreamStats};
+use candle_core::{DType, Device, Result, Shape, Tensor, Var};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::VarBuilder;
+use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+
+/// A sequence of blocks whose weights live on the host and visit the device
+/// through a window of `prefetch_ahead + 1` slots.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_nn::{linear, Module, VarBuilder, VarMap};
+/// use streamer_core::{BlockSpec, StreamConfig, StreamedSequential};
+///
+/// // Two linear blocks created the ordinary candle-nn way.
+/// let varmap = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+/// let resident = [linear(4, 4, vb.pp("l0"))?, linear(4, 4, vb.pp("l1"))?];
+///
+/// let blocks = vec![
+///     BlockSpec::module("l0", |vb| linear(4, 4, vb)),
+///     BlockSpec::module("l1", |vb| linear(4, 4, vb)),
+/// ];
+/// let model = StreamedSequential::from_varmap(&varmap, blocks, StreamConfig::default())?;
+/// let x = Tensor::randn(0f32, 1.0, (3, 4), &Device::Cpu)?;
+/// let want = resident[1].forward(&resident[0].forward(&x)?)?;
+/// let got = model.forward(&x)?;
+/// assert!((got - want)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
+/// assert_eq!(model.stats()?.peak_resident_blocks, 2);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub struct StreamedSequential {
+    blocks: Vec<BlockSpec>,
+    cfg: StreamConfig,
+    masters: Arc<HostMasters>,
+    pool: Mutex<ResidencyPool>,
+}
+
+impl StreamedSequential {
+    /// Builds from safetensors files (or a `model.safetensors.index.json`), read
+    /// through mmap straight into the host masters.
+    pub fn from_safetensors<P: AsRef<Path>>(paths: &[P], blocks: Vec<BlockSpec>, cfg: StreamConfig) -> Result<Self> {
+        cfg.validate()?;
+        Self::from_source(&WeightSource::safetensors(paths)?, blocks, cfg)
+    }
+
+    /// Builds from named in-memory tensors (any device). Tensors that share
+    /// storage are one tied weight.
+    pub fn from_tensors(tensors: HashMap<String, Tensor>, blocks: Vec<BlockSpec>, cfg: StreamConfig) -> Result<Self> {
+        Self::from_source(&WeightSource::Tensors(tensors), blocks, cfg)
+    }
+
+    /// Builds from a candle-nn `VarMap`. CPU variables already in the master dtype
+    /// are used in place as the masters (not copied).
+    pub fn from_varmap(varmap: &candle_nn::VarMap, blocks: Vec<BlockSpec>, cfg: StreamConfig) -> Result<Self> {
+        let map = varmap
+            .data()
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("VarMap lock poisoned".into()))?
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+            .collect();
+        Self::from_tensors(map, blocks, cfg)
+    }
+
+    /// Builds from any weight source. Every check (missing, unexpected and
+    /// mis-shaped weights, block sizes against the slot budget, dtypes) runs here,
+    /// before anything is copied to the device.
+    pub fn from_source(src: &WeightSource, blocks: Vec<BlockSpec>, cfg: StreamConfig) -> Result<Self> {
+        cfg.validate()?;
+        if blocks.is_empty() {
+            candle_core::bail!("StreamedSequential needs at least one block");
+        }
+        let mut seen = BTreeSet::new();
+        for b in &blocks {
+            if !seen.insert(b.prefix.clone()) {
+                candle_core::bail!("two blocks share the weight prefix {:?}", b.prefix);
+            }
+        }
+        let mut masters = HostMasters::new(&cfg.aliases);
+        let mut layouts = Vec::with_capacity(blocks.len());
+        let all_names = src.names();
+        for b in &blocks {
+            layouts.push(discover(src, &mut masters, b, &cfg, &all_names)?);
+        }
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(dev) = &cfg.device {
+            masters.pin(dev.cuda_stream().context())?;
+        }
+        let masters = Arc::new(masters);
+        let names = blocks.iter().map(|b| b.name.clone()).collect();
+        let pool = ResidencyPool::new(&cfg, masters.clone(), layouts, names)?;
+        Ok(Self {
+            blocks,
+            cfg,
+            masters,
+            pool: Mutex::new(pool),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &StreamConfig {
+        &self.cfg
+    }
+
+    /// The blocks.
+    pub fn blocks(&self) -> &[BlockSpec] {
+        &self.blocks
+    }
+
+    /// The host masters.
+    pub fn masters(&self) -> &Arc<HostMasters> {
+        &self.masters
+    }
+
+    /// Every distinct weight as `(name, host variable)`, in load order. A tied
+    /// weight appears once, under its first name.
+    pub fn parameters(&self) -> Vec<(String, Var)> {
+        self.masters.iter().map(|m| (m.name.clone(), m.var.clone())).collect()
+    }
+
+    /// Exclusive access to the pool, or an error naming the misuse when another
+    /// call holds it (a block that calls the model, or two threads sharing it).
+    pub fn lock_pool(&self) -> Result<MutexGuard<'_, ResidencyPool>> {
+        match self.pool.try_lock() {
+            Ok(g) => Ok(g),
+            Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
+            Err(TryLockError::WouldBlock) => candle_core::bail!(
+                "StreamedSequential is already running a call: reentrant or concurrent calls on \
+                 the same model are not allowed (the pool has one window of slots)"
+            ),
+        }
+    }
+
+    /// Checks a call's inputs against the configuration, before any copy.
+    pub fn check_inputs(&self, x: &Tensor, extras: &[Tensor]) -> Result<()> {
+        if !x.device().same_device(&self.cfg.device) {
+            candle_core::bail!(
+                "input is on {:?} but the model computes on {:?}",
+                x.device().location(),
+                self.cfg.device.location()
+            );
+        }
+        if x.dtype() != self.cfg.dtype {
+            candle_core::bail!(
+                "input has dtype {:?} but the model computes in {:?} (shape {:?})",
+                x.dtype(),
+                self.cfg.dtype,
+                x.dims()
+            );
+        }
+        for (i, e) in extras.iter().enumerate() {
+            if !e.device().same_device(&self.cfg.device) {
+                candle_core::bail!(
+                    "extra input {i} (shape {:?}) is on {:?} but the model computes on {:?}",
+                    e.dims(),
+                    e.device().location(),
+                    self.cfg.device.location()
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs the blocks on `x`; returns the last block's first output.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self.forward_with(x, &[])?.swap_remove(0))
+    }
+
+    /// Runs the blocks with `extras` handed to every block; returns all of the
+    /// last block's outputs. Intermediate blocks pass their first output on.
+    pub fn forward_with(&self, x: &Tensor, extras: &[Tensor]) -> Result<Vec<Tensor>> {
+        self.check_inputs(x, extras)?;
+        let mut pool = self.lock_pool()?;
+        let r = run_blocks(&mut pool, &self.blocks, x, extras, |_, _| Ok(()));
+        if r.is_err() {
+            release_all(&mut pool);
+        }
+        r
+    }
+
+    /// Statistics so far.
+    pub fn stats(&self) -> Result<StreamStats> {
+        self.lock_pool()?.stats()
+    }
+
+    /// Clears the statistics.
+    pub fn reset_stats(&self) -> Result<()> {
+        self.lock_pool()?.reset_stats()
+    }
+
+    /// Sets the function called on every residency transition.
+    pub fn set_observer(&self, observer: Option<Observer>) -> Result<()> {
+        self.lock_pool()?.set_observer(observer);
+        Ok(())
+    }
+
+    /// Writes the recorded timeline (needs `StreamConfig::timeline`) as Chrome-trace
+    /// JSON to `path`, or to `StreamConfig::timeline_path` when `None`.
+    pub fn write_timeline(&self, path: Option<&Path>) -> Result<()> {
+        let path = path
+            .map(Path::to_path_buf)
+            .or_else(|| self.cfg.timeline_path.clone())
+            .ok_or_else(|| candle_core::Error::Msg("no timeline path given".into()))?;
+        let mut pool = self.lock_pool()?;
+        match pool.timeline()? {
+            Some(t) => t.write(path),
+            None => candle_core::bail!("the timeline is off: set StreamConfig.timeline = true"),
+        }
+    }
+}
+
+impl candle_core::Module for StreamedSequential {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        StreamedSequential::forward(self, xs)
+    }
+}
+
+/// Runs `blocks` through `pool` in order, keeping `window` loads in flight.
+/// `on_input(i, x)` sees each block's input before it runs (training saves them).
+pub fn run_blocks(
+    pool: &mut ResidencyPool,
+    blocks: &[BlockSpec],
+    x: &Tensor,
+    extras: &[Tensor],
+    mut on_input: impl FnMut(usize, &Tensor) -> Result<()>,
+) -> Result<Vec<Tensor>> {
+    let n = blocks.len();
+    let window = pool.window();
+    for i in 0..window.min(n) {
+        pool.load(i)?;
+    }
+    let mut h = x.clone();
+    let mut last = Vec::new();
+    for (i, spec) in blocks.iter().enumerate() {
+        on_input(i, &h)?;
+        let mut out = run_block(pool, spec, i, &h, extras)?;
+        if i + window < n {
+            pool.load(i + window)?;
+        }
+        if i + 1 < n {
+            out.truncate(1);
+            h = out.swap_remove(0);
+        } else {
+            last = out;
+        }
+    }
+    Ok(last)
+}
+
+/// Binds block `i`'s resident weights, runs it and releases its slot. Outputs
+/// that would alias the slot are copied, so eviction really frees the weights.
+pub fn run_block(
+    pool: &mut ResidencyPool,
+    spec: &BlockSpec,
+    i: usize,
+    x: &Tensor,
+    extras: &[Tensor],
+) -> Result<Vec<Tensor>> {
+    let views = pool.acquire(i)?;
+    let vb = VarBuilder::from_tensors(views, pool.dtype(), pool.device());
+    let block = spec.build(vb)?;
+    let mut out = block.forward(x, extras)?;
+    drop(block);
+    if out.is_empty() {
+        candle_core::bail!("block {:?} returned no output", spec.name);
+    }
+    for t in out.iter_mut() {
+        if pool.aliases_slot(t) {
+            *t = t.copy()?;
+        }
+    }
+    pool.release(i)?;
+    Ok(out)
+}
+
+/// After an error mid-call: releases whatever is still loaded so the next call
+/// starts from an empty window.
+pub fn release_all(pool: &mut ResidencyPool) {
+    for b in 0..pool.len() {
+        if pool.is_loaded(b) {
+            let _ = pool.release(b);
+        }
+    }
+}
+
+/// What a block's builder asks for, checked against the source, at construction.
+struct Recorder<'a> {
+    src: &'a WeightSource,
+    block: &'a BlockSpec,
+    state: Mutex<RecState<'a>>,
+}
+
+struct RecState<'a> {
+    masters: &'a mut HostMasters,
+    master_dtype: DType,
+    requested: Vec<(String, usize, Shape)>,
+}
+
+// SAFETY of Send/Sync is derived: WeightSource, BlockSpec and the Mutex are Sync.
+impl Recorder<'_> {
+    fn fetch(&self, name: &str, expected: Option<&Shape>, dtype: DType) -> Result<Tensor> {
+        let prefix = format!("{}.", self.block.prefix);
+        let local = name.strip_prefix(&prefix).unwrap_or(name).to_string();
+        let mut st = self
+            .state
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("recorder lock poisoned".into()))?;
+        let aliased = st.masters.index_of(name).is_some() || self.src.contains(name) || has_alias(&st, name);
+        if !aliased {
+            candle_core::bail!(
+                "block {:?} needs weight {name:?}{} but the weights have no tensor of that name",
+                self.block.name,
+                expected.map(|s| format!(" of shape {:?}", s.dims())).unwrap_or_default()
+            );
+        }
+        let dt = st.master_dtype;
+        let idx = st.masters.resolve(self.src, name, dt)?;
+        let t = st.masters.get(idx).var.as_tensor().clone();
+        if let Some(s) = expected {
+            if t.shape() != s {
+                candle_core::bail!(
+                    "block {:?}: weight {name:?} has shape {:?} but the block expects {:?}",
+                    self.block.name,
+                    t.dims(),
+                    s.dims()
+                );
+            }
+        }
+        st.requested.push((local, idx, t.shape().clone()));
+        if t.dtype() == dtype {
+            Ok(t)
+        } else {
+            t.to_dtype(dtype)
+        }
+    }
+}
+
+fn has_alias(st: &RecState<'_>, name: &str) -> bool {
+    st.masters.has_alias(name)
+}
+
+impl SimpleBackend for Recorder<'_> {
+    fn get(&self, s: Shape, name: &str, _h: candle_nn::Init, dtype: DType, _dev: &Device) -> Result<Tensor> {
+        self.fetch(name, Some(&s), dtype)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, _dev: &Device) -> Result<Tensor> {
+        self.fetch(name, None, dtype)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.src.contains(name)
+            || self
+                .state
+                .lock()
+                .map(|st| st.masters.index_of(name).is_some() || st.masters.has_alias(name))
+                .unwrap_or(false)
+    }
+}
+
+/// Runs a block's builder once on the host to learn its weights, checks them
+/// strictly, and lays them out for a slot.
+fn discover(
+    src: &WeightSource,
+    masters: &mut HostMasters,
+    block: &BlockSpec,
+    cfg: &StreamConfig,
+    all_names: &BTreeSet<String>,
+) -> Result<BlockLayout> {
+    let rec = Recorder {
+        src,
+        block,
+        state: Mutex::new(RecState {
+            masters,
+            master_dtype: cfg.master_dtype(),
+            requested: Vec::new(),
+        }),
+    };
+    {
+        let vb = VarBuilder::from_backend(Box::new(&rec), cfg.dtype, Device::Cpu).pp(&block.prefix);
+        block
+            .build(vb)
+            .map_err(|e| candle_core::Error::Msg(format!("building block {:?}: {e}", block.name)))?;
+    }
+    let st = rec
+        .state
+        .into_inner()
+        .map_err(|_| candle_core::Error::Msg("recorder lock poisoned".into()))?;
+    let prefix = format!("{}.", block.prefix);
+    let used: BTreeSet<String> = st.requested.iter().map(|(l, _, _)| format!("{prefix}{l}")).collect();
+    let unexpected: Vec<&String> = all_names
+        .range(prefix.clone()..)
+        .take_while(|n| n.starts_with(&prefix))
+        .filter(|n| !used.contains(*n))
+        .collect();
+    if !unexpected.is_empty() {
+        candle_core::bail!(
+            "block {:?}: the weights hold tensors under {prefix:?} that the block does not use: {unexpected:?}",
+            block.name
+        );
+    }
+    let mut layout = BlockLayout::default();
+    let mut seen = BTreeSet::new();
+    for (local, idx, shape) in st.requested {
+        if seen.insert(local.clone()) {
+            layout.push(local, idx, shape, cfg.dtype);
+        }
+    }
+    Ok(layout)
+}
+
+impl SimpleBackend for &Recorder<'_> {
+    fn get(&self, s: Shape, name: &str, h: candle_nn::Init, dtype: DType, dev: &Device) -> Result<Tensor> {
+        (**self).get(s, name, h, dtype, dev)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
+        (**self).get_unchecked(name, dtype, dev)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        (**self).contains_tensor(name)
+    }
+}

@@ -1,0 +1,24 @@
+//! The project's own CUDA kernels, as PTX text compiled by `build.rs` from
+//! `kernels/src/*.cu` with nvcc, for the compute capability in `CUDA_COMPUTE_CAP`.
+//!
+//! Without the `cuda` feature this crate is empty and needs no CUDA toolkit. With
+//! it, each `.cu` file becomes a constant holding its PTX, which the other crates
+//! load through Candle's `CudaDevice::get_or_load_custom_func`.
+//!
+//! ```
+//! // The crate compiles on every machine; the PTX constants exist only with `cuda`.
+//! #[cfg(feature = "cuda")]
+//! assert!(streamer_kernels::CAST.contains(".entry"));
+//! ```
+#![warn(missing_docs)]
+
+/// Element-wise dtype conversions (f32 <-> bf16 / f16) between raw device
+/// buffers, used by the pool to convert streamed masters and gradients.
+#[cfg(feature = "cuda")]
+pub const CAST: &str = include_str!(concat!(env!("OUT_DIR"), "/cast.ptx"));
+
+/// Module names under which the PTX above is registered with a Candle device.
+pub mod module {
+    /// Module name of [`super::CAST`].
+    pub const CAST: &str = "streamer_cast";
+}

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repository root: unpacks the bundle made by
+# scripts/gpu-test.sh, runs the selected binaries, writes logs and a summary to
+# $OUT (or ./gpu-out) and exits non-zero if anything failed. At most 8 files
+# come back from the GPU machine, so the logs and the benches' result files are
+# packed into one logs.tar.gz beside summary.txt.
+#   bash gpu-bundle/run.sh [tests] [benches] [examples] [--filter NAME]
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+out=${OUT:-$PWD/gpu-out}
+mkdir -p "$out"
+export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+work=$(mktemp -d)
+xz -dc "$here/bin.tar.xz" | tar -C "$work" -xf -
+want="${*:-tests benches examples}"
+summary=$out/summary.txt
+logs=$work/logs
+mkdir -p "$logs"
+: >"$summary"
+fail=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$summary" 2>&1 || true
+while IFS=$'\t' read -r kind bin; do
+  case "$kind" in
+    test) group=tests ;; bench) group=benches ;; example) group=examples ;; *) group=other ;;
+  esac
+  [[ " $want " == *" $group "* ]] || continue
+  log=$logs/$bin.log
+  start=$(date +%s)
+  case "$kind" in
+    test) "$work/bin/$bin" --test-threads=4 >"$log" 2>&1 ;;
+    bench) "$work/bin/$bin" --bench >"$log" 2>&1 ;;
+    example) "$work/bin/$bin" ${GPU_EXAMPLE_ARGS:-} >"$log" 2>&1 ;;
+  esac
+  rc=$?
+  secs=$(( $(date +%s) - start ))
+  if [ $rc -eq 0 ]; then status=PASS; else status="FAIL(rc=$rc)"; fail=1; fi
+  detail=$(grep -E '^test result:' "$log" | tail -n 1)
+  printf '%-10s %-40s %4ss %s\n' "$status" "$bin" "$secs" "$detail" | tee -a "$summary"
+  if [ "$kind" = test ]; then grep -E '^test .* FAILED$|panicked' "$log" | head -n 20 | tee -a "$summary"; fi
+done <"$here/manifest"
+echo "overall: $([ $fail -eq 0 ] && echo PASS || echo FAIL)" | tee -a "$summary"
+mkdir -p benches/results
+tar -czf "$out/logs.tar.gz" -C "$work" logs -C "$PWD" benches/results 2>/dev/null
+exit $fail

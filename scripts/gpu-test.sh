@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Builds every CUDA test binary, the examples and the benches here (no GPU
+# needed), strips them and bundles them into gpu-bundle/ (git-ignored, < 64 MiB)
+# with a run.sh that runs them all on the GPU machine:
+#
+#   scripts/gpu-test.sh                      # build + bundle
+#   # device tool: carry ["gpu-bundle"], command: bash gpu-bundle/run.sh
+#
+# run.sh writes each binary's output and a one-screen summary under $OUT
+# (or ./gpu-out) and exits non-zero when anything failed. Extra arguments to
+# run.sh select what runs: `tests`, `benches`, `examples` (default: all).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+eval "$(scripts/cuda-toolchain.sh)"
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target/cuda}
+bundle=$root/gpu-bundle
+rm -rf "$bundle"
+mkdir -p "$bundle/bin"
+
+# Test binaries: cargo tells which executables it built.
+cargo test --workspace --features cuda --no-run --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(m["target"]["name"] + "\t" + m["executable"])
+' >"$bundle/tests.list"
+# Show errors, if any, in a readable form.
+cargo test --workspace --features cuda --no-run
+
+# Release binaries: examples and benches.
+cargo build --release --features cuda --examples --benches --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        kind = m["target"]["kind"][0]
+        print(kind + "\t" + m["target"]["name"] + "\t" + m["executable"])
+' >"$bundle/release.list"
+cargo build --release --features cuda --examples --benches
+
+: >"$bundle/manifest"
+while IFS=$'\t' read -r name exe; do
+  cp "$exe" "$bundle/bin/test-$name"
+  echo "test	test-$name" >>"$bundle/manifest"
+done <"$bundle/tests.list"
+while IFS=$'\t' read -r kind name exe; do
+  cp "$exe" "$bundle/bin/$kind-$name"
+  echo "$kind	$kind-$name" >>"$bundle/manifest"
+done <"$bundle/release.list"
+strip "$bundle"/bin/*
+# One solid xz stream with a large dictionary: every binary carries the same
+# ~32 MB of Candle kernels, which the dictionary then stores once.
+tar -C "$bundle" -cf - bin | xz -9e --lzma2=dict=256MiB -T1 >"$bundle/bin.tar.xz"
+rm -rf "$bundle/bin" "$bundle/tests.list" "$bundle/release.list"
+cp scripts/gpu-run.sh "$bundle/run.sh"
+# Benchmarks may read helper scripts (PyTorch references) from benches/.
+du -sh "$bundle"
+echo "bundle ready: $(cat "$bundle/manifest" | wc -l) binaries"

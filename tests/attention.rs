@@ -1,0 +1,1 @@
+//! Tests: attention (to be filled).

@@ -1,0 +1,9 @@
+//! The project's integration tests, one module per topic. Every test body takes a
+//! `&Device` and is turned into a CPU test and (with `--features cuda`) a CUDA test
+//! by `candle_streamer::test_device!`.
+
+mod attention;
+mod cuda_chain;
+mod optim;
+mod pool;
+mod training;

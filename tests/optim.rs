@@ -1,0 +1,391 @@
+//! Host optimizers (`CpuAdamW`, `CpuSgd`) against candle-nn and f64 references,
+//! state save/load/resume, and the all-or-nothing validation of a step.
+//!
+//! Parameters always live on the CPU; gradients are made on `dev` (so the CUDA
+//! variant checks the device-to-host conversion of gradients).
+
+use anyhow::Result;
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW, SGD};
+use candle_streamer::streamer_autograd::{CpuAdamW, CpuSgd, ParamsSgd};
+
+/// Shapes covering a scalar-ish bias, a small matrix, and one larger than the
+/// optimizers' 64K-element parallel chunk (so the chunked path runs).
+const SHAPES: [&[usize]; 3] = [&[7], &[13, 5], &[300, 230]];
+
+fn make_vars(seed_scale: f64) -> Result<Vec<Var>> {
+    SHAPES
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let n: usize = s.iter().product();
+            let data: Vec<f32> = (0..n)
+                .map(|j| ((j as f64 * 0.37 + i as f64).sin() * seed_scale) as f32)
+                .collect();
+            Ok(Var::from_vec(data, *s, &Device::Cpu)?)
+        })
+        .collect()
+}
+
+fn clone_vars(vars: &[Var]) -> Result<Vec<Var>> {
+    vars.iter()
+        .map(|v| Ok(Var::from_tensor(&v.as_tensor().copy()?)?))
+        .collect()
+}
+
+/// Gradients for `vars`, made on `dev`, deterministic in `step`.
+fn make_grads(vars: &[Var], step: usize, dev: &Device) -> Result<Vec<Tensor>> {
+    vars.iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let n = v.elem_count();
+            let data: Vec<f32> = (0..n)
+                .map(|j| {
+                    ((j * 7 + i * 13 + step * 31) as f32 * 0.173).cos() * (1.0 + step as f32 * 0.1)
+                })
+                .collect();
+            Ok(Tensor::from_vec(data, v.shape(), dev)?)
+        })
+        .collect()
+}
+
+fn store(vars: &[Var], grads: &[Tensor], dev: &Device) -> Result<GradStore> {
+    let mut s = GradStore::default();
+    for (v, g) in vars.iter().zip(grads) {
+        s.insert(v.as_tensor(), g.to_device(dev)?);
+    }
+    Ok(s)
+}
+
+fn values(vars: &[Var]) -> Result<Vec<Vec<f32>>> {
+    vars.iter()
+        .map(|v| Ok(v.as_tensor().flatten_all()?.to_vec1::<f32>()?))
+        .collect()
+}
+
+/// Max over elements of |a - b| / max(|b|, 1e-6).
+fn max_rel(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(&x, &y)| (x as f64 - y as f64).abs() / (y as f64).abs().max(1e-6))
+        .fold(0.0, f64::max)
+}
+
+fn adamw_params() -> ParamsAdamW {
+    ParamsAdamW {
+        lr: 0.01,
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    }
+}
+
+fn cpu_adamw_matches_candle_nn_adamw_20_steps(dev: &Device) -> Result<()> {
+    let ours = make_vars(1.0)?;
+    let theirs = clone_vars(&ours)?;
+    let mut a = CpuAdamW::new(ours.clone(), adamw_params())?;
+    let mut b = AdamW::new(theirs.clone(), adamw_params())?;
+    for step in 0..20 {
+        let g = make_grads(&ours, step, dev)?;
+        a.step(&store(&ours, &g, dev)?)?;
+        b.step(&store(&theirs, &g, &Device::Cpu)?)?;
+    }
+    let rel = max_rel(&values(&ours)?, &values(&theirs)?);
+    assert!(rel <= 1e-6, "CpuAdamW vs candle-nn AdamW: max rel {rel}");
+    assert_eq!(a.step_count(), 20);
+    Ok(())
+}
+candle_streamer::test_device!(cpu_adamw_matches_candle_nn_adamw_20_steps);
+
+fn cpu_adamw_bf16_master_tracks_f32(dev: &Device) -> Result<()> {
+    let f32_vars = make_vars(1.0)?;
+    let bf16_vars: Vec<Var> = f32_vars
+        .iter()
+        .map(|v| Ok(Var::from_tensor(&v.as_tensor().to_dtype(DType::BF16)?)?))
+        .collect::<Result<_>>()?;
+    let mut a = CpuAdamW::new(f32_vars.clone(), adamw_params())?;
+    let mut b = CpuAdamW::new(bf16_vars.clone(), adamw_params())?;
+    for step in 0..5 {
+        let g = make_grads(&f32_vars, step, dev)?;
+        a.step(&store(&f32_vars, &g, dev)?)?;
+        let gb: Vec<Tensor> = g
+            .iter()
+            .map(|g| g.to_dtype(DType::BF16))
+            .collect::<candle_core::Result<_>>()?;
+        b.step(&store(&bf16_vars, &gb, dev)?)?;
+    }
+    for (x, y) in f32_vars.iter().zip(&bf16_vars) {
+        let d = (x.as_tensor() - y.as_tensor().to_dtype(DType::F32)?)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        // bf16 keeps 8 bits of mantissa: |p| <= ~1.1 here.
+        assert!(d <= 0.02, "bf16 master drifted by {d}");
+    }
+    Ok(())
+}
+candle_streamer::test_device!(cpu_adamw_bf16_master_tracks_f32);
+
+fn cpu_sgd_plain_matches_candle_nn_sgd(dev: &Device) -> Result<()> {
+    let ours = make_vars(1.0)?;
+    let theirs = clone_vars(&ours)?;
+    let params = ParamsSgd {
+        lr: 0.05,
+        ..Default::default()
+    };
+    let mut a = CpuSgd::new(ours.clone(), params)?;
+    let mut b = SGD::new(theirs.clone(), 0.05)?;
+    for step in 0..10 {
+        let g = make_grads(&ours, step, dev)?;
+        a.step(&store(&ours, &g, dev)?)?;
+        b.step(&store(&theirs, &g, &Device::Cpu)?)?;
+    }
+    let rel = max_rel(&values(&ours)?, &values(&theirs)?);
+    assert!(rel <= 1e-6, "CpuSgd vs candle-nn SGD: max rel {rel}");
+    Ok(())
+}
+candle_streamer::test_device!(cpu_sgd_plain_matches_candle_nn_sgd);
+
+/// PyTorch's SGD in f64, element by element.
+fn sgd_reference(p: &mut [f64], buf: &mut [f64], g: &[f64], first: bool, c: &ParamsSgd) {
+    for i in 0..p.len() {
+        let mut d = g[i] + c.weight_decay * p[i];
+        if c.momentum != 0.0 {
+            buf[i] = if first {
+                d
+            } else {
+                c.momentum * buf[i] + (1.0 - c.dampening) * d
+            };
+            d = if c.nesterov {
+                d + c.momentum * buf[i]
+            } else {
+                buf[i]
+            };
+        }
+        p[i] -= c.lr * d;
+    }
+}
+
+fn cpu_sgd_momentum_matches_f64_reference(dev: &Device) -> Result<()> {
+    let configs = [
+        ParamsSgd {
+            lr: 0.02,
+            momentum: 0.9,
+            dampening: 0.1,
+            weight_decay: 0.01,
+            nesterov: false,
+        },
+        ParamsSgd {
+            lr: 0.02,
+            momentum: 0.8,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: true,
+        },
+    ];
+    for c in configs {
+        let vars = make_vars(1.0)?;
+        let mut refp: Vec<Vec<f64>> = values(&vars)?
+            .into_iter()
+            .map(|v| v.into_iter().map(f64::from).collect())
+            .collect();
+        let mut refb: Vec<Vec<f64>> = refp.iter().map(|p| vec![0.0; p.len()]).collect();
+        let mut opt = CpuSgd::new(vars.clone(), c.clone())?;
+        for step in 0..10 {
+            let g = make_grads(&vars, step, dev)?;
+            opt.step(&store(&vars, &g, dev)?)?;
+            for (i, g) in g.iter().enumerate() {
+                let g: Vec<f64> = g
+                    .flatten_all()?
+                    .to_vec1::<f32>()?
+                    .into_iter()
+                    .map(f64::from)
+                    .collect();
+                sgd_reference(&mut refp[i], &mut refb[i], &g, step == 0, &c);
+            }
+        }
+        let got = values(&vars)?;
+        for (x, y) in got.iter().flatten().zip(refp.iter().flatten()) {
+            let err = (*x as f64 - y).abs();
+            assert!(err <= 1e-5 * (1.0 + y.abs()), "{c:?}: {x} vs f64 {y}");
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(cpu_sgd_momentum_matches_f64_reference);
+
+fn dev_tag(dev: &Device) -> &'static str {
+    if dev.is_cpu() {
+        "cpu"
+    } else {
+        "dev"
+    }
+}
+
+fn temp_path(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("optim-{}-{name}.safetensors", std::process::id()))
+}
+
+fn cpu_adamw_state_resume_gives_same_next_step(dev: &Device) -> Result<()> {
+    let names: Vec<String> = ["bias", "small.weight", "big.weight"]
+        .map(String::from)
+        .to_vec();
+    let first = make_vars(1.0)?;
+    let mut a = CpuAdamW::new(first.clone(), adamw_params())?;
+    a.set_param_names(names.clone())?;
+    for step in 0..5 {
+        a.step(&store(&first, &make_grads(&first, step, dev)?, dev)?)?;
+    }
+    let path = temp_path(&format!("adamw-{}", dev_tag(dev)));
+    a.save(&path)?;
+
+    // A fresh optimizer over a copy of the params, with other hyper-params:
+    // load restores the saved ones.
+    let second = clone_vars(&first)?;
+    let mut b = CpuAdamW::new(second.clone(), ParamsAdamW::default())?;
+    b.set_param_names(names)?;
+    b.load(&path)?;
+    assert_eq!(b.step_count(), 5);
+    assert_eq!(b.params().weight_decay, 0.1);
+
+    let g = make_grads(&first, 5, dev)?;
+    a.step(&store(&first, &g, dev)?)?;
+    b.step(&store(&second, &g, dev)?)?;
+    assert_eq!(values(&first)?, values(&second)?);
+    for i in 0..first.len() {
+        assert_eq!(a.moments(i), b.moments(i));
+    }
+
+    // A file for other shapes is refused, naming the tensor, and nothing changes.
+    let other = vec![
+        Var::zeros(7, DType::F32, &Device::Cpu)?,
+        Var::zeros((13, 5), DType::F32, &Device::Cpu)?,
+        Var::zeros((230, 300), DType::F32, &Device::Cpu)?,
+    ];
+    let mut c = CpuAdamW::new(other, adamw_params())?;
+    c.set_param_names(
+        ["bias", "small.weight", "big.weight"]
+            .map(String::from)
+            .to_vec(),
+    )?;
+    let err = c.load(&path).unwrap_err().to_string();
+    assert!(err.contains("m.big.weight"), "{err}");
+    assert_eq!(c.step_count(), 0);
+    // Wrong kind and wrong count are refused too.
+    let mut s = CpuSgd::new(make_vars(1.0)?, ParamsSgd::default())?;
+    assert!(s.load(&path).unwrap_err().to_string().contains("CpuAdamW"));
+    let mut d = CpuAdamW::new(make_vars(1.0)?[..2].to_vec(), adamw_params())?;
+    assert!(d.load(&path).unwrap_err().to_string().contains("3 params"));
+    std::fs::remove_file(&path)?;
+    Ok(())
+}
+candle_streamer::test_device!(cpu_adamw_state_resume_gives_same_next_step);
+
+fn cpu_sgd_state_resume_gives_same_next_step(dev: &Device) -> Result<()> {
+    let params = ParamsSgd {
+        lr: 0.02,
+        momentum: 0.9,
+        ..Default::default()
+    };
+    let first = make_vars(1.0)?;
+    let mut a = CpuSgd::new(first.clone(), params.clone())?;
+    for step in 0..3 {
+        a.step(&store(&first, &make_grads(&first, step, dev)?, dev)?)?;
+    }
+    let path = temp_path(&format!("sgd-{}", dev_tag(dev)));
+    a.save(&path)?;
+    let second = clone_vars(&first)?;
+    let mut b = CpuSgd::new(second.clone(), ParamsSgd::default())?;
+    b.load(&path)?;
+    assert_eq!(b.params(), &params);
+    let g = make_grads(&first, 3, dev)?;
+    a.step(&store(&first, &g, dev)?)?;
+    b.step(&store(&second, &g, dev)?)?;
+    assert_eq!(values(&first)?, values(&second)?);
+    std::fs::remove_file(&path)?;
+    Ok(())
+}
+candle_streamer::test_device!(cpu_sgd_state_resume_gives_same_next_step);
+
+fn shape_mismatch_errors_and_leaves_params_untouched(dev: &Device) -> Result<()> {
+    let vars = make_vars(1.0)?;
+    let before = values(&vars)?;
+    let mut g = make_grads(&vars, 0, dev)?;
+    g[2] = Tensor::zeros((230, 300), DType::F32, dev)?;
+    let grads = store(&vars, &g, dev)?;
+
+    let mut a = CpuAdamW::new(vars.clone(), adamw_params())?;
+    let err = a.step(&grads).unwrap_err().to_string();
+    assert!(
+        err.contains("param 2") && err.contains("[300, 230]") && err.contains("[230, 300]"),
+        "{err}"
+    );
+    assert_eq!(values(&vars)?, before);
+    assert_eq!(a.step_count(), 0);
+    assert!(a
+        .moments(0)
+        .is_some_and(|(m, _)| m.iter().all(|&x| x == 0.0)));
+
+    let mut s = CpuSgd::new(
+        vars.clone(),
+        ParamsSgd {
+            momentum: 0.9,
+            ..Default::default()
+        },
+    )?;
+    let err = s.step(&grads).unwrap_err().to_string();
+    assert!(err.contains("param 2"), "{err}");
+    assert_eq!(values(&vars)?, before);
+    Ok(())
+}
+candle_streamer::test_device!(shape_mismatch_errors_and_leaves_params_untouched);
+
+fn missing_grads_are_skipped_like_candle_nn(dev: &Device) -> Result<()> {
+    let ours = make_vars(1.0)?;
+    let theirs = clone_vars(&ours)?;
+    let before = values(&ours)?;
+    let mut a = CpuAdamW::new(ours.clone(), adamw_params())?;
+    let mut b = AdamW::new(theirs.clone(), adamw_params())?;
+    for step in 0..3 {
+        // Only params 0 and 2 get gradients.
+        let g = make_grads(&ours, step, dev)?;
+        let mut ga = GradStore::default();
+        let mut gb = GradStore::default();
+        for i in [0, 2] {
+            ga.insert(ours[i].as_tensor(), g[i].clone());
+            gb.insert(theirs[i].as_tensor(), g[i].to_device(&Device::Cpu)?);
+        }
+        a.step(&ga)?;
+        b.step(&gb)?;
+    }
+    let after = values(&ours)?;
+    assert_eq!(after[1], before[1]);
+    assert_ne!(after[0], before[0]);
+    assert!(max_rel(&after, &values(&theirs)?) <= 1e-6);
+    Ok(())
+}
+candle_streamer::test_device!(missing_grads_are_skipped_like_candle_nn);
+
+fn subset_steps_equal_one_full_step(dev: &Device) -> Result<()> {
+    let full = make_vars(1.0)?;
+    let split = clone_vars(&full)?;
+    let mut a = CpuAdamW::new(full.clone(), adamw_params())?;
+    let mut b = CpuAdamW::new(split.clone(), adamw_params())?;
+    for step in 0..3 {
+        let g = make_grads(&full, step, dev)?;
+        a.step(&store(&full, &g, dev)?)?;
+        // The overlapped order: last block's params first, as backward produces them.
+        let gs = store(&split, &g, dev)?;
+        b.begin_step();
+        b.step_params(&gs, &[2])?;
+        b.step_tensors(&[(1, &g[1]), (0, &g[0])])?;
+        let err = b.step_params(&gs, &[0]).unwrap_err().to_string();
+        assert!(err.contains("already stepped"), "{err}");
+    }
+    assert_eq!(values(&full)?, values(&split)?);
+    Ok(())
+}
+candle_streamer::test_device!(subset_steps_equal_one_full_step);

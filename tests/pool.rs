@@ -1,0 +1,1 @@
+//! Tests: pool (to be filled).

@@ -1,0 +1,1 @@
+//! Tests: training (to be filled).
