@@ -17,8 +17,15 @@
 #[cfg(feature = "cuda")]
 pub const CAST: &str = include_str!(concat!(env!("OUT_DIR"), "/cast.ptx"));
 
+/// A kernel that waits a given number of nanoseconds, enqueued on the transfer
+/// stream to simulate slow copies in tests.
+#[cfg(feature = "cuda")]
+pub const DELAY: &str = include_str!(concat!(env!("OUT_DIR"), "/delay.ptx"));
+
 /// Module names under which the PTX above is registered with a Candle device.
 pub mod module {
     /// Module name of [`super::CAST`].
     pub const CAST: &str = "streamer_cast";
+    /// Module name of [`super::DELAY`].
+    pub const DELAY: &str = "streamer_delay";
 }

@@ -25,6 +25,9 @@ pub struct StreamConfig {
     pub timeline: bool,
     /// Where `write_timeline` writes when given no path.
     pub timeline_path: Option<PathBuf>,
+    /// Testing aid: make every block's transfer take at least this long (a
+    /// sleep on the CPU, a waiting kernel on the transfer stream on CUDA).
+    pub transfer_delay: Option<std::time::Duration>,
 }
 
 impl Default for StreamConfig {
@@ -38,6 +41,7 @@ impl Default for StreamConfig {
             aliases: Vec::new(),
             timeline: false,
             timeline_path: None,
+            transfer_delay: None,
         }
     }
 }

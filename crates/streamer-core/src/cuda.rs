@@ -196,3 +196,18 @@ pub(crate) fn device_ptr(t: &candle_core::Tensor) -> Result<u64> {
     };
     Ok(base + (l.start_offset() * t.dtype().size_in_bytes()) as u64)
 }
+
+/// Enqueues a kernel that waits `ns` nanoseconds on `stream` (slow-transfer tests).
+pub(crate) fn delay(dev: &CudaDevice, stream: &CudaStream, ns: u64) -> Result<()> {
+    let func = dev.get_or_load_custom_func("spin_ns", streamer_kernels::module::DELAY, streamer_kernels::DELAY)?;
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(&func);
+    b.arg(&ns);
+    // SAFETY: the kernel takes one u64 by value and touches no memory.
+    unsafe { b.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+    Ok(())
+}

@@ -1,7 +1,7 @@
 //! Host masters: one host tensor per distinct weight, in the master dtype,
 //! allocated once, page-locked in place when the pool streams to a CUDA device.
 use crate::source::WeightSource;
-use candle_core::{DType, Result, Shape, Tensor, Var};
+use candle_core::{DType, Result, Shape, Var};
 use std::collections::HashMap;
 
 /// One distinct weight on the host.
@@ -140,7 +140,7 @@ impl HostMasters {
 #[cfg(feature = "cuda")]
 /// The host address and byte length of a contiguous CPU tensor's data.
 #[cfg(feature = "cuda")]
-pub(crate) fn host_bytes(t: &Tensor) -> Result<(*const u8, usize)> {
+pub(crate) fn host_bytes(t: &candle_core::Tensor) -> Result<(*const u8, usize)> {
     use candle_core::{CpuStorage, Storage};
     let (s, l) = t.storage_and_layout();
     if !l.is_contiguous() {

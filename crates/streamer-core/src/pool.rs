@@ -136,6 +136,7 @@ pub struct ResidencyPool {
     observer: Option<Observer>,
     timeline: Option<Timeline>,
     cpu_epoch: Instant,
+    transfer_delay: Option<std::time::Duration>,
 }
 
 impl ResidencyPool {
@@ -192,6 +193,7 @@ impl ResidencyPool {
             observer: None,
             timeline: cfg.timeline.then(Timeline::default),
             cpu_epoch: Instant::now(),
+            transfer_delay: cfg.transfer_delay,
         })
     }
 
@@ -285,6 +287,9 @@ impl ResidencyPool {
                     let src = master.flatten_all()?.to_dtype(self.dtype)?;
                     flat.slice_set(&src, 0, off)?;
                 }
+                if let Some(d) = self.transfer_delay {
+                    std::thread::sleep(d);
+                }
                 let dt = t0.elapsed();
                 self.stats.h2d_seconds += dt.as_secs_f64();
                 if let Some(tl) = &mut self.timeline {
@@ -295,7 +300,7 @@ impl ResidencyPool {
             #[cfg(feature = "cuda")]
             Engine::Cuda(e) => {
                 let s = &mut self.slots[slot];
-                bytes = e.load(block, layout, &self.masters, s, self.dtype)?;
+                bytes = e.load(block, layout, &self.masters, s, self.dtype, self.transfer_delay)?;
                 // Keep the queue of timing events bounded on long runs: fold in the
                 // ones that have completed (the old ones, in steady state).
                 if e.pending_len() > 1024 {
@@ -535,6 +540,7 @@ impl CudaEngine {
         masters: &HostMasters,
         slot: &mut Slot,
         dtype: DType,
+        delay: Option<std::time::Duration>,
     ) -> Result<u64> {
         if let Some(free) = slot.free.take() {
             // The slot's previous block must have finished computing (device-side wait).
@@ -572,6 +578,9 @@ impl CudaEngine {
                     }
                 }
             }
+        }
+        if let Some(d) = delay {
+            crate::cuda::delay(&self.dev, &self.transfer, d.as_nanos() as u64)?;
         }
         let end = Arc::new(Self::event(&self.transfer)?);
         slot.ready = Some(end.clone());
