@@ -25,6 +25,12 @@ pub struct StreamConfig {
     pub timeline: bool,
     /// Where `write_timeline` writes when given no path.
     pub timeline_path: Option<PathBuf>,
+    /// Repeated inference: after a call's last blocks, start loading the first
+    /// blocks for the next call, so its first copies hide behind this call's tail.
+    /// The window still holds. Weights changed between calls (`Var::set`, an
+    /// optimizer step) would not be seen by those early copies, so this is off by
+    /// default; `StreamedSequential::evict_all` drops them.
+    pub prefetch_across_calls: bool,
     /// Testing aid: make every block's transfer take at least this long (a
     /// sleep on the CPU, a waiting kernel on the transfer stream on CUDA).
     pub transfer_delay: Option<std::time::Duration>,
@@ -42,6 +48,7 @@ impl Default for StreamConfig {
             timeline: false,
             timeline_path: None,
             transfer_delay: None,
+            prefetch_across_calls: false,
         }
     }
 }

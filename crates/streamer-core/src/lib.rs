@@ -32,6 +32,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod bandwidth;
 mod block;
 mod config;
 mod convert;
@@ -44,6 +45,7 @@ mod source;
 mod stats;
 mod timeline;
 
+pub use bandwidth::measure_h2d_gbps;
 pub use block::{Block, BlockSpec, ModuleBlock};
 pub use config::StreamConfig;
 pub use convert::convert;

@@ -181,11 +181,19 @@ impl StreamedSequential {
     pub fn forward_with(&self, x: &Tensor, extras: &[Tensor]) -> Result<Vec<Tensor>> {
         self.check_inputs(x, extras)?;
         let mut pool = self.lock_pool()?;
-        let r = run_blocks(&mut pool, &self.blocks, x, extras, |_, _| Ok(()));
+        let r = run_blocks(&mut pool, &self.blocks, x, extras, self.cfg.prefetch_across_calls, |_, _| Ok(()));
         if r.is_err() {
             release_all(&mut pool);
         }
         r
+    }
+
+    /// Drops blocks loaded ahead for the next call (`prefetch_across_calls`), so
+    /// the next call copies fresh weights; call after changing masters.
+    pub fn evict_all(&self) -> Result<()> {
+        let mut pool = self.lock_pool()?;
+        release_all(&mut pool);
+        Ok(())
     }
 
     /// Statistics so far.
@@ -226,18 +234,24 @@ impl candle_core::Module for StreamedSequential {
 }
 
 /// Runs `blocks` through `pool` in order, keeping `window` loads in flight.
-/// `on_input(i, x)` sees each block's input before it runs (training saves them).
+/// Blocks already loaded (by a previous call's `cyclic` prefetch) are used as
+/// they are. With `cyclic`, the slots that free up at the end start loading the
+/// first blocks for the next call. `on_input(i, x)` sees each block's input
+/// before it runs (training saves them).
 pub fn run_blocks(
     pool: &mut ResidencyPool,
     blocks: &[BlockSpec],
     x: &Tensor,
     extras: &[Tensor],
+    cyclic: bool,
     mut on_input: impl FnMut(usize, &Tensor) -> Result<()>,
 ) -> Result<Vec<Tensor>> {
     let n = blocks.len();
     let window = pool.window();
     for i in 0..window.min(n) {
-        pool.load(i)?;
+        if !pool.is_loaded(i) {
+            pool.load(i)?;
+        }
     }
     let mut h = x.clone();
     let mut last = Vec::new();
@@ -246,6 +260,8 @@ pub fn run_blocks(
         let mut out = run_block(pool, spec, i, &h, extras)?;
         if i + window < n {
             pool.load(i + window)?;
+        } else if cyclic && !pool.is_loaded((i + window) % n) {
+            pool.load((i + window) % n)?;
         }
         if i + 1 < n {
             out.truncate(1);
