@@ -1,0 +1,276 @@
+//! Saving and loading host-optimizer state as safetensors.
+//!
+//! A state file holds f32 tensors named by the optimizer (`m.<param>`,
+//! `v.<param>` for [`crate::CpuAdamW`], `momentum.<param>` for
+//! [`crate::CpuSgd`]), an i64 tensor `last_step` (per param, the step at which
+//! it was last updated, 0 if never) and string metadata: `kind`, `num_params`,
+//! `step` and the hyper-parameters (f64 written so they read back exactly).
+
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use candle_core::{bail, Error, Result};
+use safetensors::{Dtype, SafeTensors, View};
+
+/// Checks a list of param names: one per param, unique, non-empty.
+pub(crate) fn check_names(what: &str, names: &[String], n: usize) -> Result<()> {
+    if names.len() != n {
+        bail!("{what}: {} param names given for {n} params", names.len())
+    }
+    let mut seen = HashSet::new();
+    for (i, name) in names.iter().enumerate() {
+        if name.is_empty() {
+            bail!("{what}: param name {i} is empty")
+        }
+        if !seen.insert(name.as_str()) {
+            bail!("{what}: param name {name:?} (param {i}) is used twice")
+        }
+    }
+    Ok(())
+}
+
+/// A tensor to write: borrowed f32 data or owned bytes.
+struct Entry<'a> {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data: Cow<'a, [u8]>,
+}
+
+impl View for &Entry<'_> {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+fn f32_bytes(data: &[f32]) -> Cow<'_, [u8]> {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: f32 has no padding and no invalid bit patterns as bytes; u8
+        // has alignment 1; the byte slice covers exactly the same memory and
+        // borrows `data` for its lifetime. On little-endian targets these are
+        // the little-endian bytes safetensors stores.
+        Cow::Borrowed(unsafe {
+            std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data))
+        })
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        Cow::Owned(data.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+}
+
+/// Collects an optimizer's state and writes it atomically.
+pub(crate) struct StateWriter<'a> {
+    entries: Vec<(String, Entry<'a>)>,
+    meta: HashMap<String, String>,
+}
+
+impl<'a> StateWriter<'a> {
+    pub(crate) fn new(kind: &str, step: usize, last_step: &[usize]) -> Self {
+        let mut meta = HashMap::new();
+        meta.insert("kind".to_string(), kind.to_string());
+        meta.insert("num_params".to_string(), last_step.len().to_string());
+        meta.insert("step".to_string(), step.to_string());
+        let bytes: Vec<u8> = last_step
+            .iter()
+            .flat_map(|&s| (s as i64).to_le_bytes())
+            .collect();
+        let entries = vec![(
+            "last_step".to_string(),
+            Entry {
+                dtype: Dtype::I64,
+                shape: vec![last_step.len()],
+                data: Cow::Owned(bytes),
+            },
+        )];
+        Self { entries, meta }
+    }
+
+    pub(crate) fn meta(&mut self, key: &str, value: f64) {
+        // `{:?}` of an f64 is the shortest string that parses back exactly.
+        self.meta.insert(key.to_string(), format!("{value:?}"));
+    }
+
+    pub(crate) fn meta_str(&mut self, key: &str, value: String) {
+        self.meta.insert(key.to_string(), value);
+    }
+
+    pub(crate) fn tensor(&mut self, name: String, shape: &[usize], data: &'a [f32]) {
+        self.entries.push((
+            name,
+            Entry {
+                dtype: Dtype::F32,
+                shape: shape.to_vec(),
+                data: f32_bytes(data),
+            },
+        ));
+    }
+
+    /// Writes to `<path>.tmp`, then renames over `path`.
+    pub(crate) fn write(self, path: &Path) -> Result<()> {
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(".tmp");
+        let tmp = PathBuf::from(tmp);
+        let views = self.entries.iter().map(|(n, e)| (n.as_str(), e));
+        safetensors::serialize_to_file(views, Some(self.meta), &tmp)
+            .map_err(|e| Error::Msg(format!("writing optimizer state {}: {e}", tmp.display())))?;
+        std::fs::rename(&tmp, path).map_err(|e| {
+            Error::Msg(format!(
+                "renaming optimizer state {} to {}: {e}",
+                tmp.display(),
+                path.display()
+            ))
+        })?;
+        Ok(())
+    }
+}
+
+/// A state file read into memory and checked for kind and param count.
+pub(crate) struct SavedState {
+    path: PathBuf,
+    bytes: Vec<u8>,
+    meta: HashMap<String, String>,
+    /// The `step` metadata.
+    pub(crate) step: usize,
+    /// The `last_step` tensor.
+    pub(crate) last_step: Vec<usize>,
+}
+
+impl SavedState {
+    pub(crate) fn read(path: &Path, kind: &str, num_params: usize) -> Result<Self> {
+        let bytes = std::fs::read(path)
+            .map_err(|e| Error::Msg(format!("reading optimizer state {}: {e}", path.display())))?;
+        let (_, metadata) = SafeTensors::read_metadata(&bytes)
+            .map_err(|e| Error::Msg(format!("parsing optimizer state {}: {e}", path.display())))?;
+        let meta = metadata.metadata().clone().unwrap_or_default();
+        let mut s = Self {
+            path: path.to_path_buf(),
+            bytes,
+            meta,
+            step: 0,
+            last_step: Vec::new(),
+        };
+        let found = s.meta_str("kind")?;
+        if found != kind {
+            bail!(
+                "optimizer state {} is for {found}, not {kind}",
+                path.display()
+            )
+        }
+        let n: usize = s.parse("num_params")?;
+        if n != num_params {
+            bail!(
+                "optimizer state {} has {n} params, the optimizer {num_params}",
+                path.display()
+            )
+        }
+        s.step = s.parse("step")?;
+        let st = s.tensors()?;
+        let view = s.view(&st, "last_step", Dtype::I64, &[num_params])?;
+        let last_step: Vec<usize> = view
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]))
+            .map(|x| usize::try_from(x).unwrap_or(usize::MAX))
+            .collect();
+        if let Some(bad) = last_step.iter().position(|&x| x > s.step) {
+            bail!(
+                "optimizer state {}: last_step[{bad}] = {} is beyond step {}",
+                path.display(),
+                last_step[bad],
+                s.step
+            )
+        }
+        s.last_step = last_step;
+        Ok(s)
+    }
+
+    /// The parsed tensors (parse once, then look up many).
+    pub(crate) fn tensors(&self) -> Result<SafeTensors<'_>> {
+        SafeTensors::deserialize(&self.bytes).map_err(|e| {
+            Error::Msg(format!(
+                "parsing optimizer state {}: {e}",
+                self.path.display()
+            ))
+        })
+    }
+
+    fn view<'b>(
+        &self,
+        st: &SafeTensors<'b>,
+        name: &str,
+        dtype: Dtype,
+        shape: &[usize],
+    ) -> Result<&'b [u8]> {
+        let view = st.tensor(name).map_err(|e| {
+            Error::Msg(format!(
+                "optimizer state {}: tensor {name:?}: {e}",
+                self.path.display()
+            ))
+        })?;
+        if view.dtype() != dtype || view.shape() != shape {
+            bail!(
+                "optimizer state {}: tensor {name:?} is {:?} {:?}, expected {dtype:?} {shape:?}",
+                self.path.display(),
+                view.dtype(),
+                view.shape()
+            )
+        }
+        Ok(view.data())
+    }
+
+    /// The metadata string `key`.
+    pub(crate) fn meta_str(&self, key: &str) -> Result<String> {
+        match self.meta.get(key) {
+            Some(v) => Ok(v.clone()),
+            None => bail!(
+                "optimizer state {}: metadata {key:?} is missing",
+                self.path.display()
+            ),
+        }
+    }
+
+    fn parse<T: std::str::FromStr>(&self, key: &str) -> Result<T> {
+        let s = self.meta_str(key)?;
+        match s.parse() {
+            Ok(v) => Ok(v),
+            Err(_) => bail!(
+                "optimizer state {}: metadata {key:?} = {s:?} does not parse",
+                self.path.display()
+            ),
+        }
+    }
+
+    /// The metadata `key` as an f64.
+    pub(crate) fn meta_f64(&self, key: &str) -> Result<f64> {
+        self.parse(key)
+    }
+
+    /// Whether the file holds a tensor `name`.
+    pub(crate) fn has_tensor(st: &SafeTensors<'_>, name: &str) -> bool {
+        st.names().contains(&name)
+    }
+
+    /// The f32 tensor `name`, which must have `shape`.
+    pub(crate) fn f32_tensor(
+        &self,
+        st: &SafeTensors<'_>,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Vec<f32>> {
+        let data = self.view(st, name, Dtype::F32, shape)?;
+        Ok(data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+}
