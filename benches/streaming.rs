@@ -107,25 +107,33 @@ fn main() -> Result<()> {
     let iters = if gpu { 15 } else { 5 };
     let bw_bytes = if gpu { 512 << 20 } else { 64 << 20 };
     let h2d_gbps = streamer_core::measure_h2d_gbps(&dev, bw_bytes, 10)?;
-    println!("device {tag}: pinned H2D bandwidth {h2d_gbps:.1} GB/s ({} MiB copies)", bw_bytes >> 20);
+    println!(
+        "device {tag}: pinned H2D bandwidth {h2d_gbps:.1} GB/s ({} MiB copies)",
+        bw_bytes >> 20
+    );
 
     let mut rows = Vec::new();
     let mut series = Vec::new();
     for (w, h, n, tokens) in configs {
         let host = weights(&dev, w, h, n)?;
         let bytes: usize = host.values().map(|t| t.elem_count() * 2).sum();
-        let blocks: Vec<BlockSpec> =
-            (0..n).map(|i| BlockSpec::module(format!("layers.{i}"), move |vb| mlp(vb, w, h))).collect();
+        let blocks: Vec<BlockSpec> = (0..n)
+            .map(|i| BlockSpec::module(format!("layers.{i}"), move |vb| mlp(vb, w, h)))
+            .collect();
         let base = used_now(&dev);
         let mut points = Vec::new();
         for &t in &tokens {
             let x = Tensor::randn(0f32, 1.0, (t, w), &dev)?.to_dtype(DType::BF16)?;
             // All-resident Candle: weights on the device, the same block code.
             let (resident_ms, resident_peak) = {
-                let on_dev: HashMap<String, Tensor> =
-                    host.iter().map(|(k, v)| Ok((k.clone(), v.to_device(&dev)?))).collect::<Result<_>>()?;
+                let on_dev: HashMap<String, Tensor> = host
+                    .iter()
+                    .map(|(k, v)| Ok((k.clone(), v.to_device(&dev)?)))
+                    .collect::<Result<_>>()?;
                 let vb = VarBuilder::from_tensors(on_dev, DType::BF16, &dev);
-                let mods: Vec<_> = (0..n).map(|i| mlp(vb.pp(format!("layers.{i}")), w, h)).collect::<candle_core::Result<_>>()?;
+                let mods: Vec<_> = (0..n)
+                    .map(|i| mlp(vb.pp(format!("layers.{i}")), w, h))
+                    .collect::<candle_core::Result<_>>()?;
                 let sampler = MemSampler::start(&dev);
                 let s = common::time_median(&dev, 3, iters, || {
                     let mut y = x.clone();
@@ -193,7 +201,15 @@ fn main() -> Result<()> {
     let json = common::results_path(&format!("streaming-{tag}.json"));
     std::fs::write(&json, serde_json::to_string_pretty(&out)?)?;
     let svg = common::results_path(&format!("streaming-{tag}.svg"));
-    std::fs::write(&svg, common::svg_plot("streamed / resident time (bf16, prefetch 1)", "tokens", "ratio", &series))?;
+    std::fs::write(
+        &svg,
+        common::svg_plot(
+            "streamed / resident time (bf16, prefetch 1)",
+            "tokens",
+            "ratio",
+            &series,
+        ),
+    )?;
     println!("wrote {} and {}", json.display(), svg.display());
     Ok(())
 }

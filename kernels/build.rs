@@ -41,7 +41,9 @@ fn main() -> anyhow::Result<()> {
             .arg(&ptx)
             .arg(cu)
             .status()
-            .map_err(|e| anyhow::anyhow!("could not run {nvcc} (is the CUDA toolkit on PATH?): {e}"))?;
+            .map_err(|e| {
+                anyhow::anyhow!("could not run {nvcc} (is the CUDA toolkit on PATH?): {e}")
+            })?;
         anyhow::ensure!(status.success(), "nvcc failed on {}", cu.display());
     }
     Ok(())

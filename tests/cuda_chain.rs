@@ -14,10 +14,11 @@ fn cast_kernel_matches_candle(dev: &Device) -> anyhow::Result<()> {
         let got = streamer_core::convert(&x.to_device(dev)?, dt)?;
         assert_eq!(got.dtype(), dt);
         assert_eq!(got.device().location(), dev.location());
-        let diff = (got.to_device(&Device::Cpu)?.to_dtype(DType::F32)? - want.to_dtype(DType::F32)?)?
-            .abs()?
-            .max(0)?
-            .to_scalar::<f32>()?;
+        let diff = (got.to_device(&Device::Cpu)?.to_dtype(DType::F32)?
+            - want.to_dtype(DType::F32)?)?
+        .abs()?
+        .max(0)?
+        .to_scalar::<f32>()?;
         assert_eq!(diff, 0.0, "f32 -> {dt:?} differs from Candle's conversion");
         // And back to f32: exact, since every bf16/f16 value is an f32.
         let back = streamer_core::convert(&got, DType::F32)?;
@@ -38,8 +39,18 @@ fn matmul_matches_f64(dev: &Device) -> anyhow::Result<()> {
     let want = a.to_dtype(DType::F64)?.matmul(&b.to_dtype(DType::F64)?)?;
     let got = a.to_device(dev)?.matmul(&b.to_device(dev)?)?;
     let got = got.to_device(&Device::Cpu)?.to_dtype(DType::F64)?;
-    let err = (got - &want)?.abs()?.max_keepdim(0)?.max(1)?.squeeze(0)?.to_scalar::<f64>()?;
-    let scale = want.abs()?.max_keepdim(0)?.max(1)?.squeeze(0)?.to_scalar::<f64>()?;
+    let err = (got - &want)?
+        .abs()?
+        .max_keepdim(0)?
+        .max(1)?
+        .squeeze(0)?
+        .to_scalar::<f64>()?;
+    let scale = want
+        .abs()?
+        .max_keepdim(0)?
+        .max(1)?
+        .squeeze(0)?
+        .to_scalar::<f64>()?;
     // cuBLAS may use TF32 for f32 matmuls: 1e-2 relative covers that; CPU is far tighter.
     let tol = if dev.is_cuda() { 1e-2 } else { 1e-5 };
     assert!(err <= tol * scale, "matmul error {err} > {tol} * {scale}");

@@ -11,8 +11,16 @@ use streamer_core::{Block, BlockSpec, StreamConfig, StreamedSequential, Transiti
 /// Asserts |a - b| <= atol + rtol * |b| element-wise, in f64 on the CPU.
 pub fn assert_close(a: &Tensor, b: &Tensor, atol: f64, rtol: f64, what: &str) -> Result<()> {
     assert_eq!(a.dims(), b.dims(), "{what}: shapes differ");
-    let a = a.to_device(&Device::Cpu)?.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-    let b = b.to_device(&Device::Cpu)?.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+    let a = a
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F64)?
+        .flatten_all()?
+        .to_vec1::<f64>()?;
+    let b = b
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F64)?
+        .flatten_all()?
+        .to_vec1::<f64>()?;
     let mut worst = (0usize, 0f64);
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
         assert!(x.is_finite(), "{what}: non-finite value at {i}");
@@ -54,10 +62,22 @@ pub fn mlp_weights(w: usize, hidden: &[usize]) -> Result<HashMap<String, Tensor>
     for (i, &h) in hidden.iter().enumerate() {
         let s1 = 1.0 / (w as f64).sqrt();
         let s2 = 1.0 / (h as f64).sqrt();
-        m.insert(format!("layers.{i}.up.weight"), Tensor::randn(0f32, s1 as f32, (h, w), &Device::Cpu)?);
-        m.insert(format!("layers.{i}.up.bias"), Tensor::randn(0f32, 0.1, h, &Device::Cpu)?);
-        m.insert(format!("layers.{i}.down.weight"), Tensor::randn(0f32, s2 as f32, (w, h), &Device::Cpu)?);
-        m.insert(format!("layers.{i}.down.bias"), Tensor::randn(0f32, 0.1, w, &Device::Cpu)?);
+        m.insert(
+            format!("layers.{i}.up.weight"),
+            Tensor::randn(0f32, s1 as f32, (h, w), &Device::Cpu)?,
+        );
+        m.insert(
+            format!("layers.{i}.up.bias"),
+            Tensor::randn(0f32, 0.1, h, &Device::Cpu)?,
+        );
+        m.insert(
+            format!("layers.{i}.down.weight"),
+            Tensor::randn(0f32, s2 as f32, (w, h), &Device::Cpu)?,
+        );
+        m.insert(
+            format!("layers.{i}.down.bias"),
+            Tensor::randn(0f32, 0.1, w, &Device::Cpu)?,
+        );
     }
     Ok(m)
 }
@@ -109,13 +129,25 @@ fn streamed_matches_resident(dev: &Device) -> Result<()> {
     let weights = mlp_weights(16, &hidden)?;
     let blocks = mlp_blocks(16, &hidden);
     for dtype in [DType::F32, DType::BF16, DType::F16] {
-        let x = Tensor::randn(0f32, 1.0, (5, 16), &Device::Cpu)?.to_dtype(dtype)?.to_device(dev)?;
+        let x = Tensor::randn(0f32, 1.0, (5, 16), &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(dev)?;
         let want = resident_forward(&weights, &blocks, &x, &[], dtype, dev)?;
         for prefetch in 0..=3 {
-            let model = StreamedSequential::from_tensors(weights.clone(), blocks.clone(), cfg(dev, dtype, prefetch))?;
+            let model = StreamedSequential::from_tensors(
+                weights.clone(),
+                blocks.clone(),
+                cfg(dev, dtype, prefetch),
+            )?;
             let got = model.forward(&x)?;
             assert_eq!(got.dtype(), dtype);
-            assert_close(&got, &want[0], tol(dtype), tol(dtype), &format!("{dtype:?} prefetch {prefetch}"))?;
+            assert_close(
+                &got,
+                &want[0],
+                tol(dtype),
+                tol(dtype),
+                &format!("{dtype:?} prefetch {prefetch}"),
+            )?;
             let st = model.stats()?;
             assert_eq!(st.loads, hidden.len() as u64);
             assert!(st.peak_resident_blocks <= prefetch + 1);
@@ -156,17 +188,37 @@ fn heterogeneous_blocks_extras_and_tuple_outputs(dev: &Device) -> Result<()> {
     let mut blocks = Vec::new();
     for i in 0..dims.len() - 1 {
         let (a, b) = (dims[i], dims[i + 1]);
-        weights.insert(format!("b{i}.lin.weight"), Tensor::randn(0f32, 0.3, (b, a), &Device::Cpu)?);
-        weights.insert(format!("b{i}.lin.bias"), Tensor::randn(0f32, 0.1, b, &Device::Cpu)?);
-        weights.insert(format!("b{i}.scale"), Tensor::rand(0.5f32, 1.5, b, &Device::Cpu)?);
+        weights.insert(
+            format!("b{i}.lin.weight"),
+            Tensor::randn(0f32, 0.3, (b, a), &Device::Cpu)?,
+        );
+        weights.insert(
+            format!("b{i}.lin.bias"),
+            Tensor::randn(0f32, 0.1, b, &Device::Cpu)?,
+        );
+        weights.insert(
+            format!("b{i}.scale"),
+            Tensor::rand(0.5f32, 1.5, b, &Device::Cpu)?,
+        );
         blocks.push(BlockSpec::new(format!("b{i}"), move |vb| scaled(vb, a, b)));
     }
     // The extra is broadcast over the feature axis, so every block can add it.
     let x = Tensor::randn(0f32, 1.0, (3, 8), dev)?;
     let extra = Tensor::randn(0f32, 1.0, (3, 1), dev)?;
-    let want = resident_forward(&weights, &blocks, &x, std::slice::from_ref(&extra), DType::F32, dev)?;
+    let want = resident_forward(
+        &weights,
+        &blocks,
+        &x,
+        std::slice::from_ref(&extra),
+        DType::F32,
+        dev,
+    )?;
     for prefetch in [0, 2] {
-        let model = StreamedSequential::from_tensors(weights.clone(), blocks.clone(), cfg(dev, DType::F32, prefetch))?;
+        let model = StreamedSequential::from_tensors(
+            weights.clone(),
+            blocks.clone(),
+            cfg(dev, DType::F32, prefetch),
+        )?;
         let got = model.forward_with(&x, std::slice::from_ref(&extra))?;
         assert_eq!(got.len(), 2, "the last block's whole output is returned");
         assert_close(&got[0], &want[0], 1e-5, 1e-5, "first output")?;
@@ -184,7 +236,11 @@ fn window_never_exceeded(dev: &Device) -> Result<()> {
     let hidden = [8; 7];
     let weights = mlp_weights(8, &hidden)?;
     for prefetch in 0..=3 {
-        let model = StreamedSequential::from_tensors(weights.clone(), mlp_blocks(8, &hidden), cfg(dev, DType::F32, prefetch))?;
+        let model = StreamedSequential::from_tensors(
+            weights.clone(),
+            mlp_blocks(8, &hidden),
+            cfg(dev, DType::F32, prefetch),
+        )?;
         let max_seen = Arc::new(AtomicUsize::new(0));
         let count = Arc::new(AtomicUsize::new(0));
         let (m, c) = (max_seen.clone(), count.clone());
@@ -199,7 +255,10 @@ fn window_never_exceeded(dev: &Device) -> Result<()> {
         }
         // Three transitions per block per call: load, compute start, evict.
         assert_eq!(count.load(Ordering::SeqCst), 3 * 3 * hidden.len());
-        assert_eq!(max_seen.load(Ordering::SeqCst), (prefetch + 1).min(hidden.len()));
+        assert_eq!(
+            max_seen.load(Ordering::SeqCst),
+            (prefetch + 1).min(hidden.len())
+        );
         let st = model.stats()?;
         assert_eq!(st.transitions.len(), 3 * 3 * hidden.len());
         // Loads happen in block order and each block computes after its load.
@@ -209,7 +268,10 @@ fn window_never_exceeded(dev: &Device) -> Result<()> {
             .filter(|t| t.kind == TransitionKind::LoadIssued)
             .map(|t| t.block)
             .collect();
-        assert_eq!(loads[..hidden.len()], (0..hidden.len()).collect::<Vec<_>>()[..]);
+        assert_eq!(
+            loads[..hidden.len()],
+            (0..hidden.len()).collect::<Vec<_>>()[..]
+        );
     }
     Ok(())
 }
@@ -222,7 +284,11 @@ fn slow_transfers_keep_results_exact(dev: &Device) -> Result<()> {
     let x = Tensor::randn(0f32, 1.0, (4, 32), dev)?;
     let want = resident_forward(&weights, &blocks, &x, &[], DType::F32, dev)?;
     let mut c = cfg(dev, DType::F32, 1);
-    c.transfer_delay = Some(std::time::Duration::from_micros(if dev.is_cuda() { 2000 } else { 200 }));
+    c.transfer_delay = Some(std::time::Duration::from_micros(if dev.is_cuda() {
+        2000
+    } else {
+        200
+    }));
     let model = StreamedSequential::from_tensors(weights, blocks, c)?;
     for it in 0..100 {
         let got = model.forward(&x)?;
@@ -248,7 +314,8 @@ fn tied_weights_within_and_across_blocks(dev: &Device) -> Result<()> {
     let blocks = mlp_blocks(12, &[12, 12]);
     let x = Tensor::randn(0f32, 1.0, (3, 12), dev)?;
     let want = resident_forward(&weights, &blocks, &x, &[], DType::F32, dev)?;
-    let model = StreamedSequential::from_tensors(weights.clone(), blocks.clone(), cfg(dev, DType::F32, 1))?;
+    let model =
+        StreamedSequential::from_tensors(weights.clone(), blocks.clone(), cfg(dev, DType::F32, 1))?;
     // 8 names, 6 distinct tensors.
     assert_eq!(model.masters().len(), 6);
     let got = model.forward(&x)?;
@@ -295,24 +362,46 @@ fn loads_safetensors_files_and_shards(dev: &Device) -> Result<()> {
     let dir = tempdir("st")?;
     let single = dir.join("model.safetensors");
     candle_core::safetensors::save(&weights, &single)?;
-    let model = StreamedSequential::from_safetensors(&[&single], blocks.clone(), cfg(dev, DType::F32, 1))?;
+    let model =
+        StreamedSequential::from_safetensors(&[&single], blocks.clone(), cfg(dev, DType::F32, 1))?;
     assert_close(&model.forward(&x)?, &want[0], 1e-5, 1e-5, "single file")?;
 
     // Two shards and a Hugging Face index naming them.
     let (mut a, mut b) = (HashMap::new(), HashMap::new());
     let mut map = serde_json::Map::new();
     for (k, v) in &weights {
-        let (shard, file) = if k.starts_with("layers.0") { (&mut a, "s-1.safetensors") } else { (&mut b, "s-2.safetensors") };
+        let (shard, file) = if k.starts_with("layers.0") {
+            (&mut a, "s-1.safetensors")
+        } else {
+            (&mut b, "s-2.safetensors")
+        };
         shard.insert(k.clone(), v.clone());
         map.insert(k.clone(), file.into());
     }
     candle_core::safetensors::save(&a, dir.join("s-1.safetensors"))?;
     candle_core::safetensors::save(&b, dir.join("s-2.safetensors"))?;
     let index = dir.join("model.safetensors.index.json");
-    std::fs::write(&index, serde_json::json!({ "metadata": {}, "weight_map": map }).to_string())?;
-    let model = StreamedSequential::from_safetensors(&[&index], blocks.clone(), cfg(dev, DType::BF16, 2))?;
-    let want16 = resident_forward(&weights, &blocks, &x.to_dtype(DType::BF16)?, &[], DType::BF16, dev)?;
-    assert_close(&model.forward(&x.to_dtype(DType::BF16)?)?, &want16[0], 8e-3, 8e-3, "shards, bf16")?;
+    std::fs::write(
+        &index,
+        serde_json::json!({ "metadata": {}, "weight_map": map }).to_string(),
+    )?;
+    let model =
+        StreamedSequential::from_safetensors(&[&index], blocks.clone(), cfg(dev, DType::BF16, 2))?;
+    let want16 = resident_forward(
+        &weights,
+        &blocks,
+        &x.to_dtype(DType::BF16)?,
+        &[],
+        DType::BF16,
+        dev,
+    )?;
+    assert_close(
+        &model.forward(&x.to_dtype(DType::BF16)?)?,
+        &want16[0],
+        8e-3,
+        8e-3,
+        "shards, bf16",
+    )?;
     // Masters are converted once, at load.
     assert!(model.masters().iter().all(|m| m.var.dtype() == DType::BF16));
     std::fs::remove_dir_all(dir)?;
@@ -323,21 +412,37 @@ candle_streamer::test_device!(loads_safetensors_files_and_shards);
 fn masters_unchanged_after_many_calls(dev: &Device) -> Result<()> {
     let hidden = [16, 16, 16];
     let weights = mlp_weights(16, &hidden)?;
-    let model = StreamedSequential::from_tensors(weights, mlp_blocks(16, &hidden), cfg(dev, DType::F32, 1))?;
+    let model = StreamedSequential::from_tensors(
+        weights,
+        mlp_blocks(16, &hidden),
+        cfg(dev, DType::F32, 1),
+    )?;
     let before: Vec<Vec<f32>> = model
         .parameters()
         .iter()
         .map(|(_, v)| v.as_tensor().flatten_all()?.to_vec1::<f32>())
         .collect::<candle_core::Result<_>>()?;
     let x = Tensor::randn(0f32, 1.0, (4, 16), dev)?;
-    let first = model.forward(&x)?.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+    let first = model
+        .forward(&x)?
+        .to_device(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
     for _ in 0..50 {
         model.forward(&x)?;
     }
-    let last = model.forward(&x)?.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+    let last = model
+        .forward(&x)?
+        .to_device(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
     assert_eq!(first, last, "the same input gives bit-identical outputs");
     for ((name, v), b) in model.parameters().iter().zip(before) {
-        assert_eq!(v.as_tensor().flatten_all()?.to_vec1::<f32>()?, b, "master {name} changed");
+        assert_eq!(
+            v.as_tensor().flatten_all()?.to_vec1::<f32>()?,
+            b,
+            "master {name} changed"
+        );
         assert!(v.device().is_cpu(), "master {name} must live on the host");
     }
     Ok(())
@@ -355,7 +460,8 @@ fn timeline_and_stats_report(dev: &Device) -> Result<()> {
     let x = Tensor::randn(0f32, 1.0, (4, 16), dev)?;
     model.forward(&x)?;
     model.write_timeline(None)?;
-    let trace: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("trace.json"))?)?;
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("trace.json"))?)?;
     let events = trace["traceEvents"].as_array().unwrap();
     let count = |cat: &str| events.iter().filter(|e| e["cat"] == cat).count();
     assert_eq!(count("h2d"), 2);
@@ -364,7 +470,10 @@ fn timeline_and_stats_report(dev: &Device) -> Result<()> {
     assert_eq!(st.h2d_bytes, 2 * 4 * (16 * 16 * 2 + 32));
     assert!(st.h2d_seconds > 0.0 && st.compute_seconds > 0.0);
     let text = st.to_string();
-    assert!(text.contains("h2d") && text.contains("peak 2 blocks"), "{text}");
+    assert!(
+        text.contains("h2d") && text.contains("peak 2 blocks"),
+        "{text}"
+    );
     model.reset_stats()?;
     let st = model.stats()?;
     assert_eq!((st.loads, st.h2d_bytes, st.transitions.len()), (0, 0, 0));
@@ -388,25 +497,60 @@ fn construction_errors_name_the_problem(dev: &Device) -> Result<()> {
     // A block over the slot budget.
     let mut c = cfg(dev, DType::F32, 1);
     c.slot_budget_bytes = Some(2000);
-    let e = err_text(StreamedSequential::from_tensors(weights.clone(), blocks.clone(), c));
-    assert!(e.contains("layers.1") && e.contains("slot_budget_bytes") && e.contains("2000"), "{e}");
+    let e = err_text(StreamedSequential::from_tensors(
+        weights.clone(),
+        blocks.clone(),
+        c,
+    ));
+    assert!(
+        e.contains("layers.1") && e.contains("slot_budget_bytes") && e.contains("2000"),
+        "{e}"
+    );
     // A missing weight.
     let mut w = weights.clone();
     w.remove("layers.1.down.bias");
-    let e = err_text(StreamedSequential::from_tensors(w, blocks.clone(), cfg(dev, DType::F32, 1)));
+    let e = err_text(StreamedSequential::from_tensors(
+        w,
+        blocks.clone(),
+        cfg(dev, DType::F32, 1),
+    ));
     assert!(e.contains("layers.1.down.bias") && e.contains("[8]"), "{e}");
     // An unexpected weight under a block's prefix (strict).
     let mut w = weights.clone();
-    w.insert("layers.0.extra".into(), Tensor::zeros(3, DType::F32, &Device::Cpu)?);
-    let e = err_text(StreamedSequential::from_tensors(w, blocks.clone(), cfg(dev, DType::F32, 1)));
-    assert!(e.contains("layers.0.extra") && e.contains("does not use"), "{e}");
+    w.insert(
+        "layers.0.extra".into(),
+        Tensor::zeros(3, DType::F32, &Device::Cpu)?,
+    );
+    let e = err_text(StreamedSequential::from_tensors(
+        w,
+        blocks.clone(),
+        cfg(dev, DType::F32, 1),
+    ));
+    assert!(
+        e.contains("layers.0.extra") && e.contains("does not use"),
+        "{e}"
+    );
     // A mis-shaped weight.
     let mut w = weights.clone();
-    w.insert("layers.0.up.weight".into(), Tensor::zeros((16, 9), DType::F32, &Device::Cpu)?);
-    let e = err_text(StreamedSequential::from_tensors(w, blocks.clone(), cfg(dev, DType::F32, 1)));
-    assert!(e.contains("layers.0.up.weight") && e.contains("[16, 9]") && e.contains("[16, 8]"), "{e}");
+    w.insert(
+        "layers.0.up.weight".into(),
+        Tensor::zeros((16, 9), DType::F32, &Device::Cpu)?,
+    );
+    let e = err_text(StreamedSequential::from_tensors(
+        w,
+        blocks.clone(),
+        cfg(dev, DType::F32, 1),
+    ));
+    assert!(
+        e.contains("layers.0.up.weight") && e.contains("[16, 9]") && e.contains("[16, 8]"),
+        "{e}"
+    );
     // A non-float dtype request.
-    let e = err_text(StreamedSequential::from_tensors(weights.clone(), blocks.clone(), cfg(dev, DType::U32, 1)));
+    let e = err_text(StreamedSequential::from_tensors(
+        weights.clone(),
+        blocks.clone(),
+        cfg(dev, DType::U32, 1),
+    ));
     assert!(e.contains("float") && e.contains("U32"), "{e}");
     Ok(())
 }
@@ -415,7 +559,11 @@ candle_streamer::test_device!(construction_errors_name_the_problem);
 fn call_errors_come_before_any_copy(dev: &Device) -> Result<()> {
     let hidden = [16, 32];
     let weights = mlp_weights(8, &hidden)?;
-    let model = StreamedSequential::from_tensors(weights.clone(), mlp_blocks(8, &hidden), cfg(dev, DType::F32, 1))?;
+    let model = StreamedSequential::from_tensors(
+        weights.clone(),
+        mlp_blocks(8, &hidden),
+        cfg(dev, DType::F32, 1),
+    )?;
     // Wrong dtype.
     let x16 = Tensor::zeros((2, 8), DType::F16, dev)?;
     let e = err_text(model.forward(&x16));
@@ -438,7 +586,11 @@ fn call_errors_come_before_any_copy(dev: &Device) -> Result<()> {
             None => inner.forward(x),
         })
     });
-    let m = Arc::new(StreamedSequential::from_tensors(weights, blocks, cfg(dev, DType::F32, 1))?);
+    let m = Arc::new(StreamedSequential::from_tensors(
+        weights,
+        blocks,
+        cfg(dev, DType::F32, 1),
+    )?);
     slot.set(m.clone()).ok();
     let e = err_text(m.forward(&Tensor::zeros((2, 8), DType::F32, dev)?));
     assert!(e.contains("reentrant"), "{e}");

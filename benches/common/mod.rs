@@ -24,7 +24,12 @@ pub fn device_tag(dev: &Device) -> String {
 
 /// Median seconds of `iters` runs of `f` after `warmup` runs, synchronizing the
 /// device before each timer starts and stops.
-pub fn time_median(dev: &Device, warmup: usize, iters: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+pub fn time_median(
+    dev: &Device,
+    warmup: usize,
+    iters: usize,
+    mut f: impl FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<f64> {
     for _ in 0..warmup {
         f()?;
     }
@@ -43,15 +48,24 @@ pub fn time_median(dev: &Device, warmup: usize, iters: usize, mut f: impl FnMut(
 
 /// Where a result file goes: `$BENCH_RESULTS_DIR` or `benches/results`.
 pub fn results_path(name: &str) -> PathBuf {
-    let dir = std::env::var("BENCH_RESULTS_DIR").map(PathBuf::from).unwrap_or_else(|_| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches").join("results")
-    });
+    let dir = std::env::var("BENCH_RESULTS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("benches")
+                .join("results")
+        });
     let _ = std::fs::create_dir_all(&dir);
     dir.join(name)
 }
 
 /// A small line plot as SVG: one polyline per series over a log2 x axis.
-pub fn svg_plot(title: &str, xlabel: &str, ylabel: &str, series: &[(String, Vec<(f64, f64)>)]) -> String {
+pub fn svg_plot(
+    title: &str,
+    xlabel: &str,
+    ylabel: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+) -> String {
     let (w, h, m) = (640.0, 400.0, 60.0);
     let pts = series.iter().flat_map(|s| s.1.iter());
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, 0.0f64, f64::MIN);
@@ -67,7 +81,9 @@ pub fn svg_plot(title: &str, xlabel: &str, ylabel: &str, series: &[(String, Vec<
     y1 = y1.max(y0 + 1e-9) * 1.1;
     let sx = |x: f64| m + (x.log2() - x0) / (x1 - x0) * (w - 2.0 * m);
     let sy = |y: f64| h - m - (y - y0) / (y1 - y0) * (h - 2.0 * m);
-    let colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"];
+    let colors = [
+        "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b",
+    ];
     let mut s = format!(
         "<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}' font-family='sans-serif' font-size='12'>\
          <rect width='100%' height='100%' fill='white'/>\
@@ -79,22 +95,47 @@ pub fn svg_plot(title: &str, xlabel: &str, ylabel: &str, series: &[(String, Vec<
     );
     for i in 0..=4 {
         let y = y0 + (y1 - y0) * i as f64 / 4.0;
-        s += &format!("<text x='{}' y='{}' text-anchor='end'>{y:.2}</text>", m - 5.0, sy(y) + 4.0);
+        s += &format!(
+            "<text x='{}' y='{}' text-anchor='end'>{y:.2}</text>",
+            m - 5.0,
+            sy(y) + 4.0
+        );
     }
-    let mut xs: Vec<f64> = series.iter().flat_map(|s| s.1.iter().map(|p| p.0)).collect();
+    let mut xs: Vec<f64> = series
+        .iter()
+        .flat_map(|s| s.1.iter().map(|p| p.0))
+        .collect();
     xs.sort_by(f64::total_cmp);
     xs.dedup();
     for x in xs {
-        s += &format!("<text x='{}' y='{}' text-anchor='middle'>{x}</text>", sx(x), h - m + 15.0);
+        s += &format!(
+            "<text x='{}' y='{}' text-anchor='middle'>{x}</text>",
+            sx(x),
+            h - m + 15.0
+        );
     }
     for (i, (name, p)) in series.iter().enumerate() {
         let c = colors[i % colors.len()];
-        let line: Vec<String> = p.iter().map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y))).collect();
-        s += &format!("<polyline fill='none' stroke='{c}' stroke-width='2' points='{}'/>", line.join(" "));
+        let line: Vec<String> = p
+            .iter()
+            .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
+            .collect();
+        s += &format!(
+            "<polyline fill='none' stroke='{c}' stroke-width='2' points='{}'/>",
+            line.join(" ")
+        );
         for &(x, y) in p {
-            s += &format!("<circle cx='{:.1}' cy='{:.1}' r='3' fill='{c}'/>", sx(x), sy(y));
+            s += &format!(
+                "<circle cx='{:.1}' cy='{:.1}' r='3' fill='{c}'/>",
+                sx(x),
+                sy(y)
+            );
         }
-        s += &format!("<text x='{}' y='{}' fill='{c}'>{name}</text>", w - m - 150.0, m + 15.0 * i as f64);
+        s += &format!(
+            "<text x='{}' y='{}' fill='{c}'>{name}</text>",
+            w - m - 150.0,
+            m + 15.0 * i as f64
+        );
     }
     s + "</svg>"
 }

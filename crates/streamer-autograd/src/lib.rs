@@ -1,8 +1,39 @@
-//! placeholder
+//! `streamer-autograd`: training through the `streamer-core` residency pool.
+//!
+//! - [`TrainableSequential`] (from `StreamedSequential::train()` via [`Train`]):
+//!   forward keeps only block inputs; backward re-fetches each block's weights in
+//!   reverse, recomputes it under Candle autograd, sends weight gradients to
+//!   host buffers on their own stream, and returns one Candle `GradStore`.
+//! - [`CpuAdamW`], [`CpuSgd`]: fused, multi-threaded optimizers that update the
+//!   host masters in place; they also implement candle-nn's `Optimizer`.
+//! - [`Dropout`] / [`dropout`]: dropout whose masks the recompute replays.
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_nn::{linear, VarBuilder, VarMap};
+//! use streamer_autograd::Train;
+//! use streamer_core::{BlockSpec, StreamConfig, StreamedSequential};
+//!
+//! let varmap = VarMap::new();
+//! linear(3, 3, VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu).pp("l"))?;
+//! let blocks = vec![BlockSpec::module("l", |vb| linear(3, 3, vb))];
+//! let model = StreamedSequential::from_varmap(&varmap, blocks, StreamConfig::default())?.train();
+//! let loss = model.forward(&Tensor::ones((2, 3), DType::F32, &Device::Cpu)?)?.sum_all()?;
+//! let grads = model.backward(&loss)?;
+//! let (_, w) = &model.parameters()[0];
+//! assert!(grads.get(w.as_tensor()).unwrap().device().is_cpu());
+//! # Ok::<(), candle_core::Error>(())
+//! ```
+#![warn(missing_docs)]
 
 mod adamw;
+mod dropout;
+mod grads;
 mod optim_state;
 mod sgd;
+mod trainer;
 
 pub use adamw::CpuAdamW;
+pub use dropout::{dropout, with_seed, Dropout};
 pub use sgd::{CpuSgd, ParamsSgd};
+pub use trainer::{Train, TrainableSequential};

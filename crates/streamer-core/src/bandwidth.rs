@@ -17,14 +17,21 @@ pub fn measure_h2d_gbps(device: &Device, bytes: usize, iters: usize) -> Result<f
             let ctx = dev.cuda_stream().context().clone();
             let _pin = crate::cuda::PinnedRegion::register(&ctx, host.as_ptr() as *mut u8, bytes)?;
             let stream = ctx.new_stream().map_err(candle_core::Error::wrap)?;
-            let (dst, ptr) = crate::cuda::alloc_flat(dev, candle_core::DType::F32, bytes.div_ceil(4))?;
-            dev.cuda_stream().synchronize().map_err(candle_core::Error::wrap)?;
+            let (dst, ptr) =
+                crate::cuda::alloc_flat(dev, candle_core::DType::F32, bytes.div_ceil(4))?;
+            dev.cuda_stream()
+                .synchronize()
+                .map_err(candle_core::Error::wrap)?;
             let w = candle_core::Error::wrap;
             for i in 0..iters + 2 {
-                let a = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(w)?;
+                let a = stream
+                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(w)?;
                 // SAFETY: dst holds at least `bytes`; host lives until the sync below.
                 unsafe { crate::cuda::htod_async(ptr, host.as_ptr(), bytes, &stream)? };
-                let b = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(w)?;
+                let b = stream
+                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(w)?;
                 b.synchronize().map_err(w)?;
                 if i >= 2 {
                     times.push(a.elapsed_ms(&b).map_err(w)? as f64 / 1e3);

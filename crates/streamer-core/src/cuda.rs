@@ -30,7 +30,11 @@ impl PinnedRegion {
     /// shared with a neighbouring allocation that is registered already; then only
     /// the pages wholly inside this range are registered. Returns `None` when the
     /// range is too small to hold a whole page (a tiny tensor stays pageable).
-    pub(crate) fn register(ctx: &Arc<CudaContext>, ptr: *mut u8, bytes: usize) -> Result<Option<Self>> {
+    pub(crate) fn register(
+        ctx: &Arc<CudaContext>,
+        ptr: *mut u8,
+        bytes: usize,
+    ) -> Result<Option<Self>> {
         ctx.bind_to_thread().map_err(candle_core::Error::wrap)?;
         let start = ptr as usize;
         let end = start + bytes;
@@ -66,7 +70,8 @@ impl Drop for PinnedRegion {
             // SAFETY: `base` is exactly the pointer registered in `register`.
             let r = unsafe { sys::cuMemHostUnregister(self.base) };
             if r != sys::CUresult::CUDA_SUCCESS {
-                self.ctx.record_err::<()>(Err(cudarc::driver::DriverError(r)));
+                self.ctx
+                    .record_err::<()>(Err(cudarc::driver::DriverError(r)));
             }
         }
     }
@@ -78,7 +83,12 @@ impl Drop for PinnedRegion {
 /// `dst..dst+bytes` must be device memory that stays allocated until the copy
 /// completes, and `src..src+bytes` host memory that stays valid and unmodified
 /// until then (the pool synchronizes the transfer stream before masters change).
-pub(crate) unsafe fn htod_async(dst: u64, src: *const u8, bytes: usize, stream: &CudaStream) -> Result<()> {
+pub(crate) unsafe fn htod_async(
+    dst: u64,
+    src: *const u8,
+    bytes: usize,
+    stream: &CudaStream,
+) -> Result<()> {
     check(
         sys::cuMemcpyHtoDAsync_v2(dst, src as *const _, bytes, stream.cu_stream()),
         "cuMemcpyHtoDAsync",
@@ -90,7 +100,12 @@ pub(crate) unsafe fn htod_async(dst: u64, src: *const u8, bytes: usize, stream: 
 /// # Safety
 /// As [`htod_async`], with the roles of host and device swapped; the host memory
 /// must not be read until the stream has passed the copy.
-pub(crate) unsafe fn dtoh_async(dst: *mut u8, src: u64, bytes: usize, stream: &CudaStream) -> Result<()> {
+pub(crate) unsafe fn dtoh_async(
+    dst: *mut u8,
+    src: u64,
+    bytes: usize,
+    stream: &CudaStream,
+) -> Result<()> {
     check(
         sys::cuMemcpyDtoHAsync_v2(dst as *mut _, src, bytes, stream.cu_stream()),
         "cuMemcpyDtoHAsync",
@@ -101,7 +116,10 @@ pub(crate) unsafe fn dtoh_async(dst: *mut u8, src: u64, bytes: usize, stream: &C
 pub(crate) fn has_cast(from: DType, to: DType) -> bool {
     matches!(
         (from, to),
-        (DType::F32, DType::BF16) | (DType::F32, DType::F16) | (DType::BF16, DType::F32) | (DType::F16, DType::F32)
+        (DType::F32, DType::BF16)
+            | (DType::F32, DType::F16)
+            | (DType::BF16, DType::F32)
+            | (DType::F16, DType::F32)
     )
 }
 
@@ -129,7 +147,8 @@ pub(crate) unsafe fn cast(
     if n == 0 {
         return Ok(());
     }
-    let func = dev.get_or_load_custom_func(name, streamer_kernels::module::CAST, streamer_kernels::CAST)?;
+    let func =
+        dev.get_or_load_custom_func(name, streamer_kernels::module::CAST, streamer_kernels::CAST)?;
     let threads = 256u32;
     // Enough blocks to fill any GPU several times over; the kernel's grid-stride
     // loop covers whatever is left, so no device property is hard-coded.
@@ -147,8 +166,12 @@ pub(crate) unsafe fn cast(
 
 /// Allocates a flat device tensor of `elems` elements of `dtype` and returns it with
 /// its raw device address (stable for the tensor's life), for the pool's slots.
-pub(crate) fn alloc_flat(dev: &CudaDevice, dtype: DType, elems: usize) -> Result<(candle_core::Tensor, u64)> {
-    use candle_core::{backprop::BackpropOp, CudaStorage, Storage, Tensor};
+pub(crate) fn alloc_flat(
+    dev: &CudaDevice,
+    dtype: DType,
+    elems: usize,
+) -> Result<(candle_core::Tensor, u64)> {
+    use candle_core::{op::BackpropOp, CudaStorage, Storage, Tensor};
     use cudarc::driver::DevicePtr;
     let stream = dev.cuda_stream();
     macro_rules! alloc {
@@ -199,7 +222,11 @@ pub(crate) fn device_ptr(t: &candle_core::Tensor) -> Result<u64> {
 
 /// Enqueues a kernel that waits `ns` nanoseconds on `stream` (slow-transfer tests).
 pub(crate) fn delay(dev: &CudaDevice, stream: &CudaStream, ns: u64) -> Result<()> {
-    let func = dev.get_or_load_custom_func("spin_ns", streamer_kernels::module::DELAY, streamer_kernels::DELAY)?;
+    let func = dev.get_or_load_custom_func(
+        "spin_ns",
+        streamer_kernels::module::DELAY,
+        streamer_kernels::DELAY,
+    )?;
     let cfg = LaunchConfig {
         grid_dim: (1, 1, 1),
         block_dim: (1, 1, 1),
@@ -210,4 +237,45 @@ pub(crate) fn delay(dev: &CudaDevice, stream: &CudaStream, ns: u64) -> Result<()
     // SAFETY: the kernel takes one u64 by value and touches no memory.
     unsafe { b.launch(cfg) }.map_err(candle_core::Error::wrap)?;
     Ok(())
+}
+
+/// A Candle variable over existing device memory at `ptr` (a piece of a slot).
+///
+/// # Safety
+/// `ptr` must point to `shape.elem_count()` elements of `dtype` inside an
+/// allocation that outlives the variable, and the variable must never be
+/// dropped (it would free memory it does not own): the pool forgets it.
+pub(crate) unsafe fn alias_var(
+    dev: &CudaDevice,
+    ptr: u64,
+    dtype: DType,
+    shape: &candle_core::Shape,
+) -> Result<candle_core::Var> {
+    use candle_core::{op::BackpropOp, CudaStorage, Storage, Tensor};
+    let stream = dev.cuda_stream();
+    let n = shape.elem_count();
+    let storage = match dtype {
+        DType::BF16 => CudaStorage::wrap_cuda_slice(
+            stream.upgrade_device_ptr::<half::bf16>(ptr, n),
+            dev.clone(),
+        ),
+        DType::F16 => CudaStorage::wrap_cuda_slice(
+            stream.upgrade_device_ptr::<half::f16>(ptr, n),
+            dev.clone(),
+        ),
+        DType::F32 => {
+            CudaStorage::wrap_cuda_slice(stream.upgrade_device_ptr::<f32>(ptr, n), dev.clone())
+        }
+        DType::F64 => {
+            CudaStorage::wrap_cuda_slice(stream.upgrade_device_ptr::<f64>(ptr, n), dev.clone())
+        }
+        dt => candle_core::bail!("slots hold float weights, got {dt:?}"),
+    };
+    let t = Tensor::from_storage(
+        Storage::Cuda(storage),
+        shape.clone(),
+        BackpropOp::none(),
+        true,
+    );
+    candle_core::Var::from_tensor(&t)
 }

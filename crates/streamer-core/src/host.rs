@@ -89,7 +89,12 @@ impl HostMasters {
 
     /// Finds or loads the master for `name`, resolving ties (aliases, shared
     /// in-memory storage) so a tied weight is stored once.
-    pub(crate) fn resolve(&mut self, src: &WeightSource, name: &str, dtype: DType) -> Result<usize> {
+    pub(crate) fn resolve(
+        &mut self,
+        src: &WeightSource,
+        name: &str,
+        dtype: DType,
+    ) -> Result<usize> {
         if let Some(&i) = self.by_name.get(name) {
             return Ok(i);
         }
@@ -147,7 +152,10 @@ pub(crate) fn host_bytes(t: &candle_core::Tensor) -> Result<(*const u8, usize)> 
         candle_core::bail!("host master must be contiguous");
     }
     let Storage::Cpu(cs) = &*s else {
-        candle_core::bail!("host master must be on the CPU, found {:?}", t.device().location())
+        candle_core::bail!(
+            "host master must be on the CPU, found {:?}",
+            t.device().location()
+        )
     };
     let es = t.dtype().size_in_bytes();
     let base: *const u8 = match cs {

@@ -39,6 +39,7 @@ mod convert;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 mod host;
+mod offload;
 mod pool;
 mod sequential;
 mod source;
@@ -50,6 +51,7 @@ pub use block::{Block, BlockSpec, ModuleBlock};
 pub use config::StreamConfig;
 pub use convert::convert;
 pub use host::{HostMasters, Master};
+pub use offload::Offloader;
 pub use pool::{BlockLayout, Entry, ResidencyPool};
 pub use sequential::{release_all, run_block, run_blocks, StreamedSequential};
 pub use source::{expand_paths, WeightSource};

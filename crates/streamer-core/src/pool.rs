@@ -86,6 +86,10 @@ struct Slot {
     #[cfg(feature = "cuda")]
     compute: Option<(cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
     cpu_compute_start: Option<Instant>,
+    /// Autograd variables aliasing this slot's memory, per block (CUDA only; see
+    /// `acquire_vars`). Never dropped normally: they do not own their memory.
+    #[cfg(feature = "cuda")]
+    alias_vars: HashMap<usize, Vec<(usize, candle_core::Var)>>,
 }
 
 #[cfg(feature = "cuda")]
@@ -168,7 +172,9 @@ impl ResidencyPool {
         let engine = match &cfg.device {
             Device::Cpu => Engine::Cpu,
             #[cfg(feature = "cuda")]
-            Device::Cuda(dev) => Engine::Cuda(Box::new(CudaEngine::new(dev, &masters, &layouts, cfg)?)),
+            Device::Cuda(dev) => {
+                Engine::Cuda(Box::new(CudaEngine::new(dev, &masters, &layouts, cfg)?))
+            }
             d => candle_core::bail!("streaming to {:?} is not supported", d.location()),
         };
         let mut slots = Vec::with_capacity(window);
@@ -259,7 +265,10 @@ impl ResidencyPool {
     /// Issues the copy of `block`'s weights into a free slot.
     pub fn load(&mut self, block: usize) -> Result<()> {
         if block >= self.layouts.len() {
-            candle_core::bail!("block index {block} out of range ({} blocks)", self.layouts.len());
+            candle_core::bail!(
+                "block index {block} out of range ({} blocks)",
+                self.layouts.len()
+            );
         }
         if self.slot_of[block].is_some() {
             candle_core::bail!("block {:?} is already loaded", self.names[block]);
@@ -294,13 +303,25 @@ impl ResidencyPool {
                 self.stats.h2d_seconds += dt.as_secs_f64();
                 if let Some(tl) = &mut self.timeline {
                     let ts = (t0 - self.cpu_epoch).as_secs_f64() * 1e6;
-                    tl.push(TraceKind::Transfer, &self.names[block], ts, dt.as_secs_f64() * 1e6);
+                    tl.push(
+                        TraceKind::Transfer,
+                        &self.names[block],
+                        ts,
+                        dt.as_secs_f64() * 1e6,
+                    );
                 }
             }
             #[cfg(feature = "cuda")]
             Engine::Cuda(e) => {
                 let s = &mut self.slots[slot];
-                bytes = e.load(block, layout, &self.masters, s, self.dtype, self.transfer_delay)?;
+                bytes = e.load(
+                    block,
+                    layout,
+                    &self.masters,
+                    s,
+                    self.dtype,
+                    self.transfer_delay,
+                )?;
                 // Keep the queue of timing events bounded on long runs: fold in the
                 // ones that have completed (the old ones, in steady state).
                 if e.pending_len() > 1024 {
@@ -314,8 +335,14 @@ impl ResidencyPool {
         self.stats.h2d_bytes += bytes;
         self.stats.resident_blocks += 1;
         self.stats.resident_bytes += layout.bytes(self.dtype);
-        self.stats.peak_resident_blocks = self.stats.peak_resident_blocks.max(self.stats.resident_blocks);
-        self.stats.peak_resident_bytes = self.stats.peak_resident_bytes.max(self.stats.resident_bytes);
+        self.stats.peak_resident_blocks = self
+            .stats
+            .peak_resident_blocks
+            .max(self.stats.resident_blocks);
+        self.stats.peak_resident_bytes = self
+            .stats
+            .peak_resident_bytes
+            .max(self.stats.resident_bytes);
         self.transition(block, slot, TransitionKind::LoadIssued);
         Ok(())
     }
@@ -335,11 +362,75 @@ impl ResidencyPool {
         let flat = &self.slots[slot].flat;
         let mut views = HashMap::with_capacity(self.layouts[block].entries.len());
         for e in &self.layouts[block].entries {
-            let v = flat.narrow(0, e.offset, e.shape.elem_count())?.reshape(e.shape.clone())?;
+            let v = flat
+                .narrow(0, e.offset, e.shape.elem_count())?
+                .reshape(e.shape.clone())?;
             views.insert(e.local.clone(), v);
         }
         self.transition(block, slot, TransitionKind::ComputeStart);
         Ok(views)
+    }
+
+    /// Like [`Self::acquire`], for training: each distinct weight whose `trainable`
+    /// flag (indexed by master) is set comes back as an autograd variable, so a
+    /// recompute under Candle autograd yields its gradient; frozen weights come
+    /// back as plain tensors. Returns the tensors by local name and the
+    /// `(master, variable)` pairs. On CUDA the variables alias the slot's memory
+    /// (no copy); on the CPU they are copies of the slot.
+    #[allow(clippy::type_complexity)]
+    pub fn acquire_vars(
+        &mut self,
+        block: usize,
+        trainable: &[bool],
+    ) -> Result<(HashMap<String, Tensor>, Vec<(usize, candle_core::Var)>)> {
+        let views = self.acquire(block)?;
+        let slot = self.slot_of[block].expect("acquired above");
+        let layout = &self.layouts[block];
+        let mut vars: Vec<(usize, candle_core::Var)> = Vec::new();
+        #[cfg(feature = "cuda")]
+        if let Engine::Cuda(e) = &self.engine {
+            let s = &mut self.slots[slot];
+            if !s.alias_vars.contains_key(&block) {
+                let mut made = Vec::new();
+                for &(m, off) in &layout.unique {
+                    let shape = self.masters.get(m).shape().clone();
+                    let ptr = s.ptr + (off * self.dtype.size_in_bytes()) as u64;
+                    // SAFETY: [ptr, ptr + shape bytes) lies inside the slot, which
+                    // outlives the variable (forgotten in Drop, never freed by it).
+                    let v = unsafe { crate::cuda::alias_var(&e.dev, ptr, self.dtype, &shape)? };
+                    made.push((m, v));
+                }
+                s.alias_vars.insert(block, made);
+            }
+            vars = s.alias_vars[&block].clone();
+        }
+        if vars.is_empty() && !layout.unique.is_empty() {
+            for &(m, _) in &layout.unique {
+                let e = layout
+                    .entries
+                    .iter()
+                    .find(|e| e.master == m)
+                    .expect("unique entries exist");
+                vars.push((m, candle_core::Var::from_tensor(&views[&e.local])?));
+            }
+        }
+        let _ = slot;
+        let mut out = HashMap::with_capacity(views.len());
+        for e in &layout.entries {
+            let t = if trainable.get(e.master).copied().unwrap_or(false) {
+                vars.iter()
+                    .find(|(m, _)| *m == e.master)
+                    .expect("every master has a var")
+                    .1
+                    .as_tensor()
+                    .clone()
+            } else {
+                views[&e.local].clone()
+            };
+            out.insert(e.local.clone(), t);
+        }
+        vars.retain(|(m, _)| trainable.get(*m).copied().unwrap_or(false));
+        Ok((out, vars))
     }
 
     /// Marks `block`'s compute as issued: its slot is refilled only after that
@@ -355,7 +446,12 @@ impl ResidencyPool {
                     self.stats.compute_seconds += dt.as_secs_f64();
                     if let Some(tl) = &mut self.timeline {
                         let ts = (t0 - self.cpu_epoch).as_secs_f64() * 1e6;
-                        tl.push(TraceKind::Compute, &self.names[block], ts, dt.as_secs_f64() * 1e6);
+                        tl.push(
+                            TraceKind::Compute,
+                            &self.names[block],
+                            ts,
+                            dt.as_secs_f64() * 1e6,
+                        );
                     }
                 }
             }
@@ -437,6 +533,16 @@ impl Drop for ResidencyPool {
         // Copies in flight read host masters and write slots: let them finish
         // before either can be freed.
         let _ = self.synchronize();
+        // Alias variables point into slot memory they do not own: dropping them
+        // would free it a second time, so they are forgotten (a few bytes each).
+        #[cfg(feature = "cuda")]
+        for s in self.slots.iter_mut() {
+            for (_, vars) in s.alias_vars.drain() {
+                for (_, v) in vars {
+                    std::mem::forget(v);
+                }
+            }
+        }
     }
 }
 
@@ -471,6 +577,8 @@ impl Slot {
             #[cfg(feature = "cuda")]
             compute: None,
             cpu_compute_start: None,
+            #[cfg(feature = "cuda")]
+            alias_vars: HashMap::new(),
         })
     }
 }
@@ -485,7 +593,10 @@ impl CudaEngine {
     ) -> Result<Self> {
         use cudarc::driver::sys::CUevent_flags;
         let compute = dev.cuda_stream();
-        let transfer = compute.context().new_stream().map_err(candle_core::Error::wrap)?;
+        let transfer = compute
+            .context()
+            .new_stream()
+            .map_err(candle_core::Error::wrap)?;
         let master_dt = cfg.master_dtype();
         let staging = if master_dt != cfg.dtype {
             if !crate::cuda::has_cast(master_dt, cfg.dtype) {
@@ -544,7 +655,9 @@ impl CudaEngine {
     ) -> Result<u64> {
         if let Some(free) = slot.free.take() {
             // The slot's previous block must have finished computing (device-side wait).
-            self.transfer.wait(&free).map_err(candle_core::Error::wrap)?;
+            self.transfer
+                .wait(&free)
+                .map_err(candle_core::Error::wrap)?;
         }
         let start = Self::event(&self.transfer)?;
         let mut bytes = 0u64;
@@ -602,7 +715,12 @@ impl CudaEngine {
         let end = Arc::new(Self::event(&self.compute)?);
         slot.free = Some(end.clone());
         if let Some((wait, start)) = slot.compute.take() {
-            self.pending.push(PendingTiming::Compute { block, wait, start, end });
+            self.pending.push(PendingTiming::Compute {
+                block,
+                wait,
+                start,
+                end,
+            });
         }
         Ok(())
     }
@@ -640,7 +758,12 @@ impl CudaEngine {
                         tl.push(TraceKind::Transfer, &names[block], ts, ms * 1e3);
                     }
                 }
-                PendingTiming::Compute { block, wait, start, end } => {
+                PendingTiming::Compute {
+                    block,
+                    wait,
+                    start,
+                    end,
+                } => {
                     let stall = wait.elapsed_ms(&start).map_err(w)? as f64;
                     let ms = start.elapsed_ms(&end).map_err(w)? as f64;
                     stats.stall_seconds += stall / 1e3;
@@ -650,7 +773,12 @@ impl CudaEngine {
                         if stall > 0.0 {
                             tl.push(TraceKind::Stall, &names[block], ts_wait, stall * 1e3);
                         }
-                        tl.push(TraceKind::Compute, &names[block], ts_wait + stall * 1e3, ms * 1e3);
+                        tl.push(
+                            TraceKind::Compute,
+                            &names[block],
+                            ts_wait + stall * 1e3,
+                            ms * 1e3,
+                        );
                     }
                 }
             }

@@ -48,20 +48,32 @@ pub struct StreamedSequential {
 impl StreamedSequential {
     /// Builds from safetensors files (or a `model.safetensors.index.json`), read
     /// through mmap straight into the host masters.
-    pub fn from_safetensors<P: AsRef<Path>>(paths: &[P], blocks: Vec<BlockSpec>, cfg: StreamConfig) -> Result<Self> {
+    pub fn from_safetensors<P: AsRef<Path>>(
+        paths: &[P],
+        blocks: Vec<BlockSpec>,
+        cfg: StreamConfig,
+    ) -> Result<Self> {
         cfg.validate()?;
         Self::from_source(&WeightSource::safetensors(paths)?, blocks, cfg)
     }
 
     /// Builds from named in-memory tensors (any device). Tensors that share
     /// storage are one tied weight.
-    pub fn from_tensors(tensors: HashMap<String, Tensor>, blocks: Vec<BlockSpec>, cfg: StreamConfig) -> Result<Self> {
+    pub fn from_tensors(
+        tensors: HashMap<String, Tensor>,
+        blocks: Vec<BlockSpec>,
+        cfg: StreamConfig,
+    ) -> Result<Self> {
         Self::from_source(&WeightSource::Tensors(tensors), blocks, cfg)
     }
 
     /// Builds from a candle-nn `VarMap`. CPU variables already in the master dtype
     /// are used in place as the masters (not copied).
-    pub fn from_varmap(varmap: &candle_nn::VarMap, blocks: Vec<BlockSpec>, cfg: StreamConfig) -> Result<Self> {
+    pub fn from_varmap(
+        varmap: &candle_nn::VarMap,
+        blocks: Vec<BlockSpec>,
+        cfg: StreamConfig,
+    ) -> Result<Self> {
         let map = varmap
             .data()
             .lock()
@@ -75,7 +87,11 @@ impl StreamedSequential {
     /// Builds from any weight source. Every check (missing, unexpected and
     /// mis-shaped weights, block sizes against the slot budget, dtypes) runs here,
     /// before anything is copied to the device.
-    pub fn from_source(src: &WeightSource, blocks: Vec<BlockSpec>, cfg: StreamConfig) -> Result<Self> {
+    pub fn from_source(
+        src: &WeightSource,
+        blocks: Vec<BlockSpec>,
+        cfg: StreamConfig,
+    ) -> Result<Self> {
         cfg.validate()?;
         if blocks.is_empty() {
             candle_core::bail!("StreamedSequential needs at least one block");
@@ -125,7 +141,10 @@ impl StreamedSequential {
     /// Every distinct weight as `(name, host variable)`, in load order. A tied
     /// weight appears once, under its first name.
     pub fn parameters(&self) -> Vec<(String, Var)> {
-        self.masters.iter().map(|m| (m.name.clone(), m.var.clone())).collect()
+        self.masters
+            .iter()
+            .map(|m| (m.name.clone(), m.var.clone()))
+            .collect()
     }
 
     /// Exclusive access to the pool, or an error naming the misuse when another
@@ -181,7 +200,14 @@ impl StreamedSequential {
     pub fn forward_with(&self, x: &Tensor, extras: &[Tensor]) -> Result<Vec<Tensor>> {
         self.check_inputs(x, extras)?;
         let mut pool = self.lock_pool()?;
-        let r = run_blocks(&mut pool, &self.blocks, x, extras, self.cfg.prefetch_across_calls, |_, _| Ok(()));
+        let r = run_blocks(
+            &mut pool,
+            &self.blocks,
+            x,
+            extras,
+            self.cfg.prefetch_across_calls,
+            |_, _| Ok(()),
+        );
         if r.is_err() {
             release_all(&mut pool);
         }
@@ -331,12 +357,15 @@ impl Recorder<'_> {
             .state
             .lock()
             .map_err(|_| candle_core::Error::Msg("recorder lock poisoned".into()))?;
-        let aliased = st.masters.index_of(name).is_some() || self.src.contains(name) || has_alias(&st, name);
+        let aliased =
+            st.masters.index_of(name).is_some() || self.src.contains(name) || has_alias(&st, name);
         if !aliased {
             candle_core::bail!(
                 "block {:?} needs weight {name:?}{} but the weights have no tensor of that name",
                 self.block.name,
-                expected.map(|s| format!(" of shape {:?}", s.dims())).unwrap_or_default()
+                expected
+                    .map(|s| format!(" of shape {:?}", s.dims()))
+                    .unwrap_or_default()
             );
         }
         let dt = st.master_dtype;
@@ -366,7 +395,14 @@ fn has_alias(st: &RecState<'_>, name: &str) -> bool {
 }
 
 impl SimpleBackend for Recorder<'_> {
-    fn get(&self, s: Shape, name: &str, _h: candle_nn::Init, dtype: DType, _dev: &Device) -> Result<Tensor> {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _h: candle_nn::Init,
+        dtype: DType,
+        _dev: &Device,
+    ) -> Result<Tensor> {
         self.fetch(name, Some(&s), dtype)
     }
 
@@ -404,16 +440,20 @@ fn discover(
     };
     {
         let vb = VarBuilder::from_backend(Box::new(&rec), cfg.dtype, Device::Cpu).pp(&block.prefix);
-        block
-            .build(vb)
-            .map_err(|e| candle_core::Error::Msg(format!("building block {:?}: {e}", block.name)))?;
+        block.build(vb).map_err(|e| {
+            candle_core::Error::Msg(format!("building block {:?}: {e}", block.name))
+        })?;
     }
     let st = rec
         .state
         .into_inner()
         .map_err(|_| candle_core::Error::Msg("recorder lock poisoned".into()))?;
     let prefix = format!("{}.", block.prefix);
-    let used: BTreeSet<String> = st.requested.iter().map(|(l, _, _)| format!("{prefix}{l}")).collect();
+    let used: BTreeSet<String> = st
+        .requested
+        .iter()
+        .map(|(l, _, _)| format!("{prefix}{l}"))
+        .collect();
     let unexpected: Vec<&String> = all_names
         .range(prefix.clone()..)
         .take_while(|n| n.starts_with(&prefix))
@@ -436,7 +476,14 @@ fn discover(
 }
 
 impl SimpleBackend for &Recorder<'_> {
-    fn get(&self, s: Shape, name: &str, h: candle_nn::Init, dtype: DType, dev: &Device) -> Result<Tensor> {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<Tensor> {
         (**self).get(s, name, h, dtype, dev)
     }
 

@@ -65,7 +65,11 @@ impl WeightSource {
                 .to_device(&Device::Cpu)?,
             Self::Safetensors(st) => st.load(name, &Device::Cpu)?,
         };
-        let t = if t.dtype() == dtype { t } else { t.to_dtype(dtype)? };
+        let t = if t.dtype() == dtype {
+            t
+        } else {
+            t.to_dtype(dtype)?
+        };
         // Masters are written in place by optimizers: give each its own storage,
         // never a view into a caller's tensor.
         t.contiguous()?.copy()
@@ -102,9 +106,12 @@ pub fn expand_paths<P: AsRef<Path>>(paths: &[P]) -> Result<Vec<PathBuf>> {
             let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
                 candle_core::Error::Msg(format!("{} is not valid JSON: {e}", p.display()))
             })?;
-            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| {
-                candle_core::Error::Msg(format!("{} has no \"weight_map\" object", p.display()))
-            })?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| {
+                    candle_core::Error::Msg(format!("{} has no \"weight_map\" object", p.display()))
+                })?;
             let dir = p.parent().unwrap_or(Path::new("."));
             let shards: BTreeSet<&str> = map.values().filter_map(|s| s.as_str()).collect();
             out.extend(shards.into_iter().map(|s| dir.join(s)));

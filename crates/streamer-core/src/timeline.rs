@@ -75,7 +75,11 @@ impl Timeline {
             tid: u32,
             args: serde_json::Value,
         }
-        let lanes = [(0, "h2d (transfer stream)"), (1, "compute"), (2, "d2h (gradients)")];
+        let lanes = [
+            (0, "h2d (transfer stream)"),
+            (1, "compute"),
+            (2, "d2h (gradients)"),
+        ];
         let mut all: Vec<serde_json::Value> = lanes
             .iter()
             .map(|&(tid, name)| {

@@ -1,0 +1,105 @@
+//! Dropout that a recompute can replay: masks are drawn from a seed the trainer
+//! sets for each block, so the backward pass's recompute sees the very masks the
+//! forward pass used. Candle's own dropout draws from the device RNG, which the
+//! CPU device cannot seed; use this one in streamed blocks.
+use candle_core::{Device, Module, Result, Tensor};
+use std::cell::Cell;
+
+thread_local! {
+    /// (seed of the running block, draws so far in it); None outside a block.
+    static BLOCK_SEED: Cell<Option<(u64, u64)>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with dropout masks drawn from `seed`: the same seed replays the same
+/// masks. The trainer wraps every block's forward and recompute in this.
+pub fn with_seed<T>(seed: u64, f: impl FnOnce() -> T) -> T {
+    let prev = BLOCK_SEED.with(|s| s.replace(Some((seed, 0))));
+    let out = f();
+    BLOCK_SEED.with(|s| s.set(prev));
+    out
+}
+
+/// Sets (or clears) the block seed directly; for drivers that cannot wrap a
+/// block's forward in a closure (the forward loop sets it per block).
+pub(crate) fn set_seed(seed: Option<u64>) {
+    BLOCK_SEED.with(|s| s.set(seed.map(|s| (s, 0))));
+}
+
+fn next_seed() -> Option<u64> {
+    BLOCK_SEED.with(|s| {
+        s.get().map(|(seed, n)| {
+            s.set(Some((seed, n + 1)));
+            // SplitMix64 of (seed, draw index): independent streams per draw.
+            let mut z = seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        })
+    })
+}
+
+/// Uniform [0, 1) noise of `shape` on `device`, from the current block seed when
+/// there is one (replayable), else from the device's RNG.
+fn uniform(shape: &[usize], device: &Device) -> Result<Tensor> {
+    match next_seed() {
+        None => Tensor::rand(0f32, 1f32, shape, device),
+        Some(seed) => match device {
+            Device::Cpu => {
+                let n: usize = shape.iter().product();
+                let mut state = seed | 1;
+                let v: Vec<f32> = (0..n)
+                    .map(|_| {
+                        // xorshift64*: fast and good enough for dropout masks.
+                        state ^= state >> 12;
+                        state ^= state << 25;
+                        state ^= state >> 27;
+                        let r = state.wrapping_mul(0x2545_F491_4F6C_DD1D);
+                        (r >> 40) as f32 / (1u64 << 24) as f32
+                    })
+                    .collect();
+                Tensor::from_vec(v, shape, device)
+            }
+            _ => {
+                device.set_seed(seed)?;
+                Tensor::rand(0f32, 1f32, shape, device)
+            }
+        },
+    }
+}
+
+/// Inverted dropout with probability `p` (kept values scaled by `1 / (1 - p)`),
+/// replayable under [`with_seed`].
+pub fn dropout(xs: &Tensor, p: f32) -> Result<Tensor> {
+    if !(0.0..1.0).contains(&p) {
+        candle_core::bail!("dropout probability must be in [0, 1), got {p}");
+    }
+    if p == 0.0 {
+        return Ok(xs.clone());
+    }
+    let keep = uniform(xs.dims(), xs.device())?.ge(p as f64)?;
+    let scale = keep
+        .to_dtype(xs.dtype())?
+        .affine(1.0 / (1.0 - p as f64), 0.0)?;
+    xs.mul(&scale)
+}
+
+/// A dropout layer (like candle-nn's `Dropout`) whose masks replay under
+/// [`with_seed`]. As a `Module` it is always active; build it with `p = 0` for
+/// evaluation.
+#[derive(Debug, Clone, Copy)]
+pub struct Dropout {
+    p: f32,
+}
+
+impl Dropout {
+    /// Dropout with drop probability `p`.
+    pub fn new(p: f32) -> Self {
+        Self { p }
+    }
+}
+
+impl Module for Dropout {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        dropout(xs, self.p)
+    }
+}

@@ -1,0 +1,444 @@
+//! `TrainableSequential`: training through the residency pool.
+//!
+//! Forward keeps only each block's input (on the device) and its dropout seed.
+//! Backward visits blocks in reverse through the same bounded window (block
+//! `i - 1` loads while block `i` recomputes), recomputes each block under Candle
+//! autograd with its weights as variables, sends the weight gradients to host
+//! buffers on their own stream, and returns one Candle `GradStore` holding the
+//! gradients of everything before, inside and after the streamed part.
+use crate::dropout::with_seed;
+use crate::grads::HostGrads;
+use candle_core::backprop::GradStore;
+use candle_core::{Result, Tensor, Var};
+use candle_nn::VarBuilder;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+use streamer_core::{release_all, run_blocks, ResidencyPool, StreamedSequential};
+
+/// What a training forward leaves for its backward.
+struct Saved {
+    /// Each block's input, detached (the first is the model input).
+    inputs: Vec<Tensor>,
+    /// The model input and extras as the caller passed them (maybe tracked).
+    x: Tensor,
+    extras: Vec<Tensor>,
+    /// The outputs handed back, as variables the loss's backward reaches.
+    outputs: Vec<Var>,
+    seeds: Vec<u64>,
+    fingerprints: Vec<u64>,
+}
+
+/// A `StreamedSequential` that trains: see the module docs.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use candle_nn::{linear, Module, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+/// use streamer_autograd::{CpuAdamW, Train};
+/// use streamer_core::{BlockSpec, StreamConfig, StreamedSequential};
+///
+/// let varmap = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+/// for i in 0..2 {
+///     linear(4, 4, vb.pp(format!("l{i}")))?;
+/// }
+/// let blocks = (0..2).map(|i| BlockSpec::module(format!("l{i}"), |vb| linear(4, 4, vb))).collect();
+/// let model = StreamedSequential::from_varmap(&varmap, blocks, StreamConfig::default())?.train();
+/// let params: Vec<_> = model.parameters().into_iter().map(|(_, v)| v).collect();
+/// let mut opt = CpuAdamW::new(params, ParamsAdamW { lr: 1e-2, ..Default::default() })?;
+/// let x = Tensor::randn(0f32, 1.0, (8, 4), &Device::Cpu)?;
+/// let target = Tensor::zeros((8, 4), DType::F32, &Device::Cpu)?;
+/// let mut losses = vec![];
+/// for _ in 0..20 {
+///     let loss = model.forward(&x)?.sub(&target)?.sqr()?.mean_all()?;
+///     losses.push(loss.to_scalar::<f32>()?);
+///     let grads = model.backward(&loss)?;
+///     opt.step(&grads)?;
+///     model.zero_grad()?;
+/// }
+/// assert!(losses[19] < losses[0]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub struct TrainableSequential {
+    model: StreamedSequential,
+    training: AtomicBool,
+    next_seed: AtomicU64,
+    state: Mutex<TrainState>,
+}
+
+struct TrainState {
+    saved: Option<Saved>,
+    /// Mode of the forward whose state is saved.
+    saved_training: bool,
+    grads: HostGrads,
+    trainable: Vec<bool>,
+}
+
+/// Turns a streamed model into a trainable one.
+pub trait Train {
+    /// The trainable model, in training mode.
+    fn train(self) -> TrainableSequential;
+}
+
+impl Train for StreamedSequential {
+    fn train(self) -> TrainableSequential {
+        TrainableSequential::new(self)
+    }
+}
+
+impl TrainableSequential {
+    /// Wraps `model`; every weight is trainable and the model is in training mode.
+    pub fn new(model: StreamedSequential) -> Self {
+        let n = model.masters().len();
+        Self {
+            training: AtomicBool::new(true),
+            next_seed: AtomicU64::new(0x5EED),
+            state: Mutex::new(TrainState {
+                saved: None,
+                saved_training: true,
+                grads: HostGrads::new(n),
+                trainable: vec![true; n],
+            }),
+            model,
+        }
+    }
+
+    /// The streamed model underneath.
+    pub fn inner(&self) -> &StreamedSequential {
+        &self.model
+    }
+
+    /// Every distinct weight as `(name, host variable)`. After `backward`, each
+    /// trainable one's gradient is in the returned `GradStore` under this
+    /// variable, as an f32 host tensor, so any candle-nn `Optimizer` can use it.
+    pub fn parameters(&self) -> Vec<(String, Var)> {
+        self.model.parameters()
+    }
+
+    /// The trainable weights' variables (what an optimizer should get).
+    pub fn trainable_vars(&self) -> Result<Vec<Var>> {
+        let st = self.lock()?;
+        Ok(self
+            .model
+            .parameters()
+            .into_iter()
+            .zip(&st.trainable)
+            .filter(|(_, t)| **t)
+            .map(|((_, v), _)| v)
+            .collect())
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, TrainState>> {
+        self.state
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("trainer state lock poisoned".into()))
+    }
+
+    /// Freezes (or unfreezes) the named weights: frozen ones get no gradient
+    /// and cost no device-to-host transfer.
+    pub fn set_trainable(&self, names: &[&str], trainable: bool) -> Result<()> {
+        let mut st = self.lock()?;
+        for n in names {
+            let i = self.model.masters().index_of(n).ok_or_else(|| {
+                candle_core::Error::Msg(format!("no weight named {n:?} in the model"))
+            })?;
+            st.trainable[i] = trainable;
+        }
+        Ok(())
+    }
+
+    /// Sets the seed the next training forward's dropout masks derive from (block
+    /// `i` of that forward uses `seed + i`, replayable with `with_seed(seed + i, ..)`).
+    pub fn set_seed(&self, seed: u64) {
+        self.next_seed.store(seed, Ordering::SeqCst);
+    }
+
+    /// Training mode: forwards save what backward needs.
+    pub fn set_training(&self, on: bool) {
+        self.training.store(on, Ordering::SeqCst);
+    }
+
+    /// Whether in training mode.
+    pub fn is_training(&self) -> bool {
+        self.training.load(Ordering::SeqCst)
+    }
+
+    /// Clears the accumulated host gradients.
+    pub fn zero_grad(&self) -> Result<()> {
+        self.lock()?.grads.zero();
+        Ok(())
+    }
+
+    /// Statistics of the pool (copies both ways, stalls, residency).
+    pub fn stats(&self) -> Result<streamer_core::StreamStats> {
+        self.model.stats()
+    }
+
+    /// Runs the blocks; returns the last block's first output.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self.forward_with(x, &[])?.swap_remove(0))
+    }
+
+    /// Runs the blocks with `extras` handed to every block. In training mode the
+    /// outputs are tracked: a loss built on them can be passed to `backward`.
+    pub fn forward_with(&self, x: &Tensor, extras: &[Tensor]) -> Result<Vec<Tensor>> {
+        let training = self.is_training();
+        if !training {
+            return self.model.forward_with(x, extras);
+        }
+        self.model.check_inputs(x, extras)?;
+        let mut st = self.lock()?;
+        let mut pool = self.model.lock_pool()?;
+        let n = self.model.blocks().len();
+        let base = self.next_seed.fetch_add(n as u64, Ordering::SeqCst);
+        let seeds: Vec<u64> = (0..n as u64).map(|i| base.wrapping_add(i)).collect();
+        let mut inputs = Vec::with_capacity(n);
+        let x_det = x.detach();
+        let extras_det: Vec<Tensor> = extras.iter().map(|e| e.detach()).collect();
+        // run_blocks calls `on_input` just before each block's forward: set that
+        // block's dropout seed there, so the recompute can replay it.
+        let r = run_blocks(
+            &mut pool,
+            self.model.blocks(),
+            &x_det,
+            &extras_det,
+            false,
+            |i, h| {
+                inputs.push(h.detach());
+                set_current_seed(seeds[i]);
+                Ok(())
+            },
+        );
+        clear_current_seed();
+        let outs = match r {
+            Ok(o) => o,
+            Err(e) => {
+                release_all(&mut pool);
+                return Err(e);
+            }
+        };
+        let outputs = outs
+            .iter()
+            .map(Var::from_tensor)
+            .collect::<Result<Vec<_>>>()?;
+        let ret = outputs.iter().map(|v| v.as_tensor().clone()).collect();
+        st.saved = Some(Saved {
+            inputs,
+            x: x.clone(),
+            extras: extras.to_vec(),
+            outputs,
+            seeds,
+            fingerprints: self.fingerprints()?,
+        });
+        st.saved_training = training;
+        Ok(ret)
+    }
+
+    fn fingerprints(&self) -> Result<Vec<u64>> {
+        self.model
+            .masters()
+            .iter()
+            .map(|m| crate::grads::fingerprint(m.var.as_tensor()))
+            .collect()
+    }
+
+    /// Backpropagates `loss` through everything: the Candle graph after the
+    /// streamed part, the streamed blocks (recomputed in reverse through the
+    /// window), and the graph before them. Streamed weights' gradients
+    /// accumulate in host buffers until `zero_grad`.
+    pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
+        let mut grads = loss.backward()?;
+        self.backward_into(&mut grads)?;
+        Ok(grads)
+    }
+
+    /// Like [`Self::backward`], for a `GradStore` the caller already computed
+    /// (it must hold the gradients of this model's last outputs).
+    pub fn backward_into(&self, grads: &mut GradStore) -> Result<()> {
+        let mut st = self.lock()?;
+        let Some(saved) = st.saved.take() else {
+            candle_core::bail!(
+                "backward without a training forward: call forward in training mode first \
+                 (each forward can be backpropagated once)"
+            );
+        };
+        if st.saved_training != self.is_training() {
+            candle_core::bail!(
+                "the model switched from {} to {} mode between forward and backward",
+                if st.saved_training {
+                    "training"
+                } else {
+                    "evaluation"
+                },
+                if self.is_training() {
+                    "training"
+                } else {
+                    "evaluation"
+                }
+            );
+        }
+        let now = self.fingerprints()?;
+        for (i, (a, b)) in saved.fingerprints.iter().zip(&now).enumerate() {
+            if a != b {
+                candle_core::bail!(
+                    "weight {:?} changed between forward and backward (an optimizer step or \
+                     Var::set before backward): gradients would be silently wrong",
+                    self.model.masters().get(i).name
+                );
+            }
+        }
+        let g_outs: Vec<Option<Tensor>> = saved
+            .outputs
+            .iter()
+            .map(|v| grads.remove(v.as_tensor()))
+            .collect();
+        if g_outs.iter().all(Option::is_none) {
+            return Ok(());
+        }
+        let mut pool = self.model.lock_pool()?;
+        let trainable = st.trainable.clone();
+        let r = self.streamed_backward(&mut pool, &mut st.grads, &trainable, &saved, g_outs);
+        let (g_x, g_extras) = match r {
+            Ok(v) => v,
+            Err(e) => {
+                release_all(&mut pool);
+                st.grads.abort();
+                return Err(e);
+            }
+        };
+        let (bytes, secs) = st.grads.take_counters();
+        pool.add_d2h(bytes, secs);
+        drop(pool);
+        // Host gradients, under the masters' variables.
+        for (m, g) in st.grads.collect()? {
+            grads.insert(self.model.masters().get(m).var.as_tensor(), g);
+        }
+        // Continue into whatever produced the input and the extras.
+        let mut upstream = Vec::new();
+        if let Some(g) = g_x {
+            upstream.push((saved.x.clone(), g));
+        }
+        for (e, g) in saved.extras.iter().zip(g_extras) {
+            if let Some(g) = g {
+                upstream.push((e.clone(), g));
+            }
+        }
+        for (t, g) in upstream {
+            if t.is_variable() {
+                accumulate(grads, &t, g)?;
+            } else if t.track_op() {
+                // d/dθ sum(t ⊙ g) = J_tᵀ g: the chain rule into t's own graph.
+                let more = t.mul(&g.detach())?.sum_all()?.backward()?;
+                grads.extend(more)?;
+            }
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn streamed_backward(
+        &self,
+        pool: &mut ResidencyPool,
+        host: &mut HostGrads,
+        trainable: &[bool],
+        saved: &Saved,
+        g_outs: Vec<Option<Tensor>>,
+    ) -> Result<(Option<Tensor>, Vec<Option<Tensor>>)> {
+        let blocks = self.model.blocks();
+        let n = blocks.len();
+        let window = pool.window();
+        host.begin(pool.device(), self.model.masters())?;
+        for k in 0..window.min(n) {
+            pool.load(n - 1 - k)?;
+        }
+        let mut g_next = g_outs;
+        let mut g_extras: Vec<Option<Tensor>> = vec![None; saved.extras.len()];
+        for i in (0..n).rev() {
+            let (weights, vars) = pool.acquire_vars(i, trainable)?;
+            let x_var = Var::from_tensor(&saved.inputs[i])?;
+            let extra_vars = saved
+                .extras
+                .iter()
+                .map(|e| {
+                    if e.dtype().is_float() {
+                        Var::from_tensor(&e.detach()).map(|v| v.as_tensor().clone())
+                    } else {
+                        Ok(e.clone())
+                    }
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let vb = VarBuilder::from_tensors(weights, pool.dtype(), pool.device());
+            let outs = with_seed(saved.seeds[i], || -> Result<Vec<Tensor>> {
+                let block = blocks[i].build(vb)?;
+                block.forward(x_var.as_tensor(), &extra_vars)
+            })?;
+            // A surrogate whose gradient with respect to each output is the
+            // upstream gradient: backward of sum(out ⊙ g) = Jᵀ g.
+            let mut surrogate: Option<Tensor> = None;
+            for (o, g) in outs.iter().zip(&g_next) {
+                if let Some(g) = g {
+                    let term = o
+                        .mul(&g.to_dtype(o.dtype())?.detach())?
+                        .to_dtype(candle_core::DType::F32)?
+                        .sum_all()?;
+                    surrogate = Some(match surrogate {
+                        None => term,
+                        Some(s) => s.add(&term)?,
+                    });
+                }
+            }
+            let Some(surrogate) = surrogate else {
+                // Nothing flows back through this block (or anything before it).
+                pool.release(i)?;
+                if i >= window {
+                    pool.load(i - window)?;
+                }
+                g_next = vec![None];
+                continue;
+            };
+            let bg = surrogate.backward()?;
+            drop(outs);
+            // The previous block's gradients have been copying out while this one
+            // computed; their device memory may be reused after those copies.
+            host.release_sources()?;
+            for (m, v) in &vars {
+                if let Some(g) = bg.get(v.as_tensor()) {
+                    host.offload(*m, g)?;
+                }
+            }
+            for (j, ev) in extra_vars.iter().enumerate() {
+                if let Some(g) = bg.get(ev) {
+                    g_extras[j] = Some(match g_extras[j].take() {
+                        None => g.clone(),
+                        Some(a) => a.add(g)?,
+                    });
+                }
+            }
+            let g_x = bg.get(x_var.as_tensor()).cloned();
+            drop(bg);
+            pool.release(i)?;
+            if i >= window {
+                pool.load(i - window)?;
+            }
+            g_next = vec![g_x];
+        }
+        host.finish()?;
+        Ok((g_next.swap_remove(0), g_extras))
+    }
+}
+
+fn accumulate(grads: &mut GradStore, t: &Tensor, g: Tensor) -> Result<()> {
+    let g = match grads.remove(t) {
+        Some(prev) => prev.add(&g)?,
+        None => g,
+    };
+    grads.insert(t, g);
+    Ok(())
+}
+
+fn set_current_seed(seed: u64) {
+    crate::dropout::set_seed(Some(seed));
+}
+
+fn clear_current_seed() {
+    crate::dropout::set_seed(None);
+}
