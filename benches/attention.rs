@@ -1,2 +1,317 @@
-//! Benchmark: attention (to be filled).
-fn main() {}
+//! Benchmark: `cqsa` attention against Candle's naive attention.
+//!
+//! On CUDA (`cargo bench --features cuda --bench attention`): bf16, D=128, B=1,
+//! H=16, N = 1k..16k, causal and not; forward and forward+backward TFLOP/s (forward
+//! FLOPs `4 B H N^2 D`, halved when causal; backward 2.5x the forward). On the CPU:
+//! f32, tiny sizes, a few seconds.
+//!
+//! Environment:
+//! - `CQSA_BENCH_OUT`: JSON file to write (default
+//!   `benches/results/attention-h200.json` on CUDA, `attention-cpu.json` on CPU).
+//! - `CQSA_BENCH_NS`: comma-separated sequence lengths instead of the defaults.
+//! - `CQSA_BENCH_OOC=1`: also run the out-of-core case (CUDA only): causal bf16
+//!   B=1 H=16 D=128 at `CQSA_OOC_N` tokens (default 1,048,576) from host memory,
+//!   streamed under a device budget of `CQSA_OOC_BUDGET_GIB` (default 16), with
+//!   time, peak device memory and the error of the first and last 2048 rows against
+//!   resident runs.
+//!
+//! Timing: warm-up runs first, the device is synchronised before each timer stops,
+//! the median of the repeats is reported.
+use std::time::Instant;
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor, Var, D};
+use cqsa::{attention, attention_backward, attention_forward, AttentionOpts, Mode};
+use serde_json::{json, Value};
+
+fn median_ms(
+    dev: &Device,
+    warmup: usize,
+    reps: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    dev.synchronize()?;
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t = Instant::now();
+        f()?;
+        dev.synchronize()?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(times[reps / 2])
+}
+
+fn naive(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) -> Result<Tensor> {
+    let (_, _, n, _) = q.dims4()?;
+    let mut s = (q.matmul(&k.t()?)? * scale)?;
+    if causal {
+        let mask: Vec<f32> = (0..n)
+            .flat_map(|i| (0..n).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (n, n), q.device())?.to_dtype(q.dtype())?;
+        s = s.broadcast_add(&mask)?;
+    }
+    Ok(candle_nn::ops::softmax(&s, D::Minus1)?.matmul(v)?)
+}
+
+fn tflops(flops: f64, ms: Option<f64>) -> Value {
+    ms.map_or(Value::Null, |ms| json!(flops / (ms * 1e-3) / 1e12))
+}
+
+fn device() -> Result<Device> {
+    #[cfg(feature = "cuda")]
+    {
+        Ok(Device::new_cuda(0)?)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Ok(Device::Cpu)
+    }
+}
+
+fn main() -> Result<()> {
+    let dev = device()?;
+    let gpu = dev.is_cuda();
+    let (dtype, b, h, d, reps) = if gpu {
+        (DType::BF16, 1, 16, 128, 5)
+    } else {
+        (DType::F32, 1, 2, 64, 3)
+    };
+    let ns: Vec<usize> = match std::env::var("CQSA_BENCH_NS") {
+        Ok(s) => s
+            .split(',')
+            .map(|x| x.trim().parse())
+            .collect::<Result<_, _>>()?,
+        Err(_) if gpu => vec![1024, 2048, 4096, 8192, 16384],
+        Err(_) => vec![128, 256],
+    };
+    let out = std::env::var("CQSA_BENCH_OUT").unwrap_or_else(|_| {
+        let name = if gpu {
+            "attention-h200.json"
+        } else {
+            "attention-cpu.json"
+        };
+        format!("benches/results/{name}")
+    });
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut rows = Vec::new();
+    println!(
+        "{:>6} {:>6} | {:>10} {:>10} | {:>10} {:>10} | {:>10} {:>10}",
+        "N", "causal", "fwd TF/s", "f+b TF/s", "naive fwd", "naive f+b", "fwd ms", "f+b ms"
+    );
+    for &n in &ns {
+        let q = Tensor::randn(0f32, 1.0, (b, h, n, d), &dev)?.to_dtype(dtype)?;
+        let k = Tensor::randn(0f32, 1.0, (b, h, n, d), &dev)?.to_dtype(dtype)?;
+        let v = Tensor::randn(0f32, 1.0, (b, h, n, d), &dev)?.to_dtype(dtype)?;
+        let g = Tensor::randn(0f32, 1.0, (b, h, n, d), &dev)?.to_dtype(dtype)?;
+        for causal in [false, true] {
+            let fwd_flops =
+                4.0 * (b * h) as f64 * (n * n) as f64 * d as f64 / if causal { 2.0 } else { 1.0 };
+            let fb_flops = fwd_flops * 3.5;
+            let off = causal.then_some(0i64);
+            let opts = AttentionOpts {
+                causal,
+                mode: Mode::Resident,
+                ..Default::default()
+            };
+            let fwd = median_ms(&dev, 2, reps, || {
+                attention(&q, &k, &v, &opts)?;
+                Ok(())
+            })?;
+            let fb = median_ms(&dev, 1, reps, || {
+                let (o, lse) = attention_forward(&q, &k, &v, scale as f32, off)?;
+                attention_backward(&q, &k, &v, &o, &g, &lse, scale as f32, off)?;
+                Ok(())
+            })?;
+            // Candle's naive attention runs out of memory at large N: record null.
+            let naive_fwd = median_ms(&dev, 1, reps, || {
+                naive(&q, &k, &v, causal, scale)?;
+                Ok(())
+            })
+            .ok();
+            let naive_fb = median_ms(&dev, 1, reps, || {
+                let (vq, vk, vv) = (
+                    Var::from_tensor(&q)?,
+                    Var::from_tensor(&k)?,
+                    Var::from_tensor(&v)?,
+                );
+                let o = naive(
+                    vq.as_tensor(),
+                    vk.as_tensor(),
+                    vv.as_tensor(),
+                    causal,
+                    scale,
+                )?;
+                (o * &g)?.sum_all()?.backward()?;
+                Ok(())
+            })
+            .ok();
+            let row = json!({
+                "n": n, "b": b, "h": h, "d": d, "dtype": format!("{dtype:?}"), "causal": causal,
+                "cqsa_fwd_ms": fwd, "cqsa_fwd_tflops": tflops(fwd_flops, Some(fwd)),
+                "cqsa_fwd_bwd_ms": fb, "cqsa_fwd_bwd_tflops": tflops(fb_flops, Some(fb)),
+                "naive_fwd_ms": naive_fwd, "naive_fwd_tflops": tflops(fwd_flops, naive_fwd),
+                "naive_fwd_bwd_ms": naive_fb, "naive_fwd_bwd_tflops": tflops(fb_flops, naive_fb),
+            });
+            let show = |v: &Value| {
+                v.as_f64()
+                    .map_or("OOM/err".to_string(), |x| format!("{x:.3}"))
+            };
+            println!(
+                "{:>6} {:>6} | {:>10} {:>10} | {:>10} {:>10} | {:>10.2} {:>10.2}",
+                n,
+                causal,
+                show(&row["cqsa_fwd_tflops"]),
+                show(&row["cqsa_fwd_bwd_tflops"]),
+                show(&row["naive_fwd_tflops"]),
+                show(&row["naive_fwd_bwd_tflops"]),
+                fwd,
+                fb
+            );
+            rows.push(row);
+        }
+    }
+    let mut report = json!({
+        "device": if gpu { "cuda:0" } else { "cpu" },
+        "flops_convention": "forward 4*B*H*N^2*D, halved when causal; forward+backward 3.5x forward",
+        "cqsa_fwd_bwd_timing": "attention_forward + attention_backward (no autograd graph)",
+        "naive_fwd_bwd_timing": "Candle autograd of sum(o * g)",
+        "rows": rows,
+    });
+    if gpu && std::env::var("CQSA_BENCH_OOC").is_ok_and(|v| v == "1") {
+        report["out_of_core"] = out_of_core(&dev)?;
+    }
+    if let Some(dir) = std::path::Path::new(&out).parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&out, serde_json::to_string_pretty(&report)?)?;
+    println!("wrote {out}");
+    Ok(())
+}
+
+/// Free device memory sampled every few milliseconds on another thread while `f`
+/// runs; returns `f`'s result and the peak bytes used above the starting point.
+#[cfg(feature = "cuda")]
+fn with_peak<T>(dev: &Device, f: impl FnOnce() -> Result<T>) -> Result<(T, usize)> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let Device::Cuda(cd) = dev else {
+        anyhow::bail!("not a CUDA device")
+    };
+    let ctx = cd.cuda_stream().context().clone();
+    let (free0, _) = ctx.mem_get_info()?;
+    let min_free = Arc::new(AtomicUsize::new(free0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let (ctx, min_free, stop) = (ctx.clone(), min_free.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok((free, _)) = ctx.mem_get_info() {
+                    min_free.fetch_min(free, Ordering::Relaxed);
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        })
+    };
+    let r = f();
+    stop.store(true, Ordering::Relaxed);
+    let _ = sampler.join();
+    Ok((r?, free0.saturating_sub(min_free.load(Ordering::Relaxed))))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn with_peak<T>(_: &Device, f: impl FnOnce() -> Result<T>) -> Result<(T, usize)> {
+    Ok((f()?, 0))
+}
+
+fn out_of_core(dev: &Device) -> Result<Value> {
+    let n: usize = std::env::var("CQSA_OOC_N").map_or(Ok(1 << 20), |s| s.parse())?;
+    let budget_gib: f64 = std::env::var("CQSA_OOC_BUDGET_GIB").map_or(Ok(16.0), |s| s.parse())?;
+    let (b, h, d, dtype) = (1, 16, 128, DType::BF16);
+    let slice = 2048.min(n);
+    println!("out of core: N={n}, budget {budget_gib} GiB; making host inputs");
+    // Random inputs made on the device one head at a time, kept on the host.
+    let host = |seed: f32| -> Result<Tensor> {
+        let heads = (0..h)
+            .map(|_| -> Result<Tensor> {
+                let t = (Tensor::randn(0f32, 1.0, (b, 1, n, d), dev)? * seed as f64)?;
+                Ok(t.to_dtype(dtype)?.to_device(&Device::Cpu)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&heads, 1)?)
+    };
+    let (q, k, v) = (host(1.0)?, host(1.0)?, host(1.0)?);
+    let budget = cqsa::Budget::new((budget_gib * (1u64 << 30) as f64) as usize);
+    let opts = AttentionOpts {
+        causal: true,
+        device: Some(dev.clone()),
+        budget: Some(budget),
+        verbose: true,
+        ..Default::default()
+    };
+    let shape = cqsa::AttentionShape {
+        b,
+        hq: h,
+        hkv: h,
+        nq: n,
+        nk: n,
+        d,
+        dtype,
+        causal: true,
+    };
+    let plan = cqsa::estimate(&shape, &budget)?;
+    println!("plan: {plan}");
+    dev.synchronize()?;
+    let t = Instant::now();
+    let (o, peak) = with_peak(dev, || Ok(attention(&q, &k, &v, &opts)?))?;
+    dev.synchronize()?;
+    let secs = t.elapsed().as_secs_f64();
+    let flops = 4.0 * (b * h) as f64 * (n as f64).powi(2) * d as f64 / 2.0;
+    println!(
+        "out of core: {secs:.1} s ({:.1} TFLOP/s), peak device memory {:.2} GiB",
+        flops / secs / 1e12,
+        peak as f64 / (1u64 << 30) as f64
+    );
+    // Rows 0..slice see keys 0..slice; the last `slice` rows see every key.
+    let rel = |a: &Tensor, r: &Tensor| -> Result<f64> {
+        let a = a.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+        let r = r.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+        let err = (a - &r)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let scale = r.abs()?.max_all()?.to_scalar::<f32>()?;
+        Ok((err / scale) as f64)
+    };
+    let on = |t: &Tensor, a: usize, len: usize| -> Result<Tensor> {
+        Ok(t.narrow(2, a, len)?.to_device(dev)?)
+    };
+    let res_opts = AttentionOpts {
+        causal: true,
+        mode: Mode::Resident,
+        ..Default::default()
+    };
+    let first = attention(
+        &on(&q, 0, slice)?,
+        &on(&k, 0, slice)?,
+        &on(&v, 0, slice)?,
+        &res_opts,
+    )?;
+    let err_first = rel(&o.narrow(2, 0, slice)?, &first)?;
+    let last = attention(
+        &on(&q, n - slice, slice)?,
+        &on(&k, 0, n)?,
+        &on(&v, 0, n)?,
+        &res_opts,
+    )?;
+    let err_last = rel(&o.narrow(2, n - slice, slice)?, &last)?;
+    println!("out of core: error vs resident, first {slice} rows {err_first:e}, last {slice} rows {err_last:e}");
+    Ok(json!({
+        "n": n, "b": b, "h": h, "d": d, "dtype": "bf16", "causal": true,
+        "budget_gib": budget_gib, "plan": plan.to_string(),
+        "seconds": secs, "tflops": flops / secs / 1e12,
+        "peak_device_gib": peak as f64 / (1u64 << 30) as f64,
+        "rel_err_first_rows": err_first, "rel_err_last_rows": err_last, "slice_rows": slice,
+    }))
+}

@@ -1,1 +1,573 @@
-//! Tests: attention (to be filled).
+//! Tests: `cqsa` exact chunked attention, forward and backward, resident and
+//! streamed, against an f64 naive reference computed on the host and against
+//! Candle's naive attention (`softmax(q k^T * scale + mask) v` with candle ops).
+//!
+//! Tolerances are max |error| / max |reference| over the whole tensor: f32 1e-5
+//! (forward) and 1e-4 (gradients, which sum over the sequence); f16 3e-3 and bf16
+//! 2e-2 (the output is rounded to the dtype, and the tensor-core path rounds the
+//! probabilities before multiplying by v).
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use cqsa::{attention, estimate, AttentionOpts, AttentionShape, Budget, Mode};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+/// A `(b, h, n, d)` tensor of uniform values in [-1, 1), deterministic in `seed`.
+fn rand_t(
+    shape: (usize, usize, usize, usize),
+    dtype: DType,
+    dev: &Device,
+    seed: u64,
+) -> Result<Tensor> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let n = shape.0 * shape.1 * shape.2 * shape.3;
+    let v: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    Ok(Tensor::from_vec(v, shape, &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(dev)?)
+}
+
+fn host_f64(t: &Tensor) -> Result<Vec<f64>> {
+    Ok(t.to_device(&Device::Cpu)?
+        .to_dtype(DType::F64)?
+        .flatten_all()?
+        .to_vec1::<f64>()?)
+}
+
+/// f64 naive attention with the crate's conventions: GQA, bottom-right causal
+/// alignment, output 0 for a row that sees no key.
+fn reference(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) -> Result<Vec<f64>> {
+    let (b, hq, nq, d) = q.dims4()?;
+    let (_, hkv, nk, _) = k.dims4()?;
+    let (q, k, v) = (host_f64(q)?, host_f64(k)?, host_f64(v)?);
+    let mut out = vec![0f64; b * hq * nq * d];
+    for bi in 0..b {
+        for h in 0..hq {
+            let kh = bi * hkv + h / (hq / hkv);
+            for i in 0..nq {
+                let row = (bi * hq + h) * nq + i;
+                let visible = if causal {
+                    (i as i64 + nk as i64 - nq as i64 + 1).clamp(0, nk as i64) as usize
+                } else {
+                    nk
+                };
+                if visible == 0 {
+                    continue;
+                }
+                let s: Vec<f64> = (0..visible)
+                    .map(|j| {
+                        (0..d)
+                            .map(|x| q[row * d + x] * k[(kh * nk + j) * d + x])
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let p: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let l: f64 = p.iter().sum();
+                for x in 0..d {
+                    out[row * d + x] = (0..visible)
+                        .map(|j| p[j] * v[(kh * nk + j) * d + x])
+                        .sum::<f64>()
+                        / l;
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Candle's naive attention: k/v heads repeated for GQA, full score matrix,
+/// `-inf` bottom-right causal mask, softmax in f32. Needs `seq_q <= seq_k` when
+/// causal (otherwise some rows see nothing and softmax gives NaN).
+fn naive(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) -> Result<Tensor> {
+    let (b, hq, nq, d) = q.dims4()?;
+    let (_, hkv, nk, _) = k.dims4()?;
+    let rep = |t: &Tensor| -> Result<Tensor> {
+        Ok(t.unsqueeze(2)?
+            .broadcast_as((b, hkv, hq / hkv, nk, d))?
+            .reshape((b, hq, nk, d))?)
+    };
+    let (k, v) = (rep(k)?, rep(v)?);
+    let mut s = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
+    if causal {
+        let off = nk as i64 - nq as i64;
+        let mask: Vec<f32> = (0..nq)
+            .flat_map(|i| {
+                (0..nk).map(move |j| {
+                    if j as i64 <= i as i64 + off {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (nq, nk), q.device())?.to_dtype(q.dtype())?;
+        s = s.broadcast_add(&mask)?;
+    }
+    let p = candle_nn::ops::softmax(&s, candle_core::D::Minus1)?;
+    Ok(p.matmul(&v)?)
+}
+
+/// max |a - b| / max |b|.
+fn rel_err(a: &[f64], b: &[f64]) -> f64 {
+    let scale = b.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-30);
+    a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+fn rel_err_t(a: &Tensor, b: &Tensor) -> Result<f64> {
+    Ok(rel_err(&host_f64(a)?, &host_f64(b)?))
+}
+
+/// (b, hq, hkv, nq, nk, d, causal)
+type Case = (usize, usize, usize, usize, usize, usize, bool);
+
+const CASES: &[Case] = &[
+    (1, 1, 1, 1, 1, 16, false),
+    (1, 2, 2, 1, 37, 32, true),
+    (2, 4, 2, 37, 37, 64, true),
+    (1, 2, 1, 50, 77, 80, true),
+    (1, 2, 2, 77, 50, 128, true),
+    (1, 3, 1, 65, 33, 128, false),
+    (1, 2, 2, 70, 70, 256, true),
+    (1, 1, 1, 129, 130, 16, true),
+];
+
+fn run_forward_cases(dev: &Device, dtype: DType, tol: f64) -> Result<()> {
+    for (n, &(b, hq, hkv, nq, nk, d, causal)) in CASES.iter().enumerate() {
+        let seed = 100 * n as u64;
+        let q = rand_t((b, hq, nq, d), dtype, dev, seed)?;
+        let k = rand_t((b, hkv, nk, d), dtype, dev, seed + 1)?;
+        let v = rand_t((b, hkv, nk, d), dtype, dev, seed + 2)?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let opts = AttentionOpts {
+            causal,
+            ..Default::default()
+        };
+        let o = attention(&q, &k, &v, &opts)?;
+        ensure!(
+            o.dims() == q.dims() && o.dtype() == dtype,
+            "shape/dtype {:?} {:?}",
+            o.dims(),
+            o.dtype()
+        );
+        ensure!(o.device().same_device(dev), "output left the device");
+        let err = rel_err(&host_f64(&o)?, &reference(&q, &k, &v, causal, scale)?);
+        ensure!(
+            err <= tol,
+            "{dtype:?} case {:?}: error vs f64 reference {err:e} > {tol:e}",
+            CASES[n]
+        );
+        if !causal || nq <= nk {
+            let f = |t: &Tensor| t.to_dtype(DType::F32);
+            let nv = naive(&f(&q)?, &f(&k)?, &f(&v)?, causal, scale)?;
+            let err = rel_err_t(&o, &nv)?;
+            ensure!(
+                err <= tol,
+                "{dtype:?} case {:?}: error vs candle naive {err:e} > {tol:e}",
+                CASES[n]
+            );
+        }
+    }
+    Ok(())
+}
+
+fn attention_f32_matches_reference_and_naive(dev: &Device) -> Result<()> {
+    run_forward_cases(dev, DType::F32, 1e-5)
+}
+candle_streamer::test_device!(attention_f32_matches_reference_and_naive);
+
+fn attention_f16_within_tolerance(dev: &Device) -> Result<()> {
+    run_forward_cases(dev, DType::F16, 3e-3)
+}
+candle_streamer::test_device!(attention_f16_within_tolerance);
+
+fn attention_bf16_within_tolerance(dev: &Device) -> Result<()> {
+    run_forward_cases(dev, DType::BF16, 2e-2)
+}
+candle_streamer::test_device!(attention_bf16_within_tolerance);
+
+/// The head dims the tensor-core path is tuned for, at a size of several tiles.
+fn attention_tuned_head_dims_multi_tile(dev: &Device) -> Result<()> {
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 3e-3)] {
+        for d in [64, 128] {
+            let (q, k, v) = (
+                rand_t((1, 2, 200, d), dtype, dev, 7)?,
+                rand_t((1, 1, 300, d), dtype, dev, 8)?,
+                rand_t((1, 1, 300, d), dtype, dev, 9)?,
+            );
+            for causal in [false, true] {
+                let o = attention(
+                    &q,
+                    &k,
+                    &v,
+                    &AttentionOpts {
+                        causal,
+                        ..Default::default()
+                    },
+                )?;
+                let err = rel_err(
+                    &host_f64(&o)?,
+                    &reference(&q, &k, &v, causal, 1.0 / (d as f64).sqrt())?,
+                );
+                ensure!(
+                    err <= tol,
+                    "{dtype:?} d={d} causal={causal}: {err:e} > {tol:e}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(attention_tuned_head_dims_multi_tile);
+
+fn attention_custom_scale_and_noncontiguous(dev: &Device) -> Result<()> {
+    // q built as (b, n, h, d) and transposed: a non-contiguous input.
+    let q = rand_t((1, 20, 2, 32), DType::F32, dev, 1)?.transpose(1, 2)?;
+    let k = rand_t((1, 2, 24, 32), DType::F32, dev, 2)?;
+    let v = rand_t((1, 2, 24, 32), DType::F32, dev, 3)?;
+    ensure!(!q.is_contiguous());
+    let opts = AttentionOpts {
+        causal: true,
+        scale: Some(0.3),
+        ..Default::default()
+    };
+    let o = attention(&q, &k, &v, &opts)?;
+    let err = rel_err(&host_f64(&o)?, &reference(&q, &k, &v, true, 0.3)?);
+    ensure!(err <= 1e-5, "error {err:e}");
+    Ok(())
+}
+candle_streamer::test_device!(attention_custom_scale_and_noncontiguous);
+
+/// Gradients of q, k, v of `sum(o * w)` through cqsa and through Candle's naive
+/// attention with autograd; returns the max relative error over the three.
+fn grad_error(dev: &Device, case: Case, dtype: DType, opts_extra: AttentionOpts) -> Result<f64> {
+    let (b, hq, hkv, nq, nk, d, causal) = case;
+    let q = rand_t((b, hq, nq, d), dtype, dev, 11)?;
+    let k = rand_t((b, hkv, nk, d), dtype, dev, 12)?;
+    let v = rand_t((b, hkv, nk, d), dtype, dev, 13)?;
+    let w = rand_t((b, hq, nq, d), DType::F32, dev, 14)?;
+    let scale = 1.0 / (d as f64).sqrt();
+
+    let (vq, vk, vv) = (
+        Var::from_tensor(&q)?,
+        Var::from_tensor(&k)?,
+        Var::from_tensor(&v)?,
+    );
+    let opts = AttentionOpts {
+        causal,
+        ..opts_extra
+    };
+    let o = attention(vq.as_tensor(), vk.as_tensor(), vv.as_tensor(), &opts)?;
+    let loss = (o.to_dtype(DType::F32)? * &w)?.sum_all()?;
+    let g = loss.backward()?;
+
+    let f = |t: &Tensor| -> Result<Var> { Ok(Var::from_tensor(&t.to_dtype(DType::F32)?)?) };
+    let (nq_, nk_, nv_) = (f(&q)?, f(&k)?, f(&v)?);
+    let on = naive(
+        nq_.as_tensor(),
+        nk_.as_tensor(),
+        nv_.as_tensor(),
+        causal,
+        scale,
+    )?;
+    let nloss = (on * &w)?.sum_all()?;
+    let ng = nloss.backward()?;
+
+    let mut worst = 0f64;
+    for (ours, theirs, name) in [(&vq, &nq_, "dq"), (&vk, &nk_, "dk"), (&vv, &nv_, "dv")] {
+        let a = g
+            .get(ours.as_tensor())
+            .ok_or_else(|| anyhow::anyhow!("no {name} from cqsa"))?;
+        let b = ng
+            .get(theirs.as_tensor())
+            .ok_or_else(|| anyhow::anyhow!("no {name} from naive"))?;
+        ensure!(
+            a.dims() == ours.dims() && a.dtype() == dtype,
+            "{name} shape/dtype"
+        );
+        worst = worst.max(rel_err_t(a, b)?);
+    }
+    Ok(worst)
+}
+
+const GRAD_CASES: &[Case] = &[
+    (1, 1, 1, 1, 5, 16, false),
+    (1, 2, 2, 19, 19, 32, true),
+    (2, 4, 2, 33, 47, 64, true),
+    (1, 2, 1, 40, 25, 80, false),
+    (1, 2, 2, 65, 70, 128, true),
+    (1, 1, 1, 17, 20, 256, true),
+];
+
+fn attention_grads_match_naive_autograd(dev: &Device) -> Result<()> {
+    for &case in GRAD_CASES {
+        let err = grad_error(dev, case, DType::F32, AttentionOpts::default())?;
+        ensure!(err <= 1e-4, "f32 grads {case:?}: {err:e}");
+    }
+    Ok(())
+}
+candle_streamer::test_device!(attention_grads_match_naive_autograd);
+
+fn attention_grads_half_precision(dev: &Device) -> Result<()> {
+    for &case in &GRAD_CASES[1..4] {
+        for (dtype, tol) in [(DType::F16, 1e-2), (DType::BF16, 5e-2)] {
+            let err = grad_error(dev, case, dtype, AttentionOpts::default())?;
+            ensure!(err <= tol, "{dtype:?} grads {case:?}: {err:e} > {tol:e}");
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(attention_grads_half_precision);
+
+/// A budget far below what a resident call needs forces the streamed mode; its
+/// output and gradients equal the resident ones.
+fn attention_streamed_equals_resident(dev: &Device) -> Result<()> {
+    let cases: &[Case] = &[
+        (1, 2, 1, 100, 130, 32, true),
+        (1, 2, 2, 130, 90, 64, true), // seq_q > seq_k: leading rows see nothing
+        (2, 2, 2, 70, 70, 16, false),
+    ];
+    for &(b, hq, hkv, nq, nk, d, causal) in cases {
+        let shape = AttentionShape {
+            b,
+            hq,
+            hkv,
+            nq,
+            nk,
+            d,
+            dtype: DType::F32,
+            causal,
+        };
+        let budget = Budget::new(shape.resident_bytes() / 3);
+        let plan = estimate(&shape, &budget)?;
+        ensure!(plan.mode == Mode::Streamed, "plan {plan}");
+        ensure!(plan.q_chunk < nq || plan.kv_chunk < nk, "plan {plan}");
+        ensure!(plan.device_bytes <= budget.device_bytes, "plan {plan}");
+        let q = rand_t((b, hq, nq, d), DType::F32, dev, 21)?;
+        let k = rand_t((b, hkv, nk, d), DType::F32, dev, 22)?;
+        let v = rand_t((b, hkv, nk, d), DType::F32, dev, 23)?;
+        let resident = attention(
+            &q,
+            &k,
+            &v,
+            &AttentionOpts {
+                causal,
+                mode: Mode::Resident,
+                ..Default::default()
+            },
+        )?;
+        let streamed_opts = AttentionOpts {
+            causal,
+            budget: Some(budget),
+            ..Default::default()
+        };
+        let streamed = attention(&q, &k, &v, &streamed_opts)?;
+        ensure!(
+            streamed.device().same_device(dev),
+            "streamed output left the device"
+        );
+        let err = rel_err_t(&streamed, &resident)?;
+        ensure!(err <= 1e-5, "streamed vs resident {err:e}");
+        let err = rel_err(
+            &host_f64(&streamed)?,
+            &reference(&q, &k, &v, causal, 1.0 / (d as f64).sqrt())?,
+        );
+        ensure!(err <= 1e-5, "streamed vs reference {err:e}");
+        if nq <= nk || !causal {
+            let err = grad_error(
+                dev,
+                (b, hq, hkv, nq, nk, d, causal),
+                DType::F32,
+                streamed_opts.clone(),
+            )?;
+            ensure!(err <= 1e-4, "streamed grads {err:e}");
+        }
+    }
+    // Explicit small chunks, bf16, and the grads of a seq_q > seq_k causal call
+    // against the resident op's grads.
+    let opts = AttentionOpts {
+        causal: true,
+        mode: Mode::Streamed,
+        q_chunk: Some(16),
+        kv_chunk: Some(24),
+        ..Default::default()
+    };
+    let q = Var::from_tensor(&rand_t((1, 2, 50, 32), DType::BF16, dev, 31)?)?;
+    let k = Var::from_tensor(&rand_t((1, 1, 40, 32), DType::BF16, dev, 32)?)?;
+    let v = Var::from_tensor(&rand_t((1, 1, 40, 32), DType::BF16, dev, 33)?)?;
+    let run = |opts: &AttentionOpts| -> Result<Vec<Tensor>> {
+        let o = attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), opts)?;
+        let g = o.to_dtype(DType::F32)?.sqr()?.sum_all()?.backward()?;
+        let mut out = vec![o];
+        for t in [&q, &k, &v] {
+            out.push(
+                g.get(t.as_tensor())
+                    .ok_or_else(|| anyhow::anyhow!("missing grad"))?
+                    .clone(),
+            );
+        }
+        Ok(out)
+    };
+    let a = run(&opts)?;
+    let b = run(&AttentionOpts {
+        causal: true,
+        mode: Mode::Resident,
+        ..Default::default()
+    })?;
+    for (x, y) in a.iter().zip(&b) {
+        let err = rel_err_t(x, y)?;
+        ensure!(err <= 2e-2, "bf16 streamed vs resident {err:e}");
+    }
+    Ok(())
+}
+candle_streamer::test_device!(attention_streamed_equals_resident);
+
+/// Host inputs computed on `dev` (streamed from host memory when forced): the
+/// output stays on the host.
+fn attention_host_inputs_on_device(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    let q = rand_t((1, 2, 60, 64), DType::F32, &cpu, 41)?;
+    let k = rand_t((1, 2, 60, 64), DType::F32, &cpu, 42)?;
+    let v = rand_t((1, 2, 60, 64), DType::F32, &cpu, 43)?;
+    let want = reference(&q, &k, &v, true, 0.125)?;
+    for mode in [Mode::Resident, Mode::Streamed] {
+        let opts = AttentionOpts {
+            causal: true,
+            device: Some(dev.clone()),
+            mode,
+            q_chunk: Some(32),
+            kv_chunk: Some(16),
+            ..Default::default()
+        };
+        let o = attention(&q, &k, &v, &opts)?;
+        ensure!(o.device().is_cpu(), "output should stay on the host");
+        let err = rel_err(&host_f64(&o)?, &want);
+        ensure!(err <= 1e-5, "{mode:?}: {err:e}");
+    }
+    Ok(())
+}
+candle_streamer::test_device!(attention_host_inputs_on_device);
+
+fn expect_err(r: candle_core::Result<Tensor>, needles: &[&str]) -> Result<()> {
+    match r {
+        Ok(t) => anyhow::bail!("expected an error, got a tensor {:?}", t.dims()),
+        Err(e) => {
+            let msg = e.to_string();
+            for n in needles {
+                ensure!(msg.contains(n), "error {msg:?} does not mention {n:?}");
+            }
+            Ok(())
+        }
+    }
+}
+
+fn attention_rejects_bad_input(dev: &Device) -> Result<()> {
+    let o = AttentionOpts::default();
+    let t = |s: (usize, usize, usize, usize), dt: DType| Tensor::zeros(s, dt, dev);
+    let q = t((1, 4, 8, 16), DType::F32)?;
+    let kv = t((1, 2, 8, 16), DType::F32)?;
+    // rank
+    let q3 = Tensor::zeros((4, 8, 16), DType::F32, dev)?;
+    expect_err(attention(&q3, &kv, &kv, &o), &["rank 4", "[4, 8, 16]"])?;
+    // dtype mix and unsupported dtype
+    let kv16 = kv.to_dtype(DType::F16)?;
+    expect_err(attention(&q, &kv16, &kv, &o), &["F32", "F16"])?;
+    let q64 = q.to_dtype(DType::F64)?;
+    expect_err(attention(&q64, &kv, &kv, &o), &["F64"])?;
+    // heads that do not divide
+    let kv3 = t((1, 3, 8, 16), DType::F32)?;
+    expect_err(
+        attention(&q, &kv3, &kv3, &o),
+        &["heads_q (4)", "heads_kv (3)"],
+    )?;
+    // head_dim 0 and above the maximum
+    let q0 = t((1, 4, 8, 0), DType::F32)?;
+    let kv0 = t((1, 2, 8, 0), DType::F32)?;
+    expect_err(attention(&q0, &kv0, &kv0, &o), &["head_dim", "got 0"])?;
+    let qbig = t((1, 1, 2, 300), DType::F32)?;
+    let kvbig = t((1, 1, 2, 300), DType::F32)?;
+    expect_err(attention(&qbig, &kvbig, &kvbig, &o), &["head_dim", "300"])?;
+    // mismatched head_dim, batch and k/v shapes
+    let kvd = t((1, 2, 8, 32), DType::F32)?;
+    expect_err(attention(&q, &kvd, &kvd, &o), &["(16)", "(32)"])?;
+    let kvb = t((2, 2, 8, 16), DType::F32)?;
+    expect_err(attention(&q, &kvb, &kvb, &o), &["batch"])?;
+    let v9 = t((1, 2, 9, 16), DType::F32)?;
+    expect_err(
+        attention(&q, &kv, &v9, &o),
+        &["[1, 2, 8, 16]", "[1, 2, 9, 16]"],
+    )?;
+    // mismatched devices (only possible when dev is not the CPU)
+    if !dev.is_cpu() {
+        let kv_host = kv.to_device(&Device::Cpu)?;
+        expect_err(attention(&q, &kv_host, &kv, &o), &["one device"])?;
+    }
+    // nothing fits
+    let opts = AttentionOpts {
+        budget: Some(Budget {
+            device_bytes: 16,
+            host_bytes: 1 << 40,
+        }),
+        ..Default::default()
+    };
+    expect_err(
+        attention(&q, &kv, &kv, &opts),
+        &["nothing fits", "budget is 16"],
+    )?;
+    Ok(())
+}
+candle_streamer::test_device!(attention_rejects_bad_input);
+
+fn estimate_plans_without_allocating(dev: &Device) -> Result<()> {
+    let _ = dev;
+    let small = AttentionShape {
+        b: 1,
+        hq: 4,
+        hkv: 4,
+        nq: 128,
+        nk: 128,
+        d: 64,
+        dtype: DType::BF16,
+        causal: true,
+    };
+    let big = AttentionShape {
+        nq: 1 << 20,
+        nk: 1 << 20,
+        hq: 16,
+        hkv: 16,
+        d: 128,
+        ..small
+    };
+    let budget = Budget {
+        device_bytes: 8 << 30,
+        host_bytes: 1 << 40,
+    };
+    let p = estimate(&small, &budget)?;
+    ensure!(
+        p.mode == Mode::Resident && p.q_chunk == 128 && p.subproblems == 1,
+        "{p}"
+    );
+    // N = 1M, 16 heads, d 128, bf16: 4 GiB per input tensor; the plan streams.
+    let p = estimate(&big, &budget)?;
+    ensure!(p.mode == Mode::Streamed, "{p}");
+    ensure!(
+        p.device_bytes <= budget.device_bytes && p.resident_bytes > budget.device_bytes,
+        "{p}"
+    );
+    ensure!(
+        p.subproblems > 1 && p.forward_seconds > 0.0 && p.host_bytes > 0,
+        "{p}"
+    );
+    // Causal skips the upper triangle of chunk pairs.
+    let full = estimate(
+        &AttentionShape {
+            causal: false,
+            ..big
+        },
+        &budget,
+    )?;
+    ensure!(p.subproblems < full.subproblems, "{p} vs {full}");
+    Ok(())
+}
+candle_streamer::test_device!(estimate_plans_without_allocating);

@@ -22,10 +22,17 @@ pub const CAST: &str = include_str!(concat!(env!("OUT_DIR"), "/cast.ptx"));
 #[cfg(feature = "cuda")]
 pub const DELAY: &str = include_str!(concat!(env!("OUT_DIR"), "/delay.ptx"));
 
+/// Exact chunked attention (crate `cqsa`): forward and backward, simple f32-math
+/// kernels for any head dim and tensor-core forward kernels for f16/bf16.
+#[cfg(feature = "cuda")]
+pub const ATTENTION: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
+
 /// Module names under which the PTX above is registered with a Candle device.
 pub mod module {
     /// Module name of [`super::CAST`].
     pub const CAST: &str = "streamer_cast";
+    /// Module name of [`super::ATTENTION`].
+    pub const ATTENTION: &str = "cqsa_attention";
     /// Module name of [`super::DELAY`].
     pub const DELAY: &str = "streamer_delay";
 }

@@ -1,1 +1,234 @@
-//! placeholder
+//! `cqsa`: exact attention by chunks, as a Candle custom op with forward and
+//! backward on CPU and CUDA, and an out-of-core mode for sequences that do not fit
+//! on the device.
+//!
+//! [`attention`] computes `softmax(q k^T * scale + mask) v` without ever forming
+//! the `seq_q x seq_k` matrix: keys are visited in chunks with an online softmax,
+//! and the forward keeps the log-sum-exp of every row so that the backward
+//! recomputes the probabilities chunk by chunk. The result is differentiable through
+//! Candle's backprop (`loss.backward()` gives dq, dk, dv).
+//!
+//! Shapes: `q` is `(batch, heads_q, seq_q, head_dim)`, `k` and `v` are
+//! `(batch, heads_kv, seq_k, head_dim)` with `heads_q` a multiple of `heads_kv`
+//! (grouped-query attention: query head `h` reads key/value head
+//! `h / (heads_q / heads_kv)`). Dtypes f32, f16, bf16 (all three the same);
+//! arithmetic is f32 in every path. `head_dim` is 1 to [`MAX_HEAD_DIM`].
+//!
+//! Causal masking with `seq_q != seq_k` is aligned **bottom-right**: query `i` sees
+//! key `j` iff `j <= i + seq_k - seq_q`, so the last query sees every key (the
+//! convention of FlashAttention 2.1+ and of decoding with a KV cache). When
+//! `seq_q > seq_k` the first `seq_q - seq_k` queries see no key; their output is 0
+//! and their gradient 0.
+//!
+//! When the inputs, output and workspace do not fit in the device's free memory (or
+//! in the [`Budget`] given in [`AttentionOpts`]), the call runs in streamed mode:
+//! the work is split into query and key chunks, every chunk pair runs resident, and
+//! partial outputs are merged by their log-sum-exp (exact up to rounding). The
+//! planner behind that choice is exposed by [`estimate`], which allocates nothing.
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use cqsa::{attention, estimate, AttentionOpts, AttentionShape, Budget, Mode};
+//!
+//! let dev = Device::Cpu;
+//! let q = Tensor::randn(0f32, 1.0, (1, 4, 10, 16), &dev)?;
+//! let k = Tensor::randn(0f32, 1.0, (1, 2, 12, 16), &dev)?; // 2 kv heads: GQA
+//! let v = Tensor::randn(0f32, 1.0, (1, 2, 12, 16), &dev)?;
+//! let o = attention(&q, &k, &v, &AttentionOpts { causal: true, ..Default::default() })?;
+//! assert_eq!(o.dims(), &[1, 4, 10, 16]);
+//!
+//! let shape = AttentionShape { b: 1, hq: 4, hkv: 2, nq: 10, nk: 12, d: 16, dtype: DType::F32, causal: true };
+//! let plan = estimate(&shape, &Budget::detect(&dev)?)?;
+//! assert_eq!(plan.mode, Mode::Resident);
+//! # Ok::<(), candle_core::Error>(())
+//! ```
+#![warn(missing_docs)]
+
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod op;
+mod plan;
+mod stream;
+
+use candle_core::{bail, DType, Device, Result, Tensor};
+
+pub use op::{attention_backward, attention_forward};
+pub use plan::{estimate, AttentionShape, Budget, Mode, Plan};
+
+/// The largest supported head dimension.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Options of [`attention`]. `AttentionOpts::default()` is non-causal attention
+/// with scale `1/sqrt(head_dim)`, the mode chosen by the planner from the free
+/// memory of the inputs' device.
+#[derive(Debug, Clone, Default)]
+pub struct AttentionOpts {
+    /// Causal mask, aligned bottom-right when `seq_q != seq_k` (see the crate docs).
+    pub causal: bool,
+    /// Multiplier of `q k^T`; `None` means `1 / sqrt(head_dim)`.
+    pub scale: Option<f64>,
+    /// Force resident or streamed execution; `Mode::Auto` lets the planner decide.
+    pub mode: Mode,
+    /// Memory budget to plan against; `None` detects the free memory of the
+    /// compute device.
+    pub budget: Option<Budget>,
+    /// Device that computes. `None`: the inputs' device. Host (CPU) inputs with a
+    /// CUDA device here run on that device, streamed chunk by chunk when needed,
+    /// and the output stays on the host.
+    pub device: Option<Device>,
+    /// Override the planner's query chunk (rows) in streamed mode.
+    pub q_chunk: Option<usize>,
+    /// Override the planner's key chunk (rows) in streamed mode.
+    pub kv_chunk: Option<usize>,
+    /// Print the plan and progress of streamed calls to stderr (also enabled by
+    /// the environment variable `CQSA_VERBOSE=1`).
+    pub verbose: bool,
+}
+
+/// Sizes of one attention call, checked by [`validate`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Dims {
+    pub b: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub nq: usize,
+    pub nk: usize,
+    pub d: usize,
+}
+
+/// Checks ranks, dtypes, devices and sizes of `(q, k, v)`; every failure names
+/// the offending values. Runs before anything is launched.
+pub(crate) fn validate(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Dims> {
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        if t.rank() != 4 {
+            bail!(
+                "cqsa: {name} must have rank 4 (batch, heads, seq, head_dim), got shape {:?}",
+                t.dims()
+            )
+        }
+        if !matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+            bail!(
+                "cqsa: {name} has dtype {:?}, supported are f32, f16 and bf16",
+                t.dtype()
+            )
+        }
+    }
+    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
+        bail!(
+            "cqsa: q, k, v must share one dtype, got {:?}, {:?}, {:?}",
+            q.dtype(),
+            k.dtype(),
+            v.dtype()
+        )
+    }
+    if !q.device().same_device(k.device()) || !q.device().same_device(v.device()) {
+        bail!(
+            "cqsa: q, k, v must be on one device, got {:?}, {:?}, {:?}",
+            q.device().location(),
+            k.device().location(),
+            v.device().location()
+        )
+    }
+    let (b, hq, nq, d) = q.dims4()?;
+    let (bk, hkv, nk, dk) = k.dims4()?;
+    if k.dims() != v.dims() {
+        bail!(
+            "cqsa: k and v must have the same shape, got {:?} and {:?}",
+            k.dims(),
+            v.dims()
+        )
+    }
+    if b != bk {
+        bail!("cqsa: batch of q ({b}) differs from batch of k/v ({bk})")
+    }
+    if d != dk {
+        bail!("cqsa: head_dim of q ({d}) differs from head_dim of k/v ({dk})")
+    }
+    if d == 0 || d > MAX_HEAD_DIM {
+        bail!("cqsa: head_dim must be in 1..={MAX_HEAD_DIM}, got {d}")
+    }
+    if hkv == 0 || hq == 0 || hq % hkv != 0 {
+        bail!("cqsa: heads_q ({hq}) must be a positive multiple of heads_kv ({hkv})")
+    }
+    if b == 0 || nq == 0 || nk == 0 {
+        bail!("cqsa: empty input: batch {b}, seq_q {nq}, seq_k {nk}")
+    }
+    Ok(Dims {
+        b,
+        hq,
+        hkv,
+        nq,
+        nk,
+        d,
+    })
+}
+
+/// The scale actually used: `opts.scale` or `1/sqrt(head_dim)`.
+pub(crate) fn resolve_scale(scale: Option<f64>, d: usize) -> f32 {
+    scale.unwrap_or(1.0 / (d as f64).sqrt()) as f32
+}
+
+/// The causal offset of the whole call: key `j` visible from query `i` iff
+/// `j <= i + offset`, with `offset = seq_k - seq_q` (bottom-right alignment).
+pub(crate) fn causal_offset(causal: bool, dims: &Dims) -> Option<i64> {
+    causal.then_some(dims.nk as i64 - dims.nq as i64)
+}
+
+/// Exact attention `softmax(q k^T * scale + mask) v`, differentiable.
+///
+/// `q`: `(batch, heads_q, seq_q, head_dim)`, `k`, `v`: `(batch, heads_kv, seq_k,
+/// head_dim)`; returns `(batch, heads_q, seq_q, head_dim)` in the inputs' dtype
+/// (on the inputs' device). Non-contiguous inputs are made contiguous first.
+///
+/// Runs resident (one custom op) when it fits the budget and streamed otherwise,
+/// per [`estimate`]; `opts.mode` can force either. Errors, before any work, on bad
+/// ranks, mixed dtypes, mismatched devices, head counts that do not divide, a
+/// head_dim of 0 or above [`MAX_HEAD_DIM`], or when nothing fits the budget.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Result<Tensor> {
+    let dims = validate(q, k, v)?;
+    let exec = opts.device.clone().unwrap_or_else(|| q.device().clone());
+    let shape = AttentionShape::new(&dims, q.dtype(), opts.causal);
+    let plan = if opts.mode == Mode::Resident {
+        None
+    } else {
+        let budget = match opts.budget {
+            Some(b) => b,
+            None => {
+                let mut b = Budget::detect(&exec)?;
+                if q.device().same_device(&exec) {
+                    // The inputs are already allocated there: count them as available.
+                    let e = q.dtype().size_in_bytes();
+                    b.device_bytes += (q.elem_count() + k.elem_count() + v.elem_count()) * e;
+                }
+                b
+            }
+        };
+        Some(plan::plan(&shape, &budget, opts, exec.is_cuda())?)
+    };
+    let streamed = plan.as_ref().is_some_and(|p| p.mode == Mode::Streamed);
+    let verbose = opts.verbose || std::env::var("CQSA_VERBOSE").is_ok_and(|v| v == "1");
+    if !streamed {
+        let on_exec = q.device().same_device(&exec);
+        let (qe, ke, ve) = if on_exec {
+            (q.contiguous()?, k.contiguous()?, v.contiguous()?)
+        } else {
+            let to = |t: &Tensor| t.to_device(&exec)?.contiguous();
+            (to(q)?, to(k)?, to(v)?)
+        };
+        let scale = resolve_scale(opts.scale, dims.d);
+        let o = op::apply(&qe, &ke, &ve, scale, causal_offset(opts.causal, &dims))?;
+        return if on_exec {
+            Ok(o)
+        } else {
+            o.to_device(q.device())
+        };
+    }
+    let Some(plan) = plan else {
+        bail!("cqsa: internal error: streamed call without a plan")
+    };
+    if verbose {
+        eprintln!("cqsa: {plan}");
+    }
+    stream::attention(q, k, v, opts, &plan, &exec, verbose)
+}

@@ -1,0 +1,259 @@
+//! The CPU path: a rayon multi-threaded, chunked online-softmax attention.
+//!
+//! Forward: each task owns a block of [`Q_BLOCK`] query rows of one (batch, head)
+//! and walks the keys in blocks of [`K_BLOCK`], keeping per row the running maximum,
+//! the running sum of exponentials and an un-normalised output accumulator (the
+//! online softmax). Nothing of size `seq_q x seq_k` is ever allocated. It returns
+//! the output and the natural-log log-sum-exp of every row.
+//!
+//! Backward recomputes the probabilities from that log-sum-exp:
+//! `p = exp(s - lse)`, `ds = p * (do . v - delta)` with `delta = do . o`, then
+//! `dq = scale * ds k`, `dk = scale * ds^T q`, `dv = p^T do`. dq is computed by tasks
+//! over query blocks and dk/dv by tasks over key blocks (summing the query heads of a
+//! grouped-query group), so no two tasks write the same memory.
+//!
+//! All arithmetic is f32 whatever the storage dtype; f16/bf16 inputs are widened once.
+use std::borrow::Cow;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, Layout, Result};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use crate::Dims;
+
+/// Query rows per task.
+const Q_BLOCK: usize = 32;
+/// Keys per inner block.
+const K_BLOCK: usize = 64;
+
+/// The contiguous elements of `s` described by `l`, widened to f32.
+pub(crate) fn to_f32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<Cow<'a, [f32]>> {
+    let Some((a, b)) = l.contiguous_offsets() else {
+        bail!("cqsa: cpu input must be contiguous, got layout {l:?}")
+    };
+    Ok(match s {
+        CpuStorage::F32(v) => Cow::Borrowed(&v[a..b]),
+        CpuStorage::F16(v) => Cow::Owned(v[a..b].iter().map(|x| x.to_f32()).collect()),
+        CpuStorage::BF16(v) => Cow::Owned(v[a..b].iter().map(|x| x.to_f32()).collect()),
+        other => bail!("cqsa: unsupported dtype {:?}", other.dtype()),
+    })
+}
+
+/// Narrows f32 results to the storage of `like`'s dtype.
+pub(crate) fn from_f32(v: Vec<f32>, like: &CpuStorage) -> Result<CpuStorage> {
+    Ok(match like {
+        CpuStorage::F32(_) => CpuStorage::F32(v),
+        CpuStorage::F16(_) => CpuStorage::F16(v.into_iter().map(f16::from_f32).collect()),
+        CpuStorage::BF16(_) => CpuStorage::BF16(v.into_iter().map(bf16::from_f32).collect()),
+        other => bail!("cqsa: unsupported dtype {:?}", other.dtype()),
+    })
+}
+
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Four partial sums let the compiler vectorise without fast-math.
+    let mut acc = [0f32; 4];
+    let mut ca = a.chunks_exact(4);
+    let mut cb = b.chunks_exact(4);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        acc[0] += x[0] * y[0];
+        acc[1] += x[1] * y[1];
+        acc[2] += x[2] * y[2];
+        acc[3] += x[3] * y[3];
+    }
+    let mut s = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
+        s += x * y;
+    }
+    s
+}
+
+#[inline]
+fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+/// Number of keys query row `i` may see: all of them, or `i + offset + 1` clamped
+/// to `[0, nk]` when causal (key `j` is visible iff `j <= i + offset`).
+#[inline]
+pub(crate) fn visible_keys(i: usize, nk: usize, causal: Option<i64>) -> usize {
+    match causal {
+        None => nk,
+        Some(off) => (i as i64 + off + 1).clamp(0, nk as i64) as usize,
+    }
+}
+
+/// Forward on contiguous f32 data laid out `(b, h, n, d)`. Returns the output and
+/// the log-sum-exp `(b, hq, nq)`; rows that see no key get output 0 and lse `-inf`.
+pub(crate) fn forward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: &Dims,
+    scale: f32,
+    causal: Option<i64>,
+) -> (Vec<f32>, Vec<f32>) {
+    let Dims {
+        hq, hkv, nq, nk, d, ..
+    } = *dims;
+    let group = hq / hkv;
+    let mut o = vec![0f32; q.len()];
+    let mut lse = vec![f32::NEG_INFINITY; dims.b * hq * nq];
+    let tasks: Vec<(usize, usize, &mut [f32], &mut [f32])> = o
+        .chunks_mut(nq * d)
+        .zip(lse.chunks_mut(nq))
+        .enumerate()
+        .flat_map(|(bh, (ob, lb))| {
+            ob.chunks_mut(Q_BLOCK * d)
+                .zip(lb.chunks_mut(Q_BLOCK))
+                .enumerate()
+                .map(move |(qb, (oc, lc))| (bh, qb * Q_BLOCK, oc, lc))
+        })
+        .collect();
+    tasks.into_par_iter().for_each(|(bh, i0, oc, lc)| {
+        let (bi, h) = (bh / hq, bh % hq);
+        let kvh = bi * hkv + h / group;
+        let qs = &q[bh * nq * d..(bh + 1) * nq * d];
+        let ks = &k[kvh * nk * d..(kvh + 1) * nk * d];
+        let vs = &v[kvh * nk * d..(kvh + 1) * nk * d];
+        let rows = lc.len();
+        let mut m = vec![f32::NEG_INFINITY; rows];
+        let mut l = vec![0f32; rows];
+        let mut s = vec![0f32; K_BLOCK];
+        let last = visible_keys(i0 + rows - 1, nk, causal);
+        for j0 in (0..last).step_by(K_BLOCK) {
+            let j1 = (j0 + K_BLOCK).min(last);
+            for r in 0..rows {
+                let i = i0 + r;
+                let jend = visible_keys(i, nk, causal).min(j1);
+                if jend <= j0 {
+                    continue;
+                }
+                let qi = &qs[i * d..(i + 1) * d];
+                let mut bmax = f32::NEG_INFINITY;
+                for j in j0..jend {
+                    let x = dot(qi, &ks[j * d..(j + 1) * d]) * scale;
+                    s[j - j0] = x;
+                    bmax = bmax.max(x);
+                }
+                let mnew = m[r].max(bmax);
+                let corr = (m[r] - mnew).exp(); // 0 when m was -inf
+                let acc = &mut oc[r * d..(r + 1) * d];
+                if corr != 1.0 {
+                    acc.iter_mut().for_each(|a| *a *= corr);
+                }
+                let mut sum = 0f32;
+                for j in j0..jend {
+                    let p = (s[j - j0] - mnew).exp();
+                    sum += p;
+                    axpy(acc, p, &vs[j * d..(j + 1) * d]);
+                }
+                l[r] = l[r] * corr + sum;
+                m[r] = mnew;
+            }
+        }
+        for r in 0..rows {
+            if l[r] > 0.0 {
+                let inv = 1.0 / l[r];
+                oc[r * d..(r + 1) * d].iter_mut().for_each(|a| *a *= inv);
+                lc[r] = m[r] + l[r].ln();
+            }
+        }
+    });
+    (o, lse)
+}
+
+/// Gradients of the inputs given the output `o`, its gradient `g` and the forward's
+/// `lse`, all contiguous f32. Returns `(dq, dk, dv)` shaped like `(q, k, v)`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    o: &[f32],
+    g: &[f32],
+    lse: &[f32],
+    dims: &Dims,
+    scale: f32,
+    causal: Option<i64>,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let Dims {
+        hq, hkv, nq, nk, d, ..
+    } = *dims;
+    let group = hq / hkv;
+    let delta: Vec<f32> = o
+        .par_chunks(d)
+        .zip(g.par_chunks(d))
+        .map(|(o, g)| dot(o, g))
+        .collect();
+
+    // dq: tasks over blocks of query rows.
+    let mut dq = vec![0f32; q.len()];
+    dq.par_chunks_mut(Q_BLOCK * d)
+        .enumerate()
+        .for_each(|(t, dqc)| {
+            // Blocks never straddle two heads only if nq is a multiple of Q_BLOCK, so
+            // locate every row separately.
+            for (r, dqi) in dqc.chunks_mut(d).enumerate() {
+                let row = t * Q_BLOCK + r; // global row over (b, hq, nq)
+                let (bh, i) = (row / nq, row % nq);
+                let (bi, h) = (bh / hq, bh % hq);
+                let kvh = bi * hkv + h / group;
+                let li = lse[row];
+                if li == f32::NEG_INFINITY {
+                    continue;
+                }
+                let qi = &q[row * d..(row + 1) * d];
+                let gi = &g[row * d..(row + 1) * d];
+                for j in 0..visible_keys(i, nk, causal) {
+                    let kj = &k[(kvh * nk + j) * d..(kvh * nk + j + 1) * d];
+                    let vj = &v[(kvh * nk + j) * d..(kvh * nk + j + 1) * d];
+                    let p = (dot(qi, kj) * scale - li).exp();
+                    let ds = p * (dot(gi, vj) - delta[row]);
+                    axpy(dqi, ds * scale, kj);
+                }
+            }
+        });
+
+    // dk, dv: tasks over blocks of keys of one (batch, kv head).
+    let mut dk = vec![0f32; k.len()];
+    let mut dv = vec![0f32; v.len()];
+    let first_row = |j: usize| -> usize {
+        match causal {
+            None => 0,
+            Some(off) => (j as i64 - off).clamp(0, nq as i64) as usize,
+        }
+    };
+    dk.par_chunks_mut(K_BLOCK * d)
+        .zip(dv.par_chunks_mut(K_BLOCK * d))
+        .enumerate()
+        .for_each(|(t, (dkc, dvc))| {
+            for (r, (dkj, dvj)) in dkc.chunks_mut(d).zip(dvc.chunks_mut(d)).enumerate() {
+                let col = t * K_BLOCK + r; // global key over (b, hkv, nk)
+                let (kvh, j) = (col / nk, col % nk);
+                let (bi, hk) = (kvh / hkv, kvh % hkv);
+                let kj = &k[col * d..(col + 1) * d];
+                let vj = &v[col * d..(col + 1) * d];
+                for h in hk * group..(hk + 1) * group {
+                    let bh = bi * hq + h;
+                    for i in first_row(j)..nq {
+                        let row = bh * nq + i;
+                        let li = lse[row];
+                        if li == f32::NEG_INFINITY {
+                            continue;
+                        }
+                        let qi = &q[row * d..(row + 1) * d];
+                        let gi = &g[row * d..(row + 1) * d];
+                        let p = (dot(qi, kj) * scale - li).exp();
+                        axpy(dvj, p, gi);
+                        let ds = p * (dot(gi, vj) - delta[row]);
+                        axpy(dkj, ds * scale, qi);
+                    }
+                }
+            }
+        });
+    (dq, dk, dv)
+}

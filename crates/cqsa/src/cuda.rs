@@ -1,0 +1,298 @@
+//! CUDA launches of the kernels in `kernels/src/attention.cu` (module
+//! [`streamer_kernels::module::ATTENTION`]), on the compute stream of the inputs'
+//! Candle device.
+//!
+//! Forward: the tensor-core kernel `cqsa_fwd_mma_{f16,bf16}_d{64,128}` when the
+//! dtype is f16/bf16, the head dim 64 or 128 and every input 16-byte aligned; the
+//! simple kernel `cqsa_fwd_simple_*` (f32 arithmetic, any head dim up to 256)
+//! otherwise. Backward: `cqsa_bwd_delta_*`, then `cqsa_bwd_dq_simple_*` and
+//! `cqsa_bwd_dkdv_simple_*`.
+//!
+//! Every device view passed to a launch is a local that lives until after the
+//! launch call returns, and cudarc records the read/write events of each slice on
+//! the launch stream, so no buffer is freed or reused while a kernel uses it.
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result};
+use half::{bf16, f16};
+use streamer_kernels::{module, ATTENTION};
+
+use crate::Dims;
+
+/// Rows handled by one block of the simple kernels (one warp per row).
+const SIMPLE_WARPS: u32 = 4;
+/// Query rows per block of the tensor-core forward.
+const MMA_ROWS: u32 = 64;
+
+fn suffix(dtype: DType) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        other => bail!("cqsa: no CUDA attention kernel for dtype {other:?}"),
+    })
+}
+
+/// The contiguous part of `s` described by `l`, and its element offset.
+fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<(CudaView<'a, T>, usize)> {
+    let Some((a, b)) = l.contiguous_offsets() else {
+        bail!("cqsa: cuda input must be contiguous, got layout {l:?}")
+    };
+    Ok((s.as_cuda_slice::<T>()?.slice(a..b), a))
+}
+
+fn grid(x: usize, y: usize, z: usize) -> Result<(u32, u32, u32)> {
+    if y > 65535 || z > 65535 || x > i32::MAX as usize {
+        bail!("cqsa: launch grid ({x}, {y}, {z}) too large")
+    }
+    Ok((x as u32, y as u32, z as u32))
+}
+
+fn to_i32(x: usize, what: &str) -> Result<i32> {
+    i32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("cqsa: {what} = {x} exceeds i32")))
+}
+
+/// Forward: returns the output (dtype of q) and the f32 log-sum-exp `(b, hq, nq)`.
+pub(crate) fn forward(
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    dims: &Dims,
+    scale: f32,
+    causal: Option<i64>,
+) -> Result<(CudaStorage, CudaStorage)> {
+    match q.0.dtype() {
+        DType::F32 => forward_t::<f32>(q, k, v, dims, scale, causal),
+        DType::F16 => forward_t::<f16>(q, k, v, dims, scale, causal),
+        DType::BF16 => forward_t::<bf16>(q, k, v, dims, scale, causal),
+        other => bail!("cqsa: no CUDA attention kernel for dtype {other:?}"),
+    }
+}
+
+fn forward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    dims: &Dims,
+    scale: f32,
+    causal: Option<i64>,
+) -> Result<(CudaStorage, CudaStorage)> {
+    let dev: &CudaDevice = q.0.device();
+    let dtype = q.0.dtype();
+    let sfx = suffix(dtype)?;
+    let (qv, qa) = view::<T>(q.0, q.1)?;
+    let (kv, ka) = view::<T>(k.0, k.1)?;
+    let (vv, va) = view::<T>(v.0, v.1)?;
+    let Dims {
+        b,
+        hq,
+        hkv,
+        nq,
+        nk,
+        d,
+    } = *dims;
+    let mut out: CudaSlice<T> = dev.alloc_zeros::<T>(b * hq * nq * d)?;
+    let mut lse: CudaSlice<f32> = dev.alloc_zeros::<f32>(b * hq * nq)?;
+    let (hq_, hkv_, nq_, nk_) = (
+        to_i32(hq, "heads_q")?,
+        to_i32(hkv, "heads_kv")?,
+        to_i32(nq, "seq_q")?,
+        to_i32(nk, "seq_k")?,
+    );
+    let d_ = to_i32(d, "head_dim")?;
+    let causal_ = i32::from(causal.is_some());
+    let off = causal.unwrap_or(0);
+    let aligned = [qa, ka, va].iter().all(|a| a % 8 == 0);
+    let mma = matches!(dtype, DType::F16 | DType::BF16) && matches!(d, 64 | 128) && aligned;
+    if mma {
+        let name = format!("cqsa_fwd_mma_{sfx}_d{d}");
+        let func = dev.get_or_load_custom_func(&name, module::ATTENTION, ATTENTION)?;
+        let cfg = LaunchConfig {
+            grid_dim: grid(nq.div_ceil(MMA_ROWS as usize), hq, b)?,
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        {
+            let mut builder = func.builder();
+            builder
+                .arg(&qv)
+                .arg(&kv)
+                .arg(&vv)
+                .arg(&mut out)
+                .arg(&mut lse);
+            builder.arg(&hq_).arg(&hkv_).arg(&nq_).arg(&nk_);
+            builder.arg(&scale).arg(&causal_).arg(&off);
+            // SAFETY: the kernel reads b*hq*nq*d / b*hkv*nk*d elements of the views
+            // (their exact lengths), writes b*hq*nq*d of `out` and b*hq*nq of `lse`;
+            // argument types match the kernel's signature; every view lives past the launch.
+            unsafe { builder.launch(cfg) }.w()?;
+        }
+    } else {
+        let name = format!("cqsa_fwd_simple_{sfx}");
+        let func = dev.get_or_load_custom_func(&name, module::ATTENTION, ATTENTION)?;
+        let cfg = LaunchConfig {
+            grid_dim: grid(nq.div_ceil(SIMPLE_WARPS as usize), hq, b)?,
+            block_dim: (32 * SIMPLE_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        {
+            let mut builder = func.builder();
+            builder
+                .arg(&qv)
+                .arg(&kv)
+                .arg(&vv)
+                .arg(&mut out)
+                .arg(&mut lse);
+            builder.arg(&hq_).arg(&hkv_).arg(&nq_).arg(&nk_).arg(&d_);
+            builder.arg(&scale).arg(&causal_).arg(&off);
+            // SAFETY: as above; d <= 256 is checked by `validate` (the kernel keeps at
+            // most 8 elements per lane).
+            unsafe { builder.launch(cfg) }.w()?;
+        }
+    }
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        CudaStorage::wrap_cuda_slice(lse, dev.clone()),
+    ))
+}
+
+/// Backward: inputs `[q, k, v, o, grad_o, lse]`; returns `(dq, dk, dv)` in the
+/// dtype of q.
+pub(crate) fn backward(
+    t: [(&CudaStorage, &Layout); 6],
+    dims: &Dims,
+    scale: f32,
+    causal: Option<i64>,
+) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    match t[0].0.dtype() {
+        DType::F32 => backward_t::<f32>(t, dims, scale, causal),
+        DType::F16 => backward_t::<f16>(t, dims, scale, causal),
+        DType::BF16 => backward_t::<bf16>(t, dims, scale, causal),
+        other => bail!("cqsa: no CUDA attention kernel for dtype {other:?}"),
+    }
+}
+
+fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
+    t: [(&CudaStorage, &Layout); 6],
+    dims: &Dims,
+    scale: f32,
+    causal: Option<i64>,
+) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    let dev: &CudaDevice = t[0].0.device();
+    let sfx = suffix(t[0].0.dtype())?;
+    let (qv, _) = view::<T>(t[0].0, t[0].1)?;
+    let (kv, _) = view::<T>(t[1].0, t[1].1)?;
+    let (vv, _) = view::<T>(t[2].0, t[2].1)?;
+    let (ov, _) = view::<T>(t[3].0, t[3].1)?;
+    let (gv, _) = view::<T>(t[4].0, t[4].1)?;
+    let (lv, _) = view::<f32>(t[5].0, t[5].1)?;
+    let Dims {
+        b,
+        hq,
+        hkv,
+        nq,
+        nk,
+        d,
+    } = *dims;
+    let rows = b * hq * nq;
+    let mut delta: CudaSlice<f32> = dev.alloc_zeros::<f32>(rows)?;
+    let mut dq: CudaSlice<T> = dev.alloc_zeros::<T>(rows * d)?;
+    let mut dk: CudaSlice<T> = dev.alloc_zeros::<T>(b * hkv * nk * d)?;
+    let mut dv: CudaSlice<T> = dev.alloc_zeros::<T>(b * hkv * nk * d)?;
+    let (hq_, hkv_, nq_, nk_, d_) = (
+        to_i32(hq, "heads_q")?,
+        to_i32(hkv, "heads_kv")?,
+        to_i32(nq, "seq_q")?,
+        to_i32(nk, "seq_k")?,
+        to_i32(d, "head_dim")?,
+    );
+    let rows_ = rows as i64;
+    let causal_ = i32::from(causal.is_some());
+    let off = causal.unwrap_or(0);
+    let block = (32 * SIMPLE_WARPS, 1, 1);
+    let w = SIMPLE_WARPS as usize;
+
+    let func = dev.get_or_load_custom_func(
+        &format!("cqsa_bwd_delta_{sfx}"),
+        module::ATTENTION,
+        ATTENTION,
+    )?;
+    let cfg = LaunchConfig {
+        grid_dim: grid(rows.div_ceil(w), 1, 1)?,
+        block_dim: block,
+        shared_mem_bytes: 0,
+    };
+    {
+        let mut builder = func.builder();
+        builder
+            .arg(&ov)
+            .arg(&gv)
+            .arg(&mut delta)
+            .arg(&rows_)
+            .arg(&d_);
+        // SAFETY: reads rows*d elements of o and grad_o, writes rows of delta; views live.
+        unsafe { builder.launch(cfg) }.w()?;
+    }
+
+    let func = dev.get_or_load_custom_func(
+        &format!("cqsa_bwd_dq_simple_{sfx}"),
+        module::ATTENTION,
+        ATTENTION,
+    )?;
+    let cfg = LaunchConfig {
+        grid_dim: grid(nq.div_ceil(w), hq, b)?,
+        block_dim: block,
+        shared_mem_bytes: 0,
+    };
+    {
+        let mut builder = func.builder();
+        builder
+            .arg(&qv)
+            .arg(&kv)
+            .arg(&vv)
+            .arg(&gv)
+            .arg(&lv)
+            .arg(&delta)
+            .arg(&mut dq);
+        builder.arg(&hq_).arg(&hkv_).arg(&nq_).arg(&nk_).arg(&d_);
+        builder.arg(&scale).arg(&causal_).arg(&off);
+        // SAFETY: reads within the views' lengths, writes rows*d of dq; views live.
+        unsafe { builder.launch(cfg) }.w()?;
+    }
+
+    let func = dev.get_or_load_custom_func(
+        &format!("cqsa_bwd_dkdv_simple_{sfx}"),
+        module::ATTENTION,
+        ATTENTION,
+    )?;
+    let cfg = LaunchConfig {
+        grid_dim: grid(nk.div_ceil(w), hkv, b)?,
+        block_dim: block,
+        shared_mem_bytes: 0,
+    };
+    {
+        let mut builder = func.builder();
+        builder
+            .arg(&qv)
+            .arg(&kv)
+            .arg(&vv)
+            .arg(&gv)
+            .arg(&lv)
+            .arg(&delta)
+            .arg(&mut dk)
+            .arg(&mut dv);
+        builder.arg(&hq_).arg(&hkv_).arg(&nq_).arg(&nk_).arg(&d_);
+        builder.arg(&scale).arg(&causal_).arg(&off);
+        // SAFETY: reads within the views' lengths, writes b*hkv*nk*d of dk and dv; views live.
+        unsafe { builder.launch(cfg) }.w()?;
+    }
+
+    Ok((
+        CudaStorage::wrap_cuda_slice(dq, dev.clone()),
+        CudaStorage::wrap_cuda_slice(dk, dev.clone()),
+        CudaStorage::wrap_cuda_slice(dv, dev.clone()),
+    ))
+}

@@ -1,0 +1,278 @@
+//! The custom op: [`AttnOp`] implements `CustomOp3` over `(q, k, v)`; its forward
+//! keeps the log-sum-exp, and its backward recomputes the probabilities from it.
+//!
+//! The log-sum-exp is a second result that `CustomOp3` has no slot for, so the op
+//! keeps it in a cell that the forward fills and the backward reads (the op object
+//! is the one Candle stores in the graph for this very call).
+use std::sync::{Arc, Mutex};
+
+use candle_core::op::BackpropOp;
+use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Storage, Tensor};
+
+use crate::{cpu, validate, Dims};
+
+/// The attention custom op for one call: scale, causal offset and the cell that
+/// carries the log-sum-exp from forward to backward.
+pub(crate) struct AttnOp {
+    scale: f32,
+    causal: Option<i64>,
+    lse: Arc<Mutex<Option<Tensor>>>,
+}
+
+/// Applies the differentiable resident op to contiguous `(q, k, v)`.
+pub(crate) fn apply(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    causal: Option<i64>,
+) -> Result<Tensor> {
+    let op = AttnOp {
+        scale,
+        causal,
+        lse: Arc::new(Mutex::new(None)),
+    };
+    q.apply_op3(k, v, op)
+}
+
+fn dims_of(lq: &Layout, lk: &Layout) -> Result<Dims> {
+    let (b, hq, nq, d) = lq.shape().dims4()?;
+    let (_, hkv, nk, _) = lk.shape().dims4()?;
+    Ok(Dims {
+        b,
+        hq,
+        hkv,
+        nq,
+        nk,
+        d,
+    })
+}
+
+fn lse_shape(dims: &Dims) -> Shape {
+    Shape::from((dims.b, dims.hq, dims.nq))
+}
+
+fn poisoned<T>(_: T) -> candle_core::Error {
+    candle_core::Error::Msg("cqsa: log-sum-exp cell poisoned by a panic".into())
+}
+
+fn cpu_forward(
+    (sq, lq): (&CpuStorage, &Layout),
+    (sk, lk): (&CpuStorage, &Layout),
+    (sv, lv): (&CpuStorage, &Layout),
+    scale: f32,
+    causal: Option<i64>,
+) -> Result<(CpuStorage, Vec<f32>, Dims)> {
+    let dims = dims_of(lq, lk)?;
+    let (q, k, v) = (
+        cpu::to_f32(sq, lq)?,
+        cpu::to_f32(sk, lk)?,
+        cpu::to_f32(sv, lv)?,
+    );
+    let (o, lse) = cpu::forward(&q, &k, &v, &dims, scale, causal);
+    Ok((cpu::from_f32(o, sq)?, lse, dims))
+}
+
+impl CustomOp3 for AttnOp {
+    fn name(&self) -> &'static str {
+        "cqsa-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        sq: &CpuStorage,
+        lq: &Layout,
+        sk: &CpuStorage,
+        lk: &Layout,
+        sv: &CpuStorage,
+        lv: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (o, lse, dims) = cpu_forward((sq, lq), (sk, lk), (sv, lv), self.scale, self.causal)?;
+        let lse = Tensor::from_vec(lse, lse_shape(&dims), &Device::Cpu)?;
+        *self.lse.lock().map_err(poisoned)? = Some(lse);
+        Ok((o, lq.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sq: &candle_core::CudaStorage,
+        lq: &Layout,
+        sk: &candle_core::CudaStorage,
+        lk: &Layout,
+        sv: &candle_core::CudaStorage,
+        lv: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dims = dims_of(lq, lk)?;
+        let (o, lse) =
+            crate::cuda::forward((sq, lq), (sk, lk), (sv, lv), &dims, self.scale, self.causal)?;
+        let lse = Tensor::from_storage(
+            Storage::Cuda(lse),
+            lse_shape(&dims),
+            BackpropOp::none(),
+            false,
+        );
+        *self.lse.lock().map_err(poisoned)? = Some(lse);
+        Ok((o, lq.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        grad_o: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let lse = self.lse.lock().map_err(poisoned)?.clone();
+        let Some(lse) = lse else {
+            bail!("cqsa: backward called before forward kept its log-sum-exp")
+        };
+        let (dq, dk, dv) = attention_backward(q, k, v, o, grad_o, &lse, self.scale, self.causal)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+/// Forward without autograd: returns the output `(batch, heads_q, seq_q,
+/// head_dim)` in the inputs' dtype and the natural log-sum-exp of every row,
+/// `(batch, heads_q, seq_q)` in f32 (`-inf` for a row that sees no key).
+///
+/// `causal_offset`: `None` for no mask, `Some(off)` to let query `i` see key `j`
+/// iff `j <= i + off` (the full causal call uses `off = seq_k - seq_q`). This is
+/// the building block of the streamed mode, where chunks use other offsets.
+pub fn attention_forward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    causal_offset: Option<i64>,
+) -> Result<(Tensor, Tensor)> {
+    let dims = validate(q, k, v)?;
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let (sq, lq) = q.storage_and_layout();
+    let (sk, lk) = k.storage_and_layout();
+    let (sv, lv) = v.storage_and_layout();
+    match (&*sq, &*sk, &*sv) {
+        (Storage::Cpu(a), Storage::Cpu(b), Storage::Cpu(c)) => {
+            let (o, lse, _) = cpu_forward((a, lq), (b, lk), (c, lv), scale, causal_offset)?;
+            let o = Tensor::from_storage(Storage::Cpu(o), q.shape(), BackpropOp::none(), false);
+            Ok((o, Tensor::from_vec(lse, lse_shape(&dims), &Device::Cpu)?))
+        }
+        #[cfg(feature = "cuda")]
+        (Storage::Cuda(a), Storage::Cuda(b), Storage::Cuda(c)) => {
+            let (o, lse) =
+                crate::cuda::forward((a, lq), (b, lk), (c, lv), &dims, scale, causal_offset)?;
+            let o = Tensor::from_storage(Storage::Cuda(o), q.shape(), BackpropOp::none(), false);
+            let lse = Tensor::from_storage(
+                Storage::Cuda(lse),
+                lse_shape(&dims),
+                BackpropOp::none(),
+                false,
+            );
+            Ok((o, lse))
+        }
+        _ => bail!(
+            "cqsa: no attention kernel for device {:?}",
+            q.device().location()
+        ),
+    }
+}
+
+/// Backward without autograd: given the forward's inputs, output `o`, the
+/// gradient of the output `grad_o` and the log-sum-exp from
+/// [`attention_forward`], returns `(dq, dk, dv)` shaped and typed like
+/// `(q, k, v)`. For grouped-query attention dk/dv sum over the query heads of
+/// each group. The probabilities are recomputed from `lse`, never stored.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    grad_o: &Tensor,
+    lse: &Tensor,
+    scale: f32,
+    causal_offset: Option<i64>,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dims = validate(q, k, v)?;
+    if o.dims() != q.dims() || grad_o.dims() != q.dims() {
+        bail!(
+            "cqsa: o {:?} and grad_o {:?} must have the shape of q {:?}",
+            o.dims(),
+            grad_o.dims(),
+            q.dims()
+        )
+    }
+    if lse.dims() != [dims.b, dims.hq, dims.nq] || lse.dtype() != candle_core::DType::F32 {
+        bail!(
+            "cqsa: lse must be f32 {:?}, got {:?} {:?}",
+            [dims.b, dims.hq, dims.nq],
+            lse.dtype(),
+            lse.dims()
+        )
+    }
+    let o = o.to_dtype(q.dtype())?.contiguous()?;
+    let g = grad_o.to_dtype(q.dtype())?.contiguous()?;
+    let (q, k, v, lse) = (
+        q.contiguous()?,
+        k.contiguous()?,
+        v.contiguous()?,
+        lse.contiguous()?,
+    );
+    let (sq, lq) = q.storage_and_layout();
+    let (sk, lk) = k.storage_and_layout();
+    let (sv, lv) = v.storage_and_layout();
+    let (so, lo) = o.storage_and_layout();
+    let (sg, lg) = g.storage_and_layout();
+    let (sl, ll) = lse.storage_and_layout();
+    let none = BackpropOp::none;
+    match (&*sq, &*sk, &*sv, &*so, &*sg, &*sl) {
+        (
+            Storage::Cpu(cq),
+            Storage::Cpu(ck),
+            Storage::Cpu(cv),
+            Storage::Cpu(co),
+            Storage::Cpu(cg),
+            Storage::Cpu(cl),
+        ) => {
+            let (qf, kf, vf) = (cpu::to_f32(cq, lq)?, cpu::to_f32(ck, lk)?, cpu::to_f32(cv, lv)?);
+            let (of, gf, lf) = (cpu::to_f32(co, lo)?, cpu::to_f32(cg, lg)?, cpu::to_f32(cl, ll)?);
+            let (dq, dk, dv) =
+                cpu::backward(&qf, &kf, &vf, &of, &gf, &lf, &dims, scale, causal_offset);
+            let wrap = |x: Vec<f32>, shape: &Shape| -> Result<Tensor> {
+                Ok(Tensor::from_storage(
+                    Storage::Cpu(cpu::from_f32(x, cq)?),
+                    shape,
+                    none(),
+                    false,
+                ))
+            };
+            Ok((wrap(dq, q.shape())?, wrap(dk, k.shape())?, wrap(dv, v.shape())?))
+        }
+        #[cfg(feature = "cuda")]
+        (
+            Storage::Cuda(cq),
+            Storage::Cuda(ck),
+            Storage::Cuda(cv),
+            Storage::Cuda(co),
+            Storage::Cuda(cg),
+            Storage::Cuda(cl),
+        ) => {
+            let (dq, dk, dv) = crate::cuda::backward(
+                [(cq, lq), (ck, lk), (cv, lv), (co, lo), (cg, lg), (cl, ll)],
+                &dims,
+                scale,
+                causal_offset,
+            )?;
+            Ok((
+                Tensor::from_storage(Storage::Cuda(dq), q.shape(), none(), false),
+                Tensor::from_storage(Storage::Cuda(dk), k.shape(), none(), false),
+                Tensor::from_storage(Storage::Cuda(dv), v.shape(), none(), false),
+            ))
+        }
+        _ => bail!(
+            "cqsa: attention backward needs all of q, k, v, o, grad_o, lse on one device, q is on {:?}",
+            q.device().location()
+        ),
+    }
+}

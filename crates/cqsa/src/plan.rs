@@ -1,0 +1,367 @@
+//! The planner: resident or streamed, and the chunk sizes, from a memory budget
+//! and a simple cost model. [`estimate`] runs it without allocating anything.
+//!
+//! Device bytes counted (`e` = bytes per element of the dtype):
+//! - resident (forward and backward of one call, inputs included): q, k, v, o,
+//!   grad_o, dq, dk, dv at `e` bytes, plus f32 log-sum-exp, delta and a f32 dq
+//!   accumulator;
+//! - streamed, per subproblem of `q_chunk` query rows and `kv_chunk` keys: the same
+//!   quantities restricted to the chunks, plus f32 accumulators for the merged
+//!   output, dq, dk and dv and the merge's temporaries.
+//!
+//! Predicted time: forward FLOPs `4 b hq nq nk d` (halved when causal) at a
+//! nominal rate per device and dtype, plus host-to-device traffic at 25 GB/s in
+//! streamed mode. The figures are meant to rank plans and to warn of long calls,
+//! not to be exact.
+use std::fmt;
+
+use candle_core::{bail, DType, Device, Result};
+
+use crate::{AttentionOpts, Dims, MAX_HEAD_DIM};
+
+/// How a call runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// Let the planner choose (the default).
+    #[default]
+    Auto,
+    /// One kernel launch over the whole problem, everything on the device.
+    Resident,
+    /// Query and key chunks moved to the device one subproblem at a time, partial
+    /// results merged by their log-sum-exp.
+    Streamed,
+}
+
+/// The sizes of one attention call, for [`estimate`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionShape {
+    /// Batch.
+    pub b: usize,
+    /// Query heads.
+    pub hq: usize,
+    /// Key/value heads (divides `hq`).
+    pub hkv: usize,
+    /// Query sequence length.
+    pub nq: usize,
+    /// Key/value sequence length.
+    pub nk: usize,
+    /// Head dimension.
+    pub d: usize,
+    /// Element type of q, k, v.
+    pub dtype: DType,
+    /// Causal mask.
+    pub causal: bool,
+}
+
+impl AttentionShape {
+    pub(crate) fn new(dims: &Dims, dtype: DType, causal: bool) -> Self {
+        Self {
+            b: dims.b,
+            hq: dims.hq,
+            hkv: dims.hkv,
+            nq: dims.nq,
+            nk: dims.nk,
+            d: dims.d,
+            dtype,
+            causal,
+        }
+    }
+
+    /// Forward FLOPs by the usual convention: `4 b hq nq nk d`, halved when causal.
+    pub fn forward_flops(&self) -> f64 {
+        let f = 4.0 * (self.b * self.hq) as f64 * self.nq as f64 * self.nk as f64 * self.d as f64;
+        if self.causal {
+            f / 2.0
+        } else {
+            f
+        }
+    }
+
+    fn elem(&self) -> usize {
+        self.dtype.size_in_bytes()
+    }
+
+    /// Device bytes of a resident call, forward and backward, inputs included.
+    pub fn resident_bytes(&self) -> usize {
+        self.chunk_bytes(self.nq, self.nk, false)
+    }
+
+    /// Device bytes of one streamed subproblem of `cq` query rows and `ck` keys.
+    fn chunk_bytes(&self, cq: usize, ck: usize, streamed: bool) -> usize {
+        let e = self.elem();
+        let (b, d) = (self.b, self.d);
+        // q, o, grad_o, dq at e bytes; lse and delta f32; f32 dq accumulator.
+        let mut per_q = b * self.hq * (d * (4 * e + 4) + 8);
+        // k, v, dk, dv at e bytes.
+        let mut per_k = b * self.hkv * d * 4 * e;
+        if streamed {
+            // f32 merged output, partial in f32, merge temporaries; f32 dk/dv.
+            per_q += b * self.hq * (d * 12 + 16);
+            per_k += b * self.hkv * d * 8;
+        }
+        cq * per_q + ck * per_k
+    }
+}
+
+/// How much memory a call may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budget {
+    /// Bytes the call may allocate on the compute device.
+    pub device_bytes: usize,
+    /// Bytes the call may use in host memory (inputs kept there in streamed mode).
+    pub host_bytes: usize,
+}
+
+impl Budget {
+    /// A budget of `device_bytes` on the device and all available host memory.
+    pub fn new(device_bytes: usize) -> Self {
+        Self {
+            device_bytes,
+            host_bytes: host_available(),
+        }
+    }
+
+    /// The free memory of `device` now (for the CPU, the available host memory),
+    /// less a 10% reserve for other allocations.
+    pub fn detect(device: &Device) -> Result<Self> {
+        let free = match device {
+            Device::Cpu => host_available(),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(c) => {
+                let (free, _total) = c
+                    .cuda_stream()
+                    .context()
+                    .mem_get_info()
+                    .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+                free
+            }
+            #[allow(unreachable_patterns)]
+            other => bail!(
+                "cqsa: cannot detect memory of device {:?}",
+                other.location()
+            ),
+        };
+        Ok(Self {
+            device_bytes: free / 10 * 9,
+            host_bytes: host_available(),
+        })
+    }
+}
+
+/// `MemAvailable` from `/proc/meminfo`, or a large default where that is missing.
+fn host_available() -> usize {
+    let parse = || -> Option<usize> {
+        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib * 1024)
+    };
+    parse().unwrap_or(64 << 30)
+}
+
+/// What the planner decided for one call.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Plan {
+    /// Resident or streamed (never `Auto`).
+    pub mode: Mode,
+    /// Query rows per subproblem (`nq` when resident).
+    pub q_chunk: usize,
+    /// Keys per subproblem (`nk` when resident).
+    pub kv_chunk: usize,
+    /// Subproblems of the forward (causal pairs that see nothing are skipped).
+    pub subproblems: usize,
+    /// Predicted peak device bytes.
+    pub device_bytes: usize,
+    /// Device bytes a resident run would need.
+    pub resident_bytes: usize,
+    /// Host bytes held in streamed mode (inputs, output, gradients, f32
+    /// accumulators); 0 when resident.
+    pub host_bytes: usize,
+    /// Predicted forward seconds.
+    pub forward_seconds: f64,
+}
+
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        write!(
+            f,
+            "{:?}: q_chunk {} kv_chunk {}, {} subproblems, device {:.3} GiB (resident would need {:.3} GiB), host {:.3} GiB, forward ~{:.3} s",
+            self.mode,
+            self.q_chunk,
+            self.kv_chunk,
+            self.subproblems,
+            gib(self.device_bytes),
+            gib(self.resident_bytes),
+            gib(self.host_bytes),
+            self.forward_seconds
+        )
+    }
+}
+
+fn check_shape(s: &AttentionShape) -> Result<()> {
+    if s.d == 0 || s.d > MAX_HEAD_DIM {
+        bail!("cqsa: head_dim must be in 1..={MAX_HEAD_DIM}, got {}", s.d)
+    }
+    if s.hkv == 0 || s.hq == 0 || s.hq % s.hkv != 0 {
+        bail!(
+            "cqsa: heads_q ({}) must be a positive multiple of heads_kv ({})",
+            s.hq,
+            s.hkv
+        )
+    }
+    if s.b == 0 || s.nq == 0 || s.nk == 0 {
+        bail!(
+            "cqsa: empty input: batch {}, seq_q {}, seq_k {}",
+            s.b,
+            s.nq,
+            s.nk
+        )
+    }
+    if !matches!(s.dtype, DType::F32 | DType::F16 | DType::BF16) {
+        bail!("cqsa: dtype {:?}, supported are f32, f16 and bf16", s.dtype)
+    }
+    Ok(())
+}
+
+/// Number of (query chunk, key chunk) pairs that see at least one key.
+fn count_subproblems(s: &AttentionShape, cq: usize, ck: usize) -> usize {
+    let off = s.nk as i64 - s.nq as i64;
+    let mut n = 0;
+    for i0 in (0..s.nq).step_by(cq) {
+        let i1 = (i0 + cq).min(s.nq);
+        for j0 in (0..s.nk).step_by(ck) {
+            if !s.causal || (j0 as i64) <= i1 as i64 - 1 + off {
+                n += 1;
+            }
+        }
+    }
+    n
+}
+
+/// Nominal forward FLOP/s of a device for a dtype (see the module docs).
+fn nominal_flops(s: &AttentionShape, cuda: bool) -> f64 {
+    match (cuda, s.dtype) {
+        (true, DType::F32) => 15e12,
+        (true, _) => 150e12,
+        (false, _) => 4e9 * rayon::current_num_threads() as f64,
+    }
+}
+
+fn streamed_with(s: &AttentionShape, cq: usize, ck: usize, cuda: bool) -> Plan {
+    let cq = cq.clamp(1, s.nq);
+    let ck = ck.clamp(1, s.nk);
+    let subproblems = count_subproblems(s, cq, ck);
+    let e = s.elem();
+    // Every subproblem moves its key chunk; every query chunk moves once.
+    let h2d = subproblems * ck * s.b * s.hkv * s.d * 2 * e + s.nq * s.b * s.hq * s.d * e;
+    let io = s.b * s.d * (s.hq * s.nq * 3 + s.hkv * s.nk * 3) * e;
+    let acc = s.b * s.d * s.hq * s.nq * 8;
+    Plan {
+        mode: Mode::Streamed,
+        q_chunk: cq,
+        kv_chunk: ck,
+        subproblems,
+        device_bytes: s.chunk_bytes(cq, ck, true),
+        resident_bytes: s.resident_bytes(),
+        host_bytes: 2 * io + acc,
+        forward_seconds: s.forward_flops() / nominal_flops(s, cuda) + h2d as f64 / 25e9,
+    }
+}
+
+/// Picks the mode and chunks of a call of shape `s` within `budget`. Resident when
+/// it fits; otherwise the largest chunks that fit, halving the larger of the two
+/// (keys first on ties) from the full sizes. Errors with the sizes when even
+/// 16-row chunks do not fit.
+fn choose(
+    s: &AttentionShape,
+    budget: &Budget,
+    cuda: bool,
+    opts: Option<&AttentionOpts>,
+) -> Result<Plan> {
+    check_shape(s)?;
+    let forced = opts
+        .is_some_and(|o| o.mode == Mode::Streamed || o.q_chunk.is_some() || o.kv_chunk.is_some());
+    let resident = s.resident_bytes();
+    if !forced && resident <= budget.device_bytes {
+        return Ok(Plan {
+            mode: Mode::Resident,
+            q_chunk: s.nq,
+            kv_chunk: s.nk,
+            subproblems: 1,
+            device_bytes: resident,
+            resident_bytes: resident,
+            host_bytes: 0,
+            forward_seconds: s.forward_flops() / nominal_flops(s, cuda),
+        });
+    }
+    let (mut cq, mut ck) = (s.nq, s.nk);
+    let fixed_q = opts.and_then(|o| o.q_chunk);
+    let fixed_k = opts.and_then(|o| o.kv_chunk);
+    if let Some(c) = fixed_q {
+        cq = c;
+    }
+    if let Some(c) = fixed_k {
+        ck = c;
+    }
+    const MIN: usize = 16;
+    loop {
+        if s.chunk_bytes(cq.min(s.nq), ck.min(s.nk), true) <= budget.device_bytes
+            || (fixed_q.is_some() && fixed_k.is_some())
+        {
+            break;
+        }
+        let can_q = fixed_q.is_none() && cq > MIN;
+        let can_k = fixed_k.is_none() && ck > MIN;
+        if can_k && (ck >= cq || !can_q) {
+            ck = ck.div_ceil(2);
+        } else if can_q {
+            cq = cq.div_ceil(2);
+        } else {
+            bail!(
+                "cqsa: nothing fits: a resident call needs {resident} device bytes and the smallest \
+                 streamed subproblem ({cq} query rows x {ck} keys) needs {} bytes, the budget is {} bytes \
+                 (shape b={} hq={} hkv={} nq={} nk={} d={} {:?})",
+                s.chunk_bytes(cq, ck, true),
+                budget.device_bytes,
+                s.b,
+                s.hq,
+                s.hkv,
+                s.nq,
+                s.nk,
+                s.d,
+                s.dtype
+            )
+        }
+    }
+    // Round chunks down to a multiple of 64 (a kernel tile) when large enough.
+    let round = |c: usize| if c > 64 { c / 64 * 64 } else { c };
+    let plan = streamed_with(s, round(cq), round(ck), cuda);
+    if plan.host_bytes > budget.host_bytes {
+        bail!(
+            "cqsa: nothing fits: streamed mode holds {} host bytes, the host budget is {} bytes",
+            plan.host_bytes,
+            budget.host_bytes
+        )
+    }
+    Ok(plan)
+}
+
+/// The plan of a call of shape `s` under `budget`: mode, chunk sizes, predicted
+/// device and host bytes and forward time. Allocates nothing. Errors with the
+/// sizes when nothing fits. The time model assumes a CUDA device when
+/// `budget.device_bytes` came from one; here it assumes CUDA when the crate is
+/// built with the `cuda` feature.
+pub fn estimate(s: &AttentionShape, budget: &Budget) -> Result<Plan> {
+    choose(s, budget, cfg!(feature = "cuda"), None)
+}
+
+/// The plan [`crate::attention`] uses for `opts` on its compute device.
+pub(crate) fn plan(
+    s: &AttentionShape,
+    budget: &Budget,
+    opts: &AttentionOpts,
+    cuda: bool,
+) -> Result<Plan> {
+    choose(s, budget, cuda, Some(opts))
+}
