@@ -1,1 +1,247 @@
-fn main() {}
+//! The project's main job: train a multi-block MLP streamed through the residency
+//! pool, with the optimizer on the host, to imitate a fixed random teacher.
+//!
+//!     cargo run --release --example train_mlp                     # CPU, about a minute
+//!     cargo run --release --example train_mlp -- --resume         # continue from the last save
+//!     cargo run --release --features cuda --example train_mlp -- --width 4096 --hidden 16384 --blocks 8 --batch 8192
+//!
+//! Writes `<out>/loss.csv`, `<out>/loss.svg`, `<out>/weights.safetensors`,
+//! `<out>/optimizer.safetensors` and `<out>/progress.json`.
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{linear, Optimizer, ParamsAdamW, VarBuilder};
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+use streamer_autograd::{CpuAdamW, Train, TrainableSequential};
+use streamer_core::{BlockSpec, StreamConfig, StreamedSequential};
+
+#[derive(Parser, Debug)]
+#[command(about = "Train a streamed MLP to imitate a random teacher network")]
+struct Args {
+    /// Number of MLP blocks (each Linear(w,h), GELU, Linear(h,w)).
+    #[arg(long, default_value_t = 4)]
+    blocks: usize,
+    /// Block width w.
+    #[arg(long, default_value_t = 256)]
+    width: usize,
+    /// Block hidden size h.
+    #[arg(long, default_value_t = 512)]
+    hidden: usize,
+    /// Rows per batch (tokens per step).
+    #[arg(long, default_value_t = 128)]
+    batch: usize,
+    /// Total optimizer steps (a resumed run continues up to this count).
+    #[arg(long, default_value_t = 300)]
+    steps: usize,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// AdamW decoupled weight decay.
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f64,
+    /// Blocks loaded ahead of the one computing (window = prefetch + 1).
+    #[arg(long, default_value_t = 1)]
+    prefetch: usize,
+    /// Compute dtype: f32, bf16 or f16 (default: f32 on CPU, bf16 on CUDA).
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Device: cpu or cuda (default: cuda when built with it and present).
+    #[arg(long)]
+    device: Option<String>,
+    /// Output folder.
+    #[arg(long, default_value = "runs/train_mlp")]
+    out: PathBuf,
+    /// Continue from the weights and optimizer state saved in --out.
+    #[arg(long)]
+    resume: bool,
+    /// Save weights and optimizer state every N steps (and at the end).
+    #[arg(long, default_value_t = 100)]
+    save_every: usize,
+    /// Seed of the teacher, the initial student and the data.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+fn device(arg: Option<&str>) -> Result<Device> {
+    match arg {
+        Some("cpu") => Ok(Device::Cpu),
+        Some("cuda") => Ok(Device::new_cuda_with_stream(0)?),
+        Some(d) => bail!("unknown --device {d:?} (cpu or cuda)"),
+        None => Ok(Device::new_cuda_with_stream(0).unwrap_or(Device::Cpu)),
+    }
+}
+
+fn parse_dtype(s: &str) -> Result<DType> {
+    Ok(match s {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        _ => bail!("unknown --dtype {s:?} (f32, bf16 or f16)"),
+    })
+}
+
+fn mlp(vb: VarBuilder, w: usize, h: usize) -> candle_core::Result<impl Module> {
+    let up = linear(w, h, vb.pp("up"))?;
+    let down = linear(h, w, vb.pp("down"))?;
+    Ok(move |x: &Tensor| down.forward(&up.forward(x)?.gelu()?))
+}
+
+fn blocks(a: &Args) -> Vec<BlockSpec> {
+    let (w, h) = (a.width, a.hidden);
+    (0..a.blocks).map(|i| BlockSpec::module(format!("layers.{i}"), move |vb| mlp(vb, w, h))).collect()
+}
+
+/// Seeded random weights (the CPU's own RNG in Candle cannot be seeded).
+fn random_weights(a: &Args, rng: &mut StdRng, gain: f32) -> Result<HashMap<String, Tensor>> {
+    let mut m = HashMap::new();
+    let mut put = |name: String, shape: &[usize], std: f32, rng: &mut StdRng| -> Result<()> {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * std * 1.732).collect();
+        m.insert(name, Tensor::from_vec(v, shape, &Device::Cpu)?);
+        Ok(())
+    };
+    for i in 0..a.blocks {
+        put(format!("layers.{i}.up.weight"), &[a.hidden, a.width], gain / (a.width as f32).sqrt(), rng)?;
+        put(format!("layers.{i}.up.bias"), &[a.hidden], 0.02, rng)?;
+        put(format!("layers.{i}.down.weight"), &[a.width, a.hidden], gain / (a.hidden as f32).sqrt(), rng)?;
+        put(format!("layers.{i}.down.bias"), &[a.width], 0.02, rng)?;
+    }
+    Ok(m)
+}
+
+fn write_curve(out: &std::path::Path, losses: &[(usize, f32)]) -> Result<()> {
+    let mut csv = std::fs::File::create(out.join("loss.csv"))?;
+    writeln!(csv, "step,loss")?;
+    for (s, l) in losses {
+        writeln!(csv, "{s},{l}")?;
+    }
+    let pts = losses.iter().map(|&(s, l)| (s as f64, l as f64)).collect();
+    let svg = candle_streamer::report::svg_plot_axes(false, "train_mlp: loss", "step", "MSE", &[("student".into(), pts)]);
+    std::fs::write(out.join("loss.svg"), svg)?;
+    Ok(())
+}
+
+fn read_losses(path: &std::path::Path) -> Result<Vec<(usize, f32)>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    text.lines()
+        .skip(1)
+        .map(|l| {
+            let (s, v) = l.split_once(',').context("malformed loss.csv line")?;
+            Ok((s.parse()?, v.parse()?))
+        })
+        .collect()
+}
+
+fn main() -> Result<()> {
+    let a = Args::parse();
+    if a.blocks == 0 || a.width == 0 || a.hidden == 0 || a.batch == 0 {
+        bail!("--blocks, --width, --hidden and --batch must be positive");
+    }
+    let dev = device(a.device.as_deref())?;
+    let dtype = match &a.dtype {
+        Some(s) => parse_dtype(s)?,
+        None if dev.is_cuda() => DType::BF16,
+        None => DType::F32,
+    };
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let weights_path = a.out.join("weights.safetensors");
+    let opt_path = a.out.join("optimizer.safetensors");
+    let progress_path = a.out.join("progress.json");
+    let cfg = StreamConfig {
+        device: dev.clone(),
+        prefetch_ahead: a.prefetch,
+        dtype,
+        master_dtype: Some(DType::F32),
+        ..Default::default()
+    };
+    let mut rng = StdRng::seed_from_u64(a.seed);
+    // The teacher: fixed by the seed, run streamed for inference only.
+    let teacher_weights = random_weights(&a, &mut rng, 1.0)?;
+    let teacher = StreamedSequential::from_tensors(
+        teacher_weights,
+        blocks(&a),
+        StreamConfig { master_dtype: None, ..cfg.clone() },
+    )?;
+    let (student, mut opt, start, mut losses): (TrainableSequential, CpuAdamW, usize, Vec<(usize, f32)>) = if a.resume {
+        let progress: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(&progress_path).with_context(|| format!("--resume: no {}", progress_path.display()))?,
+        )?;
+        let start = progress["step"].as_u64().context("progress.json has no step")? as usize;
+        let student = StreamedSequential::from_safetensors(&[&weights_path], blocks(&a), cfg.clone())
+            .context("--resume: the saved weights do not fit this --blocks/--width/--hidden")?
+            .train();
+        let mut opt = CpuAdamW::new(student.trainable_vars()?, ParamsAdamW { lr: a.lr, weight_decay: a.weight_decay, ..Default::default() })?;
+        opt.set_param_names(student.parameters().into_iter().map(|(n, _)| n).collect())?;
+        opt.load(&opt_path)?;
+        opt.set_learning_rate(a.lr);
+        (student, opt, start, read_losses(&a.out.join("loss.csv"))?)
+    } else {
+        let init = random_weights(&a, &mut rng, 1.0)?;
+        let student = StreamedSequential::from_tensors(init, blocks(&a), cfg.clone())?.train();
+        let mut opt = CpuAdamW::new(student.trainable_vars()?, ParamsAdamW { lr: a.lr, weight_decay: a.weight_decay, ..Default::default() })?;
+        opt.set_param_names(student.parameters().into_iter().map(|(n, _)| n).collect())?;
+        (student, opt, 0, Vec::new())
+    };
+    if start >= a.steps {
+        println!("already at step {start} of {}: nothing to do (raise --steps)", a.steps);
+        return Ok(());
+    }
+    let params: usize = student.parameters().iter().map(|(_, v)| v.elem_count()).sum();
+    println!(
+        "train_mlp: {} blocks w{} h{} ({:.1} M params, {:.1} MiB in {dtype:?} per block), batch {}, {:?}, prefetch {}, steps {start}..{}",
+        a.blocks,
+        a.width,
+        a.hidden,
+        params as f64 / 1e6,
+        (params / a.blocks * dtype.size_in_bytes()) as f64 / 1048576.0,
+        a.batch,
+        dev.location(),
+        a.prefetch,
+        a.steps
+    );
+    let bar = ProgressBar::new((a.steps - start) as u64);
+    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")?);
+    // Data: a fresh seeded batch per step (the stream depends on the step, so a
+    // resumed run sees the same data an uninterrupted one would).
+    let t0 = Instant::now();
+    let save = |step: usize, losses: &[(usize, f32)], opt: &CpuAdamW| -> Result<()> {
+        student.inner().save_safetensors(&weights_path)?;
+        opt.save(&opt_path)?;
+        write_curve(&a.out, losses)?;
+        std::fs::write(&progress_path, serde_json::json!({ "step": step }).to_string())?;
+        Ok(())
+    };
+    for step in start..a.steps {
+        let mut drng = StdRng::seed_from_u64(a.seed ^ (step as u64).wrapping_mul(0x9E37_79B9));
+        let xv: Vec<f32> = (0..a.batch * a.width).map(|_| drng.random::<f32>() * 2.0 - 1.0).collect();
+        let x = Tensor::from_vec(xv, (a.batch, a.width), &dev)?.to_dtype(dtype)?;
+        let target = teacher.forward(&x)?.to_dtype(DType::F32)?;
+        let y = student.forward(&x)?;
+        let loss = y.to_dtype(DType::F32)?.sub(&target)?.sqr()?.mean_all()?;
+        let grads = student.backward(&loss)?;
+        opt.step(&grads)?;
+        student.zero_grad()?;
+        let l = loss.to_scalar::<f32>()?;
+        losses.push((step + 1, l));
+        let done = step + 1 - start;
+        let tps = (done * a.batch) as f64 / t0.elapsed().as_secs_f64();
+        bar.set_message(format!("loss {l:.5}  {tps:.0} tokens/s"));
+        bar.inc(1);
+        if (step + 1) % a.save_every == 0 && step + 1 < a.steps {
+            save(step + 1, &losses, &opt)?;
+        }
+    }
+    bar.finish();
+    save(a.steps, &losses, &opt)?;
+    let first = losses.first().map(|l| l.1).unwrap_or(f32::NAN);
+    let last = losses.last().map(|l| l.1).unwrap_or(f32::NAN);
+    println!("loss {first:.5} -> {last:.5} over {} steps ({:.1} s)", losses.len(), t0.elapsed().as_secs_f64());
+    println!("student {}", student.stats()?);
+    println!("wrote {}/{{loss.csv, loss.svg, weights.safetensors, optimizer.safetensors}}", a.out.display());
+    Ok(())
+}

@@ -147,6 +147,17 @@ impl StreamedSequential {
             .collect()
     }
 
+    /// Writes every distinct weight (its host master) to a safetensors file,
+    /// through a temporary file renamed into place, so an interrupted save never
+    /// leaves a broken file behind. Tied weights are written once, under their
+    /// first name (declare the others as `StreamConfig::aliases` when loading).
+    pub fn save_safetensors(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        // Copies in flight read the masters; nothing writes them during a save.
+        let map: HashMap<String, Tensor> = self.parameters().into_iter().map(|(k, v)| (k, v.as_tensor().clone())).collect();
+        crate::source::save_atomic(&map, path)
+    }
+
     /// Exclusive access to the pool, or an error naming the misuse when another
     /// call holds it (a block that calls the model, or two threads sharing it).
     pub fn lock_pool(&self) -> Result<MutexGuard<'_, ResidencyPool>> {

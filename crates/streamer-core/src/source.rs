@@ -124,3 +124,16 @@ pub fn expand_paths<P: AsRef<Path>>(paths: &[P]) -> Result<Vec<PathBuf>> {
     }
     Ok(out)
 }
+
+/// Saves tensors to `path` via `path.tmp` and a rename: readers see the old file
+/// or the new one, never a partial one.
+pub fn save_atomic(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    candle_core::safetensors::save(tensors, &tmp)
+        .map_err(|e| candle_core::Error::Msg(format!("cannot write {}: {e}", tmp.display())))?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        candle_core::Error::Msg(format!("cannot rename {} to {}: {e}", tmp.display(), path.display()))
+    })
+}
