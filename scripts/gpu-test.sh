@@ -19,7 +19,7 @@ rm -rf "$bundle"
 mkdir -p "$bundle/bin"
 
 # Test binaries: cargo tells which executables it built.
-cargo test --workspace --features cuda --no-run --message-format=json 2>/dev/null \
+cargo test --release --workspace --features cuda --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -31,7 +31,7 @@ for line in sys.stdin:
         print(m["target"]["name"] + "\t" + m["executable"])
 ' >"$bundle/tests.list"
 # Show errors, if any, in a readable form.
-cargo test --workspace --features cuda --no-run
+cargo test --release --workspace --features cuda --no-run
 
 # Release binaries: examples and benches.
 cargo build --release --features cuda --examples --benches --message-format=json 2>/dev/null \

@@ -627,3 +627,52 @@ fn optimizer_state_resume_gives_same_next_step(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(optimizer_state_resume_gives_same_next_step);
+
+fn overlapped_step_equals_plain_step(dev: &Device) -> Result<()> {
+    let hidden = [16, 16, 16];
+    let (mut weights, x, pre, head) = setup(8, &hidden)?;
+    // A weight tied across blocks 0 and 2: it completes only at the end.
+    let shared = weights["layers.0.up.bias"].clone();
+    weights.insert("layers.2.up.bias".into(), shared);
+    let blocks = mlp_blocks(8, &hidden);
+    let params = ParamsAdamW {
+        lr: 1e-2,
+        weight_decay: 0.01,
+        ..Default::default()
+    };
+    let (xd, pred, headd) = (x.to_device(dev)?, pre.to_device(dev)?, head.to_device(dev)?);
+    let loss_of = |m: &TrainableSequential| -> Result<Tensor> {
+        Ok(m.forward(&xd.matmul(&pred)?)?
+            .matmul(&headd)?
+            .sqr()?
+            .mean_all()?)
+    };
+    let a = StreamedSequential::from_tensors(
+        weights.clone(),
+        blocks.clone(),
+        cfg(dev, DType::F32, DType::F32, 1),
+    )?
+    .train();
+    let b = StreamedSequential::from_tensors(weights, blocks, cfg(dev, DType::F32, DType::F32, 1))?
+        .train();
+    let mut opt_a = CpuAdamW::new(a.trainable_vars()?, params.clone())?;
+    let mut opt_b = CpuAdamW::new(b.trainable_vars()?, params)?;
+    for _ in 0..3 {
+        opt_a.step(&a.backward(&loss_of(&a)?)?)?;
+        a.zero_grad()?;
+        b.backward_step(&loss_of(&b)?, &mut opt_b)?;
+        b.zero_grad()?;
+    }
+    assert_eq!(opt_b.step_count(), 3);
+    for ((n, va), (_, vb)) in a.parameters().iter().zip(b.parameters().iter()) {
+        assert_close(
+            vb.as_tensor(),
+            va.as_tensor(),
+            0.0,
+            0.0,
+            &format!("overlapped {n}"),
+        )?;
+    }
+    Ok(())
+}
+candle_streamer::test_device!(overlapped_step_equals_plain_step);

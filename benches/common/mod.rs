@@ -59,4 +59,5 @@ pub fn results_path(name: &str) -> PathBuf {
     dir.join(name)
 }
 
+#[allow(unused_imports)]
 pub use candle_streamer::report::svg_plot;

@@ -87,6 +87,24 @@ impl HostGrads {
         Ok(())
     }
 
+    /// A marker after every copy issued so far (see `Offloader::marker`).
+    pub(crate) fn marker(&self) -> Result<streamer_core::OffloadMarker> {
+        self.offloader
+            .as_ref()
+            .expect("begin() creates the offloader")
+            .marker()
+    }
+
+    /// Master `m`'s gradient buffer, if this backward wrote it directly and
+    /// nothing is waiting to be folded into it.
+    pub(crate) fn written(&self, m: usize) -> Option<Tensor> {
+        if self.wrote[m] && !self.landed[m] {
+            self.acc[m].clone()
+        } else {
+            None
+        }
+    }
+
     pub(crate) fn release_sources(&mut self) -> Result<()> {
         match &mut self.offloader {
             Some(o) => o.release_sources(),

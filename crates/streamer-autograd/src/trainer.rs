@@ -15,6 +15,62 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use streamer_core::{release_all, run_blocks, ResidencyPool, StreamedSequential};
 
+/// An optimizer that can step some parameters as soon as their gradients have
+/// landed (the overlapped step of [`TrainableSequential::backward_step`]).
+pub trait OverlapStep: Send {
+    /// Starts a step (bias corrections, step counters).
+    fn begin_step(&mut self);
+    /// Steps the given variables with their gradients; each at most once per step.
+    fn step_vars(&mut self, updates: &[(Var, Tensor)]) -> Result<()>;
+}
+
+fn index_updates<'a>(
+    vars: &[Var],
+    updates: &'a [(Var, Tensor)],
+) -> Result<Vec<(usize, &'a Tensor)>> {
+    updates
+        .iter()
+        .map(|(v, g)| {
+            vars.iter()
+                .position(|o| o.as_tensor().id() == v.as_tensor().id())
+                .map(|i| (i, g))
+                .ok_or_else(|| {
+                    candle_core::Error::Msg(
+                        "overlapped step: a streamed parameter is not in the optimizer".into(),
+                    )
+                })
+        })
+        .collect()
+}
+
+impl OverlapStep for crate::CpuAdamW {
+    fn begin_step(&mut self) {
+        crate::CpuAdamW::begin_step(self)
+    }
+
+    fn step_vars(&mut self, updates: &[(Var, Tensor)]) -> Result<()> {
+        let idx = index_updates(self.vars(), updates)?;
+        self.step_tensors(&idx)
+    }
+}
+
+impl OverlapStep for crate::CpuSgd {
+    fn begin_step(&mut self) {
+        crate::CpuSgd::begin_step(self)
+    }
+
+    fn step_vars(&mut self, updates: &[(Var, Tensor)]) -> Result<()> {
+        let idx = index_updates(self.vars(), updates)?;
+        self.step_tensors(&idx)
+    }
+}
+
+/// Work for the overlapped optimizer thread: wait for the marker, then step.
+struct StepJob {
+    marker: streamer_core::OffloadMarker,
+    updates: Vec<(Var, Tensor)>,
+}
+
 /// What a training forward leaves for its backward.
 struct Saved {
     /// Each block's input, detached (the first is the model input).
@@ -71,6 +127,9 @@ struct TrainState {
     saved_training: bool,
     grads: HostGrads,
     trainable: Vec<bool>,
+    /// Weights the overlapped step already stepped in this backward.
+    stepped: Vec<bool>,
+    optimizer_seconds: f64,
 }
 
 /// Turns a streamed model into a trainable one.
@@ -97,6 +156,8 @@ impl TrainableSequential {
                 saved_training: true,
                 grads: HostGrads::new(n),
                 trainable: vec![true; n],
+                stepped: vec![false; n],
+                optimizer_seconds: 0.0,
             }),
             model,
         }
@@ -251,9 +312,56 @@ impl TrainableSequential {
         Ok(grads)
     }
 
+    /// Backward with the optimizer step overlapped: each streamed weight is
+    /// stepped by `opt` on a host thread as soon as its gradient has landed (after
+    /// the last block that uses it in reverse order), while the GPU continues
+    /// with earlier blocks. Weights outside the model (a head, an embedding) get
+    /// their gradients in the returned `GradStore` as usual; step those yourself.
+    /// `opt` must hold the model's trainable variables, and gradients must be
+    /// zeroed between steps (nothing accumulates across calls in this mode). If
+    /// backward fails midway, some weights may have been stepped already.
+    pub fn backward_step<O: OverlapStep>(&self, loss: &Tensor, opt: &mut O) -> Result<GradStore> {
+        let mut grads = loss.backward()?;
+        opt.begin_step();
+        std::thread::scope(|scope| -> Result<()> {
+            let (tx, rx) = std::sync::mpsc::channel::<StepJob>();
+            let worker = scope.spawn(move || -> Result<f64> {
+                let mut busy = 0.0;
+                for job in rx {
+                    job.marker.wait()?;
+                    let t = std::time::Instant::now();
+                    opt.step_vars(&job.updates)?;
+                    busy += t.elapsed().as_secs_f64();
+                }
+                Ok(busy)
+            });
+            let r = self.backward_impl(&mut grads, Some(&tx));
+            drop(tx);
+            let busy = worker
+                .join()
+                .map_err(|_| candle_core::Error::Msg("optimizer thread panicked".into()))??;
+            self.lock()?.optimizer_seconds = busy;
+            r
+        })?;
+        Ok(grads)
+    }
+
+    /// Seconds the last `backward_step` spent in the optimizer (on its thread).
+    pub fn last_optimizer_seconds(&self) -> Result<f64> {
+        Ok(self.lock()?.optimizer_seconds)
+    }
+
     /// Like [`Self::backward`], for a `GradStore` the caller already computed
     /// (it must hold the gradients of this model's last outputs).
     pub fn backward_into(&self, grads: &mut GradStore) -> Result<()> {
+        self.backward_impl(grads, None)
+    }
+
+    fn backward_impl(
+        &self,
+        grads: &mut GradStore,
+        overlap: Option<&std::sync::mpsc::Sender<StepJob>>,
+    ) -> Result<()> {
         let mut st = self.lock()?;
         let Some(saved) = st.saved.take() else {
             candle_core::bail!(
@@ -296,9 +404,19 @@ impl TrainableSequential {
         }
         let mut pool = self.model.lock_pool()?;
         let trainable = st.trainable.clone();
-        let r = self.streamed_backward(&mut pool, &mut st.grads, &trainable, &saved, g_outs);
+        let r = self.streamed_backward(
+            &mut pool,
+            &mut st.grads,
+            &trainable,
+            &saved,
+            g_outs,
+            overlap,
+        );
         let (g_x, g_extras) = match r {
-            Ok(v) => v,
+            Ok((g_x, g_extras, stepped)) => {
+                st.stepped = stepped;
+                (g_x, g_extras)
+            }
             Err(e) => {
                 release_all(&mut pool);
                 st.grads.abort();
@@ -309,8 +427,26 @@ impl TrainableSequential {
         pool.add_d2h(bytes, secs);
         drop(pool);
         // Host gradients, under the masters' variables.
+        let mut rest = Vec::new();
         for (m, g) in st.grads.collect()? {
-            grads.insert(self.model.masters().get(m).var.as_tensor(), g);
+            let var = &self.model.masters().get(m).var;
+            grads.insert(var.as_tensor(), g.clone());
+            if overlap.is_some() && !st.stepped[m] {
+                rest.push((var.clone(), g));
+            }
+        }
+        if let Some(tx) = overlap {
+            // Weights not stepped during the loop (tied across blocks: their sum
+            // was completed only now).
+            if !rest.is_empty() {
+                let marker = st.grads.marker()?;
+                tx.send(StepJob {
+                    marker,
+                    updates: rest,
+                })
+                .map_err(|_| candle_core::Error::Msg("optimizer thread stopped".into()))?;
+            }
+            st.stepped.iter_mut().for_each(|s| *s = false);
         }
         // Continue into whatever produced the input and the extras.
         let mut upstream = Vec::new();
@@ -342,10 +478,19 @@ impl TrainableSequential {
         trainable: &[bool],
         saved: &Saved,
         g_outs: Vec<Option<Tensor>>,
-    ) -> Result<(Option<Tensor>, Vec<Option<Tensor>>)> {
+        overlap: Option<&std::sync::mpsc::Sender<StepJob>>,
+    ) -> Result<(Option<Tensor>, Vec<Option<Tensor>>, Vec<bool>)> {
         let blocks = self.model.blocks();
         let n = blocks.len();
         let window = pool.window();
+        // A weight is complete after the lowest-index block that uses it.
+        let mut last_user = vec![usize::MAX; trainable.len()];
+        for i in 0..n {
+            for &(m, _) in &pool.layout(i).unique {
+                last_user[m] = last_user[m].min(i);
+            }
+        }
+        let mut stepped = vec![false; trainable.len()];
         host.begin(pool.device(), self.model.masters())?;
         for k in 0..window.min(n) {
             pool.load(n - 1 - k)?;
@@ -405,6 +550,22 @@ impl TrainableSequential {
                     host.offload(*m, g)?;
                 }
             }
+            if let Some(tx) = overlap {
+                let updates: Vec<(Var, Tensor)> = vars
+                    .iter()
+                    .filter(|(m, _)| last_user[*m] == i)
+                    .filter_map(|(m, _)| host.written(*m).map(|g| (*m, g)))
+                    .map(|(m, g)| {
+                        stepped[m] = true;
+                        (self.model.masters().get(m).var.clone(), g)
+                    })
+                    .collect();
+                if !updates.is_empty() {
+                    let marker = host.marker()?;
+                    tx.send(StepJob { marker, updates })
+                        .map_err(|_| candle_core::Error::Msg("optimizer thread stopped".into()))?;
+                }
+            }
             for (j, ev) in extra_vars.iter().enumerate() {
                 if let Some(g) = bg.get(ev) {
                     g_extras[j] = Some(match g_extras[j].take() {
@@ -422,7 +583,7 @@ impl TrainableSequential {
             g_next = vec![g_x];
         }
         host.finish()?;
-        Ok((g_next.swap_remove(0), g_extras))
+        Ok((g_next.swap_remove(0), g_extras, stepped))
     }
 }
 

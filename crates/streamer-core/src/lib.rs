@@ -51,7 +51,7 @@ pub use block::{Block, BlockSpec, ModuleBlock};
 pub use config::StreamConfig;
 pub use convert::convert;
 pub use host::{HostMasters, Master};
-pub use offload::Offloader;
+pub use offload::{OffloadMarker, Offloader};
 pub use pool::{BlockLayout, Entry, ResidencyPool};
 pub use sequential::{release_all, run_block, run_blocks, StreamedSequential};
 pub use source::{expand_paths, save_atomic, WeightSource};

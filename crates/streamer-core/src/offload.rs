@@ -16,6 +16,24 @@ struct Pending {
     bytes: u64,
 }
 
+/// A point in the offload stream: waiting on it waits for every copy enqueued
+/// before it was taken. Can be waited on from another thread.
+pub struct OffloadMarker {
+    #[cfg(feature = "cuda")]
+    event: Option<cudarc::driver::CudaEvent>,
+}
+
+impl OffloadMarker {
+    /// Blocks the calling thread until the copies before the marker have landed.
+    pub fn wait(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(e) = &self.event {
+            e.synchronize().map_err(candle_core::Error::wrap)?;
+        }
+        Ok(())
+    }
+}
+
 /// Queue of device-to-host copies (see the module docs).
 pub struct Offloader {
     device: Device,
@@ -125,6 +143,21 @@ impl Offloader {
             }
         }
         Ok(())
+    }
+
+    /// A marker after every copy enqueued so far.
+    pub fn marker(&self) -> Result<OffloadMarker> {
+        #[cfg(feature = "cuda")]
+        if let Some(stream) = &self.stream {
+            let e = stream
+                .record_event(None)
+                .map_err(candle_core::Error::wrap)?;
+            return Ok(OffloadMarker { event: Some(e) });
+        }
+        Ok(OffloadMarker {
+            #[cfg(feature = "cuda")]
+            event: None,
+        })
     }
 
     /// Lets the device reuse the memory of gradients whose copies have been

@@ -154,7 +154,11 @@ impl StreamedSequential {
     pub fn save_safetensors(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         // Copies in flight read the masters; nothing writes them during a save.
-        let map: HashMap<String, Tensor> = self.parameters().into_iter().map(|(k, v)| (k, v.as_tensor().clone())).collect();
+        let map: HashMap<String, Tensor> = self
+            .parameters()
+            .into_iter()
+            .map(|(k, v)| (k, v.as_tensor().clone()))
+            .collect();
         crate::source::save_atomic(&map, path)
     }
 

@@ -134,6 +134,10 @@ pub fn save_atomic(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()>
     candle_core::safetensors::save(tensors, &tmp)
         .map_err(|e| candle_core::Error::Msg(format!("cannot write {}: {e}", tmp.display())))?;
     std::fs::rename(&tmp, path).map_err(|e| {
-        candle_core::Error::Msg(format!("cannot rename {} to {}: {e}", tmp.display(), path.display()))
+        candle_core::Error::Msg(format!(
+            "cannot rename {} to {}: {e}",
+            tmp.display(),
+            path.display()
+        ))
     })
 }
