@@ -93,7 +93,9 @@ fn mlp(vb: VarBuilder, w: usize, h: usize) -> candle_core::Result<impl Module> {
 
 fn blocks(a: &Args) -> Vec<BlockSpec> {
     let (w, h) = (a.width, a.hidden);
-    (0..a.blocks).map(|i| BlockSpec::module(format!("layers.{i}"), move |vb| mlp(vb, w, h))).collect()
+    (0..a.blocks)
+        .map(|i| BlockSpec::module(format!("layers.{i}"), move |vb| mlp(vb, w, h)))
+        .collect()
 }
 
 /// Seeded random weights (the CPU's own RNG in Candle cannot be seeded).
@@ -101,14 +103,26 @@ fn random_weights(a: &Args, rng: &mut StdRng, gain: f32) -> Result<HashMap<Strin
     let mut m = HashMap::new();
     let mut put = |name: String, shape: &[usize], std: f32, rng: &mut StdRng| -> Result<()> {
         let n: usize = shape.iter().product();
-        let v: Vec<f32> = (0..n).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * std * 1.732).collect();
+        let v: Vec<f32> = (0..n)
+            .map(|_| (rng.random::<f32>() * 2.0 - 1.0) * std * 1.732)
+            .collect();
         m.insert(name, Tensor::from_vec(v, shape, &Device::Cpu)?);
         Ok(())
     };
     for i in 0..a.blocks {
-        put(format!("layers.{i}.up.weight"), &[a.hidden, a.width], gain / (a.width as f32).sqrt(), rng)?;
+        put(
+            format!("layers.{i}.up.weight"),
+            &[a.hidden, a.width],
+            gain / (a.width as f32).sqrt(),
+            rng,
+        )?;
         put(format!("layers.{i}.up.bias"), &[a.hidden], 0.02, rng)?;
-        put(format!("layers.{i}.down.weight"), &[a.width, a.hidden], gain / (a.hidden as f32).sqrt(), rng)?;
+        put(
+            format!("layers.{i}.down.weight"),
+            &[a.width, a.hidden],
+            gain / (a.hidden as f32).sqrt(),
+            rng,
+        )?;
         put(format!("layers.{i}.down.bias"), &[a.width], 0.02, rng)?;
     }
     Ok(m)
@@ -121,13 +135,20 @@ fn write_curve(out: &std::path::Path, losses: &[(usize, f32)]) -> Result<()> {
         writeln!(csv, "{s},{l}")?;
     }
     let pts = losses.iter().map(|&(s, l)| (s as f64, l as f64)).collect();
-    let svg = candle_streamer::report::svg_plot_axes(false, "train_mlp: loss", "step", "MSE", &[("student".into(), pts)]);
+    let svg = candle_streamer::report::svg_plot_axes(
+        false,
+        "train_mlp: loss",
+        "step",
+        "MSE",
+        &[("student".into(), pts)],
+    );
     std::fs::write(out.join("loss.svg"), svg)?;
     Ok(())
 }
 
 fn read_losses(path: &std::path::Path) -> Result<Vec<(usize, f32)>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     text.lines()
         .skip(1)
         .map(|l| {
@@ -165,17 +186,36 @@ fn main() -> Result<()> {
     let teacher = StreamedSequential::from_tensors(
         teacher_weights,
         blocks(&a),
-        StreamConfig { master_dtype: None, ..cfg.clone() },
+        StreamConfig {
+            master_dtype: None,
+            ..cfg.clone()
+        },
     )?;
-    let (student, mut opt, start, mut losses): (TrainableSequential, CpuAdamW, usize, Vec<(usize, f32)>) = if a.resume {
+    let (student, mut opt, start, mut losses): (
+        TrainableSequential,
+        CpuAdamW,
+        usize,
+        Vec<(usize, f32)>,
+    ) = if a.resume {
         let progress: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(&progress_path).with_context(|| format!("--resume: no {}", progress_path.display()))?,
+            &std::fs::read_to_string(&progress_path)
+                .with_context(|| format!("--resume: no {}", progress_path.display()))?,
         )?;
-        let start = progress["step"].as_u64().context("progress.json has no step")? as usize;
-        let student = StreamedSequential::from_safetensors(&[&weights_path], blocks(&a), cfg.clone())
-            .context("--resume: the saved weights do not fit this --blocks/--width/--hidden")?
-            .train();
-        let mut opt = CpuAdamW::new(student.trainable_vars()?, ParamsAdamW { lr: a.lr, weight_decay: a.weight_decay, ..Default::default() })?;
+        let start = progress["step"]
+            .as_u64()
+            .context("progress.json has no step")? as usize;
+        let student =
+            StreamedSequential::from_safetensors(&[&weights_path], blocks(&a), cfg.clone())
+                .context("--resume: the saved weights do not fit this --blocks/--width/--hidden")?
+                .train();
+        let mut opt = CpuAdamW::new(
+            student.trainable_vars()?,
+            ParamsAdamW {
+                lr: a.lr,
+                weight_decay: a.weight_decay,
+                ..Default::default()
+            },
+        )?;
         opt.set_param_names(student.parameters().into_iter().map(|(n, _)| n).collect())?;
         opt.load(&opt_path)?;
         opt.set_learning_rate(a.lr);
@@ -183,15 +223,29 @@ fn main() -> Result<()> {
     } else {
         let init = random_weights(&a, &mut rng, 1.0)?;
         let student = StreamedSequential::from_tensors(init, blocks(&a), cfg.clone())?.train();
-        let mut opt = CpuAdamW::new(student.trainable_vars()?, ParamsAdamW { lr: a.lr, weight_decay: a.weight_decay, ..Default::default() })?;
+        let mut opt = CpuAdamW::new(
+            student.trainable_vars()?,
+            ParamsAdamW {
+                lr: a.lr,
+                weight_decay: a.weight_decay,
+                ..Default::default()
+            },
+        )?;
         opt.set_param_names(student.parameters().into_iter().map(|(n, _)| n).collect())?;
         (student, opt, 0, Vec::new())
     };
     if start >= a.steps {
-        println!("already at step {start} of {}: nothing to do (raise --steps)", a.steps);
+        println!(
+            "already at step {start} of {}: nothing to do (raise --steps)",
+            a.steps
+        );
         return Ok(());
     }
-    let params: usize = student.parameters().iter().map(|(_, v)| v.elem_count()).sum();
+    let params: usize = student
+        .parameters()
+        .iter()
+        .map(|(_, v)| v.elem_count())
+        .sum();
     println!(
         "train_mlp: {} blocks w{} h{} ({:.1} M params, {:.1} MiB in {dtype:?} per block), batch {}, {:?}, prefetch {}, steps {start}..{}",
         a.blocks,
@@ -205,7 +259,9 @@ fn main() -> Result<()> {
         a.steps
     );
     let bar = ProgressBar::new((a.steps - start) as u64);
-    bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")?);
+    bar.set_style(ProgressStyle::with_template(
+        "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+    )?);
     // Data: a fresh seeded batch per step (the stream depends on the step, so a
     // resumed run sees the same data an uninterrupted one would).
     let t0 = Instant::now();
@@ -213,12 +269,17 @@ fn main() -> Result<()> {
         student.inner().save_safetensors(&weights_path)?;
         opt.save(&opt_path)?;
         write_curve(&a.out, losses)?;
-        std::fs::write(&progress_path, serde_json::json!({ "step": step }).to_string())?;
+        std::fs::write(
+            &progress_path,
+            serde_json::json!({ "step": step }).to_string(),
+        )?;
         Ok(())
     };
     for step in start..a.steps {
         let mut drng = StdRng::seed_from_u64(a.seed ^ (step as u64).wrapping_mul(0x9E37_79B9));
-        let xv: Vec<f32> = (0..a.batch * a.width).map(|_| drng.random::<f32>() * 2.0 - 1.0).collect();
+        let xv: Vec<f32> = (0..a.batch * a.width)
+            .map(|_| drng.random::<f32>() * 2.0 - 1.0)
+            .collect();
         let x = Tensor::from_vec(xv, (a.batch, a.width), &dev)?.to_dtype(dtype)?;
         let target = teacher.forward(&x)?.to_dtype(DType::F32)?;
         let y = student.forward(&x)?;
@@ -240,8 +301,15 @@ fn main() -> Result<()> {
     save(a.steps, &losses, &opt)?;
     let first = losses.first().map(|l| l.1).unwrap_or(f32::NAN);
     let last = losses.last().map(|l| l.1).unwrap_or(f32::NAN);
-    println!("loss {first:.5} -> {last:.5} over {} steps ({:.1} s)", losses.len(), t0.elapsed().as_secs_f64());
+    println!(
+        "loss {first:.5} -> {last:.5} over {} steps ({:.1} s)",
+        losses.len(),
+        t0.elapsed().as_secs_f64()
+    );
     println!("student {}", student.stats()?);
-    println!("wrote {}/{{loss.csv, loss.svg, weights.safetensors, optimizer.safetensors}}", a.out.display());
+    println!(
+        "wrote {}/{{loss.csv, loss.svg, weights.safetensors, optimizer.safetensors}}",
+        a.out.display()
+    );
     Ok(())
 }

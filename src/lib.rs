@@ -21,6 +21,8 @@ pub use streamer_autograd;
 pub use streamer_core;
 pub use streamer_models;
 
+pub mod report;
+
 /// Helpers for the project's tests: the device list and the test macro.
 pub mod test_utils {
     /// The CUDA device tests run on, with its own compute stream (so the pool's

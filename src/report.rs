@@ -3,7 +3,8 @@
 
 /// A small line plot as SVG: one polyline per series over a log2 x axis
 /// (`log_x`) or a linear one.
-pub fn svg_plot_axes(log_x: bool, 
+pub fn svg_plot_axes(
+    log_x: bool,
     title: &str,
     xlabel: &str,
     ylabel: &str,
@@ -91,7 +92,12 @@ pub fn svg_plot_axes(log_x: bool,
 }
 
 /// [`svg_plot_axes`] with a log2 x axis (sizes, token counts).
-pub fn svg_plot(title: &str, xlabel: &str, ylabel: &str, series: &[(String, Vec<(f64, f64)>)]) -> String {
+pub fn svg_plot(
+    title: &str,
+    xlabel: &str,
+    ylabel: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+) -> String {
     svg_plot_axes(true, title, xlabel, ylabel, series)
 }
 

@@ -31,6 +31,13 @@ pub struct StreamConfig {
     /// optimizer step) would not be seen by those early copies, so this is off by
     /// default; `StreamedSequential::evict_all` drops them.
     pub prefetch_across_calls: bool,
+    /// Keep cudarc's per-tensor event tracking on for this device's context. The
+    /// pool orders its streams itself (ready and free events), and Candle runs on
+    /// one stream, so by default the pool turns tracking off: with it on, every
+    /// kernel launch records and waits on events once a second stream exists,
+    /// which costs microseconds per op. Turn it on if your own code shares
+    /// tensors across streams of this context.
+    pub cuda_event_tracking: bool,
     /// Testing aid: make every block's transfer take at least this long (a
     /// sleep on the CPU, a waiting kernel on the transfer stream on CUDA).
     pub transfer_delay: Option<std::time::Duration>,
@@ -49,6 +56,7 @@ impl Default for StreamConfig {
             timeline_path: None,
             transfer_delay: None,
             prefetch_across_calls: false,
+            cuda_event_tracking: false,
         }
     }
 }
