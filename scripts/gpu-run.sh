@@ -4,7 +4,11 @@
 # $OUT (or ./gpu-out) and exits non-zero if anything failed. At most 8 files
 # come back from the GPU machine, so the logs and the benches' result files are
 # packed into one logs.tar.gz beside summary.txt.
-#   bash gpu-bundle/run.sh [tests] [benches] [examples] [--filter NAME]
+#   bash gpu-bundle/run.sh [tests] [benches] [examples]
+# GPU_ONLY=a,b runs only binaries whose name contains one of those words;
+# GPU_ARGS_<name> (e.g. GPU_ARGS_train_mlp) passes arguments to an example.
+# With `benches`, every benches/*_torch.py (PyTorch references) runs too,
+# with arguments from PY_ARGS_<name> (e.g. PY_ARGS_adamw_torch=--full).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-$PWD/gpu-out}
@@ -24,12 +28,20 @@ while IFS=$'\t' read -r kind bin; do
     test) group=tests ;; bench) group=benches ;; example) group=examples ;; *) group=other ;;
   esac
   [[ " $want " == *" $group "* ]] || continue
+  if [ -n "${GPU_ONLY:-}" ]; then
+    keep=0
+    for w in ${GPU_ONLY//,/ }; do [[ "$bin" == *"$w"* ]] && keep=1; done
+    [ $keep -eq 1 ] || continue
+  fi
   log=$logs/$bin.log
   start=$(date +%s)
   case "$kind" in
     test) "$work/bin/$bin" --test-threads=4 >"$log" 2>&1 ;;
     bench) "$work/bin/$bin" --bench >"$log" 2>&1 ;;
-    example) "$work/bin/$bin" ${GPU_EXAMPLE_ARGS:-} >"$log" 2>&1 ;;
+    example)
+      var="GPU_ARGS_${bin#example-}"
+      # shellcheck disable=SC2086
+      "$work/bin/$bin" ${!var:-} >"$log" 2>&1 ;;
   esac
   rc=$?
   secs=$(( $(date +%s) - start ))
@@ -38,6 +50,24 @@ while IFS=$'\t' read -r kind bin; do
   printf '%-10s %-40s %4ss %s\n' "$status" "$bin" "$secs" "$detail" | tee -a "$summary"
   if [ "$kind" = test ]; then grep -E '^test .* FAILED$|panicked' "$log" | head -n 20 | tee -a "$summary"; fi
 done <"$here/manifest"
+if [[ " $want " == *" benches "* ]]; then
+  for py in benches/*_torch.py; do
+    [ -f "$py" ] || continue
+    name=$(basename "$py" .py)
+    if [ -n "${GPU_ONLY:-}" ]; then
+      keep=0
+      for w in ${GPU_ONLY//,/ }; do [[ "$name" == *"$w"* ]] && keep=1; done
+      [ $keep -eq 1 ] || continue
+    fi
+    start=$(date +%s)
+    pyvar="PY_ARGS_$name"
+    # shellcheck disable=SC2086
+    PYTHONUNBUFFERED=1 python3 "$py" ${!pyvar:-} >"$logs/$name.log" 2>&1
+    rc=$?
+    if [ $rc -eq 0 ]; then status=PASS; else status="FAIL(rc=$rc)"; fail=1; fi
+    printf '%-10s %-40s %4ss\n' "$status" "$name" "$(( $(date +%s) - start ))" | tee -a "$summary"
+  done
+fi
 echo "overall: $([ $fail -eq 0 ] && echo PASS || echo FAIL)" | tee -a "$summary"
 mkdir -p benches/results
 tar -czf "$out/logs.tar.gz" -C "$work" logs -C "$PWD" benches/results 2>/dev/null

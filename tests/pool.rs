@@ -599,3 +599,40 @@ fn call_errors_come_before_any_copy(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(call_errors_come_before_any_copy);
+
+fn prefetch_across_calls_keeps_results_and_window(dev: &Device) -> Result<()> {
+    let hidden = [16, 24, 8, 16, 32];
+    let weights = mlp_weights(8, &hidden)?;
+    let blocks = mlp_blocks(8, &hidden);
+    for prefetch in 0..=3 {
+        let mut c = cfg(dev, DType::F32, prefetch);
+        c.prefetch_across_calls = true;
+        let model = StreamedSequential::from_tensors(weights.clone(), blocks.clone(), c)?;
+        let max_seen = Arc::new(AtomicUsize::new(0));
+        let m = max_seen.clone();
+        model.set_observer(Some(Arc::new(move |t| {
+            m.fetch_max(t.resident_blocks, Ordering::SeqCst);
+        })))?;
+        for _ in 0..3 {
+            let x = Tensor::randn(0f32, 1.0, (3, 8), dev)?;
+            let want = resident_forward(&weights, &blocks, &x, &[], DType::F32, dev)?;
+            assert_close(
+                &model.forward(&x)?,
+                &want[0],
+                1e-5,
+                1e-5,
+                &format!("prefetch {prefetch}"),
+            )?;
+        }
+        let st = model.stats()?;
+        // The first blocks of the next call are already loading (or loaded).
+        assert_eq!(st.resident_blocks, prefetch + 1);
+        assert!(max_seen.load(Ordering::SeqCst) <= prefetch + 1);
+        // Three calls load each block three times, plus the early loads for a fourth.
+        assert_eq!(st.loads as usize, 3 * hidden.len() + prefetch + 1);
+        model.evict_all()?;
+        assert_eq!(model.stats()?.resident_blocks, 0);
+    }
+    Ok(())
+}
+candle_streamer::test_device!(prefetch_across_calls_keeps_results_and_window);

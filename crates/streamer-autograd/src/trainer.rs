@@ -492,6 +492,9 @@ impl TrainableSequential {
         }
         let mut stepped = vec![false; trainable.len()];
         host.begin(pool.device(), self.model.masters())?;
+        // Blocks left loaded by an inference call (prefetch_across_calls) are
+        // dropped first: the reverse pass needs the window for the last blocks.
+        release_all(pool);
         for k in 0..window.min(n) {
             pool.load(n - 1 - k)?;
         }
