@@ -5,7 +5,8 @@
 # come back from the GPU machine, so the logs and the benches' result files are
 # packed into one logs.tar.gz beside summary.txt.
 #   bash gpu-bundle/run.sh [tests] [benches] [examples]
-# GPU_ONLY=a,b runs only binaries whose name contains one of those words;
+# RUN_TAG=x names the outputs summary-x.txt and logs-x.tar.gz (several runs
+# in one device call). GPU_ONLY=a,b runs only binaries whose name contains one of those words;
 # GPU_ARGS_<name> (e.g. GPU_ARGS_train_mlp) passes arguments to an example.
 # With `benches`, every benches/*_torch.py (PyTorch references) runs too,
 # with arguments from PY_ARGS_<name> (e.g. PY_ARGS_adamw_torch=--full).
@@ -17,7 +18,7 @@ export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib${LD_LIBRARY
 work=$(mktemp -d)
 xz -dc "$here/bin.tar.xz" | tar -C "$work" -xf -
 want="${*:-tests benches examples}"
-summary=$out/summary.txt
+summary=$out/summary${RUN_TAG:+-$RUN_TAG}.txt
 logs=$work/logs
 mkdir -p "$logs"
 : >"$summary"
@@ -70,5 +71,5 @@ if [[ " $want " == *" benches "* ]]; then
 fi
 echo "overall: $([ $fail -eq 0 ] && echo PASS || echo FAIL)" | tee -a "$summary"
 mkdir -p benches/results
-tar -czf "$out/logs.tar.gz" -C "$work" logs -C "$PWD" benches/results 2>/dev/null
+tar -czf "$out/logs${RUN_TAG:+-$RUN_TAG}.tar.gz" -C "$work" logs -C "$PWD" benches/results 2>/dev/null
 exit $fail
