@@ -14,6 +14,10 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
+# Benches write their results here (the path baked in at build time is this
+# machine's checkout, not the GPU machine's).
+export BENCH_RESULTS_DIR=${BENCH_RESULTS_DIR:-$PWD/benches/results}
+mkdir -p "$BENCH_RESULTS_DIR"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 work=$(mktemp -d)
 xz -dc "$here/bin.tar.xz" | tar -C "$work" -xf -
