@@ -1,1 +1,52 @@
-//! placeholder
+//! `streamer-models`: model definitions written the ordinary Candle way
+//! (candle-nn layers over a `VarBuilder`, Hugging Face weight names) that run
+//! resident or with their layers streamed from host memory.
+//!
+//! - [`Llama`] ([`llama`]): a Llama-family decoder: token embedding, RMSNorm,
+//!   rotary embedding, grouped-query attention through `cqsa::attention`,
+//!   SwiGLU MLP, final norm, tied or untied head. Each [`DecoderLayer`] is a
+//!   `streamer_core::Block` taking `[cos, sin]` as extras, so the same layer
+//!   code runs in a plain loop ([`Llama::resident`]) or as `StreamedSequential`
+//!   blocks ([`Llama::streamed`], [`Llama::from_safetensors`]), trainable with
+//!   [`Llama::into_trainable`].
+//! - [`LlamaConfig`] ([`config`]): Hugging Face's `config.json` fields, presets
+//!   `tiny`, `350m`, `1b`, `3b`.
+//! - [`check_weights`], [`init_weights`] ([`checkpoint`]): strict checks of a
+//!   checkpoint against a config (the error names the tensor and the config
+//!   fields), seeded initial weights, byte budgets.
+//! - [`LmTrainer`], [`train_loop`], [`ByteCorpus`] ([`train`]): host AdamW over
+//!   every master, checkpoints an interrupted save cannot break, resume.
+//! - [`generate`] ([`sample`]): temperature and top-p sampling.
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use streamer_core::StreamConfig;
+//! use streamer_models::{init_weights, Llama, LlamaConfig};
+//!
+//! let cfg = LlamaConfig { max_position_embeddings: 16, ..LlamaConfig::bytes(32, 2, 4, 2) };
+//! let weights = init_weights(&cfg, 0)?;
+//! // Resident: the ordinary Candle way.
+//! let vb = candle_nn::VarBuilder::from_tensors(weights.clone(), DType::F32, &Device::Cpu);
+//! let resident = Llama::resident(vb, &cfg)?;
+//! // Streamed: at most two layers' weights on the device at a time.
+//! let stream = StreamConfig { prefetch_ahead: 1, ..Default::default() };
+//! let streamed = Llama::from_tensors(weights, &cfg, stream)?;
+//! let tokens = Tensor::new(&[[72u32, 105, 33, 10]], &Device::Cpu)?;
+//! let (a, b) = (resident.forward(&tokens)?, streamed.forward(&tokens)?);
+//! assert_eq!(a.dims(), &[1, 4, 256]);
+//! assert!((a - b)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-4);
+//! # Ok::<(), candle_core::Error>(())
+//! ```
+#![warn(missing_docs)]
+
+pub mod checkpoint;
+pub mod config;
+pub mod llama;
+pub mod sample;
+pub mod train;
+
+pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budget, SplitMix64};
+pub use config::{LlamaConfig, RopeScaling};
+pub use llama::{apply_rope, DecoderLayer, Llama, RmsNorm, Rope};
+pub use sample::{generate, sample_token};
+pub use train::{train_loop, ByteCorpus, CheckpointFiles, LmTrainer, LoopOptions, StepReport};

@@ -1,0 +1,209 @@
+//! Weights in and out: strict checks of a checkpoint against a configuration,
+//! seeded initial weights, and sizes (byte budgets, streaming windows).
+use crate::config::LlamaConfig;
+use candle_core::{bail, DType, Device, Result, Tensor};
+use std::collections::{BTreeSet, HashMap};
+use streamer_core::WeightSource;
+
+/// Checks that `src` holds exactly the tensors `cfg` implies, with the right
+/// shapes and float dtypes, before anything is loaded. Errors name the tensor
+/// and the config fields its shape comes from; unexpected layers are reported
+/// against `num_hidden_layers`. A tied model's `lm_head.weight`, when present,
+/// is allowed and ignored (some published checkpoints store it).
+pub fn check_weights(src: &WeightSource, cfg: &LlamaConfig) -> Result<()> {
+    let expected = cfg.weight_shapes();
+    let mut missing = Vec::new();
+    for (name, shape, fields) in &expected {
+        if !src.contains(name) {
+            missing.push(format!("{name} {shape:?}"));
+            continue;
+        }
+        let (got, dt) = src.meta(name)?;
+        if got.dims() != shape.as_slice() {
+            bail!(
+                "the config does not match the weights: tensor {name:?} has shape {:?} but the \
+                 config ({fields}) implies {shape:?}",
+                got.dims()
+            );
+        }
+        if !dt.is_float() {
+            bail!("tensor {name:?} has dtype {dt:?}; weights must be f16, bf16, f32 or f64");
+        }
+    }
+    if !missing.is_empty() {
+        bail!(
+            "the weights lack {} tensor(s) the config needs (num_hidden_layers = {}, \
+             tie_word_embeddings = {}): {}",
+            missing.len(),
+            cfg.num_hidden_layers,
+            cfg.tie_word_embeddings,
+            list(&missing)
+        );
+    }
+    let known: BTreeSet<&str> = expected.iter().map(|(n, _, _)| n.as_str()).collect();
+    let extra: Vec<String> = src
+        .names()
+        .into_iter()
+        .filter(|n| !known.contains(n.as_str()))
+        .filter(|n| !(cfg.tie_word_embeddings && n == "lm_head.weight"))
+        .collect();
+    if !extra.is_empty() {
+        let deepest = extra
+            .iter()
+            .filter_map(|n| {
+                n.strip_prefix("model.layers.")?
+                    .split('.')
+                    .next()?
+                    .parse::<usize>()
+                    .ok()
+            })
+            .max();
+        let hint = match deepest {
+            Some(l) if l >= cfg.num_hidden_layers => format!(
+                " (the weights have layers up to {l} but the config's num_hidden_layers is {})",
+                cfg.num_hidden_layers
+            ),
+            _ => String::new(),
+        };
+        bail!(
+            "the weights hold {} tensor(s) this Llama config does not use{hint}: {}",
+            extra.len(),
+            list(&extra)
+        );
+    }
+    Ok(())
+}
+
+fn list(names: &[String]) -> String {
+    let mut s = names.iter().take(6).cloned().collect::<Vec<_>>().join(", ");
+    if names.len() > 6 {
+        s += &format!(", ... ({} more)", names.len() - 6);
+    }
+    s
+}
+
+/// A small deterministic generator (SplitMix64) for initial weights and data:
+/// Candle's CPU generator cannot be seeded.
+#[derive(Clone, Debug)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    /// A generator from a seed.
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform integer in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+}
+
+fn hash_name(seed: u64, name: &str) -> u64 {
+    // FNV-1a over the name, mixed with the seed: each tensor's values depend only
+    // on (seed, name), not on the order tensors are created in.
+    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ seed.wrapping_mul(0x100_0000_01b3);
+    for b in name.bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+    }
+    h
+}
+
+/// Seeded initial weights in f32 on the host, Hugging Face names: normal with
+/// standard deviation 0.02 (`initializer_range`), the layers' output
+/// projections (`o_proj`, `down_proj`) scaled by `1 / sqrt(2 * layers)`, norms
+/// at one. Each tensor depends only on `seed` and its name.
+pub fn init_weights(cfg: &LlamaConfig, seed: u64) -> Result<HashMap<String, Tensor>> {
+    cfg.validate()?;
+    let out_scale = 1.0 / (2.0 * cfg.num_hidden_layers as f64).sqrt();
+    let mut map = HashMap::new();
+    for (name, shape, _) in cfg.weight_shapes() {
+        let n: usize = shape.iter().product();
+        let data: Vec<f32> = if name.ends_with("norm.weight") {
+            vec![1.0; n]
+        } else {
+            let std = if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
+                0.02 * out_scale
+            } else {
+                0.02
+            };
+            let mut rng = SplitMix64::new(hash_name(seed, &name));
+            let mut v = Vec::with_capacity(n);
+            while v.len() < n {
+                // Box-Muller: two normals per pair of uniforms.
+                let u1 = rng.uniform().max(1e-300);
+                let u2 = rng.uniform();
+                let r = (-2.0 * u1.ln()).sqrt() * std;
+                let a = 2.0 * std::f64::consts::PI * u2;
+                v.push((r * a.cos()) as f32);
+                if v.len() < n {
+                    v.push((r * a.sin()) as f32);
+                }
+            }
+            v
+        };
+        map.insert(name, Tensor::from_vec(data, shape, &Device::Cpu)?);
+    }
+    Ok(map)
+}
+
+/// Parses a byte count: a plain number, or a number with `K`, `M`, `G`, `T`
+/// (powers of 1000) or `KiB`, `MiB`, `GiB`, `TiB` (powers of 1024); `B` optional.
+pub fn parse_bytes(s: &str) -> Result<usize> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let x: f64 = num
+        .parse()
+        .map_err(|_| candle_core::Error::Msg(format!("cannot parse byte count {s:?}")))?;
+    let mult = match unit.trim().to_ascii_lowercase().trim_end_matches('b') {
+        "" => 1.0,
+        "k" => 1e3,
+        "m" => 1e6,
+        "g" => 1e9,
+        "t" => 1e12,
+        "ki" => 1024.0,
+        "mi" => 1024.0 * 1024.0,
+        "gi" => 1024.0 * 1024.0 * 1024.0,
+        "ti" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        _ => bail!("unknown unit in byte count {s:?} (K, M, G, T, KiB, MiB, GiB, TiB)"),
+    };
+    Ok((x * mult) as usize)
+}
+
+/// Bytes of one decoder layer's weights in `dtype` (one device slot).
+pub fn layer_bytes(cfg: &LlamaConfig, dtype: DType) -> usize {
+    cfg.layer_params() * dtype.size_in_bytes()
+}
+
+/// How many layers ahead to prefetch so that the window (`prefetch + 1`
+/// layers' weights in `dtype`) fits in `budget` bytes of device memory for
+/// layer weights. At least one layer must fit; the window is capped at the
+/// number of layers.
+pub fn prefetch_for_budget(cfg: &LlamaConfig, dtype: DType, budget: usize) -> Result<usize> {
+    let per = layer_bytes(cfg, dtype);
+    let window = budget / per;
+    if window == 0 {
+        bail!(
+            "a GPU weight budget of {budget} bytes holds no decoder layer: one layer is {per} \
+             bytes in {dtype:?}"
+        );
+    }
+    Ok(window.min(cfg.num_hidden_layers) - 1)
+}

@@ -1,0 +1,391 @@
+//! Llama configuration in the layout of Hugging Face's `config.json`, presets,
+//! and the weight names and shapes a configuration implies.
+use candle_core::{bail, Result};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// Rotary-embedding frequency scaling (`rope_scaling` in `config.json`). Only
+/// Llama 3's `"llama3"` scheme (and `"default"`, no scaling) is supported.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RopeScaling {
+    /// `"llama3"` or `"default"` (older files call this field `type`).
+    #[serde(alias = "type")]
+    pub rope_type: String,
+    /// Context extension factor.
+    #[serde(default = "one")]
+    pub factor: f64,
+    /// Wavelengths above `original_max_position_embeddings / low_freq_factor` are scaled fully.
+    #[serde(default = "one")]
+    pub low_freq_factor: f64,
+    /// Wavelengths below `original_max_position_embeddings / high_freq_factor` are kept.
+    #[serde(default = "four")]
+    pub high_freq_factor: f64,
+    /// The context length the model was trained with before extension.
+    #[serde(default = "default_original_max")]
+    pub original_max_position_embeddings: usize,
+}
+
+fn one() -> f64 {
+    1.0
+}
+fn four() -> f64 {
+    4.0
+}
+fn default_original_max() -> usize {
+    8192
+}
+fn default_eps() -> f64 {
+    1e-6
+}
+fn default_theta() -> f64 {
+    10_000.0
+}
+fn default_max_pos() -> usize {
+    2048
+}
+
+/// A Llama-family decoder's configuration. Field names are those of Hugging
+/// Face's `config.json` for Llama models; unknown fields are ignored, missing
+/// optional ones take Hugging Face's defaults.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LlamaConfig {
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Width of the SwiGLU MLP.
+    pub intermediate_size: usize,
+    /// Number of decoder layers.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention); `None` means `num_attention_heads`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_key_value_heads: Option<usize>,
+    /// Head dimension; `None` means `hidden_size / num_attention_heads`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
+    /// Vocabulary size (rows of the embedding and the head).
+    pub vocab_size: usize,
+    /// Epsilon of every RMSNorm.
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f64,
+    /// Base of the rotary embedding's frequencies.
+    #[serde(default = "default_theta")]
+    pub rope_theta: f64,
+    /// Longest sequence the rotary tables are built for.
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
+    /// The head reuses the embedding matrix (no `lm_head.weight`).
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// Rotary frequency scaling (Llama 3.1+).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<RopeScaling>,
+    /// Biases on the attention projections (not supported: must be false).
+    #[serde(default)]
+    pub attention_bias: bool,
+    /// Biases on the MLP projections (not supported: must be false).
+    #[serde(default)]
+    pub mlp_bias: bool,
+    /// Activation of the MLP gate (only `"silu"` is supported).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hidden_act: Option<String>,
+}
+
+impl LlamaConfig {
+    /// A decoder for byte-level text (vocabulary 256) with the given sizes;
+    /// `intermediate_size` is 8/3 of the width rounded up to a multiple of 128.
+    pub fn bytes(hidden: usize, layers: usize, heads: usize, kv_heads: usize) -> Self {
+        Self {
+            hidden_size: hidden,
+            intermediate_size: (hidden * 8 / 3).div_ceil(128) * 128,
+            num_hidden_layers: layers,
+            num_attention_heads: heads,
+            num_key_value_heads: Some(kv_heads),
+            head_dim: None,
+            vocab_size: 256,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10_000.0,
+            max_position_embeddings: 2048,
+            tie_word_embeddings: false,
+            rope_scaling: None,
+            attention_bias: false,
+            mlp_bias: false,
+            hidden_act: Some("silu".into()),
+        }
+    }
+
+    /// `tiny`: about 0.8 M parameters, 4 layers of width 128, 4 query / 2
+    /// key-value heads of 32; trains on a CPU in about a minute.
+    pub fn tiny() -> Self {
+        Self {
+            max_position_embeddings: 512,
+            ..Self::bytes(128, 4, 4, 2)
+        }
+    }
+
+    /// `350m`: about 0.35 B parameters, 30 layers of width 1024 (16 heads of 64,
+    /// 8 key-value heads), MLP 2816.
+    pub fn llama_350m() -> Self {
+        Self::bytes(1024, 30, 16, 8)
+    }
+
+    /// `1b`: the layer shapes of Llama 3.2 1B (16 layers of width 2048, 32 heads
+    /// of 64, 8 key-value heads, MLP 8192; about 0.97 B parameters in the
+    /// layers), byte-level vocabulary, tied embeddings.
+    pub fn llama_1b() -> Self {
+        Self {
+            intermediate_size: 8192,
+            rope_theta: 500_000.0,
+            tie_word_embeddings: true,
+            ..Self::bytes(2048, 16, 32, 8)
+        }
+    }
+
+    /// `3b`: the layer shapes of Llama 3.2 3B (28 layers of width 3072, 24 heads
+    /// of 128, 8 key-value heads, MLP 8192; about 2.8 B parameters in the
+    /// layers), byte-level vocabulary, tied embeddings.
+    pub fn llama_3b() -> Self {
+        Self {
+            intermediate_size: 8192,
+            rope_theta: 500_000.0,
+            tie_word_embeddings: true,
+            ..Self::bytes(3072, 28, 24, 8)
+        }
+    }
+
+    /// A preset by name: `tiny`, `350m`, `1b` or `3b`.
+    pub fn preset(name: &str) -> Result<Self> {
+        Ok(match name {
+            "tiny" => Self::tiny(),
+            "350m" => Self::llama_350m(),
+            "1b" => Self::llama_1b(),
+            "3b" => Self::llama_3b(),
+            _ => bail!("unknown preset {name:?} (tiny, 350m, 1b or 3b)"),
+        })
+    }
+
+    /// Parses a `config.json` text and validates it.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let cfg: Self = serde_json::from_str(text)
+            .map_err(|e| candle_core::Error::Msg(format!("invalid Llama config.json: {e}")))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads and validates a `config.json` file.
+    pub fn from_json_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| candle_core::Error::Msg(format!("cannot read {}: {e}", path.display())))?;
+        Self::from_json(&text)
+            .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", path.display())))
+    }
+
+    /// The configuration as `config.json` text (with `architectures` and
+    /// `model_type` so Hugging Face tools recognise it).
+    pub fn to_json(&self) -> Result<String> {
+        let mut v = serde_json::to_value(self).map_err(candle_core::Error::wrap)?;
+        if let Some(o) = v.as_object_mut() {
+            o.insert(
+                "architectures".into(),
+                serde_json::json!(["LlamaForCausalLM"]),
+            );
+            o.insert("model_type".into(), serde_json::json!("llama"));
+        }
+        serde_json::to_string_pretty(&v).map_err(candle_core::Error::wrap)
+    }
+
+    /// Key/value heads.
+    pub fn num_kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    /// Head dimension.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// Rejects configurations this decoder cannot run, naming the field.
+    pub fn validate(&self) -> Result<()> {
+        for (field, v) in [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_kv_heads()),
+            ("vocab_size", self.vocab_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ] {
+            if v == 0 {
+                bail!("config field {field} must be positive, got 0");
+            }
+        }
+        if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
+            bail!(
+                "config field hidden_size = {} is not a multiple of num_attention_heads = {} (and no head_dim is given)",
+                self.hidden_size,
+                self.num_attention_heads
+            );
+        }
+        if self.num_attention_heads % self.num_kv_heads() != 0 {
+            bail!(
+                "config field num_attention_heads = {} is not a multiple of num_key_value_heads = {}",
+                self.num_attention_heads,
+                self.num_kv_heads()
+            );
+        }
+        let d = self.head_dim();
+        if d == 0 || d % 2 == 1 || d > cqsa::MAX_HEAD_DIM {
+            bail!(
+                "config head dimension {d} (head_dim or hidden_size / num_attention_heads) must be even and at most {}",
+                cqsa::MAX_HEAD_DIM
+            );
+        }
+        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
+            bail!(
+                "config field rms_norm_eps must be positive, got {}",
+                self.rms_norm_eps
+            );
+        }
+        if self.rope_theta.is_nan() || self.rope_theta <= 1.0 {
+            bail!(
+                "config field rope_theta must be above 1, got {}",
+                self.rope_theta
+            );
+        }
+        if self.attention_bias || self.mlp_bias {
+            bail!(
+                "config fields attention_bias / mlp_bias: biases are not supported (must be false)"
+            );
+        }
+        if let Some(act) = &self.hidden_act {
+            if act != "silu" {
+                bail!("config field hidden_act = {act:?} is not supported (only \"silu\")");
+            }
+        }
+        if let Some(s) = &self.rope_scaling {
+            if s.rope_type != "llama3" && s.rope_type != "default" {
+                bail!(
+                    "config field rope_scaling.rope_type = {:?} is not supported (\"llama3\" or \"default\")",
+                    s.rope_type
+                );
+            }
+            if s.rope_type == "llama3"
+                && (s.factor <= 0.0 || s.high_freq_factor <= s.low_freq_factor)
+            {
+                bail!(
+                    "config field rope_scaling: need factor > 0 and high_freq_factor > low_freq_factor, got {s:?}"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The rotary inverse frequencies, `head_dim / 2` of them, with
+    /// `rope_scaling` applied.
+    pub fn inv_freq(&self) -> Vec<f64> {
+        let d = self.head_dim();
+        let base: Vec<f64> = (0..d / 2)
+            .map(|i| 1.0 / self.rope_theta.powf(2.0 * i as f64 / d as f64))
+            .collect();
+        match &self.rope_scaling {
+            Some(s) if s.rope_type == "llama3" => {
+                let old = s.original_max_position_embeddings as f64;
+                let low_wavelen = old / s.low_freq_factor;
+                let high_wavelen = old / s.high_freq_factor;
+                base.into_iter()
+                    .map(|f| {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < high_wavelen {
+                            f
+                        } else if wavelen > low_wavelen {
+                            f / s.factor
+                        } else {
+                            let smooth = (old / wavelen - s.low_freq_factor)
+                                / (s.high_freq_factor - s.low_freq_factor);
+                            (1.0 - smooth) * f / s.factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+            _ => base,
+        }
+    }
+
+    /// The weights of layer `i`: `(name, shape, config fields the shape comes from)`.
+    pub fn layer_weights(&self, i: usize) -> Vec<(String, Vec<usize>, &'static str)> {
+        let (h, m) = (self.hidden_size, self.intermediate_size);
+        let q = self.num_attention_heads * self.head_dim();
+        let kv = self.num_kv_heads() * self.head_dim();
+        let p = format!("model.layers.{i}");
+        let attn = "hidden_size, num_attention_heads, head_dim";
+        let kv_f = "hidden_size, num_key_value_heads, head_dim";
+        let mlp = "hidden_size, intermediate_size";
+        vec![
+            (
+                format!("{p}.input_layernorm.weight"),
+                vec![h],
+                "hidden_size",
+            ),
+            (format!("{p}.self_attn.q_proj.weight"), vec![q, h], attn),
+            (format!("{p}.self_attn.k_proj.weight"), vec![kv, h], kv_f),
+            (format!("{p}.self_attn.v_proj.weight"), vec![kv, h], kv_f),
+            (format!("{p}.self_attn.o_proj.weight"), vec![h, q], attn),
+            (
+                format!("{p}.post_attention_layernorm.weight"),
+                vec![h],
+                "hidden_size",
+            ),
+            (format!("{p}.mlp.gate_proj.weight"), vec![m, h], mlp),
+            (format!("{p}.mlp.up_proj.weight"), vec![m, h], mlp),
+            (format!("{p}.mlp.down_proj.weight"), vec![h, m], mlp),
+        ]
+    }
+
+    /// The weights outside the layers: embedding, final norm and (unless tied) head.
+    pub fn outer_weights(&self) -> Vec<(String, Vec<usize>, &'static str)> {
+        let (h, v) = (self.hidden_size, self.vocab_size);
+        let mut w = vec![
+            (
+                "model.embed_tokens.weight".to_string(),
+                vec![v, h],
+                "vocab_size, hidden_size",
+            ),
+            ("model.norm.weight".to_string(), vec![h], "hidden_size"),
+        ];
+        if !self.tie_word_embeddings {
+            w.push((
+                "lm_head.weight".to_string(),
+                vec![v, h],
+                "vocab_size, hidden_size",
+            ));
+        }
+        w
+    }
+
+    /// Every weight the configuration implies, in Hugging Face's names.
+    pub fn weight_shapes(&self) -> Vec<(String, Vec<usize>, &'static str)> {
+        let mut w = self.outer_weights();
+        for i in 0..self.num_hidden_layers {
+            w.extend(self.layer_weights(i));
+        }
+        w
+    }
+
+    /// Parameters of one decoder layer.
+    pub fn layer_params(&self) -> usize {
+        self.layer_weights(0)
+            .iter()
+            .map(|(_, s, _)| s.iter().product::<usize>())
+            .sum()
+    }
+
+    /// Parameters of the whole model (a tied matrix counted once).
+    pub fn num_params(&self) -> usize {
+        self.weight_shapes()
+            .iter()
+            .map(|(_, s, _)| s.iter().product::<usize>())
+            .sum()
+    }
+}

@@ -1,0 +1,603 @@
+//! The Llama-family decoder: RMSNorm, rotary embedding, grouped-query attention
+//! through `cqsa::attention`, SwiGLU MLP. A [`DecoderLayer`] is a
+//! `streamer_core::Block`, so the same code runs resident (a loop over layers)
+//! or streamed (`StreamedSequential`, trainable through `TrainableSequential`).
+use crate::checkpoint::check_weights;
+use crate::config::LlamaConfig;
+use candle_core::backprop::GradStore;
+use candle_core::{bail, DType, Device, Module, Result, Tensor, Var, D};
+use candle_nn::{linear_no_bias, Linear, VarBuilder};
+use std::collections::HashMap;
+use std::path::Path;
+use streamer_autograd::{Train, TrainableSequential};
+use streamer_core::{
+    Block, BlockSpec, StreamConfig, StreamStats, StreamedSequential, WeightSource,
+};
+
+/// Root-mean-square normalisation: `x / sqrt(mean(x^2) + eps) * weight`, with
+/// the statistics in f32 whatever the input dtype, and the normalised value cast
+/// back to the input dtype before the weight multiplies it (Hugging Face's order).
+///
+/// Untracked inputs (inference) use candle-nn's fused kernel, which has no
+/// backward; tracked ones (training, or weights that are variables) use plain
+/// differentiable ops.
+#[derive(Clone, Debug)]
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    /// Reads `weight` of shape `(size,)` from `vb`.
+    pub fn new(size: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        Ok(Self {
+            weight: vb.get(size, "weight")?,
+            eps,
+        })
+    }
+
+    /// Wraps an existing weight.
+    pub fn from_weight(weight: Tensor, eps: f64) -> Self {
+        Self { weight, eps }
+    }
+
+    /// The weight.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+}
+
+impl Module for RmsNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if !x.track_op() && !self.weight.track_op() && x.is_contiguous() {
+            return candle_nn::ops::rms_norm(x, &self.weight, self.eps as f32);
+        }
+        let dt = x.dtype();
+        let xf = x.to_dtype(DType::F32)?;
+        let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;
+        let y = xf.broadcast_div(&(ms + self.eps)?.sqrt()?)?;
+        y.to_dtype(dt)?.broadcast_mul(&self.weight)
+    }
+}
+
+/// Applies the rotary embedding in Hugging Face's "rotate half" layout:
+/// `x * cos + rotate_half(x) * sin` with `x` of shape `(batch, heads, seq, head_dim)`
+/// and `cos`, `sin` of shape `(seq, head_dim / 2)`. Untracked inputs use
+/// candle-nn's fused kernel (same arithmetic), tracked ones plain ops.
+pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if !x.track_op() && !cos.track_op() && !sin.track_op() {
+        return candle_nn::rotary_emb::rope(
+            &x.contiguous()?,
+            &cos.contiguous()?,
+            &sin.contiguous()?,
+        );
+    }
+    let d = x.dim(D::Minus1)?;
+    let cos = Tensor::cat(&[cos, cos], D::Minus1)?
+        .unsqueeze(0)?
+        .unsqueeze(0)?;
+    let sin = Tensor::cat(&[sin, sin], D::Minus1)?
+        .unsqueeze(0)?
+        .unsqueeze(0)?;
+    let x1 = x.narrow(D::Minus1, 0, d / 2)?;
+    let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
+    let rot = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    x.broadcast_mul(&cos)? + rot.broadcast_mul(&sin)?
+}
+
+/// The rotary tables for positions `0..max_position_embeddings`, built once and
+/// handed to every layer as its `extras`.
+#[derive(Clone, Debug)]
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    /// Tables of shape `(max_position_embeddings, head_dim / 2)`, computed in f64
+    /// and stored in `dtype` on `device`.
+    pub fn new(cfg: &LlamaConfig, dtype: DType, device: &Device) -> Result<Self> {
+        let inv = cfg.inv_freq();
+        let n = cfg.max_position_embeddings;
+        let mut cos = Vec::with_capacity(n * inv.len());
+        let mut sin = Vec::with_capacity(n * inv.len());
+        for p in 0..n {
+            for f in &inv {
+                let a = p as f64 * f;
+                cos.push(a.cos() as f32);
+                sin.push(a.sin() as f32);
+            }
+        }
+        let mk = |v: Vec<f32>| {
+            Tensor::from_vec(v, (n, inv.len()), &Device::Cpu)?
+                .to_dtype(dtype)?
+                .to_device(device)
+        };
+        Ok(Self {
+            cos: mk(cos)?,
+            sin: mk(sin)?,
+        })
+    }
+
+    /// `[cos, sin]` for positions `0..seq`, each `(seq, head_dim / 2)`.
+    pub fn extras(&self, seq: usize) -> Result<Vec<Tensor>> {
+        let max = self.cos.dim(0)?;
+        if seq > max {
+            bail!("sequence of {seq} tokens is longer than max_position_embeddings = {max}");
+        }
+        Ok(vec![
+            self.cos.narrow(0, 0, seq)?,
+            self.sin.narrow(0, 0, seq)?,
+        ])
+    }
+}
+
+/// One decoder layer: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+///
+/// Weights (Hugging Face names, relative to the layer's `VarBuilder`):
+/// `input_layernorm.weight`, `self_attn.{q,k,v,o}_proj.weight`,
+/// `post_attention_layernorm.weight`, `mlp.{gate,up,down}_proj.weight`.
+pub struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    post_attention_layernorm: RmsNorm,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl DecoderLayer {
+    /// Builds the layer over `vb` (rooted at `model.layers.{i}`).
+    pub fn new(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Self> {
+        let (h, m, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
+        let (nq, nkv) = (cfg.num_attention_heads, cfg.num_kv_heads());
+        let attn = vb.pp("self_attn");
+        let mlp = vb.pp("mlp");
+        Ok(Self {
+            input_layernorm: RmsNorm::new(h, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
+            q_proj: linear_no_bias(h, nq * d, attn.pp("q_proj"))?,
+            k_proj: linear_no_bias(h, nkv * d, attn.pp("k_proj"))?,
+            v_proj: linear_no_bias(h, nkv * d, attn.pp("v_proj"))?,
+            o_proj: linear_no_bias(nq * d, h, attn.pp("o_proj"))?,
+            post_attention_layernorm: RmsNorm::new(
+                h,
+                cfg.rms_norm_eps,
+                vb.pp("post_attention_layernorm"),
+            )?,
+            gate_proj: linear_no_bias(h, m, mlp.pp("gate_proj"))?,
+            up_proj: linear_no_bias(h, m, mlp.pp("up_proj"))?,
+            down_proj: linear_no_bias(m, h, mlp.pp("down_proj"))?,
+            heads: nq,
+            kv_heads: nkv,
+            head_dim: d,
+        })
+    }
+
+    /// The layer's weights under their names relative to the layer.
+    pub fn named_weights(&self) -> Vec<(&'static str, Tensor)> {
+        vec![
+            (
+                "input_layernorm.weight",
+                self.input_layernorm.weight().clone(),
+            ),
+            ("self_attn.q_proj.weight", self.q_proj.weight().clone()),
+            ("self_attn.k_proj.weight", self.k_proj.weight().clone()),
+            ("self_attn.v_proj.weight", self.v_proj.weight().clone()),
+            ("self_attn.o_proj.weight", self.o_proj.weight().clone()),
+            (
+                "post_attention_layernorm.weight",
+                self.post_attention_layernorm.weight().clone(),
+            ),
+            ("mlp.gate_proj.weight", self.gate_proj.weight().clone()),
+            ("mlp.up_proj.weight", self.up_proj.weight().clone()),
+            ("mlp.down_proj.weight", self.down_proj.weight().clone()),
+        ]
+    }
+
+    fn heads(&self, t: Tensor, b: usize, n: usize, heads: usize) -> Result<Tensor> {
+        t.reshape((b, n, heads, self.head_dim))?
+            .transpose(1, 2)?
+            .contiguous()
+    }
+}
+
+impl Block for DecoderLayer {
+    /// `x`: hidden states `(batch, seq, hidden)`; `extras`: `[cos, sin]`, each
+    /// `(seq, head_dim / 2)` in the compute dtype. Returns the new hidden states.
+    fn forward(&self, x: &Tensor, extras: &[Tensor]) -> Result<Vec<Tensor>> {
+        let [cos, sin] = extras else {
+            bail!(
+                "a Llama decoder layer needs extras [cos, sin], got {} tensors",
+                extras.len()
+            );
+        };
+        let (b, n, _) = x.dims3()?;
+        let h = self.input_layernorm.forward(x)?;
+        let q = self.heads(self.q_proj.forward(&h)?, b, n, self.heads)?;
+        let k = self.heads(self.k_proj.forward(&h)?, b, n, self.kv_heads)?;
+        let v = self.heads(self.v_proj.forward(&h)?, b, n, self.kv_heads)?;
+        let q = apply_rope(&q, cos, sin)?;
+        let k = apply_rope(&k, cos, sin)?;
+        let opts = cqsa::AttentionOpts {
+            causal: true,
+            ..Default::default()
+        };
+        let o = cqsa::attention(&q, &k, &v, &opts)?;
+        let o = o
+            .transpose(1, 2)?
+            .reshape((b, n, self.heads * self.head_dim))?;
+        let x = (x + self.o_proj.forward(&o)?)?;
+        let h = self.post_attention_layernorm.forward(&x)?;
+        let g = self.gate_proj.forward(&h)?.silu()?;
+        let u = self.up_proj.forward(&h)?;
+        let x = (&x + self.down_proj.forward(&(g * u)?)?)?;
+        Ok(vec![x])
+    }
+}
+
+/// The layers of a [`Llama`], in one of three placements.
+enum Layers {
+    /// Ordinary Candle: every layer's weights on the compute device.
+    Resident(Vec<DecoderLayer>),
+    /// Weights on the host, streamed through a window of device slots.
+    Streamed(Box<StreamedSequential>),
+    /// Streamed and trainable (recompute-based backward, host gradients).
+    Trainable(Box<TrainableSequential>),
+}
+
+/// The weights outside the layers.
+enum Outer {
+    /// On the compute device (maybe variables of a `VarMap`).
+    Resident {
+        embed: Tensor,
+        norm: Tensor,
+        head: Tensor,
+    },
+    /// Host masters (what a host optimizer updates), copied to the device and
+    /// converted to the compute dtype on every forward (differentiably).
+    Host {
+        embed: Var,
+        norm: Var,
+        head: Option<Var>,
+    },
+}
+
+/// A Llama-family decoder: token embedding, decoder layers, final RMSNorm, head.
+///
+/// Built resident ([`Llama::resident`], the ordinary Candle way from a
+/// `VarBuilder`), or streamed ([`Llama::streamed`], [`Llama::from_safetensors`]):
+/// then the layers are `StreamedSequential` blocks whose weights live on the
+/// host, and the embedding, norm and head are host masters copied to the device
+/// at each forward. [`Llama::into_trainable`] makes a streamed model trainable.
+pub struct Llama {
+    cfg: LlamaConfig,
+    device: Device,
+    dtype: DType,
+    rope: Rope,
+    outer: Outer,
+    layers: Layers,
+}
+
+fn layer_blocks(cfg: &LlamaConfig) -> Vec<BlockSpec> {
+    (0..cfg.num_hidden_layers)
+        .map(|i| {
+            let c = cfg.clone();
+            BlockSpec::new(format!("model.layers.{i}"), move |vb| {
+                DecoderLayer::new(&c, vb)
+            })
+        })
+        .collect()
+}
+
+impl Llama {
+    /// The ordinary Candle model over `vb` (Hugging Face names from the root; the
+    /// compute dtype and device are `vb`'s). With a `VarBuilder` over a `VarMap`
+    /// it trains with any candle-nn optimizer.
+    pub fn resident(vb: VarBuilder, cfg: &LlamaConfig) -> Result<Self> {
+        cfg.validate()?;
+        let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+        let embed = vb.get((v, h), "model.embed_tokens.weight")?;
+        let norm = vb.get(h, "model.norm.weight")?;
+        let head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            vb.get((v, h), "lm_head.weight")?
+        };
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderLayer::new(cfg, vb.pp(format!("model.layers.{i}"))))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            device: vb.device().clone(),
+            dtype: vb.dtype(),
+            rope: Rope::new(cfg, vb.dtype(), vb.device())?,
+            outer: Outer::Resident { embed, norm, head },
+            layers: Layers::Resident(layers),
+        })
+    }
+
+    /// Resident, from safetensors files (or a `model.safetensors.index.json`),
+    /// memory-mapped, converted to `dtype` on `device`. The files are checked
+    /// against `cfg` first (missing, unexpected and mis-shaped tensors).
+    pub fn load_resident<P: AsRef<Path>>(
+        paths: &[P],
+        cfg: &LlamaConfig,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let files = streamer_core::expand_paths(paths)?;
+        check_weights(&WeightSource::safetensors(&files)?, cfg)?;
+        // SAFETY: the files are mapped read-only and must not be truncated while
+        // the model is built (candle's own contract for mmaped VarBuilders).
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, device)? };
+        Self::resident(vb, cfg)
+    }
+
+    /// Streamed: the layers' weights go from `src` into host masters (in
+    /// `stream.master_dtype()`), and visit `stream.device` through a window of
+    /// `stream.prefetch_ahead + 1` layers; the embedding, norm and head are host
+    /// masters too. `src` is checked against `cfg` first.
+    pub fn streamed(src: &WeightSource, cfg: &LlamaConfig, stream: StreamConfig) -> Result<Self> {
+        cfg.validate()?;
+        stream.validate()?;
+        check_weights(src, cfg)?;
+        let md = stream.master_dtype();
+        let host = |name: &str| -> Result<Var> { Var::from_tensor(&src.load(name, md)?) };
+        let outer = Outer::Host {
+            embed: host("model.embed_tokens.weight")?,
+            norm: host("model.norm.weight")?,
+            head: if cfg.tie_word_embeddings {
+                None
+            } else {
+                Some(host("lm_head.weight")?)
+            },
+        };
+        let seq = StreamedSequential::from_source(src, layer_blocks(cfg), stream.clone())?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            device: stream.device.clone(),
+            dtype: stream.dtype,
+            rope: Rope::new(cfg, stream.dtype, &stream.device)?,
+            outer,
+            layers: Layers::Streamed(Box::new(seq)),
+        })
+    }
+
+    /// [`Llama::streamed`] from safetensors files (or a
+    /// `model.safetensors.index.json`), memory-mapped straight into the masters.
+    pub fn from_safetensors<P: AsRef<Path>>(
+        paths: &[P],
+        cfg: &LlamaConfig,
+        stream: StreamConfig,
+    ) -> Result<Self> {
+        Self::streamed(&WeightSource::safetensors(paths)?, cfg, stream)
+    }
+
+    /// [`Llama::streamed`] from named in-memory tensors.
+    pub fn from_tensors(
+        tensors: HashMap<String, Tensor>,
+        cfg: &LlamaConfig,
+        stream: StreamConfig,
+    ) -> Result<Self> {
+        Self::streamed(&WeightSource::Tensors(tensors), cfg, stream)
+    }
+
+    /// Makes a streamed model trainable (in training mode). A trainable model is
+    /// returned as it is; a resident one is an error (train it through its `VarMap`).
+    pub fn into_trainable(self) -> Result<Self> {
+        let layers = match self.layers {
+            Layers::Streamed(s) => Layers::Trainable(Box::new(s.train())),
+            Layers::Trainable(t) => Layers::Trainable(t),
+            Layers::Resident(_) => bail!(
+                "into_trainable: a resident Llama trains through the VarMap it was built from"
+            ),
+        };
+        Ok(Self { layers, ..self })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// The compute device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The compute dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Whether the layers are streamed (trainable or not).
+    pub fn is_streamed(&self) -> bool {
+        !matches!(self.layers, Layers::Resident(_))
+    }
+
+    /// Whether backward goes through [`Llama::backward`] (streamed and trainable).
+    pub fn is_trainable(&self) -> bool {
+        matches!(self.layers, Layers::Trainable(_))
+    }
+
+    /// The streamed layers' statistics (copies, stalls, residency), if streamed.
+    pub fn stats(&self) -> Result<Option<StreamStats>> {
+        match &self.layers {
+            Layers::Resident(_) => Ok(None),
+            Layers::Streamed(s) => s.stats().map(Some),
+            Layers::Trainable(t) => t.stats().map(Some),
+        }
+    }
+
+    /// Training mode of a trainable model (forwards save what backward needs).
+    pub fn set_training(&self, on: bool) {
+        if let Layers::Trainable(t) = &self.layers {
+            t.set_training(on)
+        }
+    }
+
+    /// Whether a trainable model is in training mode (false for the others).
+    pub fn is_training(&self) -> bool {
+        matches!(&self.layers, Layers::Trainable(t) if t.is_training())
+    }
+
+    fn device_weights(&self) -> Result<(Tensor, Tensor, Tensor)> {
+        match &self.outer {
+            Outer::Resident { embed, norm, head } => {
+                Ok((embed.clone(), norm.clone(), head.clone()))
+            }
+            Outer::Host { embed, norm, head } => {
+                let to = |v: &Var| v.as_tensor().to_device(&self.device)?.to_dtype(self.dtype);
+                let e = to(embed)?;
+                let hd = match head {
+                    Some(h) => to(h)?,
+                    None => e.clone(),
+                };
+                Ok((e, to(norm)?, hd))
+            }
+        }
+    }
+
+    /// Logits `(batch, seq, vocab)` in the compute dtype for `tokens`, a
+    /// `(batch, seq)` tensor of u32 token ids (any device). Position `t` sees
+    /// tokens `0..=t` (causal).
+    pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+        let (b, n) = tokens.dims2()?;
+        if tokens.dtype() != DType::U32 {
+            bail!(
+                "tokens must be u32, got {:?} (shape ({b}, {n}))",
+                tokens.dtype()
+            );
+        }
+        let tokens = tokens.to_device(&self.device)?;
+        let (embed, norm, head) = self.device_weights()?;
+        let x = candle_nn::Embedding::new(embed, self.cfg.hidden_size).forward(&tokens)?;
+        let extras = self.rope.extras(n)?;
+        let h = match &self.layers {
+            Layers::Resident(ls) => {
+                let mut h = x;
+                for l in ls {
+                    h = l.forward(&h, &extras)?.swap_remove(0);
+                }
+                h
+            }
+            Layers::Streamed(s) => s.forward_with(&x, &extras)?.swap_remove(0),
+            Layers::Trainable(t) => t.forward_with(&x, &extras)?.swap_remove(0),
+        };
+        let h = RmsNorm::from_weight(norm, self.cfg.rms_norm_eps).forward(&h)?;
+        Linear::new(head, None).forward(&h)
+    }
+
+    /// Mean next-token cross-entropy (f32 scalar) of `forward(tokens)` against
+    /// `targets`, both `(batch, seq)` u32.
+    pub fn loss(&self, tokens: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let logits = self.forward(tokens)?;
+        let (b, n, v) = logits.dims3()?;
+        if targets.dims() != [b, n] {
+            bail!(
+                "targets have shape {:?}, expected ({b}, {n})",
+                targets.dims()
+            );
+        }
+        let logits = logits.to_dtype(DType::F32)?.reshape((b * n, v))?;
+        let targets = targets.to_device(&self.device)?.flatten_all()?;
+        candle_nn::loss::cross_entropy(&logits, &targets)
+    }
+
+    /// Gradients of `loss` for every parameter: through the streamed layers
+    /// (recomputed in reverse) on a trainable model, by plain Candle backprop on
+    /// a resident one. A trainable model's gradients are f32 host tensors keyed
+    /// by the variables of [`Llama::parameters`]; its layers' gradients
+    /// accumulate until [`Llama::zero_grad`].
+    pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
+        match &self.layers {
+            Layers::Trainable(t) => t.backward(loss),
+            Layers::Resident(_) => loss.backward(),
+            Layers::Streamed(_) => {
+                bail!(
+                    "backward on a streamed model that is not trainable: call into_trainable first"
+                )
+            }
+        }
+    }
+
+    /// Clears the trainable layers' accumulated host gradients.
+    pub fn zero_grad(&self) -> Result<()> {
+        match &self.layers {
+            Layers::Trainable(t) => t.zero_grad(),
+            _ => Ok(()),
+        }
+    }
+
+    /// The trainable layers (for the overlapped optimizer step), if any.
+    pub fn trainable_layers(&self) -> Option<&TrainableSequential> {
+        match &self.layers {
+            Layers::Trainable(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// Every host master of a streamed model as `(name, variable)`: embedding,
+    /// final norm, head (unless tied), then the layers' weights in order. A
+    /// resident model has none (its variables are those of its `VarMap`).
+    pub fn parameters(&self) -> Vec<(String, Var)> {
+        let mut out = Vec::new();
+        if let Outer::Host { embed, norm, head } = &self.outer {
+            out.push(("model.embed_tokens.weight".to_string(), embed.clone()));
+            out.push(("model.norm.weight".to_string(), norm.clone()));
+            if let Some(h) = head {
+                out.push(("lm_head.weight".to_string(), h.clone()));
+            }
+        }
+        match &self.layers {
+            Layers::Streamed(s) => out.extend(s.parameters()),
+            Layers::Trainable(t) => out.extend(t.parameters()),
+            Layers::Resident(_) => {}
+        }
+        out
+    }
+
+    /// Every weight under its Hugging Face name, as host tensors (a tied head is
+    /// not repeated). Streamed models give their masters themselves (no copy).
+    pub fn weights(&self) -> Result<HashMap<String, Tensor>> {
+        let mut map = HashMap::new();
+        match &self.outer {
+            Outer::Resident { embed, norm, head } => {
+                map.insert(
+                    "model.embed_tokens.weight".into(),
+                    embed.to_device(&Device::Cpu)?,
+                );
+                map.insert("model.norm.weight".into(), norm.to_device(&Device::Cpu)?);
+                if !self.cfg.tie_word_embeddings {
+                    map.insert("lm_head.weight".into(), head.to_device(&Device::Cpu)?);
+                }
+            }
+            Outer::Host { .. } => {}
+        }
+        if let Layers::Resident(ls) = &self.layers {
+            for (i, l) in ls.iter().enumerate() {
+                for (n, t) in l.named_weights() {
+                    map.insert(format!("model.layers.{i}.{n}"), t.to_device(&Device::Cpu)?);
+                }
+            }
+        }
+        for (n, v) in self.parameters() {
+            map.insert(n, v.as_tensor().clone());
+        }
+        Ok(map)
+    }
+
+    /// Writes every weight (Hugging Face names, the masters' dtype for a streamed
+    /// model) to one safetensors file through `<path>.tmp` and a rename: an
+    /// interrupted save leaves the previous file as it was.
+    pub fn save_safetensors(&self, path: impl AsRef<Path>) -> Result<()> {
+        streamer_core::save_atomic(&self.weights()?, path.as_ref())
+    }
+}

@@ -1,0 +1,381 @@
+//! Language-model training: a byte-level corpus, a trainer over a streamed
+//! [`Llama`] with the AdamW optimizer on the host, and checkpoints that an
+//! interrupted save never breaks.
+use crate::checkpoint::SplitMix64;
+use crate::config::LlamaConfig;
+use crate::llama::Llama;
+use candle_core::{bail, Device, Result, Tensor};
+use candle_nn::{Optimizer, ParamsAdamW};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use streamer_autograd::CpuAdamW;
+use streamer_core::StreamConfig;
+
+/// Text as bytes: the tokenizer is the identity on bytes (vocabulary 256).
+#[derive(Clone, Debug)]
+pub struct ByteCorpus {
+    bytes: Vec<u8>,
+}
+
+impl ByteCorpus {
+    /// A corpus over `bytes`.
+    pub fn new(bytes: Vec<u8>) -> Self {
+        Self { bytes }
+    }
+
+    /// Reads a file.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|e| {
+            candle_core::Error::Msg(format!("cannot read corpus {}: {e}", path.display()))
+        })?;
+        Ok(Self::new(bytes))
+    }
+
+    /// Bytes in the corpus.
+    pub fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    /// Token ids of a text (its bytes).
+    pub fn encode(text: &str) -> Vec<u32> {
+        text.bytes().map(u32::from).collect()
+    }
+
+    /// Text of token ids (invalid UTF-8 replaced; ids above 255 skipped).
+    pub fn decode(ids: &[u32]) -> String {
+        let b: Vec<u8> = ids.iter().filter_map(|&i| u8::try_from(i).ok()).collect();
+        String::from_utf8_lossy(&b).into_owned()
+    }
+
+    /// The batch of step `step`: `batch` windows at offsets drawn from
+    /// `(seed, step)` only, so a resumed run sees the data an uninterrupted one
+    /// would. Returns `(inputs, targets)`, each `(batch, seq)` u32 on `device`,
+    /// targets shifted by one byte.
+    pub fn batch(
+        &self,
+        seed: u64,
+        step: u64,
+        batch: usize,
+        seq: usize,
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        if self.bytes.len() < seq + 2 {
+            bail!(
+                "the corpus has {} bytes, too few for sequences of {seq}",
+                self.bytes.len()
+            );
+        }
+        let mut rng = SplitMix64::new(seed ^ step.wrapping_mul(0xD1B5_4A32_D192_ED03));
+        let mut x = Vec::with_capacity(batch * seq);
+        let mut y = Vec::with_capacity(batch * seq);
+        for _ in 0..batch {
+            let o = rng.below(self.bytes.len() - seq - 1);
+            x.extend(self.bytes[o..o + seq].iter().map(|&b| b as u32));
+            y.extend(self.bytes[o + 1..o + seq + 1].iter().map(|&b| b as u32));
+        }
+        Ok((
+            Tensor::from_vec(x, (batch, seq), device)?,
+            Tensor::from_vec(y, (batch, seq), device)?,
+        ))
+    }
+}
+
+/// Where a checkpoint folder's files are: `checkpoint.json` names the weights
+/// and optimizer files of the last complete save.
+#[derive(Clone, Debug)]
+pub struct CheckpointFiles {
+    /// Optimizer steps done.
+    pub step: usize,
+    /// The model's `config.json`.
+    pub config: PathBuf,
+    /// The weights (Hugging Face names).
+    pub weights: PathBuf,
+    /// The AdamW state.
+    pub optimizer: PathBuf,
+}
+
+impl CheckpointFiles {
+    /// Reads `<dir>/checkpoint.json`.
+    pub fn read(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref();
+        let p = dir.join("checkpoint.json");
+        let text = std::fs::read_to_string(&p)
+            .map_err(|e| candle_core::Error::Msg(format!("cannot read {}: {e}", p.display())))?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+            candle_core::Error::Msg(format!("{} is not valid JSON: {e}", p.display()))
+        })?;
+        let field = |k: &str| -> Result<&serde_json::Value> {
+            v.get(k).ok_or_else(|| {
+                candle_core::Error::Msg(format!("{} has no field {k:?}", p.display()))
+            })
+        };
+        let file = |k: &str| -> Result<PathBuf> {
+            let s = field(k)?.as_str().ok_or_else(|| {
+                candle_core::Error::Msg(format!("{}: field {k:?} is not a string", p.display()))
+            })?;
+            Ok(dir.join(s))
+        };
+        let step = field("step")?.as_u64().ok_or_else(|| {
+            candle_core::Error::Msg(format!("{}: field \"step\" is not an integer", p.display()))
+        })? as usize;
+        Ok(Self {
+            step,
+            config: file("config")?,
+            weights: file("weights")?,
+            optimizer: file("optimizer")?,
+        })
+    }
+}
+
+/// Writes `text` to `path` through `<path>.tmp` and a rename.
+pub fn write_atomic(path: &Path, text: &str) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    std::fs::write(&tmp, text)
+        .map_err(|e| candle_core::Error::Msg(format!("cannot write {}: {e}", tmp.display())))?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        candle_core::Error::Msg(format!(
+            "cannot rename {} to {}: {e}",
+            tmp.display(),
+            path.display()
+        ))
+    })
+}
+
+/// Trains a streamed, trainable [`Llama`] with [`CpuAdamW`] over all of its host
+/// masters (layers, embedding, norm, head): forward, cross-entropy, backward
+/// through the streamed layers, one optimizer step.
+///
+/// With `overlap` on, the layers' weights are stepped on a host thread while
+/// backward continues with earlier layers (`TrainableSequential::backward_step`);
+/// the embedding, norm and head are stepped after. Both give the same update.
+pub struct LmTrainer {
+    model: Llama,
+    opt: CpuAdamW,
+    step: usize,
+    overlap: bool,
+    outer: Vec<usize>,
+}
+
+impl LmTrainer {
+    /// A trainer over `model` (made trainable if it is not) with fresh optimizer state.
+    pub fn new(model: Llama, params: ParamsAdamW) -> Result<Self> {
+        let model = model.into_trainable()?;
+        let named = model.parameters();
+        let names: Vec<String> = named.iter().map(|(n, _)| n.clone()).collect();
+        let outer = names
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| !n.starts_with("model.layers."))
+            .map(|(i, _)| i)
+            .collect();
+        let mut opt = CpuAdamW::new(named.into_iter().map(|(_, v)| v).collect(), params)?;
+        opt.set_param_names(names)?;
+        Ok(Self {
+            model,
+            opt,
+            step: 0,
+            overlap: false,
+            outer,
+        })
+    }
+
+    /// Resumes from a checkpoint folder written by [`LmTrainer::save`]: the
+    /// config, weights and optimizer state of its last complete save, streamed
+    /// as `stream` says. `params` replaces the saved hyper-parameters' learning
+    /// rate. Every file is checked before the model is usable.
+    pub fn resume(
+        dir: impl AsRef<Path>,
+        stream: StreamConfig,
+        params: ParamsAdamW,
+    ) -> Result<Self> {
+        let files = CheckpointFiles::read(dir)?;
+        let cfg = LlamaConfig::from_json_file(&files.config)?;
+        let model = Llama::from_safetensors(&[&files.weights], &cfg, stream)?;
+        let lr = params.lr;
+        let mut t = Self::new(model, params)?;
+        t.opt.load(&files.optimizer)?;
+        t.opt.set_learning_rate(lr);
+        if t.opt.step_count() != files.step {
+            bail!(
+                "{}: the optimizer state is at step {} but checkpoint.json says {}",
+                files.optimizer.display(),
+                t.opt.step_count(),
+                files.step
+            );
+        }
+        t.step = files.step;
+        Ok(t)
+    }
+
+    /// Overlaps the layers' optimizer step with backward.
+    pub fn set_overlap(&mut self, on: bool) {
+        self.overlap = on;
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Llama {
+        &self.model
+    }
+
+    /// The optimizer.
+    pub fn optimizer(&self) -> &CpuAdamW {
+        &self.opt
+    }
+
+    /// Sets the learning rate of the next steps.
+    pub fn set_learning_rate(&mut self, lr: f64) {
+        self.opt.set_learning_rate(lr);
+    }
+
+    /// Optimizer steps done.
+    pub fn steps_done(&self) -> usize {
+        self.step
+    }
+
+    /// One step on `(inputs, targets)`, each `(batch, seq)` u32; returns the loss
+    /// before the update.
+    pub fn step(&mut self, inputs: &Tensor, targets: &Tensor) -> Result<f32> {
+        let loss = self.model.loss(inputs, targets)?;
+        let value = loss.to_scalar::<f32>()?;
+        if !value.is_finite() {
+            bail!("loss is {value} at step {}", self.step);
+        }
+        match (self.overlap, self.model.trainable_layers()) {
+            (true, Some(layers)) => {
+                let grads = layers.backward_step(&loss, &mut self.opt)?;
+                self.opt.step_params(&grads, &self.outer)?;
+            }
+            _ => {
+                let grads = self.model.backward(&loss)?;
+                self.opt.step(&grads)?;
+            }
+        }
+        self.model.zero_grad()?;
+        self.step += 1;
+        Ok(value)
+    }
+
+    /// Saves a checkpoint into `dir`: `config.json`, `weights-<step>.safetensors`
+    /// and `optimizer-<step>.safetensors` (each through a temporary file and a
+    /// rename), then `checkpoint.json` naming them, then removes the previous
+    /// save's files. An interruption at any point leaves `checkpoint.json`
+    /// pointing at a complete save.
+    pub fn save(&self, dir: impl AsRef<Path>) -> Result<()> {
+        let dir = dir.as_ref();
+        std::fs::create_dir_all(dir).map_err(|e| {
+            candle_core::Error::Msg(format!("cannot create {}: {e}", dir.display()))
+        })?;
+        let previous = CheckpointFiles::read(dir).ok();
+        write_atomic(&dir.join("config.json"), &self.model.config().to_json()?)?;
+        let w = format!("weights-{:08}.safetensors", self.step);
+        let o = format!("optimizer-{:08}.safetensors", self.step);
+        self.model.save_safetensors(dir.join(&w))?;
+        self.opt.save(dir.join(&o))?;
+        let pointer = serde_json::json!({
+            "step": self.step,
+            "config": "config.json",
+            "weights": w,
+            "optimizer": o,
+        });
+        write_atomic(&dir.join("checkpoint.json"), &pointer.to_string())?;
+        if let Some(p) = previous {
+            for f in [p.weights, p.optimizer] {
+                if f != dir.join(&w) && f != dir.join(&o) {
+                    let _ = std::fs::remove_file(f);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What the training loop reports after each step.
+#[derive(Clone, Debug)]
+pub struct StepReport {
+    /// Steps done (1-based).
+    pub step: usize,
+    /// Loss of this step (before its update).
+    pub loss: f32,
+    /// Tokens per second since the loop started.
+    pub tokens_per_s: f64,
+    /// Whether a checkpoint was saved after this step.
+    pub saved: bool,
+}
+
+/// Options of [`train_loop`].
+#[derive(Clone, Debug)]
+pub struct LoopOptions {
+    /// Train until this many steps are done (a resumed trainer continues).
+    pub steps: usize,
+    /// Sequences per step.
+    pub batch: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Data seed (batches depend only on it and the step).
+    pub seed: u64,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Linear warm-up steps to `lr` (then constant).
+    pub warmup: usize,
+    /// Save into `checkpoint_dir` every this many steps (and at the end).
+    pub save_every: Option<usize>,
+    /// Checkpoint folder.
+    pub checkpoint_dir: Option<PathBuf>,
+}
+
+/// The learning rate of step `step` (0-based): linear warm-up, then constant.
+pub fn lr_at(opts: &LoopOptions, step: usize) -> f64 {
+    if step < opts.warmup {
+        opts.lr * (step + 1) as f64 / opts.warmup as f64
+    } else {
+        opts.lr
+    }
+}
+
+/// Trains from `trainer.steps_done()` to `opts.steps` on `corpus`, calling
+/// `on_step` after each step; returns the losses `(step, loss)`.
+pub fn train_loop(
+    trainer: &mut LmTrainer,
+    corpus: &ByteCorpus,
+    opts: &LoopOptions,
+    mut on_step: impl FnMut(&StepReport),
+) -> Result<Vec<(usize, f32)>> {
+    let dev = trainer.model().device().clone();
+    let t0 = Instant::now();
+    let start = trainer.steps_done();
+    let mut losses = Vec::new();
+    for s in start..opts.steps {
+        let (x, y) = corpus.batch(opts.seed, s as u64, opts.batch, opts.seq, &dev)?;
+        trainer.set_learning_rate(lr_at(opts, s));
+        let loss = trainer.step(&x, &y)?;
+        losses.push((s + 1, loss));
+        let done = s + 1;
+        let saved = match (&opts.checkpoint_dir, opts.save_every) {
+            (Some(dir), Some(every)) if every > 0 && (done % every == 0 || done == opts.steps) => {
+                trainer.save(dir)?;
+                true
+            }
+            (Some(dir), None) if done == opts.steps => {
+                trainer.save(dir)?;
+                true
+            }
+            _ => false,
+        };
+        let tokens = (done - start) * opts.batch * opts.seq;
+        on_step(&StepReport {
+            step: done,
+            loss,
+            tokens_per_s: tokens as f64 / t0.elapsed().as_secs_f64().max(1e-9),
+            saved,
+        });
+    }
+    Ok(losses)
+}

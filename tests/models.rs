@@ -1,0 +1,535 @@
+// The Llama decoder of `streamer-models`: resident and streamed execution agree,
+// checkpoints round-trip, bad checkpoints fail with the tensor's name, training
+// resumes exactly, and the tiny preset learns.
+//
+// Plain `//` comments: `models/tests/decoder.rs` includes this file with `include!`
+// (so the crate tests the very same bodies on the CPU), where `//!` is not allowed.
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{ParamsAdamW, VarBuilder, VarMap};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use streamer_core::{StreamConfig, WeightSource};
+use streamer_models::{
+    check_weights, init_weights, parse_bytes, prefetch_for_budget, sample_token, train_loop,
+    ByteCorpus, Llama, LlamaConfig, LmTrainer, LoopOptions, SplitMix64,
+};
+
+/// A micro config: 3 layers of width 32, 4 query heads / 2 key-value heads of 8.
+fn micro(tied: bool) -> LlamaConfig {
+    LlamaConfig {
+        max_position_embeddings: 64,
+        tie_word_embeddings: tied,
+        ..LlamaConfig::bytes(32, 3, 4, 2)
+    }
+}
+
+fn stream(dev: &Device, dtype: DType, prefetch: usize) -> StreamConfig {
+    StreamConfig {
+        device: dev.clone(),
+        prefetch_ahead: prefetch,
+        dtype,
+        master_dtype: Some(DType::F32),
+        ..Default::default()
+    }
+}
+
+fn tokens(dev: &Device, b: usize, n: usize, seed: u64) -> Result<Tensor> {
+    let mut rng = SplitMix64::new(seed);
+    let v: Vec<u32> = (0..b * n).map(|_| rng.below(256) as u32).collect();
+    Ok(Tensor::from_vec(v, (b, n), dev)?)
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    let a = a.to_dtype(DType::F32)?;
+    let b = b.to_dtype(DType::F32)?;
+    Ok(a.sub(&b)?.abs()?.max_all()?.to_scalar::<f32>()?)
+}
+
+fn temp_dir(name: &str) -> Result<PathBuf> {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let k = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let d = std::env::temp_dir().join(format!("streamer-models-{name}-{}-{k}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d)?;
+    Ok(d)
+}
+
+fn err_of<T>(r: candle_core::Result<T>) -> Result<String> {
+    match r {
+        Ok(_) => anyhow::bail!("expected an error"),
+        Err(e) => Ok(e.to_string()),
+    }
+}
+
+fn llama_logits_resident_equal_streamed_f32(dev: &Device) -> Result<()> {
+    for tied in [false, true] {
+        let cfg = micro(tied);
+        let w = init_weights(&cfg, 1)?;
+        let vb = VarBuilder::from_tensors(w.clone(), DType::F32, dev);
+        let resident = Llama::resident(vb, &cfg)?;
+        let x = tokens(dev, 2, 17, 5)?;
+        let want = resident.forward(&x)?;
+        ensure!(want.dims() == [2, 17, 256]);
+        for prefetch in [0, 1, 2] {
+            let streamed = Llama::from_tensors(w.clone(), &cfg, stream(dev, DType::F32, prefetch))?;
+            let got = streamed.forward(&x)?;
+            let d = max_diff(&got, &want)?;
+            ensure!(d < 1e-4, "tied {tied} prefetch {prefetch}: max |diff| {d}");
+            let stats = streamed.stats()?.expect("streamed");
+            ensure!(stats.peak_resident_blocks <= prefetch + 1);
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(llama_logits_resident_equal_streamed_f32);
+
+fn llama_logits_resident_equal_streamed_bf16(dev: &Device) -> Result<()> {
+    let cfg = micro(false);
+    let w = init_weights(&cfg, 2)?;
+    let x = tokens(dev, 2, 12, 6)?;
+    let f32_ref =
+        Llama::resident(VarBuilder::from_tensors(w.clone(), DType::F32, dev), &cfg)?.forward(&x)?;
+    let resident = Llama::resident(VarBuilder::from_tensors(w.clone(), DType::BF16, dev), &cfg)?
+        .forward(&x)?;
+    // f32 masters, bf16 compute: the pool converts after each copy.
+    let streamed = Llama::from_tensors(w, &cfg, stream(dev, DType::BF16, 1))?.forward(&x)?;
+    ensure!(streamed.dtype() == DType::BF16);
+    // Same bf16 weights, same ops: equal up to bf16 rounding of a few ulps.
+    let scale = f32_ref.abs()?.max_all()?.to_scalar::<f32>()?;
+    let d = max_diff(&streamed, &resident)?;
+    ensure!(
+        d <= 0.02 * scale,
+        "bf16 streamed vs bf16 resident: {d} (logit scale {scale})"
+    );
+    // Against the f32 model: bf16 rounding of weights and activations.
+    let d = max_diff(&streamed, &f32_ref)?;
+    ensure!(
+        d <= 0.05 * scale,
+        "bf16 streamed vs f32: {d} (logit scale {scale})"
+    );
+    Ok(())
+}
+candle_streamer::test_device!(llama_logits_resident_equal_streamed_bf16);
+
+fn llama_gradients_streamed_equal_resident(dev: &Device) -> Result<()> {
+    for tied in [false, true] {
+        let cfg = micro(tied);
+        let w = init_weights(&cfg, 3)?;
+        let x = tokens(dev, 2, 9, 7)?;
+        let y = tokens(dev, 2, 9, 8)?;
+        // Resident: candle-nn variables, plain backprop.
+        let varmap = VarMap::new();
+        {
+            let mut data = varmap.data().lock().expect("varmap");
+            for (k, t) in &w {
+                data.insert(k.clone(), Var::from_tensor(&t.to_device(dev)?)?);
+            }
+        }
+        let resident = Llama::resident(VarBuilder::from_varmap(&varmap, DType::F32, dev), &cfg)?;
+        let loss_r = resident.loss(&x, &y)?;
+        let grads_r = resident.backward(&loss_r)?;
+        // Streamed and trainable.
+        let model = Llama::from_tensors(w, &cfg, stream(dev, DType::F32, 1))?.into_trainable()?;
+        let loss_s = model.loss(&x, &y)?;
+        ensure!(max_diff(&loss_s, &loss_r)? < 1e-5);
+        let grads_s = model.backward(&loss_s)?;
+        let data = varmap.data().lock().expect("varmap");
+        let params = model.parameters();
+        ensure!(
+            params.len() == data.len(),
+            "{} vs {}",
+            params.len(),
+            data.len()
+        );
+        for (name, var) in params {
+            let gs = grads_s.get(var.as_tensor()).expect("streamed grad");
+            let gr = grads_r.get(data[&name].as_tensor()).expect("resident grad");
+            let scale = gr.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6);
+            let d = max_diff(gs, gr)?;
+            ensure!(
+                d <= 1e-4 * scale.max(1.0),
+                "tied {tied}: grad of {name}: {d} (scale {scale})"
+            );
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(llama_gradients_streamed_equal_resident);
+
+/// Splits `w` into two shards plus a `model.safetensors.index.json`.
+fn write_shards(w: &HashMap<String, Tensor>, dir: &Path) -> Result<PathBuf> {
+    let mut a = HashMap::new();
+    let mut b = HashMap::new();
+    let mut map = serde_json::Map::new();
+    for (k, t) in w {
+        let (m, f) = if k.contains("layers.0") || k.starts_with("lm_head") {
+            (&mut a, "model-00001-of-00002.safetensors")
+        } else {
+            (&mut b, "model-00002-of-00002.safetensors")
+        };
+        m.insert(k.clone(), t.clone());
+        map.insert(k.clone(), serde_json::json!(f));
+    }
+    candle_core::safetensors::save(&a, dir.join("model-00001-of-00002.safetensors"))?;
+    candle_core::safetensors::save(&b, dir.join("model-00002-of-00002.safetensors"))?;
+    let index = dir.join("model.safetensors.index.json");
+    let text = serde_json::json!({ "metadata": {}, "weight_map": map }).to_string();
+    std::fs::write(&index, text)?;
+    Ok(index)
+}
+
+fn llama_checkpoint_roundtrip_identical_logits(dev: &Device) -> Result<()> {
+    let dir = temp_dir("roundtrip")?;
+    let cfg = micro(true);
+    let x = tokens(dev, 2, 10, 9)?;
+    let model = Llama::from_tensors(init_weights(&cfg, 4)?, &cfg, stream(dev, DType::F32, 1))?;
+    let want = model.forward(&x)?;
+    let path = dir.join("model.safetensors");
+    model.save_safetensors(&path)?;
+    ensure!(!dir.join("model.safetensors.tmp").exists());
+    // Streamed from the file, resident from the file, streamed from shards.
+    let streamed = Llama::from_safetensors(&[&path], &cfg, stream(dev, DType::F32, 0))?;
+    ensure!(max_diff(&streamed.forward(&x)?, &want)? == 0.0);
+    let resident = Llama::load_resident(&[&path], &cfg, DType::F32, dev)?;
+    ensure!(max_diff(&resident.forward(&x)?, &want)? < 1e-4);
+    let index = write_shards(&model.weights()?, &dir)?;
+    let sharded = Llama::from_safetensors(&[&index], &cfg, stream(dev, DType::F32, 1))?;
+    ensure!(max_diff(&sharded.forward(&x)?, &want)? == 0.0);
+    // dtype conversion on load: a bf16 checkpoint into f32 masters equals the
+    // f32 weights rounded to bf16.
+    let bf: HashMap<String, Tensor> = model
+        .weights()?
+        .into_iter()
+        .map(|(k, t)| Ok((k, t.to_dtype(DType::BF16)?)))
+        .collect::<candle_core::Result<_>>()?;
+    let bf_path = dir.join("bf16.safetensors");
+    candle_core::safetensors::save(&bf, &bf_path)?;
+    let from_bf = Llama::from_safetensors(&[&bf_path], &cfg, stream(dev, DType::F32, 1))?;
+    let rounded: HashMap<String, Tensor> = bf
+        .into_iter()
+        .map(|(k, t)| Ok((k, t.to_dtype(DType::F32)?)))
+        .collect::<candle_core::Result<_>>()?;
+    let want_bf = Llama::from_tensors(rounded, &cfg, stream(dev, DType::F32, 1))?.forward(&x)?;
+    ensure!(max_diff(&from_bf.forward(&x)?, &want_bf)? == 0.0);
+    for (n, v) in from_bf.parameters() {
+        ensure!(v.dtype() == DType::F32, "{n} is {:?}", v.dtype());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+candle_streamer::test_device!(llama_checkpoint_roundtrip_identical_logits);
+
+fn llama_config_weight_mismatch_names_tensor(dev: &Device) -> Result<()> {
+    let cfg = micro(false);
+    let w = init_weights(&cfg, 5)?;
+    let s = |c: &LlamaConfig, w: &HashMap<String, Tensor>| {
+        Llama::from_tensors(w.clone(), c, stream(dev, DType::F32, 1))
+    };
+    // Fewer key-value heads in the config than in the weights.
+    let c = LlamaConfig {
+        num_key_value_heads: Some(1),
+        ..cfg.clone()
+    };
+    let e = err_of(s(&c, &w))?;
+    ensure!(
+        e.contains("model.layers.0.self_attn.k_proj.weight") && e.contains("num_key_value_heads"),
+        "{e}"
+    );
+    // A wider MLP.
+    let c = LlamaConfig {
+        intermediate_size: 256,
+        ..cfg.clone()
+    };
+    let e = err_of(s(&c, &w))?;
+    ensure!(
+        e.contains("mlp.gate_proj.weight") && e.contains("intermediate_size"),
+        "{e}"
+    );
+    // More layers than the weights have.
+    let c = LlamaConfig {
+        num_hidden_layers: 4,
+        ..cfg.clone()
+    };
+    let e = err_of(s(&c, &w))?;
+    ensure!(
+        e.contains("model.layers.3.") && e.contains("num_hidden_layers = 4"),
+        "{e}"
+    );
+    // Fewer.
+    let c = LlamaConfig {
+        num_hidden_layers: 2,
+        ..cfg.clone()
+    };
+    let e = err_of(s(&c, &w))?;
+    ensure!(
+        e.contains("model.layers.2.") && e.contains("num_hidden_layers is 2"),
+        "{e}"
+    );
+    // Untied config, tied weights: the head is missing.
+    let mut v = w.clone();
+    v.remove("lm_head.weight");
+    let e = err_of(s(&cfg, &v))?;
+    ensure!(
+        e.contains("lm_head.weight") && e.contains("tie_word_embeddings = false"),
+        "{e}"
+    );
+    // A missing layer weight, an extra tensor, a mis-shaped one.
+    let mut v = w.clone();
+    v.remove("model.layers.1.mlp.up_proj.weight");
+    let e = err_of(s(&cfg, &v))?;
+    ensure!(e.contains("model.layers.1.mlp.up_proj.weight"), "{e}");
+    let mut v = w.clone();
+    v.insert(
+        "model.layers.1.extra.weight".into(),
+        Tensor::zeros(4, DType::F32, &Device::Cpu)?,
+    );
+    let e = err_of(s(&cfg, &v))?;
+    ensure!(e.contains("model.layers.1.extra.weight"), "{e}");
+    let mut v = w.clone();
+    v.insert(
+        "model.norm.weight".into(),
+        Tensor::ones(31, DType::F32, &Device::Cpu)?,
+    );
+    let e = err_of(s(&cfg, &v))?;
+    ensure!(e.contains("model.norm.weight") && e.contains("[31]"), "{e}");
+    // The same check guards resident loading, before any VarBuilder.
+    let dir = temp_dir("mismatch")?;
+    let path = dir.join("m.safetensors");
+    candle_core::safetensors::save(&w, &path)?;
+    let c = LlamaConfig {
+        num_key_value_heads: Some(1),
+        ..cfg.clone()
+    };
+    let e = err_of(Llama::load_resident(&[&path], &c, DType::F32, dev))?;
+    ensure!(e.contains("k_proj.weight"), "{e}");
+    // A config that is wrong in itself names the field.
+    let e = err_of(LlamaConfig::from_json(r#"{"hidden_size": 32}"#))?;
+    ensure!(e.contains("intermediate_size"), "{e}");
+    let c = LlamaConfig {
+        num_attention_heads: 3,
+        ..cfg.clone()
+    };
+    let e = err_of(c.validate())?;
+    ensure!(e.contains("num_attention_heads"), "{e}");
+    check_weights(&WeightSource::Tensors(w), &cfg)?;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+candle_streamer::test_device!(llama_config_weight_mismatch_names_tensor);
+
+fn llama_truncated_or_foreign_file_errors_cleanly(dev: &Device) -> Result<()> {
+    let dir = temp_dir("truncated")?;
+    let cfg = micro(false);
+    let path = dir.join("model.safetensors");
+    candle_core::safetensors::save(&init_weights(&cfg, 6)?, &path)?;
+    let bytes = std::fs::read(&path)?;
+    let cut = dir.join("cut.safetensors");
+    std::fs::write(&cut, &bytes[..bytes.len() / 2])?;
+    let e = err_of(Llama::from_safetensors(
+        &[&cut],
+        &cfg,
+        stream(dev, DType::F32, 1),
+    ))?;
+    ensure!(e.contains("cut.safetensors"), "{e}");
+    let e = err_of(Llama::load_resident(&[&cut], &cfg, DType::F32, dev))?;
+    ensure!(e.contains("cut.safetensors"), "{e}");
+    let text = dir.join("notes.safetensors");
+    std::fs::write(&text, "this is not a safetensors file\n")?;
+    let e = err_of(Llama::from_safetensors(
+        &[&text],
+        &cfg,
+        stream(dev, DType::F32, 1),
+    ))?;
+    ensure!(e.contains("notes.safetensors"), "{e}");
+    // A shard index that names a missing shard.
+    let index = dir.join("model.safetensors.index.json");
+    std::fs::write(
+        &index,
+        r#"{"weight_map": {"model.norm.weight": "gone.safetensors"}}"#,
+    )?;
+    let e = err_of(Llama::from_safetensors(
+        &[&index],
+        &cfg,
+        stream(dev, DType::F32, 1),
+    ))?;
+    ensure!(e.contains("gone.safetensors"), "{e}");
+    // Nothing was written over.
+    ensure!(std::fs::read(&path)? == bytes);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+candle_streamer::test_device!(llama_truncated_or_foreign_file_errors_cleanly);
+
+fn corpus() -> Result<ByteCorpus> {
+    let text = "It was the best of times, it was the worst of times. ".repeat(40);
+    Ok(ByteCorpus::new(text.into_bytes()))
+}
+
+fn params_of(t: &LmTrainer) -> Result<Vec<(String, Vec<f32>)>> {
+    t.model()
+        .parameters()
+        .into_iter()
+        .map(|(n, v)| Ok((n, v.as_tensor().flatten_all()?.to_vec1::<f32>()?)))
+        .collect()
+}
+
+fn llama_resume_matches_uninterrupted(dev: &Device) -> Result<()> {
+    let cfg = micro(false);
+    let corpus = corpus()?;
+    let adam = ParamsAdamW {
+        lr: 3e-3,
+        weight_decay: 0.01,
+        ..Default::default()
+    };
+    let opts = |steps, dir: Option<PathBuf>| LoopOptions {
+        steps,
+        batch: 2,
+        seq: 16,
+        seed: 11,
+        lr: 3e-3,
+        warmup: 3,
+        save_every: Some(2),
+        checkpoint_dir: dir,
+    };
+    for overlap in [false, true] {
+        let mut a = LmTrainer::new(
+            Llama::from_tensors(init_weights(&cfg, 7)?, &cfg, stream(dev, DType::F32, 1))?,
+            adam.clone(),
+        )?;
+        a.set_overlap(overlap);
+        let la = train_loop(&mut a, &corpus, &opts(4, None), |_| {})?;
+        let dir = temp_dir("resume")?;
+        let mut b = LmTrainer::new(
+            Llama::from_tensors(init_weights(&cfg, 7)?, &cfg, stream(dev, DType::F32, 1))?,
+            adam.clone(),
+        )?;
+        b.set_overlap(overlap);
+        let lb1 = train_loop(&mut b, &corpus, &opts(2, Some(dir.clone())), |_| {})?;
+        drop(b);
+        let mut c = LmTrainer::resume(&dir, stream(dev, DType::F32, 0), adam.clone())?;
+        c.set_overlap(overlap);
+        ensure!(c.steps_done() == 2);
+        let lb2 = train_loop(&mut c, &corpus, &opts(4, Some(dir.clone())), |_| {})?;
+        let lb: Vec<_> = lb1.into_iter().chain(lb2).collect();
+        ensure!(la == lb, "losses {la:?} vs {lb:?}");
+        for ((n, x), (m, y)) in params_of(&a)?.into_iter().zip(params_of(&c)?) {
+            ensure!(n == m);
+            ensure!(x == y, "overlap {overlap}: {n} differs after resume");
+        }
+        // Only the last save's files remain, and a corrupt checkpoint is refused
+        // without touching anything.
+        let files = streamer_models::CheckpointFiles::read(&dir)?;
+        ensure!(files.step == 4 && files.weights.exists() && files.optimizer.exists());
+        ensure!(!dir.join("weights-00000002.safetensors").exists());
+        let good = std::fs::read(&files.weights)?;
+        std::fs::write(&files.weights, &good[..good.len() - 7])?;
+        let e = err_of(LmTrainer::resume(
+            &dir,
+            stream(dev, DType::F32, 0),
+            adam.clone(),
+        ))?;
+        ensure!(e.contains("weights-00000004.safetensors"), "{e}");
+        ensure!(std::fs::read(&files.weights)?.len() == good.len() - 7);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    Ok(())
+}
+candle_streamer::test_device!(llama_resume_matches_uninterrupted);
+
+fn llama_train_loop_reduces_loss_on_corpus(dev: &Device) -> Result<()> {
+    // What `train_lm --preset tiny` runs (the library's loop on the shipped
+    // corpus), for a few steps, at the micro size so that a debug build takes a
+    // second or two (the `tiny` preset itself takes about 4 s a step there).
+    let cfg = micro(false);
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/corpus.txt");
+    let path = if path.exists() {
+        path
+    } else {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("data/corpus.txt")
+    };
+    let corpus = ByteCorpus::from_file(&path)?;
+    ensure!(corpus.len() > 100_000);
+    let model = Llama::from_tensors(init_weights(&cfg, 0)?, &cfg, stream(dev, DType::F32, 1))?;
+    let mut t = LmTrainer::new(model, ParamsAdamW::default())?;
+    let opts = LoopOptions {
+        steps: 8,
+        batch: 2,
+        seq: 32,
+        seed: 0,
+        lr: 1e-2,
+        warmup: 0,
+        save_every: None,
+        checkpoint_dir: None,
+    };
+    let losses = train_loop(&mut t, &corpus, &opts, |_| {})?;
+    let first = losses[0].1;
+    let last = losses[5..].iter().map(|l| l.1).sum::<f32>() / 3.0;
+    ensure!(
+        (first - 256f32.ln()).abs() < 0.1,
+        "initial loss {first} should be near ln 256"
+    );
+    ensure!(last < first - 0.5, "loss {first} -> {last}: {losses:?}");
+    Ok(())
+}
+candle_streamer::test_device!(llama_train_loop_reduces_loss_on_corpus);
+
+fn llama_hf_config_json_parses(_dev: &Device) -> Result<()> {
+    // The fields of a published Llama 3.2 1B config.json (others are ignored).
+    let text = r#"{
+      "architectures": ["LlamaForCausalLM"], "attention_bias": false, "bos_token_id": 128000,
+      "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
+      "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072,
+      "mlp_bias": false, "model_type": "llama", "num_attention_heads": 32,
+      "num_hidden_layers": 16, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+      "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+      "rope_theta": 500000.0, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+      "vocab_size": 128256
+    }"#;
+    let cfg = LlamaConfig::from_json(text)?;
+    ensure!(cfg.num_kv_heads() == 8 && cfg.head_dim() == 64 && cfg.tie_word_embeddings);
+    ensure!(cfg.layer_params() == LlamaConfig::llama_1b().layer_params());
+    let inv = cfg.inv_freq();
+    ensure!(inv.len() == 32 && inv[0] == 1.0);
+    // The lowest frequencies are divided by the factor (llama3 scaling).
+    let plain = 1.0 / 500000f64.powf(62.0 / 64.0);
+    ensure!((inv[31] - plain / 32.0).abs() < 1e-12 * plain);
+    let back = LlamaConfig::from_json(&cfg.to_json()?)?;
+    ensure!(back == cfg);
+    let e = err_of(LlamaConfig::from_json(&text.replace("llama3", "yarn")))?;
+    ensure!(e.contains("rope_scaling.rope_type"), "{e}");
+    for p in ["tiny", "350m", "1b", "3b"] {
+        LlamaConfig::preset(p)?.validate()?;
+    }
+    let m = LlamaConfig::llama_3b().num_params() as f64 / 1e9;
+    ensure!((2.5..3.5).contains(&m), "3b preset has {m} B parameters");
+    Ok(())
+}
+candle_streamer::test_device!(llama_hf_config_json_parses);
+
+fn llama_budget_and_sampling(_dev: &Device) -> Result<()> {
+    ensure!(parse_bytes("2GiB")? == 2 << 30);
+    ensure!(parse_bytes("1.5G")? == 1_500_000_000);
+    ensure!(parse_bytes("4096")? == 4096);
+    ensure!(parse_bytes("3 parsecs").is_err());
+    let cfg = LlamaConfig::llama_3b();
+    let per = streamer_models::checkpoint::layer_bytes(&cfg, DType::BF16);
+    ensure!(prefetch_for_budget(&cfg, DType::BF16, 2 * per + 1)? == 1);
+    ensure!(prefetch_for_budget(&cfg, DType::BF16, 100 * per)? == cfg.num_hidden_layers - 1);
+    ensure!(prefetch_for_budget(&cfg, DType::BF16, per - 1).is_err());
+    let logits = Tensor::new(&[0f32, 5.0, 1.0, 4.9], &Device::Cpu)?;
+    let mut rng = SplitMix64::new(1);
+    ensure!(sample_token(&logits, 0.0, 1.0, &mut rng)? == 1);
+    // top-p 0.5 keeps only the most likely token.
+    for _ in 0..20 {
+        ensure!(sample_token(&logits, 1.0, 0.5, &mut rng)? == 1);
+    }
+    // top-p 0.9 keeps tokens 1 and 3, never 0 or 2.
+    let picks: Vec<u32> = (0..200)
+        .map(|_| sample_token(&logits, 1.0, 0.9, &mut rng))
+        .collect::<candle_core::Result<_>>()?;
+    ensure!(picks.iter().all(|&p| p == 1 || p == 3) && picks.contains(&3));
+    Ok(())
+}
+candle_streamer::test_device!(llama_budget_and_sampling);
