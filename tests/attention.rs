@@ -320,6 +320,85 @@ fn attention_grads_half_precision(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(attention_grads_half_precision);
 
+/// The head dims of the tensor-core backward (f16/bf16 at 64 and 128 on CUDA)
+/// over several key blocks and query tiles: GQA, causal with seq_q < seq_k, a
+/// single query row, non-causal with seq_q > seq_k; gradients against Candle's
+/// naive autograd in f32.
+fn attention_grads_tensor_core_head_dims(dev: &Device) -> Result<()> {
+    let cases: &[Case] = &[
+        (1, 4, 2, 100, 150, 64, true),
+        (2, 2, 1, 130, 70, 64, false),
+        (1, 2, 1, 1, 33, 64, true),
+        (1, 2, 2, 97, 200, 128, true),
+        (1, 4, 1, 70, 70, 128, false),
+        (1, 2, 2, 1, 65, 128, true),
+    ];
+    for &case in cases {
+        for (dtype, tol) in [(DType::F16, 1e-2), (DType::BF16, 5e-2)] {
+            let err = grad_error(dev, case, dtype, AttentionOpts::default())?;
+            ensure!(err <= tol, "{dtype:?} grads {case:?}: {err:e} > {tol:e}");
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(attention_grads_tensor_core_head_dims);
+
+/// Output and gradients of q, k, v of `sum(o * w)` through cqsa (o in f32).
+fn cqsa_grads(q: &Tensor, k: &Tensor, v: &Tensor, w: &Tensor, causal: bool) -> Result<Vec<Tensor>> {
+    let (vq, vk, vv) = (
+        Var::from_tensor(q)?,
+        Var::from_tensor(k)?,
+        Var::from_tensor(v)?,
+    );
+    let opts = AttentionOpts {
+        causal,
+        ..Default::default()
+    };
+    let o =
+        attention(vq.as_tensor(), vk.as_tensor(), vv.as_tensor(), &opts)?.to_dtype(DType::F32)?;
+    let g = (&o * w)?.sum_all()?.backward()?;
+    let mut out = vec![o];
+    for t in [&vq, &vk, &vv] {
+        out.push(
+            g.get(t.as_tensor())
+                .ok_or_else(|| anyhow::anyhow!("missing grad"))?
+                .to_dtype(DType::F32)?,
+        );
+    }
+    Ok(out)
+}
+
+/// Causal with seq_q > seq_k: the leading rows see no key (output and dq 0).
+/// Half-precision output and gradients (the tensor-core kernels on CUDA at head
+/// dims 64 and 128) against the f32 path on the same rounded inputs.
+fn attention_half_rows_without_keys_match_f32(dev: &Device) -> Result<()> {
+    for d in [64, 128] {
+        for (dtype, tol) in [(DType::F16, 1e-2), (DType::BF16, 5e-2)] {
+            let q = rand_t((1, 2, 150, d), dtype, dev, 51)?;
+            let k = rand_t((1, 1, 90, d), dtype, dev, 52)?;
+            let v = rand_t((1, 1, 90, d), dtype, dev, 53)?;
+            let w = rand_t((1, 2, 150, d), DType::F32, dev, 54)?;
+            let half = cqsa_grads(&q, &k, &v, &w, true)?;
+            let f = |t: &Tensor| t.to_dtype(DType::F32);
+            let full = cqsa_grads(&f(&q)?, &f(&k)?, &f(&v)?, &w, true)?;
+            for (i, (a, b)) in half.iter().zip(&full).enumerate() {
+                let err = rel_err_t(a, b)?;
+                ensure!(err <= tol, "{dtype:?} d={d} tensor {i}: {err:e} > {tol:e}");
+            }
+            // Rows 0..60 see no key: their output and dq are exactly zero.
+            for t in [&half[0], &half[1]] {
+                let lead = t.narrow(2, 0, 60)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                ensure!(
+                    lead == 0.0,
+                    "{dtype:?} d={d}: leading rows not zero ({lead})"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(attention_half_rows_without_keys_match_f32);
+
 /// A budget far below what a resident call needs forces the streamed mode; its
 /// output and gradients equal the resident ones.
 fn attention_streamed_equals_resident(dev: &Device) -> Result<()> {

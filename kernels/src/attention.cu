@@ -267,10 +267,13 @@ __device__ __forceinline__ void mma16816<__nv_bfloat16>(float* c, const uint32_t
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-constexpr int MMA_BR = 64;    // query rows per block (16 per warp)
-constexpr int MMA_BC = 64;    // keys per tile
+constexpr int MMA_BR = 64;    // query rows per block of the forward (16 per warp)
+constexpr int MMA_BC = 64;    // keys per tile of the forward; keys per block of the backward
 constexpr int MMA_PAD = 8;    // shared-memory row padding (elements): no bank conflicts
 constexpr int MMA_THREADS = 128;
+constexpr int MMA_WARPS = MMA_THREADS / 32;
+constexpr float LOG2E = 1.4426950408889634f;
+#define POS_INF (__int_as_float(0x7f800000))
 
 template <typename T>
 __device__ __forceinline__ uint32_t load2(const T* p, int row, int n, int col, int d) {
@@ -278,24 +281,119 @@ __device__ __forceinline__ uint32_t load2(const T* p, int row, int n, int col, i
     return *reinterpret_cast<const uint32_t*>(p + (size_t)row * d + col);
 }
 
-// Requires: d == D, D % 16 == 0, q/k/v/o 16-byte aligned (checked by the launcher).
+// Two consecutive 16-bit elements of shared memory as one register.
+template <typename T> __device__ __forceinline__ uint32_t lds2(const T* p) {
+    return *reinterpret_cast<const uint32_t*>(p);
+}
+
+// B operands of two adjacent m16n8k16 tiles (n = dims dn*8..dn*8+15) from a
+// row-major [k][n] tile in shared memory (rows k0..k0+15), transposed by ldmatrix.
+// `base` points at element (k0, n0); `ld` is the row stride in elements.
+template <typename T>
+__device__ __forceinline__ void ldsm_trans_b(const T* base, int ld, int lane, uint32_t* b0, uint32_t* b1) {
+    const T* p = base + (lane & 15) * ld + (lane >> 4) * 8;
+    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(b0[0]), "=r"(b0[1]), "=r"(b1[0]), "=r"(b1[1])
+                 : "r"(addr));
+}
+
+// A operand (16 rows x 16 k) from a row-major tile in shared memory: `base` at
+// (row0, k0), rows g and g+8, columns 2t.. and 2t+8...
+template <typename T>
+__device__ __forceinline__ void lds_a(const T* base, int ld, int g, int t, uint32_t* a) {
+    a[0] = lds2(base + g * ld + 2 * t);
+    a[1] = lds2(base + (g + 8) * ld + 2 * t);
+    a[2] = lds2(base + g * ld + 2 * t + 8);
+    a[3] = lds2(base + (g + 8) * ld + 2 * t + 8);
+}
+
+// B operand (16 k x 8 n, "col") from a row-major [n][k] tile: `base` at (n0, k0).
+template <typename T>
+__device__ __forceinline__ void lds_b(const T* base, int ld, int g, int t, uint32_t* b) {
+    b[0] = lds2(base + g * ld + 2 * t);
+    b[1] = lds2(base + g * ld + 2 * t + 8);
+}
+
+// The A operand of the next mma from two adjacent accumulator tiles (C layout of
+// m16n8 tiles 2kk and 2kk+1 is the A layout of one m16k16 tile).
+template <typename T>
+__device__ __forceinline__ void acc_to_a(const float* c0, const float* c1, uint32_t* a) {
+    a[0] = pack2<T>(c0[0], c0[1]);
+    a[1] = pack2<T>(c0[2], c0[3]);
+    a[2] = pack2<T>(c1[0], c1[1]);
+    a[3] = pack2<T>(c1[2], c1[3]);
+}
+
+// 16-byte global -> shared copy that bypasses registers; `bytes` 0 fills zeros.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int bytes) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Bytes of dynamic shared memory the kernel was launched with.
+__device__ __forceinline__ uint32_t dynamic_smem_size() {
+    uint32_t x;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(x));
+    return x;
+}
+
+// Dynamic shared memory of the forward: two stages of K and V tiles.
+template <int D> struct FwdCfg {
+    static constexpr int SMEM = 2 * 2 * MMA_BC * (D + MMA_PAD) * 2;
+};
+
+// Tensor-core forward. Requires: d == D, D % 16 == 0, q/k/v 16-byte aligned
+// (checked by the launcher), FwdCfg<D>::SMEM of dynamic shared memory.
+// K/V tiles are double-buffered: the copy of tile i+1 (cp.async) overlaps the
+// math on tile i.
 template <typename T, int D>
 __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         T* __restrict__ o, float* __restrict__ lse, int hq, int hkv, int nq, int nk,
                         float scale, int causal, long long off) {
     constexpr int LD = D + MMA_PAD;
-    __shared__ __align__(16) T ks[MMA_BC * LD];
-    __shared__ __align__(16) T vs[MMA_BC * LD];
+    constexpr int TILE = MMA_BC * LD;  // elements of one K (or V) tile
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    if (dynamic_smem_size() < (uint32_t)FwdCfg<D>::SMEM) __trap();  // launcher bug
+    T* ks = reinterpret_cast<T*>(smem_raw);  // [2][MMA_BC][LD]
+    T* vs = ks + 2 * TILE;                    // [2][MMA_BC][LD]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int h = blockIdx.y, b = blockIdx.z;
     const int kh = h / (hq / hkv);
     const int q0 = blockIdx.x * MMA_BR;
-    const T* qb = q + ((size_t)b * hq + h) * nq * D;
+    const T* qb = q + ((size_t)b * hq + h) * (size_t)nq * D;
     const T* kb = k + ((size_t)b * hkv + kh) * (size_t)nk * D;
     const T* vb = v + ((size_t)b * hkv + kh) * (size_t)nk * D;
     const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;
+
+    // Keys any row of this block can see.
+    int kv_end = nk;
+    if (causal) {
+        long long e = (long long)(q0 + MMA_BR - 1) + off + 1;
+        kv_end = (int)(e < 0 ? 0 : (e > nk ? nk : e));
+    }
+
+    // Stage a K/V tile (keys kv0..kv0+63, zero past nk) with cp.async.
+    auto load_tile = [&](int kv0, int stage) {
+        T* kd = ks + stage * TILE;
+        T* vd = vs + stage * TILE;
+        for (int idx = tid; idx < MMA_BC * (D / 8); idx += MMA_THREADS) {
+            const int r = idx / (D / 8), c8 = idx % (D / 8);
+            const int key = kv0 + r;
+            const bool in = key < nk;
+            const size_t src = (size_t)(in ? key : 0) * D + c8 * 8;
+            cp_async16(&kd[r * LD + c8 * 8], kb + src, in ? 16 : 0);
+            cp_async16(&vd[r * LD + c8 * 8], vb + src, in ? 16 : 0);
+        }
+    };
+    if (kv_end > 0) load_tile(0, 0);
+    cp_async_commit();
 
     // Q fragments (A operand), kept in registers for the whole block.
     uint32_t qf[D / 16][4];
@@ -311,29 +409,17 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) oacc[dn][0] = oacc[dn][1] = oacc[dn][2] = oacc[dn][3] = 0.f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
-    const float scale_log2 = scale * 1.4426950408889634f;
+    const float scale_log2 = scale * LOG2E;
 
-    // Keys any row of this block can see.
-    int kv_end = nk;
-    if (causal) {
-        long long e = (long long)(q0 + MMA_BR - 1) + off + 1;
-        kv_end = (int)(e < 0 ? 0 : (e > nk ? nk : e));
-    }
-
-    for (int kv0 = 0; kv0 < kv_end; kv0 += MMA_BC) {
-        __syncthreads();  // the previous tile has been consumed by every warp
-        for (int idx = tid; idx < MMA_BC * (D / 8); idx += MMA_THREADS) {
-            const int r = idx / (D / 8), c8 = idx % (D / 8);
-            const int key = kv0 + r;
-            uint4 kx = make_uint4(0, 0, 0, 0), vx = make_uint4(0, 0, 0, 0);
-            if (key < nk) {
-                kx = *reinterpret_cast<const uint4*>(kb + (size_t)key * D + c8 * 8);
-                vx = *reinterpret_cast<const uint4*>(vb + (size_t)key * D + c8 * 8);
-            }
-            *reinterpret_cast<uint4*>(&ks[r * LD + c8 * 8]) = kx;
-            *reinterpret_cast<uint4*>(&vs[r * LD + c8 * 8]) = vx;
-        }
+    int stage = 0;
+    for (int kv0 = 0; kv0 < kv_end; kv0 += MMA_BC, stage ^= 1) {
+        // Prefetch the next tile into the other stage (consumed two barriers ago).
+        if (kv0 + MMA_BC < kv_end) load_tile(kv0 + MMA_BC, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();  // every group but the newest has landed: this tile is here
         __syncthreads();
+        const T* kt = ks + stage * TILE;
+        const T* vt = vs + stage * TILE;
 
         // S = Q K^T for this warp's 16 rows and the 64 keys of the tile.
         float s[MMA_BC / 8][4];
@@ -343,9 +429,7 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
 #pragma unroll
             for (int kk = 0; kk < D / 16; ++kk) {
                 uint32_t bf[2];
-                const T* kr = &ks[(nt * 8 + g) * LD + kk * 16 + 2 * t];
-                bf[0] = *reinterpret_cast<const uint32_t*>(kr);
-                bf[1] = *reinterpret_cast<const uint32_t*>(kr + 8);
+                lds_b(kt + (nt * 8) * LD + kk * 16, LD, g, t, bf);
                 mma16816<T>(s[nt], qf[kk], bf);
             }
         }
@@ -400,27 +484,22 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
 #pragma unroll
         for (int kk = 0; kk < MMA_BC / 16; ++kk) {
             uint32_t a[4];
-            a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            acc_to_a<T>(s[2 * kk], s[2 * kk + 1], a);
 #pragma unroll
             for (int dn = 0; dn < D / 8; dn += 2) {
-                // Four 8x8 transposed tiles of V: keys kk*16 + (0..15), dims dn*8 + (0..15).
-                const T* p = &vs[(kk * 16 + (lane & 15)) * LD + dn * 8 + (lane >> 4) * 8];
-                const uint32_t addr = (uint32_t)__cvta_generic_to_shared(p);
+                // Keys kk*16 + (0..15), dims dn*8 + (0..15), transposed by ldmatrix.
                 uint32_t b0[2], b1[2];
-                asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                             : "=r"(b0[0]), "=r"(b0[1]), "=r"(b1[0]), "=r"(b1[1])
-                             : "r"(addr));
+                ldsm_trans_b(vt + (kk * 16) * LD + dn * 8, LD, lane, b0, b1);
                 mma16816<T>(oacc[dn], a, b0);
                 mma16816<T>(oacc[dn + 1], a, b1);
             }
         }
+        __syncthreads();  // every warp is done with this stage before it is refilled
     }
+    cp_async_wait<0>();  // no copy may be in flight when the block exits
 
     // Normalise and write O and the log-sum-exp.
-    T* ob = o + ((size_t)b * hq + h) * nq * D;
+    T* ob = o + ((size_t)b * hq + h) * (size_t)nq * D;
     float* lb = lse + ((size_t)b * hq + h) * nq;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -438,6 +517,271 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
             if (t == 0) lb[row] = lt > 0.f ? (m[r] + log2f(lt)) * 0.6931471805599453f : NEG_INF;
         }
     }
+}
+
+// ---------------------------------------------------------------- tensor-core backward
+// FlashAttention-2 style, one block per 64 keys of one (batch, kv head): K and V of
+// the block stay in shared memory and dK, dV in registers (warp w owns keys
+// 16w..16w+15) while the block walks every query head of the group and every
+// query tile of BQ rows that can see its keys. Per tile, with P recomputed from the
+// saved log-sum-exp:
+//   S^T = K Q^T, P^T = exp(S^T * scale - lse), dV += P^T dO,
+//   dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q,
+//   dQ += dS K (dS through shared memory, added to an f32 buffer with atomics).
+// dK and dQ are multiplied by `scale` at the end (dQ by the conversion kernel).
+template <int D> struct BwdCfg {
+    static constexpr int BQ = D <= 64 ? 64 : 32;  // query rows per tile (register budget)
+    static constexpr int LD = D + MMA_PAD;
+    static constexpr int LDS = MMA_BC + MMA_PAD;
+    // K, V (MMA_BC rows), Q, dO (BQ rows), dS (BQ x MMA_BC), lse and delta (BQ).
+    static constexpr int SMEM = (2 * MMA_BC * LD + 2 * BQ * LD + BQ * LDS) * 2 + 2 * BQ * 4;
+};
+
+template <typename T, int D>
+__device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                        const T* __restrict__ g, const float* __restrict__ lse,
+                        const float* __restrict__ delta, float* __restrict__ dq_acc, T* __restrict__ dk,
+                        T* __restrict__ dv, int hq, int hkv, int nq, int nk, float scale, int causal,
+                        long long off) {
+    using C = BwdCfg<D>;
+    constexpr int BQ = C::BQ, LD = C::LD, LDS = C::LDS;
+    constexpr int RG = BQ / 16;         // row groups of the dQ step
+    constexpr int DG = MMA_WARPS / RG;  // dim groups of the dQ step
+    constexpr int DW = D / DG;          // dims per warp in the dQ step
+    static_assert(MMA_WARPS % RG == 0 && DW % 16 == 0, "dQ step layout");
+    static_assert(MMA_BC == 16 * MMA_WARPS, "one 16-key slab per warp");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    if (dynamic_smem_size() < (uint32_t)C::SMEM) __trap();  // launcher bug
+    T* ks = reinterpret_cast<T*>(smem_raw);  // [MMA_BC][LD]
+    T* vs = ks + MMA_BC * LD;                 // [MMA_BC][LD]
+    T* qs = vs + MMA_BC * LD;                 // [BQ][LD]
+    T* gs = qs + BQ * LD;                     // [BQ][LD]
+    T* dss = gs + BQ * LD;                    // [BQ][LDS]: dS, query-major
+    float* ls = reinterpret_cast<float*>(dss + BQ * LDS);  // [BQ] lse * log2(e), +inf = no row
+    float* dls = ls + BQ;                                  // [BQ] delta
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g8 = lane >> 2, t = lane & 3;
+    const int kh = blockIdx.y, b = blockIdx.z;
+    const int j0 = blockIdx.x * MMA_BC;
+    const int group = hq / hkv;
+    const size_t kvbase = ((size_t)b * hkv + kh) * (size_t)nk;
+    const T* kb = k + kvbase * D;
+    const T* vb = v + kvbase * D;
+
+    for (int idx = tid; idx < MMA_BC * (D / 8); idx += MMA_THREADS) {
+        const int r = idx / (D / 8), c8 = idx % (D / 8);
+        const int key = j0 + r;
+        uint4 kx = make_uint4(0, 0, 0, 0), vx = make_uint4(0, 0, 0, 0);
+        if (key < nk) {
+            kx = *reinterpret_cast<const uint4*>(kb + (size_t)key * D + c8 * 8);
+            vx = *reinterpret_cast<const uint4*>(vb + (size_t)key * D + c8 * 8);
+        }
+        *reinterpret_cast<uint4*>(&ks[r * LD + c8 * 8]) = kx;
+        *reinterpret_cast<uint4*>(&vs[r * LD + c8 * 8]) = vx;
+    }
+
+    float dka[D / 8][4], dva[D / 8][4];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dka[dn][e] = dva[dn][e] = 0.f;
+
+    const int kr0 = j0 + warp * 16 + g8;  // this thread's key rows (C layout rows g, g+8)
+    const T* kw = ks + warp * 16 * LD;    // this warp's 16 keys
+    const T* vw = vs + warp * 16 * LD;
+    const float sl2 = scale * LOG2E;
+
+    // First query row that can see key j0, rounded down to a tile.
+    int istart = 0;
+    if (causal) {
+        long long r = (long long)j0 - off;
+        istart = (int)(r < 0 ? 0 : (r > nq ? nq : r));
+        istart = istart / BQ * BQ;
+    }
+
+    for (int h = kh * group; h < (kh + 1) * group; ++h) {
+        const size_t rowbase = ((size_t)b * hq + h) * (size_t)nq;
+        const T* qb = q + rowbase * D;
+        const T* gb = g + rowbase * D;
+        for (int i0 = istart; i0 < nq; i0 += BQ) {
+            __syncthreads();  // the previous tile is consumed (first time: K/V are stored)
+            for (int idx = tid; idx < BQ * (D / 8); idx += MMA_THREADS) {
+                const int r = idx / (D / 8), c8 = idx % (D / 8);
+                const int row = i0 + r;
+                uint4 qx = make_uint4(0, 0, 0, 0), gx = make_uint4(0, 0, 0, 0);
+                if (row < nq) {
+                    qx = *reinterpret_cast<const uint4*>(qb + (size_t)row * D + c8 * 8);
+                    gx = *reinterpret_cast<const uint4*>(gb + (size_t)row * D + c8 * 8);
+                }
+                *reinterpret_cast<uint4*>(&qs[r * LD + c8 * 8]) = qx;
+                *reinterpret_cast<uint4*>(&gs[r * LD + c8 * 8]) = gx;
+            }
+            for (int r = tid; r < BQ; r += MMA_THREADS) {
+                const int row = i0 + r;
+                float L = POS_INF, dl = 0.f;  // +inf: p = 0 for a missing row or one that sees nothing
+                if (row < nq) {
+                    const float li = lse[rowbase + row];
+                    if (li != NEG_INF) {
+                        L = li * LOG2E;
+                        dl = delta[rowbase + row];
+                    }
+                }
+                ls[r] = L;
+                dls[r] = dl;
+            }
+            __syncthreads();
+
+            // S^T = K Q^T: this warp's 16 keys x BQ queries.
+            float st[BQ / 8][4];
+#pragma unroll
+            for (int nt = 0; nt < BQ / 8; ++nt) st[nt][0] = st[nt][1] = st[nt][2] = st[nt][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                uint32_t a[4];
+                lds_a(kw + kk * 16, LD, g8, t, a);
+#pragma unroll
+                for (int nt = 0; nt < BQ / 8; ++nt) {
+                    uint32_t bf[2];
+                    lds_b(qs + (nt * 8) * LD + kk * 16, LD, g8, t, bf);
+                    mma16816<T>(st[nt], a, bf);
+                }
+            }
+
+            // P^T = exp(S^T * scale - lse), masked (keys past nk, causal).
+            const bool need_mask =
+                j0 + MMA_BC > nk || (causal && (long long)(j0 + MMA_BC - 1) > (long long)i0 + off);
+#pragma unroll
+            for (int nt = 0; nt < BQ / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = nt * 8 + 2 * t + (e & 1);  // query within the tile
+                    float x = st[nt][e] * sl2;
+                    if (need_mask) {
+                        const int key = kr0 + (e < 2 ? 0 : 8);
+                        const bool ok =
+                            key < nk && (!causal || (long long)key <= (long long)(i0 + col) + off);
+                        x = ok ? x : NEG_INF;
+                    }
+                    st[nt][e] = exp2f(x - ls[col]);
+                }
+            }
+
+            // dV += P^T dO (A = P^T from the accumulators, B = dO rows transposed).
+#pragma unroll
+            for (int kk = 0; kk < BQ / 16; ++kk) {
+                uint32_t a[4];
+                acc_to_a<T>(st[2 * kk], st[2 * kk + 1], a);
+#pragma unroll
+                for (int dn = 0; dn < D / 8; dn += 2) {
+                    uint32_t b0[2], b1[2];
+                    ldsm_trans_b(gs + (kk * 16) * LD + dn * 8, LD, lane, b0, b1);
+                    mma16816<T>(dva[dn], a, b0);
+                    mma16816<T>(dva[dn + 1], a, b1);
+                }
+            }
+
+            // dP^T = V dO^T.
+            float dpt[BQ / 8][4];
+#pragma unroll
+            for (int nt = 0; nt < BQ / 8; ++nt) dpt[nt][0] = dpt[nt][1] = dpt[nt][2] = dpt[nt][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                uint32_t a[4];
+                lds_a(vw + kk * 16, LD, g8, t, a);
+#pragma unroll
+                for (int nt = 0; nt < BQ / 8; ++nt) {
+                    uint32_t bf[2];
+                    lds_b(gs + (nt * 8) * LD + kk * 16, LD, g8, t, bf);
+                    mma16816<T>(dpt[nt], a, bf);
+                }
+            }
+
+            // dS^T = P^T (dP^T - delta); also stored query-major for the dQ step.
+#pragma unroll
+            for (int nt = 0; nt < BQ / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = nt * 8 + 2 * t + (e & 1);
+                    const float ds = st[nt][e] * (dpt[nt][e] - dls[col]);
+                    dpt[nt][e] = ds;
+                    dss[col * LDS + warp * 16 + g8 + (e < 2 ? 0 : 8)] = from_f<T>(ds);
+                }
+            }
+
+            // dK += dS^T Q.
+#pragma unroll
+            for (int kk = 0; kk < BQ / 16; ++kk) {
+                uint32_t a[4];
+                acc_to_a<T>(dpt[2 * kk], dpt[2 * kk + 1], a);
+#pragma unroll
+                for (int dn = 0; dn < D / 8; dn += 2) {
+                    uint32_t b0[2], b1[2];
+                    ldsm_trans_b(qs + (kk * 16) * LD + dn * 8, LD, lane, b0, b1);
+                    mma16816<T>(dka[dn], a, b0);
+                    mma16816<T>(dka[dn + 1], a, b1);
+                }
+            }
+            __syncthreads();  // dS of every warp is in shared memory
+
+            // dQ[tile] += dS K: warp (rg, dg) owns rows 16rg.. and dims DW*dg.. of the tile.
+            {
+                const int rg = warp % RG, dg = warp / RG;
+                float dqa[DW / 8][4];
+#pragma unroll
+                for (int dn = 0; dn < DW / 8; ++dn) dqa[dn][0] = dqa[dn][1] = dqa[dn][2] = dqa[dn][3] = 0.f;
+#pragma unroll
+                for (int kk = 0; kk < MMA_BC / 16; ++kk) {
+                    uint32_t a[4];
+                    lds_a(dss + (rg * 16) * LDS + kk * 16, LDS, g8, t, a);
+#pragma unroll
+                    for (int dn = 0; dn < DW / 8; dn += 2) {
+                        uint32_t b0[2], b1[2];
+                        ldsm_trans_b(ks + (kk * 16) * LD + dg * DW + dn * 8, LD, lane, b0, b1);
+                        mma16816<T>(dqa[dn], a, b0);
+                        mma16816<T>(dqa[dn + 1], a, b1);
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = i0 + rg * 16 + g8 + 8 * r;
+                    if (row < nq) {
+                        float* dst = dq_acc + (rowbase + row) * D + dg * DW + 2 * t;
+#pragma unroll
+                        for (int dn = 0; dn < DW / 8; ++dn) {
+                            atomicAdd(dst + dn * 8, dqa[dn][2 * r]);
+                            atomicAdd(dst + dn * 8 + 1, dqa[dn][2 * r + 1]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // dK (times scale) and dV of this warp's keys.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = kr0 + 8 * r;
+        if (key < nk) {
+            T* dkr = dk + (kvbase + key) * D + 2 * t;
+            T* dvr = dv + (kvbase + key) * D + 2 * t;
+#pragma unroll
+            for (int dn = 0; dn < D / 8; ++dn) {
+                *reinterpret_cast<uint32_t*>(dkr + dn * 8) =
+                    pack2<T>(dka[dn][2 * r] * scale, dka[dn][2 * r + 1] * scale);
+                *reinterpret_cast<uint32_t*>(dvr + dn * 8) = pack2<T>(dva[dn][2 * r], dva[dn][2 * r + 1]);
+            }
+        }
+    }
+}
+
+// dq = dq_acc * scale, narrowed to T.
+template <typename T>
+__device__ void bwd_dq_convert(const float* __restrict__ acc, T* __restrict__ dq, long long n, float scale) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        dq[i] = from_f<T>(acc[i] * scale);
 }
 
 // ---------------------------------------------------------------- entry points
@@ -466,14 +810,31 @@ SIMPLE_ENTRIES(float, f32)
 SIMPLE_ENTRIES(__half, f16)
 SIMPLE_ENTRIES(__nv_bfloat16, bf16)
 
-#define MMA_ENTRY(T, SUF, D)                                                                         \
-    extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                       \
-        cqsa_fwd_mma_##SUF##_d##D(const T* q, const T* k, const T* v, T* o, float* lse, int hq,      \
-                                  int hkv, int nq, int nk, float scale, int causal, long long off) { \
-        fwd_mma<T, D>(q, k, v, o, lse, hq, hkv, nq, nk, scale, causal, off);                        \
+
+#define MMA_ENTRY(T, SUF, D)                                                                          \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                        \
+        cqsa_fwd_mma_##SUF##_d##D(const T* q, const T* k, const T* v, T* o, float* lse, int hq,       \
+                                  int hkv, int nq, int nk, float scale, int causal, long long off) {  \
+        fwd_mma<T, D>(q, k, v, o, lse, hq, hkv, nq, nk, scale, causal, off);                         \
+    }                                                                                                \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS) cqsa_bwd_mma_##SUF##_d##D(            \
+        const T* q, const T* k, const T* v, const T* g, const float* lse, const float* delta,        \
+        float* dq_acc, T* dk, T* dv, int hq, int hkv, int nq, int nk, float scale, int causal,        \
+        long long off) {                                                                             \
+        bwd_mma<T, D>(q, k, v, g, lse, delta, dq_acc, dk, dv, hq, hkv, nq, nk, scale, causal, off);   \
     }
 
 MMA_ENTRY(__half, f16, 64)
 MMA_ENTRY(__half, f16, 128)
 MMA_ENTRY(__nv_bfloat16, bf16, 64)
 MMA_ENTRY(__nv_bfloat16, bf16, 128)
+
+#define CONVERT_ENTRY(T, SUF)                                                                          \
+    extern "C" __global__ void cqsa_bwd_dq_convert_##SUF(const float* acc, T* dq, long long n,        \
+                                                         float scale) {                               \
+        bwd_dq_convert<T>(acc, dq, n, scale);                                                         \
+    }
+
+CONVERT_ENTRY(float, f32)
+CONVERT_ENTRY(__half, f16)
+CONVERT_ENTRY(__nv_bfloat16, bf16)

@@ -5,15 +5,24 @@
 //! Forward: the tensor-core kernel `cqsa_fwd_mma_{f16,bf16}_d{64,128}` when the
 //! dtype is f16/bf16, the head dim 64 or 128 and every input 16-byte aligned; the
 //! simple kernel `cqsa_fwd_simple_*` (f32 arithmetic, any head dim up to 256)
-//! otherwise. Backward: `cqsa_bwd_delta_*`, then `cqsa_bwd_dq_simple_*` and
+//! otherwise. Backward: `cqsa_bwd_delta_*`, then under the same conditions the
+//! tensor-core `cqsa_bwd_mma_*` (dq accumulated in an f32 buffer with atomics, then
+//! `cqsa_bwd_dq_convert_*`), otherwise `cqsa_bwd_dq_simple_*` and
 //! `cqsa_bwd_dkdv_simple_*`.
 //!
-//! Every device view passed to a launch is a local that lives until after the
-//! launch call returns, and cudarc records the read/write events of each slice on
-//! the launch stream, so no buffer is freed or reused while a kernel uses it.
+//! The tensor-core kernels take dynamic shared memory, some of them more than the
+//! 48 KiB default: [`allow_smem`] raises the function's limit first. The byte counts
+//! here mirror `FwdCfg`/`BwdCfg` in the kernel, which traps if launched with less.
+//!
+//! Ordering: every launch of one call goes to the compute stream of the inputs'
+//! Candle device, so the launches are ordered among themselves and with the
+//! stream-ordered frees of cudarc, whether or not the context tracks per-slice
+//! events (the streamer pool turns that tracking off). Every device view passed to
+//! a launch is a local borrowed by the launch builder, so it outlives the launch.
 use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result};
@@ -25,7 +34,56 @@ use crate::Dims;
 /// Rows handled by one block of the simple kernels (one warp per row).
 const SIMPLE_WARPS: u32 = 4;
 /// Query rows per block of the tensor-core forward.
-const MMA_ROWS: u32 = 64;
+const MMA_ROWS: usize = 64;
+/// Keys per block of the tensor-core backward.
+const MMA_KEYS: usize = 64;
+/// Threads per block of the tensor-core kernels.
+const MMA_THREADS: u32 = 128;
+/// Shared-memory row padding of the tensor-core kernels (elements).
+const MMA_PAD: usize = 8;
+
+/// Dynamic shared memory of `cqsa_fwd_mma_*_d{d}`: two stages of K and V tiles
+/// (`FwdCfg` in the kernel).
+fn fwd_smem(d: usize) -> u32 {
+    (2 * 2 * MMA_KEYS * (d + MMA_PAD) * 2) as u32
+}
+
+/// Query rows per tile of `cqsa_bwd_mma_*_d{d}` (`BwdCfg::BQ`).
+fn bwd_rows(d: usize) -> usize {
+    if d <= 64 {
+        64
+    } else {
+        32
+    }
+}
+
+/// Dynamic shared memory of `cqsa_bwd_mma_*_d{d}` (`BwdCfg::SMEM`): K, V, Q and
+/// dO tiles, the dS tile, and f32 lse and delta of a query tile.
+fn bwd_smem(d: usize) -> u32 {
+    let (bq, ld, lds) = (bwd_rows(d), d + MMA_PAD, MMA_KEYS + MMA_PAD);
+    ((2 * MMA_KEYS * ld + 2 * bq * ld + bq * lds) * 2 + 2 * bq * 4) as u32
+}
+
+/// Lets `func` use `smem` bytes of dynamic shared memory (raising the 48 KiB
+/// default when needed; the H200 allows up to 227 KiB per block).
+fn allow_smem(func: &CudaFunction, smem: u32) -> Result<()> {
+    if smem > 48 * 1024 {
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .w()?;
+    }
+    Ok(())
+}
+
+/// Whether the tensor-core kernels apply: f16/bf16, head dim 64 or 128, and every
+/// element offset a multiple of 8 (16-byte vector loads).
+fn use_mma(dtype: DType, d: usize, offsets: &[usize]) -> bool {
+    matches!(dtype, DType::F16 | DType::BF16)
+        && matches!(d, 64 | 128)
+        && offsets.iter().all(|a| a % 8 == 0)
+}
 
 fn suffix(dtype: DType) -> Result<&'static str> {
     Ok(match dtype {
@@ -105,15 +163,15 @@ fn forward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
     let d_ = to_i32(d, "head_dim")?;
     let causal_ = i32::from(causal.is_some());
     let off = causal.unwrap_or(0);
-    let aligned = [qa, ka, va].iter().all(|a| a % 8 == 0);
-    let mma = matches!(dtype, DType::F16 | DType::BF16) && matches!(d, 64 | 128) && aligned;
-    if mma {
+    if use_mma(dtype, d, &[qa, ka, va]) {
+        let smem = fwd_smem(d);
         let name = format!("cqsa_fwd_mma_{sfx}_d{d}");
         let func = dev.get_or_load_custom_func(&name, module::ATTENTION, ATTENTION)?;
+        allow_smem(&func, smem)?;
         let cfg = LaunchConfig {
-            grid_dim: grid(nq.div_ceil(MMA_ROWS as usize), hq, b)?,
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+            grid_dim: grid(nq.div_ceil(MMA_ROWS), hq, b)?,
+            block_dim: (MMA_THREADS, 1, 1),
+            shared_mem_bytes: smem,
         };
         {
             let mut builder = func.builder();
@@ -127,7 +185,8 @@ fn forward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
             builder.arg(&scale).arg(&causal_).arg(&off);
             // SAFETY: the kernel reads b*hq*nq*d / b*hkv*nk*d elements of the views
             // (their exact lengths), writes b*hq*nq*d of `out` and b*hq*nq of `lse`;
-            // argument types match the kernel's signature; every view lives past the launch.
+            // argument types match the kernel's signature; the dynamic shared memory
+            // is the kernel's FwdCfg::SMEM; every view lives past the launch.
             unsafe { builder.launch(cfg) }.w()?;
         }
     } else {
@@ -182,12 +241,13 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
     causal: Option<i64>,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
     let dev: &CudaDevice = t[0].0.device();
-    let sfx = suffix(t[0].0.dtype())?;
-    let (qv, _) = view::<T>(t[0].0, t[0].1)?;
-    let (kv, _) = view::<T>(t[1].0, t[1].1)?;
-    let (vv, _) = view::<T>(t[2].0, t[2].1)?;
+    let dtype = t[0].0.dtype();
+    let sfx = suffix(dtype)?;
+    let (qv, qa) = view::<T>(t[0].0, t[0].1)?;
+    let (kv, ka) = view::<T>(t[1].0, t[1].1)?;
+    let (vv, va) = view::<T>(t[2].0, t[2].1)?;
     let (ov, _) = view::<T>(t[3].0, t[3].1)?;
-    let (gv, _) = view::<T>(t[4].0, t[4].1)?;
+    let (gv, ga) = view::<T>(t[4].0, t[4].1)?;
     let (lv, _) = view::<f32>(t[5].0, t[5].1)?;
     let Dims {
         b,
@@ -235,6 +295,61 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
             .arg(&d_);
         // SAFETY: reads rows*d elements of o and grad_o, writes rows of delta; views live.
         unsafe { builder.launch(cfg) }.w()?;
+    }
+
+    if use_mma(dtype, d, &[qa, ka, va, ga]) {
+        let mut dq_acc: CudaSlice<f32> = dev.alloc_zeros::<f32>(rows * d)?;
+        let smem = bwd_smem(d);
+        let name = format!("cqsa_bwd_mma_{sfx}_d{d}");
+        let func = dev.get_or_load_custom_func(&name, module::ATTENTION, ATTENTION)?;
+        allow_smem(&func, smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: grid(nk.div_ceil(MMA_KEYS), hkv, b)?,
+            block_dim: (MMA_THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        {
+            let mut builder = func.builder();
+            builder
+                .arg(&qv)
+                .arg(&kv)
+                .arg(&vv)
+                .arg(&gv)
+                .arg(&lv)
+                .arg(&delta)
+                .arg(&mut dq_acc)
+                .arg(&mut dk)
+                .arg(&mut dv);
+            builder.arg(&hq_).arg(&hkv_).arg(&nq_).arg(&nk_);
+            builder.arg(&scale).arg(&causal_).arg(&off);
+            // SAFETY: reads b*hq*nq*d of q and grad_o, b*hkv*nk*d of k and v, rows of
+            // lse and delta (the views' lengths); adds into rows*d f32 of dq_acc and
+            // writes b*hkv*nk*d of dk and dv; every offset is a multiple of 8 elements
+            // (checked by `use_mma`); the dynamic shared memory is BwdCfg::SMEM; the
+            // argument types match the kernel; every view lives past the launch.
+            unsafe { builder.launch(cfg) }.w()?;
+        }
+        let name = format!("cqsa_bwd_dq_convert_{sfx}");
+        let func = dev.get_or_load_custom_func(&name, module::ATTENTION, ATTENTION)?;
+        let n = rows * d;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(256).min(65536) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let n_ = n as i64;
+        {
+            let mut builder = func.builder();
+            builder.arg(&dq_acc).arg(&mut dq).arg(&n_).arg(&scale);
+            // SAFETY: reads and writes n = rows*d elements (both buffers' lengths),
+            // grid-stride loop; dq_acc lives past the launch (freed stream-ordered).
+            unsafe { builder.launch(cfg) }.w()?;
+        }
+        return Ok((
+            CudaStorage::wrap_cuda_slice(dq, dev.clone()),
+            CudaStorage::wrap_cuda_slice(dk, dev.clone()),
+            CudaStorage::wrap_cuda_slice(dv, dev.clone()),
+        ));
     }
 
     let func = dev.get_or_load_custom_func(
