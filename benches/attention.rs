@@ -15,6 +15,12 @@
 //!   time, peak device memory and the error of the first and last 2048 rows against
 //!   resident runs.
 //!
+//! - `CQSA_BENCH_TORCH_JSON`: results of `benches/attention_torch.py` from the
+//!   same run to draw beside ours (default
+//!   `benches/results/attention-torch-h200.json`; skipped when missing).
+//!
+//! Beside the JSON file an SVG plot (same name, `.svg`) shows TFLOP/s against N.
+//!
 //! Timing: warm-up runs first, the device is synchronised before each timer stops,
 //! the median of the repeats is reported.
 use std::time::Instant;
@@ -190,7 +196,79 @@ fn main() -> Result<()> {
     }
     std::fs::write(&out, serde_json::to_string_pretty(&report)?)?;
     println!("wrote {out}");
+    let svg = std::path::Path::new(&out).with_extension("svg");
+    let torch = std::env::var("CQSA_BENCH_TORCH_JSON")
+        .unwrap_or_else(|_| "benches/results/attention-torch-h200.json".into());
+    std::fs::write(
+        &svg,
+        plot(
+            &report,
+            &torch,
+            &format!("attention {dtype:?}, B={b}, H={h}, D={d}"),
+        ),
+    )?;
+    println!("wrote {}", svg.display());
     Ok(())
+}
+
+/// TFLOP/s against N of cqsa forward and forward+backward and Candle's naive
+/// attention (non-causal, and cqsa causal), plus PyTorch SDPA's flash backend when
+/// `torch_json` (written by benches/attention_torch.py in the same run) exists.
+fn plot(report: &Value, torch_json: &str, title: &str) -> String {
+    let empty = Vec::new();
+    let series_of = |rows: &Vec<Value>, causal: bool, key: &str| -> Vec<(f64, f64)> {
+        rows.iter()
+            .filter(|r| r["causal"].as_bool() == Some(causal))
+            .filter_map(|r| Some((r["n"].as_f64()?, r[key].as_f64()?)))
+            .collect()
+    };
+    let rows = report["rows"].as_array().unwrap_or(&empty);
+    let mut series = vec![
+        (
+            "cqsa fwd".to_string(),
+            series_of(rows, false, "cqsa_fwd_tflops"),
+        ),
+        (
+            "cqsa fwd+bwd".to_string(),
+            series_of(rows, false, "cqsa_fwd_bwd_tflops"),
+        ),
+        (
+            "cqsa fwd, causal".to_string(),
+            series_of(rows, true, "cqsa_fwd_tflops"),
+        ),
+        (
+            "cqsa fwd+bwd, causal".to_string(),
+            series_of(rows, true, "cqsa_fwd_bwd_tflops"),
+        ),
+        (
+            "naive fwd".to_string(),
+            series_of(rows, false, "naive_fwd_tflops"),
+        ),
+        (
+            "naive fwd+bwd".to_string(),
+            series_of(rows, false, "naive_fwd_bwd_tflops"),
+        ),
+    ];
+    let torch: Option<Value> = std::fs::read_to_string(torch_json)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok());
+    if let Some(rows) = torch.as_ref().and_then(|t| t["rows"].as_array()) {
+        let flash: Vec<Value> = rows
+            .iter()
+            .filter(|r| r["backend"].as_str() == Some("flash"))
+            .cloned()
+            .collect();
+        series.push((
+            "torch flash fwd".into(),
+            series_of(&flash, false, "fwd_tflops"),
+        ));
+        series.push((
+            "torch flash fwd+bwd".into(),
+            series_of(&flash, false, "fwd_bwd_tflops"),
+        ));
+    }
+    series.retain(|s| !s.1.is_empty());
+    candle_streamer::report::svg_plot(title, "N (tokens)", "TFLOP/s", &series)
 }
 
 /// Free device memory sampled every few milliseconds on another thread while `f`
