@@ -41,8 +41,9 @@ fn tokens(dev: &Device, b: usize, n: usize, seed: u64) -> Result<Tensor> {
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-    let a = a.to_dtype(DType::F32)?;
-    let b = b.to_dtype(DType::F32)?;
+    // Host masters' gradients live on the CPU, resident ones on the device.
+    let a = a.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+    let b = b.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
     Ok(a.sub(&b)?.abs()?.max_all()?.to_scalar::<f32>()?)
 }
 
@@ -412,10 +413,20 @@ fn llama_resume_matches_uninterrupted(dev: &Device) -> Result<()> {
         ensure!(c.steps_done() == 2);
         let lb2 = train_loop(&mut c, &corpus, &opts(4, Some(dir.clone())), |_| {})?;
         let lb: Vec<_> = lb1.into_iter().chain(lb2).collect();
-        ensure!(la == lb, "losses {la:?} vs {lb:?}");
+        // Bit-identical on the CPU (deterministic kernels); on CUDA, attention's
+        // backward may sum in a different order from run to run: 1e-5.
+        let tol = if dev.is_cpu() { 0.0 } else { 1e-5 };
+        let close = |x: &[f32], y: &[f32]| {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| (p - q).abs() <= tol)
+        };
+        let (la_v, lb_v): (Vec<f32>, Vec<f32>) = (
+            la.iter().map(|l| l.1).collect(),
+            lb.iter().map(|l| l.1).collect(),
+        );
+        ensure!(close(&la_v, &lb_v), "losses {la:?} vs {lb:?}");
         for ((n, x), (m, y)) in params_of(&a)?.into_iter().zip(params_of(&c)?) {
             ensure!(n == m);
-            ensure!(x == y, "overlap {overlap}: {n} differs after resume");
+            ensure!(close(&x, &y), "overlap {overlap}: {n} differs after resume");
         }
         // Only the last save's files remain, and a corrupt checkpoint is refused
         // without touching anything.
@@ -442,12 +453,15 @@ fn llama_train_loop_reduces_loss_on_corpus(dev: &Device) -> Result<()> {
     // corpus), for a few steps, at the micro size so that a debug build takes a
     // second or two (the `tiny` preset itself takes about 4 s a step there).
     let cfg = micro(false);
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/corpus.txt");
-    let path = if path.exists() {
-        path
-    } else {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("data/corpus.txt")
-    };
+    // The root package (tests/models.rs) or the models crate (models/tests/decoder.rs).
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let path = [
+        root.join("data/corpus.txt"),
+        root.join("../data/corpus.txt"),
+    ]
+    .into_iter()
+    .find(|p| p.exists())
+    .ok_or_else(|| anyhow::anyhow!("data/corpus.txt not found from {}", root.display()))?;
     let corpus = ByteCorpus::from_file(&path)?;
     ensure!(corpus.len() > 100_000);
     let model = Llama::from_tensors(init_weights(&cfg, 0)?, &cfg, stream(dev, DType::F32, 1))?;

@@ -114,7 +114,7 @@ impl LlamaConfig {
         }
     }
 
-    /// `tiny`: about 0.8 M parameters, 4 layers of width 128, 4 query / 2
+    /// `tiny`: about 0.85 M parameters, 4 layers of width 128, 4 query / 2
     /// key-value heads of 32; trains on a CPU in about a minute.
     pub fn tiny() -> Self {
         Self {

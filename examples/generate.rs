@@ -1,0 +1,162 @@
+//! Sample text from a Llama-style checkpoint with temperature and top-p, byte-level.
+//!
+//!     cargo run --release --example generate -- --checkpoint runs/train_lm/checkpoint
+//!     cargo run --release --example generate -- --weights model.safetensors --config config.json --streamed
+//!     cargo run --release --features cuda --example generate -- --checkpoint runs/3b/checkpoint --gpu-weight-budget 4GiB
+//!
+//! The model runs resident unless `--streamed` is given or its decoder layers'
+//! weights exceed `--gpu-weight-budget`; then the layers stream from host memory
+//! through a window of as many layers as the budget holds.
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use clap::Parser;
+use std::io::Write;
+use std::path::PathBuf;
+use streamer_core::StreamConfig;
+use streamer_models::checkpoint::layer_bytes;
+use streamer_models::{
+    generate, parse_bytes, prefetch_for_budget, ByteCorpus, CheckpointFiles, Llama, LlamaConfig,
+};
+
+#[derive(Parser, Debug)]
+#[command(about = "Sample text from a Llama-style checkpoint (byte-level tokens)")]
+struct Args {
+    /// A folder written by train_lm (its checkpoint.json names the files).
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// Safetensors weights (or a model.safetensors.index.json); needs --config.
+    #[arg(long, num_args = 1..)]
+    weights: Vec<PathBuf>,
+    /// A Hugging Face Llama config.json (default: the checkpoint's).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Text to continue.
+    #[arg(long, default_value = "Mr. Phileas Fogg")]
+    prompt: String,
+    /// Bytes to generate.
+    #[arg(long, default_value_t = 300)]
+    max_tokens: usize,
+    /// Softmax temperature (0: greedy).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f64,
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass.
+    #[arg(long, default_value_t = 0.95)]
+    top_p: f64,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stream the decoder layers from host memory even if they would fit.
+    #[arg(long)]
+    streamed: bool,
+    /// Device memory for decoder-layer weights (bytes, "2GiB", "1.5G"); a model
+    /// whose layers exceed it is streamed with as many layers as fit.
+    #[arg(long)]
+    gpu_weight_budget: Option<String>,
+    /// Layers loaded ahead when streamed without a budget.
+    #[arg(long, default_value_t = 1)]
+    prefetch: usize,
+    /// Compute dtype: f32, bf16 or f16 (default: f32 on CPU, bf16 on CUDA).
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Device: cpu or cuda (default: cuda when built with it and present).
+    #[arg(long)]
+    device: Option<String>,
+}
+
+fn main() -> Result<()> {
+    let a = Args::parse();
+    let dev = match a.device.as_deref() {
+        Some("cpu") => Device::Cpu,
+        Some("cuda") => Device::new_cuda_with_stream(0)?,
+        Some(d) => bail!("unknown --device {d:?} (cpu or cuda)"),
+        None => Device::new_cuda_with_stream(0).unwrap_or(Device::Cpu),
+    };
+    let dtype = match a.dtype.as_deref() {
+        Some("f32") => DType::F32,
+        Some("bf16") => DType::BF16,
+        Some("f16") => DType::F16,
+        Some(d) => bail!("unknown --dtype {d:?} (f32, bf16 or f16)"),
+        None if dev.is_cuda() => DType::BF16,
+        None => DType::F32,
+    };
+    let (weights, config) = match (&a.checkpoint, a.weights.is_empty()) {
+        (Some(dir), true) => {
+            let f = CheckpointFiles::read(dir)?;
+            (vec![f.weights], a.config.clone().unwrap_or(f.config))
+        }
+        (None, false) => (
+            a.weights.clone(),
+            a.config.clone().context("--weights needs --config")?,
+        ),
+        _ => bail!("give either --checkpoint or --weights (with --config)"),
+    };
+    let cfg = LlamaConfig::from_json_file(&config)?;
+    if cfg.vocab_size < 256 {
+        bail!(
+            "byte-level tokens need vocab_size >= 256, the config has {}",
+            cfg.vocab_size
+        );
+    }
+    let layers_bytes = layer_bytes(&cfg, dtype) * cfg.num_hidden_layers;
+    let budget = a
+        .gpu_weight_budget
+        .as_deref()
+        .map(parse_bytes)
+        .transpose()?;
+    let streamed = a.streamed || budget.is_some_and(|b| layers_bytes > b);
+    let model = if streamed {
+        let prefetch = match budget {
+            Some(b) => prefetch_for_budget(&cfg, dtype, b)?,
+            None => a.prefetch.min(cfg.num_hidden_layers - 1),
+        };
+        eprintln!(
+            "streamed: {} layers of {:.1} MiB, window {} on {:?}",
+            cfg.num_hidden_layers,
+            layer_bytes(&cfg, dtype) as f64 / 1048576.0,
+            prefetch + 1,
+            dev.location()
+        );
+        let stream = StreamConfig {
+            device: dev.clone(),
+            prefetch_ahead: prefetch,
+            dtype,
+            ..Default::default()
+        };
+        Llama::from_safetensors(&weights, &cfg, stream)?
+    } else {
+        eprintln!(
+            "resident: {:.1} MiB of layer weights on {:?}",
+            layers_bytes as f64 / 1048576.0,
+            dev.location()
+        );
+        Llama::load_resident(&weights, &cfg, dtype, &dev)?
+    };
+    let prompt = ByteCorpus::encode(&a.prompt);
+    let mut out = std::io::stdout().lock();
+    out.write_all(a.prompt.as_bytes())?;
+    let mut err = None;
+    generate(
+        &model,
+        &prompt,
+        a.max_tokens,
+        a.temperature,
+        a.top_p,
+        a.seed,
+        |t| {
+            // Raw bytes: a multi-byte character is complete once all its bytes are
+            // out. Ids past 255 (a config with a larger vocabulary) print as '?'.
+            let b = u8::try_from(t).unwrap_or(b'?');
+            if let Err(e) = out.write_all(&[b]).and_then(|_| out.flush()) {
+                err.get_or_insert(e);
+            }
+        },
+    )?;
+    writeln!(out)?;
+    if let Some(e) = err {
+        return Err(e.into());
+    }
+    if let Some(s) = model.stats()? {
+        eprintln!("{s}");
+    }
+    Ok(())
+}
