@@ -4,6 +4,7 @@
 
 mod attention;
 mod cuda_chain;
+mod models;
 mod optim;
 mod pool;
 mod training;
