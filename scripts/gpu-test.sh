@@ -60,7 +60,7 @@ done <"$bundle/release.list"
 strip "$bundle"/bin/*
 # One solid xz stream with a large dictionary: every binary carries the same
 # ~32 MB of Candle kernels, which the dictionary then stores once.
-tar -C "$bundle" -cf - bin | xz -9e --lzma2=dict=256MiB -T1 >"$bundle/bin.tar.xz"
+tar -C "$bundle" -cf - bin | xz --lzma2=preset=6,dict=256MiB -T1 >"$bundle/bin.tar.xz"
 rm -rf "$bundle/bin" "$bundle/tests.list" "$bundle/release.list"
 cp scripts/gpu-run.sh "$bundle/run.sh"
 # Benchmarks may read helper scripts (PyTorch references) from benches/.
