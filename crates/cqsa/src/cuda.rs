@@ -20,12 +20,18 @@
 //! events (the streamer pool turns that tracking off). Every device view passed to
 //! a launch is a local borrowed by the launch builder, so it outlives the launch.
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+use std::ffi::c_void;
+
+use candle_core::cuda_backend::cudarc::driver::sys::{self, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtrMut, DeviceRepr,
+    DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result};
+use candle_core::op::BackpropOp;
+use candle_core::{
+    bail, CpuStorage, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor,
+};
 use half::{bf16, f16};
 use streamer_kernels::{module, ATTENTION};
 
@@ -410,4 +416,191 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         CudaStorage::wrap_cuda_slice(dk, dev.clone()),
         CudaStorage::wrap_cuda_slice(dv, dev.clone()),
     ))
+}
+
+/// Host-to-device copies of row chunks for the streamed mode, on a transfer stream
+/// of their own so that they overlap the attention kernels on the compute stream.
+///
+/// The host tensors' memory is page-locked in place with `cuMemHostRegister` (so
+/// the copies are asynchronous DMA) and unregistered when the feed is finished or
+/// dropped. Ordering is explicit, never left to cudarc's per-slice event tracking
+/// (the streamer pool turns it off): a chunk's buffer is allocated on the compute
+/// stream, an event recorded there makes the transfer stream wait for the
+/// allocation, the copies run on the transfer stream, and an event recorded after
+/// them is what the compute stream waits on before the chunk's first use
+/// ([`Fetched::ready`]). The buffer is freed stream-ordered on the compute stream,
+/// after its last kernel.
+pub(crate) struct ChunkFeed<'a> {
+    dev: CudaDevice,
+    compute: std::sync::Arc<CudaStream>,
+    transfer: std::sync::Arc<CudaStream>,
+    /// Host pointers this feed registered (unregistered at the end).
+    registered: Vec<usize>,
+    /// Whether `release` already ran.
+    released: bool,
+    /// The host memory read by copies in flight lives at least as long as `'a`.
+    _host: std::marker::PhantomData<&'a CpuStorage>,
+}
+
+/// A chunk whose copy was issued: the tensor and the event that marks the end of
+/// its copy on the transfer stream.
+pub(crate) struct Fetched {
+    tensor: Tensor,
+    copied: CudaEvent,
+}
+
+impl Fetched {
+    /// Makes the compute stream wait for the copy and returns the chunk.
+    pub(crate) fn ready(self, feed: &ChunkFeed<'_>) -> Result<Tensor> {
+        feed.compute.wait(&self.copied).w()?;
+        Ok(self.tensor)
+    }
+}
+
+impl<'a> ChunkFeed<'a> {
+    /// A feed onto `dev`, page-locking the memory of `sources` (contiguous host
+    /// storages that outlive the feed). A storage that cannot be registered (or is
+    /// already registered elsewhere) is still copied correctly, only without overlap.
+    pub(crate) fn new(dev: &CudaDevice, sources: &[&'a CpuStorage]) -> Result<Self> {
+        let compute = dev.cuda_stream();
+        let transfer = compute.context().new_stream().w()?;
+        let mut feed = Self {
+            dev: dev.clone(),
+            compute,
+            transfer,
+            registered: Vec::new(),
+            released: false,
+            _host: std::marker::PhantomData,
+        };
+        feed.compute.context().bind_to_thread().w()?;
+        for s in sources {
+            let (ptr, bytes) = host_span(s)?;
+            if bytes == 0 {
+                continue;
+            }
+            // SAFETY: `ptr..ptr + bytes` is the live allocation of a host storage
+            // borrowed for 'a; registering only page-locks it (no data change), and
+            // it is unregistered in `finish`/`drop`, which outlive no borrow ('a).
+            let r = unsafe { sys::cuMemHostRegister_v2(ptr as *mut c_void, bytes, 0) };
+            if r == sys::CUresult::CUDA_SUCCESS {
+                feed.registered.push(ptr);
+            }
+        }
+        Ok(feed)
+    }
+
+    /// Issues the copy of rows `r0..r1` of every (batch, head) of the contiguous
+    /// `(b, h, n, d)` host storage `s` into a new device tensor `(b, h, r1 - r0, d)`.
+    pub(crate) fn fetch(
+        &self,
+        s: &'a CpuStorage,
+        l: &Layout,
+        r0: usize,
+        r1: usize,
+    ) -> Result<Fetched> {
+        let Some((start, end)) = l.contiguous_offsets() else {
+            bail!("cqsa: streamed input must be contiguous, got layout {l:?}")
+        };
+        match s {
+            CpuStorage::F32(v) => self.fetch_t(&v[start..end], l, r0, r1),
+            CpuStorage::F16(v) => self.fetch_t(&v[start..end], l, r0, r1),
+            CpuStorage::BF16(v) => self.fetch_t(&v[start..end], l, r0, r1),
+            other => bail!("cqsa: unsupported dtype {:?}", other.dtype()),
+        }
+    }
+
+    fn fetch_t<T: CudaDType + DeviceRepr>(
+        &self,
+        v: &'a [T],
+        l: &Layout,
+        r0: usize,
+        r1: usize,
+    ) -> Result<Fetched> {
+        let (b, h, n, d) = l.shape().dims4()?;
+        if r0 > r1 || r1 > n || v.len() != b * h * n * d {
+            bail!(
+                "cqsa: chunk rows {r0}..{r1} out of range for shape {:?}",
+                l.dims()
+            )
+        }
+        let c = r1 - r0;
+        let e = std::mem::size_of::<T>();
+        // SAFETY: every element is written by the copies below, and the compute
+        // stream waits for them (`Fetched::ready`) before any kernel reads it.
+        let mut slice = unsafe { self.compute.alloc::<T>(b * h * c * d) }.w()?;
+        let allocated = self.compute.record_event(None).w()?;
+        self.transfer.wait(&allocated).w()?;
+        {
+            let (dst, _record) = slice.device_ptr_mut(&self.transfer);
+            for x in 0..b * h {
+                let src = &v[(x * n + r0) * d..(x * n + r1) * d];
+                // SAFETY: the destination range `x*c*d..(x+1)*c*d` lies inside the
+                // new allocation of b*h*c*d elements; the source is host memory
+                // borrowed for 'a, which outlives the copy because `finish`/`drop`
+                // synchronize the transfer stream before the feed goes away.
+                unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(
+                        dst + (x * c * d * e) as u64,
+                        src.as_ptr() as *const c_void,
+                        std::mem::size_of_val(src),
+                        self.transfer.cu_stream(),
+                    )
+                }
+                .result()
+                .w()?;
+            }
+        }
+        let copied = self.transfer.record_event(None).w()?;
+        let tensor = Tensor::from_storage(
+            Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, self.dev.clone())),
+            (b, h, c, d),
+            BackpropOp::none(),
+            false,
+        );
+        Ok(Fetched { tensor, copied })
+    }
+
+    /// Waits for every copy and unregisters the host memory, surfacing errors.
+    pub(crate) fn finish(mut self) -> Result<()> {
+        self.release().w()
+    }
+
+    /// Synchronizes the transfer stream, then unregisters what this feed registered.
+    /// Idempotent; returns the first error.
+    fn release(&mut self) -> std::result::Result<(), DriverError> {
+        if self.released {
+            return Ok(());
+        }
+        self.released = true;
+        let mut first = self.transfer.synchronize();
+        for ptr in self.registered.drain(..) {
+            // SAFETY: `ptr` was registered by this feed and every copy reading it has
+            // completed (the transfer stream was synchronized just above).
+            let r = unsafe { sys::cuMemHostUnregister(ptr as *mut c_void) }.result();
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+}
+
+impl Drop for ChunkFeed<'_> {
+    /// On an early exit (an error between fetches): copies may still be reading
+    /// host memory, so wait for them before the borrow ends; errors are recorded
+    /// on the context (cudarc's `check_err` surfaces them).
+    fn drop(&mut self) {
+        let r = self.release();
+        self.compute.context().record_err(r);
+    }
+}
+
+/// Start address and byte length of a host storage's whole buffer.
+fn host_span(s: &CpuStorage) -> Result<(usize, usize)> {
+    Ok(match s {
+        CpuStorage::F32(v) => (v.as_ptr() as usize, std::mem::size_of_val(v.as_slice())),
+        CpuStorage::F16(v) => (v.as_ptr() as usize, std::mem::size_of_val(v.as_slice())),
+        CpuStorage::BF16(v) => (v.as_ptr() as usize, std::mem::size_of_val(v.as_slice())),
+        other => bail!("cqsa: unsupported dtype {:?}", other.dtype()),
+    })
 }

@@ -7,7 +7,8 @@
 //!   accumulator;
 //! - streamed, per subproblem of `q_chunk` query rows and `kv_chunk` keys: the same
 //!   quantities restricted to the chunks, plus f32 accumulators for the merged
-//!   output, dq, dk and dv and the merge's temporaries.
+//!   output, dq, dk and dv and the merge's temporaries, plus the next subproblem's
+//!   chunks, which are copied while the current one computes.
 //!
 //! Predicted time: forward FLOPs `4 b hq nq nk d` (halved when causal) at a
 //! nominal rate per device and dtype, plus host-to-device traffic at 25 GB/s in
@@ -95,9 +96,10 @@ impl AttentionShape {
         // k, v, dk, dv at e bytes.
         let mut per_k = b * self.hkv * d * 4 * e;
         if streamed {
-            // f32 merged output, partial in f32, merge temporaries; f32 dk/dv.
-            per_q += b * self.hq * (d * 12 + 16);
-            per_k += b * self.hkv * d * 8;
+            // f32 merged output, partial in f32, merge temporaries; f32 dk/dv; the
+            // next subproblem's q, o, grad_o, lse and k, v (prefetched copies).
+            per_q += b * self.hq * (d * (12 + 3 * e) + 20);
+            per_k += b * self.hkv * d * (8 + 2 * e);
         }
         cq * per_q + ck * per_k
     }

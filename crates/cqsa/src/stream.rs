@@ -17,6 +17,13 @@
 //! from query `i0 + r` iff `c <= r + (i0 + seq_k - seq_q - j0)`; pairs that see
 //! nothing are skipped, pairs that see everything run unmasked.
 //!
+//! On a CUDA compute device the host inputs are page-locked in place
+//! (`cuMemHostRegister`) and every subproblem's chunks are copied on a transfer
+//! stream of their own while the previous subproblem computes (one subproblem
+//! ahead), ordered by explicit events (see `ChunkFeed` in `cuda.rs`); partial
+//! results come back to the host once per query chunk (forward, dq per subproblem
+//! in the backward) and per key chunk (dk, dv).
+//!
 //! The op is a `CustomOp3` over host tensors, so autograd sees one node; inputs on
 //! a device are first moved to the host (a differentiable copy) and the output is
 //! moved back.
@@ -220,15 +227,116 @@ impl StreamOp {
         (0..n).step_by(c).map(|a| (a, (a + c).min(n))).collect()
     }
 
-    fn count(&self) -> usize {
+    /// The chunk pairs that see at least one key, with their causal offsets;
+    /// query-major (`by_query`) for the forward, key-major for the backward.
+    fn pairs(&self, by_query: bool) -> Vec<Pair> {
         let Dims { nq, nk, .. } = self.dims;
-        let mut n = 0;
-        for (i0, i1) in Self::chunks(nq, self.q_chunk) {
-            for (j0, j1) in Self::chunks(nk, self.kv_chunk) {
-                n += usize::from(pair_offset(self.causal, i0, i1, j0, j1).is_ok());
+        let (qs, ks) = (
+            Self::chunks(nq, self.q_chunk),
+            Self::chunks(nk, self.kv_chunk),
+        );
+        let mut out = Vec::new();
+        let (outer, inner) = if by_query { (&qs, &ks) } else { (&ks, &qs) };
+        for &a in outer {
+            for &b in inner {
+                let (q, k) = if by_query { (a, b) } else { (b, a) };
+                if let Ok(off) = pair_offset(self.causal, q.0, q.1, k.0, k.1) {
+                    out.push(Pair { q, k, off });
+                }
             }
         }
-        n
+        out
+    }
+}
+
+/// One subproblem: query rows `q.0..q.1` against keys `k.0..k.1`.
+#[derive(Clone, Copy)]
+struct Pair {
+    q: (usize, usize),
+    k: (usize, usize),
+    off: Option<i64>,
+}
+
+/// Moves row chunks of host storages to the compute device. On CUDA the copies are
+/// issued ahead on a transfer stream from page-locked memory (`prefetch`), so the
+/// next subproblem's inputs travel while the current one computes; elsewhere they
+/// are plain copies made when asked for.
+struct Feed<'a> {
+    exec: Device,
+    /// Declared before `pending`: on drop it synchronizes its transfer stream
+    /// before the pending chunks' buffers are freed.
+    #[cfg(feature = "cuda")]
+    cuda: Option<crate::cuda::ChunkFeed<'a>>,
+    #[cfg(feature = "cuda")]
+    pending: Vec<((usize, usize, usize), crate::cuda::Fetched)>,
+    #[cfg(not(feature = "cuda"))]
+    _host: std::marker::PhantomData<&'a CpuStorage>,
+}
+
+/// A host storage, its layout, and a tag that names it in the prefetch cache.
+type Src<'a> = (usize, &'a CpuStorage, &'a Layout);
+
+impl<'a> Feed<'a> {
+    fn new(exec: &Device, sources: &[&'a CpuStorage]) -> Result<Self> {
+        let _ = sources;
+        Ok(Self {
+            exec: exec.clone(),
+            #[cfg(feature = "cuda")]
+            cuda: match exec {
+                Device::Cuda(dev) => Some(crate::cuda::ChunkFeed::new(dev, sources)?),
+                _ => None,
+            },
+            #[cfg(feature = "cuda")]
+            pending: Vec::new(),
+            #[cfg(not(feature = "cuda"))]
+            _host: std::marker::PhantomData,
+        })
+    }
+
+    /// Starts moving rows `r0..r1` of `src` to the device (CUDA only).
+    fn prefetch(&mut self, src: Src<'a>, r0: usize, r1: usize) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(feed) = &self.cuda {
+            let key = (src.0, r0, r1);
+            if !self.pending.iter().any(|(k, _)| *k == key) {
+                self.pending.push((key, feed.fetch(src.1, src.2, r0, r1)?));
+            }
+        }
+        let _ = (src, r0, r1);
+        Ok(())
+    }
+
+    /// Rows `r0..r1` of `src` on the device, ready for the compute stream.
+    fn get(&mut self, src: Src<'a>, r0: usize, r1: usize) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(feed) = &self.cuda {
+            let key = (src.0, r0, r1);
+            let fetched = match self.pending.iter().position(|(k, _)| *k == key) {
+                Some(i) => self.pending.swap_remove(i).1,
+                None => feed.fetch(src.1, src.2, r0, r1)?,
+            };
+            return fetched.ready(feed);
+        }
+        gather(src.1, src.2, r0, r1, &self.exec)
+    }
+
+    /// Waits for outstanding copies and releases page-locked memory. A chunk still
+    /// pending is first waited for by the compute stream, so that freeing its
+    /// buffer (stream-ordered there) cannot overtake its copy. On an early exit the
+    /// same holds by drop order: the CUDA feed's `Drop` synchronizes its transfer
+    /// stream before `pending` is dropped.
+    fn finish(self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        {
+            let Self { cuda, pending, .. } = self;
+            if let Some(feed) = cuda {
+                for (_, fetched) in pending {
+                    drop(fetched.ready(&feed)?);
+                }
+                feed.finish()?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -246,42 +354,57 @@ impl CustomOp3 for StreamOp {
         sv: &CpuStorage,
         lv: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let Dims {
-            b, hq, nq, nk, d, ..
-        } = self.dims;
+        let Dims { b, hq, nq, d, .. } = self.dims;
         let mut out = vec![0f32; b * hq * nq * d];
         let mut lse_all = vec![f32::NEG_INFINITY; b * hq * nq];
-        let mut progress = Progress::new(self.verbose, "forward", self.count());
-        for (i0, i1) in Self::chunks(nq, self.q_chunk) {
-            let qc = gather(sq, lq, i0, i1, &self.exec)?;
-            let mut acc: Option<(Tensor, Tensor)> = None;
-            for (j0, j1) in Self::chunks(nk, self.kv_chunk) {
-                let Ok(off) = pair_offset(self.causal, i0, i1, j0, j1) else {
-                    continue;
-                };
-                let kc = gather(sk, lk, j0, j1, &self.exec)?;
-                let vc = gather(sv, lv, j0, j1, &self.exec)?;
-                let (o, l) = attention_forward(&qc, &kc, &vc, self.scale, off)?;
-                let o = o.to_dtype(DType::F32)?;
-                acc = Some(match acc {
-                    None => (o, l),
-                    Some((ao, al)) => merge(&ao, &al, &o, &l)?,
-                });
-                progress.tick();
+        let pairs = self.pairs(true);
+        let mut progress = Progress::new(self.verbose, "forward", pairs.len());
+        let (q, k, v): (Src, Src, Src) = ((0, sq, lq), (1, sk, lk), (2, sv, lv));
+        let mut feed = Feed::new(&self.exec, &[sq, sk, sv])?;
+        let mut qc: Option<((usize, usize), Tensor)> = None;
+        let mut acc: Option<(Tensor, Tensor)> = None;
+        for (p, pair) in pairs.iter().enumerate() {
+            let next = pairs.get(p + 1);
+            // Issue the next subproblem's copies before this one's kernels.
+            if let Some(n) = next {
+                if n.q != pair.q {
+                    feed.prefetch(q, n.q.0, n.q.1)?;
+                }
+                feed.prefetch(k, n.k.0, n.k.1)?;
+                feed.prefetch(v, n.k.0, n.k.1)?;
             }
-            if let Some((o, l)) = acc {
-                scatter(&mut out, &o, nq, i0, false)?;
-                let l = l.flatten_all()?.to_vec1::<f32>()?;
-                let c = i1 - i0;
-                for x in 0..b * hq {
-                    for r in 0..c {
-                        let val = l[x * c + r];
-                        lse_all[x * nq + i0 + r] =
-                            if val < -1e29 { f32::NEG_INFINITY } else { val };
+            let qt = match qc.take() {
+                Some((r, t)) if r == pair.q => t,
+                _ => feed.get(q, pair.q.0, pair.q.1)?,
+            };
+            let kc = feed.get(k, pair.k.0, pair.k.1)?;
+            let vc = feed.get(v, pair.k.0, pair.k.1)?;
+            let (o, l) = attention_forward(&qt, &kc, &vc, self.scale, pair.off)?;
+            let o = o.to_dtype(DType::F32)?;
+            acc = Some(match acc.take() {
+                None => (o, l),
+                Some((ao, al)) => merge(&ao, &al, &o, &l)?,
+            });
+            qc = Some((pair.q, qt));
+            progress.tick();
+            // Last key chunk of this query chunk: write its merged rows to the host.
+            if next.is_none_or(|n| n.q != pair.q) {
+                if let Some((o, l)) = acc.take() {
+                    let (i0, i1) = pair.q;
+                    scatter(&mut out, &o, nq, i0, false)?;
+                    let l = l.flatten_all()?.to_vec1::<f32>()?;
+                    let c = i1 - i0;
+                    for x in 0..b * hq {
+                        for r in 0..c {
+                            let val = l[x * c + r];
+                            lse_all[x * nq + i0 + r] =
+                                if val < -1e29 { f32::NEG_INFINITY } else { val };
+                        }
                     }
                 }
             }
         }
+        feed.finish()?;
         progress.finish();
         *self.lse.lock().map_err(poisoned)? = Some(lse_all);
         Ok((cpu::from_f32(out, sq)?, lq.shape().clone()))
@@ -336,34 +459,62 @@ impl CustomOp3 for StreamOp {
         let mut dq = vec![0f32; b * hq * nq * d];
         let mut dk = vec![0f32; b * hkv * nk * d];
         let mut dv = vec![0f32; b * hkv * nk * d];
-        let mut progress = Progress::new(self.verbose, "backward", self.count());
-        for (j0, j1) in Self::chunks(nk, self.kv_chunk) {
-            let kc = gather(sk, lk, j0, j1, &self.exec)?;
-            let vc = gather(sv, lv, j0, j1, &self.exec)?;
-            let mut acc: Option<(Tensor, Tensor)> = None;
-            for (i0, i1) in Self::chunks(nq, self.q_chunk) {
-                let Ok(off) = pair_offset(self.causal, i0, i1, j0, j1) else {
-                    continue;
-                };
-                let qc = gather(sq, lq, i0, i1, &self.exec)?;
-                let oc = gather(so, lo, i0, i1, &self.exec)?;
-                let gc = gather(sg, lg, i0, i1, &self.exec)?;
-                let lc = gather(sl, ll, i0, i1, &self.exec)?.squeeze(3)?;
-                let (dqc, dkc, dvc) =
-                    attention_backward(&qc, &kc, &vc, &oc, &gc, &lc, self.scale, off)?;
-                scatter(&mut dq, &dqc, nq, i0, true)?;
-                let (dkc, dvc) = (dkc.to_dtype(DType::F32)?, dvc.to_dtype(DType::F32)?);
-                acc = Some(match acc {
-                    None => (dkc, dvc),
-                    Some((ak, av)) => ((ak + dkc)?, (av + dvc)?),
-                });
-                progress.tick();
+        let pairs = self.pairs(false);
+        let mut progress = Progress::new(self.verbose, "backward", pairs.len());
+        let srcs: [Src; 6] = [
+            (0, sq, lq),
+            (1, sk, lk),
+            (2, sv, lv),
+            (3, so, lo),
+            (4, sg, lg),
+            (5, sl, ll),
+        ];
+        let [qs, ks, vs, os, gs, ls] = srcs;
+        let mut feed = Feed::new(&self.exec, &[sq, sk, sv, so, sg, sl])?;
+        let mut kvc: Option<((usize, usize), Tensor, Tensor)> = None;
+        let mut acc: Option<(Tensor, Tensor)> = None;
+        for (p, pair) in pairs.iter().enumerate() {
+            let next = pairs.get(p + 1);
+            if let Some(n) = next {
+                if n.k != pair.k {
+                    feed.prefetch(ks, n.k.0, n.k.1)?;
+                    feed.prefetch(vs, n.k.0, n.k.1)?;
+                }
+                for src in [qs, os, gs, ls] {
+                    feed.prefetch(src, n.q.0, n.q.1)?;
+                }
             }
-            if let Some((ak, av)) = acc {
-                scatter(&mut dk, &ak, nk, j0, false)?;
-                scatter(&mut dv, &av, nk, j0, false)?;
+            let (kc, vc) = match kvc.take() {
+                Some((r, kc, vc)) if r == pair.k => (kc, vc),
+                _ => (
+                    feed.get(ks, pair.k.0, pair.k.1)?,
+                    feed.get(vs, pair.k.0, pair.k.1)?,
+                ),
+            };
+            let (i0, i1) = pair.q;
+            let qc = feed.get(qs, i0, i1)?;
+            let oc = feed.get(os, i0, i1)?;
+            let gc = feed.get(gs, i0, i1)?;
+            let lc = feed.get(ls, i0, i1)?.squeeze(3)?;
+            let (dqc, dkc, dvc) =
+                attention_backward(&qc, &kc, &vc, &oc, &gc, &lc, self.scale, pair.off)?;
+            let (dkc, dvc) = (dkc.to_dtype(DType::F32)?, dvc.to_dtype(DType::F32)?);
+            acc = Some(match acc.take() {
+                None => (dkc, dvc),
+                Some((ak, av)) => ((ak + dkc)?, (av + dvc)?),
+            });
+            kvc = Some((pair.k, kc, vc));
+            scatter(&mut dq, &dqc, nq, i0, true)?;
+            progress.tick();
+            // Last query chunk of this key chunk: its dk, dv are complete.
+            if next.is_none_or(|n| n.k != pair.k) {
+                if let Some((ak, av)) = acc.take() {
+                    scatter(&mut dk, &ak, nk, pair.k.0, false)?;
+                    scatter(&mut dv, &av, nk, pair.k.0, false)?;
+                }
             }
         }
+        feed.finish()?;
         progress.finish();
         let wrap = |x: Vec<f32>, shape: &Shape| -> Result<Tensor> {
             Ok(Tensor::from_storage(
