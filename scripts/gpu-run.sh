@@ -28,7 +28,20 @@ mkdir -p "$logs"
 : >"$summary"
 fail=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$summary" 2>&1 || true
+# Test binaries run once per topic (GPU_TEST_TOPICS, default: every module of
+# tests/main.rs), so a crash in one topic cannot hide the others' results.
+topics=${GPU_TEST_TOPICS:-"attention cuda_chain models optim pool training"}
+export RUST_BACKTRACE=${RUST_BACKTRACE:-0}
+entries=()
 while IFS=$'\t' read -r kind bin; do
+  if [ "$kind" = test ]; then
+    for t in $topics; do entries+=("$kind	$bin	$t"); done
+  else
+    entries+=("$kind	$bin	")
+  fi
+done <"$here/manifest"
+for entry in "${entries[@]}"; do
+  IFS=$'\t' read -r kind bin topic <<<"$entry"
   case "$kind" in
     test) group=tests ;; bench) group=benches ;; example) group=examples ;; *) group=other ;;
   esac
@@ -38,10 +51,10 @@ while IFS=$'\t' read -r kind bin; do
     for w in ${GPU_ONLY//,/ }; do [[ "$bin" == *"$w"* ]] && keep=1; done
     [ $keep -eq 1 ] || continue
   fi
-  log=$logs/$bin.log
+  log=$logs/$bin${topic:+-$topic}.log
   start=$(date +%s)
   case "$kind" in
-    test) "$work/bin/$bin" --test-threads=4 >"$log" 2>&1 ;;
+    test) "$work/bin/$bin" --test-threads=2 "$topic::" >"$log" 2>&1 ;;
     bench) "$work/bin/$bin" --bench >"$log" 2>&1 ;;
     example)
       var="GPU_ARGS_${bin#example-}"
@@ -52,9 +65,9 @@ while IFS=$'\t' read -r kind bin; do
   secs=$(( $(date +%s) - start ))
   if [ $rc -eq 0 ]; then status=PASS; else status="FAIL(rc=$rc)"; fail=1; fi
   detail=$(grep -E '^test result:' "$log" | tail -n 1)
-  printf '%-10s %-40s %4ss %s\n' "$status" "$bin" "$secs" "$detail" | tee -a "$summary"
-  if [ "$kind" = test ]; then grep -E '^test .* FAILED$|panicked' "$log" | head -n 20 | tee -a "$summary"; fi
-done <"$here/manifest"
+  printf '%-10s %-40s %4ss %s\n' "$status" "$bin${topic:+ $topic}" "$secs" "$detail" | tee -a "$summary"
+  if [ "$kind" = test ]; then grep -E -A2 '^test .* FAILED$|panicked' "$log" | grep -v -- '^--$' | head -n 40 | tee -a "$summary"; fi
+done
 if [[ " $want " == *" benches "* ]]; then
   for py in benches/*_torch.py; do
     [ -f "$py" ] || continue

@@ -29,8 +29,8 @@ for line in sys.stdin:
         continue
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
         print(m["target"]["name"] + "\t" + m["executable"])
-' >"$bundle/tests.list"
-# Show errors, if any, in a readable form.
+' >"$bundle/tests.list" || true
+# The listing above hides cargo's messages; this shows errors, if any, readably.
 cargo test --release --workspace --features cuda --no-run
 
 # Release binaries: examples and benches.
@@ -42,10 +42,10 @@ for line in sys.stdin:
         m = json.loads(line)
     except ValueError:
         continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable"):
-        kind = m["target"]["kind"][0]
+    kind = m.get("target", {}).get("kind", [""])[0]
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and kind in ("example", "bench"):
         print(kind + "\t" + m["target"]["name"] + "\t" + m["executable"])
-' >"$bundle/release.list"
+' >"$bundle/release.list" || true
 cargo build --release --features cuda --examples --benches
 
 : >"$bundle/manifest"

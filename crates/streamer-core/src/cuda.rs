@@ -77,22 +77,37 @@ impl Drop for PinnedRegion {
     }
 }
 
+/// Splits a host range into pieces the driver accepts one copy each for: the
+/// part before the first page boundary, the whole pages, and the part after the
+/// last one. A copy must lie within a single registration (or none): the whole
+/// pages of an allocation are registered by its own master, but its first and
+/// last page may belong to a neighbour's registration (see `PinnedRegion`), and a
+/// copy crossing from one registration into another fails with
+/// CUDA_ERROR_INVALID_VALUE.
+fn page_pieces(host: usize, bytes: usize) -> impl Iterator<Item = (usize, usize)> {
+    let end = host + bytes;
+    let first = (host.div_ceil(PAGE) * PAGE).min(end);
+    let last = (end / PAGE * PAGE).max(first);
+    [(host, first), (first, last), (last, end)]
+        .into_iter()
+        .filter(|(a, b)| b > a)
+        .map(move |(a, b)| (a - host, b - a))
+}
+
 /// Enqueues a host-to-device copy on `stream`.
 ///
 /// # Safety
 /// `dst..dst+bytes` must be device memory that stays allocated until the copy
 /// completes, and `src..src+bytes` host memory that stays valid and unmodified
 /// until then (the pool synchronizes the transfer stream before masters change).
-pub(crate) unsafe fn htod_async(
-    dst: u64,
-    src: *const u8,
-    bytes: usize,
-    stream: &CudaStream,
-) -> Result<()> {
-    check(
-        sys::cuMemcpyHtoDAsync_v2(dst, src as *const _, bytes, stream.cu_stream()),
-        "cuMemcpyHtoDAsync",
-    )
+pub(crate) unsafe fn htod_async(dst: u64, src: *const u8, bytes: usize, stream: &CudaStream) -> Result<()> {
+    for (off, n) in page_pieces(src as usize, bytes) {
+        check(
+            sys::cuMemcpyHtoDAsync_v2(dst + off as u64, src.add(off) as *const _, n, stream.cu_stream()),
+            "cuMemcpyHtoDAsync",
+        )?;
+    }
+    Ok(())
 }
 
 /// Enqueues a device-to-host copy on `stream`.
@@ -100,16 +115,14 @@ pub(crate) unsafe fn htod_async(
 /// # Safety
 /// As [`htod_async`], with the roles of host and device swapped; the host memory
 /// must not be read until the stream has passed the copy.
-pub(crate) unsafe fn dtoh_async(
-    dst: *mut u8,
-    src: u64,
-    bytes: usize,
-    stream: &CudaStream,
-) -> Result<()> {
-    check(
-        sys::cuMemcpyDtoHAsync_v2(dst as *mut _, src, bytes, stream.cu_stream()),
-        "cuMemcpyDtoHAsync",
-    )
+pub(crate) unsafe fn dtoh_async(dst: *mut u8, src: u64, bytes: usize, stream: &CudaStream) -> Result<()> {
+    for (off, n) in page_pieces(dst as usize, bytes) {
+        check(
+            sys::cuMemcpyDtoHAsync_v2(dst.add(off) as *mut _, src + off as u64, n, stream.cu_stream()),
+            "cuMemcpyDtoHAsync",
+        )?;
+    }
+    Ok(())
 }
 
 /// Whether our cast kernel covers this conversion.

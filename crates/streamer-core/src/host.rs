@@ -6,14 +6,16 @@ use std::collections::HashMap;
 
 /// One distinct weight on the host.
 pub struct Master {
+    // Declared first so it is dropped first: the pages are unregistered before
+    // the memory they belong to can be freed.
+    #[cfg(feature = "cuda")]
+    pub(crate) pin: Option<crate::cuda::PinnedRegion>,
     /// Canonical name (the first name it was found under).
     pub name: String,
     /// The host tensor, contiguous, in the master dtype. Optimizers update it in place.
     pub var: Var,
     /// Every name it is known by (more than one when tied).
     pub names: Vec<String>,
-    #[cfg(feature = "cuda")]
-    pub(crate) pin: Option<crate::cuda::PinnedRegion>,
 }
 
 impl Master {

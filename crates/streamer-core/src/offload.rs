@@ -37,9 +37,10 @@ impl OffloadMarker {
 /// Queue of device-to-host copies (see the module docs).
 pub struct Offloader {
     device: Device,
-    /// Host buffers handed out by `host_buffer`, kept page-locked while alive.
+    /// Host buffers handed out by `host_buffer`, kept page-locked while alive
+    /// (the registration first in the pair, so it is dropped before the memory).
     #[cfg(feature = "cuda")]
-    pins: Vec<(Tensor, Option<crate::cuda::PinnedRegion>)>,
+    pins: Vec<(Option<crate::cuda::PinnedRegion>, Tensor)>,
     #[cfg(feature = "cuda")]
     stream: Option<std::sync::Arc<cudarc::driver::CudaStream>>,
     #[cfg(feature = "cuda")]
@@ -86,7 +87,7 @@ impl Offloader {
                 ptr as *mut u8,
                 bytes,
             )?;
-            self.pins.push((t.clone(), pin));
+            self.pins.push((pin, t.clone()));
         }
         Ok(t)
     }
