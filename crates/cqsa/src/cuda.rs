@@ -475,9 +475,14 @@ impl<'a> ChunkFeed<'a> {
         feed.compute.context().bind_to_thread().w()?;
         for s in sources {
             let (ptr, bytes) = host_span(s)?;
-            if bytes == 0 {
+            // Only the whole pages inside the storage: its partial end pages may
+            // hold other allocations, and registering those would make Candle's
+            // own copies into ordinary Vecs there asynchronous (and unsafe).
+            let (lo, hi) = (ptr.div_ceil(PAGE) * PAGE, (ptr + bytes) / PAGE * PAGE);
+            if hi <= lo {
                 continue;
             }
+            let (ptr, bytes) = (lo, hi - lo);
             // SAFETY: `ptr..ptr + bytes` is the live allocation of a host storage
             // borrowed for 'a; registering only page-locks it (no data change), and
             // it is unregistered in `finish`/`drop`, which outlive no borrow ('a).
@@ -538,16 +543,26 @@ impl<'a> ChunkFeed<'a> {
                 // new allocation of b*h*c*d elements; the source is host memory
                 // borrowed for 'a, which outlives the copy because `finish`/`drop`
                 // synchronize the transfer stream before the feed goes away.
-                unsafe {
-                    sys::cuMemcpyHtoDAsync_v2(
-                        dst + (x * c * d * e) as u64,
-                        src.as_ptr() as *const c_void,
-                        std::mem::size_of_val(src),
-                        self.transfer.cu_stream(),
-                    )
+                // A copy may not span registered and unregistered pages: copy the
+                // whole pages and the partial ends separately.
+                let base = src.as_ptr() as usize;
+                let total = std::mem::size_of_val(src);
+                let first = (base.div_ceil(PAGE) * PAGE).min(base + total);
+                let last = ((base + total) / PAGE * PAGE).max(first);
+                for (a, z) in [(base, first), (first, last), (last, base + total)] {
+                    if z > a {
+                        unsafe {
+                            sys::cuMemcpyHtoDAsync_v2(
+                                dst + (x * c * d * e + (a - base)) as u64,
+                                a as *const c_void,
+                                z - a,
+                                self.transfer.cu_stream(),
+                            )
+                        }
+                        .result()
+                        .w()?;
+                    }
                 }
-                .result()
-                .w()?;
             }
         }
         let copied = self.transfer.record_event(None).w()?;
@@ -596,6 +611,9 @@ impl Drop for ChunkFeed<'_> {
 }
 
 /// Start address and byte length of a host storage's whole buffer.
+/// Host page size assumed for page-locking (4 KiB on x86-64 Linux).
+const PAGE: usize = 4096;
+
 fn host_span(s: &CpuStorage) -> Result<(usize, usize)> {
     Ok(match s {
         CpuStorage::F32(v) => (v.as_ptr() as usize, std::mem::size_of_val(v.as_slice())),

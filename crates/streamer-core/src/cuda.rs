@@ -26,41 +26,40 @@ unsafe impl Send for PinnedRegion {}
 unsafe impl Sync for PinnedRegion {}
 
 impl PinnedRegion {
-    /// Registers the pages under `[ptr, ptr + bytes)`. A page at either end may be
-    /// shared with a neighbouring allocation that is registered already; then only
-    /// the pages wholly inside this range are registered. Returns `None` when the
-    /// range is too small to hold a whole page (a tiny tensor stays pageable).
+    /// Registers the whole pages inside `[ptr, ptr + bytes)`: they hold only this
+    /// allocation's bytes. The partial pages at either end are left alone, as
+    /// they may hold other allocations: a registered page makes every copy to or
+    /// from it asynchronous, and Candle's own copies into ordinary `Vec`s rely on
+    /// pageable copies being synchronous. Returns `None` when the range holds no
+    /// whole page (a small tensor stays pageable).
     pub(crate) fn register(
         ctx: &Arc<CudaContext>,
         ptr: *mut u8,
         bytes: usize,
     ) -> Result<Option<Self>> {
+        // STREAMER_PIN=0 leaves host memory pageable (diagnostics, slow copies).
+        if std::env::var("STREAMER_PIN").is_ok_and(|v| v == "0") {
+            return Ok(None);
+        }
         ctx.bind_to_thread().map_err(candle_core::Error::wrap)?;
         let start = ptr as usize;
-        let end = start + bytes;
-        let outer = (start / PAGE * PAGE, end.div_ceil(PAGE) * PAGE);
-        let inner = (start.div_ceil(PAGE) * PAGE, end / PAGE * PAGE);
-        for (lo, hi) in [outer, inner] {
-            if hi <= lo {
-                continue;
-            }
-            // SAFETY: the pages belong to live host allocations (the master's and at
-            // most its neighbours'); registration does not change their contents.
-            let r = unsafe {
-                sys::cuMemHostRegister_v2(lo as *mut _, hi - lo, sys::CU_MEMHOSTREGISTER_PORTABLE)
-            };
-            match r {
-                sys::CUresult::CUDA_SUCCESS => {
-                    return Ok(Some(Self {
-                        base: lo as *mut _,
-                        ctx: ctx.clone(),
-                    }))
-                }
-                sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED => continue,
-                e => check(e, "cuMemHostRegister")?,
-            }
+        let (lo, hi) = (start.div_ceil(PAGE) * PAGE, (start + bytes) / PAGE * PAGE);
+        if hi <= lo {
+            return Ok(None);
         }
-        Ok(None)
+        // SAFETY: the pages lie inside a live host allocation owned by the caller,
+        // which drops this registration before freeing it; registering does not
+        // change the memory's contents.
+        let r = unsafe {
+            sys::cuMemHostRegister_v2(lo as *mut _, hi - lo, sys::CU_MEMHOSTREGISTER_PORTABLE)
+        };
+        // A failure (another component registered these pages, or the driver's
+        // page-lock limit) leaves the memory pageable: copies stay correct, only
+        // slower and synchronous.
+        Ok((r == sys::CUresult::CUDA_SUCCESS).then(|| Self {
+            base: lo as *mut _,
+            ctx: ctx.clone(),
+        }))
     }
 }
 
@@ -77,21 +76,23 @@ impl Drop for PinnedRegion {
     }
 }
 
-/// Splits a host range into pieces the driver accepts one copy each for: the
-/// part before the first page boundary, the whole pages, and the part after the
-/// last one. A copy must lie within a single registration (or none): the whole
-/// pages of an allocation are registered by its own master, but its first and
-/// last page may belong to a neighbour's registration (see `PinnedRegion`), and a
-/// copy crossing from one registration into another fails with
-/// CUDA_ERROR_INVALID_VALUE.
-fn page_pieces(host: usize, bytes: usize) -> impl Iterator<Item = (usize, usize)> {
+/// Splits a host range into the part before its first page boundary, its whole
+/// pages (page-locked by `PinnedRegion`, so copies from them are asynchronous
+/// DMA), and the part after its last page boundary (pageable). A copy may not
+/// span registered and unregistered memory, so each piece is copied on its own.
+/// Returns `(offset, len, whole_pages)`.
+pub(crate) fn page_pieces(host: usize, bytes: usize) -> impl Iterator<Item = (usize, usize, bool)> {
     let end = host + bytes;
     let first = (host.div_ceil(PAGE) * PAGE).min(end);
     let last = (end / PAGE * PAGE).max(first);
-    [(host, first), (first, last), (last, end)]
-        .into_iter()
-        .filter(|(a, b)| b > a)
-        .map(move |(a, b)| (a - host, b - a))
+    [
+        (host, first, false),
+        (first, last, true),
+        (last, end, false),
+    ]
+    .into_iter()
+    .filter(|(a, b, _)| b > a)
+    .map(move |(a, b, whole)| (a - host, b - a, whole))
 }
 
 /// Enqueues a host-to-device copy on `stream`.
@@ -100,29 +101,42 @@ fn page_pieces(host: usize, bytes: usize) -> impl Iterator<Item = (usize, usize)
 /// `dst..dst+bytes` must be device memory that stays allocated until the copy
 /// completes, and `src..src+bytes` host memory that stays valid and unmodified
 /// until then (the pool synchronizes the transfer stream before masters change).
-pub(crate) unsafe fn htod_async(dst: u64, src: *const u8, bytes: usize, stream: &CudaStream) -> Result<()> {
-    for (off, n) in page_pieces(src as usize, bytes) {
+pub(crate) unsafe fn htod_async(
+    dst: u64,
+    src: *const u8,
+    bytes: usize,
+    stream: &CudaStream,
+) -> Result<()> {
+    for (off, n, _) in page_pieces(src as usize, bytes) {
         check(
-            sys::cuMemcpyHtoDAsync_v2(dst + off as u64, src.add(off) as *const _, n, stream.cu_stream()),
+            sys::cuMemcpyHtoDAsync_v2(
+                dst + off as u64,
+                src.add(off) as *const _,
+                n,
+                stream.cu_stream(),
+            ),
             "cuMemcpyHtoDAsync",
         )?;
     }
     Ok(())
 }
 
-/// Enqueues a device-to-host copy on `stream`.
+/// Enqueues a device-to-host copy on `stream` into page-locked host memory.
 ///
 /// # Safety
-/// As [`htod_async`], with the roles of host and device swapped; the host memory
-/// must not be read until the stream has passed the copy.
-pub(crate) unsafe fn dtoh_async(dst: *mut u8, src: u64, bytes: usize, stream: &CudaStream) -> Result<()> {
-    for (off, n) in page_pieces(dst as usize, bytes) {
-        check(
-            sys::cuMemcpyDtoHAsync_v2(dst.add(off) as *mut _, src + off as u64, n, stream.cu_stream()),
-            "cuMemcpyDtoHAsync",
-        )?;
-    }
-    Ok(())
+/// As [`htod_async`], with the roles of host and device swapped; `dst..dst+bytes`
+/// must be page-locked (a copy into pageable memory would block the host until
+/// the stream reaches it), and must not be read until the stream has passed it.
+pub(crate) unsafe fn dtoh_async(
+    dst: *mut u8,
+    src: u64,
+    bytes: usize,
+    stream: &CudaStream,
+) -> Result<()> {
+    check(
+        sys::cuMemcpyDtoHAsync_v2(dst as *mut _, src, bytes, stream.cu_stream()),
+        "cuMemcpyDtoHAsync",
+    )
 }
 
 /// Whether our cast kernel covers this conversion.

@@ -161,7 +161,7 @@ pub(crate) fn host_bytes(t: &candle_core::Tensor) -> Result<(*const u8, usize)> 
     };
     let es = t.dtype().size_in_bytes();
     let base: *const u8 = match cs {
-        CpuStorage::U8(v) => v.as_ptr() as *const u8,
+        CpuStorage::U8(v) => v.as_ptr(),
         CpuStorage::U32(v) => v.as_ptr() as *const u8,
         CpuStorage::I64(v) => v.as_ptr() as *const u8,
         CpuStorage::BF16(v) => v.as_ptr() as *const u8,

@@ -181,6 +181,14 @@ impl ResidencyPool {
         for _ in 0..window {
             slots.push(Slot::new(&cfg.device, dtype, slot_elems)?);
         }
+        // Slots are stream-ordered allocations (and zero fills) on the compute
+        // stream: the transfer stream must not touch them before those happen.
+        #[cfg(feature = "cuda")]
+        if let Engine::Cuda(e) = &engine {
+            e.transfer
+                .join(&e.compute)
+                .map_err(candle_core::Error::wrap)?;
+        }
         let stats = StreamStats {
             slot_bytes: window * slot_elems * dtype.size_in_bytes(),
             ..Default::default()
@@ -625,9 +633,6 @@ impl CudaEngine {
         let epoch = compute
             .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(candle_core::Error::wrap)?;
-        // Make sure slot allocations (on the compute stream) are done before the
-        // transfer stream writes into them.
-        transfer.join(&compute).map_err(candle_core::Error::wrap)?;
         Ok(Self {
             dev: dev.clone(),
             compute,
