@@ -8,24 +8,12 @@
 //! On the CPU the copy is a plain in-place memory copy.
 use candle_core::{DType, Device, Result, Shape, Tensor};
 
-/// A page-locked bounce buffer and the `(host address, offset, len)` pieces
-/// that land in it.
-#[cfg(feature = "cuda")]
-type Bounce = (
-    cudarc::driver::PinnedHostSlice<u8>,
-    Vec<(usize, usize, usize)>,
-);
-
 #[cfg(feature = "cuda")]
 struct Pending {
     keep: Vec<Tensor>,
     done: cudarc::driver::CudaEvent,
     start: cudarc::driver::CudaEvent,
     bytes: u64,
-    /// The partial pages at the ends of the host buffer are not page-locked: they
-    /// land in this page-locked bounce buffer and are copied over on the CPU
-    /// after `done`, as `(host address, bounce offset, len)`.
-    bounce: Option<Bounce>,
 }
 
 /// A point in the offload stream: waiting on it waits for every copy enqueued
@@ -87,21 +75,31 @@ impl Offloader {
         })
     }
 
-    /// A zeroed host buffer, page-locked when offloading from a GPU. Allocate
-    /// these once and reuse them.
+    /// A zeroed host buffer. When offloading from a GPU it is a view into a
+    /// slightly larger allocation, starting on a page boundary and padded to
+    /// whole pages, so every page it touches is its own and is page-locked: copies
+    /// into it are asynchronous DMA. Allocate these once and reuse them.
     pub fn host_buffer(&mut self, shape: &Shape, dtype: DType) -> Result<Tensor> {
-        let t = Tensor::zeros(shape, dtype, &Device::Cpu)?;
         #[cfg(feature = "cuda")]
         if let Device::Cuda(d) = &self.device {
+            const PAGE: usize = 4096;
+            let es = dtype.size_in_bytes();
+            let n = shape.elem_count();
+            let page_elems = PAGE / es;
+            let flat = Tensor::zeros(n + 2 * page_elems, dtype, &Device::Cpu)?;
+            let (base, _) = crate::host::host_bytes(&flat)?;
+            let skip = ((base as usize).next_multiple_of(PAGE) - base as usize) / es;
+            let t = flat.narrow(0, skip, n)?.reshape(shape)?;
             let (ptr, bytes) = crate::host::host_bytes(&t)?;
             let pin = crate::cuda::PinnedRegion::register(
                 d.cuda_stream().context(),
                 ptr as *mut u8,
-                bytes,
+                bytes.next_multiple_of(PAGE),
             )?;
             self.pins.push((pin, t.clone()));
+            return Ok(t);
         }
-        Ok(t)
+        Tensor::zeros(shape, dtype, &Device::Cpu)
     }
 
     /// Enqueues the copy of `src` (on the device, any layout) into `dst` (a host
@@ -134,42 +132,10 @@ impl Offloader {
                     .map_err(w)?;
                 let (host, n) = crate::host::host_bytes(dst)?;
                 let dev_ptr = crate::cuda::device_ptr(&src)?;
-                let pieces: Vec<_> = crate::cuda::page_pieces(host as usize, n).collect();
-                let ends: usize = pieces.iter().filter(|p| !p.2).map(|p| p.1).sum();
-                let mut bounce = if ends > 0 {
-                    // SAFETY: every byte read back from it is first written by a copy below.
-                    let b = unsafe {
-                        d.cuda_stream()
-                            .context()
-                            .alloc_pinned_with_flags::<u8>(ends, 0)
-                    }
-                    .map_err(w)?;
-                    Some((b, Vec::new()))
-                } else {
-                    None
-                };
-                let mut at = 0;
-                for (off, len, whole) in pieces {
-                    // SAFETY: `src` is kept alive in `pending` until the compute stream
-                    // waits on `done`; the host side is page-locked (whole pages of a
-                    // registered buffer, or the bounce buffer) and not read before
-                    // `synchronize`.
-                    unsafe {
-                        if whole {
-                            crate::cuda::dtoh_async(
-                                (host as *mut u8).add(off),
-                                dev_ptr + off as u64,
-                                len,
-                                stream,
-                            )?;
-                        } else if let Some((b, list)) = bounce.as_mut() {
-                            let p = b.as_mut_ptr().map_err(w)?.add(at);
-                            crate::cuda::dtoh_async(p, dev_ptr + off as u64, len, stream)?;
-                            list.push((host as usize + off, at, len));
-                            at += len;
-                        }
-                    }
-                }
+                // SAFETY: `src` is kept alive in `pending` until the compute stream
+                // waits on `done`; `dst` comes from `host_buffer` (page-aligned and
+                // page-locked whole) and is not read before `synchronize`.
+                unsafe { crate::cuda::dtoh_async(host as *mut u8, dev_ptr, n, stream)? };
                 let done = stream
                     .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                     .map_err(w)?;
@@ -178,7 +144,6 @@ impl Offloader {
                     done,
                     start,
                     bytes,
-                    bounce,
                 });
             }
             _ => {
@@ -232,20 +197,6 @@ impl Offloader {
                 p.done.synchronize().map_err(w)?;
                 self.seconds += p.start.elapsed_ms(&p.done).map_err(w)? as f64 / 1e3;
                 let _ = p.bytes;
-                if let Some((b, list)) = &p.bounce {
-                    let src = b.as_slice().map_err(w)?;
-                    for &(host, at, len) in list {
-                        // SAFETY: `host..host+len` lies in the caller's host buffer
-                        // (from `host_buffer`), which nothing reads until now.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                src.as_ptr().add(at),
-                                host as *mut u8,
-                                len,
-                            )
-                        };
-                    }
-                }
             }
         }
         Ok(())
