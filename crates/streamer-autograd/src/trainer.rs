@@ -130,6 +130,7 @@ struct TrainState {
     /// Weights the overlapped step already stepped in this backward.
     stepped: Vec<bool>,
     optimizer_seconds: f64,
+    optimizer_pool: Option<std::sync::Arc<rayon::ThreadPool>>,
 }
 
 /// Turns a streamed model into a trainable one.
@@ -158,6 +159,7 @@ impl TrainableSequential {
                 trainable: vec![true; n],
                 stepped: vec![false; n],
                 optimizer_seconds: 0.0,
+                optimizer_pool: None,
             }),
             model,
         }
@@ -277,6 +279,11 @@ impl TrainableSequential {
                 return Err(e);
             }
         };
+        // Backward starts with the last blocks: start copying them now, so the
+        // copies overlap whatever runs between this forward and its backward.
+        for k in 0..pool.window().min(n) {
+            pool.load(n - 1 - k)?;
+        }
         let outputs = outs
             .iter()
             .map(Var::from_tensor)
@@ -325,12 +332,15 @@ impl TrainableSequential {
         opt.begin_step();
         std::thread::scope(|scope| -> Result<()> {
             let (tx, rx) = std::sync::mpsc::channel::<StepJob>();
+            let pool = self.optimizer_pool()?;
             let worker = scope.spawn(move || -> Result<f64> {
                 let mut busy = 0.0;
                 for job in rx {
                     job.marker.wait()?;
                     let t = std::time::Instant::now();
-                    opt.step_vars(&job.updates)?;
+                    // On a pool that leaves cores free: the thread driving the GPU
+                    // must keep issuing work while the optimizer runs.
+                    pool.install(|| opt.step_vars(&job.updates))?;
                     busy += t.elapsed().as_secs_f64();
                 }
                 Ok(busy)
@@ -344,6 +354,24 @@ impl TrainableSequential {
             r
         })?;
         Ok(grads)
+    }
+
+    /// The thread pool the overlapped optimizer runs on: all cores but two (one
+    /// for the thread issuing GPU work, one for the thread waiting on copies).
+    fn optimizer_pool(&self) -> Result<std::sync::Arc<rayon::ThreadPool>> {
+        let mut st = self.lock()?;
+        if st.optimizer_pool.is_none() {
+            let cores = std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(4);
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(cores.saturating_sub(2).max(1))
+                .thread_name(|i| format!("overlapped-optimizer-{i}"))
+                .build()
+                .map_err(candle_core::Error::wrap)?;
+            st.optimizer_pool = Some(std::sync::Arc::new(pool));
+        }
+        Ok(st.optimizer_pool.clone().expect("set above"))
     }
 
     /// Seconds the last `backward_step` spent in the optimizer (on its thread).
@@ -492,11 +520,19 @@ impl TrainableSequential {
         }
         let mut stepped = vec![false; trainable.len()];
         host.begin(pool.device(), self.model.masters())?;
-        // Blocks left loaded by an inference call (prefetch_across_calls) are
-        // dropped first: the reverse pass needs the window for the last blocks.
-        release_all(pool);
-        for k in 0..window.min(n) {
-            pool.load(n - 1 - k)?;
+        // The training forward already issued the loads of the last blocks. Any
+        // other loaded block (left by an inference call with
+        // prefetch_across_calls) is released: the reverse pass needs the window.
+        let first: Vec<usize> = (0..window.min(n)).map(|k| n - 1 - k).collect();
+        for b in 0..n {
+            if pool.is_loaded(b) && !first.contains(&b) {
+                pool.release(b)?;
+            }
+        }
+        for &b in &first {
+            if !pool.is_loaded(b) {
+                pool.load(b)?;
+            }
         }
         let mut g_next = g_outs;
         let mut g_extras: Vec<Option<Tensor>> = vec![None; saved.extras.len()];

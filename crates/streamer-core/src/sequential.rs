@@ -289,6 +289,13 @@ pub fn run_blocks(
 ) -> Result<Vec<Tensor>> {
     let n = blocks.len();
     let window = pool.window();
+    // Blocks an earlier call left loaded (a training forward prefetching for its
+    // backward) that this call does not start with give their slots back.
+    for b in window.min(n)..n {
+        if pool.is_loaded(b) {
+            pool.release(b)?;
+        }
+    }
     for i in 0..window.min(n) {
         if !pool.is_loaded(i) {
             pool.load(i)?;
