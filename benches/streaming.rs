@@ -90,10 +90,89 @@ fn used_now(dev: &Device) -> usize {
     0
 }
 
+/// Where a block's time goes in plain Candle (no streaming): each op of
+/// `Linear(w,h), GELU, Linear(h,w)` timed alone, bf16, plus a Chrome trace of a
+/// streamed call. `STREAMING_PROFILE=w,h,tokens` (e.g. `1024,2560,8192`).
+fn profile(dev: &Device, tag: &str, spec: &str) -> Result<()> {
+    let v: Vec<usize> = spec
+        .split(',')
+        .map(|x| x.trim().parse())
+        .collect::<Result<_, _>>()?;
+    let (w, h, t) = (v[0], v[1], v[2]);
+    let bf = |shape: &[usize], std: f32| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, std, shape, dev)?.to_dtype(DType::BF16)?)
+    };
+    let (x, w1, b1, w2) = (
+        bf(&[t, w], 1.0)?,
+        bf(&[h, w], 0.03)?,
+        bf(&[h], 0.02)?,
+        bf(&[w, h], 0.02)?,
+    );
+    let w1t = w1.t()?.contiguous()?;
+    let y1 = x.matmul(&w1.t()?)?;
+    let g = y1.gelu()?;
+    let mut rows = Vec::new();
+    let mut time = |name: &str, f: &mut dyn FnMut() -> candle_core::Result<Tensor>| -> Result<()> {
+        let ms = common::time_median(dev, 5, 50, || {
+            f()?;
+            Ok(())
+        })? * 1e3;
+        let flops = if name.contains("matmul") {
+            2.0 * (t * w * h) as f64
+        } else {
+            0.0
+        };
+        println!(
+            "profile w{w} h{h} tokens {t}: {name:<40} {ms:8.4} ms  {:7.1} TFLOP/s",
+            flops / ms / 1e9
+        );
+        rows.push(serde_json::json!({ "op": name, "ms": ms, "tflops": flops / ms / 1e9 }));
+        Ok(())
+    };
+    time("matmul x @ w1^T (transposed view)", &mut || {
+        x.matmul(&w1.t()?)
+    })?;
+    time("matmul x @ w1t (contiguous)", &mut || x.matmul(&w1t))?;
+    time("broadcast_add bias", &mut || y1.broadcast_add(&b1))?;
+    time("gelu", &mut || y1.gelu())?;
+    time("matmul g @ w2^T (transposed view)", &mut || {
+        g.matmul(&w2.t()?)
+    })?;
+    let vb = VarBuilder::from_tensors(
+        [
+            ("up.weight", w1.clone()),
+            ("up.bias", b1.clone()),
+            ("down.weight", w2.clone()),
+            ("down.bias", bf(&[w], 0.02)?),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect(),
+        DType::BF16,
+        dev,
+    );
+    let block = mlp(vb, w, h)?;
+    time("whole block (candle-nn Linear, GELU, Linear)", &mut || {
+        block.forward(&x)
+    })?;
+    let out = common::results_path(&format!("streaming-profile-{tag}.json"));
+    std::fs::write(
+        &out,
+        serde_json::to_string_pretty(
+            &serde_json::json!({ "w": w, "h": h, "tokens": t, "ops": rows }),
+        )?,
+    )?;
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let dev = common::device();
     let tag = common::device_tag(&dev);
     let gpu = dev.is_cuda();
+    if let Ok(spec) = std::env::var("STREAMING_PROFILE") {
+        return profile(&dev, &tag, &spec);
+    }
     // (w, h, blocks, token counts)
     let configs: Vec<(usize, usize, usize, Vec<usize>)> = if gpu {
         vec![
