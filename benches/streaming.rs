@@ -11,34 +11,11 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{linear, VarBuilder};
+use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use streamer_core::{BlockSpec, StreamConfig, StreamedSequential};
-
-fn mlp(vb: VarBuilder, w: usize, h: usize) -> candle_core::Result<impl Module> {
-    let up = linear(w, h, vb.pp("up"))?;
-    let down = linear(h, w, vb.pp("down"))?;
-    Ok(move |x: &Tensor| down.forward(&up.forward(x)?.gelu()?))
-}
-
-/// Random bf16 weights on the host, generated on `dev` (fast on a GPU).
-fn weights(dev: &Device, w: usize, h: usize, n: usize) -> Result<HashMap<String, Tensor>> {
-    let mut m = HashMap::new();
-    for i in 0..n {
-        let mut put = |name: &str, shape: &[usize], std: f64| -> Result<()> {
-            let t = Tensor::randn(0f32, std as f32, shape, dev)?.to_dtype(DType::BF16)?;
-            m.insert(format!("layers.{i}.{name}"), t.to_device(&Device::Cpu)?);
-            Ok(())
-        };
-        put("up.weight", &[h, w], 1.0 / (w as f64).sqrt())?;
-        put("up.bias", &[h], 0.02)?;
-        put("down.weight", &[w, h], 1.0 / (h as f64).sqrt())?;
-        put("down.bias", &[w], 0.02)?;
-    }
-    Ok(m)
-}
 
 /// Samples device memory in use on a side thread; returns the peak above `base`.
 struct MemSampler {
@@ -151,7 +128,7 @@ fn profile(dev: &Device, tag: &str, spec: &str) -> Result<()> {
         DType::BF16,
         dev,
     );
-    let block = mlp(vb, w, h)?;
+    let block = common::mlp(vb, w, h)?;
     time("whole block (candle-nn Linear, GELU, Linear)", &mut || {
         block.forward(&x)
     })?;
@@ -194,10 +171,10 @@ fn main() -> Result<()> {
     let mut rows = Vec::new();
     let mut series = Vec::new();
     for (w, h, n, tokens) in configs {
-        let host = weights(&dev, w, h, n)?;
+        let host = common::mlp_weights(&dev, w, h, n, DType::BF16)?;
         let bytes: usize = host.values().map(|t| t.elem_count() * 2).sum();
         let blocks: Vec<BlockSpec> = (0..n)
-            .map(|i| BlockSpec::module(format!("layers.{i}"), move |vb| mlp(vb, w, h)))
+            .map(|i| BlockSpec::module(format!("layers.{i}"), move |vb| common::mlp(vb, w, h)))
             .collect();
         let base = used_now(&dev);
         let mut points = Vec::new();
@@ -211,7 +188,7 @@ fn main() -> Result<()> {
                     .collect::<Result<_>>()?;
                 let vb = VarBuilder::from_tensors(on_dev, DType::BF16, &dev);
                 let mods: Vec<_> = (0..n)
-                    .map(|i| mlp(vb.pp(format!("layers.{i}")), w, h))
+                    .map(|i| common::mlp(vb.pp(format!("layers.{i}")), w, h))
                     .collect::<candle_core::Result<_>>()?;
                 let sampler = MemSampler::start(&dev);
                 let s = common::time_median(&dev, 3, iters, || {

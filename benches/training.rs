@@ -11,33 +11,10 @@ mod common;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor, Var};
-use candle_nn::{linear, Optimizer, ParamsAdamW, VarBuilder};
-use std::collections::HashMap;
+use candle_nn::{Optimizer, ParamsAdamW, VarBuilder};
 use std::time::Instant;
 use streamer_autograd::{CpuAdamW, Train};
 use streamer_core::{BlockSpec, StreamConfig, StreamedSequential};
-
-fn mlp(vb: VarBuilder, w: usize, h: usize) -> candle_core::Result<impl Module> {
-    let up = linear(w, h, vb.pp("up"))?;
-    let down = linear(h, w, vb.pp("down"))?;
-    Ok(move |x: &Tensor| down.forward(&up.forward(x)?.gelu()?))
-}
-
-fn weights(dev: &Device, w: usize, h: usize, n: usize) -> Result<HashMap<String, Tensor>> {
-    let mut m = HashMap::new();
-    for i in 0..n {
-        for (name, shape, std) in [
-            ("up.weight", vec![h, w], 1.0 / (w as f32).sqrt()),
-            ("up.bias", vec![h], 0.02),
-            ("down.weight", vec![w, h], 1.0 / (h as f32).sqrt()),
-            ("down.bias", vec![w], 0.02),
-        ] {
-            let t = Tensor::randn(0f32, std, shape, dev)?.to_device(&Device::Cpu)?;
-            m.insert(format!("layers.{i}.{name}"), t);
-        }
-    }
-    Ok(m)
-}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -68,10 +45,10 @@ fn main() -> Result<()> {
     let mut rows = Vec::new();
     let mut bars = Vec::new();
     for (w, h, n, tokens, master) in configs {
-        let host = weights(&dev, w, h, n)?;
+        let host = common::mlp_weights(&dev, w, h, n, DType::F32)?;
         let nparams: usize = host.values().map(|t| t.elem_count()).sum();
         let blocks: Vec<BlockSpec> = (0..n)
-            .map(|i| BlockSpec::module(format!("layers.{i}"), move |vb| mlp(vb, w, h)))
+            .map(|i| BlockSpec::module(format!("layers.{i}"), move |vb| common::mlp(vb, w, h)))
             .collect();
         let x = Tensor::randn(0f32, 1.0, (tokens, w), &dev)?.to_dtype(DType::BF16)?;
         let target = Tensor::randn(0f32, 1.0, (tokens, w), &dev)?;
@@ -96,7 +73,7 @@ fn main() -> Result<()> {
                 &dev,
             );
             let mods: Vec<_> = (0..n)
-                .map(|i| mlp(vb.pp(format!("layers.{i}")), w, h))
+                .map(|i| common::mlp(vb.pp(format!("layers.{i}")), w, h))
                 .collect::<candle_core::Result<_>>()?;
             let mut opt = candle_nn::AdamW::new(
                 vars.iter().map(|(_, v)| v.clone()).collect(),

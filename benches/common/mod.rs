@@ -1,6 +1,8 @@
 //! Shared by the bench binaries: device choice, timing, results files and plots.
 #![allow(dead_code)]
-use candle_core::Device;
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{linear, VarBuilder};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -61,3 +63,36 @@ pub fn results_path(name: &str) -> PathBuf {
 
 #[allow(unused_imports)]
 pub use candle_streamer::report::svg_plot;
+
+/// The benchmarks' block: `Linear(w,h), GELU, Linear(h,w)`, written with candle-nn.
+pub fn mlp(vb: VarBuilder, w: usize, h: usize) -> candle_core::Result<impl Module> {
+    let up = linear(w, h, vb.pp("up"))?;
+    let down = linear(h, w, vb.pp("down"))?;
+    Ok(move |x: &Tensor| down.forward(&up.forward(x)?.gelu()?))
+}
+
+/// Random weights for `n` `mlp` blocks named `layers.{i}`, generated on `dev`
+/// (fast on a GPU), returned on the host in `dtype`.
+pub fn mlp_weights(
+    dev: &Device,
+    w: usize,
+    h: usize,
+    n: usize,
+    dtype: DType,
+) -> anyhow::Result<HashMap<String, Tensor>> {
+    let mut m = HashMap::new();
+    for i in 0..n {
+        for (name, shape, std) in [
+            ("up.weight", vec![h, w], 1.0 / (w as f32).sqrt()),
+            ("up.bias", vec![h], 0.02),
+            ("down.weight", vec![w, h], 1.0 / (h as f32).sqrt()),
+            ("down.bias", vec![w], 0.02),
+        ] {
+            let t = Tensor::randn(0f32, std, shape, dev)?
+                .to_dtype(dtype)?
+                .to_device(&Device::Cpu)?;
+            m.insert(format!("layers.{i}.{name}"), t);
+        }
+    }
+    Ok(m)
+}
