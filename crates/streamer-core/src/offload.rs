@@ -13,7 +13,6 @@ struct Pending {
     keep: Vec<Tensor>,
     done: cudarc::driver::CudaEvent,
     start: cudarc::driver::CudaEvent,
-    bytes: u64,
 }
 
 /// A point in the offload stream: waiting on it waits for every copy enqueued
@@ -143,7 +142,6 @@ impl Offloader {
                     keep: vec![src],
                     done,
                     start,
-                    bytes,
                 });
             }
             _ => {
@@ -196,7 +194,6 @@ impl Offloader {
             for p in self.pending.drain(..) {
                 p.done.synchronize().map_err(w)?;
                 self.seconds += p.start.elapsed_ms(&p.done).map_err(w)? as f64 / 1e3;
-                let _ = p.bytes;
             }
         }
         Ok(())

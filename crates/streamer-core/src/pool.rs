@@ -392,11 +392,12 @@ impl ResidencyPool {
         trainable: &[bool],
     ) -> Result<(HashMap<String, Tensor>, Vec<(usize, candle_core::Var)>)> {
         let views = self.acquire(block)?;
-        let slot = self.slot_of[block].expect("acquired above");
         let layout = &self.layouts[block];
+        let trainable_m = |m: usize| trainable.get(m).copied().unwrap_or(false);
         let mut vars: Vec<(usize, candle_core::Var)> = Vec::new();
         #[cfg(feature = "cuda")]
         if let Engine::Cuda(e) = &self.engine {
+            let slot = self.slot_of[block].expect("acquired above");
             let s = &mut self.slots[slot];
             if !s.alias_vars.contains_key(&block) {
                 let mut made = Vec::new();
@@ -412,8 +413,9 @@ impl ResidencyPool {
             }
             vars = s.alias_vars[&block].clone();
         }
-        if vars.is_empty() && !layout.unique.is_empty() {
-            for &(m, _) in &layout.unique {
+        if vars.is_empty() {
+            // CPU: the variables are copies of the slot's views (trainable only).
+            for &(m, _) in layout.unique.iter().filter(|(m, _)| trainable_m(*m)) {
                 let e = layout
                     .entries
                     .iter()
@@ -422,10 +424,9 @@ impl ResidencyPool {
                 vars.push((m, candle_core::Var::from_tensor(&views[&e.local])?));
             }
         }
-        let _ = slot;
         let mut out = HashMap::with_capacity(views.len());
         for e in &layout.entries {
-            let t = if trainable.get(e.master).copied().unwrap_or(false) {
+            let t = if trainable_m(e.master) {
                 vars.iter()
                     .find(|(m, _)| *m == e.master)
                     .expect("every master has a var")
@@ -437,7 +438,7 @@ impl ResidencyPool {
             };
             out.insert(e.local.clone(), t);
         }
-        vars.retain(|(m, _)| trainable.get(*m).copied().unwrap_or(false));
+        vars.retain(|(m, _)| trainable_m(*m));
         Ok((out, vars))
     }
 
@@ -515,12 +516,12 @@ impl ResidencyPool {
     }
 
     /// Folds finished timing events into the statistics. With `all`, waits for all.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     pub(crate) fn resolve_timings(&mut self, all: bool) -> Result<()> {
         #[cfg(feature = "cuda")]
         if let Engine::Cuda(e) = &mut self.engine {
             e.resolve(all, &mut self.stats, self.timeline.as_mut(), &self.names)?;
         }
-        let _ = all;
         Ok(())
     }
 
