@@ -18,7 +18,7 @@
 //! Candle's CPU thread pool spin-waits, which starves other threads when cores
 //! are oversubscribed (measured: 0.27 s vs 1.5 s a step for `tiny` on 2 shared cores).
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device};
+use candle_core::DType;
 use candle_nn::ParamsAdamW;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -96,24 +96,6 @@ struct Args {
     sample_tokens: usize,
 }
 
-fn device(arg: Option<&str>) -> Result<Device> {
-    match arg {
-        Some("cpu") => Ok(Device::Cpu),
-        Some("cuda") => Ok(Device::new_cuda_with_stream(0)?),
-        Some(d) => bail!("unknown --device {d:?} (cpu or cuda)"),
-        None => Ok(Device::new_cuda_with_stream(0).unwrap_or(Device::Cpu)),
-    }
-}
-
-fn parse_dtype(s: &str) -> Result<DType> {
-    Ok(match s {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        _ => bail!("unknown --dtype {s:?} (f32, bf16 or f16)"),
-    })
-}
-
 /// The streaming window from `--gpu-weight-budget` or `--prefetch`.
 fn prefetch(a: &Args, cfg: &LlamaConfig, dtype: DType) -> Result<usize> {
     match &a.gpu_weight_budget {
@@ -178,9 +160,9 @@ fn main() -> Result<()> {
     let tiny = a.preset == "tiny" && a.config.is_none();
     let steps = a.steps.unwrap_or(if tiny { 200 } else { 300 });
     let lr = a.lr.unwrap_or(if tiny { 3e-3 } else { 3e-4 });
-    let dev = device(a.device.as_deref())?;
+    let dev = candle_streamer::cli::device(a.device.as_deref())?;
     let dtype = match &a.dtype {
-        Some(s) => parse_dtype(s)?,
+        Some(s) => candle_streamer::cli::parse_dtype(s)?,
         None if dev.is_cuda() => DType::BF16,
         None => DType::F32,
     };

@@ -67,24 +67,6 @@ struct Args {
     seed: u64,
 }
 
-fn device(arg: Option<&str>) -> Result<Device> {
-    match arg {
-        Some("cpu") => Ok(Device::Cpu),
-        Some("cuda") => Ok(Device::new_cuda_with_stream(0)?),
-        Some(d) => bail!("unknown --device {d:?} (cpu or cuda)"),
-        None => Ok(Device::new_cuda_with_stream(0).unwrap_or(Device::Cpu)),
-    }
-}
-
-fn parse_dtype(s: &str) -> Result<DType> {
-    Ok(match s {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        _ => bail!("unknown --dtype {s:?} (f32, bf16 or f16)"),
-    })
-}
-
 fn mlp(vb: VarBuilder, w: usize, h: usize) -> candle_core::Result<impl Module> {
     let up = linear(w, h, vb.pp("up"))?;
     let down = linear(h, w, vb.pp("down"))?;
@@ -163,9 +145,9 @@ fn main() -> Result<()> {
     if a.blocks == 0 || a.width == 0 || a.hidden == 0 || a.batch == 0 {
         bail!("--blocks, --width, --hidden and --batch must be positive");
     }
-    let dev = device(a.device.as_deref())?;
+    let dev = candle_streamer::cli::device(a.device.as_deref())?;
     let dtype = match &a.dtype {
-        Some(s) => parse_dtype(s)?,
+        Some(s) => candle_streamer::cli::parse_dtype(s)?,
         None if dev.is_cuda() => DType::BF16,
         None => DType::F32,
     };

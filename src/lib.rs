@@ -21,6 +21,7 @@ pub use streamer_autograd;
 pub use streamer_core;
 pub use streamer_models;
 
+pub mod cli;
 pub mod report;
 
 /// Helpers for the project's tests: the device list and the test macro.
