@@ -110,6 +110,19 @@ fn random_weights(a: &Args, rng: &mut StdRng, gain: f32) -> Result<HashMap<Strin
     Ok(m)
 }
 
+/// AdamW over the student's weights, its state named after them (so a saved
+/// state loads only into the same model).
+fn optimizer(a: &Args, student: &TrainableSequential) -> Result<CpuAdamW> {
+    let params = ParamsAdamW {
+        lr: a.lr,
+        weight_decay: a.weight_decay,
+        ..Default::default()
+    };
+    let mut opt = CpuAdamW::new(student.trainable_vars()?, params)?;
+    opt.set_param_names(student.parameters().into_iter().map(|(n, _)| n).collect())?;
+    Ok(opt)
+}
+
 fn write_curve(out: &std::path::Path, losses: &[(usize, f32)]) -> Result<()> {
     let mut csv = std::fs::File::create(out.join("loss.csv"))?;
     writeln!(csv, "step,loss")?;
@@ -190,30 +203,14 @@ fn main() -> Result<()> {
             StreamedSequential::from_safetensors(&[&weights_path], blocks(&a), cfg.clone())
                 .context("--resume: the saved weights do not fit this --blocks/--width/--hidden")?
                 .train();
-        let mut opt = CpuAdamW::new(
-            student.trainable_vars()?,
-            ParamsAdamW {
-                lr: a.lr,
-                weight_decay: a.weight_decay,
-                ..Default::default()
-            },
-        )?;
-        opt.set_param_names(student.parameters().into_iter().map(|(n, _)| n).collect())?;
+        let mut opt = optimizer(&a, &student)?;
         opt.load(&opt_path)?;
         opt.set_learning_rate(a.lr);
         (student, opt, start, read_losses(&a.out.join("loss.csv"))?)
     } else {
         let init = random_weights(&a, &mut rng, 1.0)?;
         let student = StreamedSequential::from_tensors(init, blocks(&a), cfg.clone())?.train();
-        let mut opt = CpuAdamW::new(
-            student.trainable_vars()?,
-            ParamsAdamW {
-                lr: a.lr,
-                weight_decay: a.weight_decay,
-                ..Default::default()
-            },
-        )?;
-        opt.set_param_names(student.parameters().into_iter().map(|(n, _)| n).collect())?;
+        let opt = optimizer(&a, &student)?;
         (student, opt, 0, Vec::new())
     };
     if start >= a.steps {
