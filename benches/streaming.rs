@@ -13,64 +13,12 @@ use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
 use streamer_core::{BlockSpec, StreamConfig, StreamedSequential};
 
-/// Samples device memory in use on a side thread; returns the peak above `base`.
-struct MemSampler {
-    stop: Arc<AtomicBool>,
-    peak: Arc<AtomicUsize>,
-    handle: Option<std::thread::JoinHandle<()>>,
-}
-
-impl MemSampler {
-    fn start(dev: &Device) -> Self {
-        let stop = Arc::new(AtomicBool::new(false));
-        let peak = Arc::new(AtomicUsize::new(0));
-        #[allow(unused_mut)]
-        let mut handle = None;
-        #[cfg(feature = "cuda")]
-        if let Device::Cuda(d) = dev {
-            let ctx = d.cuda_stream().context().clone();
-            let (s, p) = (stop.clone(), peak.clone());
-            handle = Some(std::thread::spawn(move || {
-                while !s.load(Ordering::Relaxed) {
-                    if let Ok((free, total)) = ctx.mem_get_info() {
-                        p.fetch_max(total - free, Ordering::Relaxed);
-                    }
-                    std::thread::sleep(std::time::Duration::from_micros(200));
-                }
-            }));
-        }
-        let _ = dev;
-        Self { stop, peak, handle }
-    }
-
-    fn finish(mut self) -> usize {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(h) = self.handle.take() {
-            let _ = h.join();
-        }
-        self.peak.load(Ordering::Relaxed)
-    }
-}
-
-fn used_now(dev: &Device) -> usize {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(d) = dev {
-        if let Ok((free, total)) = d.cuda_stream().context().mem_get_info() {
-            return total - free;
-        }
-    }
-    let _ = dev;
-    0
-}
-
 /// Where a block's time goes in plain Candle (no streaming): each op of
-/// `Linear(w,h), GELU, Linear(h,w)` timed alone, bf16, plus a Chrome trace of a
-/// streamed call. `STREAMING_PROFILE=w,h,tokens` (e.g. `1024,2560,8192`).
-fn profile(dev: &Device, tag: &str, spec: &str) -> Result<()> {
+/// `Linear(w,h), GELU, Linear(h,w)` timed alone, bf16, and the whole block.
+/// `STREAMING_PROFILE=w,h,tokens[;w,h,tokens...]` (e.g. `1024,2560,8192`).
+fn profile(dev: &Device, spec: &str, pool: &str) -> Result<Vec<serde_json::Value>> {
     let v: Vec<usize> = spec
         .split(',')
         .map(|x| x.trim().parse())
@@ -100,10 +48,12 @@ fn profile(dev: &Device, tag: &str, spec: &str) -> Result<()> {
             0.0
         };
         println!(
-            "profile w{w} h{h} tokens {t}: {name:<40} {ms:8.4} ms  {:7.1} TFLOP/s",
+            "profile w{w} h{h} tokens {t} ({pool}): {name:<40} {ms:8.4} ms  {:7.1} TFLOP/s",
             flops / ms / 1e9
         );
-        rows.push(serde_json::json!({ "op": name, "ms": ms, "tflops": flops / ms / 1e9 }));
+        rows.push(serde_json::json!({
+            "w": w, "h": h, "tokens": t, "pool": pool, "op": name, "ms": ms, "tflops": flops / ms / 1e9,
+        }));
         Ok(())
     };
     time("matmul x @ w1^T (transposed view)", &mut || {
@@ -132,15 +82,7 @@ fn profile(dev: &Device, tag: &str, spec: &str) -> Result<()> {
     time("whole block (candle-nn Linear, GELU, Linear)", &mut || {
         block.forward(&x)
     })?;
-    let out = common::results_path(&format!("streaming-profile-{tag}.json"));
-    std::fs::write(
-        &out,
-        serde_json::to_string_pretty(
-            &serde_json::json!({ "w": w, "h": h, "tokens": t, "ops": rows }),
-        )?,
-    )?;
-    println!("wrote {}", out.display());
-    Ok(())
+    Ok(rows)
 }
 
 fn main() -> Result<()> {
@@ -148,7 +90,28 @@ fn main() -> Result<()> {
     let tag = common::device_tag(&dev);
     let gpu = dev.is_cuda();
     if let Ok(spec) = std::env::var("STREAMING_PROFILE") {
-        return profile(&dev, &tag, &spec);
+        // Once with CUDA's default pool (freed memory handed back at every
+        // synchronisation), once keeping it, as the streamed model does.
+        // Several shapes separated by ';'.
+        let mut rows = Vec::new();
+        for one in spec.split(';') {
+            rows.extend(profile(&dev, one, "default pool")?);
+        }
+        streamer_core::retain_freed_device_memory(&dev)?;
+        for one in spec.split(';') {
+            rows.extend(profile(&dev, one, "retained pool")?);
+        }
+        let out = common::results_path(&format!("streaming-profile-{tag}.json"));
+        std::fs::write(&out, serde_json::to_string_pretty(&rows)?)?;
+        println!("wrote {}", out.display());
+        return Ok(());
+    }
+    // Resident and streamed runs use the same allocator setting: freed device
+    // memory stays in CUDA's pool (StreamConfig::retain_device_memory, on by
+    // default). STREAMING_RETAIN=0 measures both with CUDA's default instead.
+    let retain = std::env::var("STREAMING_RETAIN").map_or(true, |v| v != "0");
+    if retain {
+        streamer_core::retain_freed_device_memory(&dev)?;
     }
     // (w, h, blocks, token counts)
     let configs: Vec<(usize, usize, usize, Vec<usize>)> = if gpu {
@@ -176,7 +139,8 @@ fn main() -> Result<()> {
         let blocks: Vec<BlockSpec> = (0..n)
             .map(|i| BlockSpec::module(format!("layers.{i}"), move |vb| common::mlp(vb, w, h)))
             .collect();
-        let base = used_now(&dev);
+        streamer_core::trim_device_memory(&dev)?;
+        let base = common::used_now(&dev);
         let mut points = Vec::new();
         for &t in &tokens {
             let x = Tensor::randn(0f32, 1.0, (t, w), &dev)?.to_dtype(DType::BF16)?;
@@ -190,7 +154,8 @@ fn main() -> Result<()> {
                 let mods: Vec<_> = (0..n)
                     .map(|i| common::mlp(vb.pp(format!("layers.{i}")), w, h))
                     .collect::<candle_core::Result<_>>()?;
-                let sampler = MemSampler::start(&dev);
+                streamer_core::trim_device_memory(&dev)?;
+                let sampler = common::MemSampler::start(&dev);
                 let s = common::time_median(&dev, 3, iters, || {
                     let mut y = x.clone();
                     for m in &mods {
@@ -206,10 +171,12 @@ fn main() -> Result<()> {
                 prefetch_ahead: 1,
                 dtype: DType::BF16,
                 prefetch_across_calls: true,
+                retain_device_memory: retain,
                 ..Default::default()
             };
+            streamer_core::trim_device_memory(&dev)?;
             let model = StreamedSequential::from_tensors(host.clone(), blocks.clone(), cfg)?;
-            let sampler = MemSampler::start(&dev);
+            let sampler = common::MemSampler::start(&dev);
             let streamed_ms = common::time_median(&dev, 3, iters, || {
                 model.forward(&x)?;
                 Ok(())
@@ -250,8 +217,9 @@ fn main() -> Result<()> {
     let out = serde_json::json!({
         "device": tag, "dtype": "bf16", "prefetch_ahead": 1, "prefetch_across_calls": true,
         "iterations": iters, "statistic": "median after 3 warm-up calls",
+        "allocator": if retain { "freed device memory kept in CUDA's pool (both runs)" } else { "CUDA default pool: freed memory released at each synchronisation (both runs)" },
         "h2d_gbps_pinned": h2d_gbps, "command": "cargo bench --bench streaming --features cuda (scripts/gpu-test.sh bundle)",
-        "peak_memory_note": "device memory in use sampled every 200 us on a side thread, above the baseline before the run (0 on CPU)",
+        "peak_memory_note": "device memory taken (cuMemGetInfo, so memory the pool keeps counts) sampled every 200 us on a side thread, above the baseline before the run, pool trimmed before each run (0 on CPU)",
         "results": rows,
     });
     let json = common::results_path(&format!("streaming-{tag}.json"));

@@ -4,6 +4,8 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{linear, VarBuilder};
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// The first CUDA GPU when built with `cuda` and one is present, else the CPU.
@@ -95,4 +97,67 @@ pub fn mlp_weights(
         }
     }
     Ok(m)
+}
+
+/// Samples device memory in use on a side thread; returns the peak above `base`.
+pub struct MemSampler {
+    stop: Arc<AtomicBool>,
+    peak: Arc<AtomicUsize>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl MemSampler {
+    pub fn start(dev: &Device) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let peak = Arc::new(AtomicUsize::new(0));
+        #[allow(unused_mut)]
+        let mut handle = None;
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(d) = dev {
+            let ctx = d.cuda_stream().context().clone();
+            let (s, p) = (stop.clone(), peak.clone());
+            handle = Some(std::thread::spawn(move || {
+                while !s.load(Ordering::Relaxed) {
+                    if let Ok((free, total)) = ctx.mem_get_info() {
+                        p.fetch_max(total - free, Ordering::Relaxed);
+                    }
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                }
+            }));
+        }
+        let _ = dev;
+        Self { stop, peak, handle }
+    }
+
+    pub fn finish(mut self) -> usize {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+        self.peak.load(Ordering::Relaxed)
+    }
+}
+
+pub fn used_now(dev: &Device) -> usize {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        if let Ok((free, total)) = d.cuda_stream().context().mem_get_info() {
+            return total - free;
+        }
+    }
+    let _ = dev;
+    0
+}
+
+/// Resident and peak resident host memory of this process (`VmRSS`, `VmHWM`), bytes.
+pub fn host_rss() -> (usize, usize) {
+    let text = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let get = |key: &str| -> usize {
+        text.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<usize>().ok())
+            .map_or(0, |kib| kib * 1024)
+    };
+    (get("VmRSS:"), get("VmHWM:"))
 }

@@ -130,35 +130,42 @@ fn hash_name(seed: u64, name: &str) -> u64 {
 pub fn init_weights(cfg: &LlamaConfig, seed: u64) -> Result<HashMap<String, Tensor>> {
     cfg.validate()?;
     let out_scale = 1.0 / (2.0 * cfg.num_hidden_layers as f64).sqrt();
-    let mut map = HashMap::new();
-    for (name, shape, _) in cfg.weight_shapes() {
-        let n: usize = shape.iter().product();
-        let data: Vec<f32> = if name.ends_with("norm.weight") {
-            vec![1.0; n]
-        } else {
-            let std = if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
-                0.02 * out_scale
+    // Tensors are independent (each has its own generator), so they are made in
+    // parallel: a 3b model is 3e9 normals.
+    use rayon::prelude::*;
+    let made: Vec<Result<(String, Tensor)>> = cfg
+        .weight_shapes()
+        .into_par_iter()
+        .map(|(name, shape, _)| {
+            let n: usize = shape.iter().product();
+            let data: Vec<f32> = if name.ends_with("norm.weight") {
+                vec![1.0; n]
             } else {
-                0.02
-            };
-            let mut rng = SplitMix64::new(hash_name(seed, &name));
-            let mut v = Vec::with_capacity(n);
-            while v.len() < n {
-                // Box-Muller: two normals per pair of uniforms.
-                let u1 = rng.uniform().max(1e-300);
-                let u2 = rng.uniform();
-                let r = (-2.0 * u1.ln()).sqrt() * std;
-                let a = 2.0 * std::f64::consts::PI * u2;
-                v.push((r * a.cos()) as f32);
-                if v.len() < n {
-                    v.push((r * a.sin()) as f32);
+                let std = if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
+                    0.02 * out_scale
+                } else {
+                    0.02
+                };
+                let mut rng = SplitMix64::new(hash_name(seed, &name));
+                let mut v = Vec::with_capacity(n);
+                while v.len() < n {
+                    // Box-Muller: two normals per pair of uniforms.
+                    let u1 = rng.uniform().max(1e-300);
+                    let u2 = rng.uniform();
+                    let r = (-2.0 * u1.ln()).sqrt() * std;
+                    let a = 2.0 * std::f64::consts::PI * u2;
+                    v.push((r * a.cos()) as f32);
+                    if v.len() < n {
+                        v.push((r * a.sin()) as f32);
+                    }
                 }
-            }
-            v
-        };
-        map.insert(name, Tensor::from_vec(data, shape, &Device::Cpu)?);
-    }
-    Ok(map)
+                v
+            };
+            let t = Tensor::from_vec(data, shape, &Device::Cpu)?;
+            Ok((name, t))
+        })
+        .collect();
+    made.into_iter().collect::<Result<HashMap<_, _>>>()
 }
 
 /// Parses a byte count: a plain number, or a number with `K`, `M`, `G`, `T`

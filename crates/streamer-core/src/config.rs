@@ -38,6 +38,11 @@ pub struct StreamConfig {
     /// which costs microseconds per op. Turn it on if your own code shares
     /// tensors across streams of this context.
     pub cuda_event_tracking: bool,
+    /// Keep device memory freed between calls in CUDA's memory pool instead of
+    /// handing it back to the driver at every synchronisation (see
+    /// [`crate::retain_freed_device_memory`]); on by default, like PyTorch's
+    /// caching allocator. It applies to the whole device, not only this model.
+    pub retain_device_memory: bool,
     /// Testing aid: make every block's transfer take at least this long (a
     /// sleep on the CPU, a waiting kernel on the transfer stream on CUDA).
     pub transfer_delay: Option<std::time::Duration>,
@@ -57,6 +62,7 @@ impl Default for StreamConfig {
             transfer_delay: None,
             prefetch_across_calls: false,
             cuda_event_tracking: false,
+            retain_device_memory: true,
         }
     }
 }

@@ -306,3 +306,60 @@ pub(crate) unsafe fn alias_var(
     );
     candle_core::Var::from_tensor(&t)
 }
+
+/// The device's default memory pool (the one `cuMemAllocAsync` draws from).
+fn default_pool(dev: &CudaDevice) -> Result<sys::CUmemoryPool> {
+    let ctx = dev.cuda_stream().context().clone();
+    ctx.bind_to_thread().map_err(candle_core::Error::wrap)?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: plain driver query into a local.
+    check(
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) },
+        "cuDeviceGetDefaultMemPool",
+    )?;
+    Ok(pool)
+}
+
+/// Sets how many freed bytes the default pool keeps across synchronisations.
+pub(crate) fn set_release_threshold(dev: &CudaDevice, bytes: u64) -> Result<()> {
+    let pool = default_pool(dev)?;
+    let mut v = bytes;
+    // SAFETY: the attribute takes a cuuint64_t, which `v` is.
+    check(
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut v as *mut u64 as *mut std::ffi::c_void,
+            )
+        },
+        "cuMemPoolSetAttribute(RELEASE_THRESHOLD)",
+    )
+}
+
+/// Returns the default pool's unused memory to the driver.
+pub(crate) fn trim_pool(dev: &CudaDevice) -> Result<()> {
+    let pool = default_pool(dev)?;
+    // SAFETY: trimming only releases memory no allocation uses.
+    check(unsafe { sys::cuMemPoolTrimTo(pool, 0) }, "cuMemPoolTrimTo")
+}
+
+/// Bytes reserved by the default pool minus bytes in use.
+pub(crate) fn pool_idle_bytes(dev: &CudaDevice) -> Result<usize> {
+    let pool = default_pool(dev)?;
+    let get = |attr| -> Result<u64> {
+        let mut v: u64 = 0;
+        // SAFETY: both attributes are cuuint64_t.
+        check(
+            unsafe {
+                sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut std::ffi::c_void)
+            },
+            "cuMemPoolGetAttribute",
+        )?;
+        Ok(v)
+    };
+    use sys::CUmemPool_attribute as A;
+    let reserved = get(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
+    let used = get(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
+    Ok(reserved.saturating_sub(used) as usize)
+}

@@ -38,6 +38,7 @@ mod config;
 mod convert;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
+mod device_memory;
 mod host;
 mod offload;
 mod pool;
@@ -50,6 +51,7 @@ pub use bandwidth::measure_h2d_gbps;
 pub use block::{Block, BlockSpec, ModuleBlock};
 pub use config::StreamConfig;
 pub use convert::convert;
+pub use device_memory::{pooled_idle_bytes, retain_freed_device_memory, trim_device_memory};
 pub use host::{HostMasters, Master};
 pub use offload::{OffloadMarker, Offloader};
 pub use pool::{BlockLayout, Entry, ResidencyPool};

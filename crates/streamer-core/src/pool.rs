@@ -602,6 +602,14 @@ impl CudaEngine {
     ) -> Result<Self> {
         use cudarc::driver::sys::CUevent_flags;
         let compute = dev.cuda_stream();
+        if !cfg.cuda_event_tracking {
+            // SAFETY: the pool orders its streams with its own events (see the
+            // module docs); slices created from here on skip cudarc's tracking.
+            unsafe { dev.disable_event_tracking() };
+        }
+        if cfg.retain_device_memory {
+            crate::cuda::set_release_threshold(dev, u64::MAX)?;
+        }
         let transfer = compute
             .context()
             .new_stream()

@@ -1,0 +1,237 @@
+//! Decoder training throughput: the Llama presets trained streamed (decoder
+//! layers through a window of device slots, f32 masters and AdamW on the host,
+//! optimizer step overlapped with backward) and, where they fit, resident
+//! (plain Candle: bf16 `VarMap` on the device, candle-nn AdamW there too).
+//!
+//!     cargo bench --bench lm [--features cuda]
+//!
+//! `LM_BENCH=1b:both,3b:streamed` picks presets and modes (GPU default; the CPU
+//! default is `tiny:both`), `LM_BENCH_BATCH` / `LM_BENCH_SEQ` the step's shape
+//! (16 x 2048 on a GPU), `LM_BENCH_STEPS` the timed steps (after 2 warm-up
+//! steps), `LM_BENCH_WINDOW` the decoder layers on the device (default 2).
+//! Model FLOPs utilisation is `6 x parameters x tokens/s / 990 TFLOP/s` (the
+//! H200's dense bf16 peak); the streamed run recomputes each layer's forward
+//! in backward, which this convention does not count.
+//!
+//! Writes `benches/results/lm-<device>.json`.
+#[path = "common/mod.rs"]
+mod common;
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use std::time::Instant;
+use streamer_core::StreamConfig;
+use streamer_models::checkpoint::layer_bytes;
+use streamer_models::{init_weights, ByteCorpus, Llama, LlamaConfig, LmTrainer};
+
+const PEAK_TFLOPS: f64 = 990.0;
+
+struct Run {
+    step_s: Vec<f64>,
+    loss: Vec<f32>,
+    peak_device: usize,
+    host_rss: usize,
+}
+
+fn env_or(key: &str, default: usize) -> usize {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn corpus() -> ByteCorpus {
+    // The shipped corpus when run from the repository root, random bytes otherwise
+    // (throughput does not depend on the text).
+    ByteCorpus::from_file("data/corpus.txt").unwrap_or_else(|_| {
+        let mut rng = streamer_models::SplitMix64::new(7);
+        ByteCorpus::new((0..1 << 20).map(|_| (rng.next_u64() >> 56) as u8).collect())
+    })
+}
+
+/// Times `steps` training steps after 2 warm-up steps; `step` returns the loss.
+fn time_steps(
+    dev: &Device,
+    data: &ByteCorpus,
+    batch: usize,
+    seq: usize,
+    steps: usize,
+    mut step: impl FnMut(&Tensor, &Tensor) -> Result<f32>,
+) -> Result<Run> {
+    streamer_core::trim_device_memory(dev)?;
+    let base = common::used_now(dev);
+    let sampler = common::MemSampler::start(dev);
+    let mut step_s = Vec::new();
+    let mut loss = Vec::new();
+    for s in 0..steps + 2 {
+        let (x, y) = data.batch(0, s as u64, batch, seq, dev)?;
+        dev.synchronize()?;
+        let t = Instant::now();
+        let l = step(&x, &y)?;
+        dev.synchronize()?;
+        if s >= 2 {
+            step_s.push(t.elapsed().as_secs_f64());
+        }
+        loss.push(l);
+    }
+    Ok(Run {
+        step_s,
+        loss,
+        peak_device: common::MemSampler::finish(sampler).saturating_sub(base),
+        host_rss: common::host_rss().0,
+    })
+}
+
+fn resident(
+    cfg: &LlamaConfig,
+    dev: &Device,
+    adam: &ParamsAdamW,
+    shape: (usize, usize, usize),
+) -> Result<Run> {
+    let (batch, seq, steps) = shape;
+    let varmap = VarMap::new();
+    {
+        let mut data = varmap.data().lock().expect("fresh varmap");
+        for (k, t) in init_weights(cfg, 0)? {
+            data.insert(
+                k,
+                Var::from_tensor(&t.to_dtype(DType::BF16)?.to_device(dev)?)?,
+            );
+        }
+    }
+    let model = Llama::resident(VarBuilder::from_varmap(&varmap, DType::BF16, dev), cfg)?;
+    let mut opt = AdamW::new(varmap.all_vars(), adam.clone())?;
+    time_steps(dev, &corpus(), batch, seq, steps, |x, y| {
+        let loss = model.loss(x, y)?;
+        opt.backward_step(&loss)?;
+        Ok(loss.to_scalar::<f32>()?)
+    })
+}
+
+fn streamed(
+    cfg: &LlamaConfig,
+    dev: &Device,
+    adam: &ParamsAdamW,
+    shape: (usize, usize, usize),
+    window: usize,
+) -> Result<Run> {
+    let (batch, seq, steps) = shape;
+    let stream = StreamConfig {
+        device: dev.clone(),
+        prefetch_ahead: window - 1,
+        dtype: if dev.is_cuda() {
+            DType::BF16
+        } else {
+            DType::F32
+        },
+        master_dtype: Some(DType::F32),
+        slot_budget_bytes: Some(layer_bytes(cfg, DType::BF16).max(layer_bytes(cfg, DType::F32))),
+        ..Default::default()
+    };
+    let model = Llama::from_tensors(init_weights(cfg, 0)?, cfg, stream)?;
+    let mut trainer = LmTrainer::new(model, adam.clone())?;
+    trainer.set_overlap(true);
+    let run = time_steps(dev, &corpus(), batch, seq, steps, |x, y| {
+        Ok(trainer.step(x, y)?)
+    })?;
+    if let Some(st) = trainer.model().stats()? {
+        println!("  streamed layers: {st}");
+    }
+    Ok(run)
+}
+
+fn main() -> Result<()> {
+    let dev = common::device();
+    let tag = common::device_tag(&dev);
+    let gpu = dev.is_cuda();
+    streamer_core::retain_freed_device_memory(&dev)?;
+    let spec = std::env::var("LM_BENCH").unwrap_or_else(|_| {
+        if gpu {
+            "1b:both,3b:streamed"
+        } else {
+            "tiny:both"
+        }
+        .into()
+    });
+    let batch = env_or("LM_BENCH_BATCH", if gpu { 16 } else { 2 });
+    let seq = env_or("LM_BENCH_SEQ", if gpu { 2048 } else { 64 });
+    let steps = env_or("LM_BENCH_STEPS", if gpu { 5 } else { 2 });
+    let window = env_or("LM_BENCH_WINDOW", 2).max(1);
+    let adam = ParamsAdamW {
+        lr: 3e-4,
+        weight_decay: 0.01,
+        ..Default::default()
+    };
+    let mut rows = Vec::new();
+    for item in spec.split(',') {
+        let (preset, modes) = item.split_once(':').unwrap_or((item, "both"));
+        let cfg = LlamaConfig::preset(preset)?;
+        let params = cfg.num_params();
+        let tokens = batch * seq;
+        let modes: Vec<&str> = match modes {
+            "both" => vec!["resident", "streamed"],
+            "resident" | "streamed" => vec![modes],
+            m => bail!("LM_BENCH: unknown mode {m:?} (both, resident, streamed)"),
+        };
+        let mut tps = std::collections::HashMap::new();
+        for mode in modes {
+            println!(
+                "{preset} ({:.2} B params, {} layers) {mode}: {batch} x {seq} tokens per step, {steps} timed steps",
+                params as f64 / 1e9,
+                cfg.num_hidden_layers
+            );
+            let run = if mode == "resident" {
+                resident(&cfg, &dev, &adam, (batch, seq, steps))
+            } else {
+                streamed(&cfg, &dev, &adam, (batch, seq, steps), window)
+            };
+            let run = match run {
+                Ok(r) => r,
+                Err(e) => {
+                    println!("  {mode} failed: {e}");
+                    rows.push(serde_json::json!({ "preset": preset, "mode": mode, "error": e.to_string() }));
+                    continue;
+                }
+            };
+            let mut sorted = run.step_s.clone();
+            sorted.sort_by(f64::total_cmp);
+            let median = sorted[sorted.len() / 2];
+            let tok_s = tokens as f64 / median;
+            let mfu = 6.0 * params as f64 * tok_s / (PEAK_TFLOPS * 1e12);
+            tps.insert(mode, tok_s);
+            println!(
+                "  step {:.3} s (median), {tok_s:.0} tokens/s, MFU {:.1} %, peak device {:.2} GiB, host RSS {:.2} GiB, loss {:?}",
+                median,
+                mfu * 100.0,
+                run.peak_device as f64 / (1u64 << 30) as f64,
+                run.host_rss as f64 / (1u64 << 30) as f64,
+                run.loss
+            );
+            rows.push(serde_json::json!({
+                "preset": preset, "mode": mode, "params": params, "layers": cfg.num_hidden_layers,
+                "batch": batch, "seq": seq, "tokens_per_step": tokens,
+                "window_layers": if mode == "streamed" { Some(window) } else { None },
+                "step_s": run.step_s, "median_step_s": median, "tokens_per_s": tok_s, "mfu": mfu,
+                "peak_device_bytes": run.peak_device, "host_rss_bytes": run.host_rss, "losses": run.loss,
+            }));
+        }
+        if let (Some(r), Some(s)) = (tps.get("resident"), tps.get("streamed")) {
+            println!("{preset}: streamed / resident tokens/s = {:.3}", s / r);
+            rows.push(serde_json::json!({ "preset": preset, "streamed_over_resident_tokens_per_s": s / r }));
+        }
+    }
+    let out = serde_json::json!({
+        "device": tag,
+        "command": "cargo bench --bench lm --features cuda (scripts/gpu-test.sh bundle)",
+        "mfu_convention": format!("6 x all parameters x tokens/s / {PEAK_TFLOPS} TFLOP/s; recompute and attention FLOPs not counted"),
+        "streamed": "bf16 compute, f32 host masters, CpuAdamW on the host overlapped with backward",
+        "resident": "bf16 VarMap on the device, candle-nn AdamW on the device, Candle autograd",
+        "peak_device_note": "cuMemGetInfo sampled every 200 us above the level before the run, pool trimmed first",
+        "results": rows,
+    });
+    let path = common::results_path(&format!("lm-{tag}.json"));
+    std::fs::write(&path, serde_json::to_string_pretty(&out)?)?;
+    println!("wrote {}", path.display());
+    Ok(())
+}

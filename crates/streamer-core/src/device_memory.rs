@@ -1,0 +1,49 @@
+//! Device memory held by CUDA's stream-ordered allocator between calls.
+//!
+//! Candle allocates through cudarc's `cuMemAllocAsync`, from the device's default
+//! memory pool. That pool's release threshold is 0 by default: at every
+//! synchronisation (a `to_device(Cpu)`, a `synchronize`) it hands all freed
+//! memory back to the driver, so the next call maps its activations afresh, and
+//! every allocation of a large output costs a trip through the driver. On the
+//! H200 that made Candle's element-wise ops and GEMMs in a once-synchronised
+//! loop several times slower than the same kernels on warm memory. Keeping the
+//! freed memory in the pool (as PyTorch's caching allocator does) removes that
+//! cost; [`trim_device_memory`] gives it back when wanted.
+use candle_core::{Device, Result};
+
+/// Keeps memory freed on `device` in CUDA's default memory pool instead of
+/// returning it to the driver at each synchronisation. A no-op on the CPU.
+/// `StreamedSequential` does this by default (`StreamConfig::retain_device_memory`).
+pub fn retain_freed_device_memory(device: &Device) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        return crate::cuda::set_release_threshold(d, u64::MAX);
+    }
+    let _ = device;
+    Ok(())
+}
+
+/// Returns the memory the pool holds but no tensor uses to the driver (after
+/// waiting for the device), so `cuMemGetInfo` sees it free again. A no-op on
+/// the CPU.
+pub fn trim_device_memory(device: &Device) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        device.synchronize()?;
+        return crate::cuda::trim_pool(d);
+    }
+    let _ = device;
+    Ok(())
+}
+
+/// Bytes the default pool of `device` holds without any tensor using them: free
+/// for Candle's next allocations although `cuMemGetInfo` counts them as used.
+/// Zero on the CPU.
+pub fn pooled_idle_bytes(device: &Device) -> Result<usize> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        return crate::cuda::pool_idle_bytes(d);
+    }
+    let _ = device;
+    Ok(0)
+}
