@@ -78,10 +78,15 @@ fn profile(dev: &Device, spec: &str, pool: &str) -> Result<Vec<serde_json::Value
         DType::BF16,
         dev,
     );
-    let block = common::mlp(vb, w, h)?;
+    let block = common::mlp(vb.clone(), w, h)?;
     time("whole block (candle-nn Linear, GELU, Linear)", &mut || {
         block.forward(&x)
     })?;
+    let fused = common::mlp_fused(vb, w, h)?;
+    time(
+        "whole block fused (cuBLASLt bias/GELU epilogues)",
+        &mut || fused.forward(&x),
+    )?;
     Ok(rows)
 }
 
@@ -131,66 +136,79 @@ fn main() -> Result<()> {
         bw_bytes >> 20
     );
 
+    // Block code: candle-nn's Linear + GELU, and/or the fused variant
+    // (STREAMING_BLOCKS=candle,fused; both by default).
+    let kinds: Vec<bool> = std::env::var("STREAMING_BLOCKS")
+        .unwrap_or_else(|_| "candle,fused".into())
+        .split(',')
+        .map(|k| k.trim() == "fused")
+        .collect();
     let mut rows = Vec::new();
     let mut series = Vec::new();
     for (w, h, n, tokens) in configs {
         let host = common::mlp_weights(&dev, w, h, n, DType::BF16)?;
-        let bytes: usize = host.values().map(|t| t.elem_count() * 2).sum();
-        let blocks: Vec<BlockSpec> = (0..n)
-            .map(|i| BlockSpec::module(format!("layers.{i}"), move |vb| common::mlp(vb, w, h)))
-            .collect();
-        streamer_core::trim_device_memory(&dev)?;
-        let base = common::used_now(&dev);
-        let mut points = Vec::new();
-        for &t in &tokens {
-            let x = Tensor::randn(0f32, 1.0, (t, w), &dev)?.to_dtype(DType::BF16)?;
-            // All-resident Candle: weights on the device, the same block code.
-            let (resident_ms, resident_peak) = {
-                let on_dev: HashMap<String, Tensor> = host
-                    .iter()
-                    .map(|(k, v)| Ok((k.clone(), v.to_device(&dev)?)))
-                    .collect::<Result<_>>()?;
-                let vb = VarBuilder::from_tensors(on_dev, DType::BF16, &dev);
-                let mods: Vec<_> = (0..n)
-                    .map(|i| common::mlp(vb.pp(format!("layers.{i}")), w, h))
-                    .collect::<candle_core::Result<_>>()?;
-                streamer_core::trim_device_memory(&dev)?;
-                let sampler = common::MemSampler::start(&dev);
-                let s = common::time_median(&dev, 3, iters, || {
-                    let mut y = x.clone();
-                    for m in &mods {
-                        y = m.forward(&y)?;
-                    }
-                    Ok(())
-                })?;
-                (s * 1e3, sampler.finish().saturating_sub(base))
-            };
-            dev.synchronize()?;
-            let cfg = StreamConfig {
-                device: dev.clone(),
-                prefetch_ahead: 1,
-                dtype: DType::BF16,
-                prefetch_across_calls: true,
-                retain_device_memory: retain,
-                ..Default::default()
-            };
+        for &fused in &kinds {
+            let kind = if fused { "fused" } else { "candle" };
+            let bytes: usize = host.values().map(|t| t.elem_count() * 2).sum();
+            let blocks: Vec<BlockSpec> = (0..n)
+                .map(|i| {
+                    BlockSpec::module(format!("layers.{i}"), move |vb| {
+                        common::mlp_block(vb, w, h, fused)
+                    })
+                })
+                .collect();
             streamer_core::trim_device_memory(&dev)?;
-            let model = StreamedSequential::from_tensors(host.clone(), blocks.clone(), cfg)?;
-            let sampler = common::MemSampler::start(&dev);
-            let streamed_ms = common::time_median(&dev, 3, iters, || {
+            let base = common::used_now(&dev);
+            let mut points = Vec::new();
+            for &t in &tokens {
+                let x = Tensor::randn(0f32, 1.0, (t, w), &dev)?.to_dtype(DType::BF16)?;
+                // All-resident Candle: weights on the device, the same block code.
+                let (resident_ms, resident_peak) = {
+                    let on_dev: HashMap<String, Tensor> = host
+                        .iter()
+                        .map(|(k, v)| Ok((k.clone(), v.to_device(&dev)?)))
+                        .collect::<Result<_>>()?;
+                    let vb = VarBuilder::from_tensors(on_dev, DType::BF16, &dev);
+                    let mods: Vec<_> = (0..n)
+                        .map(|i| common::mlp_block(vb.pp(format!("layers.{i}")), w, h, fused))
+                        .collect::<candle_core::Result<_>>()?;
+                    streamer_core::trim_device_memory(&dev)?;
+                    let sampler = common::MemSampler::start(&dev);
+                    let s = common::time_median(&dev, 3, iters, || {
+                        let mut y = x.clone();
+                        for m in &mods {
+                            y = m.forward(&y)?;
+                        }
+                        Ok(())
+                    })?;
+                    (s * 1e3, sampler.finish().saturating_sub(base))
+                };
+                dev.synchronize()?;
+                let cfg = StreamConfig {
+                    device: dev.clone(),
+                    prefetch_ahead: 1,
+                    dtype: DType::BF16,
+                    prefetch_across_calls: true,
+                    retain_device_memory: retain,
+                    ..Default::default()
+                };
+                streamer_core::trim_device_memory(&dev)?;
+                let model = StreamedSequential::from_tensors(host.clone(), blocks.clone(), cfg)?;
+                let sampler = common::MemSampler::start(&dev);
+                let streamed_ms = common::time_median(&dev, 3, iters, || {
+                    model.forward(&x)?;
+                    Ok(())
+                })? * 1e3;
+                let streamed_peak = sampler.finish().saturating_sub(base);
+                model.reset_stats()?;
                 model.forward(&x)?;
-                Ok(())
-            })? * 1e3;
-            let streamed_peak = sampler.finish().saturating_sub(base);
-            model.reset_stats()?;
-            model.forward(&x)?;
-            let st = model.stats()?;
-            let isolated_ms = bytes as f64 / (h2d_gbps * 1e9) * 1e3;
-            let ratio = streamed_ms / resident_ms;
-            let overlap = 1.0 - (streamed_ms - resident_ms) / isolated_ms;
-            let achieved = bytes as f64 / (streamed_ms / 1e3) / 1e9;
-            println!(
-                "w{w} h{h} x{n} ({:.0} MiB) tokens {t:>6}: resident {resident_ms:8.3} ms  streamed {streamed_ms:8.3} ms  \
+                let st = model.stats()?;
+                let isolated_ms = bytes as f64 / (h2d_gbps * 1e9) * 1e3;
+                let ratio = streamed_ms / resident_ms;
+                let overlap = 1.0 - (streamed_ms - resident_ms) / isolated_ms;
+                let achieved = bytes as f64 / (streamed_ms / 1e3) / 1e9;
+                println!(
+                "{kind:<6} w{w} h{h} x{n} ({:.0} MiB) tokens {t:>6}: resident {resident_ms:8.3} ms  streamed {streamed_ms:8.3} ms  \
                  ratio {ratio:5.3}  H2D floor {isolated_ms:7.3} ms (streamed/floor {:.3})  achieved {achieved:5.1} GB/s  \
                  overlap {overlap:5.3}  stall {:.3} ms  peak mem resident {:.0} MiB / streamed {:.0} MiB",
                 bytes as f64 / 1048576.0,
@@ -199,9 +217,9 @@ fn main() -> Result<()> {
                 resident_peak as f64 / 1048576.0,
                 streamed_peak as f64 / 1048576.0,
             );
-            points.push((t as f64, ratio));
-            rows.push(serde_json::json!({
-                "w": w, "h": h, "blocks": n, "tokens": t, "weight_bytes": bytes,
+                points.push((t as f64, ratio));
+                rows.push(serde_json::json!({
+                "block": kind, "w": w, "h": h, "blocks": n, "tokens": t, "weight_bytes": bytes,
                 "resident_ms": resident_ms, "streamed_ms": streamed_ms, "ratio": ratio,
                 "h2d_floor_ms": isolated_ms, "streamed_over_floor": streamed_ms / isolated_ms,
                 "achieved_h2d_gbps": achieved, "overlap_score": overlap,
@@ -209,10 +227,11 @@ fn main() -> Result<()> {
                 "peak_device_bytes_resident": resident_peak, "peak_device_bytes_streamed": streamed_peak,
                 "slot_bytes": st.slot_bytes,
             }));
-            drop(model);
-            dev.synchronize()?;
+                drop(model);
+                dev.synchronize()?;
+            }
+            series.push((format!("{kind} w{w} h{h} x{n}"), points));
         }
-        series.push((format!("w{w} h{h} x{n}"), points));
     }
     let out = serde_json::json!({
         "device": tag, "dtype": "bf16", "prefetch_ahead": 1, "prefetch_across_calls": true,

@@ -4,6 +4,7 @@
 
 mod attention;
 mod cuda_chain;
+mod fused_linear;
 mod models;
 mod optim;
 mod pool;

@@ -73,6 +73,30 @@ pub fn mlp(vb: VarBuilder, w: usize, h: usize) -> candle_core::Result<impl Modul
     Ok(move |x: &Tensor| down.forward(&up.forward(x)?.gelu()?))
 }
 
+/// The same block with each Linear's bias (and the GELU) fused into its GEMM
+/// (`streamer_models::FusedLinear`: a cuBLASLt epilogue on CUDA).
+pub fn mlp_fused(vb: VarBuilder, w: usize, h: usize) -> candle_core::Result<impl Module> {
+    use streamer_models::{fused_linear, Epilogue};
+    let up = fused_linear(w, h, Epilogue::BiasGelu, vb.pp("up"))?;
+    let down = fused_linear(h, w, Epilogue::Bias, vb.pp("down"))?;
+    Ok(move |x: &Tensor| down.forward(&up.forward(x)?))
+}
+
+/// `mlp` (`fused = false`) or `mlp_fused`, boxed so both fit one type.
+pub fn mlp_block(
+    vb: VarBuilder,
+    w: usize,
+    h: usize,
+    fused: bool,
+) -> candle_core::Result<impl Module> {
+    let m: Box<dyn Module + Send + Sync> = if fused {
+        Box::new(mlp_fused(vb, w, h)?)
+    } else {
+        Box::new(mlp(vb, w, h)?)
+    };
+    Ok(move |x: &Tensor| m.forward(x))
+}
+
 /// Random weights for `n` `mlp` blocks named `layers.{i}`, generated on `dev`
 /// (fast on a GPU), returned on the host in `dtype`.
 pub fn mlp_weights(

@@ -41,12 +41,14 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod fused_linear;
 pub mod llama;
 pub mod sample;
 pub mod train;
 
 pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budget, SplitMix64};
 pub use config::{LlamaConfig, RopeScaling};
+pub use fused_linear::{fused_linear, Epilogue, FusedLinear};
 pub use llama::{apply_rope, DecoderLayer, Llama, RmsNorm, Rope};
 pub use sample::{generate, sample_token};
 pub use train::{train_loop, ByteCorpus, CheckpointFiles, LmTrainer, LoopOptions, StepReport};
