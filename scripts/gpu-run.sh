@@ -30,7 +30,7 @@ fail=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$summary" 2>&1 || true
 # Test binaries run once per topic (GPU_TEST_TOPICS, default: every module of
 # tests/main.rs), so a crash in one topic cannot hide the others' results.
-topics=${GPU_TEST_TOPICS:-"attention cuda_chain models optim pool training"}
+topics=${GPU_TEST_TOPICS:-$(sed -n 's/^mod \([a-z_0-9]*\);$/\1/p' tests/main.rs | tr '\n' ' ')}
 export RUST_BACKTRACE=${RUST_BACKTRACE:-0}
 entries=()
 while IFS=$'\t' read -r kind bin; do

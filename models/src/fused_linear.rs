@@ -215,6 +215,7 @@ impl candle_core::CustomOp3 for LtOp {
 #[cfg(feature = "cuda")]
 mod lt {
     use super::Epilogue;
+    use candle_core::backend::BackendStorage;
     use candle_core::{CudaStorage, DType, Layout, Result, Shape};
     use cudarc::cublaslt::{Activation, CudaBlasLT, Matmul, MatmulConfig};
     use std::collections::HashMap;
