@@ -4,18 +4,23 @@
 //!     cargo run --release --example generate -- --weights model.safetensors --config config.json --streamed
 //!     cargo run --release --features cuda --example generate -- --checkpoint runs/3b/checkpoint --gpu-weight-budget 4GiB
 //!
+//!     cargo run --release --example generate -- --preset 350m     # the untrained model (train_lm's seeded init)
+//!
 //! The model runs resident unless `--streamed` is given or its decoder layers'
 //! weights exceed `--gpu-weight-budget`; then the layers stream from host memory
 //! through a window of as many layers as the budget holds.
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device};
+use candle_core::{DType, Tensor};
+use candle_nn::VarBuilder;
 use clap::Parser;
+use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
 use streamer_core::StreamConfig;
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
-    generate, parse_bytes, prefetch_for_budget, ByteCorpus, CheckpointFiles, Llama, LlamaConfig,
+    generate, init_weights, parse_bytes, prefetch_for_budget, ByteCorpus, CheckpointFiles, Llama,
+    LlamaConfig,
 };
 
 #[derive(Parser, Debug)]
@@ -27,6 +32,13 @@ struct Args {
     /// Safetensors weights (or a model.safetensors.index.json); needs --config.
     #[arg(long, num_args = 1..)]
     weights: Vec<PathBuf>,
+    /// No checkpoint: the freshly initialised model of a train_lm preset (tiny,
+    /// 350m, 1b, 3b) with `--init-seed`, what train_lm starts from.
+    #[arg(long)]
+    preset: Option<String>,
+    /// Seed of the initial weights with `--preset` (train_lm's `--seed`).
+    #[arg(long, default_value_t = 0)]
+    init_seed: u64,
     /// A Hugging Face Llama config.json (default: the checkpoint's).
     #[arg(long)]
     config: Option<PathBuf>,
@@ -65,32 +77,39 @@ struct Args {
 
 fn main() -> Result<()> {
     let a = Args::parse();
-    let dev = match a.device.as_deref() {
-        Some("cpu") => Device::Cpu,
-        Some("cuda") => Device::new_cuda_with_stream(0)?,
-        Some(d) => bail!("unknown --device {d:?} (cpu or cuda)"),
-        None => Device::new_cuda_with_stream(0).unwrap_or(Device::Cpu),
-    };
+    let dev = candle_streamer::cli::device(a.device.as_deref())?;
     let dtype = match a.dtype.as_deref() {
-        Some("f32") => DType::F32,
-        Some("bf16") => DType::BF16,
-        Some("f16") => DType::F16,
-        Some(d) => bail!("unknown --dtype {d:?} (f32, bf16 or f16)"),
+        Some(s) => candle_streamer::cli::parse_dtype(s)?,
         None if dev.is_cuda() => DType::BF16,
         None => DType::F32,
     };
-    let (weights, config) = match (&a.checkpoint, a.weights.is_empty()) {
-        (Some(dir), true) => {
+    // Where the weights come from: files, or a preset's seeded initialisation.
+    enum From {
+        Files(Vec<PathBuf>),
+        Init(HashMap<String, Tensor>),
+    }
+    let (from, cfg) = match (&a.checkpoint, a.weights.is_empty(), &a.preset) {
+        (Some(dir), true, None) => {
             let f = CheckpointFiles::read(dir)?;
-            (vec![f.weights], a.config.clone().unwrap_or(f.config))
+            let config = a.config.clone().unwrap_or(f.config);
+            (
+                From::Files(vec![f.weights]),
+                LlamaConfig::from_json_file(&config)?,
+            )
         }
-        (None, false) => (
-            a.weights.clone(),
-            a.config.clone().context("--weights needs --config")?,
-        ),
-        _ => bail!("give either --checkpoint or --weights (with --config)"),
+        (None, false, None) => {
+            let config = a.config.clone().context("--weights needs --config")?;
+            (
+                From::Files(a.weights.clone()),
+                LlamaConfig::from_json_file(&config)?,
+            )
+        }
+        (None, true, Some(p)) => {
+            let cfg = LlamaConfig::preset(p)?;
+            (From::Init(init_weights(&cfg, a.init_seed)?), cfg)
+        }
+        _ => bail!("give one of --checkpoint, --weights (with --config) or --preset"),
     };
-    let cfg = LlamaConfig::from_json_file(&config)?;
     if cfg.vocab_size < 256 {
         bail!(
             "byte-level tokens need vocab_size >= 256, the config has {}",
@@ -122,14 +141,20 @@ fn main() -> Result<()> {
             dtype,
             ..Default::default()
         };
-        Llama::from_safetensors(&weights, &cfg, stream)?
+        match from {
+            From::Files(w) => Llama::from_safetensors(&w, &cfg, stream)?,
+            From::Init(t) => Llama::from_tensors(t, &cfg, stream)?,
+        }
     } else {
         eprintln!(
             "resident: {:.1} MiB of layer weights on {:?}",
             layers_bytes as f64 / 1048576.0,
             dev.location()
         );
-        Llama::load_resident(&weights, &cfg, dtype, &dev)?
+        match from {
+            From::Files(w) => Llama::load_resident(&w, &cfg, dtype, &dev)?,
+            From::Init(t) => Llama::resident(VarBuilder::from_tensors(t, dtype, &dev), &cfg)?,
+        }
     };
     let prompt = ByteCorpus::encode(&a.prompt);
     let mut out = std::io::stdout().lock();
