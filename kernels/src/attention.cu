@@ -10,9 +10,10 @@
 // - *_simple_*: one warp per query row (forward, dq) or per key row (dk/dv), f32
 //   arithmetic, any head dim 1..256, any dtype. Obviously right, not fast.
 // - fwd_mma_*: FlashAttention-2 style forward for f16/bf16 and head dims 64/128:
-//   a block of 4 warps owns 64 query rows (16 per warp), walks 64-key tiles of K/V
+//   a block of 4 warps owns 128 query rows (32 per warp), walks 64-key tiles of K/V
 //   staged in shared memory, computes S = Q K^T and O += P V with
-//   mma.sync.m16n8k16 (f32 accumulate) and keeps the online softmax in registers.
+//   mma.sync.m16n8k16 (f32 accumulate, operands by ldmatrix) and keeps the online
+//   softmax in registers.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -267,19 +268,12 @@ __device__ __forceinline__ void mma16816<__nv_bfloat16>(float* c, const uint32_t
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-constexpr int MMA_BR = 64;    // query rows per block of the forward (16 per warp)
 constexpr int MMA_BC = 64;    // keys per tile of the forward; keys per block of the backward
 constexpr int MMA_PAD = 8;    // shared-memory row padding (elements): no bank conflicts
 constexpr int MMA_THREADS = 128;
 constexpr int MMA_WARPS = MMA_THREADS / 32;
 constexpr float LOG2E = 1.4426950408889634f;
 #define POS_INF (__int_as_float(0x7f800000))
-
-template <typename T>
-__device__ __forceinline__ uint32_t load2(const T* p, int row, int n, int col, int d) {
-    if (row >= n) return 0u;
-    return *reinterpret_cast<const uint32_t*>(p + (size_t)row * d + col);
-}
 
 // Two consecutive 16-bit elements of shared memory as one register.
 template <typename T> __device__ __forceinline__ uint32_t lds2(const T* p) {
@@ -331,6 +325,9 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int byt
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async16s(uint32_t smem, const void* gmem, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(bytes));
+}
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
@@ -342,74 +339,124 @@ __device__ __forceinline__ uint32_t dynamic_smem_size() {
     return x;
 }
 
-// Dynamic shared memory of the forward: two stages of K and V tiles.
+// ldmatrix x4 at a shared-memory address (per-lane row address, see callers).
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// Lane offsets (elements) of ldmatrix x4 in a row-major tile with row stride ld:
+// - A layout (also B of [k][n] with .trans): rows lane&15, columns (lane>>4)*8,
+//   giving the m16k16 A fragment {a0..a3}, or B of n-tiles 0 and 1 as {r0,r1},{r2,r3};
+// - B of a [n][k] tile (no .trans): rows (lane&7) + (lane>>4)*8, columns
+//   ((lane>>3)&1)*8, giving B of n-tiles 0 and 1 (n0.., n0+8..) as {r0,r1},{r2,r3}.
+__device__ __forceinline__ int ldsm_a_off(int lane, int ld) { return (lane & 15) * ld + (lane >> 4) * 8; }
+__device__ __forceinline__ int ldsm_bn_off(int lane, int ld) {
+    return ((lane & 7) + ((lane >> 4) << 3)) * ld + ((lane >> 3) & 1) * 8;
+}
+
+// Forward tiling: 4 warps, each owning MT m16 row tiles, so every K/V fragment
+// read from shared memory feeds MT mmas. Dynamic shared memory: the Q tile and
+// two stages of K and V tiles.
+constexpr int FWD_MT = 2;
 template <int D> struct FwdCfg {
-    static constexpr int SMEM = 2 * 2 * MMA_BC * (D + MMA_PAD) * 2;
+    static constexpr int BR = 16 * FWD_MT * MMA_WARPS;  // query rows per block
+    static constexpr int LD = D + MMA_PAD;
+    static constexpr int SMEM = (BR + 2 * 2 * MMA_BC) * LD * 2;
 };
 
 // Tensor-core forward. Requires: d == D, D % 16 == 0, q/k/v 16-byte aligned
-// (checked by the launcher), FwdCfg<D>::SMEM of dynamic shared memory.
-// K/V tiles are double-buffered: the copy of tile i+1 (cp.async) overlaps the
-// math on tile i.
+// (checked by the launcher), FwdCfg<D>::SMEM of dynamic shared memory, a grid of
+// ceil(nq / FwdCfg<D>::BR) blocks in x. K/V tiles are double-buffered: the copy of
+// tile i+1 (cp.async) overlaps the math on tile i.
 template <typename T, int D>
 __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         T* __restrict__ o, float* __restrict__ lse, int hq, int hkv, int nq, int nk,
                         float scale, int causal, long long off) {
-    constexpr int LD = D + MMA_PAD;
+    using C = FwdCfg<D>;
+    constexpr int MT = FWD_MT, BR = C::BR, LD = C::LD;
     constexpr int TILE = MMA_BC * LD;  // elements of one K (or V) tile
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    if (dynamic_smem_size() < (uint32_t)FwdCfg<D>::SMEM) __trap();  // launcher bug
-    T* ks = reinterpret_cast<T*>(smem_raw);  // [2][MMA_BC][LD]
+    if (dynamic_smem_size() < (uint32_t)C::SMEM) __trap();  // launcher bug
+    T* qs = reinterpret_cast<T*>(smem_raw);  // [BR][LD]
+    T* ks = qs + BR * LD;                     // [2][MMA_BC][LD]
     T* vs = ks + 2 * TILE;                    // [2][MMA_BC][LD]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int h = blockIdx.y, b = blockIdx.z;
     const int kh = h / (hq / hkv);
-    const int q0 = blockIdx.x * MMA_BR;
+    // Causal: the last query blocks see the most keys; starting them first keeps
+    // the short ones for the tail of the grid.
+    const int q0 = (causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BR;
     const T* qb = q + ((size_t)b * hq + h) * (size_t)nq * D;
     const T* kb = k + ((size_t)b * hkv + kh) * (size_t)nk * D;
     const T* vb = v + ((size_t)b * hkv + kh) * (size_t)nk * D;
-    const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;
+    const int wrow = warp * 16 * MT;  // this warp's first row in the block
 
     // Keys any row of this block can see.
     int kv_end = nk;
     if (causal) {
-        long long e = (long long)(q0 + MMA_BR - 1) + off + 1;
+        long long e = (long long)(q0 + BR - 1) + off + 1;
         kv_end = (int)(e < 0 ? 0 : (e > nk ? nk : e));
     }
 
-    // Stage a K/V tile (keys kv0..kv0+63, zero past nk) with cp.async.
+    // Copies: thread tid moves 16-byte chunk (tid % CPR) of rows tid / CPR + i * RSTEP.
+    constexpr int CPR = D / 8, RSTEP = MMA_THREADS / CPR;
+    static_assert(MMA_THREADS % CPR == 0 && MMA_BC % RSTEP == 0 && BR % RSTEP == 0, "copy layout");
+    const int cr = tid / CPR, cc = (tid % CPR) * 8;
+    const uint32_t qs_u = smem_u32(qs), ks_u = smem_u32(ks), vs_u = smem_u32(vs);
+    const uint32_t cp_dst = (cr * LD + cc) * 2;  // byte offset in a tile
+
+    // Q tile (zero past nq), in the cp.async group of the first K/V tile.
+#pragma unroll
+    for (int i = 0; i < BR / RSTEP; ++i) {
+        const int row = q0 + cr + i * RSTEP;
+        const bool in = row < nq;
+        cp_async16s(qs_u + cp_dst + i * RSTEP * LD * 2, qb + (size_t)(in ? row : 0) * D + cc, in ? 16 : 0);
+    }
+    // Stage a K/V tile (keys kv0..kv0+63, zero past nk).
     auto load_tile = [&](int kv0, int stage) {
-        T* kd = ks + stage * TILE;
-        T* vd = vs + stage * TILE;
-        for (int idx = tid; idx < MMA_BC * (D / 8); idx += MMA_THREADS) {
-            const int r = idx / (D / 8), c8 = idx % (D / 8);
-            const int key = kv0 + r;
+        const uint32_t kd = ks_u + stage * TILE * 2 + cp_dst, vd = vs_u + stage * TILE * 2 + cp_dst;
+#pragma unroll
+        for (int i = 0; i < MMA_BC / RSTEP; ++i) {
+            const int key = kv0 + cr + i * RSTEP;
             const bool in = key < nk;
-            const size_t src = (size_t)(in ? key : 0) * D + c8 * 8;
-            cp_async16(&kd[r * LD + c8 * 8], kb + src, in ? 16 : 0);
-            cp_async16(&vd[r * LD + c8 * 8], vb + src, in ? 16 : 0);
+            const size_t src = (size_t)(in ? key : 0) * D + cc;
+            cp_async16s(kd + i * RSTEP * LD * 2, kb + src, in ? 16 : 0);
+            cp_async16s(vd + i * RSTEP * LD * 2, vb + src, in ? 16 : 0);
         }
     };
     if (kv_end > 0) load_tile(0, 0);
     cp_async_commit();
 
-    // Q fragments (A operand), kept in registers for the whole block.
-    uint32_t qf[D / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        qf[kk][0] = load2(qb, row0, nq, kk * 16 + 2 * t, D);
-        qf[kk][1] = load2(qb, row1, nq, kk * 16 + 2 * t, D);
-        qf[kk][2] = load2(qb, row0, nq, kk * 16 + 2 * t + 8, D);
-        qf[kk][3] = load2(qb, row1, nq, kk * 16 + 2 * t + 8, D);
-    }
+    // Per-lane ldmatrix addresses: Q rows of this warp (A), K (B from [key][dim]),
+    // V (B from [key][dim], transposed).
+    const uint32_t qa_base = qs_u + (wrow * LD + ldsm_a_off(lane, LD)) * 2;
+    const uint32_t ka_base = ks_u + ldsm_bn_off(lane, LD) * 2;
+    const uint32_t va_base = vs_u + ldsm_a_off(lane, LD) * 2;
 
-    float oacc[D / 8][4];
+    float oacc[MT][D / 8][4];
 #pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) oacc[dn][0] = oacc[dn][1] = oacc[dn][2] = oacc[dn][3] = 0.f;
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
-    const float scale_log2 = scale * LOG2E;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) oacc[mt][dn][0] = oacc[mt][dn][1] = oacc[mt][dn][2] = oacc[mt][dn][3] = 0.f;
+    // Row maxima m in the units of s; l: per-thread partial row sums.
+    float m[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = NEG_INF, l[mt][0] = l[mt][1] = 0.f;
+    // p = exp2(s * fold - max * fold). With scale > 0, s stays unscaled and the
+    // scale folds into that fma; otherwise s is scaled first (keeps max = max).
+    const float sl2 = scale * LOG2E;
+    const bool prescale = !(sl2 > 0.f);
+    const float fold = prescale ? 1.f : sl2;
 
     int stage = 0;
     for (int kv0 = 0; kv0 < kv_end; kv0 += MMA_BC, stage ^= 1) {
@@ -418,80 +465,113 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
         cp_async_commit();
         cp_async_wait<1>();  // every group but the newest has landed: this tile is here
         __syncthreads();
-        const T* kt = ks + stage * TILE;
-        const T* vt = vs + stage * TILE;
+        const uint32_t kt = ka_base + stage * TILE * 2;
+        const uint32_t vt = va_base + stage * TILE * 2;
 
-        // S = Q K^T for this warp's 16 rows and the 64 keys of the tile.
-        float s[MMA_BC / 8][4];
+        // S = Q K^T for this warp's 16*MT rows and the 64 keys of the tile.
+        float s[MT][MMA_BC / 8][4];
 #pragma unroll
-        for (int nt = 0; nt < MMA_BC / 8; ++nt) {
-            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                uint32_t bf[2];
-                lds_b(kt + (nt * 8) * LD + kk * 16, LD, g, t, bf);
-                mma16816<T>(s[nt], qf[kk], bf);
+            for (int nt = 0; nt < MMA_BC / 8; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t qa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) ldsm_x4(qa_base + (mt * 16 * LD + kk * 16) * 2, qa[mt]);
+#pragma unroll
+            for (int np = 0; np < MMA_BC / 16; ++np) {
+                uint32_t kf[4];
+                ldsm_x4(kt + (np * 16 * LD + kk * 16) * 2, kf);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma16816<T>(s[mt][2 * np], qa[mt], kf);
+                    mma16816<T>(s[mt][2 * np + 1], qa[mt], kf + 2);
+                }
             }
         }
 
-        // Scale to log2 units and mask (past the end of the keys, or causal).
-        const bool need_mask =
-            kv0 + MMA_BC > nk || (causal && (long long)(kv0 + MMA_BC - 1) > (long long)q0 + off);
+        if (prescale) {
 #pragma unroll
-        for (int nt = 0; nt < MMA_BC / 8; ++nt) {
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = s[nt][e] * scale_log2;
-                if (need_mask) {
-                    const int col = kv0 + nt * 8 + 2 * t + (e & 1);
-                    const int row = e < 2 ? row0 : row1;
-                    const bool ok = col < nk && (!causal || (long long)col <= (long long)row + off);
-                    x = ok ? x : NEG_INF;
-                }
-                s[nt][e] = x;
-            }
+                for (int nt = 0; nt < MMA_BC / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][nt][e] *= sl2;
+        }
+        // Mask keys past the end, or causal (block-uniform test).
+        if (kv0 + MMA_BC > nk || (causal && (long long)(kv0 + MMA_BC - 1) > (long long)q0 + off)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < MMA_BC / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int col = kv0 + nt * 8 + 2 * t + (e & 1);
+                        const int row = q0 + wrow + mt * 16 + g + (e < 2 ? 0 : 8);
+                        const bool ok = col < nk && (!causal || (long long)col <= (long long)row + off);
+                        if (!ok) s[mt][nt][e] = NEG_INF;
+                    }
         }
 
         // Online softmax: new row maxima (a quad of 4 threads shares each row).
+        float corr[MT][2];
+        bool rescale = false;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = m[r];
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < MMA_BC / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_use = mx == NEG_INF ? 0.f : mx;  // a row that saw nothing yet
-            const float corr = exp2f(m[r] - m_use);         // 0 when m[r] is -inf
-            float sum = 0.f;
+            for (int r = 0; r < 2; ++r) {
+                float mx = m[mt][r];
 #pragma unroll
-            for (int nt = 0; nt < MMA_BC / 8; ++nt) {
-                const float p0 = exp2f(s[nt][2 * r] - m_use);
-                const float p1 = exp2f(s[nt][2 * r + 1] - m_use);
-                s[nt][2 * r] = p0;
-                s[nt][2 * r + 1] = p1;
-                sum += p0 + p1;
+                for (int nt = 0; nt < MMA_BC / 8; ++nt)
+                    mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float ms = (mx == NEG_INF ? 0.f : mx) * fold;  // a row that saw nothing yet
+                // Unchanged maximum: exactly 1 (and the O rescale can be skipped);
+                // from m = -inf: 0.
+                corr[mt][r] = mx == m[mt][r] ? 1.f : exp2f(fmaf(m[mt][r], fold, -ms));
+                rescale |= mx != m[mt][r];
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < MMA_BC / 8; ++nt) {
+                    const float p0 = exp2f(fmaf(s[mt][nt][2 * r], fold, -ms));
+                    const float p1 = exp2f(fmaf(s[mt][nt][2 * r + 1], fold, -ms));
+                    s[mt][nt][2 * r] = p0;
+                    s[mt][nt][2 * r + 1] = p1;
+                    sum += p0 + p1;
+                }
+                l[mt][r] = l[mt][r] * corr[mt][r] + sum;  // summed over the quad at the end
+                m[mt][r] = mx;
             }
-            l[r] = l[r] * corr + sum;  // per-thread partial; summed over the quad at the end
-            m[r] = mx;
+        if (__any_sync(0xffffffffu, rescale)) {
 #pragma unroll
-            for (int dn = 0; dn < D / 8; ++dn) {
-                oacc[dn][2 * r] *= corr;
-                oacc[dn][2 * r + 1] *= corr;
-            }
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int dn = 0; dn < D / 8; ++dn) {
+                    oacc[mt][dn][0] *= corr[mt][0];
+                    oacc[mt][dn][1] *= corr[mt][0];
+                    oacc[mt][dn][2] *= corr[mt][1];
+                    oacc[mt][dn][3] *= corr[mt][1];
+                }
         }
 
         // O += P V: the S accumulators are laid out as the A operand of the next mma.
 #pragma unroll
         for (int kk = 0; kk < MMA_BC / 16; ++kk) {
-            uint32_t a[4];
-            acc_to_a<T>(s[2 * kk], s[2 * kk + 1], a);
+            uint32_t pa[MT][4];
 #pragma unroll
-            for (int dn = 0; dn < D / 8; dn += 2) {
-                // Keys kk*16 + (0..15), dims dn*8 + (0..15), transposed by ldmatrix.
-                uint32_t b0[2], b1[2];
-                ldsm_trans_b(vt + (kk * 16) * LD + dn * 8, LD, lane, b0, b1);
-                mma16816<T>(oacc[dn], a, b0);
-                mma16816<T>(oacc[dn + 1], a, b1);
+            for (int mt = 0; mt < MT; ++mt) acc_to_a<T>(s[mt][2 * kk], s[mt][2 * kk + 1], pa[mt]);
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                // Keys kk*16 + (0..15), dims dp*16 + (0..15), transposed by ldmatrix.
+                uint32_t vf[4];
+                ldsm_x4_trans(vt + (kk * 16 * LD + dp * 16) * 2, vf);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma16816<T>(oacc[mt][2 * dp], pa[mt], vf);
+                    mma16816<T>(oacc[mt][2 * dp + 1], pa[mt], vf + 2);
+                }
             }
         }
         __syncthreads();  // every warp is done with this stage before it is refilled
@@ -502,21 +582,23 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     T* ob = o + ((size_t)b * hq + h) * (size_t)nq * D;
     float* lb = lse + ((size_t)b * hq + h) * nq;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float lt = l[r];
-        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-        const float inv = lt > 0.f ? 1.f / lt : 0.f;
-        const int row = r == 0 ? row0 : row1;
-        if (row < nq) {
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int dn = 0; dn < D / 8; ++dn) {
-                *reinterpret_cast<uint32_t*>(ob + (size_t)row * D + dn * 8 + 2 * t) =
-                    pack2<T>(oacc[dn][2 * r] * inv, oacc[dn][2 * r + 1] * inv);
+        for (int r = 0; r < 2; ++r) {
+            float lt = l[mt][r];
+            lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+            lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+            const float inv = lt > 0.f ? 1.f / lt : 0.f;
+            const int row = q0 + wrow + mt * 16 + g + 8 * r;
+            if (row < nq) {
+#pragma unroll
+                for (int dn = 0; dn < D / 8; ++dn) {
+                    *reinterpret_cast<uint32_t*>(ob + (size_t)row * D + dn * 8 + 2 * t) =
+                        pack2<T>(oacc[mt][dn][2 * r] * inv, oacc[mt][dn][2 * r + 1] * inv);
+                }
+                if (t == 0) lb[row] = lt > 0.f ? (m[mt][r] * fold + log2f(lt)) * 0.6931471805599453f : NEG_INF;
             }
-            if (t == 0) lb[row] = lt > 0.f ? (m[r] + log2f(lt)) * 0.6931471805599453f : NEG_INF;
         }
-    }
 }
 
 // ---------------------------------------------------------------- tensor-core backward
@@ -812,7 +894,7 @@ SIMPLE_ENTRIES(__nv_bfloat16, bf16)
 
 
 #define MMA_ENTRY(T, SUF, D)                                                                          \
-    extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                        \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, 2)                                     \
         cqsa_fwd_mma_##SUF##_d##D(const T* q, const T* k, const T* v, T* o, float* lse, int hq,       \
                                   int hkv, int nq, int nk, float scale, int causal, long long off) {  \
         fwd_mma<T, D>(q, k, v, o, lse, hq, hkv, nq, nk, scale, causal, off);                         \

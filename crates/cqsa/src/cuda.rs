@@ -39,8 +39,8 @@ use crate::Dims;
 
 /// Rows handled by one block of the simple kernels (one warp per row).
 const SIMPLE_WARPS: u32 = 4;
-/// Query rows per block of the tensor-core forward.
-const MMA_ROWS: usize = 64;
+/// Query rows per block of the tensor-core forward (`FwdCfg::BR`: 4 warps of 32 rows).
+const MMA_ROWS: usize = 128;
 /// Keys per block of the tensor-core backward.
 const MMA_KEYS: usize = 64;
 /// Threads per block of the tensor-core kernels.
@@ -48,10 +48,10 @@ const MMA_THREADS: u32 = 128;
 /// Shared-memory row padding of the tensor-core kernels (elements).
 const MMA_PAD: usize = 8;
 
-/// Dynamic shared memory of `cqsa_fwd_mma_*_d{d}`: two stages of K and V tiles
-/// (`FwdCfg` in the kernel).
+/// Dynamic shared memory of `cqsa_fwd_mma_*_d{d}`: the Q tile and two stages of
+/// K and V tiles (`FwdCfg` in the kernel).
 fn fwd_smem(d: usize) -> u32 {
-    (2 * 2 * MMA_KEYS * (d + MMA_PAD) * 2) as u32
+    ((MMA_ROWS + 2 * 2 * MMA_KEYS) * (d + MMA_PAD) * 2) as u32
 }
 
 /// Query rows per tile of `cqsa_bwd_mma_*_d{d}` (`BwdCfg::BQ`).
