@@ -636,3 +636,32 @@ fn prefetch_across_calls_keeps_results_and_window(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(prefetch_across_calls_keeps_results_and_window);
+
+fn freed_device_memory_is_kept_then_trimmed(dev: &Device) -> Result<()> {
+    use streamer_core::{pooled_idle_bytes, retain_freed_device_memory, trim_device_memory};
+    const BYTES: usize = 256 << 20;
+    retain_freed_device_memory(dev)?;
+    drop(
+        Tensor::ones(BYTES / 4, DType::F32, dev)?
+            .sum_all()?
+            .to_scalar::<f32>()?,
+    );
+    // The tensor is gone and the device synchronised (to_scalar): with CUDA's
+    // default pool its memory would be back with the driver by now.
+    let kept = pooled_idle_bytes(dev)?;
+    trim_device_memory(dev)?;
+    let after = pooled_idle_bytes(dev)?;
+    if dev.is_cuda() {
+        anyhow::ensure!(kept >= BYTES, "pool kept {kept} bytes, expected >= {BYTES}");
+        // Other tests share the device and may free memory meanwhile: only
+        // require that this test's block went back.
+        anyhow::ensure!(
+            after < BYTES,
+            "pool still holds {after} bytes after trimming"
+        );
+    } else {
+        anyhow::ensure!(kept == 0 && after == 0, "the CPU has no device pool");
+    }
+    Ok(())
+}
+candle_streamer::test_device!(freed_device_memory_is_kept_then_trimmed);
