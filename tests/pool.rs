@@ -641,11 +641,9 @@ fn freed_device_memory_is_kept_then_trimmed(dev: &Device) -> Result<()> {
     use streamer_core::{pooled_idle_bytes, retain_freed_device_memory, trim_device_memory};
     const BYTES: usize = 256 << 20;
     retain_freed_device_memory(dev)?;
-    drop(
-        Tensor::ones(BYTES / 4, DType::F32, dev)?
-            .sum_all()?
-            .to_scalar::<f32>()?,
-    );
+    let _sum = Tensor::ones(BYTES / 4, DType::F32, dev)?
+        .sum_all()?
+        .to_scalar::<f32>()?;
     // The tensor is gone and the device synchronised (to_scalar): with CUDA's
     // default pool its memory would be back with the driver by now.
     let kept = pooled_idle_bytes(dev)?;
