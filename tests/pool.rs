@@ -644,8 +644,9 @@ fn freed_device_memory_is_kept_then_trimmed(dev: &Device) -> Result<()> {
     let _sum = Tensor::ones(BYTES / 4, DType::F32, dev)?
         .sum_all()?
         .to_scalar::<f32>()?;
-    // The tensor is gone and the device synchronised (to_scalar): with CUDA's
-    // default pool its memory would be back with the driver by now.
+    // The tensor is freed (stream-ordered) and the device synchronised: with
+    // CUDA's default pool its memory would be back with the driver now.
+    dev.synchronize()?;
     let kept = pooled_idle_bytes(dev)?;
     trim_device_memory(dev)?;
     let after = pooled_idle_bytes(dev)?;
