@@ -602,22 +602,43 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
 }
 
 // ---------------------------------------------------------------- tensor-core backward
-// FlashAttention-2 style, one block per 64 keys of one (batch, kv head): K and V of
-// the block stay in shared memory and dK, dV in registers (warp w owns keys
-// 16w..16w+15) while the block walks every query head of the group and every
+// FlashAttention-2 style, one block per BC = 16 * WARPS keys of one (batch, kv head):
+// K and V of the block stay in shared memory and dK, dV in registers (warp w owns
+// keys 16w..16w+15) while the block walks every query head of the group and every
 // query tile of BQ rows that can see its keys. Per tile, with P recomputed from the
 // saved log-sum-exp:
 //   S^T = K Q^T, P^T = exp(S^T * scale - lse), dV += P^T dO,
 //   dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q,
 //   dQ += dS K (dS through shared memory, added to an f32 buffer with atomics).
 // dK and dQ are multiplied by `scale` at the end (dQ by the conversion kernel).
+// Q, dO, lse and delta of a tile are double-buffered: the copy of the next tile
+// (cp.async) overlaps the math on this one.
 template <int D> struct BwdCfg {
+    static constexpr int WARPS = D <= 64 ? 4 : 8;  // BWD_BOUNDS_##D must match THREADS
+    static constexpr int THREADS = 32 * WARPS;
+    static constexpr int BC = 16 * WARPS;         // keys per block
     static constexpr int BQ = D <= 64 ? 64 : 32;  // query rows per tile (register budget)
     static constexpr int LD = D + MMA_PAD;
-    static constexpr int LDS = MMA_BC + MMA_PAD;
-    // K, V (MMA_BC rows), Q, dO (BQ rows), dS (BQ x MMA_BC), lse and delta (BQ).
-    static constexpr int SMEM = (2 * MMA_BC * LD + 2 * BQ * LD + BQ * LDS) * 2 + 2 * BQ * 4;
+    static constexpr int LDS = BC + MMA_PAD;
+    // K, V (BC rows), two stages of Q, dO (BQ rows), dS (BQ x BC), two stages of
+    // lse and delta (BQ).
+    static constexpr int SMEM = (2 * BC * LD + 4 * BQ * LD + BQ * LDS) * 2 + 4 * BQ * 4;
 };
+
+// 4-byte global -> shared copy; `bytes` 0 fills zeros.
+__device__ __forceinline__ void cp_async4s(uint32_t smem, const void* gmem, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem), "l"(gmem), "r"(bytes));
+}
+
+// dst[0..1] += (a, b) in global memory (one vector reduction where the GPU has it).
+__device__ __forceinline__ void red_add2(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float2*>(dst), make_float2(a, b));
+#else
+    atomicAdd(dst, a);
+    atomicAdd(dst + 1, b);
+#endif
+}
 
 template <typename T, int D>
 __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -626,54 +647,50 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
                         T* __restrict__ dv, int hq, int hkv, int nq, int nk, float scale, int causal,
                         long long off) {
     using C = BwdCfg<D>;
-    constexpr int BQ = C::BQ, LD = C::LD, LDS = C::LDS;
-    constexpr int RG = BQ / 16;         // row groups of the dQ step
-    constexpr int DG = MMA_WARPS / RG;  // dim groups of the dQ step
-    constexpr int DW = D / DG;          // dims per warp in the dQ step
-    static_assert(MMA_WARPS % RG == 0 && DW % 16 == 0, "dQ step layout");
-    static_assert(MMA_BC == 16 * MMA_WARPS, "one 16-key slab per warp");
+    constexpr int BQ = C::BQ, LD = C::LD, LDS = C::LDS, BC = C::BC, WARPS = C::WARPS;
+    constexpr int THREADS = C::THREADS;
+    constexpr int RG = BQ / 16;     // row groups of the dQ step
+    constexpr int DG = WARPS / RG;  // dim groups of the dQ step
+    constexpr int DW = D / DG;      // dims per warp in the dQ step
+    static_assert(WARPS % RG == 0 && DW % 16 == 0, "dQ step layout");
+    static_assert(2 * BQ <= THREADS, "lse/delta copy layout");
+    constexpr int QTILE = BQ * LD;  // elements of one Q (or dO) stage
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     if (dynamic_smem_size() < (uint32_t)C::SMEM) __trap();  // launcher bug
-    T* ks = reinterpret_cast<T*>(smem_raw);  // [MMA_BC][LD]
-    T* vs = ks + MMA_BC * LD;                 // [MMA_BC][LD]
-    T* qs = vs + MMA_BC * LD;                 // [BQ][LD]
-    T* gs = qs + BQ * LD;                     // [BQ][LD]
-    T* dss = gs + BQ * LD;                    // [BQ][LDS]: dS, query-major
-    float* ls = reinterpret_cast<float*>(dss + BQ * LDS);  // [BQ] lse * log2(e), +inf = no row
-    float* dls = ls + BQ;                                  // [BQ] delta
+    T* ks = reinterpret_cast<T*>(smem_raw);  // [BC][LD]
+    T* vs = ks + BC * LD;                     // [BC][LD]
+    T* qs = vs + BC * LD;                     // [2][BQ][LD]
+    T* gs = qs + 2 * QTILE;                   // [2][BQ][LD]
+    T* dss = gs + 2 * QTILE;                  // [BQ][LDS]: dS, query-major
+    float* ls = reinterpret_cast<float*>(dss + BQ * LDS);  // [2][BQ] lse as stored
+    float* dls = ls + 2 * BQ;                              // [2][BQ] delta
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g8 = lane >> 2, t = lane & 3;
     const int kh = blockIdx.y, b = blockIdx.z;
-    const int j0 = blockIdx.x * MMA_BC;
+    const int j0 = blockIdx.x * BC;
     const int group = hq / hkv;
     const size_t kvbase = ((size_t)b * hkv + kh) * (size_t)nk;
     const T* kb = k + kvbase * D;
     const T* vb = v + kvbase * D;
 
-    for (int idx = tid; idx < MMA_BC * (D / 8); idx += MMA_THREADS) {
-        const int r = idx / (D / 8), c8 = idx % (D / 8);
-        const int key = j0 + r;
-        uint4 kx = make_uint4(0, 0, 0, 0), vx = make_uint4(0, 0, 0, 0);
-        if (key < nk) {
-            kx = *reinterpret_cast<const uint4*>(kb + (size_t)key * D + c8 * 8);
-            vx = *reinterpret_cast<const uint4*>(vb + (size_t)key * D + c8 * 8);
-        }
-        *reinterpret_cast<uint4*>(&ks[r * LD + c8 * 8]) = kx;
-        *reinterpret_cast<uint4*>(&vs[r * LD + c8 * 8]) = vx;
+    // Copies: thread tid moves 16-byte chunk (tid % CPR) of rows tid / CPR + i * RSTEP.
+    constexpr int CPR = D / 8, RSTEP = THREADS / CPR;
+    static_assert(THREADS % CPR == 0 && BC % RSTEP == 0 && BQ % RSTEP == 0, "copy layout");
+    const int cr = tid / CPR, cc = (tid % CPR) * 8;
+    const uint32_t cp_dst = (cr * LD + cc) * 2;  // byte offset in a tile
+    const uint32_t ks_u = smem_u32(ks), vs_u = smem_u32(vs), qs_u = smem_u32(qs), gs_u = smem_u32(gs);
+    const uint32_t ls_u = smem_u32(ls), dls_u = smem_u32(dls);
+
+#pragma unroll
+    for (int i = 0; i < BC / RSTEP; ++i) {
+        const int key = j0 + cr + i * RSTEP;
+        const bool in = key < nk;
+        const size_t src = (size_t)(in ? key : 0) * D + cc;
+        cp_async16s(ks_u + cp_dst + i * RSTEP * LD * 2, kb + src, in ? 16 : 0);
+        cp_async16s(vs_u + cp_dst + i * RSTEP * LD * 2, vb + src, in ? 16 : 0);
     }
-
-    float dka[D / 8][4], dva[D / 8][4];
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dka[dn][e] = dva[dn][e] = 0.f;
-
-    const int kr0 = j0 + warp * 16 + g8;  // this thread's key rows (C layout rows g, g+8)
-    const T* kw = ks + warp * 16 * LD;    // this warp's 16 keys
-    const T* vw = vs + warp * 16 * LD;
-    const float sl2 = scale * LOG2E;
 
     // First query row that can see key j0, rounded down to a tile.
     int istart = 0;
@@ -682,164 +699,191 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
         istart = (int)(r < 0 ? 0 : (r > nq ? nq : r));
         istart = istart / BQ * BQ;
     }
+    // Tiles: every head of the group, and in each the query tiles from istart.
+    const int tiles_h = (nq - istart + BQ - 1) / BQ;
+    const int ntiles = tiles_h * group;
 
-    for (int h = kh * group; h < (kh + 1) * group; ++h) {
-        const size_t rowbase = ((size_t)b * hq + h) * (size_t)nq;
+    // Stage tile `tau` (Q, dO zero past nq; lse, delta as stored).
+    auto load_tile = [&](int tau, int stage) {
+        const int hh = kh * group + tau / tiles_h;
+        const int i0 = istart + (tau % tiles_h) * BQ;
+        const size_t rowbase = ((size_t)b * hq + hh) * (size_t)nq;
         const T* qb = q + rowbase * D;
         const T* gb = g + rowbase * D;
-        for (int i0 = istart; i0 < nq; i0 += BQ) {
-            __syncthreads();  // the previous tile is consumed (first time: K/V are stored)
-            for (int idx = tid; idx < BQ * (D / 8); idx += MMA_THREADS) {
-                const int r = idx / (D / 8), c8 = idx % (D / 8);
-                const int row = i0 + r;
-                uint4 qx = make_uint4(0, 0, 0, 0), gx = make_uint4(0, 0, 0, 0);
-                if (row < nq) {
-                    qx = *reinterpret_cast<const uint4*>(qb + (size_t)row * D + c8 * 8);
-                    gx = *reinterpret_cast<const uint4*>(gb + (size_t)row * D + c8 * 8);
-                }
-                *reinterpret_cast<uint4*>(&qs[r * LD + c8 * 8]) = qx;
-                *reinterpret_cast<uint4*>(&gs[r * LD + c8 * 8]) = gx;
-            }
-            for (int r = tid; r < BQ; r += MMA_THREADS) {
-                const int row = i0 + r;
-                float L = POS_INF, dl = 0.f;  // +inf: p = 0 for a missing row or one that sees nothing
-                if (row < nq) {
-                    const float li = lse[rowbase + row];
-                    if (li != NEG_INF) {
-                        L = li * LOG2E;
-                        dl = delta[rowbase + row];
-                    }
-                }
-                ls[r] = L;
-                dls[r] = dl;
-            }
-            __syncthreads();
+#pragma unroll
+        for (int i = 0; i < BQ / RSTEP; ++i) {
+            const int row = i0 + cr + i * RSTEP;
+            const bool in = row < nq;
+            const size_t src = (size_t)(in ? row : 0) * D + cc;
+            const uint32_t dst = stage * QTILE * 2 + cp_dst + i * RSTEP * LD * 2;
+            cp_async16s(qs_u + dst, qb + src, in ? 16 : 0);
+            cp_async16s(gs_u + dst, gb + src, in ? 16 : 0);
+        }
+        if (tid < 2 * BQ) {
+            const int r = tid % BQ;
+            const int row = i0 + r;
+            const bool in = row < nq;
+            const float* src = (tid < BQ ? lse : delta) + rowbase + (in ? row : 0);
+            cp_async4s((tid < BQ ? ls_u : dls_u) + (stage * BQ + r) * 4, src, in ? 4 : 0);
+        }
+    };
+    if (ntiles > 0) load_tile(0, 0);
+    cp_async_commit();
 
-            // S^T = K Q^T: this warp's 16 keys x BQ queries.
-            float st[BQ / 8][4];
+    float dka[D / 8][4], dva[D / 8][4];
 #pragma unroll
-            for (int nt = 0; nt < BQ / 8; ++nt) st[nt][0] = st[nt][1] = st[nt][2] = st[nt][3] = 0.f;
+    for (int dn = 0; dn < D / 8; ++dn)
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
+        for (int e = 0; e < 4; ++e) dka[dn][e] = dva[dn][e] = 0.f;
+
+    const int kw0 = j0 + warp * 16;       // this warp's first key
+    const int kr0 = kw0 + g8;             // this thread's key rows (C layout rows g, g+8)
+    const T* kw = ks + warp * 16 * LD;    // this warp's 16 keys
+    const T* vw = vs + warp * 16 * LD;
+    const float sl2 = scale * LOG2E;
+
+    for (int tau = 0; tau < ntiles; ++tau) {
+        const int stage = tau & 1;
+        cp_async_wait<0>();  // this tile (and at first K/V) has landed
+        // This tile is visible, and every warp is done with the previous one (its
+        // stage, which the prefetch below refills, and the dS tile).
+        __syncthreads();
+        if (tau + 1 < ntiles) load_tile(tau + 1, stage ^ 1);
+        cp_async_commit();
+
+        const int h = kh * group + tau / tiles_h;
+        const int i0 = istart + (tau % tiles_h) * BQ;
+        const size_t rowbase = ((size_t)b * hq + h) * (size_t)nq;
+        const T* qt = qs + stage * QTILE;
+        const T* gt = gs + stage * QTILE;
+        const float* lt = ls + stage * BQ;
+        const float* dlt = dls + stage * BQ;
+
+        // S^T = K Q^T: this warp's 16 keys x BQ queries.
+        float st[BQ / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < BQ / 8; ++nt) st[nt][0] = st[nt][1] = st[nt][2] = st[nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t a[4];
+            ldsm_x4(smem_u32(kw + kk * 16 + ldsm_a_off(lane, LD)), a);
+#pragma unroll
+            for (int np = 0; np < BQ / 16; ++np) {
+                uint32_t bf[4];
+                ldsm_x4(smem_u32(qt + (np * 16) * LD + kk * 16 + ldsm_bn_off(lane, LD)), bf);
+                mma16816<T>(st[2 * np], a, bf);
+                mma16816<T>(st[2 * np + 1], a, bf + 2);
+            }
+        }
+
+        // P^T = exp(S^T * scale - lse), masked (keys past nk, causal; warp-uniform test).
+        // A row past nq or one that sees no key (lse = -inf) gets p = 0.
+        const bool need_mask = kw0 + 16 > nk || (causal && (long long)(kw0 + 15) > (long long)i0 + off);
+#pragma unroll
+        for (int nt = 0; nt < BQ / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = nt * 8 + 2 * t + (e & 1);  // query within the tile
+                float x = st[nt][e] * sl2;
+                if (need_mask) {
+                    const int key = kr0 + (e < 2 ? 0 : 8);
+                    const bool ok = key < nk && (!causal || (long long)key <= (long long)(i0 + col) + off);
+                    x = ok ? x : NEG_INF;
+                }
+                const float li = lt[col];
+                const float L = (li == NEG_INF || i0 + col >= nq) ? POS_INF : li * LOG2E;
+                st[nt][e] = exp2f(x - L);
+            }
+        }
+
+        // dV += P^T dO (A = P^T from the accumulators, B = dO rows transposed).
+#pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk) {
+            uint32_t a[4];
+            acc_to_a<T>(st[2 * kk], st[2 * kk + 1], a);
+#pragma unroll
+            for (int dn = 0; dn < D / 8; dn += 2) {
+                uint32_t b0[2], b1[2];
+                ldsm_trans_b(gt + (kk * 16) * LD + dn * 8, LD, lane, b0, b1);
+                mma16816<T>(dva[dn], a, b0);
+                mma16816<T>(dva[dn + 1], a, b1);
+            }
+        }
+
+        // dP^T = V dO^T.
+        float dpt[BQ / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < BQ / 8; ++nt) dpt[nt][0] = dpt[nt][1] = dpt[nt][2] = dpt[nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t a[4];
+            ldsm_x4(smem_u32(vw + kk * 16 + ldsm_a_off(lane, LD)), a);
+#pragma unroll
+            for (int np = 0; np < BQ / 16; ++np) {
+                uint32_t bf[4];
+                ldsm_x4(smem_u32(gt + (np * 16) * LD + kk * 16 + ldsm_bn_off(lane, LD)), bf);
+                mma16816<T>(dpt[2 * np], a, bf);
+                mma16816<T>(dpt[2 * np + 1], a, bf + 2);
+            }
+        }
+
+        // dS^T = P^T (dP^T - delta); also stored query-major for the dQ step.
+#pragma unroll
+        for (int nt = 0; nt < BQ / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = nt * 8 + 2 * t + (e & 1);
+                const float ds = st[nt][e] * (dpt[nt][e] - dlt[col]);
+                dpt[nt][e] = ds;
+                dss[col * LDS + warp * 16 + g8 + (e < 2 ? 0 : 8)] = from_f<T>(ds);
+            }
+        }
+
+        // dK += dS^T Q.
+#pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk) {
+            uint32_t a[4];
+            acc_to_a<T>(dpt[2 * kk], dpt[2 * kk + 1], a);
+#pragma unroll
+            for (int dn = 0; dn < D / 8; dn += 2) {
+                uint32_t b0[2], b1[2];
+                ldsm_trans_b(qt + (kk * 16) * LD + dn * 8, LD, lane, b0, b1);
+                mma16816<T>(dka[dn], a, b0);
+                mma16816<T>(dka[dn + 1], a, b1);
+            }
+        }
+        __syncthreads();  // dS of every warp is in shared memory
+
+        // dQ[tile] += dS K: warp (rg, dg) owns rows 16rg.. and dims DW*dg.. of the tile.
+        {
+            const int rg = warp % RG, dg = warp / RG;
+            float dqa[DW / 8][4];
+#pragma unroll
+            for (int dn = 0; dn < DW / 8; ++dn) dqa[dn][0] = dqa[dn][1] = dqa[dn][2] = dqa[dn][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < BC / 16; ++kk) {
                 uint32_t a[4];
-                lds_a(kw + kk * 16, LD, g8, t, a);
+                lds_a(dss + (rg * 16) * LDS + kk * 16, LDS, g8, t, a);
 #pragma unroll
-                for (int nt = 0; nt < BQ / 8; ++nt) {
-                    uint32_t bf[2];
-                    lds_b(qs + (nt * 8) * LD + kk * 16, LD, g8, t, bf);
-                    mma16816<T>(st[nt], a, bf);
-                }
-            }
-
-            // P^T = exp(S^T * scale - lse), masked (keys past nk, causal).
-            const bool need_mask =
-                j0 + MMA_BC > nk || (causal && (long long)(j0 + MMA_BC - 1) > (long long)i0 + off);
-#pragma unroll
-            for (int nt = 0; nt < BQ / 8; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int col = nt * 8 + 2 * t + (e & 1);  // query within the tile
-                    float x = st[nt][e] * sl2;
-                    if (need_mask) {
-                        const int key = kr0 + (e < 2 ? 0 : 8);
-                        const bool ok =
-                            key < nk && (!causal || (long long)key <= (long long)(i0 + col) + off);
-                        x = ok ? x : NEG_INF;
-                    }
-                    st[nt][e] = exp2f(x - ls[col]);
-                }
-            }
-
-            // dV += P^T dO (A = P^T from the accumulators, B = dO rows transposed).
-#pragma unroll
-            for (int kk = 0; kk < BQ / 16; ++kk) {
-                uint32_t a[4];
-                acc_to_a<T>(st[2 * kk], st[2 * kk + 1], a);
-#pragma unroll
-                for (int dn = 0; dn < D / 8; dn += 2) {
+                for (int dn = 0; dn < DW / 8; dn += 2) {
                     uint32_t b0[2], b1[2];
-                    ldsm_trans_b(gs + (kk * 16) * LD + dn * 8, LD, lane, b0, b1);
-                    mma16816<T>(dva[dn], a, b0);
-                    mma16816<T>(dva[dn + 1], a, b1);
+                    ldsm_trans_b(ks + (kk * 16) * LD + dg * DW + dn * 8, LD, lane, b0, b1);
+                    mma16816<T>(dqa[dn], a, b0);
+                    mma16816<T>(dqa[dn + 1], a, b1);
                 }
             }
-
-            // dP^T = V dO^T.
-            float dpt[BQ / 8][4];
 #pragma unroll
-            for (int nt = 0; nt < BQ / 8; ++nt) dpt[nt][0] = dpt[nt][1] = dpt[nt][2] = dpt[nt][3] = 0.f;
+            for (int r = 0; r < 2; ++r) {
+                const int row = i0 + rg * 16 + g8 + 8 * r;
+                if (row < nq) {
+                    float* dst = dq_acc + (rowbase + row) * D + dg * DW + 2 * t;
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                uint32_t a[4];
-                lds_a(vw + kk * 16, LD, g8, t, a);
-#pragma unroll
-                for (int nt = 0; nt < BQ / 8; ++nt) {
-                    uint32_t bf[2];
-                    lds_b(gs + (nt * 8) * LD + kk * 16, LD, g8, t, bf);
-                    mma16816<T>(dpt[nt], a, bf);
-                }
-            }
-
-            // dS^T = P^T (dP^T - delta); also stored query-major for the dQ step.
-#pragma unroll
-            for (int nt = 0; nt < BQ / 8; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int col = nt * 8 + 2 * t + (e & 1);
-                    const float ds = st[nt][e] * (dpt[nt][e] - dls[col]);
-                    dpt[nt][e] = ds;
-                    dss[col * LDS + warp * 16 + g8 + (e < 2 ? 0 : 8)] = from_f<T>(ds);
-                }
-            }
-
-            // dK += dS^T Q.
-#pragma unroll
-            for (int kk = 0; kk < BQ / 16; ++kk) {
-                uint32_t a[4];
-                acc_to_a<T>(dpt[2 * kk], dpt[2 * kk + 1], a);
-#pragma unroll
-                for (int dn = 0; dn < D / 8; dn += 2) {
-                    uint32_t b0[2], b1[2];
-                    ldsm_trans_b(qs + (kk * 16) * LD + dn * 8, LD, lane, b0, b1);
-                    mma16816<T>(dka[dn], a, b0);
-                    mma16816<T>(dka[dn + 1], a, b1);
-                }
-            }
-            __syncthreads();  // dS of every warp is in shared memory
-
-            // dQ[tile] += dS K: warp (rg, dg) owns rows 16rg.. and dims DW*dg.. of the tile.
-            {
-                const int rg = warp % RG, dg = warp / RG;
-                float dqa[DW / 8][4];
-#pragma unroll
-                for (int dn = 0; dn < DW / 8; ++dn) dqa[dn][0] = dqa[dn][1] = dqa[dn][2] = dqa[dn][3] = 0.f;
-#pragma unroll
-                for (int kk = 0; kk < MMA_BC / 16; ++kk) {
-                    uint32_t a[4];
-                    lds_a(dss + (rg * 16) * LDS + kk * 16, LDS, g8, t, a);
-#pragma unroll
-                    for (int dn = 0; dn < DW / 8; dn += 2) {
-                        uint32_t b0[2], b1[2];
-                        ldsm_trans_b(ks + (kk * 16) * LD + dg * DW + dn * 8, LD, lane, b0, b1);
-                        mma16816<T>(dqa[dn], a, b0);
-                        mma16816<T>(dqa[dn + 1], a, b1);
-                    }
-                }
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int row = i0 + rg * 16 + g8 + 8 * r;
-                    if (row < nq) {
-                        float* dst = dq_acc + (rowbase + row) * D + dg * DW + 2 * t;
-#pragma unroll
-                        for (int dn = 0; dn < DW / 8; ++dn) {
-                            atomicAdd(dst + dn * 8, dqa[dn][2 * r]);
-                            atomicAdd(dst + dn * 8 + 1, dqa[dn][2 * r + 1]);
-                        }
-                    }
+                    for (int dn = 0; dn < DW / 8; ++dn) red_add2(dst + dn * 8, dqa[dn][2 * r], dqa[dn][2 * r + 1]);
                 }
             }
         }
     }
+    cp_async_wait<0>();  // no copy may be in flight when the block exits (ntiles == 0)
 
     // dK (times scale) and dV of this warp's keys.
 #pragma unroll
@@ -893,13 +937,18 @@ SIMPLE_ENTRIES(__half, f16)
 SIMPLE_ENTRIES(__nv_bfloat16, bf16)
 
 
+// Launch bounds of the backward: BwdCfg<D>::THREADS threads; for D = 64 at most
+// 168 registers so that three blocks share an SM.
+#define BWD_BOUNDS_64 __launch_bounds__(128, 3)
+#define BWD_BOUNDS_128 __launch_bounds__(256)
+
 #define MMA_ENTRY(T, SUF, D)                                                                          \
     extern "C" __global__ void __launch_bounds__(MMA_THREADS, 2)                                     \
         cqsa_fwd_mma_##SUF##_d##D(const T* q, const T* k, const T* v, T* o, float* lse, int hq,       \
                                   int hkv, int nq, int nk, float scale, int causal, long long off) {  \
         fwd_mma<T, D>(q, k, v, o, lse, hq, hkv, nq, nk, scale, causal, off);                         \
     }                                                                                                \
-    extern "C" __global__ void __launch_bounds__(MMA_THREADS) cqsa_bwd_mma_##SUF##_d##D(            \
+    extern "C" __global__ void BWD_BOUNDS_##D cqsa_bwd_mma_##SUF##_d##D(                          \
         const T* q, const T* k, const T* v, const T* g, const float* lse, const float* delta,        \
         float* dq_acc, T* dk, T* dv, int hq, int hkv, int nq, int nk, float scale, int causal,        \
         long long off) {                                                                             \

@@ -41,9 +41,9 @@ use crate::Dims;
 const SIMPLE_WARPS: u32 = 4;
 /// Query rows per block of the tensor-core forward (`FwdCfg::BR`: 4 warps of 32 rows).
 const MMA_ROWS: usize = 128;
-/// Keys per block of the tensor-core backward.
+/// Keys per tile of the tensor-core forward.
 const MMA_KEYS: usize = 64;
-/// Threads per block of the tensor-core kernels.
+/// Threads per block of the tensor-core forward.
 const MMA_THREADS: u32 = 128;
 /// Shared-memory row padding of the tensor-core kernels (elements).
 const MMA_PAD: usize = 8;
@@ -52,6 +52,25 @@ const MMA_PAD: usize = 8;
 /// K and V tiles (`FwdCfg` in the kernel).
 fn fwd_smem(d: usize) -> u32 {
     ((MMA_ROWS + 2 * 2 * MMA_KEYS) * (d + MMA_PAD) * 2) as u32
+}
+
+/// Warps per block of `cqsa_bwd_mma_*_d{d}` (`BwdCfg::WARPS`); each owns 16 keys.
+fn bwd_warps(d: usize) -> usize {
+    if d <= 64 {
+        4
+    } else {
+        8
+    }
+}
+
+/// Keys per block of `cqsa_bwd_mma_*_d{d}` (`BwdCfg::BC`).
+fn bwd_keys(d: usize) -> usize {
+    16 * bwd_warps(d)
+}
+
+/// Threads per block of `cqsa_bwd_mma_*_d{d}` (`BwdCfg::THREADS`).
+fn bwd_threads(d: usize) -> u32 {
+    32 * bwd_warps(d) as u32
 }
 
 /// Query rows per tile of `cqsa_bwd_mma_*_d{d}` (`BwdCfg::BQ`).
@@ -63,11 +82,13 @@ fn bwd_rows(d: usize) -> usize {
     }
 }
 
-/// Dynamic shared memory of `cqsa_bwd_mma_*_d{d}` (`BwdCfg::SMEM`): K, V, Q and
-/// dO tiles, the dS tile, and f32 lse and delta of a query tile.
+/// Dynamic shared memory of `cqsa_bwd_mma_*_d{d}` (`BwdCfg::SMEM`): K and V of the
+/// block, two stages of Q and dO tiles, the dS tile, and two stages of f32 lse and
+/// delta of a query tile.
 fn bwd_smem(d: usize) -> u32 {
-    let (bq, ld, lds) = (bwd_rows(d), d + MMA_PAD, MMA_KEYS + MMA_PAD);
-    ((2 * MMA_KEYS * ld + 2 * bq * ld + bq * lds) * 2 + 2 * bq * 4) as u32
+    let (bc, bq) = (bwd_keys(d), bwd_rows(d));
+    let (ld, lds) = (d + MMA_PAD, bc + MMA_PAD);
+    ((2 * bc * ld + 4 * bq * ld + bq * lds) * 2 + 4 * bq * 4) as u32
 }
 
 /// Lets `func` use `smem` bytes of dynamic shared memory (raising the 48 KiB
@@ -310,8 +331,8 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         let func = dev.get_or_load_custom_func(&name, module::ATTENTION, ATTENTION)?;
         allow_smem(&func, smem)?;
         let cfg = LaunchConfig {
-            grid_dim: grid(nk.div_ceil(MMA_KEYS), hkv, b)?,
-            block_dim: (MMA_THREADS, 1, 1),
+            grid_dim: grid(nk.div_ceil(bwd_keys(d)), hkv, b)?,
+            block_dim: (bwd_threads(d), 1, 1),
             shared_mem_bytes: smem,
         };
         {
