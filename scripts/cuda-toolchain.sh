@@ -51,11 +51,14 @@ if [ ! -e "$stub/libcuda.so" ]; then
   ln -sf libcuda.so "$stub/libcuda.so.1"
 fi
 
+# Idempotent: evaluating it twice (a shell that already has it, then
+# scripts/gpu-test.sh) must give the same RUSTFLAGS, or cargo rebuilds every
+# crate, candle's CUDA kernels included (15+ minutes on 2 cores).
 cat <<ENV
-export PATH="$cu/bin:\$PATH"
+case ":\$PATH:" in *":$cu/bin:"*) ;; *) export PATH="$cu/bin:\$PATH" ;; esac
 export CUDA_PATH="$cu"
 export CUDA_ROOT="$cu"
 export CUDA_COMPUTE_CAP="\${CUDA_COMPUTE_CAP:-90}"
-export LIBRARY_PATH="$cu/lib:$stub\${LIBRARY_PATH:+:\$LIBRARY_PATH}"
-export RUSTFLAGS="-L $cu/lib -L $stub\${RUSTFLAGS:+ \$RUSTFLAGS}"
+case ":\${LIBRARY_PATH:-}:" in *":$cu/lib:"*) ;; *) export LIBRARY_PATH="$cu/lib:$stub\${LIBRARY_PATH:+:\$LIBRARY_PATH}" ;; esac
+case " \${RUSTFLAGS:-} " in *" -L $cu/lib "*) ;; *) export RUSTFLAGS="-L $cu/lib -L $stub\${RUSTFLAGS:+ \$RUSTFLAGS}" ;; esac
 ENV
