@@ -221,21 +221,22 @@ mod lt {
     use std::collections::HashMap;
     use std::sync::{Arc, Mutex, OnceLock};
 
-    /// One cuBLASLt handle (and its 32 MiB workspace) per device, made on first use.
+    /// One cuBLASLt handle (and its 32 MiB workspace) per compute stream, made on
+    /// first use. Keyed by stream, not by GPU: cuBLASLt launches on the handle's
+    /// stream, which must be the one the output was allocated on (two Candle
+    /// devices on one GPU have different streams).
     fn handle(dev: &candle_core::CudaDevice) -> Result<Arc<CudaBlasLT>> {
-        static HANDLES: OnceLock<Mutex<HashMap<candle_core::DeviceLocation, Arc<CudaBlasLT>>>> =
-            OnceLock::new();
+        static HANDLES: OnceLock<Mutex<HashMap<usize, Arc<CudaBlasLT>>>> = OnceLock::new();
+        let stream = dev.cuda_stream();
+        let key = stream.cu_stream() as usize;
         let mut map = HANDLES
             .get_or_init(Default::default)
             .lock()
             .map_err(|_| candle_core::Error::Msg("fused-linear: handle cache poisoned".into()))?;
-        let key = candle_core::DeviceLocation::Cuda {
-            gpu_id: dev.cuda_stream().context().ordinal(),
-        };
         if let Some(h) = map.get(&key) {
             return Ok(h.clone());
         }
-        let h = Arc::new(CudaBlasLT::new(dev.cuda_stream()).map_err(candle_core::Error::wrap)?);
+        let h = Arc::new(CudaBlasLT::new(stream).map_err(candle_core::Error::wrap)?);
         map.insert(key, h.clone());
         Ok(h)
     }
