@@ -25,6 +25,9 @@ fn main() -> Result<()> {
     let dev = common::device();
     let tag = common::device_tag(&dev);
     let gpu = dev.is_cuda();
+    // Resident and streamed runs share one allocator setting: freed device memory
+    // stays pooled (what StreamConfig does by default), from the first run on.
+    streamer_core::retain_freed_device_memory(&dev)?;
     // (w, h, blocks, tokens, master dtype): f32 masters are the mixed-precision
     // default; bf16 masters stream half the bytes, like the resident baseline's
     // bf16 weights (the optimizer state stays f32 either way).
@@ -195,6 +198,7 @@ fn main() -> Result<()> {
         "streamed": "host masters (f32 or bf16, see master_dtype), bf16 compute, CpuAdamW with f32 state on the host (16 threads on the H200 host)",
         "statistic": format!("median of {iters} steps after {warmup} warm-up"),
         "command": "cargo bench --bench training --features cuda (scripts/gpu-test.sh bundle)",
+        "allocator": "freed device memory kept in CUDA's pool (both runs)",
         "results": rows,
     });
     let json = common::results_path(&format!("training-{tag}.json"));
