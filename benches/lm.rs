@@ -1,7 +1,8 @@
 //! Decoder training throughput: the Llama presets trained streamed (decoder
 //! layers through a window of device slots, f32 masters and AdamW on the host,
 //! optimizer step overlapped with backward) and, where they fit, resident
-//! (plain Candle: bf16 `VarMap` on the device, candle-nn AdamW there too).
+//! (plain Candle: a `VarMap` on the device, candle-nn AdamW there too). Both
+//! compute in bf16 on a GPU, f32 on the CPU.
 //!
 //!     cargo bench --bench lm [--features cuda]
 //!
@@ -86,6 +87,7 @@ fn time_steps(
 fn resident(
     cfg: &LlamaConfig,
     dev: &Device,
+    dtype: DType,
     adam: &ParamsAdamW,
     shape: (usize, usize, usize),
 ) -> Result<Run> {
@@ -94,13 +96,10 @@ fn resident(
     {
         let mut data = varmap.data().lock().expect("fresh varmap");
         for (k, t) in init_weights(cfg, 0)? {
-            data.insert(
-                k,
-                Var::from_tensor(&t.to_dtype(DType::BF16)?.to_device(dev)?)?,
-            );
+            data.insert(k, Var::from_tensor(&t.to_dtype(dtype)?.to_device(dev)?)?);
         }
     }
-    let model = Llama::resident(VarBuilder::from_varmap(&varmap, DType::BF16, dev), cfg)?;
+    let model = Llama::resident(VarBuilder::from_varmap(&varmap, dtype, dev), cfg)?;
     let mut opt = AdamW::new(varmap.all_vars(), adam.clone())?;
     time_steps(dev, &corpus(), batch, seq, steps, |x, y| {
         let loss = model.loss(x, y)?;
@@ -112,6 +111,7 @@ fn resident(
 fn streamed(
     cfg: &LlamaConfig,
     dev: &Device,
+    dtype: DType,
     adam: &ParamsAdamW,
     shape: (usize, usize, usize),
     window: usize,
@@ -120,13 +120,9 @@ fn streamed(
     let stream = StreamConfig {
         device: dev.clone(),
         prefetch_ahead: window - 1,
-        dtype: if dev.is_cuda() {
-            DType::BF16
-        } else {
-            DType::F32
-        },
+        dtype,
         master_dtype: Some(DType::F32),
-        slot_budget_bytes: Some(layer_bytes(cfg, DType::BF16).max(layer_bytes(cfg, DType::F32))),
+        slot_budget_bytes: Some(layer_bytes(cfg, dtype)),
         ..Default::default()
     };
     let model = Llama::from_tensors(init_weights(cfg, 0)?, cfg, stream)?;
@@ -158,6 +154,8 @@ fn main() -> Result<()> {
     let seq = env_or("LM_BENCH_SEQ", if gpu { 2048 } else { 64 });
     let steps = env_or("LM_BENCH_STEPS", if gpu { 5 } else { 2 });
     let window = env_or("LM_BENCH_WINDOW", 2).max(1);
+    // Compute dtype of both runs: bf16 on a GPU, f32 on the CPU.
+    let dtype = if gpu { DType::BF16 } else { DType::F32 };
     let adam = ParamsAdamW {
         lr: 3e-4,
         weight_decay: 0.01,
@@ -182,9 +180,9 @@ fn main() -> Result<()> {
                 cfg.num_hidden_layers
             );
             let run = if mode == "resident" {
-                resident(&cfg, &dev, &adam, (batch, seq, steps))
+                resident(&cfg, &dev, dtype, &adam, (batch, seq, steps))
             } else {
-                streamed(&cfg, &dev, &adam, (batch, seq, steps), window)
+                streamed(&cfg, &dev, dtype, &adam, (batch, seq, steps), window)
             };
             let run = match run {
                 Ok(r) => r,
@@ -225,8 +223,9 @@ fn main() -> Result<()> {
         "device": tag,
         "command": "cargo bench --bench lm --features cuda (scripts/gpu-test.sh bundle)",
         "mfu_convention": format!("6 x all parameters x tokens/s / {PEAK_TFLOPS} TFLOP/s; recompute and attention FLOPs not counted"),
-        "streamed": "bf16 compute, f32 host masters, CpuAdamW on the host overlapped with backward",
-        "resident": "bf16 VarMap on the device, candle-nn AdamW on the device, Candle autograd",
+        "compute_dtype": format!("{dtype:?}"),
+        "streamed": "f32 host masters, CpuAdamW on the host overlapped with backward",
+        "resident": "VarMap in the compute dtype on the device, candle-nn AdamW on the device, Candle autograd",
         "peak_device_note": "cuMemGetInfo sampled every 200 us above the level before the run, pool trimmed first",
         "results": rows,
     });

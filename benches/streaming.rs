@@ -141,15 +141,19 @@ fn main() -> Result<()> {
     let kinds: Vec<bool> = std::env::var("STREAMING_BLOCKS")
         .unwrap_or_else(|_| "candle,fused".into())
         .split(',')
-        .map(|k| k.trim() == "fused")
-        .collect();
+        .map(|k| match k.trim() {
+            "candle" => Ok(false),
+            "fused" => Ok(true),
+            other => anyhow::bail!("STREAMING_BLOCKS: unknown block {other:?} (candle, fused)"),
+        })
+        .collect::<Result<_>>()?;
     let mut rows = Vec::new();
     let mut series = Vec::new();
     for (w, h, n, tokens) in configs {
         let host = common::mlp_weights(&dev, w, h, n, DType::BF16)?;
+        let bytes: usize = host.values().map(|t| t.elem_count() * 2).sum();
         for &fused in &kinds {
             let kind = if fused { "fused" } else { "candle" };
-            let bytes: usize = host.values().map(|t| t.elem_count() * 2).sum();
             let blocks: Vec<BlockSpec> = (0..n)
                 .map(|i| {
                     BlockSpec::module(format!("layers.{i}"), move |vb| {

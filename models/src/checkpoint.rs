@@ -133,8 +133,7 @@ pub fn init_weights(cfg: &LlamaConfig, seed: u64) -> Result<HashMap<String, Tens
     // Tensors are independent (each has its own generator), so they are made in
     // parallel: a 3b model is 3e9 normals.
     use rayon::prelude::*;
-    let made: Vec<Result<(String, Tensor)>> = cfg
-        .weight_shapes()
+    cfg.weight_shapes()
         .into_par_iter()
         .map(|(name, shape, _)| {
             let n: usize = shape.iter().product();
@@ -161,11 +160,9 @@ pub fn init_weights(cfg: &LlamaConfig, seed: u64) -> Result<HashMap<String, Tens
                 }
                 v
             };
-            let t = Tensor::from_vec(data, shape, &Device::Cpu)?;
-            Ok((name, t))
+            Ok((name, Tensor::from_vec(data, shape, &Device::Cpu)?))
         })
-        .collect();
-    made.into_iter().collect::<Result<HashMap<_, _>>>()
+        .collect()
 }
 
 /// Parses a byte count: a plain number, or a number with `K`, `M`, `G`, `T`

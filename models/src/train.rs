@@ -133,19 +133,11 @@ impl CheckpointFiles {
     }
 }
 
-/// Writes `text` to `path` through `<path>.tmp` and a rename.
+/// Writes `text` to `path` through `<path>.tmp` and a rename
+/// ([`streamer_core::replace_atomic`]).
 pub fn write_atomic(path: &Path, text: &str) -> Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    std::fs::write(&tmp, text)
-        .map_err(|e| candle_core::Error::Msg(format!("cannot write {}: {e}", tmp.display())))?;
-    std::fs::rename(&tmp, path).map_err(|e| {
-        candle_core::Error::Msg(format!(
-            "cannot rename {} to {}: {e}",
-            tmp.display(),
-            path.display()
-        ))
+    streamer_core::replace_atomic(path, |tmp| {
+        std::fs::write(tmp, text).map_err(candle_core::Error::wrap)
     })
 }
 

@@ -116,22 +116,13 @@ impl<'a> StateWriter<'a> {
         ));
     }
 
-    /// Writes to `<path>.tmp`, then renames over `path`.
+    /// Writes to `<path>.tmp`, then renames over `path` ([`streamer_core::replace_atomic`]).
     pub(crate) fn write(self, path: &Path) -> Result<()> {
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(".tmp");
-        let tmp = PathBuf::from(tmp);
         let views = self.entries.iter().map(|(n, e)| (n.as_str(), e));
-        safetensors::serialize_to_file(views, Some(self.meta), &tmp)
-            .map_err(|e| Error::Msg(format!("writing optimizer state {}: {e}", tmp.display())))?;
-        std::fs::rename(&tmp, path).map_err(|e| {
-            Error::Msg(format!(
-                "renaming optimizer state {} to {}: {e}",
-                tmp.display(),
-                path.display()
-            ))
-        })?;
-        Ok(())
+        streamer_core::replace_atomic(path, |tmp| {
+            safetensors::serialize_to_file(views, Some(self.meta), tmp)
+                .map_err(|e| Error::Msg(format!("optimizer state: {e}")))
+        })
     }
 }
 

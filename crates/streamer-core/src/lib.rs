@@ -56,6 +56,6 @@ pub use host::{HostMasters, Master};
 pub use offload::{OffloadMarker, Offloader};
 pub use pool::{BlockLayout, Entry, ResidencyPool};
 pub use sequential::{release_all, run_block, run_blocks, StreamedSequential};
-pub use source::{expand_paths, save_atomic, WeightSource};
+pub use source::{expand_paths, replace_atomic, save_atomic, WeightSource};
 pub use stats::{Observer, StreamStats, Transition, TransitionKind, TRANSITION_LOG_LEN};
 pub use timeline::{Timeline, TraceEvent, TraceKind};

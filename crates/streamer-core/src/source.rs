@@ -125,13 +125,15 @@ pub fn expand_paths<P: AsRef<Path>>(paths: &[P]) -> Result<Vec<PathBuf>> {
     Ok(out)
 }
 
-/// Saves tensors to `path` via `path.tmp` and a rename: readers see the old file
-/// or the new one, never a partial one.
-pub fn save_atomic(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
+/// Replaces `path` atomically: `write` fills `<path>.tmp`, which is then renamed
+/// over `path`, so readers see the old file or the new one, never a partial one.
+/// Every file the project saves (weights, optimizer state, checkpoint pointers)
+/// goes through here.
+pub fn replace_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
-    candle_core::safetensors::save(tensors, &tmp)
+    write(&tmp)
         .map_err(|e| candle_core::Error::Msg(format!("cannot write {}: {e}", tmp.display())))?;
     std::fs::rename(&tmp, path).map_err(|e| {
         candle_core::Error::Msg(format!(
@@ -140,4 +142,9 @@ pub fn save_atomic(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()>
             path.display()
         ))
     })
+}
+
+/// Saves tensors to `path` as safetensors through [`replace_atomic`].
+pub fn save_atomic(tensors: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
+    replace_atomic(path, |tmp| candle_core::safetensors::save(tensors, tmp))
 }
