@@ -21,8 +21,17 @@
 //!
 //! Beside the JSON file an SVG plot (same name, `.svg`) shows TFLOP/s against N.
 //!
-//! Timing: warm-up runs first, the device is synchronised before each timer stops,
-//! the median of the repeats is reported.
+//! - `CQSA_BENCH_OOC_BWD=1`: also the streamed backward (CUDA only): causal
+//!   forward+backward through autograd at `CQSA_OOC_BWD_N` tokens (default
+//!   131,072) from host memory under a budget of `CQSA_OOC_BWD_BUDGET_GIB`
+//!   (default 2), against the same call resident: times and gradient errors.
+//!
+//! Timing: warm-up runs first; the median of the repeats is reported. On CUDA
+//! each call is timed by events recorded on Candle's stream before and after it,
+//! as `attention_torch.py` times PyTorch; the wall time to the end of a device
+//! synchronise is reported beside it (`*_wall_ms`). Freed device memory stays in
+//! CUDA's pool (`streamer_core::retain_freed_device_memory`), as PyTorch's caching
+//! allocator keeps it; otherwise every call maps its buffers anew.
 use std::time::Instant;
 
 use anyhow::Result;
@@ -30,25 +39,81 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use cqsa::{attention, attention_backward, attention_forward, AttentionOpts, Mode};
 use serde_json::{json, Value};
 
+/// One call's time, median over the repeats: by device events where there are
+/// some (`gpu`), and by the host's clock up to a device synchronise (`wall`).
+#[derive(Clone, Copy)]
+struct Timing {
+    gpu: f64,
+    wall: f64,
+}
+
 fn median_ms(
     dev: &Device,
     warmup: usize,
     reps: usize,
     mut f: impl FnMut() -> Result<()>,
-) -> Result<f64> {
+) -> Result<Timing> {
     for _ in 0..warmup {
         f()?;
     }
     dev.synchronize()?;
-    let mut times = Vec::with_capacity(reps);
+    let (mut gpu, mut wall) = (Vec::with_capacity(reps), Vec::with_capacity(reps));
     for _ in 0..reps {
+        let start = StreamEvent::record(dev)?;
         let t = Instant::now();
         f()?;
+        let end = StreamEvent::record(dev)?;
         dev.synchronize()?;
-        times.push(t.elapsed().as_secs_f64() * 1e3);
+        let w = t.elapsed().as_secs_f64() * 1e3;
+        wall.push(w);
+        gpu.push(StreamEvent::elapsed_ms(start, end)?.unwrap_or(w));
     }
-    times.sort_by(|a, b| a.total_cmp(b));
-    Ok(times[reps / 2])
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[reps / 2]
+    };
+    Ok(Timing {
+        gpu: median(gpu),
+        wall: median(wall),
+    })
+}
+
+/// A timing event on Candle's CUDA stream (nothing on the CPU).
+struct StreamEvent {
+    #[cfg(feature = "cuda")]
+    event: Option<candle_core::cuda_backend::cudarc::driver::CudaEvent>,
+}
+
+impl StreamEvent {
+    fn record(dev: &Device) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        {
+            use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+            let event = match dev {
+                Device::Cuda(cd) => Some(
+                    cd.cuda_stream()
+                        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
+                ),
+                _ => None,
+            };
+            Ok(Self { event })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = dev;
+            Ok(Self {})
+        }
+    }
+
+    /// Milliseconds between two recorded events (waits for `end`).
+    fn elapsed_ms(start: Self, end: Self) -> Result<Option<f64>> {
+        #[cfg(feature = "cuda")]
+        if let (Some(a), Some(b)) = (start.event, end.event) {
+            return Ok(Some(a.elapsed_ms(&b)? as f64));
+        }
+        let _ = (start, end);
+        Ok(None)
+    }
 }
 
 fn naive(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool, scale: f64) -> Result<Tensor> {
@@ -82,6 +147,7 @@ fn device() -> Result<Device> {
 fn main() -> Result<()> {
     let dev = device()?;
     let gpu = dev.is_cuda();
+    streamer_core::retain_freed_device_memory(&dev)?;
     let (dtype, b, h, d, reps) = if gpu {
         (DType::BF16, 1, 16, 128, 5)
     } else {
@@ -158,10 +224,13 @@ fn main() -> Result<()> {
             .ok();
             let row = json!({
                 "n": n, "b": b, "h": h, "d": d, "dtype": format!("{dtype:?}"), "causal": causal,
-                "cqsa_fwd_ms": fwd, "cqsa_fwd_tflops": tflops(fwd_flops, Some(fwd)),
-                "cqsa_fwd_bwd_ms": fb, "cqsa_fwd_bwd_tflops": tflops(fb_flops, Some(fb)),
-                "naive_fwd_ms": naive_fwd, "naive_fwd_tflops": tflops(fwd_flops, naive_fwd),
-                "naive_fwd_bwd_ms": naive_fb, "naive_fwd_bwd_tflops": tflops(fb_flops, naive_fb),
+                "cqsa_fwd_ms": fwd.gpu, "cqsa_fwd_tflops": tflops(fwd_flops, Some(fwd.gpu)),
+                "cqsa_fwd_bwd_ms": fb.gpu, "cqsa_fwd_bwd_tflops": tflops(fb_flops, Some(fb.gpu)),
+                "cqsa_fwd_wall_ms": fwd.wall, "cqsa_fwd_bwd_wall_ms": fb.wall,
+                "naive_fwd_ms": naive_fwd.map(|t| t.gpu),
+                "naive_fwd_tflops": tflops(fwd_flops, naive_fwd.map(|t| t.gpu)),
+                "naive_fwd_bwd_ms": naive_fb.map(|t| t.gpu),
+                "naive_fwd_bwd_tflops": tflops(fb_flops, naive_fb.map(|t| t.gpu)),
             });
             let show = |v: &Value| {
                 v.as_f64()
@@ -175,8 +244,8 @@ fn main() -> Result<()> {
                 show(&row["cqsa_fwd_bwd_tflops"]),
                 show(&row["naive_fwd_tflops"]),
                 show(&row["naive_fwd_bwd_tflops"]),
-                fwd,
-                fb
+                fwd.gpu,
+                fb.gpu
             );
             rows.push(row);
         }
@@ -186,9 +255,19 @@ fn main() -> Result<()> {
         "flops_convention": "forward 4*B*H*N^2*D, halved when causal; forward+backward 3.5x forward",
         "cqsa_fwd_bwd_timing": "attention_forward + attention_backward (no autograd graph)",
         "naive_fwd_bwd_timing": "Candle autograd of sum(o * g)",
+        "timing": "median of the repeats; *_ms by CUDA events on Candle's stream around each call (as attention_torch.py), *_wall_ms by the host clock to the end of a device synchronise",
+        "allocator": "freed device memory kept in CUDA's pool (streamer_core::retain_freed_device_memory), as PyTorch's caching allocator does",
         "rows": rows,
     });
-    if gpu && std::env::var("CQSA_BENCH_OOC").is_ok_and(|v| v == "1") {
+    let on = |var: &str| std::env::var(var).is_ok_and(|v| v == "1");
+    if gpu && on("CQSA_BENCH_OOC_BWD") {
+        streamer_core::trim_device_memory(&dev)?;
+        report["out_of_core_backward"] = out_of_core_backward(&dev)?;
+    }
+    if gpu && on("CQSA_BENCH_OOC") {
+        // The pool holds what the runs above freed: give it back, so that the peak
+        // measured below is this call's own.
+        streamer_core::trim_device_memory(&dev)?;
         report["out_of_core"] = out_of_core(&dev)?;
     }
     if let Some(dir) = std::path::Path::new(&out).parent() {
@@ -269,6 +348,93 @@ fn plot(report: &Value, torch_json: &str, title: &str) -> String {
     }
     series.retain(|s| !s.1.is_empty());
     candle_streamer::report::svg_plot(title, "N (tokens)", "TFLOP/s", &series)
+}
+
+/// Causal forward+backward through autograd, streamed from host memory under a
+/// small budget, against the same call resident on the device: both times and the
+/// gradients' largest errors relative to the resident ones' largest value.
+fn out_of_core_backward(dev: &Device) -> Result<Value> {
+    let n: usize = std::env::var("CQSA_OOC_BWD_N").map_or(Ok(1 << 17), |s| s.parse())?;
+    let budget_gib: f64 =
+        std::env::var("CQSA_OOC_BWD_BUDGET_GIB").map_or(Ok(2.0), |s| s.parse())?;
+    let (b, h, d, dtype) = (1, 16, 128, DType::BF16);
+    println!("out of core backward: N={n}, budget {budget_gib} GiB");
+    let make =
+        || -> Result<Tensor> { Ok(Tensor::randn(0f32, 1.0, (b, h, n, d), dev)?.to_dtype(dtype)?) };
+    let (q, k, v, g) = (make()?, make()?, make()?, make()?);
+    let budget = cqsa::Budget::new((budget_gib * (1u64 << 30) as f64) as usize);
+    // Forward and backward of sum(o * g); `host` keeps inputs and gradients on the
+    // host and streams, otherwise everything stays resident.
+    let run = |host: bool| -> Result<(f64, Vec<Tensor>)> {
+        let place = |t: &Tensor| -> Result<Tensor> {
+            Ok(if host {
+                t.to_device(&Device::Cpu)?
+            } else {
+                t.clone()
+            })
+        };
+        let vars = [&q, &k, &v]
+            .into_iter()
+            .map(|t| Ok(Var::from_tensor(&place(t)?)?))
+            .collect::<Result<Vec<_>>>()?;
+        let g = place(&g)?.to_dtype(DType::F32)?;
+        let opts = AttentionOpts {
+            causal: true,
+            mode: if host { Mode::Streamed } else { Mode::Resident },
+            device: Some(dev.clone()),
+            budget: host.then_some(budget),
+            verbose: host,
+            ..Default::default()
+        };
+        dev.synchronize()?;
+        let t = Instant::now();
+        let o = attention(
+            vars[0].as_tensor(),
+            vars[1].as_tensor(),
+            vars[2].as_tensor(),
+            &opts,
+        )?;
+        let grads = (o.to_dtype(DType::F32)? * &g)?.sum_all()?.backward()?;
+        dev.synchronize()?;
+        let secs = t.elapsed().as_secs_f64();
+        let grads = vars
+            .iter()
+            .map(|x| {
+                grads
+                    .get(x.as_tensor())
+                    .ok_or_else(|| anyhow::anyhow!("no gradient"))?
+                    .to_dtype(DType::F32)?
+                    .to_device(&Device::Cpu)
+                    .map_err(Into::into)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((secs, grads))
+    };
+    let (res_secs, res) = run(false)?;
+    let (str_secs, streamed) = run(true)?;
+    let mut errs = Vec::new();
+    for (a, r) in streamed.iter().zip(&res) {
+        let err = (a - r)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let scale = r.abs()?.max_all()?.to_scalar::<f32>()?;
+        errs.push((err / scale) as f64);
+    }
+    let flops = 3.5 * 4.0 * (b * h) as f64 * (n as f64).powi(2) * d as f64 / 2.0;
+    println!(
+        "out of core backward: streamed {str_secs:.2} s ({:.1} TFLOP/s), resident {res_secs:.2} s ({:.1} TFLOP/s); rel err dq {:e} dk {:e} dv {:e}",
+        flops / str_secs / 1e12,
+        flops / res_secs / 1e12,
+        errs[0],
+        errs[1],
+        errs[2]
+    );
+    Ok(json!({
+        "n": n, "b": b, "h": h, "d": d, "dtype": "bf16", "causal": true,
+        "budget_gib": budget_gib,
+        "timing": "one call each, wall clock: forward + autograd backward of sum(o * g) incl. host transfers",
+        "streamed_seconds": str_secs, "streamed_tflops": flops / str_secs / 1e12,
+        "resident_seconds": res_secs, "resident_tflops": flops / res_secs / 1e12,
+        "rel_err_dq": errs[0], "rel_err_dk": errs[1], "rel_err_dv": errs[2],
+    }))
 }
 
 /// Free device memory sampled every few milliseconds on another thread while `f`

@@ -8,8 +8,8 @@
 # RUN_TAG=x names the outputs summary-x.txt and logs-x.tar.gz (several runs
 # in one device call). GPU_ONLY=a,b runs only binaries whose name contains one of those words;
 # GPU_ARGS_<name> (e.g. GPU_ARGS_train_mlp) passes arguments to an example.
-# With `benches`, every benches/*_torch.py (PyTorch references) runs too,
-# with arguments from PY_ARGS_<name> (e.g. PY_ARGS_adamw_torch=--full).
+# With `benches`, every benches/*_torch.py (PyTorch references) runs too, before
+# the benches, with arguments from PY_ARGS_<name> (e.g. PY_ARGS_adamw_torch=--full).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-$PWD/gpu-out}
@@ -40,6 +40,25 @@ while IFS=$'\t' read -r kind bin; do
     entries+=("$kind	$bin	")
   fi
 done <"$here/manifest"
+# PyTorch references first: the benches draw their figures into their plots.
+if [[ " $want " == *" benches "* ]]; then
+  for py in benches/*_torch.py; do
+    [ -f "$py" ] || continue
+    name=$(basename "$py" .py)
+    if [ -n "${GPU_ONLY:-}" ]; then
+      keep=0
+      for w in ${GPU_ONLY//,/ }; do [[ "$name" == *"$w"* ]] && keep=1; done
+      [ $keep -eq 1 ] || continue
+    fi
+    start=$(date +%s)
+    pyvar="PY_ARGS_$name"
+    # shellcheck disable=SC2086
+    PYTHONUNBUFFERED=1 python3 "$py" ${!pyvar:-} >"$logs/$name.log" 2>&1
+    rc=$?
+    if [ $rc -eq 0 ]; then status=PASS; else status="FAIL(rc=$rc)"; fail=1; fi
+    printf '%-10s %-40s %4ss\n' "$status" "$name" "$(( $(date +%s) - start ))" | tee -a "$summary"
+  done
+fi
 for entry in "${entries[@]}"; do
   IFS=$'\t' read -r kind bin topic <<<"$entry"
   case "$kind" in
@@ -68,24 +87,6 @@ for entry in "${entries[@]}"; do
   printf '%-10s %-40s %4ss %s\n' "$status" "$bin${topic:+ $topic}" "$secs" "$detail" | tee -a "$summary"
   if [ "$kind" = test ]; then grep -E -A2 '^test .* FAILED$|panicked' "$log" | grep -v -- '^--$' | head -n 40 | tee -a "$summary"; fi
 done
-if [[ " $want " == *" benches "* ]]; then
-  for py in benches/*_torch.py; do
-    [ -f "$py" ] || continue
-    name=$(basename "$py" .py)
-    if [ -n "${GPU_ONLY:-}" ]; then
-      keep=0
-      for w in ${GPU_ONLY//,/ }; do [[ "$name" == *"$w"* ]] && keep=1; done
-      [ $keep -eq 1 ] || continue
-    fi
-    start=$(date +%s)
-    pyvar="PY_ARGS_$name"
-    # shellcheck disable=SC2086
-    PYTHONUNBUFFERED=1 python3 "$py" ${!pyvar:-} >"$logs/$name.log" 2>&1
-    rc=$?
-    if [ $rc -eq 0 ]; then status=PASS; else status="FAIL(rc=$rc)"; fail=1; fi
-    printf '%-10s %-40s %4ss\n' "$status" "$name" "$(( $(date +%s) - start ))" | tee -a "$summary"
-  done
-fi
 echo "overall: $([ $fail -eq 0 ] && echo PASS || echo FAIL)" | tee -a "$summary"
 mkdir -p benches/results
 tar -czf "$out/logs${RUN_TAG:+-$RUN_TAG}.tar.gz" -C "$work" logs -C "$PWD" benches/results 2>/dev/null
