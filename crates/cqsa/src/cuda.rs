@@ -24,8 +24,8 @@ use std::ffi::c_void;
 
 use candle_core::cuda_backend::cudarc::driver::sys::{self, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtrMut, DeviceRepr,
-    DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr,
+    DriverError, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
@@ -440,7 +440,8 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
 }
 
 /// Host-to-device copies of row chunks for the streamed mode, on a transfer stream
-/// of their own so that they overlap the attention kernels on the compute stream.
+/// of their own so that they overlap the attention kernels on the compute stream,
+/// and device-to-host copies of result chunks, on a third stream.
 ///
 /// The host tensors' memory is page-locked in place with `cuMemHostRegister` (so
 /// the copies are asynchronous DMA) and unregistered when the feed is finished or
@@ -451,10 +452,24 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
 /// them is what the compute stream waits on before the chunk's first use
 /// ([`Fetched::ready`]). The buffer is freed stream-ordered on the compute stream,
 /// after its last kernel.
+///
+/// Results go the other way ([`ChunkFeed::drain`]): an event recorded on the
+/// compute stream after the kernels that produce a chunk makes the drain stream
+/// wait, the chunk is copied into a reused page-locked staging buffer, and an event
+/// recorded after the copy tells the host when the data is there
+/// ([`ChunkFeed::receive`]). The drain stream is not the transfer stream, so the
+/// next inputs' copies are never queued behind a result's.
 pub(crate) struct ChunkFeed<'a> {
     dev: CudaDevice,
     compute: std::sync::Arc<CudaStream>,
     transfer: std::sync::Arc<CudaStream>,
+    /// Device-to-host copies of results.
+    drain_stream: std::sync::Arc<CudaStream>,
+    /// Idle page-locked staging buffers for results. Allocating page-locked memory
+    /// is slow (~0.1 s per GiB), so they are reused: each kind of result (one
+    /// size) ends up with as many as it had in flight at once, two when each
+    /// result is received one subproblem after its drain.
+    staging: Vec<PinnedHostSlice<f32>>,
     /// Host pointers this feed registered (unregistered at the end).
     registered: Vec<usize>,
     /// Whether `release` already ran.
@@ -485,10 +500,13 @@ impl<'a> ChunkFeed<'a> {
     pub(crate) fn new(dev: &CudaDevice, sources: &[&'a CpuStorage]) -> Result<Self> {
         let compute = dev.cuda_stream();
         let transfer = compute.context().new_stream().w()?;
+        let drain_stream = compute.context().new_stream().w()?;
         let mut feed = Self {
             dev: dev.clone(),
             compute,
             transfer,
+            drain_stream,
+            staging: Vec::new(),
             registered: Vec::new(),
             released: false,
             _host: std::marker::PhantomData,
@@ -596,19 +614,124 @@ impl<'a> ChunkFeed<'a> {
         Ok(Fetched { tensor, copied })
     }
 
+    /// Issues the copy of `chunk` (a contiguous f32 tensor on this feed's device,
+    /// produced by kernels already issued on the compute stream) back to host
+    /// memory; [`ChunkFeed::receive`] waits for it and hands over the data.
+    pub(crate) fn drain(&mut self, chunk: &Tensor) -> Result<Drained> {
+        let len = chunk.elem_count();
+        let (storage, layout) = chunk.storage_and_layout();
+        let Storage::Cuda(cuda) = &*storage else {
+            bail!("cqsa: a drained chunk must be on the CUDA device")
+        };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            bail!("cqsa: a drained chunk must be contiguous, got layout {layout:?}")
+        };
+        let slice = cuda.as_cuda_slice::<f32>()?;
+        if end - start != len || end > slice.len() {
+            bail!("cqsa: drained chunk layout {layout:?} does not match its storage")
+        }
+        let mut staging = self.take_staging(len)?;
+        let dst = staging.as_mut_ptr().w()?;
+        let produced = self.compute.record_event(None).w()?;
+        self.drain_stream.wait(&produced).w()?;
+        {
+            let (src, _record) = slice.device_ptr(&self.drain_stream);
+            // SAFETY: the source `start..end` lies inside the chunk's allocation,
+            // which stays alive until the copy is over (`Drained` keeps the tensor
+            // and waits for `done` before dropping it); the destination holds at
+            // least `len` f32s and is owned by the `Drained` that waits for `done`
+            // before it is reused or freed. The drain stream waits for the
+            // producing kernels (`produced`) before the copy starts.
+            unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    dst as *mut c_void,
+                    src + (start * std::mem::size_of::<f32>()) as u64,
+                    len * std::mem::size_of::<f32>(),
+                    self.drain_stream.cu_stream(),
+                )
+            }
+            .result()
+            .w()?;
+        }
+        let done = match self.drain_stream.record_event(None) {
+            Ok(done) => done,
+            Err(e) => {
+                // The copy may still be writing into `staging`, which is freed on
+                // return: wait for it first.
+                self.compute
+                    .context()
+                    .record_err(self.drain_stream.synchronize());
+                return Err(e).w();
+            }
+        };
+        drop(storage);
+        Ok(Drained {
+            done,
+            staging: Some(staging),
+            len,
+            _chunk: chunk.clone(),
+        })
+    }
+
+    /// Waits for the copy of `drained`, passes its data (the chunk's elements in
+    /// order) to `use_data`, then keeps its staging buffer for the next drain.
+    pub(crate) fn receive(
+        &mut self,
+        mut drained: Drained,
+        use_data: impl FnOnce(&[f32]) -> Result<()>,
+    ) -> Result<()> {
+        drained.done.synchronize().w()?;
+        let Some(staging) = drained.staging.take() else {
+            bail!("cqsa: drained chunk without a staging buffer")
+        };
+        let data = staging.as_slice().w()?;
+        use_data(&data[..drained.len])?;
+        self.staging.push(staging);
+        Ok(())
+    }
+
+    /// A staging buffer for at least `len` f32s: the smallest idle one that fits
+    /// (so each kind of result keeps reusing its own), else a new one.
+    fn take_staging(&mut self, len: usize) -> Result<PinnedHostSlice<f32>> {
+        let len = len.max(1); // cudarc cannot allocate an empty one
+        let fit = (0..self.staging.len())
+            .filter(|&i| self.staging[i].len() >= len)
+            .min_by_key(|&i| self.staging[i].len());
+        if let Some(i) = fit {
+            return Ok(self.staging.swap_remove(i));
+        }
+        // SAFETY: the buffer is uninitialized, but it is read only up to the
+        // length of a drain's copy, after that copy is done (`receive`). Flags 0,
+        // not cudarc's default write-combined: the host reads these buffers, and
+        // reading write-combined memory is uncached (very slow).
+        unsafe {
+            self.compute
+                .context()
+                .alloc_pinned_with_flags::<f32>(len, 0)
+        }
+        .w()
+    }
+
     /// Waits for every copy and unregisters the host memory, surfacing errors.
     pub(crate) fn finish(mut self) -> Result<()> {
         self.release().w()
     }
 
-    /// Synchronizes the transfer stream, then unregisters what this feed registered.
-    /// Idempotent; returns the first error.
+    /// Synchronizes the transfer and drain streams, then unregisters what this
+    /// feed registered and frees the idle staging buffers. Idempotent; returns the
+    /// first error.
     fn release(&mut self) -> std::result::Result<(), DriverError> {
         if self.released {
             return Ok(());
         }
         self.released = true;
         let mut first = self.transfer.synchronize();
+        let drained = self.drain_stream.synchronize();
+        if first.is_ok() {
+            first = drained;
+        }
+        // Idle buffers: no copy targets them (those in flight belong to a `Drained`).
+        self.staging.clear();
         for ptr in self.registered.drain(..) {
             // SAFETY: `ptr` was registered by this feed and every copy reading it has
             // completed (the transfer stream was synchronized just above).
@@ -618,6 +741,30 @@ impl<'a> ChunkFeed<'a> {
             }
         }
         first
+    }
+}
+
+/// A result chunk whose copy to host memory was issued ([`ChunkFeed::drain`]):
+/// the event that marks the end of the copy, the staging buffer it writes, and the
+/// device chunk itself, kept alive until the copy is over because its memory is
+/// freed stream-ordered on the compute stream, which does not wait for the drain
+/// stream.
+pub(crate) struct Drained {
+    done: CudaEvent,
+    /// `None` once handed back to the feed by `receive`.
+    staging: Option<PinnedHostSlice<f32>>,
+    /// Elements of the chunk (the staging buffer may be longer).
+    len: usize,
+    _chunk: Tensor,
+}
+
+impl Drop for Drained {
+    /// Whether received or not (an early exit), the copy must be over before the
+    /// staging buffer and the device chunk go away; errors are recorded on the
+    /// context (cudarc's `check_err` surfaces them).
+    fn drop(&mut self) {
+        let r = self.done.synchronize();
+        self.done.context().record_err(r);
     }
 }
 

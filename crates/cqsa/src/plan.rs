@@ -8,7 +8,8 @@
 //! - streamed, per subproblem of `q_chunk` query rows and `kv_chunk` keys: the same
 //!   quantities restricted to the chunks, plus f32 accumulators for the merged
 //!   output, dq, dk and dv and the merge's temporaries, plus the next subproblem's
-//!   chunks, which are copied while the current one computes.
+//!   chunks, which are copied while the current one computes, and the f32 results
+//!   still being copied back to the host meanwhile.
 //!
 //! Predicted time: forward FLOPs `4 b hq nq nk d` (halved when causal) at a
 //! nominal rate per device and dtype, plus host-to-device traffic at 25 GB/s in
@@ -97,9 +98,11 @@ impl AttentionShape {
         let mut per_k = b * self.hkv * d * 4 * e;
         if streamed {
             // f32 merged output, partial in f32, merge temporaries; f32 dk/dv; the
-            // next subproblem's q, o, grad_o, lse and k, v (prefetched copies).
-            per_q += b * self.hq * (d * (12 + 3 * e) + 20);
-            per_k += b * self.hkv * d * (8 + 2 * e);
+            // next subproblem's q, o, grad_o, lse and k, v (prefetched copies); and
+            // the f32 results (o or dq, dk, dv) still being copied back while the
+            // next subproblem computes.
+            per_q += b * self.hq * (d * (16 + 3 * e) + 24);
+            per_k += b * self.hkv * d * (16 + 2 * e);
         }
         cq * per_q + ck * per_k
     }
@@ -210,7 +213,8 @@ pub struct Plan {
     /// Device bytes a resident run would need.
     pub resident_bytes: usize,
     /// Host bytes held in streamed mode (inputs, output, gradients, f32
-    /// accumulators); 0 when resident.
+    /// accumulators and, on CUDA, page-locked staging for results); 0 when
+    /// resident.
     pub host_bytes: usize,
     /// Predicted forward seconds.
     pub forward_seconds: f64,
@@ -292,6 +296,12 @@ fn streamed_with(s: &AttentionShape, cq: usize, ck: usize, cuda: bool) -> Plan {
     let h2d = subproblems * ck * s.b * s.hkv * s.d * 2 * e + s.nq * s.b * s.hq * s.d * e;
     let io = s.b * s.d * (s.hq * s.nq * 3 + s.hkv * s.nk * 3) * e;
     let acc = s.b * s.d * s.hq * s.nq * 8;
+    // Page-locked staging for results on their way back: two of each kind.
+    let staging = if cuda {
+        2 * 4 * s.b * s.d * (s.hq * cq + 2 * s.hkv * ck)
+    } else {
+        0
+    };
     Plan {
         mode: Mode::Streamed,
         q_chunk: cq,
@@ -299,7 +309,7 @@ fn streamed_with(s: &AttentionShape, cq: usize, ck: usize, cuda: bool) -> Plan {
         subproblems,
         device_bytes: s.chunk_bytes(cq, ck, true),
         resident_bytes: s.resident_bytes(),
-        host_bytes: 2 * io + acc,
+        host_bytes: 2 * io + acc + staging,
         forward_seconds: s.forward_flops() / nominal_flops(s, cuda) + h2d as f64 / 25e9,
     }
 }

@@ -17,12 +17,20 @@
 //! from query `i0 + r` iff `c <= r + (i0 + seq_k - seq_q - j0)`; pairs that see
 //! nothing are skipped, pairs that see everything run unmasked.
 //!
+//! Results come back to host f32 buffers through the same `Feed`: the merged
+//! output and log-sum-exp once per query chunk (forward), dq once per subproblem
+//! (added) and dk, dv once per key chunk (backward); the host writes or adds them
+//! in parallel over the (batch, head) row runs.
+//!
 //! On a CUDA compute device the host inputs are page-locked in place
 //! (`cuMemHostRegister`) and every subproblem's chunks are copied on a transfer
 //! stream of their own while the previous subproblem computes (one subproblem
-//! ahead), ordered by explicit events (see `ChunkFeed` in `cuda.rs`); partial
-//! results come back to the host once per query chunk (forward, dq per subproblem
-//! in the backward) and per key chunk (dk, dv).
+//! ahead), ordered by explicit events (see `ChunkFeed` in `cuda.rs`). Results go
+//! back on a third stream into reused page-locked staging buffers, and the host
+//! applies them one subproblem late: after the next subproblem's kernels are
+//! issued, so that both the copy and the host's add overlap that compute. On the
+//! CPU they are applied at once. Either way every chunk lands in the order it was
+//! produced, so the sums (and the results) are the same.
 //!
 //! The op is a `CustomOp3` over host tensors, so autograd sees one node; inputs on
 //! a device are first moved to the host (a differentiable copy) and the output is
@@ -35,6 +43,7 @@ use candle_core::op::BackpropOp;
 use candle_core::{
     bail, CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor,
 };
+use rayon::prelude::*;
 
 use crate::op::{attention_backward, attention_forward};
 use crate::{causal_offset, cpu, resolve_scale, AttentionOpts, Dims, Plan};
@@ -122,23 +131,62 @@ fn gather(s: &CpuStorage, l: &Layout, r0: usize, r1: usize, dev: &Device) -> Res
     }
 }
 
-/// Adds (or writes, when `add` is false) a chunk `(b, h, r1 - r0, d)` into rows
-/// `r0..r1` of the f32 host buffer `dst` laid out `(b, h, n, d)`.
-fn scatter(dst: &mut [f32], chunk: &Tensor, n: usize, r0: usize, add: bool) -> Result<()> {
-    let (b, h, c, d) = chunk.dims4()?;
-    let src = chunk
-        .to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    for x in 0..b * h {
-        let dst = &mut dst[(x * n + r0) * d..(x * n + r0 + c) * d];
-        let src = &src[x * c * d..(x + 1) * c * d];
-        if add {
-            dst.iter_mut().zip(src).for_each(|(a, b)| *a += b);
-        } else {
-            dst.copy_from_slice(src);
+/// A host f32 result laid out `(b, h, rows, w)` (`w` the head dim, or 1 for the
+/// log-sum-exp), which result chunks of rows land in.
+struct Sink {
+    data: Vec<f32>,
+    rows: usize,
+}
+
+impl Sink {
+    fn new(len: usize, rows: usize, fill: f32) -> Self {
+        Self {
+            data: vec![fill; len],
+            rows,
         }
     }
+}
+
+/// Adds (or writes, when `add` is false) `chunk`, the elements of a `(runs, c, w)`
+/// block of rows, into rows `r0..r0 + c` of every (batch, head) run of `sink`.
+/// Parallel over pieces of the runs; each element gets the one operation a
+/// sequential loop would give it, so the result does not depend on the threads.
+fn land(
+    sink: &mut Sink,
+    chunk: &[f32],
+    shape: (usize, usize, usize),
+    r0: usize,
+    add: bool,
+) -> Result<()> {
+    /// Elements per parallel task (256 KiB): many tasks even for few runs.
+    const PIECE: usize = 1 << 16;
+    let (runs, c, w) = shape;
+    let (run, stride) = (c * w, sink.rows * w);
+    if chunk.len() != runs * run || sink.data.len() != runs * stride || r0 + c > sink.rows {
+        bail!(
+            "cqsa: result chunk {shape:?} at row {r0} does not fit {} rows of {} elements",
+            sink.rows,
+            sink.data.len()
+        )
+    }
+    if run == 0 {
+        return Ok(());
+    }
+    sink.data
+        .par_chunks_mut(stride)
+        .zip(chunk.par_chunks(run))
+        .flat_map(|(dst, src)| {
+            dst[r0 * w..r0 * w + run]
+                .par_chunks_mut(PIECE)
+                .zip(src.par_chunks(PIECE))
+        })
+        .for_each(|(dst, src)| {
+            if add {
+                dst.iter_mut().zip(src).for_each(|(a, b)| *a += b);
+            } else {
+                dst.copy_from_slice(src);
+            }
+        });
     Ok(())
 }
 
@@ -257,30 +305,52 @@ struct Pair {
     off: Option<i64>,
 }
 
-/// Moves row chunks of host storages to the compute device. On CUDA the copies are
-/// issued ahead on a transfer stream from page-locked memory (`prefetch`), so the
-/// next subproblem's inputs travel while the current one computes; elsewhere they
-/// are plain copies made when asked for.
-struct Feed<'a> {
+/// Moves row chunks of host storages to the compute device, and result chunks
+/// back into `N` host f32 sinks. On CUDA the input copies are issued ahead on a
+/// transfer stream from page-locked memory (`prefetch`), so the next subproblem's
+/// inputs travel while the current one computes, and results land one subproblem
+/// late (`put`, `settle`), so their copies and the host's adds overlap the next
+/// subproblem's compute; elsewhere both are plain copies made when asked for.
+struct Feed<'a, const N: usize> {
     exec: Device,
-    /// Declared before `pending`: on drop it synchronizes its transfer stream
-    /// before the pending chunks' buffers are freed.
+    sinks: [Sink; N],
+    /// Declared before `pending` and the landings: on drop it synchronizes its
+    /// streams before the pending chunks' buffers are freed (the landings also
+    /// wait for their own copies when dropped).
     #[cfg(feature = "cuda")]
     cuda: Option<crate::cuda::ChunkFeed<'a>>,
     #[cfg(feature = "cuda")]
     pending: Vec<((usize, usize, usize), crate::cuda::Fetched)>,
+    /// Results put during the previous subproblem: they land at the next `settle`.
+    #[cfg(feature = "cuda")]
+    previous: Vec<Landing>,
+    /// Results put during the current subproblem.
+    #[cfg(feature = "cuda")]
+    current: Vec<Landing>,
     #[cfg(not(feature = "cuda"))]
     _host: std::marker::PhantomData<&'a CpuStorage>,
+}
+
+/// A result chunk whose copy back to the host was issued: where it lands, and its
+/// shape `(runs, rows, w)`.
+#[cfg(feature = "cuda")]
+struct Landing {
+    sink: usize,
+    r0: usize,
+    shape: (usize, usize, usize),
+    add: bool,
+    data: crate::cuda::Drained,
 }
 
 /// A host storage, its layout, and a tag that names it in the prefetch cache.
 type Src<'a> = (usize, &'a CpuStorage, &'a Layout);
 
-impl<'a> Feed<'a> {
-    fn new(exec: &Device, sources: &[&'a CpuStorage]) -> Result<Self> {
+impl<'a, const N: usize> Feed<'a, N> {
+    fn new(exec: &Device, sources: &[&'a CpuStorage], sinks: [Sink; N]) -> Result<Self> {
         let _ = sources;
         Ok(Self {
             exec: exec.clone(),
+            sinks,
             #[cfg(feature = "cuda")]
             cuda: match exec {
                 Device::Cuda(dev) => Some(crate::cuda::ChunkFeed::new(dev, sources)?),
@@ -288,6 +358,10 @@ impl<'a> Feed<'a> {
             },
             #[cfg(feature = "cuda")]
             pending: Vec::new(),
+            #[cfg(feature = "cuda")]
+            previous: Vec::new(),
+            #[cfg(feature = "cuda")]
+            current: Vec::new(),
             #[cfg(not(feature = "cuda"))]
             _host: std::marker::PhantomData,
         })
@@ -320,23 +394,78 @@ impl<'a> Feed<'a> {
         gather(src.1, src.2, r0, r1, &self.exec)
     }
 
-    /// Waits for outstanding copies and releases page-locked memory. A chunk still
-    /// pending is first waited for by the compute stream, so that freeing its
-    /// buffer (stream-ordered there) cannot overtake its copy. On an early exit the
-    /// same holds by drop order: the CUDA feed's `Drop` synchronizes its transfer
-    /// stream before `pending` is dropped.
-    fn finish(self) -> Result<()> {
+    /// Writes (or adds, when `add`) `chunk` `(b, h, c, w)`, a result of kernels
+    /// already issued, into rows `r0..r0 + c` of sink `sink`. On CUDA this only
+    /// issues its copy back: it lands at the `settle` that ends the next
+    /// subproblem. Elsewhere it lands now.
+    fn put(&mut self, sink: usize, chunk: &Tensor, r0: usize, add: bool) -> Result<()> {
+        let chunk = chunk.to_dtype(DType::F32)?;
+        let (b, h, c, w) = chunk.dims4()?;
+        let shape = (b * h, c, w);
+        #[cfg(feature = "cuda")]
+        if let Some(feed) = &mut self.cuda {
+            let data = feed.drain(&chunk.contiguous()?)?;
+            self.current.push(Landing {
+                sink,
+                r0,
+                shape,
+                add,
+                data,
+            });
+            return Ok(());
+        }
+        let data = chunk.flatten_all()?.to_vec1::<f32>()?;
+        land(&mut self.sinks[sink], &data, shape, r0, add)
+    }
+
+    /// Ends a subproblem, once its kernels and results are issued: the previous
+    /// subproblem's results, copied back meanwhile, land now, while the device
+    /// computes this one.
+    fn settle(&mut self) -> Result<()> {
         #[cfg(feature = "cuda")]
         {
-            let Self { cuda, pending, .. } = self;
-            if let Some(feed) = cuda {
-                for (_, fetched) in pending {
+            let previous = std::mem::replace(&mut self.previous, std::mem::take(&mut self.current));
+            self.receive(previous)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the copies of `landings` and applies them, in order.
+    #[cfg(feature = "cuda")]
+    fn receive(&mut self, landings: Vec<Landing>) -> Result<()> {
+        let Some(feed) = &mut self.cuda else {
+            return Ok(()); // landings are only made by a CUDA feed
+        };
+        for l in landings {
+            let sink = &mut self.sinks[l.sink];
+            feed.receive(l.data, |data| land(sink, data, l.shape, l.r0, l.add))?;
+        }
+        Ok(())
+    }
+
+    /// Lands the results still on their way, waits for outstanding copies,
+    /// releases page-locked memory and returns the sinks' data. A chunk still
+    /// pending is first waited for by the compute stream, so that freeing its
+    /// buffer (stream-ordered there) cannot overtake its copy. On an early exit the
+    /// same holds by drop order: the CUDA feed's `Drop` synchronizes its streams
+    /// before `pending` and the landings are dropped (here too: `pending` is
+    /// declared before `feed`, so it is dropped after it).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+    fn finish(mut self) -> Result<[Vec<f32>; N]> {
+        #[cfg(feature = "cuda")]
+        {
+            let mut last = std::mem::take(&mut self.previous);
+            last.append(&mut self.current);
+            self.receive(last)?;
+            let mut pending = std::mem::take(&mut self.pending);
+            if let Some(feed) = self.cuda.take() {
+                while let Some((_, fetched)) = pending.pop() {
                     drop(fetched.ready(&feed)?);
                 }
                 feed.finish()?;
             }
         }
-        Ok(())
+        Ok(self.sinks.map(|s| s.data))
     }
 }
 
@@ -355,12 +484,17 @@ impl CustomOp3 for StreamOp {
         lv: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let Dims { b, hq, nq, d, .. } = self.dims;
-        let mut out = vec![0f32; b * hq * nq * d];
-        let mut lse_all = vec![f32::NEG_INFINITY; b * hq * nq];
         let pairs = self.pairs(true);
         let mut progress = Progress::new(self.verbose, "forward", pairs.len());
         let (q, k, v): (Src, Src, Src) = ((0, sq, lq), (1, sk, lk), (2, sv, lv));
-        let mut feed = Feed::new(&self.exec, &[sq, sk, sv])?;
+        // Sinks: the output and the log-sum-exp.
+        const OUT: usize = 0;
+        const LSE: usize = 1;
+        let sinks = [
+            Sink::new(b * hq * nq * d, nq, 0.0),
+            Sink::new(b * hq * nq, nq, f32::NEG_INFINITY),
+        ];
+        let mut feed = Feed::new(&self.exec, &[sq, sk, sv], sinks)?;
         let mut qc: Option<((usize, usize), Tensor)> = None;
         let mut acc: Option<(Tensor, Tensor)> = None;
         for (p, pair) in pairs.iter().enumerate() {
@@ -390,22 +524,20 @@ impl CustomOp3 for StreamOp {
             // Last key chunk of this query chunk: write its merged rows to the host.
             if next.is_none_or(|n| n.q != pair.q) {
                 if let Some((o, l)) = acc.take() {
-                    let (i0, i1) = pair.q;
-                    scatter(&mut out, &o, nq, i0, false)?;
-                    let l = l.flatten_all()?.to_vec1::<f32>()?;
-                    let c = i1 - i0;
-                    for x in 0..b * hq {
-                        for r in 0..c {
-                            let val = l[x * c + r];
-                            lse_all[x * nq + i0 + r] =
-                                if val < -1e29 { f32::NEG_INFINITY } else { val };
-                        }
-                    }
+                    feed.put(OUT, &o, pair.q.0, false)?;
+                    feed.put(LSE, &l.unsqueeze(3)?, pair.q.0, false)?;
                 }
             }
+            feed.settle()?;
         }
-        feed.finish()?;
+        let [out, mut lse_all] = feed.finish()?;
         progress.finish();
+        // A row that saw no key keeps merge's finite floor: make it -inf again.
+        for l in &mut lse_all {
+            if *l < -1e29 {
+                *l = f32::NEG_INFINITY;
+            }
+        }
         *self.lse.lock().map_err(poisoned)? = Some(lse_all);
         Ok((cpu::from_f32(out, sq)?, lq.shape().clone()))
     }
@@ -456,9 +588,6 @@ impl CustomOp3 for StreamOp {
         else {
             bail!("cqsa: streamed backward expects host tensors")
         };
-        let mut dq = vec![0f32; b * hq * nq * d];
-        let mut dk = vec![0f32; b * hkv * nk * d];
-        let mut dv = vec![0f32; b * hkv * nk * d];
         let pairs = self.pairs(false);
         let mut progress = Progress::new(self.verbose, "backward", pairs.len());
         let srcs: [Src; 6] = [
@@ -470,7 +599,16 @@ impl CustomOp3 for StreamOp {
             (5, sl, ll),
         ];
         let [qs, ks, vs, os, gs, ls] = srcs;
-        let mut feed = Feed::new(&self.exec, &[sq, sk, sv, so, sg, sl])?;
+        // Sinks: the gradients.
+        const DQ: usize = 0;
+        const DK: usize = 1;
+        const DV: usize = 2;
+        let sinks = [
+            Sink::new(b * hq * nq * d, nq, 0.0),
+            Sink::new(b * hkv * nk * d, nk, 0.0),
+            Sink::new(b * hkv * nk * d, nk, 0.0),
+        ];
+        let mut feed = Feed::new(&self.exec, &[sq, sk, sv, so, sg, sl], sinks)?;
         let mut kvc: Option<((usize, usize), Tensor, Tensor)> = None;
         let mut acc: Option<(Tensor, Tensor)> = None;
         for (p, pair) in pairs.iter().enumerate() {
@@ -504,17 +642,18 @@ impl CustomOp3 for StreamOp {
                 Some((ak, av)) => ((ak + dkc)?, (av + dvc)?),
             });
             kvc = Some((pair.k, kc, vc));
-            scatter(&mut dq, &dqc, nq, i0, true)?;
+            feed.put(DQ, &dqc, i0, true)?;
             progress.tick();
             // Last query chunk of this key chunk: its dk, dv are complete.
             if next.is_none_or(|n| n.k != pair.k) {
                 if let Some((ak, av)) = acc.take() {
-                    scatter(&mut dk, &ak, nk, pair.k.0, false)?;
-                    scatter(&mut dv, &av, nk, pair.k.0, false)?;
+                    feed.put(DK, &ak, pair.k.0, false)?;
+                    feed.put(DV, &av, pair.k.0, false)?;
                 }
             }
+            feed.settle()?;
         }
-        feed.finish()?;
+        let [dq, dk, dv] = feed.finish()?;
         progress.finish();
         let wrap = |x: Vec<f32>, shape: &Shape| -> Result<Tensor> {
             Ok(Tensor::from_storage(
