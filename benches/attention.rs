@@ -108,8 +108,8 @@ impl StreamEvent {
     /// Milliseconds between two recorded events (waits for `end`).
     fn elapsed_ms(start: Self, end: Self) -> Result<Option<f64>> {
         #[cfg(feature = "cuda")]
-        if let (Some(a), Some(b)) = (start.event, end.event) {
-            return Ok(Some(a.elapsed_ms(&b)? as f64));
+        if let (Some(a), Some(b)) = (&start.event, &end.event) {
+            return Ok(Some(a.elapsed_ms(b)? as f64));
         }
         let _ = (start, end);
         Ok(None)
