@@ -44,8 +44,10 @@ pub(crate) fn to_f32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<Cow<'a, [f32]>
 pub(crate) fn from_f32(v: Vec<f32>, like: &CpuStorage) -> Result<CpuStorage> {
     Ok(match like {
         CpuStorage::F32(_) => CpuStorage::F32(v),
-        CpuStorage::F16(_) => CpuStorage::F16(v.into_iter().map(f16::from_f32).collect()),
-        CpuStorage::BF16(_) => CpuStorage::BF16(v.into_iter().map(bf16::from_f32).collect()),
+        // In parallel: a streamed call's output or gradient can be billions of
+        // elements.
+        CpuStorage::F16(_) => CpuStorage::F16(v.par_iter().map(|&x| f16::from_f32(x)).collect()),
+        CpuStorage::BF16(_) => CpuStorage::BF16(v.par_iter().map(|&x| bf16::from_f32(x)).collect()),
         other => bail!("cqsa: unsupported dtype {:?}", other.dtype()),
     })
 }
