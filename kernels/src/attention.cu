@@ -782,13 +782,7 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
         const T* gt = gs + stage * QTILE;
         const float* lt = ls + stage * BQ;
         const float* dlt = dls + stage * BQ;
-        // Causal diagonal: key groups (one per warp) that start after the tile's last
-        // query see none of it. Such a warp skips its math and the dQ step skips its
-        // (unwritten) dS columns; groups past nk likewise.
-        const long long last = (long long)(i0 + BQ - 1) + off;
-        auto idle = [&](int key0) { return causal && (key0 >= nk || (long long)key0 > last); };
 
-        if (!idle(kw0)) {
         // S^T = K Q^T: this warp's 16 keys x BQ queries.
         float st[BQ / 8][4];
 #pragma unroll
@@ -882,8 +876,7 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
                 mma16816<T>(dka[dn + 1], a, b1);
             }
         }
-        }  // key group not idle
-        __syncthreads();  // dS of every busy warp is in shared memory
+        __syncthreads();  // dS of every warp is in shared memory
 
         // dQ[tile] += dS K: warp (rg, dg) owns rows 16rg.. and dims DW*dg.. of the tile.
         {
@@ -893,7 +886,6 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
             for (int dn = 0; dn < DW / 8; ++dn) dqa[dn][0] = dqa[dn][1] = dqa[dn][2] = dqa[dn][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < BC / 16; ++kk) {
-                if (idle(j0 + kk * 16)) break;  // idle groups are the last ones
                 uint32_t a[4];
                 lds_a(dss + (rg * 16) * LDS + kk * 16, LDS, g8, t, a);
 #pragma unroll

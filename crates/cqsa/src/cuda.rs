@@ -25,7 +25,7 @@ use std::ffi::c_void;
 use candle_core::cuda_backend::cudarc::driver::sys::{self, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr,
-    DriverError, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
+    DriverError, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
@@ -157,7 +157,7 @@ pub(crate) fn forward(
     }
 }
 
-fn forward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
+fn forward_t<T: CudaDType + DeviceRepr>(
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
@@ -179,8 +179,11 @@ fn forward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         nk,
         d,
     } = *dims;
-    let mut out: CudaSlice<T> = dev.alloc_zeros::<T>(b * hq * nq * d)?;
-    let mut lse: CudaSlice<f32> = dev.alloc_zeros::<f32>(b * hq * nq)?;
+    // SAFETY (uninitialised): both kernels below write every row of `out` and
+    // `lse`, a row that sees no key included (0 and -inf); sizes are > 0
+    // (`validate`). Zeroing first would cost a memset of the output per call.
+    let mut out: CudaSlice<T> = unsafe { dev.alloc::<T>(b * hq * nq * d) }?;
+    let mut lse: CudaSlice<f32> = unsafe { dev.alloc::<f32>(b * hq * nq) }?;
     let (hq_, hkv_, nq_, nk_) = (
         to_i32(hq, "heads_q")?,
         to_i32(hkv, "heads_kv")?,
@@ -261,7 +264,7 @@ pub(crate) fn backward(
     }
 }
 
-fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
+fn backward_t<T: CudaDType + DeviceRepr>(
     t: [(&CudaStorage, &Layout); 6],
     dims: &Dims,
     scale: f32,
@@ -285,10 +288,15 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         d,
     } = *dims;
     let rows = b * hq * nq;
-    let mut delta: CudaSlice<f32> = dev.alloc_zeros::<f32>(rows)?;
-    let mut dq: CudaSlice<T> = dev.alloc_zeros::<T>(rows * d)?;
-    let mut dk: CudaSlice<T> = dev.alloc_zeros::<T>(b * hkv * nk * d)?;
-    let mut dv: CudaSlice<T> = dev.alloc_zeros::<T>(b * hkv * nk * d)?;
+    // SAFETY (uninitialised): every element is written before it is read: delta by
+    // the delta kernel (every row), dq by the conversion or the simple dq kernel
+    // (every row), dk and dv by the backward kernels (every key, a key no query
+    // sees included); sizes are > 0 (`validate`). Only the atomic dq accumulator
+    // below needs zeros.
+    let mut delta: CudaSlice<f32> = unsafe { dev.alloc::<f32>(rows) }?;
+    let mut dq: CudaSlice<T> = unsafe { dev.alloc::<T>(rows * d) }?;
+    let mut dk: CudaSlice<T> = unsafe { dev.alloc::<T>(b * hkv * nk * d) }?;
+    let mut dv: CudaSlice<T> = unsafe { dev.alloc::<T>(b * hkv * nk * d) }?;
     let (hq_, hkv_, nq_, nk_, d_) = (
         to_i32(hq, "heads_q")?,
         to_i32(hkv, "heads_kv")?,
