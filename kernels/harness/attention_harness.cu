@@ -1,0 +1,182 @@
+// Standalone check and benchmark of the tensor-core kernels of
+// kernels/src/attention.cu, without Rust or Candle: kernel time only (CUDA events),
+// results against an f64 reference on the host. Build and run with
+// scripts/attention-harness.sh; `KFILE` names the kernel source to test, so two
+// versions of it can be compared in one device run.
+//   harness 0: correctness (bf16/f16, D 64/128, odd sizes, causal offsets, GQA)
+//   harness 1: benchmark (bf16, B=1, H=16, N = 1k..16k, causal and not)
+// Cases whose reference gradient is zero (nk = 1, or a scale of 1e-30) print FAIL
+// on the relative gradient error by construction; compare them between versions.
+#ifndef KFILE
+#define KFILE "../src/attention.cu"
+#endif
+#include KFILE
+#include <cstdio>
+#include <cstdlib>
+#include <cmath>
+#include <vector>
+#include <random>
+#include <cuda_runtime.h>
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { fprintf(stderr, "cuda error %d at line %d\n", (int)e, __LINE__); exit(1);} } while (0)
+template <int D> constexpr int fwd_rows() { return FwdCfg<D>::BR; }
+typedef void (*FwdFn)(const void*, const void*, const void*, void*, float*, int, int, int, int, float, int, long long);
+typedef void (*BwdFn)(const void*, const void*, const void*, const void*, const float*, const float*, float*, void*, void*, int, int, int, int, float, int, long long);
+float tof(__half x) { return __half2float(x); }
+float tof(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> T fromf_h(float x);
+template <> __half fromf_h<__half>(float x) { return __float2half_rn(x); }
+template <> __nv_bfloat16 fromf_h<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+template <typename T, int D> struct K;
+#define KDEF(T, SUF, D) template <> struct K<T, D> { \
+  static FwdFn fwd() { return (FwdFn)cqsa_fwd_mma_##SUF##_d##D; } \
+  static BwdFn bwd() { return (BwdFn)cqsa_bwd_mma_##SUF##_d##D; } \
+  static int fsmem() { return FwdCfg<D>::SMEM; } static int bsmem() { return BwdCfg<D>::SMEM; } };
+KDEF(__half, f16, 64) KDEF(__half, f16, 128) KDEF(__nv_bfloat16, bf16, 64) KDEF(__nv_bfloat16, bf16, 128)
+template <typename T> void* delta_fn();
+template <> void* delta_fn<__half>() { return (void*)cqsa_bwd_delta_f16; }
+template <> void* delta_fn<__nv_bfloat16>() { return (void*)cqsa_bwd_delta_bf16; }
+template <typename T> void* conv_fn();
+template <> void* conv_fn<__half>() { return (void*)cqsa_bwd_dq_convert_f16; }
+template <> void* conv_fn<__nv_bfloat16>() { return (void*)cqsa_bwd_dq_convert_bf16; }
+
+template <typename T, int D>
+struct Run {
+  int b, hq, hkv, nq, nk; bool causal; long long off; float scale;
+  T *q, *k, *v, *o, *g, *dq, *dk, *dv; float *lse, *delta, *dqa;
+  std::vector<T> hq_, hk_, hv_, hg_;
+  void alloc(unsigned seed) {
+    size_t nqe = (size_t)b * hq * nq * D, nke = (size_t)b * hkv * nk * D;
+    std::mt19937 rng(seed); std::uniform_real_distribution<float> U(-1.5f, 1.5f);
+    hq_.resize(nqe); hk_.resize(nke); hv_.resize(nke); hg_.resize(nqe);
+    for (auto& x : hq_) x = fromf_h<T>(U(rng)); for (auto& x : hk_) x = fromf_h<T>(U(rng));
+    for (auto& x : hv_) x = fromf_h<T>(U(rng)); for (auto& x : hg_) x = fromf_h<T>(U(rng));
+    CK(cudaMalloc(&q, nqe * 2)); CK(cudaMalloc(&o, nqe * 2)); CK(cudaMalloc(&g, nqe * 2)); CK(cudaMalloc(&dq, nqe * 2));
+    CK(cudaMalloc(&k, nke * 2)); CK(cudaMalloc(&v, nke * 2)); CK(cudaMalloc(&dk, nke * 2)); CK(cudaMalloc(&dv, nke * 2));
+    CK(cudaMalloc(&lse, (size_t)b * hq * nq * 4)); CK(cudaMalloc(&delta, (size_t)b * hq * nq * 4)); CK(cudaMalloc(&dqa, nqe * 4));
+    CK(cudaMemcpy(q, hq_.data(), nqe * 2, cudaMemcpyHostToDevice)); CK(cudaMemcpy(g, hg_.data(), nqe * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(k, hk_.data(), nke * 2, cudaMemcpyHostToDevice)); CK(cudaMemcpy(v, hv_.data(), nke * 2, cudaMemcpyHostToDevice));
+  }
+  void release() { cudaFree(q); cudaFree(k); cudaFree(v); cudaFree(o); cudaFree(g); cudaFree(dq); cudaFree(dk); cudaFree(dv); cudaFree(lse); cudaFree(delta); cudaFree(dqa); }
+  void fwd() {
+    FwdFn f = K<T, D>::fwd(); int sm = K<T, D>::fsmem();
+    CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize, sm));
+    dim3 grid((nq + fwd_rows<D>() - 1) / fwd_rows<D>(), hq, b);
+    int c = causal;
+    void* args[] = {&q, &k, &v, &o, &lse, &hq, &hkv, &nq, &nk, &scale, &c, &off};
+    CK(cudaLaunchKernel((const void*)f, grid, dim3(128), args, sm, 0));
+  }
+  void bwd() {
+    long long rows = (long long)b * hq * nq; int d = D;
+    { void* args[] = {&o, &g, &delta, &rows, &d};
+      CK(cudaLaunchKernel(delta_fn<T>(), dim3((rows + 3) / 4), dim3(128), args, 0, 0)); }
+    CK(cudaMemsetAsync(dqa, 0, rows * D * 4));
+    BwdFn f = K<T, D>::bwd(); int sm = K<T, D>::bsmem();
+    CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize, sm));
+    int c = causal;
+    { void* args[] = {&q, &k, &v, &g, &lse, &delta, &dqa, &dk, &dv, &hq, &hkv, &nq, &nk, &scale, &c, &off};
+      const int bc = BwdCfg<D>::BC, bt = BwdCfg<D>::THREADS;
+      CK(cudaLaunchKernel((const void*)f, dim3((nk + bc - 1) / bc, hkv, b), dim3(bt), args, sm, 0)); }
+    long long n = rows * D;
+    { void* args[] = {&dqa, &dq, &n, &scale};
+      long long gx = (n + 255) / 256; if (gx > 65536) gx = 65536;
+      CK(cudaLaunchKernel(conv_fn<T>(), dim3(gx), dim3(256), args, 0, 0)); }
+  }
+  // Returns max rel err of o, lse (abs), and grads when check_bwd.
+  void check(bool check_bwd, int row_stride) {
+    fwd(); if (check_bwd) bwd(); CK(cudaDeviceSynchronize());
+    size_t nqe = (size_t)b * hq * nq * D, nke = (size_t)b * hkv * nk * D;
+    std::vector<T> ho(nqe), hdq(nqe), hdk(nke), hdv(nke); std::vector<float> hl((size_t)b * hq * nq);
+    CK(cudaMemcpy(ho.data(), o, nqe * 2, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(hl.data(), lse, hl.size() * 4, cudaMemcpyDeviceToHost));
+    if (check_bwd) { CK(cudaMemcpy(hdq.data(), dq, nqe * 2, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(hdk.data(), dk, nke * 2, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(hdv.data(), dv, nke * 2, cudaMemcpyDeviceToHost)); }
+    double eo = 0, mo = 0, el = 0; int badl = 0;
+    std::vector<double> rdq(nqe, 0), rdk(nke, 0), rdv(nke, 0);
+    for (int bb = 0; bb < b; ++bb) for (int h = 0; h < hq; ++h) {
+      int kh = h / (hq / hkv);
+      for (int i = 0; i < nq; i += (check_bwd ? 1 : row_stride)) {
+        const T* qr = &hq_[(((size_t)bb * hq + h) * nq + i) * D];
+        long long vis = causal ? std::max(0LL, std::min((long long)nk, i + off + 1)) : nk;
+        std::vector<double> s(nk); double mx = -INFINITY;
+        for (int j = 0; j < vis; ++j) { const T* kr = &hk_[(((size_t)bb * hkv + kh) * nk + j) * D];
+          double a = 0; for (int x = 0; x < D; ++x) a += (double)tof(qr[x]) * tof(kr[x]); s[j] = a * scale; mx = std::max(mx, s[j]); }
+        double l = 0; for (int j = 0; j < vis; ++j) { s[j] = exp(s[j] - mx); l += s[j]; }
+        double lref = vis ? mx + log(l) : -INFINITY;
+        float lg = hl[((size_t)bb * hq + h) * nq + i];
+        if (vis == 0) { if (!(lg == -INFINITY)) badl++; } else el = std::max(el, fabs(lg - lref));
+        std::vector<double> orow(D, 0);
+        for (int j = 0; j < vis; ++j) { const T* vr = &hv_[(((size_t)bb * hkv + kh) * nk + j) * D];
+          for (int x = 0; x < D; ++x) orow[x] += s[j] / l * tof(vr[x]); }
+        for (int x = 0; x < D; ++x) { double gv = tof(ho[(((size_t)bb * hq + h) * nq + i) * D + x]); eo = std::max(eo, fabs(gv - orow[x])); mo = std::max(mo, fabs(orow[x])); }
+        if (check_bwd && vis) {
+          const T* gr = &hg_[(((size_t)bb * hq + h) * nq + i) * D];
+          double dl = 0; for (int x = 0; x < D; ++x) dl += orow[x] * tof(gr[x]);
+          for (int j = 0; j < vis; ++j) { size_t kb_ = ((size_t)bb * hkv + kh) * nk + j;
+            const T* kr = &hk_[kb_ * D]; const T* vr = &hv_[kb_ * D];
+            double p = s[j] / l, dp = 0; for (int x = 0; x < D; ++x) dp += tof(gr[x]) * tof(vr[x]);
+            double ds = p * (dp - dl);
+            for (int x = 0; x < D; ++x) { rdv[kb_ * D + x] += p * tof(gr[x]); rdk[kb_ * D + x] += ds * scale * tof(qr[x]);
+              rdq[(((size_t)bb * hq + h) * nq + i) * D + x] += ds * scale * tof(kr[x]); } }
+        }
+      }
+    }
+    auto rel = [](const std::vector<T>& a, const std::vector<double>& r) { double m = 1e-30, e = 0;
+      for (size_t i = 0; i < r.size(); ++i) { m = std::max(m, fabs(r[i])); e = std::max(e, fabs(tof(a[i]) - r[i])); } return e / m; };
+    double tol = 2e-2;
+    bool ok = eo / std::max(mo, 1e-30) < tol && el < 1e-2 && badl == 0;
+    double edq = 0, edk = 0, edv = 0;
+    if (check_bwd) { edq = rel(hdq, rdq); edk = rel(hdk, rdk); edv = rel(hdv, rdv); ok = ok && edq < 3e-2 && edk < 3e-2 && edv < 3e-2; }
+    printf("%s %s D=%d b=%d hq=%d hkv=%d nq=%d nk=%d causal=%d off=%lld scale=%.3f: o %.2e lse %.2e badl %d dq %.2e dk %.2e dv %.2e\n",
+           ok ? "OK  " : "FAIL", sizeof(T) == 2 && std::is_same<T, __half>::value ? "f16" : "bf16", D, b, hq, hkv, nq, nk, (int)causal, off, scale, eo / std::max(mo, 1e-30), el, badl, edq, edk, edv);
+  }
+  void bench() {
+    fwd(); bwd(); CK(cudaDeviceSynchronize());
+    cudaEvent_t e0, e1, e2; cudaEventCreate(&e0); cudaEventCreate(&e1); cudaEventCreate(&e2);
+    int it = nq >= 8192 ? 5 : 20; float tf = 0, tb = 0;
+    for (int r = 0; r < it; ++r) { cudaEventRecord(e0); fwd(); cudaEventRecord(e1); bwd(); cudaEventRecord(e2); cudaEventSynchronize(e2);
+      float a, c; cudaEventElapsedTime(&a, e0, e1); cudaEventElapsedTime(&c, e1, e2); tf += a; tb += c; }
+    tf /= it; tb /= it;
+    double fl = 4.0 * b * hq * (double)nq * nk * D * (causal ? 0.5 : 1.0);
+    printf("BENCH D=%d N=%d causal=%d: fwd %.3f ms %.1f TF/s | bwd %.3f ms %.1f TF/s | fwd+bwd %.1f TF/s\n", D, nq, (int)causal, tf,
+           fl / tf * 1e-9, tb, 2.5 * fl / tb * 1e-9, 3.5 * fl / (tf + tb) * 1e-9);
+  }
+};
+
+template <typename T, int D> void test(int b, int hq, int hkv, int nq, int nk, bool causal, long long off, bool bwd, float scale = 0.f, int stride = 1) {
+  Run<T, D> r{b, hq, hkv, nq, nk, causal, off, scale == 0.f ? (float)(1.0 / sqrt((double)D)) : scale};
+  r.alloc(nq * 7 + nk + D); r.check(bwd, stride); r.release();
+}
+int main(int argc, char** argv) {
+  setvbuf(stdout, NULL, _IONBF, 0); fprintf(stderr, "start\n");
+  int mode = argc > 1 ? atoi(argv[1]) : 0;
+  if (mode == 0 || mode == 2) {
+    // correctness
+    int sizes[][2] = {{1, 1}, {37, 100}, {200, 77}, {128, 128}, {129, 300}, {300, 129}, {64, 64}, {257, 257}};
+    for (auto& s : sizes) for (int c = 0; c < 2; ++c) {
+      long long off = c ? (long long)s[1] - s[0] : 0;
+      test<__nv_bfloat16, 128>(1, 4, 2, s[0], s[1], c, off, true);
+      test<__half, 64>(2, 2, 1, s[0], s[1], c, off, true);
+      test<__half, 128>(1, 2, 2, s[0], s[1], c, off, true);
+      test<__nv_bfloat16, 64>(1, 2, 2, s[0], s[1], c, off, true);
+    }
+    test<__nv_bfloat16, 128>(1, 2, 1, 300, 200, true, -150, true);   // rows that see nothing
+    test<__nv_bfloat16, 64>(1, 2, 1, 150, 400, true, 333, true);
+    test<__nv_bfloat16, 128>(1, 2, 2, 200, 300, false, 0, true, -0.3f);  // negative scale
+    test<__half, 64>(1, 2, 2, 200, 300, true, 100, true, 0.f + 1e-30f);   // tiny scale
+    for (int c = 0; c < 2; ++c) {  // GQA group 4, longer, nq != nk, all dtypes / dims with bwd
+      test<__nv_bfloat16, 128>(1, 4, 1, 700, 1100, c, c ? 400 : 0, true);
+      test<__half, 128>(2, 4, 2, 1100, 700, c, c ? -400 : 0, true);
+      test<__nv_bfloat16, 64>(1, 4, 1, 700, 1100, c, c ? 400 : 0, true);
+      test<__half, 64>(1, 8, 2, 513, 513, c, 0, true);
+      test<__nv_bfloat16, 128>(1, 2, 2, 1, 300, c, c ? 299 : 0, true);
+      test<__half, 128>(1, 2, 1, 300, 1, c, c ? -299 : 0, true);
+    }
+    test<__nv_bfloat16, 128>(1, 2, 1, 2000, 2000, false, 0, false, 0.f, 7);
+    test<__nv_bfloat16, 128>(1, 2, 1, 2000, 2000, true, 0, false, 0.f, 7);
+  }
+  if (mode == 1 || mode == 2) {
+    for (int c = 0; c < 2; ++c) for (int n : {1024, 2048, 4096, 8192, 16384}) {
+      Run<__nv_bfloat16, 128> r{1, 16, 16, n, n, (bool)c, 0, 0.0883883f}; r.alloc(1); r.bench(); r.release(); }
+    for (int c = 0; c < 2; ++c) for (int n : {1024, 4096, 16384}) { Run<__nv_bfloat16, 64> r{1, 16, 16, n, n, (bool)c, 0, 0.125f}; r.alloc(1); r.bench(); r.release(); }
+  }
+  return 0;
+}
