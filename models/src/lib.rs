@@ -17,6 +17,9 @@
 //! - [`LmTrainer`], [`train_loop`], [`ByteCorpus`] ([`train`]): host AdamW over
 //!   every master, checkpoints an interrupted save cannot break, resume.
 //! - [`generate`] ([`sample`]): temperature and top-p sampling.
+//! - [`FusedLinear`] ([`fused_linear`]) and [`fused_ops`]: `Linear` with its bias
+//!   and GELU in the GEMM's epilogue; RMSNorm and the rotary embedding through
+//!   candle-nn's fused kernels with a backward of their own.
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
@@ -42,6 +45,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod fused_linear;
+pub mod fused_ops;
 pub mod llama;
 pub mod sample;
 pub mod train;
@@ -49,6 +53,6 @@ pub mod train;
 pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budget, SplitMix64};
 pub use config::{LlamaConfig, RopeScaling};
 pub use fused_linear::{fused_linear, Epilogue, FusedLinear};
-pub use llama::{apply_rope, DecoderLayer, Llama, RmsNorm, Rope};
+pub use llama::{apply_rope, apply_rope_unfused, DecoderLayer, Llama, RmsNorm, Rope};
 pub use sample::{generate, sample_token};
 pub use train::{train_loop, ByteCorpus, CheckpointFiles, LmTrainer, LoopOptions, StepReport};

@@ -15,12 +15,13 @@ use streamer_core::{
 };
 
 /// Root-mean-square normalisation: `x / sqrt(mean(x^2) + eps) * weight`, with
-/// the statistics in f32 whatever the input dtype, and the normalised value cast
-/// back to the input dtype before the weight multiplies it (Hugging Face's order).
+/// the statistics in f32 whatever the input dtype.
 ///
-/// Untracked inputs (inference) use candle-nn's fused kernel, which has no
-/// backward; tracked ones (training, or weights that are variables) use plain
-/// differentiable ops.
+/// [`Module::forward`] runs candle-nn's fused kernel (which multiplies by the
+/// weight before rounding to the input dtype), differentiable through
+/// [`crate::fused_ops::rms_norm`]; [`RmsNorm::forward_unfused`] spells it out in
+/// plain ops in Hugging Face's order (the normalised value is rounded to the input
+/// dtype before the weight multiplies it).
 #[derive(Clone, Debug)]
 pub struct RmsNorm {
     weight: Tensor,
@@ -45,13 +46,9 @@ impl RmsNorm {
     pub fn weight(&self) -> &Tensor {
         &self.weight
     }
-}
 
-impl Module for RmsNorm {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if !x.track_op() && !self.weight.track_op() && x.is_contiguous() {
-            return candle_nn::ops::rms_norm(x, &self.weight, self.eps as f32);
-        }
+    /// The same normalisation in plain differentiable Candle ops.
+    pub fn forward_unfused(&self, x: &Tensor) -> Result<Tensor> {
         let dt = x.dtype();
         let xf = x.to_dtype(DType::F32)?;
         let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;
@@ -60,18 +57,31 @@ impl Module for RmsNorm {
     }
 }
 
+impl Module for RmsNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match x.dtype() {
+            DType::F32 | DType::F16 | DType::BF16 => {
+                crate::fused_ops::rms_norm(x, &self.weight, self.eps)
+            }
+            _ => self.forward_unfused(x),
+        }
+    }
+}
+
 /// Applies the rotary embedding in Hugging Face's "rotate half" layout:
 /// `x * cos + rotate_half(x) * sin` with `x` of shape `(batch, heads, seq, head_dim)`
-/// and `cos`, `sin` of shape `(seq, head_dim / 2)`. Untracked inputs use
-/// candle-nn's fused kernel (same arithmetic), tracked ones plain ops.
+/// and `cos`, `sin` of shape `(seq, head_dim / 2)`: candle-nn's fused kernel,
+/// differentiable in `x` through [`crate::fused_ops::rope`].
 pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    if !x.track_op() && !cos.track_op() && !sin.track_op() {
-        return candle_nn::rotary_emb::rope(
-            &x.contiguous()?,
-            &cos.contiguous()?,
-            &sin.contiguous()?,
-        );
+    if cos.track_op() || sin.track_op() {
+        // Trainable tables: only the plain ops give their gradients.
+        return apply_rope_unfused(x, cos, sin);
     }
+    crate::fused_ops::rope(x, cos, sin)
+}
+
+/// [`apply_rope`] in plain differentiable Candle ops.
+pub fn apply_rope_unfused(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let d = x.dim(D::Minus1)?;
     let cos = Tensor::cat(&[cos, cos], D::Minus1)?
         .unsqueeze(0)?

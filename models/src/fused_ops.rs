@@ -1,0 +1,184 @@
+//! RMSNorm and the rotary embedding through candle-nn's fused kernels, forward
+//! and backward.
+//!
+//! candle-nn's `rms_norm` and `rope` are one kernel each but have no backward, so
+//! training used to spell both out in plain ops (eight for the norm, nine for the
+//! rotation, each with its own autograd steps and f32 temporaries). Here the
+//! forward is the fused kernel on detached inputs, and a pass-through custom op
+//! (one copy of the output) attaches a backward written for the operation:
+//! - RMSNorm, `y = x r w` with `r = 1 / sqrt(mean(x^2) + eps)` per row:
+//!   `dx = r (g w) - x r^3 mean(g w x)`, `dw = sum over rows of g x r`, in f32;
+//! - rotary embedding: a rotation per pair of dims, so its gradient is the
+//!   inverse rotation, `rope(g, cos, -sin)`, the same fused kernel.
+//!
+//! Untracked inputs (inference) skip the pass-through.
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D,
+};
+
+/// `x / sqrt(mean(x^2) + eps) * w` over the last dim, statistics in f32;
+/// differentiable in `x` and `w`.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let y = candle_nn::ops::rms_norm(&x.detach(), &w.detach(), eps as f32)?;
+    if !x.track_op() && !w.track_op() {
+        return Ok(y);
+    }
+    x.apply_op3(w, &y, RmsNormGrad { eps })
+}
+
+/// Hugging Face's "rotate half" rotary embedding of `x` `(batch, heads, seq,
+/// head_dim)` with `cos`, `sin` `(seq, head_dim / 2)`; differentiable in `x`
+/// (the tables are constants).
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (x, cos, sin) = (x.contiguous()?, cos.contiguous()?, sin.contiguous()?);
+    let y = candle_nn::rotary_emb::rope(&x.detach(), &cos, &sin)?;
+    if !x.track_op() {
+        return Ok(y);
+    }
+    x.apply_op2(
+        &y,
+        RopeGrad {
+            cos: cos.detach(),
+            sin: sin.detach(),
+        },
+    )
+}
+
+/// The output itself (a copy of argument `y` of the op), for the pass-through
+/// ops below.
+fn copy_cpu(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+    Ok((s.try_clone(l)?, l.shape().clone()))
+}
+
+#[cfg(feature = "cuda")]
+fn copy_cuda(
+    s: &candle_core::CudaStorage,
+    l: &Layout,
+) -> Result<(candle_core::CudaStorage, Shape)> {
+    Ok((s.try_clone(l)?, l.shape().clone()))
+}
+
+/// Checks that a pass-through output is the fresh contiguous tensor it should
+/// be: `try_clone` copies the whole storage, so an offset or a stride would mean
+/// the output is not `y`.
+fn fresh(l: &Layout, what: &str) -> Result<()> {
+    if !l.is_contiguous() || l.start_offset() != 0 {
+        bail!("{what}: internal error, pass-through output has layout {l:?}")
+    }
+    Ok(())
+}
+
+/// `(x, w, y) -> y`, with the RMSNorm backward.
+struct RmsNormGrad {
+    eps: f64,
+}
+
+impl CustomOp3 for RmsNormGrad {
+    fn name(&self) -> &'static str {
+        "rms-norm-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        s: &CpuStorage,
+        l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        fresh(l, self.name())?;
+        copy_cpu(s, l)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        fresh(l, self.name())?;
+        copy_cuda(s, l)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let xf = x.to_dtype(DType::F32)?;
+        let gf = grad.to_dtype(DType::F32)?;
+        let wf = w.to_dtype(DType::F32)?;
+        let r = (xf.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?
+            .sqrt()?
+            .recip()?;
+        let xr = xf.broadcast_mul(&r)?; // the normalised input
+        let gw = gf.broadcast_mul(&wf)?;
+        // dx = r (gw - xr mean(gw xr))
+        let m = (&gw * &xr)?.mean_keepdim(D::Minus1)?;
+        let dx = (gw - xr.broadcast_mul(&m)?)?.broadcast_mul(&r)?;
+        // dw = sum over every row of g xr
+        let hidden = x.dim(D::Minus1)?;
+        let dw = (gf * xr)?.reshape(((), hidden))?.sum(0)?;
+        Ok((
+            Some(dx.to_dtype(x.dtype())?),
+            Some(dw.to_dtype(w.dtype())?),
+            None,
+        ))
+    }
+}
+
+/// `(x, y) -> y`, with the rotary backward `rope(g, cos, -sin)`.
+struct RopeGrad {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl CustomOp2 for RopeGrad {
+    fn name(&self) -> &'static str {
+        "rope-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        s: &CpuStorage,
+        l: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        fresh(l, self.name())?;
+        copy_cpu(s, l)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        fresh(l, self.name())?;
+        copy_cuda(s, l)
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        _y: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dx = candle_nn::rotary_emb::rope(&grad.contiguous()?, &self.cos, &self.sin.neg()?)?;
+        Ok((Some(dx), None))
+    }
+}

@@ -1,0 +1,186 @@
+//! RMSNorm and the rotary embedding through candle-nn's fused kernels
+//! (`streamer_models::fused_ops`): values against f64 loops, gradients against
+//! Candle autograd through the same operations in plain ops
+//! (`RmsNorm::forward_unfused`, `apply_rope_unfused`).
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Module, Tensor, Var};
+use streamer_models::{apply_rope, apply_rope_unfused, RmsNorm};
+
+/// Largest absolute difference over the largest magnitude of `want`.
+fn max_rel(got: &Tensor, want: &Tensor) -> Result<f64> {
+    let f = |t: &Tensor| -> Result<Vec<f64>> {
+        Ok(t.to_dtype(DType::F64)?
+            .to_device(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1()?)
+    };
+    let (a, b) = (f(got)?, f(want)?);
+    ensure!(
+        a.len() == b.len(),
+        "{} values, expected {}",
+        a.len(),
+        b.len()
+    );
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-12);
+    Ok(a.iter()
+        .zip(&b)
+        .fold(0f64, |m, (x, y)| m.max((x - y).abs()))
+        / scale)
+}
+
+/// Gradients of `sum(f(x, w) * g)` for `x` and `w`.
+fn grads(
+    f: impl Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    x: &Var,
+    w: &Var,
+    g: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let y = f(x.as_tensor(), w.as_tensor())?;
+    let store = (y.to_dtype(DType::F32)? * g)?.sum_all()?.backward()?;
+    let get = |v: &Var| -> Result<Tensor> {
+        Ok(store
+            .get(v.as_tensor())
+            .ok_or_else(|| anyhow::anyhow!("no gradient"))?
+            .clone())
+    };
+    Ok((get(x)?, get(w)?))
+}
+
+fn rms_norm_fused_matches_reference(dev: &Device) -> Result<()> {
+    // Odd row count and width; weights away from 1 so that dw matters.
+    let (b, t, h, eps) = (2, 37, 96, 1e-5);
+    let x64 = Tensor::randn(0f64, 1.0, (b, t, h), &Device::Cpu)?;
+    let w64 = (Tensor::randn(0f64, 0.3, h, &Device::Cpu)? + 1.0)?;
+    let g = Tensor::randn(0f32, 1.0, (b, t, h), dev)?;
+    let (xv, wv): (Vec<f64>, Vec<f64>) = (x64.flatten_all()?.to_vec1()?, w64.to_vec1()?);
+    let mut want = vec![0f64; b * t * h];
+    for r in 0..b * t {
+        let row = &xv[r * h..(r + 1) * h];
+        let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / h as f64 + eps).sqrt();
+        for i in 0..h {
+            want[r * h + i] = row[i] * inv * wv[i];
+        }
+    }
+    let want = Tensor::from_vec(want, (b, t, h), &Device::Cpu)?;
+    // Stated tolerances, relative to the largest magnitude: value against f64,
+    // gradients against autograd through plain ops (whose own rounding differs
+    // in 16-bit types: it rounds before multiplying by the weight).
+    for (dt, tol_y, tol_g) in [
+        (DType::F32, 1e-5, 1e-5),
+        (DType::BF16, 1e-2, 3e-2),
+        (DType::F16, 2e-3, 1e-2),
+    ] {
+        let x = Var::from_tensor(&x64.to_dtype(dt)?.to_device(dev)?)?;
+        let w = Var::from_tensor(&w64.to_dtype(dt)?.to_device(dev)?)?;
+        let fused = |x: &Tensor, w: &Tensor| RmsNorm::from_weight(w.clone(), eps).forward(x);
+        let plain =
+            |x: &Tensor, w: &Tensor| RmsNorm::from_weight(w.clone(), eps).forward_unfused(x);
+        let y = fused(x.as_tensor(), w.as_tensor())?;
+        ensure!(
+            y.dtype() == dt && y.dims() == [b, t, h],
+            "{:?} {:?}",
+            y.dtype(),
+            y.dims()
+        );
+        let e = max_rel(&y, &want)?;
+        ensure!(e <= tol_y, "{dt:?}: value error {e:e} > {tol_y:e}");
+        let (dx, dw) = grads(fused, &x, &w, &g)?;
+        let (rx, rw) = grads(plain, &x, &w, &g)?;
+        let (ex, ew) = (max_rel(&dx, &rx)?, max_rel(&dw, &rw)?);
+        ensure!(
+            ex <= tol_g && ew <= tol_g,
+            "{dt:?}: dx error {ex:e}, dw error {ew:e} > {tol_g:e}"
+        );
+    }
+    // Untracked inputs take the kernel alone and give the same values.
+    let x = x64.to_dtype(DType::F32)?.to_device(dev)?;
+    let w = w64.to_dtype(DType::F32)?.to_device(dev)?;
+    let y = RmsNorm::from_weight(w, eps).forward(&x)?;
+    ensure!(!y.track_op() && max_rel(&y, &want)? <= 1e-5);
+    Ok(())
+}
+candle_streamer::test_device!(rms_norm_fused_matches_reference);
+
+fn rope_fused_matches_reference(dev: &Device) -> Result<()> {
+    let (b, heads, n, d) = (2, 3, 19, 16);
+    let x64 = Tensor::randn(0f64, 1.0, (b, heads, n, d), &Device::Cpu)?;
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for p in 0..n {
+        for i in 0..d / 2 {
+            let a = p as f64 / 10000f64.powf(2.0 * i as f64 / d as f64);
+            cos.push(a.cos());
+            sin.push(a.sin());
+        }
+    }
+    let xv: Vec<f64> = x64.flatten_all()?.to_vec1()?;
+    let mut want = vec![0f64; xv.len()];
+    for r in 0..b * heads * n {
+        let p = r % n;
+        for i in 0..d / 2 {
+            let (c, s) = (cos[p * d / 2 + i], sin[p * d / 2 + i]);
+            let (lo, hi) = (xv[r * d + i], xv[r * d + i + d / 2]);
+            want[r * d + i] = lo * c - hi * s;
+            want[r * d + i + d / 2] = hi * c + lo * s;
+        }
+    }
+    let want = Tensor::from_vec(want, (b, heads, n, d), &Device::Cpu)?;
+    let cos = Tensor::from_vec(cos, (n, d / 2), &Device::Cpu)?;
+    let sin = Tensor::from_vec(sin, (n, d / 2), &Device::Cpu)?;
+    let g = Tensor::randn(0f32, 1.0, (b, heads, n, d), dev)?;
+    for (dt, tol_y, tol_g) in [
+        (DType::F32, 1e-6, 1e-6),
+        (DType::BF16, 1e-2, 1e-2),
+        (DType::F16, 2e-3, 2e-3),
+    ] {
+        let to = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(dt)?.to_device(dev)?) };
+        let (c, s) = (to(&cos)?, to(&sin)?);
+        let x = Var::from_tensor(&to(&x64)?)?;
+        // `w` is unused by the rotation; `grads` wants two variables.
+        let w = Var::from_tensor(&to(&cos)?)?;
+        let fused = |x: &Tensor, _: &Tensor| apply_rope(x, &c, &s);
+        let plain = |x: &Tensor, _: &Tensor| apply_rope_unfused(x, &c, &s);
+        let y = fused(x.as_tensor(), w.as_tensor())?;
+        let e = max_rel(&y, &want)?;
+        ensure!(e <= tol_y, "{dt:?}: value error {e:e} > {tol_y:e}");
+        let dx = {
+            let y = fused(x.as_tensor(), w.as_tensor())?;
+            let store = (y.to_dtype(DType::F32)? * &g)?.sum_all()?.backward()?;
+            store.get(x.as_tensor()).cloned()
+        };
+        let rx = {
+            let y = plain(x.as_tensor(), w.as_tensor())?;
+            let store = (y.to_dtype(DType::F32)? * &g)?.sum_all()?.backward()?;
+            store.get(x.as_tensor()).cloned()
+        };
+        let (Some(dx), Some(rx)) = (dx, rx) else {
+            anyhow::bail!("{dt:?}: no gradient for x")
+        };
+        let e = max_rel(&dx, &rx)?;
+        ensure!(e <= tol_g, "{dt:?}: dx error {e:e} > {tol_g:e}");
+    }
+    Ok(())
+}
+candle_streamer::test_device!(rope_fused_matches_reference);
+
+fn fused_ops_reject_bad_shapes(dev: &Device) -> Result<()> {
+    let x = Var::from_tensor(&Tensor::zeros((2, 4, 8), DType::F32, dev)?)?;
+    let w = Tensor::ones(6, DType::F32, dev)?;
+    let e = RmsNorm::from_weight(w, 1e-5)
+        .forward(x.as_tensor())
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    ensure!(
+        e.contains("rms-norm") && e.contains("[2, 4, 8]") && e.contains("[6]"),
+        "{e}"
+    );
+    let x = Var::from_tensor(&Tensor::zeros((1, 2, 4, 8), DType::F32, dev)?)?;
+    let cs = Tensor::zeros((4, 3), DType::F32, dev)?;
+    let e = apply_rope(x.as_tensor(), &cs, &cs)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    ensure!(e.contains("rope") && e.contains("[1, 2, 4, 8]"), "{e}");
+    Ok(())
+}
+candle_streamer::test_device!(fused_ops_reject_bad_shapes);
