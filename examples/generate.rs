@@ -160,7 +160,8 @@ fn main() -> Result<()> {
     let mut out = std::io::stdout().lock();
     out.write_all(a.prompt.as_bytes())?;
     let mut err = None;
-    generate(
+    let started = std::time::Instant::now();
+    let new = generate(
         &model,
         &prompt,
         a.max_tokens,
@@ -176,10 +177,17 @@ fn main() -> Result<()> {
             }
         },
     )?;
+    let secs = started.elapsed().as_secs_f64();
     writeln!(out)?;
     if let Some(e) = err {
         return Err(e.into());
     }
+    eprintln!(
+        "{} tokens in {secs:.2} s ({:.1} tokens/s; the time includes the {}-token prompt)",
+        new.len(),
+        new.len() as f64 / secs,
+        prompt.len()
+    );
     if let Some(s) = model.stats()? {
         eprintln!("{s}");
     }

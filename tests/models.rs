@@ -1,9 +1,7 @@
-// The Llama decoder of `streamer-models`: resident and streamed execution agree,
-// checkpoints round-trip, bad checkpoints fail with the tensor's name, training
-// resumes exactly, and the tiny preset learns.
-//
-// Plain `//` comments: `models/tests/decoder.rs` includes this file with `include!`
-// (so the crate tests the very same bodies on the CPU), where `//!` is not allowed.
+//! The Llama decoder of `streamer-models`: resident and streamed execution agree,
+//! the kv cache gives the logits of a full forward, checkpoints round-trip, bad
+//! checkpoints fail with the tensor's name, training resumes exactly, and the tiny
+//! preset learns.
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{ParamsAdamW, VarBuilder, VarMap};
@@ -11,8 +9,8 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use streamer_core::{StreamConfig, WeightSource};
 use streamer_models::{
-    check_weights, init_weights, parse_bytes, prefetch_for_budget, sample_token, train_loop,
-    ByteCorpus, Llama, LlamaConfig, LmTrainer, LoopOptions, SplitMix64,
+    check_weights, generate, init_weights, parse_bytes, prefetch_for_budget, sample_token,
+    train_loop, ByteCorpus, Llama, LlamaConfig, LmTrainer, LoopOptions, SplitMix64,
 };
 
 /// A micro config: 3 layers of width 32, 4 query heads / 2 key-value heads of 8.
@@ -84,6 +82,94 @@ fn llama_logits_resident_equal_streamed_f32(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(llama_logits_resident_equal_streamed_f32);
+
+fn llama_kv_cache_matches_full_forward(dev: &Device) -> Result<()> {
+    let cfg = LlamaConfig {
+        max_position_embeddings: 16,
+        ..micro(false)
+    };
+    let w = init_weights(&cfg, 3)?;
+    let resident = Llama::resident(VarBuilder::from_tensors(w.clone(), DType::F32, dev), &cfg)?;
+    let streamed = Llama::from_tensors(w, &cfg, stream(dev, DType::F32, 1))?;
+    let x = tokens(dev, 2, 14, 9)?;
+    for (name, model) in [("resident", &resident), ("streamed", &streamed)] {
+        let full = model.forward(&x)?;
+        // A prompt of 5, then 1, 1 and 7 tokens: each call's logits are the full
+        // forward's at the same positions (f32; chunked attention rounds apart).
+        let mut at = 0;
+        for n in [5, 1, 1, 7] {
+            let got = model.forward_cached(&x.narrow(1, at, n)?)?;
+            let d = max_diff(&got, &full.narrow(1, at, n)?)?;
+            ensure!(
+                d < 1e-4,
+                "{name}: positions {at}..{}: max |diff| {d}",
+                at + n
+            );
+            at += n;
+            ensure!(
+                model.cached_positions()? == at,
+                "{name}: cache holds {}",
+                model.cached_positions()?
+            );
+        }
+        // Past max_position_embeddings (16): a clear error, and the cache is emptied.
+        let e = err_of(model.forward_cached(&x.narrow(1, 0, 3)?))?;
+        ensure!(e.contains("max_position_embeddings = 16"), "{name}: {e}");
+        ensure!(
+            model.cached_positions()? == 0,
+            "{name}: cache not cleared after an error"
+        );
+        // Cleared, it starts over at position 0.
+        let got = model.forward_cached(&x.narrow(1, 0, 4)?)?;
+        ensure!(
+            max_diff(&got, &full.narrow(1, 0, 4)?)? < 1e-4,
+            "{name}: after clearing"
+        );
+        model.clear_cache()?;
+        ensure!(model.cached_positions()? == 0);
+    }
+    // Training mode refuses the cache.
+    let trainable = Llama::from_tensors(init_weights(&cfg, 3)?, &cfg, stream(dev, DType::F32, 1))?
+        .into_trainable()?;
+    let e = err_of(trainable.forward_cached(&x.narrow(1, 0, 2)?))?;
+    ensure!(e.contains("training mode"), "{e}");
+    Ok(())
+}
+candle_streamer::test_device!(llama_kv_cache_matches_full_forward);
+
+fn llama_generate_with_cache_equals_recompute(dev: &Device) -> Result<()> {
+    // A context of 16: a prompt of 5 and 20 new tokens cross it, so both the
+    // cached steps and the sliding-window steps run.
+    let cfg = LlamaConfig {
+        max_position_embeddings: 16,
+        ..micro(true)
+    };
+    let w = init_weights(&cfg, 4)?;
+    for model in [
+        Llama::resident(VarBuilder::from_tensors(w.clone(), DType::F32, dev), &cfg)?,
+        Llama::from_tensors(w.clone(), &cfg, stream(dev, DType::F32, 0))?,
+    ] {
+        let prompt = [72u32, 101, 108, 108, 111];
+        let mut seen = Vec::new();
+        // Sampling at temperature 1.5 depends on every logit, not only the largest.
+        let (temp, seed) = (1.5, 7);
+        let got = generate(&model, &prompt, 20, temp, 1.0, seed, |t| seen.push(t))?;
+        ensure!(got == seen && model.cached_positions()? == 0);
+        // Reference: the same sampler, every step a full forward over the last 16
+        // tokens.
+        let mut rng = SplitMix64::new(seed);
+        let mut all = prompt.to_vec();
+        for (step, &t) in got.iter().enumerate() {
+            let window = &all[all.len().saturating_sub(16)..];
+            let logits = model.forward(&Tensor::new(window, dev)?.unsqueeze(0)?)?;
+            let want = sample_token(&logits.get(0)?.get(window.len() - 1)?, temp, 1.0, &mut rng)?;
+            ensure!(want == t, "step {step}: generated {t}, reference {want}");
+            all.push(t);
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(llama_generate_with_cache_equals_recompute);
 
 fn llama_logits_resident_equal_streamed_bf16(dev: &Device) -> Result<()> {
     let cfg = micro(false);

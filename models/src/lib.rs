@@ -16,7 +16,8 @@
 //!   fields), seeded initial weights, byte budgets.
 //! - [`LmTrainer`], [`train_loop`], [`ByteCorpus`] ([`train`]): host AdamW over
 //!   every master, checkpoints an interrupted save cannot break, resume.
-//! - [`generate`] ([`sample`]): temperature and top-p sampling.
+//! - [`generate`] ([`sample`]): temperature and top-p sampling, feeding one token
+//!   per step through the model's kv cache ([`Llama::forward_cached`]).
 //! - [`FusedLinear`] ([`fused_linear`]) and [`fused_ops`]: `Linear` with its bias
 //!   and GELU in the GEMM's epilogue; RMSNorm and the rotary embedding through
 //!   candle-nn's fused kernels with a backward of their own.
@@ -46,6 +47,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod fused_linear;
 pub mod fused_ops;
+mod kv_cache;
 pub mod llama;
 pub mod sample;
 pub mod train;

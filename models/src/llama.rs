@@ -4,11 +4,13 @@
 //! or streamed (`StreamedSequential`, trainable through `TrainableSequential`).
 use crate::checkpoint::check_weights;
 use crate::config::LlamaConfig;
+use crate::kv_cache::KvCache;
 use candle_core::backprop::GradStore;
 use candle_core::{bail, DType, Device, Module, Result, Tensor, Var, D};
 use candle_nn::{linear_no_bias, Linear, VarBuilder};
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 use streamer_autograd::{Train, TrainableSequential};
 use streamer_core::{
     Block, BlockSpec, StreamConfig, StreamStats, StreamedSequential, WeightSource,
@@ -131,13 +133,21 @@ impl Rope {
 
     /// `[cos, sin]` for positions `0..seq`, each `(seq, head_dim / 2)`.
     pub fn extras(&self, seq: usize) -> Result<Vec<Tensor>> {
+        self.extras_at(0, seq)
+    }
+
+    /// `[cos, sin]` for positions `start..start + seq`.
+    pub fn extras_at(&self, start: usize, seq: usize) -> Result<Vec<Tensor>> {
         let max = self.cos.dim(0)?;
-        if seq > max {
-            bail!("sequence of {seq} tokens is longer than max_position_embeddings = {max}");
+        if start + seq > max {
+            bail!(
+                "positions {start}..{} go past max_position_embeddings = {max}",
+                start + seq
+            );
         }
         Ok(vec![
-            self.cos.narrow(0, 0, seq)?,
-            self.sin.narrow(0, 0, seq)?,
+            self.cos.narrow(0, start, seq)?,
+            self.sin.narrow(0, start, seq)?,
         ])
     }
 }
@@ -147,6 +157,11 @@ impl Rope {
 /// Weights (Hugging Face names, relative to the layer's `VarBuilder`):
 /// `input_layernorm.weight`, `self_attn.{q,k,v,o}_proj.weight`,
 /// `post_attention_layernorm.weight`, `mlp.{gate,up,down}_proj.weight`.
+///
+/// Extras: `[cos, sin]` for the call's positions. A layer built by a [`Llama`]
+/// also accepts `[cos, sin, _]`: the third tensor (any value) asks it to append
+/// this call's keys and values to its slot of the model's kv cache and to attend
+/// over every cached position ([`Llama::forward_cached`]).
 pub struct DecoderLayer {
     input_layernorm: RmsNorm,
     q_proj: Linear,
@@ -160,6 +175,8 @@ pub struct DecoderLayer {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// The model's kv cache and this layer's index in it.
+    cache: Option<(Arc<KvCache>, usize)>,
 }
 
 impl DecoderLayer {
@@ -186,7 +203,14 @@ impl DecoderLayer {
             heads: nq,
             kv_heads: nkv,
             head_dim: d,
+            cache: None,
         })
+    }
+
+    /// This layer as layer `index` of a model whose kv cache is `cache`.
+    fn with_cache(mut self, cache: &Arc<KvCache>, index: usize) -> Self {
+        self.cache = Some((cache.clone(), index));
+        self
     }
 
     /// The layer's weights under their names relative to the layer.
@@ -221,11 +245,13 @@ impl Block for DecoderLayer {
     /// `x`: hidden states `(batch, seq, hidden)`; `extras`: `[cos, sin]`, each
     /// `(seq, head_dim / 2)` in the compute dtype. Returns the new hidden states.
     fn forward(&self, x: &Tensor, extras: &[Tensor]) -> Result<Vec<Tensor>> {
-        let [cos, sin] = extras else {
-            bail!(
-                "a Llama decoder layer needs extras [cos, sin], got {} tensors",
+        let (cos, sin, cached) = match extras {
+            [cos, sin] => (cos, sin, false),
+            [cos, sin, _] => (cos, sin, true),
+            _ => bail!(
+                "a Llama decoder layer needs extras [cos, sin] (or [cos, sin, cache flag]), got {} tensors",
                 extras.len()
-            );
+            ),
         };
         let (b, n, _) = x.dims3()?;
         let h = self.input_layernorm.forward(x)?;
@@ -234,6 +260,13 @@ impl Block for DecoderLayer {
         let v = self.heads(self.v_proj.forward(&h)?, b, n, self.kv_heads)?;
         let q = apply_rope(&q, cos, sin)?;
         let k = apply_rope(&k, cos, sin)?;
+        // Cached: attend over the earlier positions too (causal masking is aligned
+        // bottom-right, so new query i sees every cached key and new keys 0..=i).
+        let (k, v) = match (cached, &self.cache) {
+            (false, _) => (k, v),
+            (true, Some((cache, i))) => cache.extend(*i, k, v)?,
+            (true, None) => bail!("this decoder layer was built without a kv cache"),
+        };
         let opts = cqsa::AttentionOpts {
             causal: true,
             ..Default::default()
@@ -292,14 +325,16 @@ pub struct Llama {
     rope: Rope,
     outer: Outer,
     layers: Layers,
+    /// Keys and values of earlier positions, for [`Llama::forward_cached`].
+    kv: Arc<KvCache>,
 }
 
-fn layer_blocks(cfg: &LlamaConfig) -> Vec<BlockSpec> {
+fn layer_blocks(cfg: &LlamaConfig, cache: &Arc<KvCache>) -> Vec<BlockSpec> {
     (0..cfg.num_hidden_layers)
         .map(|i| {
-            let c = cfg.clone();
+            let (c, cache) = (cfg.clone(), cache.clone());
             BlockSpec::new(format!("model.layers.{i}"), move |vb| {
-                DecoderLayer::new(&c, vb)
+                Ok(DecoderLayer::new(&c, vb)?.with_cache(&cache, i))
             })
         })
         .collect()
@@ -319,8 +354,11 @@ impl Llama {
         } else {
             vb.get((v, h), "lm_head.weight")?
         };
+        let kv = Arc::new(KvCache::new(cfg.num_hidden_layers));
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| DecoderLayer::new(cfg, vb.pp(format!("model.layers.{i}"))))
+            .map(|i| {
+                Ok(DecoderLayer::new(cfg, vb.pp(format!("model.layers.{i}")))?.with_cache(&kv, i))
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             cfg: cfg.clone(),
@@ -329,6 +367,7 @@ impl Llama {
             rope: Rope::new(cfg, vb.dtype(), vb.device())?,
             outer: Outer::Resident { embed, norm, head },
             layers: Layers::Resident(layers),
+            kv,
         })
     }
 
@@ -369,7 +408,8 @@ impl Llama {
                 Some(host("lm_head.weight")?)
             },
         };
-        let seq = StreamedSequential::from_source(src, layer_blocks(cfg), stream.clone())?;
+        let kv = Arc::new(KvCache::new(cfg.num_hidden_layers));
+        let seq = StreamedSequential::from_source(src, layer_blocks(cfg, &kv), stream.clone())?;
         Ok(Self {
             cfg: cfg.clone(),
             device: stream.device.clone(),
@@ -377,6 +417,7 @@ impl Llama {
             rope: Rope::new(cfg, stream.dtype, &stream.device)?,
             outer,
             layers: Layers::Streamed(Box::new(seq)),
+            kv,
         })
     }
 
@@ -479,6 +520,48 @@ impl Llama {
     /// `(batch, seq)` tensor of u32 token ids (any device). Position `t` sees
     /// tokens `0..=t` (causal).
     pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+        let n = self.check_tokens(tokens)?;
+        self.run(tokens, self.rope.extras(n)?)
+    }
+
+    /// Logits for `tokens` `(batch, seq)` placed after the positions already in
+    /// the kv cache, whose keys and values they attend to; their own keys and
+    /// values join the cache. The first call (empty cache) is an ordinary forward
+    /// that also fills it; each later one can feed only the newest tokens, which
+    /// is what makes generation linear instead of quadratic. Inference only (an
+    /// error in training mode). The batch must stay the same across calls, and
+    /// cached plus new positions must fit in `max_position_embeddings`. A failed
+    /// call clears the cache. See [`Llama::clear_cache`].
+    pub fn forward_cached(&self, tokens: &Tensor) -> Result<Tensor> {
+        if self.is_training() {
+            bail!("forward_cached: the model is in training mode (call set_training(false))");
+        }
+        let r = (|| {
+            let n = self.check_tokens(tokens)?;
+            let past = self.kv.positions()?;
+            let mut extras = self.rope.extras_at(past, n)?;
+            // The flag's value is never read: its presence asks for the cache.
+            extras.push(Tensor::zeros(1, DType::U8, &self.device)?);
+            self.run(tokens, extras)
+        })();
+        if r.is_err() {
+            self.kv.clear()?;
+        }
+        r
+    }
+
+    /// Positions held in the kv cache ([`Llama::forward_cached`]).
+    pub fn cached_positions(&self) -> Result<usize> {
+        self.kv.positions()
+    }
+
+    /// Empties the kv cache, e.g. before an unrelated prompt.
+    pub fn clear_cache(&self) -> Result<()> {
+        self.kv.clear()
+    }
+
+    /// The sequence length of `tokens`, checked to be `(batch, seq)` u32.
+    fn check_tokens(&self, tokens: &Tensor) -> Result<usize> {
         let (b, n) = tokens.dims2()?;
         if tokens.dtype() != DType::U32 {
             bail!(
@@ -486,10 +569,14 @@ impl Llama {
                 tokens.dtype()
             );
         }
+        Ok(n)
+    }
+
+    /// Embedding, layers (with `extras`), final norm and head.
+    fn run(&self, tokens: &Tensor, extras: Vec<Tensor>) -> Result<Tensor> {
         let tokens = tokens.to_device(&self.device)?;
         let (embed, norm, head) = self.device_weights()?;
         let x = candle_nn::Embedding::new(embed, self.cfg.hidden_size).forward(&tokens)?;
-        let extras = self.rope.extras(n)?;
         let h = match &self.layers {
             Layers::Resident(ls) => {
                 let mut h = x;

@@ -53,9 +53,14 @@ pub fn sample_token(
     Ok(p[keep - 1].0 as u32)
 }
 
-/// Continues `prompt` by `max_new` tokens (no cache: each token runs the model
-/// over the last `max_position_embeddings` tokens). `on_token` sees each new
-/// token as it is chosen. Returns the new tokens.
+/// Continues `prompt` by `max_new` tokens. `on_token` sees each new token as it
+/// is chosen. Returns the new tokens.
+///
+/// While prompt and output fit in `max_position_embeddings`, the model's kv cache
+/// holds their keys and values, so each step feeds only the newest token. Past
+/// that, each step runs the model over the last `max_position_embeddings` tokens
+/// (the window slides, so every position moves and nothing cached can be reused).
+/// The cache is emptied before and after.
 pub fn generate(
     model: &Llama,
     prompt: &[u32],
@@ -70,17 +75,22 @@ pub fn generate(
     }
     let was_training = model.is_training();
     model.set_training(false);
-    let r = sample_loop(
-        model,
-        prompt,
-        max_new,
-        temperature,
-        top_p,
-        seed,
-        &mut on_token,
-    );
+    let r = model.clear_cache().and_then(|()| {
+        sample_loop(
+            model,
+            prompt,
+            max_new,
+            temperature,
+            top_p,
+            seed,
+            &mut on_token,
+        )
+    });
+    let cleared = model.clear_cache();
     model.set_training(was_training);
-    r
+    let out = r?;
+    cleared?;
+    Ok(out)
 }
 
 fn sample_loop(
@@ -96,12 +106,21 @@ fn sample_loop(
     let mut rng = SplitMix64::new(seed);
     let mut all = prompt.to_vec();
     let mut out = Vec::with_capacity(max_new);
+    // Tokens of `all` whose keys and values are in the model's cache.
+    let mut cached = 0;
     for _ in 0..max_new {
-        let start = all.len().saturating_sub(ctx);
-        let window = &all[start..];
-        let tokens = Tensor::new(window, model.device())?.unsqueeze(0)?;
-        let logits = model.forward(&tokens)?;
-        let last = logits.get(0)?.get(window.len() - 1)?;
+        let last = if all.len() <= ctx {
+            let new = &all[cached..];
+            let tokens = Tensor::new(new, model.device())?.unsqueeze(0)?;
+            let logits = model.forward_cached(&tokens)?;
+            cached = all.len();
+            logits.get(0)?.get(new.len() - 1)?
+        } else {
+            let window = &all[all.len() - ctx..];
+            let tokens = Tensor::new(window, model.device())?.unsqueeze(0)?;
+            let logits = model.forward(&tokens)?;
+            logits.get(0)?.get(window.len() - 1)?
+        };
         let t = sample_token(&last, temperature, top_p, &mut rng)?;
         on_token(t);
         all.push(t);
