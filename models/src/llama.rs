@@ -529,7 +529,8 @@ impl Llama {
     /// values join the cache. The first call (empty cache) is an ordinary forward
     /// that also fills it; each later one can feed only the newest tokens, which
     /// is what makes generation linear instead of quadratic. Inference only (an
-    /// error in training mode). The batch must stay the same across calls, and
+    /// error in training mode), one caller at a time (the cache is the model's).
+    /// The batch must stay the same across calls, and
     /// cached plus new positions must fit in `max_position_embeddings`. A failed
     /// call clears the cache. See [`Llama::clear_cache`].
     pub fn forward_cached(&self, tokens: &Tensor) -> Result<Tensor> {
