@@ -20,12 +20,12 @@ use candle_core::{
 /// `x / sqrt(mean(x^2) + eps) * w` over the last dim, statistics in f32;
 /// differentiable in `x` and `w`.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let x = x.contiguous()?;
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
     let y = candle_nn::ops::rms_norm(&x.detach(), &w.detach(), eps as f32)?;
     if !x.track_op() && !w.track_op() {
         return Ok(y);
     }
-    x.apply_op3(w, &y, RmsNormGrad { eps })
+    x.apply_op3(&w, &y, RmsNormGrad { eps })
 }
 
 /// Hugging Face's "rotate half" rotary embedding of `x` `(batch, heads, seq,
