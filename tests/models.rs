@@ -634,3 +634,289 @@ fn llama_budget_and_sampling(_dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(llama_budget_and_sampling);
+
+/// A micro Llama 3.1-style `config.json` (theta 500000, llama3 scaling whose
+/// original context of 16 puts the four frequencies in all three regimes) in
+/// transformers 4.x's layout: top-level `rope_theta` and `rope_scaling`.
+fn hf4_config() -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 32, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+        "attention_bias": false, "mlp_bias": false, "attention_dropout": 0.0,
+        "tie_word_embeddings": false, "torch_dtype": "float32", "pretraining_tp": 1,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+        "transformers_version": "4.46.0"
+    })
+}
+
+/// The same model as transformers 5.x writes it: `rope_parameters` holds theta
+/// and the scaling, `layer_types` names each layer's attention.
+fn hf5_config() -> serde_json::Value {
+    let mut v = hf4_config();
+    let o = v.as_object_mut().expect("object");
+    o.remove("rope_theta");
+    o.remove("rope_scaling");
+    o.remove("torch_dtype");
+    o.insert("dtype".into(), "float32".into());
+    o.insert("transformers_version".into(), "5.17.0".into());
+    o.insert(
+        "layer_types".into(),
+        serde_json::json!(["full_attention", "full_attention"]),
+    );
+    o.insert(
+        "rope_parameters".into(),
+        serde_json::json!({"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}),
+    );
+    v
+}
+
+fn with(mut v: serde_json::Value, edits: serde_json::Value) -> serde_json::Value {
+    let o = v.as_object_mut().expect("object");
+    for (k, x) in edits.as_object().expect("object") {
+        if x.is_null() && k != "sliding_window" {
+            o.remove(k);
+        } else {
+            o.insert(k.clone(), x.clone());
+        }
+    }
+    v
+}
+
+fn parse(v: &serde_json::Value) -> candle_core::Result<LlamaConfig> {
+    LlamaConfig::from_json(&v.to_string())
+}
+
+fn llama_config_hf4_and_hf5_layouts_agree(dev: &Device) -> Result<()> {
+    let c4 = parse(&hf4_config())?;
+    let c5 = parse(&hf5_config())?;
+    ensure!(c4 == c5, "4.x {c4:?}\n5.x {c5:?}");
+    ensure!(c5.rope_theta == 500000.0, "{c5:?}");
+    let s = c5.rope_scaling.as_ref().expect("llama3 scaling read");
+    ensure!(s.rope_type == "llama3" && s.factor == 8.0 && s.original_max_position_embeddings == 16);
+    // Identical logits from the two parses; the scaling changes them.
+    let w = init_weights(&c4, 7)?;
+    let x = tokens(dev, 1, 48, 3)?;
+    let logits = |c: &LlamaConfig| -> Result<Tensor> {
+        let vb = VarBuilder::from_tensors(w.clone(), DType::F32, dev);
+        Ok(Llama::resident(vb, c)?.forward(&x)?)
+    };
+    let (l4, l5) = (logits(&c4)?, logits(&c5)?);
+    ensure!(max_diff(&l4, &l5)? == 0.0);
+    let unscaled = LlamaConfig {
+        rope_scaling: None,
+        ..c4.clone()
+    };
+    let d = max_diff(&l4, &logits(&unscaled)?)?;
+    let scale = l4.abs()?.max_all()?.to_scalar::<f32>()?;
+    // (Small random weights keep attention near uniform, so the rope moves the
+    // logits little; the tables themselves move a lot.)
+    ensure!(
+        d > 1e-4 * scale,
+        "llama3 scaling changed the logits by only {d} of {scale}"
+    );
+    let cos = |c: &LlamaConfig| -> Result<Tensor> {
+        Ok(streamer_models::Rope::new(c, DType::F32, dev)?.extras(48)?[0].clone())
+    };
+    let d = max_diff(&cos(&c5)?, &cos(&unscaled)?)?;
+    ensure!(
+        d > 0.1,
+        "llama3 scaling moved the rotary tables by only {d}"
+    );
+    // A 5.x default rope, rope_parameters keyed by layer type, and both layouts
+    // written at once (agreeing) all read as their 4.x equivalent.
+    let plain4 = with(hf4_config(), serde_json::json!({"rope_scaling": null}));
+    let plain5 = with(
+        hf5_config(),
+        serde_json::json!({"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}),
+    );
+    ensure!(parse(&plain4)? == parse(&plain5)? && parse(&plain5)?.rope_scaling.is_none());
+    let rp = hf5_config()["rope_parameters"].clone();
+    let keyed = with(
+        hf5_config(),
+        serde_json::json!({"rope_parameters": {"full_attention": rp}}),
+    );
+    ensure!(parse(&keyed)? == c4);
+    let both = with(hf5_config(), serde_json::json!({"rope_theta": 500000}));
+    ensure!(parse(&both)? == c4);
+    // 5.x without a theta anywhere takes the default 10000.
+    let no_theta = with(
+        hf5_config(),
+        serde_json::json!({"rope_parameters": {"rope_type": "default"}}),
+    );
+    ensure!(parse(&no_theta)?.rope_theta == 10000.0);
+    // Our own files round-trip.
+    ensure!(LlamaConfig::from_json(&c5.to_json()?)? == c5);
+    Ok(())
+}
+candle_streamer::test_device!(llama_config_hf4_and_hf5_layouts_agree);
+
+fn llama_config_mistral_without_window_is_llama(_dev: &Device) -> Result<()> {
+    let llama = parse(&hf4_config())?;
+    for window in [
+        serde_json::json!(null),
+        serde_json::json!(64),
+        serde_json::json!(4096),
+    ] {
+        let m = with(
+            hf4_config(),
+            serde_json::json!({"model_type": "mistral", "sliding_window": window}),
+        );
+        ensure!(parse(&m)? == llama, "window {window}");
+    }
+    for (edits, want) in [
+        (
+            serde_json::json!({"model_type": "mistral", "sliding_window": 16}),
+            "sliding_window = 16",
+        ),
+        // transformers' Mistral default window (4096) when the file has none.
+        (
+            serde_json::json!({"model_type": "mistral", "max_position_embeddings": 32768}),
+            "sliding_window = 4096",
+        ),
+        (
+            serde_json::json!({"model_type": "mistral", "sliding_window": 16,
+                "layer_types": ["sliding_attention", "sliding_attention"]}),
+            "sliding_window = 16",
+        ),
+    ] {
+        let e = err_of(parse(&with(hf4_config(), edits.clone())))?;
+        ensure!(
+            e.contains(want) && e.contains("not supported"),
+            "{edits}: {e}"
+        );
+    }
+    Ok(())
+}
+candle_streamer::test_device!(llama_config_mistral_without_window_is_llama);
+
+fn llama_config_unsupported_fields_are_named(_dev: &Device) -> Result<()> {
+    let rp = |edits: serde_json::Value| {
+        let mut r = hf5_config()["rope_parameters"].clone();
+        for (k, v) in edits.as_object().expect("object") {
+            r[k] = v.clone();
+        }
+        serde_json::json!({ "rope_parameters": r })
+    };
+    let cases = [
+        (
+            hf4_config(),
+            serde_json::json!({"model_type": "qwen2"}),
+            vec!["model_type", "qwen2"],
+        ),
+        (
+            hf4_config(),
+            serde_json::json!({"model_type": "qwen3"}),
+            vec!["model_type", "qwen3"],
+        ),
+        (
+            hf4_config(),
+            serde_json::json!({"model_type": "gemma"}),
+            vec!["model_type", "gemma"],
+        ),
+        (
+            hf4_config(),
+            serde_json::json!({"hidden_act": "gelu"}),
+            vec!["hidden_act", "gelu"],
+        ),
+        (
+            hf4_config(),
+            serde_json::json!({"attention_bias": true}),
+            vec!["attention_bias = true"],
+        ),
+        (
+            hf4_config(),
+            serde_json::json!({"mlp_bias": true}),
+            vec!["mlp_bias = true"],
+        ),
+        (
+            hf4_config(),
+            serde_json::json!({"attention_dropout": 0.1}),
+            vec!["attention_dropout = 0.1"],
+        ),
+        (
+            hf4_config(),
+            serde_json::json!({"sliding_window": 8}),
+            vec!["sliding_window = 8"],
+        ),
+        (
+            hf4_config(),
+            serde_json::json!({"rope_scaling": {"type": "linear", "factor": 2.0}}),
+            vec!["rope_scaling.rope_type", "linear"],
+        ),
+        (
+            hf4_config(),
+            serde_json::json!({"rope_scaling": {"rope_type": "llama3", "type": "yarn"}}),
+            vec!["rope_scaling", "yarn"],
+        ),
+        (
+            hf5_config(),
+            rp(serde_json::json!({"rope_type": "yarn"})),
+            vec!["rope_parameters.rope_type", "yarn"],
+        ),
+        (
+            hf5_config(),
+            rp(serde_json::json!({"rope_type": "dynamic"})),
+            vec!["rope_parameters.rope_type", "dynamic"],
+        ),
+        (
+            hf5_config(),
+            rp(serde_json::json!({"partial_rotary_factor": 0.5})),
+            vec!["rope_parameters.partial_rotary_factor = 0.5"],
+        ),
+        (
+            hf5_config(),
+            rp(serde_json::json!({"factor": "eight"})),
+            vec!["rope_parameters.factor", "eight"],
+        ),
+        (
+            hf5_config(),
+            serde_json::json!({"rope_theta": 10000.0}),
+            vec!["rope_theta = 10000", "rope_parameters.rope_theta = 500000"],
+        ),
+        (
+            hf5_config(),
+            serde_json::json!({"rope_scaling": {"rope_type": "llama3", "factor": 32.0}}),
+            vec!["rope_scaling", "rope_parameters", "disagree"],
+        ),
+        (
+            hf5_config(),
+            serde_json::json!({"layer_types": ["full_attention", "chunked_attention"]}),
+            vec!["layer_types[1]", "chunked_attention"],
+        ),
+        (
+            hf5_config(),
+            serde_json::json!({"layer_types": ["full_attention"]}),
+            vec!["layer_types", "num_hidden_layers = 2"],
+        ),
+        (
+            hf5_config(),
+            serde_json::json!({"rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}),
+            vec!["rope_parameters", "full_attention", "sliding_attention"],
+        ),
+        (
+            hf4_config(),
+            serde_json::json!({"head_dim": 7}),
+            vec!["head dimension 7"],
+        ),
+    ];
+    for (base, edits, want) in cases {
+        let e = err_of(parse(&with(base, edits.clone())))?;
+        ensure!(want.iter().all(|w| e.contains(w)), "{edits}: {e}");
+    }
+    // Fields that do not change the math are ignored.
+    let extra = with(
+        hf5_config(),
+        serde_json::json!({"bos_token_id": 1, "use_cache": true, "initializer_range": 0.02}),
+    );
+    ensure!(parse(&extra)? == parse(&hf5_config())?);
+    Ok(())
+}
+candle_streamer::test_device!(llama_config_unsupported_fields_are_named);

@@ -2,6 +2,7 @@
 //! and the weight names and shapes a configuration implies.
 use candle_core::{bail, Result};
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 use std::path::Path;
 
 /// Rotary-embedding frequency scaling (`rope_scaling` in `config.json`). Only
@@ -165,8 +166,21 @@ impl LlamaConfig {
     }
 
     /// Parses a `config.json` text and validates it.
+    ///
+    /// Reads the layouts of Hugging Face transformers 4.x (top-level `rope_theta`
+    /// and `rope_scaling`) and 5.x (`rope_parameters`, `layer_types`); both give
+    /// the same configuration. `model_type` must be `llama` (or absent), or
+    /// `mistral` without a sliding window shorter than the context. A field that
+    /// would change the math and that this decoder does not implement is an
+    /// error naming the field and its value; other unknown fields are ignored.
     pub fn from_json(text: &str) -> Result<Self> {
-        let cfg: Self = serde_json::from_str(text)
+        let v: Value = serde_json::from_str(text)
+            .map_err(|e| candle_core::Error::Msg(format!("invalid Llama config.json: {e}")))?;
+        let Value::Object(mut o) = v else {
+            bail!("invalid Llama config.json: expected a JSON object, got {v}")
+        };
+        hf_layout::normalize(&mut o)?;
+        let cfg: Self = serde_json::from_value(Value::Object(o))
             .map_err(|e| candle_core::Error::Msg(format!("invalid Llama config.json: {e}")))?;
         cfg.validate()?;
         Ok(cfg)
@@ -254,10 +268,11 @@ impl LlamaConfig {
                 self.rope_theta
             );
         }
-        if self.attention_bias || self.mlp_bias {
-            bail!(
-                "config fields attention_bias / mlp_bias: biases are not supported (must be false)"
-            );
+        if self.attention_bias {
+            bail!("config field attention_bias = true is not supported (no q/k/v/o biases yet)");
+        }
+        if self.mlp_bias {
+            bail!("config field mlp_bias = true is not supported (no MLP biases yet)");
         }
         if let Some(act) = &self.hidden_act {
             if act != "silu" {
@@ -387,5 +402,242 @@ impl LlamaConfig {
             .iter()
             .map(|(_, s, _)| s.iter().product::<usize>())
             .sum()
+    }
+}
+
+/// Reading the `config.json` layouts of Hugging Face transformers 4.x and 5.x
+/// into the one layout [`LlamaConfig`] deserialises (top-level `rope_theta` and
+/// `rope_scaling`), refusing every field whose math this decoder lacks.
+mod hf_layout {
+    use super::RopeScaling;
+    use candle_core::{bail, Result};
+    use serde_json::{Map, Value};
+
+    type Obj = Map<String, Value>;
+
+    /// transformers' default `sliding_window` for Mistral when the file has none.
+    const MISTRAL_DEFAULT_WINDOW: u64 = 4096;
+
+    /// Checks the model family and the fields that change the math, and
+    /// rewrites a 5.x `rope_parameters` (or a 4.x `rope_scaling`) into
+    /// `rope_theta` plus a normalised `rope_scaling`.
+    pub(super) fn normalize(o: &mut Obj) -> Result<()> {
+        let default_window = check_model_type(o)?;
+        let window = sliding_window(o, default_window)?;
+        check_layer_types(o, window)?;
+        check_zero(o, "attention_dropout")?;
+        normalize_rope(o)
+    }
+
+    /// Accepts `llama` (or no `model_type`) and `mistral`; returns the family's
+    /// default sliding window.
+    fn check_model_type(o: &Obj) -> Result<Option<u64>> {
+        match o.get("model_type") {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(t)) if t == "llama" => Ok(None),
+            Some(Value::String(t)) if t == "mistral" => Ok(Some(MISTRAL_DEFAULT_WINDOW)),
+            Some(t) => bail!(
+                "config field model_type = {t} is not supported: this decoder runs \"llama\" and \
+                 \"mistral\" (without a sliding window); qwen2 (q/k/v biases) and qwen3 (q/k norms) \
+                 are not implemented yet"
+            ),
+        }
+    }
+
+    fn max_positions(o: &Obj) -> u64 {
+        o.get("max_position_embeddings")
+            .and_then(Value::as_u64)
+            .unwrap_or(super::default_max_pos() as u64)
+    }
+
+    /// The attention window if it is shorter than the context: an error, since
+    /// attention here is always dense. `null` (or a window at least
+    /// `max_position_embeddings` long) is dense attention and accepted.
+    fn sliding_window(o: &Obj, default: Option<u64>) -> Result<Option<u64>> {
+        let w = match o.get("sliding_window") {
+            None => default,
+            Some(Value::Null) => None,
+            Some(v) => Some(v.as_u64().ok_or_else(|| {
+                candle_core::Error::Msg(format!(
+                    "config field sliding_window = {v} is not a non-negative integer or null"
+                ))
+            })?),
+        };
+        let use_window = o.get("use_sliding_window").and_then(Value::as_bool);
+        let max = max_positions(o);
+        match w {
+            Some(w) if w < max && use_window != Some(false) => bail!(
+                "config field sliding_window = {w} is shorter than max_position_embeddings = {max}: \
+                 sliding-window attention is not supported yet (it would be computed densely, \
+                 which is wrong past {w} tokens)"
+            ),
+            _ => Ok(w),
+        }
+    }
+
+    /// `layer_types` (5.x): every layer must be `full_attention`, or
+    /// `sliding_attention` with a window that covers the whole context.
+    fn check_layer_types(o: &Obj, window: Option<u64>) -> Result<()> {
+        let Some(v) = o.get("layer_types") else {
+            return Ok(());
+        };
+        let Value::Array(types) = v else {
+            if v.is_null() {
+                return Ok(());
+            }
+            bail!("config field layer_types = {v} is not a list")
+        };
+        if let Some(n) = o.get("num_hidden_layers").and_then(Value::as_u64) {
+            if types.len() as u64 != n {
+                bail!(
+                    "config field layer_types has {} entries but num_hidden_layers = {n}",
+                    types.len()
+                );
+            }
+        }
+        for (i, t) in types.iter().enumerate() {
+            match t.as_str() {
+                Some("full_attention") => {}
+                // `sliding_window` passed its check: the window is the whole context.
+                Some("sliding_attention") if window.is_none_or(|w| w >= max_positions(o)) => {}
+                _ => bail!(
+                    "config field layer_types[{i}] = {t} is not supported (only \"full_attention\")"
+                ),
+            }
+        }
+        Ok(())
+    }
+
+    /// A numeric field that must be 0 when present (the decoder has no such term).
+    fn check_zero(o: &Obj, field: &str) -> Result<()> {
+        match o.get(field) {
+            None | Some(Value::Null) => Ok(()),
+            Some(v) if v.as_f64() == Some(0.0) => Ok(()),
+            Some(v) => bail!("config field {field} = {v} is not supported (must be 0)"),
+        }
+    }
+
+    /// A number field of a rope object, `None` when absent.
+    fn number(r: &Obj, field: &str, key: &str) -> Result<Option<f64>> {
+        match r.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() => Ok(Some(x)),
+                _ => bail!("config field {field}.{key} = {v} is not a finite number"),
+            },
+        }
+    }
+
+    /// The rotary scaling a rope object describes (4.x `rope_scaling` or 5.x
+    /// `rope_parameters`, named by `field` in errors): `None` for `default`.
+    pub(super) fn parse_rope(field: &str, r: &Obj) -> Result<Option<RopeScaling>> {
+        let ty = match (r.get("rope_type"), r.get("type")) {
+            (Some(a), Some(b)) if a != b => {
+                bail!("config field {field}: rope_type = {a} and type = {b} disagree")
+            }
+            (Some(t), _) | (None, Some(t)) => match t.as_str() {
+                Some(s) => s.to_string(),
+                None => bail!("config field {field}.rope_type = {t} is not a string"),
+            },
+            (None, None) => "default".to_string(),
+        };
+        if let Some(p) = number(r, field, "partial_rotary_factor")? {
+            if p != 1.0 {
+                bail!(
+                    "config field {field}.partial_rotary_factor = {p} is not supported (must be 1)"
+                );
+            }
+        }
+        match ty.as_str() {
+            "default" => Ok(None),
+            "llama3" => {
+                let orig = match r.get("original_max_position_embeddings") {
+                    None | Some(Value::Null) => super::default_original_max(),
+                    Some(v) => match v.as_u64() {
+                        Some(n) => n as usize,
+                        None => bail!(
+                            "config field {field}.original_max_position_embeddings = {v} is not a non-negative integer"
+                        ),
+                    },
+                };
+                Ok(Some(RopeScaling {
+                    rope_type: ty,
+                    factor: number(r, field, "factor")?.unwrap_or(1.0),
+                    low_freq_factor: number(r, field, "low_freq_factor")?.unwrap_or(1.0),
+                    high_freq_factor: number(r, field, "high_freq_factor")?.unwrap_or(4.0),
+                    original_max_position_embeddings: orig,
+                }))
+            }
+            other => bail!(
+                "config field {field}.rope_type = {other:?} is not supported (\"default\" or \"llama3\")"
+            ),
+        }
+    }
+
+    /// 5.x may key `rope_parameters` by layer type (`{"full_attention": {...}}`);
+    /// with one rope for every layer type that is the rope, otherwise an error.
+    fn single_rope(rp: Obj) -> Result<Obj> {
+        let nested = !rp.is_empty() && rp.values().all(Value::is_object);
+        if !nested {
+            return Ok(rp);
+        }
+        let mut it = rp.iter();
+        let Some((first_key, first)) = it.next() else {
+            return Ok(rp);
+        };
+        for (k, v) in it {
+            if v != first {
+                bail!(
+                    "config field rope_parameters: layer types {first_key:?} and {k:?} have different \
+                     rotary embeddings ({first} vs {v}); per-layer-type ropes are not supported"
+                );
+            }
+        }
+        match first {
+            Value::Object(o) => Ok(o.clone()),
+            _ => Ok(rp),
+        }
+    }
+
+    /// Writes `rope_theta` and `rope_scaling` from `rope_parameters` (5.x) or
+    /// from the 4.x fields, after checking that the two layouts, when both are
+    /// present, agree.
+    fn normalize_rope(o: &mut Obj) -> Result<()> {
+        let top_theta = number(o, "config", "rope_theta")?;
+        let top_scaling = match o.get("rope_scaling") {
+            None | Some(Value::Null) => None,
+            Some(Value::Object(r)) => parse_rope("rope_scaling", r)?,
+            Some(v) => bail!("config field rope_scaling = {v} is not an object or null"),
+        };
+        let (theta, scaling) = match o.remove("rope_parameters") {
+            None | Some(Value::Null) => (top_theta, top_scaling),
+            Some(Value::Object(rp)) => {
+                let rp = single_rope(rp)?;
+                let theta = number(&rp, "rope_parameters", "rope_theta")?;
+                let scaling = parse_rope("rope_parameters", &rp)?;
+                if let (Some(a), Some(b)) = (top_theta, theta) {
+                    if a != b {
+                        bail!("config fields rope_theta = {a} and rope_parameters.rope_theta = {b} disagree");
+                    }
+                }
+                if o.get("rope_scaling").is_some_and(|v| !v.is_null()) && top_scaling != scaling {
+                    bail!(
+                        "config fields rope_scaling = {top_scaling:?} and rope_parameters = {scaling:?} disagree"
+                    );
+                }
+                (theta.or(top_theta), scaling)
+            }
+            Some(v) => bail!("config field rope_parameters = {v} is not an object or null"),
+        };
+        o.remove("rope_theta");
+        if let Some(t) = theta {
+            o.insert("rope_theta".into(), Value::from(t));
+        }
+        let scaling = match scaling {
+            Some(s) => serde_json::to_value(s).map_err(candle_core::Error::wrap)?,
+            None => Value::Null,
+        };
+        o.insert("rope_scaling".into(), scaling);
+        Ok(())
     }
 }
