@@ -389,3 +389,145 @@ fn subset_steps_equal_one_full_step(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(subset_steps_equal_one_full_step);
+
+/// Every bit of the params, the AdamW moments and the step count.
+fn adamw_snapshot(vars: &[Var], a: &CpuAdamW) -> Result<(Vec<Vec<u32>>, Vec<Vec<u32>>, usize)> {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let params = values(vars)?.iter().map(|v| bits(v)).collect();
+    let moments = (0..vars.len())
+        .flat_map(|i| {
+            let (m, v) = a.moments(i).expect("moments");
+            [bits(m), bits(v)]
+        })
+        .collect();
+    Ok((params, moments, a.step_count()))
+}
+
+fn non_finite_gradient_is_refused_and_changes_nothing(dev: &Device) -> Result<()> {
+    let vars = make_vars(1.0)?;
+    let mut a = CpuAdamW::new(vars.clone(), adamw_params())?;
+    a.set_param_names(vec!["bias".into(), "small".into(), "big".into()])?;
+    let twin = clone_vars(&vars)?;
+    let mut b = CpuAdamW::new(twin.clone(), adamw_params())?;
+    b.set_param_names(a.param_names().to_vec())?;
+    for step in 0..3 {
+        a.step(&store(&vars, &make_grads(&vars, step, dev)?, dev)?)?;
+        b.step(&store(&twin, &make_grads(&twin, step, dev)?, dev)?)?;
+    }
+    // The bad value in the small param, and in the last 64K chunk of the big one.
+    for (param, elem) in [(1usize, 3usize), (2, 300 * 230 - 5)] {
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let before = adamw_snapshot(&vars, &a)?;
+            let mut g = make_grads(&vars, 3, dev)?;
+            let mut flat = g[param].flatten_all()?.to_vec1::<f32>()?;
+            flat[elem] = bad;
+            g[param] = Tensor::from_vec(flat, g[param].shape(), dev)?;
+            let e = a.step(&store(&vars, &g, dev)?).unwrap_err().to_string();
+            let name = ["bias", "small", "big"][param];
+            assert!(
+                e.contains(&format!("param {param} ({name})"))
+                    && e.contains(&format!("{bad}"))
+                    && e.contains(&format!("element {elem}")),
+                "{e}"
+            );
+            assert!(
+                adamw_snapshot(&vars, &a)? == before,
+                "a refused step changed state"
+            );
+            // The overlapped path (a subset within begun step) refuses too.
+            a.begin_step();
+            let e = a
+                .step_tensors(&[(param, &g[param])])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("param {param}")), "{e}");
+            let (p, m, _) = adamw_snapshot(&vars, &a)?;
+            assert!(
+                p == before.0 && m == before.1,
+                "a refused subset step changed state"
+            );
+            // Undo the begun step by reloading (the documented way back).
+            let path = temp_path(&format!("nan-{param}-{}", bad.is_nan()));
+            b.save(&path)?;
+            a.load(&path)?;
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+    // The next good step is the one a run that never saw a bad gradient takes.
+    a.step(&store(&vars, &make_grads(&vars, 3, dev)?, dev)?)?;
+    b.step(&store(&twin, &make_grads(&twin, 3, dev)?, dev)?)?;
+    assert!(adamw_snapshot(&vars, &a)? == adamw_snapshot(&twin, &b)?);
+    a.check_finite()?;
+
+    let mut s = CpuSgd::new(
+        vars.clone(),
+        ParamsSgd {
+            momentum: 0.9,
+            ..Default::default()
+        },
+    )?;
+    let mut g = make_grads(&vars, 0, dev)?;
+    g[0] = g[0].affine(0.0, f64::NAN)?;
+    let before = values(&vars)?;
+    let e = s.step(&store(&vars, &g, dev)?).unwrap_err().to_string();
+    assert!(e.contains("param 0") && e.contains("NaN"), "{e}");
+    assert_eq!(s.step_count(), 0);
+    assert!(values(&vars)?
+        .iter()
+        .flatten()
+        .zip(before.iter().flatten())
+        .all(|(x, y)| x.to_bits() == y.to_bits()));
+    Ok(())
+}
+candle_streamer::test_device!(non_finite_gradient_is_refused_and_changes_nothing);
+
+fn non_finite_hyper_parameters_are_refused(dev: &Device) -> Result<()> {
+    let vars = make_vars(1.0)?;
+    for (lr, wd, want) in [
+        (f64::NAN, 0.0, "learning rate"),
+        (f64::INFINITY, 0.0, "learning rate"),
+        (-1e-3, 0.0, "learning rate"),
+        (1e-3, f64::NAN, "weight_decay"),
+        (0.5, 2.0, "weight_decay"),
+    ] {
+        let p = ParamsAdamW {
+            lr,
+            weight_decay: wd,
+            ..adamw_params()
+        };
+        let e = CpuAdamW::new(vars.clone(), p).unwrap_err().to_string();
+        assert!(e.contains(want), "lr {lr} wd {wd}: {e}");
+        let p = ParamsSgd {
+            lr,
+            weight_decay: wd,
+            ..Default::default()
+        };
+        // (SGD's coupled decay has no 1 / lr bound.)
+        if !(lr.is_finite() && lr >= 0.0 && wd.is_finite()) {
+            let e = CpuSgd::new(vars.clone(), p).unwrap_err().to_string();
+            assert!(e.contains(want), "sgd lr {lr} wd {wd}: {e}");
+        }
+    }
+    // A learning rate set to NaN later is refused at the step, before any change.
+    let mut a = CpuAdamW::new(vars.clone(), adamw_params())?;
+    let grads = store(&vars, &make_grads(&vars, 0, dev)?, dev)?;
+    a.step(&grads)?;
+    let before = adamw_snapshot(&vars, &a)?;
+    a.set_learning_rate(f64::NAN);
+    let e = a.step(&grads).unwrap_err().to_string();
+    assert!(e.contains("learning rate") && e.contains("NaN"), "{e}");
+    assert!(adamw_snapshot(&vars, &a)? == before);
+    let mut s = CpuSgd::new(vars.clone(), ParamsSgd::default())?;
+    s.set_learning_rate(f64::NAN);
+    let e = s.step(&grads).unwrap_err().to_string();
+    assert!(e.contains("learning rate") && e.contains("NaN"), "{e}");
+    assert!(adamw_snapshot(&vars, &a)? == before);
+    // A NaN put into a parameter by other code is found before a save.
+    vars[1].set(&vars[1].as_tensor().affine(1.0, f64::NAN)?)?;
+    let e = a.check_finite().unwrap_err().to_string();
+    assert!(e.contains("param 1") && e.contains("NaN"), "{e}");
+    let e = s.check_finite().unwrap_err().to_string();
+    assert!(e.contains("param 1"), "{e}");
+    Ok(())
+}
+candle_streamer::test_device!(non_finite_hyper_parameters_are_refused);

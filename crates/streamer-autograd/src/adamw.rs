@@ -177,12 +177,15 @@ pub(crate) fn check_vars(what: &str, vars: &[Var]) -> Result<()> {
 
 /// Validates a set of `(param index, gradient)` updates against `vars` and
 /// converts each gradient to a contiguous f32 CPU tensor. Nothing is modified;
-/// any error names the param index and the offending values.
+/// any error names the param index (and its name) and the offending values. A
+/// gradient holding a NaN or an infinity is refused, so it never reaches a
+/// parameter or a moment.
 ///
 /// `last_step[i] == t` marks param `i` as already stepped at step `t`.
 pub(crate) fn prepare_grads(
     what: &str,
     vars: &[Var],
+    names: &[String],
     last_step: &[usize],
     t: usize,
     updates: &[(usize, &Tensor)],
@@ -215,9 +218,116 @@ pub(crate) fn prepare_grads(
             .to_device(&Device::Cpu)?
             .to_dtype(DType::F32)?
             .contiguous()?;
+        if let Some((j, x)) = first_non_finite_tensor(&g)? {
+            let name = names.get(i).map(String::as_str).unwrap_or("?");
+            bail!(
+                "{what}: the gradient of param {i} ({name}) is {x} at element {j}; \
+                 the step is refused and no parameter or optimizer state was changed"
+            )
+        }
         out[i] = Some(g);
     }
     Ok(out)
+}
+
+/// The first element of `x` that is NaN or infinite, with its index: a
+/// branch-free scan (vectorised), in parallel over chunks of large slices.
+pub(crate) fn first_non_finite(x: &[f32]) -> Option<(usize, f32)> {
+    let bad = |c: &[f32]| c.iter().fold(false, |acc, v| acc | !v.is_finite());
+    let chunk = if x.len() <= CHUNK {
+        bad(x).then_some(0)
+    } else {
+        x.par_chunks(CHUNK)
+            .enumerate()
+            .filter(|(_, c)| bad(c))
+            .map(|(k, _)| k)
+            .min()
+    }?;
+    let start = chunk * CHUNK;
+    x[start..]
+        .iter()
+        .position(|v| !v.is_finite())
+        .map(|j| (start + j, x[start + j]))
+}
+
+/// [`first_non_finite`] over a CPU tensor's elements (f32, bf16 or f16, read
+/// in place: no copy).
+pub(crate) fn first_non_finite_tensor(t: &Tensor) -> Result<Option<(usize, f32)>> {
+    let (storage, layout) = t.storage_and_layout();
+    let Some((a, b)) = layout.contiguous_offsets() else {
+        bail!(
+            "finite check: tensor of shape {:?} is not contiguous",
+            t.dims()
+        )
+    };
+    let widen = |v: Vec<f32>| first_non_finite(&v);
+    Ok(match &*storage {
+        candle_core::Storage::Cpu(CpuStorage::F32(v)) => first_non_finite(&v[a..b]),
+        candle_core::Storage::Cpu(CpuStorage::BF16(v)) => {
+            widen(v[a..b].iter().map(|x| x.to_f32()).collect())
+        }
+        candle_core::Storage::Cpu(CpuStorage::F16(v)) => {
+            widen(v[a..b].iter().map(|x| x.to_f32()).collect())
+        }
+        _ => bail!(
+            "finite check: tensor of shape {:?} must be an f32, bf16 or f16 CPU tensor, got {:?} on {:?}",
+            t.dims(),
+            t.dtype(),
+            t.device().location()
+        ),
+    })
+}
+
+/// Checks that every var and every state buffer (`(label, values)`) is
+/// finite; the error names the first offending param and element.
+pub(crate) fn check_state_finite<'a>(
+    what: &str,
+    vars: &[Var],
+    names: &[String],
+    buffers: impl Iterator<Item = (usize, &'static str, &'a [f32])>,
+) -> Result<()> {
+    let name = |i: usize| names.get(i).map(String::as_str).unwrap_or("?");
+    for (i, var) in vars.iter().enumerate() {
+        if let Some((j, x)) = first_non_finite_tensor(var.as_tensor())? {
+            bail!("{what}: param {i} ({}) is {x} at element {j}", name(i))
+        }
+    }
+    for (i, label, buf) in buffers {
+        if let Some((j, x)) = first_non_finite(buf) {
+            bail!(
+                "{what}: {label} of param {i} ({}) is {x} at element {j}",
+                name(i)
+            )
+        }
+    }
+    Ok(())
+}
+
+/// Rejects AdamW hyper-parameters that would write NaN or infinities into
+/// the parameters (or flip their sign through the decay), naming the value.
+pub(crate) fn check_adamw_params(p: &ParamsAdamW) -> Result<()> {
+    if !(p.lr.is_finite() && p.lr >= 0.0) {
+        bail!(
+            "{ADAMW}: learning rate must be finite and >= 0, got {}",
+            p.lr
+        )
+    }
+    for (name, b) in [("beta1", p.beta1), ("beta2", p.beta2)] {
+        if !(0.0..1.0).contains(&b) {
+            bail!("{ADAMW}: {name} must be in [0, 1), got {b}")
+        }
+    }
+    if !(p.eps.is_finite() && p.eps > 0.0) {
+        bail!("{ADAMW}: eps must be finite and > 0, got {}", p.eps)
+    }
+    if !(p.weight_decay.is_finite() && p.weight_decay >= 0.0 && p.lr * p.weight_decay < 1.0) {
+        bail!(
+            "{ADAMW}: weight_decay must be finite, >= 0 and below 1 / lr, got {} (lr {})",
+            p.weight_decay,
+            p.lr
+        )
+    }
+    Ok(())
 }
 
 /// Collects `(index, gradient)` for the params in `which` that have a
@@ -417,6 +527,7 @@ impl CpuAdamW {
     /// saved state unless [`CpuAdamW::set_param_names`] says otherwise.
     pub fn new(vars: Vec<Var>, params: ParamsAdamW) -> Result<Self> {
         check_vars(ADAMW, &vars)?;
+        check_adamw_params(&params)?;
         let states = vars
             .iter()
             .map(|var| {
@@ -449,6 +560,7 @@ impl CpuAdamW {
     }
 
     /// Replaces the hyper-parameters (takes effect at the next `begin_step`).
+    /// Values that would make the update non-finite are refused at the next step.
     pub fn set_params(&mut self, params: ParamsAdamW) {
         self.params = params;
     }
@@ -484,10 +596,18 @@ impl CpuAdamW {
     /// [`CpuAdamW::begin_step`], then updates every param that has a gradient
     /// in `grads`. All gradients are validated before any param changes.
     pub fn step(&mut self, grads: &GradStore) -> Result<()> {
+        check_adamw_params(&self.params)?;
         let updates = grads_for(ADAMW, &self.vars, grads, None)?;
         // Validate before bumping `t`, so a failed step changes nothing.
         self.t += 1;
-        let prepared = prepare_grads(ADAMW, &self.vars, &self.last_step, self.t, &updates);
+        let prepared = prepare_grads(
+            ADAMW,
+            &self.vars,
+            &self.names,
+            &self.last_step,
+            self.t,
+            &updates,
+        );
         match prepared {
             Ok(prepared) => self.apply(prepared),
             Err(e) => {
@@ -510,8 +630,29 @@ impl CpuAdamW {
     /// conversions are all checked before any param changes; each param may
     /// be stepped once per step.
     pub fn step_tensors(&mut self, updates: &[(usize, &Tensor)]) -> Result<()> {
-        let prepared = prepare_grads(ADAMW, &self.vars, &self.last_step, self.t, updates)?;
+        check_adamw_params(&self.params)?;
+        let prepared = prepare_grads(
+            ADAMW,
+            &self.vars,
+            &self.names,
+            &self.last_step,
+            self.t,
+            updates,
+        )?;
         self.apply(prepared)
+    }
+
+    /// Checks that every parameter and both moments of every parameter are
+    /// finite (one read pass, no copy); the error names the first offending
+    /// param and element. Call before saving.
+    pub fn check_finite(&self) -> Result<()> {
+        let moments = self.states.iter().enumerate().flat_map(|(i, s)| {
+            [
+                (i, "first moment m", &s.m[..]),
+                (i, "second moment v", &s.v[..]),
+            ]
+        });
+        check_state_finite(ADAMW, &self.vars, &self.names, moments)
     }
 
     fn apply(&mut self, grads: Vec<Option<Tensor>>) -> Result<()> {

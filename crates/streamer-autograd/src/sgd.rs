@@ -6,7 +6,8 @@ use candle_nn::Optimizer;
 use rayon::prelude::*;
 
 use crate::adamw::{
-    check_vars, grads_for, has_avx2, prepare_grads, HostUpdate, Master, MasterSlice, CHUNK,
+    check_state_finite, check_vars, grads_for, has_avx2, prepare_grads, HostUpdate, Master,
+    MasterSlice, CHUNK,
 };
 use crate::optim_state::{self, SavedState, StateWriter};
 
@@ -39,6 +40,16 @@ impl Default for ParamsSgd {
 
 impl ParamsSgd {
     fn check(&self) -> Result<()> {
+        for (name, v) in [
+            ("learning rate", self.lr),
+            ("momentum", self.momentum),
+            ("dampening", self.dampening),
+            ("weight_decay", self.weight_decay),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                bail!("CpuSgd: {name} must be finite and >= 0, got {v}")
+            }
+        }
         if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
             bail!(
                 "CpuSgd: nesterov needs momentum > 0 and dampening == 0 (momentum {}, dampening {})",
@@ -288,9 +299,18 @@ impl CpuSgd {
     /// [`CpuSgd::begin_step`], then updates every param that has a gradient
     /// in `grads`. All gradients are validated before any param changes.
     pub fn step(&mut self, grads: &GradStore) -> Result<()> {
+        self.params.check()?;
         let updates = grads_for(SGD, &self.vars, grads, None)?;
         self.t += 1;
-        match prepare_grads(SGD, &self.vars, &self.last_step, self.t, &updates) {
+        let prepared = prepare_grads(
+            SGD,
+            &self.vars,
+            &self.names,
+            &self.last_step,
+            self.t,
+            &updates,
+        );
+        match prepared {
             Ok(prepared) => self.apply(prepared),
             Err(e) => {
                 self.t -= 1;
@@ -309,8 +329,28 @@ impl CpuSgd {
     /// Updates param `idx` with `grad` for each `(idx, grad)`, within the step
     /// opened by [`CpuSgd::begin_step`]; everything is checked first.
     pub fn step_tensors(&mut self, updates: &[(usize, &Tensor)]) -> Result<()> {
-        let prepared = prepare_grads(SGD, &self.vars, &self.last_step, self.t, updates)?;
+        self.params.check()?;
+        let prepared = prepare_grads(
+            SGD,
+            &self.vars,
+            &self.names,
+            &self.last_step,
+            self.t,
+            updates,
+        )?;
         self.apply(prepared)
+    }
+
+    /// Checks that every parameter and momentum buffer is finite (one read
+    /// pass, no copy); the error names the first offending param and element.
+    /// Call before saving.
+    pub fn check_finite(&self) -> Result<()> {
+        let bufs = self
+            .bufs
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (i, "momentum buffer", &b[..]));
+        check_state_finite(SGD, &self.vars, &self.names, bufs)
     }
 
     fn apply(&mut self, grads: Vec<Option<Tensor>>) -> Result<()> {
