@@ -1,7 +1,11 @@
-//! Training-step benchmark: bf16 MLP blocks `Linear(w,h), GELU, Linear(h,w)`
-//! trained streamed (f32 or bf16 host masters, bf16 compute, CpuAdamW on the host, with
-//! and without the overlapped step) against all-resident Candle training
-//! (bf16 weights and candle-nn AdamW on the device).
+//! Training-step benchmark: MLP blocks `Linear(w,h), GELU, Linear(h,w)` trained
+//! streamed (f32 host masters, bf16 compute, CpuAdamW overlapped with backward)
+//! against PyTorch training the same blocks resident (benches/training_torch.py,
+//! run first by gpu-run.sh in the same session; its rows are merged here).
+//!
+//! Rows of ours: `FusedMlp` blocks (hand-written backward, four cuBLASLt GEMMs)
+//! with activations recomputed or kept, and candle-nn `Linear` blocks through
+//! Candle autograd (recompute).
 //!
 //!     cargo bench --bench training [--features cuda]
 //!
@@ -10,10 +14,11 @@
 mod common;
 
 use anyhow::Result;
-use candle_core::{DType, Device, Module, Tensor, Var};
-use candle_nn::{Optimizer, ParamsAdamW, VarBuilder};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::ParamsAdamW;
+use std::collections::HashMap;
 use std::time::Instant;
-use streamer_autograd::{CpuAdamW, Train};
+use streamer_autograd::{ActivationPolicy, CpuAdamW, Train};
 use streamer_core::{BlockSpec, StreamConfig, StreamedSequential};
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -21,184 +26,173 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn main() -> Result<()> {
-    let dev = common::device();
-    let tag = common::device_tag(&dev);
-    let gpu = dev.is_cuda();
-    // Resident and streamed runs share one allocator setting: freed device memory
-    // stays pooled (what StreamConfig does by default), from the first run on.
-    streamer_core::retain_freed_device_memory(&dev)?;
-    // (w, h, blocks, tokens, master dtype): f32 masters are the mixed-precision
-    // default; bf16 masters stream half the bytes, like the resident baseline's
-    // bf16 weights (the optimizer state stays f32 either way).
-    let configs: Vec<(usize, usize, usize, usize, DType)> = if gpu {
-        vec![
-            (4096, 16384, 8, 32768, DType::F32),
-            (4096, 16384, 8, 32768, DType::BF16),
-            (8192, 32768, 4, 32768, DType::F32),
-        ]
-    } else {
-        vec![(128, 256, 4, 256, DType::F32)]
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    FusedMlp,
+    CandleLinear,
+}
+
+struct Run {
+    step_ms: f64,
+    forward_ms: f64,
+    kept_blocks: usize,
+    peak_device_gib: f64,
+    stats: streamer_core::StreamStats,
+}
+
+/// Median overlapped training step (forward, backward with the optimizer
+/// stepping on the host as gradients land).
+#[allow(clippy::too_many_arguments)]
+fn measure(
+    dev: &Device,
+    host: &HashMap<String, Tensor>,
+    (w, h, n): (usize, usize, usize),
+    kind: Kind,
+    policy: ActivationPolicy,
+    x: &Tensor,
+    target: &Tensor,
+    (warmup, iters): (usize, usize),
+) -> Result<Run> {
+    let blocks: Vec<BlockSpec> = (0..n)
+        .map(|i| match kind {
+            Kind::FusedMlp => BlockSpec::new(format!("layers.{i}"), move |vb| {
+                streamer_models::fused_mlp(w, h, vb)
+            }),
+            Kind::CandleLinear => {
+                BlockSpec::module(format!("layers.{i}"), move |vb| common::mlp(vb, w, h))
+            }
+        })
+        .collect();
+    let cfg = StreamConfig {
+        device: dev.clone(),
+        prefetch_ahead: 1,
+        dtype: DType::BF16,
+        master_dtype: Some(DType::F32),
+        ..Default::default()
     };
-    let (warmup, iters) = if gpu { (2, 5) } else { (1, 3) };
+    let model = StreamedSequential::from_tensors(host.clone(), blocks, cfg)?.train();
+    model.set_activation_policy(policy)?;
     let params = ParamsAdamW {
         lr: 1e-4,
         ..Default::default()
     };
-    let mut rows = Vec::new();
+    let mut opt = CpuAdamW::new(model.trainable_vars()?, params)?;
+    let (mut total, mut fwd) = (vec![], vec![]);
+    let mut sampler = None;
+    for it in 0..warmup + iters {
+        if it == warmup {
+            model.inner().reset_stats()?;
+            sampler = Some(common::MemSampler::start(dev));
+        }
+        dev.synchronize()?;
+        let t0 = Instant::now();
+        let y = model.forward(x)?;
+        let loss = y.to_dtype(DType::F32)?.sub(target)?.sqr()?.mean_all()?;
+        dev.synchronize()?;
+        let t1 = Instant::now();
+        model.backward_step(&loss, &mut opt)?;
+        model.zero_grad()?;
+        dev.synchronize()?;
+        if it >= warmup {
+            total.push(t0.elapsed().as_secs_f64() * 1e3);
+            fwd.push((t1 - t0).as_secs_f64() * 1e3);
+        }
+    }
+    let peak = sampler.map_or(0, |s| s.finish());
+    Ok(Run {
+        step_ms: median(total),
+        forward_ms: median(fwd),
+        kept_blocks: model.kept_blocks()?,
+        peak_device_gib: peak as f64 / (1u64 << 30) as f64,
+        stats: model.stats()?,
+    })
+}
+
+/// PyTorch's rows of this session, if its script ran (`training-torch-<tag>.json`).
+fn torch_rows(tag: &str) -> Vec<serde_json::Value> {
+    let path = common::results_path(&format!("training-torch-{tag}.json"));
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+        .and_then(|v| v["results"].as_array().cloned())
+        .unwrap_or_default()
+}
+
+fn main() -> Result<()> {
+    let dev = common::device();
+    let tag = common::device_tag(&dev);
+    let gpu = dev.is_cuda();
+    streamer_core::retain_freed_device_memory(&dev)?;
+    let configs: Vec<(usize, usize, usize, usize)> = if gpu {
+        vec![(4096, 16384, 8, 32768), (8192, 32768, 4, 32768)]
+    } else {
+        vec![(128, 256, 4, 256)]
+    };
+    let reps = if gpu { (2, 5) } else { (1, 3) };
+    let torch = torch_rows(&tag);
+    let mut rows: Vec<serde_json::Value> = torch.clone();
     let mut bars = Vec::new();
-    for (w, h, n, tokens, master) in configs {
+    for (w, h, n, tokens) in configs {
         let host = common::mlp_weights(&dev, w, h, n, DType::F32)?;
-        let nparams: usize = host.values().map(|t| t.elem_count()).sum();
-        let blocks: Vec<BlockSpec> = (0..n)
-            .map(|i| BlockSpec::module(format!("layers.{i}"), move |vb| common::mlp(vb, w, h)))
-            .collect();
         let x = Tensor::randn(0f32, 1.0, (tokens, w), &dev)?.to_dtype(DType::BF16)?;
         let target = Tensor::randn(0f32, 1.0, (tokens, w), &dev)?;
-        let sync = |d: &Device| d.synchronize();
-
-        // Resident Candle: bf16 weights and candle-nn AdamW on the device.
-        let resident_ms = {
-            let vars: Vec<(String, Var)> = host
-                .iter()
-                .map(|(k, v)| {
-                    Ok((
-                        k.clone(),
-                        Var::from_tensor(&v.to_dtype(DType::BF16)?.to_device(&dev)?)?,
-                    ))
-                })
-                .collect::<Result<_>>()?;
-            let vb = VarBuilder::from_tensors(
-                vars.iter()
-                    .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-                    .collect(),
-                DType::BF16,
-                &dev,
+        let blocks = format!("w{w}x{n}");
+        let peer = torch
+            .iter()
+            .find(|r| r["blocks"] == blocks.as_str() && r["tokens"] == tokens)
+            .and_then(|r| r["step_ms"].as_f64());
+        let cases = [
+            (Kind::FusedMlp, "recompute", ActivationPolicy::Recompute),
+            (
+                Kind::FusedMlp,
+                "keep",
+                ActivationPolicy::Auto { fraction: 0.8 },
+            ),
+            (Kind::CandleLinear, "recompute", ActivationPolicy::Recompute),
+        ];
+        let mut bar = Vec::new();
+        for (k, (kind, acts, policy)) in cases.into_iter().enumerate() {
+            let r = measure(&dev, &host, (w, h, n), kind, policy, &x, &target, reps)?;
+            let vs = peer.map(|p| r.step_ms / p);
+            let per = reps.1 as f64;
+            println!(
+                "{blocks} {tokens} tokens {kind:?} {acts}: step {:.1} ms (forward {:.1}), {} of {n} blocks kept, \
+                 peak {:.1} GiB, stall {:.1} ms/step | PyTorch resident {} -> ratio {}",
+                r.step_ms,
+                r.forward_ms,
+                r.kept_blocks,
+                r.peak_device_gib,
+                r.stats.stall_seconds * 1e3 / per,
+                peer.map_or("not run".into(), |p| format!("{p:.1} ms")),
+                vs.map_or("-".into(), |v| format!("{v:.3}")),
             );
-            let mods: Vec<_> = (0..n)
-                .map(|i| common::mlp(vb.pp(format!("layers.{i}")), w, h))
-                .collect::<candle_core::Result<_>>()?;
-            let mut opt = candle_nn::AdamW::new(
-                vars.iter().map(|(_, v)| v.clone()).collect(),
-                params.clone(),
-            )?;
-            let mut times = Vec::new();
-            for it in 0..warmup + iters {
-                sync(&dev)?;
-                let t = Instant::now();
-                let mut y = x.clone();
-                for m in &mods {
-                    y = m.forward(&y)?;
-                }
-                let loss = y.to_dtype(DType::F32)?.sub(&target)?.sqr()?.mean_all()?;
-                opt.backward_step(&loss)?;
-                sync(&dev)?;
-                if it >= warmup {
-                    times.push(t.elapsed().as_secs_f64() * 1e3);
-                }
+            if let Some(v) = vs {
+                bar.push(((k + 1) as f64, v));
             }
-            median(times)
-        };
-        dev.synchronize()?;
-
-        let cfg = StreamConfig {
-            device: dev.clone(),
-            prefetch_ahead: 1,
-            dtype: DType::BF16,
-            master_dtype: Some(master),
-            ..Default::default()
-        };
-        let model = StreamedSequential::from_tensors(host, blocks, cfg)?.train();
-        let mut opt = CpuAdamW::new(model.trainable_vars()?, params.clone())?;
-        // Plain: forward, backward, then the optimizer on the host.
-        let (mut fwd, mut bwd, mut optm, mut total) = (vec![], vec![], vec![], vec![]);
-        for it in 0..warmup + iters {
-            if it == warmup {
-                model.inner().reset_stats()?;
-            }
-            sync(&dev)?;
-            let t0 = Instant::now();
-            let y = model.forward(&x)?;
-            let loss = y.to_dtype(DType::F32)?.sub(&target)?.sqr()?.mean_all()?;
-            sync(&dev)?;
-            let t1 = Instant::now();
-            let grads = model.backward(&loss)?;
-            sync(&dev)?;
-            let t2 = Instant::now();
-            opt.step(&grads)?;
-            model.zero_grad()?;
-            let t3 = Instant::now();
-            if it >= warmup {
-                fwd.push((t1 - t0).as_secs_f64() * 1e3);
-                bwd.push((t2 - t1).as_secs_f64() * 1e3);
-                optm.push((t3 - t2).as_secs_f64() * 1e3);
-                total.push((t3 - t0).as_secs_f64() * 1e3);
-            }
+            rows.push(serde_json::json!({
+                "system": "ours", "blocks": blocks, "w": w, "h": h, "n": n, "tokens": tokens,
+                "mode": "streamed", "block_kind": format!("{kind:?}"), "activations": acts,
+                "policy": format!("{policy:?}"), "kept_blocks": r.kept_blocks,
+                "step_ms": r.step_ms, "forward_ms": r.forward_ms, "vs_pytorch_resident": vs,
+                "peak_device_gib": r.peak_device_gib,
+                "h2d_bytes_per_step": r.stats.h2d_bytes as f64 / per,
+                "d2h_bytes_per_step": r.stats.d2h_bytes as f64 / per,
+                "stall_ms_per_step": r.stats.stall_seconds * 1e3 / per,
+            }));
         }
-        let st = model.stats()?;
-        // Overlapped: the optimizer steps each block's weights as their gradients land.
-        let mut overlapped = vec![];
-        let mut opt_thread = vec![];
-        for it in 0..warmup + iters {
-            sync(&dev)?;
-            let t0 = Instant::now();
-            let y = model.forward(&x)?;
-            let loss = y.to_dtype(DType::F32)?.sub(&target)?.sqr()?.mean_all()?;
-            model.backward_step(&loss, &mut opt)?;
-            model.zero_grad()?;
-            sync(&dev)?;
-            if it >= warmup {
-                overlapped.push(t0.elapsed().as_secs_f64() * 1e3);
-                opt_thread.push(model.last_optimizer_seconds()? * 1e3);
-            }
-        }
-        let (fwd, bwd, optm, total, overlapped) = (
-            median(fwd),
-            median(bwd),
-            median(optm),
-            median(total),
-            median(overlapped),
-        );
-        let no_opt = fwd + bwd;
-        let per = iters as f64;
-        println!(
-            "w{w} h{h} x{n} ({:.2} G params) tokens {tokens} masters {master:?}: resident {resident_ms:.1} ms | streamed {total:.1} ms \
-             (fwd {fwd:.1}, bwd {bwd:.1}, opt {optm:.1}) ratio {:.3} | overlapped {overlapped:.1} ms ratio {:.3}, \
-             optimizer adds {:.1}% over fwd+bwd | per step: D2H {:.1} ms, H2D {:.1} ms, stall {:.1} ms, peak resident blocks {}",
-            nparams as f64 / 1e9,
-            total / resident_ms,
-            overlapped / resident_ms,
-            100.0 * (overlapped - no_opt) / no_opt,
-            st.d2h_seconds * 1e3 / per,
-            st.h2d_seconds * 1e3 / per,
-            st.stall_seconds * 1e3 / per,
-            st.peak_resident_blocks,
-        );
-        bars.push((
-            format!("w{w} x{n} {master:?} masters"),
-            vec![(1.0, total / resident_ms), (2.0, overlapped / resident_ms)],
-        ));
-        rows.push(serde_json::json!({
-            "master_dtype": format!("{master:?}"), "w": w, "h": h, "blocks": n, "tokens": tokens, "params": nparams,
-            "resident_step_ms": resident_ms,
-            "streamed_step_ms": total, "streamed_ratio": total / resident_ms,
-            "forward_ms": fwd, "backward_ms": bwd, "optimizer_ms": optm,
-            "overlapped_step_ms": overlapped, "overlapped_ratio": overlapped / resident_ms,
-            "optimizer_thread_ms": median(opt_thread),
-            "optimizer_overhead_vs_fwd_bwd": (overlapped - no_opt) / no_opt,
-            "d2h_ms_per_step": st.d2h_seconds * 1e3 / per, "d2h_bytes_per_step": st.d2h_bytes as f64 / per,
-            "h2d_ms_per_step": st.h2d_seconds * 1e3 / per, "h2d_bytes_per_step": st.h2d_bytes as f64 / per,
-            "stall_ms_per_step": st.stall_seconds * 1e3 / per,
-            "peak_resident_blocks": st.peak_resident_blocks, "peak_resident_bytes": st.peak_resident_bytes,
-        }));
+        bars.push((blocks, bar));
     }
+    #[cfg(feature = "cuda")]
+    let fallbacks = streamer_models::epilogue_fallbacks();
+    #[cfg(not(feature = "cuda"))]
+    let fallbacks = 0usize;
     let out = serde_json::json!({
-        "device": tag, "compute_dtype": "bf16",  "prefetch_ahead": 1,
-        "resident": "bf16 device weights, candle-nn AdamW on the device",
-        "streamed": "host masters (f32 or bf16, see master_dtype), bf16 compute, CpuAdamW with f32 state on the host (16 threads on the H200 host)",
-        "statistic": format!("median of {iters} steps after {warmup} warm-up"),
-        "command": "cargo bench --bench training --features cuda (scripts/gpu-test.sh bundle)",
-        "allocator": "freed device memory kept in CUDA's pool (both runs)",
+        "device": tag, "compute_dtype": "bf16", "prefetch_ahead": 1,
+        "ours": "streamed: f32 host masters, bf16 compute, CpuAdamW (f32 state, host) overlapped with backward",
+        "pytorch": "resident bf16 weights, fused AdamW on the GPU (benches/training_torch.py, same session)",
+        "statistic": format!("median of {} steps after {} warm-up", reps.1, reps.0),
+        "cublaslt_epilogue_fallbacks": fallbacks,
+        "command": "bash gpu-bundle/run.sh benches with GPU_ONLY=training (scripts/gpu-test.sh bundle)",
         "results": rows,
     });
     let json = common::results_path(&format!("training-{tag}.json"));
@@ -208,8 +202,8 @@ fn main() -> Result<()> {
         &svg,
         candle_streamer::report::svg_plot_axes(
             false,
-            "training step / resident (1 = plain, 2 = overlapped step)",
-            "mode",
+            "streamed step / PyTorch resident (1 FusedMlp recompute, 2 FusedMlp keep, 3 candle-nn)",
+            "case",
             "ratio",
             &bars,
         ),

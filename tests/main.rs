@@ -5,6 +5,7 @@
 mod attention;
 mod cuda_chain;
 mod fused_linear;
+mod fused_mlp;
 mod fused_ops;
 mod models;
 mod optim;

@@ -5,9 +5,12 @@
 //! generic element-wise kernels. On CUDA, [`FusedLinear`] is one cuBLASLt call
 //! whose epilogue adds the bias and applies GELU (tanh form, like Candle's
 //! `gelu`) while the tile is still in registers. Elsewhere (f32 on CUDA, the
-//! CPU) it runs the same three Candle ops. Backward (Candle autograd)
-//! recomputes the pre-activation with plain ops, so the layer trains like
-//! candle-nn's.
+//! CPU) it runs the same three Candle ops. When a gradient may flow, the CUDA
+//! forward also keeps the pre-activation (cuBLASLt's `GELU_AUX_BIAS`), so the
+//! backward needs no extra GEMM: the input gradient is one GEMM, the weight
+//! gradient another whose epilogue also sums the bias gradient (`BGRADB`),
+//! and GELU' is one f32 pass over the kept pre-activation. A whole MLP whose
+//! GELU' also lives in a GEMM epilogue is [`crate::FusedMlp`].
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
@@ -108,11 +111,14 @@ impl Module for FusedLinear {
         let mut out_dims = x.dims().to_vec();
         *out_dims.last_mut().expect("rank >= 1") = self.weight.dim(0)?;
         let x2 = x.reshape((rows, in_dim))?.contiguous()?;
-        let y = x2.apply_op3(
-            &self.weight.contiguous()?,
-            &self.bias.contiguous()?,
-            LtOp(self.epilogue),
-        )?;
+        let keep_z = self.epilogue == Epilogue::BiasGelu
+            && (x.track_op() || self.weight.track_op() || self.bias.track_op());
+        let op = LtOp {
+            epilogue: self.epilogue,
+            keep_z,
+            z: std::sync::Mutex::new(None),
+        };
+        let y = x2.apply_op3(&self.weight.contiguous()?, &self.bias.contiguous()?, op)?;
         y.reshape(out_dims)
     }
 }
@@ -136,7 +142,7 @@ fn cpu_tensor(s: &candle_core::CpuStorage, l: &candle_core::Layout) -> Result<Te
 }
 
 /// `d gelu(z) / dz` for the tanh form, in f32.
-fn gelu_grad(z: &Tensor) -> Result<Tensor> {
+pub(crate) fn gelu_grad(z: &Tensor) -> Result<Tensor> {
     const C: f64 = 0.797_884_560_802_865_4; // sqrt(2 / pi)
     const A: f64 = 0.044_715;
     let z = z.to_dtype(DType::F32)?;
@@ -150,8 +156,14 @@ fn gelu_grad(z: &Tensor) -> Result<Tensor> {
 }
 
 /// The op over `(x: (rows, in), w: (out, in), b: (out,))`: cuBLASLt on CUDA,
-/// Candle's ops on the CPU; backward by Candle's ops on both.
-struct LtOp(Epilogue);
+/// Candle's ops on the CPU. `z` holds the pre-activation the CUDA forward kept
+/// (`keep_z`), so the backward does not recompute it.
+struct LtOp {
+    epilogue: Epilogue,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    keep_z: bool,
+    z: std::sync::Mutex<Option<Tensor>>,
+}
 
 impl candle_core::CustomOp3 for LtOp {
     fn name(&self) -> &'static str {
@@ -167,7 +179,7 @@ impl candle_core::CustomOp3 for LtOp {
         sb: &candle_core::CpuStorage,
         lb: &candle_core::Layout,
     ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let lin = FusedLinear::new(cpu_tensor(sw, lw)?, cpu_tensor(sb, lb)?, self.0)?;
+        let lin = FusedLinear::new(cpu_tensor(sw, lw)?, cpu_tensor(sb, lb)?, self.epilogue)?;
         let y = lin.forward_unfused(&cpu_tensor(sx, lx)?)?.contiguous()?;
         let shape = y.shape().clone();
         let (st, l) = y.storage_and_layout();
@@ -187,7 +199,37 @@ impl candle_core::CustomOp3 for LtOp {
         sb: &candle_core::CudaStorage,
         lb: &candle_core::Layout,
     ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
-        lt::forward(self.0, (sx, lx), (sw, lw), (sb, lb))
+        use candle_core::backend::BackendStorage;
+        let (n, k) = lx.shape().dims2()?;
+        let (m, _) = lw.shape().dims2()?;
+        for (what, l) in [("input", lx), ("weight", lw), ("bias", lb)] {
+            if !l.is_contiguous() {
+                candle_core::bail!("fused-linear: {what} must be contiguous");
+            }
+        }
+        let (dev, dt) = (sx.device().clone(), sx.dtype());
+        let gelu = self.epilogue == Epilogue::BiasGelu;
+        let ops = (
+            (sx, lx.start_offset()),
+            (sw, lw.start_offset()),
+            (sb, lb.start_offset()),
+        );
+        let (y, z) =
+            crate::lt::linear_raw(&dev, dt, ops.0, ops.1, ops.2, (n, m, k), gelu, self.keep_z)?;
+        if let Some(z) = z {
+            let z = Tensor::from_storage(
+                candle_core::Storage::Cuda(z),
+                (n, m),
+                candle_core::op::BackpropOp::none(),
+                false,
+            );
+            *self
+                .z
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("fused-linear: lock poisoned".into()))? =
+                Some(z);
+        }
+        Ok((y, candle_core::Shape::from((n, m))))
     }
 
     fn bwd(
@@ -198,106 +240,30 @@ impl candle_core::CustomOp3 for LtOp {
         _y: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dz = match self.0 {
-            Epilogue::Bias => grad.clone(),
+        let kept = self
+            .z
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("fused-linear: lock poisoned".into()))?
+            .take();
+        let z = || match &kept {
+            Some(z) => Ok(z.clone()),
+            None => x.matmul(&w.t()?)?.broadcast_add(b),
+        };
+        let dz = match self.epilogue {
+            Epilogue::Bias => grad.contiguous()?,
             Epilogue::BiasGelu => {
-                let z = x.matmul(&w.t()?)?.broadcast_add(b)?;
-                (grad.to_dtype(DType::F32)? * gelu_grad(&z)?)?.to_dtype(grad.dtype())?
+                (grad.to_dtype(DType::F32)? * gelu_grad(&z()?)?)?.to_dtype(grad.dtype())?
             }
         };
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            let (dx, _) = crate::lt::input_grad(&dz, w, None)?;
+            let (dw, db) = crate::lt::weight_grad(&dz, x, true)?;
+            return Ok((Some(dx), Some(dw), db));
+        }
         let dx = dz.matmul(w)?;
         let dw = dz.t()?.matmul(x)?;
         let db = dz.to_dtype(DType::F32)?.sum(0)?.to_dtype(b.dtype())?;
         Ok((Some(dx), Some(dw), Some(db)))
-    }
-}
-
-#[cfg(feature = "cuda")]
-mod lt {
-    use super::Epilogue;
-    use candle_core::backend::BackendStorage;
-    use candle_core::{CudaStorage, DType, Layout, Result, Shape};
-    use cudarc::cublaslt::{Activation, CudaBlasLT, Matmul, MatmulConfig};
-    use std::collections::HashMap;
-    use std::sync::{Arc, Mutex, OnceLock};
-
-    /// One cuBLASLt handle (and its 32 MiB workspace) per compute stream, made on
-    /// first use. Keyed by stream, not by GPU: cuBLASLt launches on the handle's
-    /// stream, which must be the one the output was allocated on (two Candle
-    /// devices on one GPU have different streams).
-    fn handle(dev: &candle_core::CudaDevice) -> Result<Arc<CudaBlasLT>> {
-        static HANDLES: OnceLock<Mutex<HashMap<usize, Arc<CudaBlasLT>>>> = OnceLock::new();
-        let stream = dev.cuda_stream();
-        let key = stream.cu_stream() as usize;
-        let mut map = HANDLES
-            .get_or_init(Default::default)
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("fused-linear: handle cache poisoned".into()))?;
-        if let Some(h) = map.get(&key) {
-            return Ok(h.clone());
-        }
-        let h = Arc::new(CudaBlasLT::new(stream).map_err(candle_core::Error::wrap)?);
-        map.insert(key, h.clone());
-        Ok(h)
-    }
-
-    pub(super) fn forward(
-        ep: Epilogue,
-        (sx, lx): (&CudaStorage, &Layout),
-        (sw, lw): (&CudaStorage, &Layout),
-        (sb, lb): (&CudaStorage, &Layout),
-    ) -> Result<(CudaStorage, Shape)> {
-        let (rows, k) = lx.shape().dims2()?;
-        let (m, _) = lw.shape().dims2()?;
-        for (what, l) in [("input", lx), ("weight", lw), ("bias", lb)] {
-            if !l.is_contiguous() {
-                candle_core::bail!("fused-linear: {what} must be contiguous");
-            }
-        }
-        let dev = sx.device.clone();
-        let blas = handle(&dev)?;
-        // Column-major view: C (m = out, n = rows) = W (m x k, stored as k x m,
-        // transposed) times X^T (k x n, the row-major X as stored).
-        let cfg = MatmulConfig {
-            transa: true,
-            transb: false,
-            transc: false,
-            m: m as u64,
-            n: rows as u64,
-            k: k as u64,
-            alpha: 1.0,
-            lda: k as i64,
-            ldb: k as i64,
-            beta: 0.0,
-            ldc: m as i64,
-            stride_a: None,
-            stride_b: None,
-            stride_c: None,
-            stride_bias: None,
-            batch_size: None,
-        };
-        let act = match ep {
-            Epilogue::Bias => None,
-            Epilogue::BiasGelu => Some(Activation::Gelu),
-        };
-        macro_rules! run {
-            ($t:ty) => {{
-                let x = sx.as_cuda_slice::<$t>()?.slice(lx.start_offset()..);
-                let w = sw.as_cuda_slice::<$t>()?.slice(lw.start_offset()..);
-                let b = sb.as_cuda_slice::<$t>()?.slice(lb.start_offset()..);
-                // SAFETY: every element is written by the GEMM (beta = 0).
-                let mut out = unsafe { dev.alloc::<$t>(rows * m)? };
-                // SAFETY: the sizes above match the buffers (contiguous, checked shapes).
-                unsafe { blas.matmul(cfg, &w, &x, &mut out, Some(&b), act.as_ref()) }
-                    .map_err(candle_core::Error::wrap)?;
-                CudaStorage::wrap_cuda_slice(out, dev.clone())
-            }};
-        }
-        let storage = match sx.dtype() {
-            DType::BF16 => run!(half::bf16),
-            DType::F16 => run!(half::f16),
-            dt => candle_core::bail!("fused-linear: CUDA path takes bf16/f16, got {dt:?}"),
-        };
-        Ok((storage, Shape::from((rows, m))))
     }
 }

@@ -20,7 +20,9 @@
 //!   per step through the model's kv cache ([`Llama::forward_cached`]).
 //! - [`FusedLinear`] ([`fused_linear`]) and [`fused_ops`]: `Linear` with its bias
 //!   and GELU in the GEMM's epilogue; RMSNorm and the rotary embedding through
-//!   candle-nn's fused kernels with a backward of their own.
+//!   candle-nn's fused kernels with a backward of their own. [`FusedMlp`]
+//!   ([`fused_mlp`]): the GELU MLP block whose streamed training backward is
+//!   four cuBLASLt GEMMs with GELU' and the bias gradients in their epilogues.
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
@@ -46,15 +48,21 @@
 pub mod checkpoint;
 pub mod config;
 pub mod fused_linear;
+pub mod fused_mlp;
 pub mod fused_ops;
 mod kv_cache;
 pub mod llama;
+#[cfg(feature = "cuda")]
+mod lt;
 pub mod sample;
 pub mod train;
 
 pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budget, SplitMix64};
 pub use config::{LlamaConfig, RopeScaling};
 pub use fused_linear::{fused_linear, Epilogue, FusedLinear};
+pub use fused_mlp::{fused_mlp, FusedMlp};
+#[cfg(feature = "cuda")]
+pub use lt::epilogue_fallbacks;
 pub use llama::{apply_rope, apply_rope_unfused, DecoderLayer, Llama, RmsNorm, Rope};
 pub use sample::{generate, sample_token};
 pub use train::{train_loop, ByteCorpus, CheckpointFiles, LmTrainer, LoopOptions, StepReport};

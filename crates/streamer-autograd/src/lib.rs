@@ -26,6 +26,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod activations;
 mod adamw;
 mod dropout;
 mod grads;
@@ -33,6 +34,7 @@ mod optim_state;
 mod sgd;
 mod trainer;
 
+pub use activations::ActivationPolicy;
 pub use adamw::CpuAdamW;
 pub use dropout::{dropout, with_seed, Dropout};
 pub use sgd::{CpuSgd, ParamsSgd};

@@ -6,14 +6,19 @@
 //! autograd with its weights as variables, sends the weight gradients to host
 //! buffers on their own stream, and returns one Candle `GradStore` holding the
 //! gradients of everything before, inside and after the streamed part.
+use crate::activations::ActivationPolicy;
 use crate::dropout::with_seed;
 use crate::grads::HostGrads;
 use candle_core::backprop::GradStore;
 use candle_core::{Result, Tensor, Var};
 use candle_nn::VarBuilder;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
-use streamer_core::{release_all, run_blocks, ResidencyPool, StreamedSequential};
+use streamer_core::{
+    release_all, run_blocks_with, Block, ManualBackward, ResidencyPool, SavedActivations,
+    StreamedSequential,
+};
 
 /// An optimizer that can step some parameters as soon as their gradients have
 /// landed (the overlapped step of [`TrainableSequential::backward_step`]).
@@ -82,6 +87,30 @@ struct Saved {
     outputs: Vec<Var>,
     seeds: Vec<u64>,
     fingerprints: Vec<u64>,
+    /// Activations kept by blocks with a hand-written backward (no recompute).
+    kept: Vec<Option<SavedActivations>>,
+}
+
+/// What backward through one block produced.
+struct BlockStep {
+    grads: BlockGrads,
+    g_x: Option<Tensor>,
+    g_extras: Vec<Option<Tensor>>,
+}
+
+/// Weight gradients of one block: Candle's store, or a hand-written backward's.
+enum BlockGrads {
+    Autograd(GradStore),
+    Manual(HashMap<candle_core::TensorId, Tensor>),
+}
+
+impl BlockGrads {
+    fn get(&self, t: &Tensor) -> Option<&Tensor> {
+        match self {
+            Self::Autograd(g) => g.get(t),
+            Self::Manual(m) => m.get(&t.id()),
+        }
+    }
 }
 
 /// A `StreamedSequential` that trains: see the module docs.
@@ -131,6 +160,9 @@ struct TrainState {
     stepped: Vec<bool>,
     optimizer_seconds: f64,
     optimizer_pool: Option<std::sync::Arc<rayon::ThreadPool>>,
+    policy: ActivationPolicy,
+    /// Blocks whose activations the last training forward kept.
+    kept_blocks: usize,
 }
 
 /// Turns a streamed model into a trainable one.
@@ -160,6 +192,8 @@ impl TrainableSequential {
                 stepped: vec![false; n],
                 optimizer_seconds: 0.0,
                 optimizer_pool: None,
+                policy: ActivationPolicy::default(),
+                kept_blocks: 0,
             }),
             model,
         }
@@ -215,6 +249,25 @@ impl TrainableSequential {
         self.next_seed.store(seed, Ordering::SeqCst);
     }
 
+    /// Sets what training forwards keep for backward (see [`ActivationPolicy`]);
+    /// an impossible policy is an error and changes nothing.
+    pub fn set_activation_policy(&self, policy: ActivationPolicy) -> Result<()> {
+        policy.validate(&self.model.config().device)?;
+        self.lock()?.policy = policy;
+        Ok(())
+    }
+
+    /// The activation policy in force.
+    pub fn activation_policy(&self) -> Result<ActivationPolicy> {
+        Ok(self.lock()?.policy)
+    }
+
+    /// How many blocks kept their activations in the last training forward
+    /// (the others recompute in backward).
+    pub fn kept_blocks(&self) -> Result<usize> {
+        Ok(self.lock()?.kept_blocks)
+    }
+
     /// Training mode: forwards save what backward needs.
     pub fn set_training(&self, on: bool) {
         self.training.store(on, Ordering::SeqCst);
@@ -255,20 +308,35 @@ impl TrainableSequential {
         let base = self.next_seed.fetch_add(n as u64, Ordering::SeqCst);
         let seeds: Vec<u64> = (0..n as u64).map(|i| base.wrapping_add(i)).collect();
         let mut inputs = Vec::with_capacity(n);
+        let mut kept: Vec<Option<SavedActivations>> = (0..n).map(|_| None).collect();
+        let budget = st.policy.budget(pool.device())?;
+        let mut used = 0usize;
         let x_det = x.detach();
         let extras_det: Vec<Tensor> = extras.iter().map(|e| e.detach()).collect();
-        // run_blocks calls `on_input` just before each block's forward: set that
-        // block's dropout seed there, so the recompute can replay it.
-        let r = run_blocks(
+        // Each block's input is saved and its dropout seed set just before it
+        // runs, so the recompute can replay it; blocks with a hand-written
+        // backward keep their activations while the budget allows.
+        let r = run_blocks_with(
             &mut pool,
             self.model.blocks(),
             &x_det,
             &extras_det,
             false,
-            |i, h| {
+            |pool: &ResidencyPool, i, block: &dyn Block, h: &Tensor, extras: &[Tensor]| {
                 inputs.push(h.detach());
                 set_current_seed(seeds[i]);
-                Ok(())
+                let Some(man) = block.manual() else {
+                    return block.forward(h, extras);
+                };
+                let need = man.saved_bytes(h.shape(), h.dtype());
+                if budget == 0 || used + need > budget {
+                    return block.forward(h, extras);
+                }
+                let (y, acts) = man.forward_train(h, extras)?;
+                check_saved(pool, &acts, i)?;
+                used += need;
+                kept[i] = Some(acts);
+                Ok(vec![y])
             },
         );
         clear_current_seed();
@@ -284,6 +352,7 @@ impl TrainableSequential {
         for k in 0..pool.window().min(n) {
             pool.load(n - 1 - k)?;
         }
+        st.kept_blocks = kept.iter().filter(|k| k.is_some()).count();
         let outputs = outs
             .iter()
             .map(Var::from_tensor)
@@ -296,6 +365,7 @@ impl TrainableSequential {
             outputs,
             seeds,
             fingerprints: self.fingerprints()?,
+            kept,
         });
         st.saved_training = training;
         Ok(ret)
@@ -391,7 +461,7 @@ impl TrainableSequential {
         overlap: Option<&std::sync::mpsc::Sender<StepJob>>,
     ) -> Result<()> {
         let mut st = self.lock()?;
-        let Some(saved) = st.saved.take() else {
+        let Some(mut saved) = st.saved.take() else {
             candle_core::bail!(
                 "backward without a training forward: call forward in training mode first \
                  (each forward can be backpropagated once)"
@@ -436,7 +506,7 @@ impl TrainableSequential {
             &mut pool,
             &mut st.grads,
             &trainable,
-            &saved,
+            &mut saved,
             g_outs,
             overlap,
         );
@@ -504,7 +574,7 @@ impl TrainableSequential {
         pool: &mut ResidencyPool,
         host: &mut HostGrads,
         trainable: &[bool],
-        saved: &Saved,
+        saved: &mut Saved,
         g_outs: Vec<Option<Tensor>>,
         overlap: Option<&std::sync::mpsc::Sender<StepJob>>,
     ) -> Result<(Option<Tensor>, Vec<Option<Tensor>>, Vec<bool>)> {
@@ -538,39 +608,14 @@ impl TrainableSequential {
         let mut g_extras: Vec<Option<Tensor>> = vec![None; saved.extras.len()];
         for i in (0..n).rev() {
             let (weights, vars) = pool.acquire_vars(i, trainable)?;
-            let x_var = Var::from_tensor(&saved.inputs[i])?;
-            let extra_vars = saved
-                .extras
-                .iter()
-                .map(|e| {
-                    if e.dtype().is_float() {
-                        Var::from_tensor(&e.detach()).map(|v| v.as_tensor().clone())
-                    } else {
-                        Ok(e.clone())
-                    }
-                })
-                .collect::<Result<Vec<_>>>()?;
             let vb = VarBuilder::from_tensors(weights, pool.dtype(), pool.device());
-            let outs = with_seed(saved.seeds[i], || -> Result<Vec<Tensor>> {
-                let block = blocks[i].build(vb)?;
-                block.forward(x_var.as_tensor(), &extra_vars)
-            })?;
-            // A surrogate whose gradient with respect to each output is the
-            // upstream gradient: backward of sum(out ⊙ g) = Jᵀ g.
-            let mut surrogate: Option<Tensor> = None;
-            for (o, g) in outs.iter().zip(&g_next) {
-                if let Some(g) = g {
-                    let term = o
-                        .mul(&g.to_dtype(o.dtype())?.detach())?
-                        .to_dtype(candle_core::DType::F32)?
-                        .sum_all()?;
-                    surrogate = Some(match surrogate {
-                        None => term,
-                        Some(s) => s.add(&term)?,
-                    });
-                }
-            }
-            let Some(surrogate) = surrogate else {
+            let block = blocks[i].build(vb)?;
+            let step = match block.manual() {
+                Some(man) => manual_step(man, saved, i, &g_next)?,
+                None => autograd_step(block.as_ref(), saved, i, &g_next)?,
+            };
+            drop(block);
+            let Some(step) = step else {
                 // Nothing flows back through this block (or anything before it).
                 pool.release(i)?;
                 if i >= window {
@@ -579,51 +624,170 @@ impl TrainableSequential {
                 g_next = vec![None];
                 continue;
             };
-            let bg = surrogate.backward()?;
-            drop(outs);
             // The previous block's gradients have been copying out while this one
             // computed; their device memory may be reused after those copies.
             host.release_sources()?;
             for (m, v) in &vars {
-                if let Some(g) = bg.get(v.as_tensor()) {
+                if let Some(g) = step.grads.get(v.as_tensor()) {
                     host.offload(*m, g)?;
                 }
             }
             if let Some(tx) = overlap {
-                let updates: Vec<(Var, Tensor)> = vars
-                    .iter()
-                    .filter(|(m, _)| last_user[*m] == i)
-                    .filter_map(|(m, _)| host.written(*m).map(|g| (*m, g)))
-                    .map(|(m, g)| {
-                        stepped[m] = true;
-                        (self.model.masters().get(m).var.clone(), g)
-                    })
-                    .collect();
-                if !updates.is_empty() {
-                    let marker = host.marker()?;
-                    tx.send(StepJob { marker, updates })
-                        .map_err(|_| candle_core::Error::Msg("optimizer thread stopped".into()))?;
-                }
+                self.send_ready(host, tx, &vars, &last_user, i, &mut stepped)?;
             }
-            for (j, ev) in extra_vars.iter().enumerate() {
-                if let Some(g) = bg.get(ev) {
-                    g_extras[j] = Some(match g_extras[j].take() {
-                        None => g.clone(),
-                        Some(a) => a.add(g)?,
+            for (acc, g) in g_extras.iter_mut().zip(step.g_extras) {
+                if let Some(g) = g {
+                    *acc = Some(match acc.take() {
+                        None => g,
+                        Some(a) => a.add(&g)?,
                     });
                 }
             }
-            let g_x = bg.get(x_var.as_tensor()).cloned();
-            drop(bg);
+            drop(step.grads);
             pool.release(i)?;
             if i >= window {
                 pool.load(i - window)?;
             }
-            g_next = vec![g_x];
+            g_next = vec![step.g_x];
         }
         host.finish()?;
         Ok((g_next.swap_remove(0), g_extras, stepped))
     }
+
+    /// Hands the overlapped optimizer the weights block `i` completed.
+    fn send_ready(
+        &self,
+        host: &HostGrads,
+        tx: &std::sync::mpsc::Sender<StepJob>,
+        vars: &[(usize, Var)],
+        last_user: &[usize],
+        i: usize,
+        stepped: &mut [bool],
+    ) -> Result<()> {
+        let updates: Vec<(Var, Tensor)> = vars
+            .iter()
+            .filter(|(m, _)| last_user[*m] == i)
+            .filter_map(|(m, _)| host.written(*m).map(|g| (*m, g)))
+            .map(|(m, g)| {
+                stepped[m] = true;
+                (self.model.masters().get(m).var.clone(), g)
+            })
+            .collect();
+        if !updates.is_empty() {
+            let marker = host.marker()?;
+            tx.send(StepJob { marker, updates })
+                .map_err(|_| candle_core::Error::Msg("optimizer thread stopped".into()))?;
+        }
+        Ok(())
+    }
+}
+
+/// Backward through block `i` by recomputing it under Candle autograd.
+fn autograd_step(
+    block: &dyn Block,
+    saved: &Saved,
+    i: usize,
+    g_next: &[Option<Tensor>],
+) -> Result<Option<BlockStep>> {
+    let x_var = Var::from_tensor(&saved.inputs[i])?;
+    let extra_vars = saved
+        .extras
+        .iter()
+        .map(|e| {
+            if e.dtype().is_float() {
+                Var::from_tensor(&e.detach()).map(|v| v.as_tensor().clone())
+            } else {
+                Ok(e.clone())
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let outs = with_seed(saved.seeds[i], || {
+        block.forward(x_var.as_tensor(), &extra_vars)
+    })?;
+    // A surrogate whose gradient with respect to each output is the upstream
+    // gradient: backward of sum(out ⊙ g) = Jᵀ g.
+    let mut surrogate: Option<Tensor> = None;
+    for (o, g) in outs.iter().zip(g_next) {
+        if let Some(g) = g {
+            let term = o
+                .mul(&g.to_dtype(o.dtype())?.detach())?
+                .to_dtype(candle_core::DType::F32)?
+                .sum_all()?;
+            surrogate = Some(match surrogate {
+                None => term,
+                Some(s) => s.add(&term)?,
+            });
+        }
+    }
+    let Some(surrogate) = surrogate else {
+        return Ok(None);
+    };
+    let bg = surrogate.backward()?;
+    drop(outs);
+    let g_extras = extra_vars.iter().map(|ev| bg.get(ev).cloned()).collect();
+    let g_x = bg.get(x_var.as_tensor()).cloned();
+    Ok(Some(BlockStep {
+        grads: BlockGrads::Autograd(bg),
+        g_x,
+        g_extras,
+    }))
+}
+
+/// Backward through block `i` by its hand-written backward, from the kept
+/// activations or a recompute of them.
+fn manual_step(
+    man: &dyn ManualBackward,
+    saved: &mut Saved,
+    i: usize,
+    g_next: &[Option<Tensor>],
+) -> Result<Option<BlockStep>> {
+    if g_next.len() > 1 {
+        candle_core::bail!(
+            "block {i} has a hand-written backward but is the last block with {} outputs              (such blocks return one output)",
+            g_next.len()
+        );
+    }
+    let Some(Some(g)) = g_next.first() else {
+        return Ok(None);
+    };
+    let acts = match saved.kept[i].take() {
+        Some(a) => a,
+        None => {
+            with_seed(saved.seeds[i], || {
+                man.forward_train(&saved.inputs[i], &saved.extras)
+            })?
+            .1
+        }
+    };
+    let (g_x, list) = man.backward(acts, g)?;
+    let mut grads: HashMap<candle_core::TensorId, Tensor> = HashMap::with_capacity(list.len());
+    for (w, g) in list {
+        let sum = match grads.remove(&w.id()) {
+            Some(prev) => prev.add(&g)?,
+            None => g,
+        };
+        grads.insert(w.id(), sum);
+    }
+    Ok(Some(BlockStep {
+        grads: BlockGrads::Manual(grads),
+        g_x: Some(g_x),
+        g_extras: vec![None; saved.extras.len()],
+    }))
+}
+
+/// Kept activations must not share memory with a pool slot: the slot is
+/// refilled with other weights before the backward reads them.
+fn check_saved(pool: &ResidencyPool, acts: &SavedActivations, i: usize) -> Result<()> {
+    for (k, t) in acts.0.iter().enumerate() {
+        if pool.aliases_slot(t) {
+            candle_core::bail!(
+                "block {i}'s forward_train kept a tensor (#{k}, {:?}) that shares memory with its \
+                 weights; keep activations only (backward gets the weights from the block)",
+                t.dims()
+            );
+        }
+    }
+    Ok(())
 }
 
 fn accumulate(grads: &mut GradStore, t: &Tensor, g: Tensor) -> Result<()> {

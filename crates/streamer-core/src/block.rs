@@ -13,6 +13,43 @@ use std::sync::Arc;
 pub trait Block {
     /// Runs the block.
     fn forward(&self, x: &Tensor, extras: &[Tensor]) -> Result<Vec<Tensor>>;
+
+    /// The block's hand-written backward, if it has one. Training then runs
+    /// [`ManualBackward::forward_train`] and [`ManualBackward::backward`]
+    /// instead of Candle's autograd, and may keep the saved activations from
+    /// the first forward instead of recomputing them.
+    fn manual(&self) -> Option<&dyn ManualBackward> {
+        None
+    }
+}
+
+/// Activations a [`ManualBackward`] block keeps between its forward and its
+/// backward. They must not include the block's weights: those live in pool
+/// slots that are refilled in between (the trainer checks the tensor ids).
+#[derive(Debug)]
+pub struct SavedActivations(pub Vec<Tensor>);
+
+/// A block that computes its own gradients, in the spirit of a
+/// `torch.autograd.Function`: one output, no gradient into the extras.
+///
+/// Both calls run on a block built over the same weights (the backward's block
+/// is rebuilt from freshly loaded copies), so `backward` reads the weights from
+/// `self`, never from `saved`.
+pub trait ManualBackward {
+    /// The forward, returning the output and what `backward` needs.
+    fn forward_train(&self, x: &Tensor, extras: &[Tensor]) -> Result<(Tensor, SavedActivations)>;
+
+    /// Device bytes [`Self::forward_train`] keeps for an input of shape `x`
+    /// and dtype `dtype` (used to fit kept activations into a budget).
+    fn saved_bytes(&self, x: &candle_core::Shape, dtype: candle_core::DType) -> usize;
+
+    /// Given `grad = dL/d(output)`, returns `dL/dx` and the gradient of each
+    /// weight, keyed by the weight tensor the block got from its `VarBuilder`.
+    fn backward(
+        &self,
+        saved: SavedActivations,
+        grad: &Tensor,
+    ) -> Result<(Tensor, Vec<(Tensor, Tensor)>)>;
 }
 
 /// Adapts any `candle_core::Module` (every candle-nn layer) into a [`Block`].

@@ -47,3 +47,19 @@ pub fn pooled_idle_bytes(device: &Device) -> Result<usize> {
     let _ = device;
     Ok(0)
 }
+
+/// Device memory Candle could allocate now: what the driver reports free plus
+/// what the pool holds idle. `None` on the CPU (no device memory to budget).
+pub fn free_device_memory(device: &Device) -> Result<Option<usize>> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        let (free, _total) = d
+            .cuda_stream()
+            .context()
+            .mem_get_info()
+            .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+        return Ok(Some(free + crate::cuda::pool_idle_bytes(d)?));
+    }
+    let _ = device;
+    Ok(None)
+}

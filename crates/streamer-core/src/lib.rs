@@ -48,14 +48,14 @@ mod stats;
 mod timeline;
 
 pub use bandwidth::measure_h2d_gbps;
-pub use block::{Block, BlockSpec, ModuleBlock};
+pub use block::{Block, BlockSpec, ManualBackward, ModuleBlock, SavedActivations};
 pub use config::StreamConfig;
 pub use convert::convert;
-pub use device_memory::{pooled_idle_bytes, retain_freed_device_memory, trim_device_memory};
+pub use device_memory::{free_device_memory, pooled_idle_bytes, retain_freed_device_memory, trim_device_memory};
 pub use host::{HostMasters, Master};
 pub use offload::{OffloadMarker, Offloader};
 pub use pool::{BlockLayout, Entry, ResidencyPool};
-pub use sequential::{release_all, run_block, run_blocks, StreamedSequential};
+pub use sequential::{release_all, run_block, run_blocks, run_blocks_with, RunBlock, StreamedSequential};
 pub use source::{expand_paths, replace_atomic, save_atomic, WeightSource};
 pub use stats::{Observer, StreamStats, Transition, TransitionKind, TRANSITION_LOG_LEN};
 pub use timeline::{Timeline, TraceEvent, TraceKind};

@@ -1,6 +1,6 @@
 //! `StreamedSequential`: a sequence of native Candle blocks run with their weights
 //! streamed from host memory through the residency pool.
-use crate::block::BlockSpec;
+use crate::block::{Block, BlockSpec};
 use crate::config::StreamConfig;
 use crate::host::HostMasters;
 use crate::pool::{BlockLayout, ResidencyPool};
@@ -287,6 +287,32 @@ pub fn run_blocks(
     cyclic: bool,
     mut on_input: impl FnMut(usize, &Tensor) -> Result<()>,
 ) -> Result<Vec<Tensor>> {
+    run_blocks_with(pool, blocks, x, extras, cyclic, |_, i, block, h, extras| {
+        on_input(i, h)?;
+        block.forward(h, extras)
+    })
+}
+
+/// How [`run_blocks_with`] runs one bound block: `(pool, index, block, input,
+/// extras) -> outputs`. Training uses it to keep a block's activations.
+pub trait RunBlock:
+    FnMut(&ResidencyPool, usize, &dyn Block, &Tensor, &[Tensor]) -> Result<Vec<Tensor>>
+{
+}
+impl<F: FnMut(&ResidencyPool, usize, &dyn Block, &Tensor, &[Tensor]) -> Result<Vec<Tensor>>>
+    RunBlock for F
+{
+}
+
+/// [`run_blocks`] with the call of each bound block left to `run`.
+pub fn run_blocks_with(
+    pool: &mut ResidencyPool,
+    blocks: &[BlockSpec],
+    x: &Tensor,
+    extras: &[Tensor],
+    cyclic: bool,
+    mut run: impl RunBlock,
+) -> Result<Vec<Tensor>> {
     let n = blocks.len();
     let window = pool.window();
     // Blocks an earlier call left loaded (a training forward prefetching for its
@@ -304,8 +330,7 @@ pub fn run_blocks(
     let mut h = x.clone();
     let mut last = Vec::new();
     for (i, spec) in blocks.iter().enumerate() {
-        on_input(i, &h)?;
-        let mut out = run_block(pool, spec, i, &h, extras)?;
+        let mut out = run_block_with(pool, spec, i, &h, extras, &mut run)?;
         if i + window < n {
             pool.load(i + window)?;
         } else if cyclic && !pool.is_loaded((i + window) % n) {
@@ -330,10 +355,28 @@ pub fn run_block(
     x: &Tensor,
     extras: &[Tensor],
 ) -> Result<Vec<Tensor>> {
+    run_block_with(
+        pool,
+        spec,
+        i,
+        x,
+        extras,
+        &mut |_: &ResidencyPool, _, b: &dyn Block, x: &Tensor, e: &[Tensor]| b.forward(x, e),
+    )
+}
+
+fn run_block_with(
+    pool: &mut ResidencyPool,
+    spec: &BlockSpec,
+    i: usize,
+    x: &Tensor,
+    extras: &[Tensor],
+    run: &mut impl RunBlock,
+) -> Result<Vec<Tensor>> {
     let views = pool.acquire(i)?;
     let vb = VarBuilder::from_tensors(views, pool.dtype(), pool.device());
     let block = spec.build(vb)?;
-    let mut out = block.forward(x, extras)?;
+    let mut out = run(&*pool, i, block.as_ref(), x, extras)?;
     drop(block);
     if out.is_empty() {
         candle_core::bail!("block {:?} returned no output", spec.name);

@@ -1,0 +1,121 @@
+//! What streamed training keeps of each block's forward for its backward.
+//!
+//! Recomputing a block's forward in backward costs a third of a compute-bound
+//! step; keeping its activations costs device memory. The weights are streamed
+//! either way, so a model far bigger than the GPU trains without recompute
+//! whenever its activations fit. Only blocks with a hand-written backward
+//! ([`streamer_core::ManualBackward`]) can keep theirs: a Candle autograd graph
+//! would hold the block's weights, whose slots are refilled before backward.
+use candle_core::{Device, Result};
+
+/// The activation policy of a [`crate::TrainableSequential`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ActivationPolicy {
+    /// Keep only each block's input; recompute every block in backward.
+    Recompute,
+    /// Keep the activations of blocks with a hand-written backward, first
+    /// blocks first, while their total stays within `device_bytes`; recompute
+    /// the others.
+    Keep {
+        /// Device bytes the kept activations may take.
+        device_bytes: usize,
+    },
+    /// [`Self::Keep`] with a budget of `fraction` of the device memory free
+    /// when each training forward starts. On the CPU this is `Recompute`.
+    Auto {
+        /// Share of the free device memory, in (0, 1].
+        fraction: f64,
+    },
+}
+
+impl Default for ActivationPolicy {
+    /// Keep what fits in half of the free device memory, recompute the rest.
+    fn default() -> Self {
+        Self::Auto { fraction: 0.5 }
+    }
+}
+
+impl std::str::FromStr for ActivationPolicy {
+    type Err = candle_core::Error;
+
+    /// `recompute`, `keep:BYTES` (e.g. `keep:8GiB`, `keep:1000000`) or
+    /// `auto[:FRACTION]`.
+    fn from_str(s: &str) -> Result<Self> {
+        let (name, arg) = s.split_once(':').map_or((s, None), |(a, b)| (a, Some(b)));
+        match (name, arg) {
+            ("recompute", None) => Ok(Self::Recompute),
+            ("auto", None) => Ok(Self::default()),
+            ("auto", Some(f)) => {
+                let fraction = f.parse::<f64>().map_err(|_| {
+                    candle_core::Error::Msg(format!("activation policy {s:?}: {f:?} is not a number"))
+                })?;
+                Ok(Self::Auto { fraction })
+            }
+            ("keep", Some(b)) => Ok(Self::Keep {
+                device_bytes: parse_size(b)
+                    .ok_or_else(|| candle_core::Error::Msg(format!("activation policy {s:?}: {b:?} is not a size (like 8GiB)")))?,
+            }),
+            _ => candle_core::bail!(
+                "unknown activation policy {s:?}: expected recompute, keep:BYTES (e.g. keep:8GiB) or auto[:FRACTION]"
+            ),
+        }
+    }
+}
+
+/// `123`, `4KiB`, `8MiB`, `2GiB` (binary units; `KB`/`MB`/`GB` decimal).
+fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let mult: f64 = match unit.trim() {
+        "" | "B" => 1.0,
+        "KiB" => 1024.0,
+        "MiB" => 1024f64.powi(2),
+        "GiB" => 1024f64.powi(3),
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        _ => return None,
+    };
+    let v = num.parse::<f64>().ok()? * mult;
+    (v.is_finite() && v >= 0.0 && v < usize::MAX as f64).then_some(v as usize)
+}
+
+impl ActivationPolicy {
+    /// Rejects a policy that cannot hold on `device`, naming the value.
+    pub fn validate(&self, device: &Device) -> Result<()> {
+        match *self {
+            Self::Recompute => Ok(()),
+            Self::Keep { device_bytes: 0 } => candle_core::bail!(
+                "ActivationPolicy::Keep with a budget of 0 bytes keeps nothing: use Recompute"
+            ),
+            Self::Keep { device_bytes } => match streamer_core::free_device_memory(device)? {
+                Some(free) if device_bytes > free => candle_core::bail!(
+                    "ActivationPolicy::Keep budget of {device_bytes} bytes ({:.2} GiB) exceeds the \
+                     {free} bytes ({:.2} GiB) free on the device",
+                    device_bytes as f64 / (1u64 << 30) as f64,
+                    free as f64 / (1u64 << 30) as f64
+                ),
+                _ => Ok(()),
+            },
+            Self::Auto { fraction } if !(fraction > 0.0 && fraction <= 1.0) => {
+                candle_core::bail!(
+                    "ActivationPolicy::Auto fraction must be in (0, 1], got {fraction}"
+                )
+            }
+            Self::Auto { .. } => Ok(()),
+        }
+    }
+
+    /// The byte budget for one training forward on `device` (0: keep nothing).
+    pub(crate) fn budget(&self, device: &Device) -> Result<usize> {
+        Ok(match *self {
+            Self::Recompute => 0,
+            Self::Keep { device_bytes } => device_bytes,
+            Self::Auto { fraction } => streamer_core::free_device_memory(device)?
+                .map_or(0, |free| (free as f64 * fraction) as usize),
+        })
+    }
+}

@@ -1,0 +1,385 @@
+//! `FusedMlp`'s hand-written backward (four cuBLASLt GEMMs with GELU' and the
+//! bias gradients in their epilogues on CUDA) against Candle autograd in f64,
+//! and streamed training through it with activations kept or recomputed
+//! against the same blocks trained through Candle autograd.
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_nn::VarBuilder;
+use std::collections::HashMap;
+use streamer_autograd::{ActivationPolicy, Train};
+use streamer_core::{Block, BlockSpec, ManualBackward, StreamConfig, StreamedSequential};
+use streamer_models::{fused_mlp, FusedMlp};
+
+/// Largest absolute difference over the largest reference magnitude.
+fn rel_err(got: &Tensor, want: &Tensor) -> Result<f64> {
+    let g: Vec<f64> = got
+        .to_dtype(DType::F64)?
+        .to_device(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1()?;
+    let w: Vec<f64> = want
+        .to_dtype(DType::F64)?
+        .to_device(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1()?;
+    ensure!(
+        g.len() == w.len(),
+        "{} values, expected {}",
+        g.len(),
+        w.len()
+    );
+    let scale = w.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+    Ok(g.iter()
+        .zip(&w)
+        .fold(0f64, |m, (a, b)| m.max((a - b).abs()))
+        / scale)
+}
+
+fn mlp_weights(dim: usize, hidden: usize, dev: &Device, dt: DType) -> Result<[Tensor; 4]> {
+    let r = |s: &[usize], std: f32| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, std, s, &Device::Cpu)?
+            .to_dtype(dt)?
+            .to_device(dev)?)
+    };
+    Ok([
+        r(&[hidden, dim], 0.15)?,
+        r(&[hidden], 0.5)?,
+        r(&[dim, hidden], 0.1)?,
+        r(&[dim], 0.5)?,
+    ])
+}
+
+fn fused_mlp_manual_backward_matches_f64_autograd(dev: &Device) -> Result<()> {
+    // Odd row count and a rank-3 input; sizes multiples of 8 (cuBLASLt's
+    // epilogue buffers want aligned leading dimensions).
+    let (b, t, dim, hidden) = (3, 37, 64, 136);
+    for (dt, tol) in [(DType::F32, 2e-5), (DType::BF16, 3e-2), (DType::F16, 5e-3)] {
+        let [w1, b1, w2, b2] = mlp_weights(dim, hidden, dev, dt)?;
+        let x = Tensor::randn(0f32, 1.0, (b, t, dim), &Device::Cpu)?
+            .to_dtype(dt)?
+            .to_device(dev)?;
+        let g = Tensor::randn(0f32, 1.0, (b, t, dim), &Device::Cpu)?
+            .to_dtype(dt)?
+            .to_device(dev)?;
+        // Reference: the same (rounded) values in f64 on the CPU, Candle autograd.
+        let f64v = |t: &Tensor| -> Result<Var> {
+            Ok(Var::from_tensor(
+                &t.to_dtype(DType::F64)?.to_device(&Device::Cpu)?,
+            )?)
+        };
+        let (rx, rw1, rb1, rw2, rb2) = (f64v(&x)?, f64v(&w1)?, f64v(&b1)?, f64v(&w2)?, f64v(&b2)?);
+        let h = rx
+            .broadcast_matmul(&rw1.t()?)?
+            .broadcast_add(&rb1)?
+            .gelu()?;
+        let y_ref = h.broadcast_matmul(&rw2.t()?)?.broadcast_add(&rb2)?;
+        let grads = (&y_ref * g.to_dtype(DType::F64)?.to_device(&Device::Cpu)?)?
+            .sum_all()?
+            .backward()?;
+
+        let mlp = FusedMlp::new(w1.clone(), b1.clone(), w2.clone(), b2.clone())?;
+        let (y, saved) = mlp.forward_train(&x, &[])?;
+        let where_ = format!("{dt:?} on {:?}", dev.location());
+        let err = rel_err(&y, &y_ref)?;
+        ensure!(err <= tol, "output {where_}: {err:.2e} > {tol:.0e}");
+        // The inference forward (two FusedLinear ops) agrees too.
+        let err = rel_err(&Module::forward(&mlp, &x)?, &y_ref)?;
+        ensure!(
+            err <= tol,
+            "inference output {where_}: {err:.2e} > {tol:.0e}"
+        );
+        let (dx, wgrads) = mlp.backward(saved, &g)?;
+        ensure!(dx.dims() == x.dims(), "dx {:?}", dx.dims());
+        let err = rel_err(&dx, grads.get(&rx).expect("dx"))?;
+        ensure!(err <= tol, "dx {where_}: {err:.2e} > {tol:.0e}");
+        let refs = [
+            ("up.weight", &w1, &rw1),
+            ("up.bias", &b1, &rb1),
+            ("down.weight", &w2, &rw2),
+            ("down.bias", &b2, &rb2),
+        ];
+        ensure!(wgrads.len() == 4, "{} weight gradients", wgrads.len());
+        for (name, w, rv) in refs {
+            let (_, got) = wgrads
+                .iter()
+                .find(|(p, _)| p.id() == w.id())
+                .ok_or_else(|| anyhow::anyhow!("no gradient for {name}"))?;
+            ensure!(
+                got.dims() == w.dims() && got.dtype() == dt,
+                "{name}: {:?} {:?}",
+                got.dims(),
+                got.dtype()
+            );
+            let err = rel_err(got, grads.get(rv).expect("reference"))?;
+            ensure!(err <= tol, "grad of {name} {where_}: {err:.2e} > {tol:.0e}");
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(fused_mlp_manual_backward_matches_f64_autograd);
+
+fn fused_mlp_rejects_bad_input(dev: &Device) -> Result<()> {
+    let [w1, b1, w2, b2] = mlp_weights(8, 16, dev, DType::F32)?;
+    let err = FusedMlp::new(w1.clone(), b1.clone(), w2.t()?, b2.clone())
+        .expect_err("transposed down.weight");
+    ensure!(
+        err.to_string().contains("down.weight must be [8, 16]"),
+        "{err}"
+    );
+    let err = FusedMlp::new(w1.clone(), b1.to_dtype(DType::F64)?, w2.clone(), b2.clone())
+        .expect_err("f64 bias");
+    ensure!(
+        err.to_string().contains("up.bias") && err.to_string().contains("F64"),
+        "{err}"
+    );
+    let mlp = FusedMlp::new(w1, b1, w2, b2)?;
+    let err = mlp
+        .forward_train(&Tensor::zeros((2, 9), DType::F32, dev)?, &[])
+        .expect_err("wrong width");
+    ensure!(err.to_string().contains("must end in 8"), "{err}");
+    let (_, saved) = mlp.forward_train(&Tensor::zeros((2, 8), DType::F32, dev)?, &[])?;
+    let err = mlp
+        .backward(saved, &Tensor::zeros((3, 8), DType::F32, dev)?)
+        .expect_err("wrong grad");
+    ensure!(err.to_string().contains("output gradient [3, 8]"), "{err}");
+    Ok(())
+}
+candle_streamer::test_device!(fused_mlp_rejects_bad_input);
+
+/// Host weights of `n` MLP blocks `layers.{i}.{up,down}.{weight,bias}`.
+fn host_mlp(n: usize, dim: usize, hidden: usize) -> Result<HashMap<String, Tensor>> {
+    let mut m = HashMap::new();
+    for i in 0..n {
+        let [w1, b1, w2, b2] = mlp_weights(dim, hidden, &Device::Cpu, DType::F32)?;
+        for (k, t) in [
+            ("up.weight", w1),
+            ("up.bias", b1),
+            ("down.weight", w2),
+            ("down.bias", b2),
+        ] {
+            m.insert(format!("layers.{i}.{k}"), t);
+        }
+    }
+    Ok(m)
+}
+
+/// One training step's loss and every weight's host gradient, by name.
+fn step_grads(
+    host: &HashMap<String, Tensor>,
+    blocks: Vec<BlockSpec>,
+    cfg: StreamConfig,
+    policy: ActivationPolicy,
+    x: &Tensor,
+) -> Result<(f32, HashMap<String, Tensor>, usize)> {
+    let model = StreamedSequential::from_tensors(host.clone(), blocks, cfg)?.train();
+    model.set_activation_policy(policy)?;
+    let y = model.forward(x)?;
+    let loss = y.to_dtype(DType::F32)?.sqr()?.mean_all()?;
+    let grads = model.backward(&loss)?;
+    let mut out = HashMap::new();
+    for (name, v) in model.parameters() {
+        out.insert(
+            name,
+            grads
+                .get(v.as_tensor())
+                .ok_or_else(|| anyhow::anyhow!("no gradient"))?
+                .clone(),
+        );
+    }
+    Ok((loss.to_scalar::<f32>()?, out, model.kept_blocks()?))
+}
+
+fn streamed_fused_mlp_keep_and_recompute_match_autograd(dev: &Device) -> Result<()> {
+    let (n, dim, hidden, rows) = (4, 32, 72, 40);
+    let host = host_mlp(n, dim, hidden)?;
+    let dt = if dev.is_cuda() {
+        DType::BF16
+    } else {
+        DType::F32
+    };
+    let cfg = StreamConfig {
+        device: dev.clone(),
+        dtype: dt,
+        master_dtype: Some(DType::F32),
+        ..Default::default()
+    };
+    let x = Tensor::randn(0f32, 1.0, (rows, dim), &Device::Cpu)?
+        .to_dtype(dt)?
+        .to_device(dev)?;
+    let manual = || {
+        (0..n)
+            .map(|i| BlockSpec::new(format!("layers.{i}"), move |vb| fused_mlp(dim, hidden, vb)))
+            .collect::<Vec<_>>()
+    };
+    // The same block through Candle autograd: a Module (no manual backward).
+    let autograd = || {
+        (0..n)
+            .map(|i| BlockSpec::module(format!("layers.{i}"), move |vb| fused_mlp(dim, hidden, vb)))
+            .collect::<Vec<_>>()
+    };
+    let per_block = FusedMlp::new(
+        Tensor::zeros((hidden, dim), dt, dev)?,
+        Tensor::zeros(hidden, dt, dev)?,
+        Tensor::zeros((dim, hidden), dt, dev)?,
+        Tensor::zeros(dim, dt, dev)?,
+    )?
+    .saved_bytes(x.shape(), dt);
+    let (l_ref, g_ref, k_ref) = step_grads(
+        &host,
+        autograd(),
+        cfg.clone(),
+        ActivationPolicy::Keep {
+            device_bytes: 1 << 30,
+        },
+        &x,
+    )?;
+    ensure!(k_ref == 0, "autograd blocks kept {k_ref} activations");
+    let (l_rec, g_rec, k_rec) = step_grads(
+        &host,
+        manual(),
+        cfg.clone(),
+        ActivationPolicy::Recompute,
+        &x,
+    )?;
+    ensure!(k_rec == 0, "recompute kept {k_rec}");
+    // A budget for exactly two blocks: the first two keep, the last two recompute.
+    let (l_keep, g_keep, k_keep) = step_grads(
+        &host,
+        manual(),
+        cfg,
+        ActivationPolicy::Keep {
+            device_bytes: 2 * per_block + 1,
+        },
+        &x,
+    )?;
+    ensure!(k_keep == 2, "kept {k_keep} blocks, expected 2");
+    // Keep and recompute run the same kernels on the same values: identical.
+    ensure!(l_keep == l_rec, "loss {l_keep} vs {l_rec}");
+    let tol = if dt == DType::F32 { 2e-5 } else { 3e-2 };
+    ensure!(
+        ((l_rec - l_ref) / l_ref).abs() <= tol as f32,
+        "loss {l_rec} vs autograd {l_ref}"
+    );
+    for (name, want) in &g_ref {
+        let (rec, keep) = (&g_rec[name], &g_keep[name]);
+        let same = rel_err(keep, rec)?;
+        ensure!(
+            same == 0.0,
+            "{name}: keep and recompute differ by {same:.2e}"
+        );
+        let err = rel_err(rec, want)?;
+        ensure!(
+            err <= tol,
+            "{name}: manual vs autograd {err:.2e} > {tol:.0e}"
+        );
+    }
+    Ok(())
+}
+candle_streamer::test_device!(streamed_fused_mlp_keep_and_recompute_match_autograd);
+
+fn activation_policy_rejects_impossible_values(dev: &Device) -> Result<()> {
+    let host = host_mlp(1, 8, 16)?;
+    let blocks = vec![BlockSpec::new("layers.0", |vb: VarBuilder| {
+        fused_mlp(8, 16, vb)
+    })];
+    let cfg = StreamConfig {
+        device: dev.clone(),
+        ..Default::default()
+    };
+    let model = StreamedSequential::from_tensors(host, blocks, cfg)?.train();
+    let err = model
+        .set_activation_policy(ActivationPolicy::Keep { device_bytes: 0 })
+        .expect_err("zero budget");
+    ensure!(err.to_string().contains("budget of 0 bytes"), "{err}");
+    let err = model
+        .set_activation_policy(ActivationPolicy::Auto { fraction: 1.5 })
+        .expect_err("fraction");
+    ensure!(err.to_string().contains("got 1.5"), "{err}");
+    if dev.is_cuda() {
+        let err = model
+            .set_activation_policy(ActivationPolicy::Keep {
+                device_bytes: usize::MAX / 2,
+            })
+            .expect_err("too big");
+        ensure!(err.to_string().contains("exceeds"), "{err}");
+    }
+    ensure!(
+        model.activation_policy()? == ActivationPolicy::default(),
+        "a refused policy changed the model"
+    );
+    let err = "keepall"
+        .parse::<ActivationPolicy>()
+        .expect_err("unknown name");
+    ensure!(err.to_string().contains("\"keepall\""), "{err}");
+    ensure!(
+        "keep:2GiB".parse::<ActivationPolicy>()?
+            == ActivationPolicy::Keep {
+                device_bytes: 2 << 30
+            },
+        "keep:2GiB"
+    );
+    ensure!(
+        "recompute".parse::<ActivationPolicy>()? == ActivationPolicy::Recompute,
+        "recompute"
+    );
+    Ok(())
+}
+candle_streamer::test_device!(activation_policy_rejects_impossible_values);
+
+/// A block whose "activations" are its own weight: the trainer must refuse it.
+struct Leaky(Tensor);
+impl Block for Leaky {
+    fn forward(&self, x: &Tensor, _: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
+        Ok(vec![x.broadcast_mul(&self.0)?])
+    }
+    fn manual(&self) -> Option<&dyn ManualBackward> {
+        Some(self)
+    }
+}
+impl ManualBackward for Leaky {
+    fn forward_train(
+        &self,
+        x: &Tensor,
+        _: &[Tensor],
+    ) -> candle_core::Result<(Tensor, streamer_core::SavedActivations)> {
+        Ok((
+            x.broadcast_mul(&self.0)?,
+            streamer_core::SavedActivations(vec![self.0.clone()]),
+        ))
+    }
+    fn saved_bytes(&self, _: &candle_core::Shape, _: DType) -> usize {
+        1
+    }
+    fn backward(
+        &self,
+        _: streamer_core::SavedActivations,
+        g: &Tensor,
+    ) -> candle_core::Result<(Tensor, Vec<(Tensor, Tensor)>)> {
+        Ok((g.clone(), vec![]))
+    }
+}
+
+fn kept_activations_may_not_alias_weights(dev: &Device) -> Result<()> {
+    let mut host = HashMap::new();
+    host.insert(
+        "b.w".to_string(),
+        Tensor::ones(4, DType::F32, &Device::Cpu)?,
+    );
+    let blocks = vec![BlockSpec::new("b", |vb: VarBuilder| {
+        Ok(Leaky(vb.get(4, "w")?))
+    })];
+    let cfg = StreamConfig {
+        device: dev.clone(),
+        ..Default::default()
+    };
+    let model = StreamedSequential::from_tensors(host, blocks, cfg)?.train();
+    model.set_activation_policy(ActivationPolicy::Keep {
+        device_bytes: 1 << 20,
+    })?;
+    let err = model
+        .forward(&Tensor::ones((2, 4), DType::F32, dev)?)
+        .expect_err("weight kept");
+    ensure!(err.to_string().contains("shares memory with its"), "{err}");
+    Ok(())
+}
+candle_streamer::test_device!(kept_activations_may_not_alias_weights);
