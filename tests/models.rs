@@ -920,3 +920,185 @@ fn llama_config_unsupported_fields_are_named(_dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(llama_config_unsupported_fields_are_named);
+
+/// Every bit of a trainer's weights and AdamW moments, and its step counts.
+fn trainer_bits(t: &LmTrainer) -> Result<(Vec<Vec<u32>>, Vec<Vec<u32>>, usize, usize)> {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let w = params_of(t)?.iter().map(|(_, v)| bits(v)).collect();
+    let opt = t.optimizer();
+    let m = (0..opt.vars().len())
+        .flat_map(|i| {
+            let (m, v) = opt.moments(i).expect("moments");
+            [bits(m), bits(v)]
+        })
+        .collect();
+    Ok((w, m, opt.step_count(), t.steps_done()))
+}
+
+fn checkpoint_listing(dir: &Path) -> Result<(String, Vec<String>)> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)?
+        .map(|e| Ok(e?.file_name().to_string_lossy().into_owned()))
+        .collect::<Result<_>>()?;
+    names.sort();
+    Ok((std::fs::read_to_string(dir.join("checkpoint.json"))?, names))
+}
+
+fn llama_trainer_refuses_non_finite_steps_and_saves(dev: &Device) -> Result<()> {
+    let cfg = micro(false);
+    let corpus = corpus()?;
+    let dir = temp_dir("non-finite")?;
+    let adam = ParamsAdamW {
+        lr: 1e-3,
+        ..Default::default()
+    };
+    let model = Llama::from_tensors(init_weights(&cfg, 1)?, &cfg, stream(dev, DType::F32, 1))?;
+    let mut t = LmTrainer::new(model, adam.clone())?;
+    let (x, y) = corpus.batch(0, 0, 2, 16, dev)?;
+    t.step(&x, &y)?;
+    t.save(&dir)?;
+    let saved = checkpoint_listing(&dir)?;
+    let params = t.model().parameters();
+    let var = |name: &str| -> Result<Var> {
+        let found = params.iter().find(|(n, _)| n == name);
+        found
+            .map(|(_, v)| v.clone())
+            .ok_or_else(|| anyhow::anyhow!("no {name}"))
+    };
+    // An infinite loss (a finite but huge final norm overflows the logits) is
+    // refused before backward.
+    let norm = var("model.norm.weight")?;
+    let good_norm = norm.as_tensor().copy()?;
+    norm.set(&good_norm.affine(0.0, 3e38)?)?;
+    let before = trainer_bits(&t)?;
+    let e = err_of(t.step(&x, &y))?;
+    ensure!(e.contains("loss is") && e.contains("refused"), "{e}");
+    ensure!(
+        trainer_bits(&t)? == before,
+        "a refused step changed the trainer"
+    );
+    norm.set(&good_norm)?;
+    // A NaN learning rate is refused by the optimizer before it changes anything.
+    let before = trainer_bits(&t)?;
+    t.set_learning_rate(f64::NAN);
+    let e = err_of(t.step(&x, &y))?;
+    ensure!(e.contains("learning rate") && e.contains("NaN"), "{e}");
+    ensure!(
+        trainer_bits(&t)? == before,
+        "a refused step changed the trainer"
+    );
+    t.set_learning_rate(1e-3);
+    t.step(&x, &y)?;
+    // A NaN weight is never saved; the previous checkpoint stays as it was.
+    let q = var("model.layers.1.self_attn.q_proj.weight")?;
+    q.set(&q.as_tensor().affine(1.0, f64::NAN)?)?;
+    let e = err_of(t.save(&dir))?;
+    ensure!(
+        e.contains("not saving") && e.contains("q_proj") && e.contains("NaN"),
+        "{e}"
+    );
+    ensure!(checkpoint_listing(&dir)? == saved);
+    // Overlapped: a refusal after some layers may have stepped blocks every
+    // further step and save.
+    let model = Llama::from_tensors(init_weights(&cfg, 1)?, &cfg, stream(dev, DType::F32, 1))?;
+    let mut t = LmTrainer::new(model, adam)?;
+    t.set_overlap(true);
+    t.set_learning_rate(f64::NAN);
+    ensure!(err_of(t.step(&x, &y))?.contains("learning rate"));
+    t.set_learning_rate(1e-3);
+    let e = err_of(t.step(&x, &y))?;
+    ensure!(e.contains("resume from the last checkpoint"), "{e}");
+    let e = err_of(t.save(&dir))?;
+    ensure!(e.contains("not saving") && e.contains("part-way"), "{e}");
+    ensure!(checkpoint_listing(&dir)? == saved);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+candle_streamer::test_device!(llama_trainer_refuses_non_finite_steps_and_saves);
+
+fn llama_loop_options_are_checked_before_work(_dev: &Device) -> Result<()> {
+    let cfg = micro(false);
+    let corpus = corpus()?;
+    let ok = LoopOptions {
+        steps: 1,
+        batch: 2,
+        seq: 16,
+        seed: 0,
+        lr: 1e-3,
+        warmup: 0,
+        save_every: None,
+        checkpoint_dir: None,
+    };
+    ok.check(&cfg, &corpus)?;
+    for (o, want) in [
+        (
+            LoopOptions {
+                seq: 65,
+                ..ok.clone()
+            },
+            "seq = 65 is beyond the model's context (max_position_embeddings = 64)",
+        ),
+        (
+            LoopOptions {
+                seq: 0,
+                ..ok.clone()
+            },
+            "seq (0)",
+        ),
+        (
+            LoopOptions {
+                batch: 0,
+                ..ok.clone()
+            },
+            "batch (0)",
+        ),
+        (
+            LoopOptions {
+                batch: usize::MAX,
+                ..ok.clone()
+            },
+            "2^40",
+        ),
+        (
+            LoopOptions {
+                lr: f64::NAN,
+                ..ok.clone()
+            },
+            "learning rate",
+        ),
+        (
+            LoopOptions {
+                lr: f64::INFINITY,
+                ..ok.clone()
+            },
+            "learning rate",
+        ),
+        (
+            LoopOptions {
+                lr: -1.0,
+                ..ok.clone()
+            },
+            "learning rate",
+        ),
+        (
+            LoopOptions {
+                lr: 0.0,
+                ..ok.clone()
+            },
+            "learning rate",
+        ),
+        (
+            LoopOptions {
+                save_every: Some(0),
+                ..ok.clone()
+            },
+            "save_every",
+        ),
+    ] {
+        let e = err_of(o.check(&cfg, &corpus))?;
+        ensure!(e.contains(want), "{o:?}: {e}");
+    }
+    let short = ByteCorpus::new(vec![b'a'; 17]);
+    ensure!(err_of(ok.check(&cfg, &short))?.contains("17 bytes"));
+    Ok(())
+}
+candle_streamer::test_device!(llama_loop_options_are_checked_before_work);

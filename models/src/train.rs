@@ -154,6 +154,9 @@ pub struct LmTrainer {
     step: usize,
     overlap: bool,
     outer: Vec<usize>,
+    /// Why an overlapped step failed after it may have updated some layers:
+    /// the state is then part-way through a step, so steps and saves are refused.
+    broken: Option<String>,
 }
 
 impl LmTrainer {
@@ -176,6 +179,7 @@ impl LmTrainer {
             step: 0,
             overlap: false,
             outer,
+            broken: None,
         })
     }
 
@@ -234,25 +238,73 @@ impl LmTrainer {
 
     /// One step on `(inputs, targets)`, each `(batch, seq)` u32; returns the loss
     /// before the update.
+    ///
+    /// A step that cannot be taken cleanly is refused: a NaN or infinite loss
+    /// before backward, a non-finite gradient or learning rate by the optimizer
+    /// before it changes anything (weights, moments and the step count stay
+    /// bit-identical). With the overlapped step, layers may already have been
+    /// updated when a later gradient is refused; the trainer then refuses every
+    /// further step and save (resume from the last checkpoint).
     pub fn step(&mut self, inputs: &Tensor, targets: &Tensor) -> Result<f32> {
+        if let Some(why) = &self.broken {
+            bail!(
+                "step {} refused: an earlier overlapped step failed part-way ({why}); \
+                 resume from the last checkpoint",
+                self.step
+            );
+        }
         let loss = self.model.loss(inputs, targets)?;
         let value = loss.to_scalar::<f32>()?;
         if !value.is_finite() {
-            bail!("loss is {value} at step {}", self.step);
+            bail!(
+                "loss is {value} at step {}: the step is refused before backward \
+                 (weights and optimizer state unchanged)",
+                self.step
+            );
         }
-        match (self.overlap, self.model.trainable_layers()) {
-            (true, Some(layers)) => {
-                let grads = layers.backward_step(&loss, &mut self.opt)?;
-                self.opt.step_params(&grads, &self.outer)?;
-            }
-            _ => {
-                let grads = self.model.backward(&loss)?;
-                self.opt.step(&grads)?;
-            }
-        }
-        self.model.zero_grad()?;
+        let stepped = self.backward_and_step(&loss);
+        let zeroed = self.model.zero_grad();
+        stepped?;
+        zeroed?;
         self.step += 1;
         Ok(value)
+    }
+
+    fn backward_and_step(&mut self, loss: &Tensor) -> Result<()> {
+        match (self.overlap, self.model.trainable_layers()) {
+            (true, Some(layers)) => {
+                let r = layers
+                    .backward_step(loss, &mut self.opt)
+                    .and_then(|grads| self.opt.step_params(&grads, &self.outer));
+                if let Err(e) = &r {
+                    self.broken = Some(e.to_string());
+                }
+                r
+            }
+            _ => {
+                let grads = self.model.backward(loss)?;
+                self.opt.step(&grads)
+            }
+        }
+    }
+
+    /// Refuses to save a state that is part-way through a step or holds a NaN or
+    /// an infinity (in any weight or moment), so a checkpoint is always sound.
+    fn check_savable(&self, dir: &Path) -> Result<()> {
+        let keep = "the previous checkpoint (if any) stays";
+        if let Some(why) = &self.broken {
+            bail!(
+                "not saving into {}: an overlapped step failed part-way ({why}); {keep}",
+                dir.display()
+            );
+        }
+        self.opt.check_finite().map_err(|e| {
+            candle_core::Error::Msg(format!(
+                "not saving into {} at step {}: {e}; {keep}",
+                dir.display(),
+                self.step
+            ))
+        })
     }
 
     /// Saves a checkpoint into `dir`: `config.json`, `weights-<step>.safetensors`
@@ -262,6 +314,7 @@ impl LmTrainer {
     /// pointing at a complete save.
     pub fn save(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
+        self.check_savable(dir)?;
         std::fs::create_dir_all(dir).map_err(|e| {
             candle_core::Error::Msg(format!("cannot create {}: {e}", dir.display()))
         })?;
@@ -323,6 +376,55 @@ pub struct LoopOptions {
     pub checkpoint_dir: Option<PathBuf>,
 }
 
+impl LoopOptions {
+    /// Checks the options against the model's configuration and the corpus
+    /// before any work: positive sizes, `seq` within the model's context
+    /// (`max_position_embeddings`; never clamped), a finite positive learning
+    /// rate, a corpus long enough for one sequence, `save_every` positive.
+    pub fn check(&self, cfg: &LlamaConfig, corpus: &ByteCorpus) -> Result<()> {
+        if self.batch == 0 || self.seq == 0 {
+            bail!(
+                "batch ({}) and seq ({}) must be positive",
+                self.batch,
+                self.seq
+            );
+        }
+        if self.seq > cfg.max_position_embeddings {
+            bail!(
+                "seq = {} is beyond the model's context (max_position_embeddings = {})",
+                self.seq,
+                cfg.max_position_embeddings
+            );
+        }
+        let logits = self
+            .batch
+            .checked_mul(self.seq)
+            .and_then(|n| n.checked_mul(cfg.vocab_size));
+        if logits.is_none_or(|n| n > 1 << 40) {
+            bail!(
+                "batch {} x seq {} x vocab_size {} logits per step is beyond 2^40 elements",
+                self.batch,
+                self.seq,
+                cfg.vocab_size
+            );
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            bail!("learning rate must be finite and positive, got {}", self.lr);
+        }
+        if self.save_every == Some(0) {
+            bail!("save_every must be positive (None: save only at the end)");
+        }
+        if corpus.len() < self.seq + 2 {
+            bail!(
+                "the corpus has {} bytes, too few for sequences of {}",
+                corpus.len(),
+                self.seq
+            );
+        }
+        Ok(())
+    }
+}
+
 /// The learning rate of step `step` (0-based): linear warm-up, then constant.
 pub fn lr_at(opts: &LoopOptions, step: usize) -> f64 {
     if step < opts.warmup {
@@ -333,13 +435,16 @@ pub fn lr_at(opts: &LoopOptions, step: usize) -> f64 {
 }
 
 /// Trains from `trainer.steps_done()` to `opts.steps` on `corpus`, calling
-/// `on_step` after each step; returns the losses `(step, loss)`.
+/// `on_step` after each step; returns the losses `(step, loss)`. The options
+/// are checked first ([`LoopOptions::check`]); a refused step ends the loop
+/// with its error, the last checkpoint untouched.
 pub fn train_loop(
     trainer: &mut LmTrainer,
     corpus: &ByteCorpus,
     opts: &LoopOptions,
     mut on_step: impl FnMut(&StepReport),
 ) -> Result<Vec<(usize, f32)>> {
+    opts.check(trainer.model().config(), corpus)?;
     let dev = trainer.model().device().clone();
     let t0 = Instant::now();
     let start = trainer.steps_done();
