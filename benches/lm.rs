@@ -207,6 +207,8 @@ fn main() -> Result<()> {
                 run.loss
             );
             rows.push(serde_json::json!({
+                "system": "ours", "activation_policy": "recompute (decoder layers use Candle autograd)",
+                "peak_device_gib": run.peak_device as f64 / (1u64 << 30) as f64,
                 "preset": preset, "mode": mode, "params": params, "layers": cfg.num_hidden_layers,
                 "batch": batch, "seq": seq, "tokens_per_step": tokens,
                 "window_layers": if mode == "streamed" { Some(window) } else { None },
@@ -218,6 +220,14 @@ fn main() -> Result<()> {
             println!("{preset}: streamed / resident tokens/s = {:.3}", s / r);
             rows.push(serde_json::json!({ "preset": preset, "streamed_over_resident_tokens_per_s": s / r }));
         }
+    }
+    // transformers' rows of this session (benches/lm_torch.py, run first by gpu-run.sh).
+    let torch_path = common::results_path(&format!("lm-torch-{tag}.json"));
+    if let Some(v) = std::fs::read_to_string(torch_path)
+        .ok()
+        .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+    {
+        rows.extend(v["results"].as_array().cloned().unwrap_or_default());
     }
     let out = serde_json::json!({
         "device": tag,

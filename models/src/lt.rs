@@ -15,7 +15,6 @@
 //! device; callers check that. A cuBLASLt build that lacks an epilogue for a
 //! shape falls back to the plain GEMM plus Candle ops, counted by
 //! [`epilogue_fallbacks`] so a bench can show it.
-use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Result, Storage, Tensor};
 use cudarc::cublaslt::{result, sys};
@@ -441,7 +440,7 @@ pub(crate) fn linear_raw(
         let z = keep.then(|| s.swap_remove(1));
         return Ok((s.swap_remove(0), z));
     }
-    let mut run = |gelu| -> Result<CudaStorage> {
+    let run = |gelu| -> Result<CudaStorage> {
         let ep = |i: &[CUdeviceptr], o: &[CUdeviceptr]| {
             (
                 i[1],

@@ -6,6 +6,11 @@
 //! autograd with its weights as variables, sends the weight gradients to host
 //! buffers on their own stream, and returns one Candle `GradStore` holding the
 //! gradients of everything before, inside and after the streamed part.
+//!
+//! Blocks with a hand-written backward (`Block::manual`, e.g. the models
+//! crate's `FusedMlp`) skip Candle autograd: they recompute their activations
+//! with `forward_train` (or keep them from the first forward, as the
+//! [`ActivationPolicy`] allows) and produce each gradient once.
 use crate::activations::ActivationPolicy;
 use crate::dropout::with_seed;
 use crate::grads::HostGrads;
