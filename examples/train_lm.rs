@@ -20,6 +20,7 @@
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use candle_nn::ParamsAdamW;
+use candle_streamer::cli;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::Write;
@@ -28,16 +29,17 @@ use std::time::Instant;
 use streamer_core::StreamConfig;
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
-    generate, init_weights, parse_bytes, prefetch_for_budget, train_loop, ByteCorpus, Llama,
-    LlamaConfig, LmTrainer, LoopOptions,
+    generate, init_weights, parse_bytes, prefetch_for_budget, train_loop, ByteCorpus,
+    CheckpointFiles, Llama, LlamaConfig, LmTrainer, LoopOptions,
 };
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a streamed Llama-style decoder on a byte-level text corpus")]
 struct Args {
-    /// Model size: tiny (CPU), 350m, 1b or 3b (GPU).
-    #[arg(long, default_value = "tiny")]
-    preset: String,
+    /// Model size: tiny (CPU), 350m, 1b or 3b (GPU). Default: tiny, or with
+    /// --resume the checkpoint's (a different one given with --resume is an error).
+    #[arg(long)]
+    preset: Option<String>,
     /// A Hugging Face Llama config.json to use instead of the preset.
     #[arg(long)]
     config: Option<PathBuf>,
@@ -101,13 +103,91 @@ fn prefetch(a: &Args, cfg: &LlamaConfig, dtype: DType) -> Result<usize> {
     match &a.gpu_weight_budget {
         Some(b) => {
             let bytes = match b.strip_suffix("layers") {
-                Some(n) => n.trim().parse::<usize>()? * layer_bytes(cfg, dtype),
+                Some(n) => {
+                    let n = n.trim().parse::<usize>().with_context(|| {
+                        format!("--gpu-weight-budget {b:?}: expected <n>layers or a byte count")
+                    })?;
+                    cli::count("--gpu-weight-budget <n>layers", n, cfg.num_hidden_layers)?
+                        * layer_bytes(cfg, dtype)
+                }
                 None => parse_bytes(b)?,
             };
             Ok(prefetch_for_budget(cfg, dtype, bytes)?)
         }
-        None => Ok(a.prefetch.unwrap_or(1).min(cfg.num_hidden_layers - 1)),
+        None => Ok(cli::prefetch(
+            "--prefetch",
+            a.prefetch,
+            cfg.num_hidden_layers,
+        )?),
     }
+}
+
+/// The model's configuration and how to call it: `--config`, `--preset`, or
+/// with `--resume` the checkpoint's (an explicit other one is an error).
+fn resolve_config(a: &Args, ckpt: &Path) -> Result<(LlamaConfig, String)> {
+    let requested = match (&a.config, &a.preset) {
+        (Some(_), Some(_)) => bail!("give --config or --preset, not both"),
+        (Some(p), None) => Some((
+            LlamaConfig::from_json_file(p)?,
+            format!("--config {}", p.display()),
+        )),
+        (None, Some(n)) => Some((LlamaConfig::preset(n)?, format!("--preset {n}"))),
+        (None, None) => None,
+    };
+    let cfg = if a.resume {
+        let saved = CheckpointFiles::read(ckpt)
+            .with_context(|| format!("--resume: no checkpoint in {}", ckpt.display()))?;
+        let cfg = LlamaConfig::from_json_file(&saved.config)?;
+        if let Some((req, what)) = &requested {
+            cli::same_config(what, req, &saved.config, &cfg)?;
+        }
+        cfg
+    } else {
+        requested.map_or_else(LlamaConfig::tiny, |(c, _)| c)
+    };
+    if cfg.vocab_size < 256 {
+        bail!(
+            "byte-level tokens need vocab_size >= 256, the config has {}",
+            cfg.vocab_size
+        );
+    }
+    let label = cfg.preset_name().unwrap_or("custom config").to_string();
+    Ok((cfg, label))
+}
+
+/// Every flag checked against the model and the corpus before any work.
+fn loop_options(
+    a: &Args,
+    cfg: &LlamaConfig,
+    corpus: &ByteCorpus,
+    ckpt: &Path,
+) -> Result<LoopOptions> {
+    let tiny = *cfg == LlamaConfig::tiny();
+    let lr = cli::learning_rate("--lr", a.lr.unwrap_or(if tiny { 3e-3 } else { 3e-4 }))?;
+    cli::weight_decay("--weight-decay", a.weight_decay, lr)?;
+    let opts = LoopOptions {
+        steps: cli::count(
+            "--steps",
+            a.steps.unwrap_or(if tiny { 200 } else { 300 }),
+            1 << 40,
+        )?,
+        batch: cli::count("--batch", a.batch, 1 << 20)?,
+        seq: cli::seq_len(
+            a.seq,
+            if tiny { 64 } else { 2048 },
+            cfg.max_position_embeddings,
+        )?,
+        seed: a.seed,
+        lr,
+        warmup: a.warmup,
+        save_every: Some(cli::count("--save-every", a.save_every, 1 << 40)?),
+        checkpoint_dir: Some(ckpt.to_path_buf()),
+    };
+    if a.sample_tokens > 1 << 20 {
+        bail!("--sample-tokens {}: at most {}", a.sample_tokens, 1 << 20);
+    }
+    opts.check(cfg, corpus)?;
+    Ok(opts)
 }
 
 fn write_curve(out: &Path, losses: &[(usize, f32)], title: &str) -> Result<()> {
@@ -157,43 +237,23 @@ fn sample(model: &Llama, n: usize, seed: u64) -> Result<String> {
 
 fn main() -> Result<()> {
     let a = Args::parse();
-    let tiny = a.preset == "tiny" && a.config.is_none();
-    let steps = a.steps.unwrap_or(if tiny { 200 } else { 300 });
-    let lr = a.lr.unwrap_or(if tiny { 3e-3 } else { 3e-4 });
-    let dev = candle_streamer::cli::device(a.device.as_deref())?;
+    let dev = cli::device(a.device.as_deref())?;
     let dtype = match &a.dtype {
-        Some(s) => candle_streamer::cli::parse_dtype(s)?,
+        Some(s) => cli::parse_dtype(s)?,
         None if dev.is_cuda() => DType::BF16,
         None => DType::F32,
     };
-    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let ckpt = a.out.join("checkpoint");
     let corpus = ByteCorpus::from_file(&a.corpus)?;
+    let (cfg, label) = resolve_config(&a, &ckpt)?;
+    let opts = loop_options(&a, &cfg, &corpus, &ckpt)?;
+    let prefetch = prefetch(&a, &cfg, dtype)?;
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let adam = ParamsAdamW {
-        lr,
+        lr: opts.lr,
         weight_decay: a.weight_decay,
         ..Default::default()
     };
-    let mut cfg = match &a.config {
-        Some(p) => LlamaConfig::from_json_file(p)?,
-        None => LlamaConfig::preset(&a.preset)?,
-    };
-    if a.resume {
-        let saved = streamer_models::CheckpointFiles::read(&ckpt)
-            .with_context(|| format!("--resume: no checkpoint in {}", ckpt.display()))?;
-        cfg = LlamaConfig::from_json_file(&saved.config)?;
-    }
-    if cfg.vocab_size < 256 {
-        bail!(
-            "byte-level tokens need vocab_size >= 256, the config has {}",
-            cfg.vocab_size
-        );
-    }
-    let seq = a
-        .seq
-        .unwrap_or(if tiny { 64 } else { 2048 })
-        .min(cfg.max_position_embeddings);
-    let prefetch = prefetch(&a, &cfg, dtype)?;
     let stream = StreamConfig {
         device: dev.clone(),
         prefetch_ahead: prefetch,
@@ -210,20 +270,40 @@ fn main() -> Result<()> {
     };
     trainer.set_overlap(!a.no_overlap);
     let start = trainer.steps_done();
-    let mut losses = if a.resume {
+    let losses = if a.resume {
         read_losses(&a.out.join("loss.csv"), start)?
     } else {
         Vec::new()
     };
-    if start >= steps {
-        println!("already at step {start} of {steps}: nothing to do (raise --steps)");
+    if start >= opts.steps {
+        println!(
+            "already at step {start} of {}: nothing to do (raise --steps)",
+            opts.steps
+        );
         return Ok(());
     }
+    train(&a, &mut trainer, &corpus, &opts, &label, prefetch, losses)
+}
+
+/// Trains from the trainer's step to `opts.steps`, with progress, curve and samples.
+fn train(
+    a: &Args,
+    trainer: &mut LmTrainer,
+    corpus: &ByteCorpus,
+    opts: &LoopOptions,
+    label: &str,
+    prefetch: usize,
+    mut losses: Vec<(usize, f32)>,
+) -> Result<()> {
+    let cfg = trainer.model().config().clone();
+    let dtype = trainer.model().dtype();
+    let dev = trainer.model().device().clone();
+    let (start, steps, seq, lr) = (trainer.steps_done(), opts.steps, opts.seq, opts.lr);
+    let ckpt = a.out.join("checkpoint");
     let params = cfg.num_params();
     println!(
-        "train_lm: {} ({:.1} M params, {} layers of {:.1} MiB in {dtype:?}), window {} layers on {:?}, \
+        "train_lm: {label} ({:.1} M params, {} layers of {:.1} MiB in {dtype:?}), window {} layers on {:?}, \
          batch {} x {seq} tokens, lr {lr}, steps {start}..{steps}",
-        if a.config.is_some() { "custom config" } else { a.preset.as_str() },
         params as f64 / 1e6,
         cfg.num_hidden_layers,
         layer_bytes(&cfg, dtype) as f64 / 1048576.0,
@@ -241,20 +321,10 @@ fn main() -> Result<()> {
     bar.set_style(ProgressStyle::with_template(
         "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
     )?);
-    let opts = LoopOptions {
-        steps,
-        batch: a.batch,
-        seq,
-        seed: a.seed,
-        lr,
-        warmup: a.warmup,
-        save_every: Some(a.save_every),
-        checkpoint_dir: Some(ckpt.clone()),
-    };
     let t0 = Instant::now();
-    let title = format!("train_lm {}: loss", a.preset);
+    let title = format!("train_lm {label}: loss");
     let mut curve = losses.clone();
-    let new = train_loop(&mut trainer, &corpus, &opts, |r| {
+    let new = train_loop(trainer, corpus, opts, |r| {
         curve.push((r.step, r.loss));
         bar.set_message(format!(
             "loss {:.4}  {:.0} tokens/s",

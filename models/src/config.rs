@@ -165,6 +165,32 @@ impl LlamaConfig {
         })
     }
 
+    /// The name of the preset this configuration is (`tiny`, `350m`, `1b`, `3b`).
+    pub fn preset_name(&self) -> Option<&'static str> {
+        ["tiny", "350m", "1b", "3b"]
+            .into_iter()
+            .find(|n| Self::preset(n).is_ok_and(|p| &p == self))
+    }
+
+    /// The `config.json` fields in which `self` and `other` differ, each as
+    /// `"field: <self's value> vs <other's>"` (empty when they are equal).
+    pub fn differences(&self, other: &Self) -> Result<Vec<String>> {
+        let a = serde_json::to_value(self).map_err(candle_core::Error::wrap)?;
+        let b = serde_json::to_value(other).map_err(candle_core::Error::wrap)?;
+        let (Value::Object(a), Value::Object(b)) = (a, b) else {
+            bail!("a LlamaConfig did not serialise to a JSON object")
+        };
+        let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+        keys.sort();
+        keys.dedup();
+        let show = |v: Option<&Value>| v.map_or("(none)".to_string(), Value::to_string);
+        Ok(keys
+            .into_iter()
+            .filter(|k| a.get(*k) != b.get(*k))
+            .map(|k| format!("{k}: {} vs {}", show(a.get(k)), show(b.get(k))))
+            .collect())
+    }
+
     /// Parses a `config.json` text and validates it.
     ///
     /// Reads the layouts of Hugging Face transformers 4.x (top-level `rope_theta`
