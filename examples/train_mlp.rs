@@ -10,6 +10,7 @@
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{linear, Optimizer, ParamsAdamW, VarBuilder};
+use candle_streamer::cli;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -44,9 +45,9 @@ struct Args {
     /// AdamW decoupled weight decay.
     #[arg(long, default_value_t = 0.0)]
     weight_decay: f64,
-    /// Blocks loaded ahead of the one computing (window = prefetch + 1).
-    #[arg(long, default_value_t = 1)]
-    prefetch: usize,
+    /// Blocks loaded ahead of the one computing (window = prefetch + 1; default 1).
+    #[arg(long)]
+    prefetch: Option<usize>,
     /// Compute dtype: f32, bf16 or f16 (default: f32 on CPU, bf16 on CUDA).
     #[arg(long)]
     dtype: Option<String>,
@@ -153,14 +154,129 @@ fn read_losses(path: &std::path::Path) -> Result<Vec<(usize, f32)>> {
         .collect()
 }
 
+/// Every flag checked before any work: sizes positive and not absurd, a finite
+/// positive learning rate, `--prefetch` within the model. Returns the prefetch.
+fn check_args(a: &Args) -> Result<usize> {
+    cli::count("--blocks", a.blocks, 1 << 16)?;
+    cli::count("--width", a.width, 1 << 20)?;
+    cli::count("--hidden", a.hidden, 1 << 20)?;
+    cli::count("--batch", a.batch, 1 << 24)?;
+    cli::count("--steps", a.steps, 1 << 40)?;
+    cli::count("--save-every", a.save_every, 1 << 40)?;
+    cli::learning_rate("--lr", a.lr)?;
+    cli::weight_decay("--weight-decay", a.weight_decay, a.lr)?;
+    let params = (2 * a.width * a.hidden + a.width + a.hidden) as u128 * a.blocks as u128;
+    if params > 1 << 38 {
+        bail!(
+            "--blocks {} --width {} --hidden {}: {params} parameters is beyond 2^38",
+            a.blocks,
+            a.width,
+            a.hidden
+        );
+    }
+    if (a.batch as u128) * (a.width.max(a.hidden) as u128) > 1 << 36 {
+        bail!(
+            "--batch {} x --hidden/--width {}: activations beyond 2^36 elements",
+            a.batch,
+            a.width.max(a.hidden)
+        );
+    }
+    Ok(cli::prefetch("--prefetch", a.prefetch, a.blocks)?)
+}
+
+/// `--resume`: the step saved in progress.json, after checking that the saved
+/// run had this run's sizes (the error names both).
+fn resume_step(a: &Args, progress_path: &std::path::Path) -> Result<usize> {
+    let progress: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(progress_path)
+            .with_context(|| format!("--resume: no {}", progress_path.display()))?,
+    )
+    .with_context(|| format!("--resume: {} is not JSON", progress_path.display()))?;
+    for (flag, key, ours) in [
+        ("--blocks", "blocks", a.blocks),
+        ("--width", "width", a.width),
+        ("--hidden", "hidden", a.hidden),
+    ] {
+        // (Files from before sizes were recorded are checked by the weights' shapes.)
+        if let Some(saved) = progress.get(key).and_then(|v| v.as_u64()) {
+            if saved != ours as u64 {
+                bail!(
+                    "--resume: {flag} {ours} differs from the saved run's {key} {saved} ({})",
+                    progress_path.display()
+                );
+            }
+        }
+    }
+    Ok(progress["step"]
+        .as_u64()
+        .context("progress.json has no step")? as usize)
+}
+
+/// The student and its optimizer: fresh, or with `--resume` the saved weights,
+/// optimizer state, step and losses.
+type Student = (TrainableSequential, CpuAdamW, usize, Vec<(usize, f32)>);
+
+fn student(a: &Args, cfg: &StreamConfig, rng: &mut StdRng) -> Result<Student> {
+    if !a.resume {
+        let init = random_weights(a, rng, 1.0)?;
+        let student = StreamedSequential::from_tensors(init, blocks(a), cfg.clone())?.train();
+        let opt = optimizer(a, &student)?;
+        return Ok((student, opt, 0, Vec::new()));
+    }
+    let start = resume_step(a, &a.out.join("progress.json"))?;
+    let weights_path = a.out.join("weights.safetensors");
+    let student = StreamedSequential::from_safetensors(&[&weights_path], blocks(a), cfg.clone())
+        .context("--resume: the saved weights do not fit this --blocks/--width/--hidden")?
+        .train();
+    let mut opt = optimizer(a, &student)?;
+    opt.load(a.out.join("optimizer.safetensors"))?;
+    opt.set_learning_rate(a.lr);
+    Ok((student, opt, start, read_losses(&a.out.join("loss.csv"))?))
+}
+
+fn print_header(
+    a: &Args,
+    student: &TrainableSequential,
+    cfg: &StreamConfig,
+    start: usize,
+) -> Result<()> {
+    let params: usize = student
+        .parameters()
+        .iter()
+        .map(|(_, v)| v.elem_count())
+        .sum();
+    println!(
+        "train_mlp: {} blocks w{} h{} ({:.1} M params, {:.1} MiB in {:?} per block), batch {}, {:?}, prefetch {}, steps {start}..{}",
+        a.blocks,
+        a.width,
+        a.hidden,
+        params as f64 / 1e6,
+        (params / a.blocks * cfg.dtype.size_in_bytes()) as f64 / 1048576.0,
+        cfg.dtype,
+        a.batch,
+        cfg.device.location(),
+        cfg.prefetch_ahead,
+        a.steps
+    );
+    Ok(())
+}
+
+/// The inputs of step `step`: seeded by `(seed, step)` only, so a resumed run
+/// sees the data an uninterrupted one would.
+fn batch(a: &Args, step: usize, dev: &Device) -> Result<Tensor> {
+    let mut drng = StdRng::seed_from_u64(a.seed ^ (step as u64).wrapping_mul(0x9E37_79B9));
+    let xv: Vec<f32> = (0..a.batch * a.width)
+        .map(|_| drng.random::<f32>() * 2.0 - 1.0)
+        .collect();
+    Ok(Tensor::from_vec(xv, (a.batch, a.width), dev)?)
+}
+
 fn main() -> Result<()> {
     let a = Args::parse();
-    if a.blocks == 0 || a.width == 0 || a.hidden == 0 || a.batch == 0 {
-        bail!("--blocks, --width, --hidden and --batch must be positive");
-    }
-    let dev = candle_streamer::cli::device(a.device.as_deref())?;
+    let prefetch = check_args(&a)?;
+    let dev = cli::device(a.device.as_deref())?;
     let dtype = match &a.dtype {
-        Some(s) => candle_streamer::cli::parse_dtype(s)?,
+        Some(s) => cli::parse_dtype(s)?,
         None if dev.is_cuda() => DType::BF16,
         None => DType::F32,
     };
@@ -170,7 +286,7 @@ fn main() -> Result<()> {
     let progress_path = a.out.join("progress.json");
     let cfg = StreamConfig {
         device: dev.clone(),
-        prefetch_ahead: a.prefetch,
+        prefetch_ahead: prefetch,
         dtype,
         master_dtype: Some(DType::F32),
         ..Default::default()
@@ -186,33 +302,7 @@ fn main() -> Result<()> {
             ..cfg.clone()
         },
     )?;
-    let (student, mut opt, start, mut losses): (
-        TrainableSequential,
-        CpuAdamW,
-        usize,
-        Vec<(usize, f32)>,
-    ) = if a.resume {
-        let progress: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(&progress_path)
-                .with_context(|| format!("--resume: no {}", progress_path.display()))?,
-        )?;
-        let start = progress["step"]
-            .as_u64()
-            .context("progress.json has no step")? as usize;
-        let student =
-            StreamedSequential::from_safetensors(&[&weights_path], blocks(&a), cfg.clone())
-                .context("--resume: the saved weights do not fit this --blocks/--width/--hidden")?
-                .train();
-        let mut opt = optimizer(&a, &student)?;
-        opt.load(&opt_path)?;
-        opt.set_learning_rate(a.lr);
-        (student, opt, start, read_losses(&a.out.join("loss.csv"))?)
-    } else {
-        let init = random_weights(&a, &mut rng, 1.0)?;
-        let student = StreamedSequential::from_tensors(init, blocks(&a), cfg.clone())?.train();
-        let opt = optimizer(&a, &student)?;
-        (student, opt, 0, Vec::new())
-    };
+    let (student, mut opt, start, mut losses) = student(&a, &cfg, &mut rng)?;
     if start >= a.steps {
         println!(
             "already at step {start} of {}: nothing to do (raise --steps)",
@@ -220,53 +310,41 @@ fn main() -> Result<()> {
         );
         return Ok(());
     }
-    let params: usize = student
-        .parameters()
-        .iter()
-        .map(|(_, v)| v.elem_count())
-        .sum();
-    println!(
-        "train_mlp: {} blocks w{} h{} ({:.1} M params, {:.1} MiB in {dtype:?} per block), batch {}, {:?}, prefetch {}, steps {start}..{}",
-        a.blocks,
-        a.width,
-        a.hidden,
-        params as f64 / 1e6,
-        (params / a.blocks * dtype.size_in_bytes()) as f64 / 1048576.0,
-        a.batch,
-        dev.location(),
-        a.prefetch,
-        a.steps
-    );
+    print_header(&a, &student, &cfg, start)?;
     let bar = ProgressBar::new((a.steps - start) as u64);
     bar.set_style(ProgressStyle::with_template(
         "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
     )?);
-    // Data: a fresh seeded batch per step (the stream depends on the step, so a
-    // resumed run sees the same data an uninterrupted one would).
     let t0 = Instant::now();
     let save = |step: usize, losses: &[(usize, f32)], opt: &CpuAdamW| -> Result<()> {
+        // Never save a NaN or an infinity (the previous save stays).
+        opt.check_finite()
+            .with_context(|| format!("not saving step {step} into {}", a.out.display()))?;
         student.inner().save_safetensors(&weights_path)?;
         opt.save(&opt_path)?;
         write_curve(&a.out, losses)?;
         std::fs::write(
             &progress_path,
-            serde_json::json!({ "step": step }).to_string(),
+            serde_json::json!({
+                "step": step, "blocks": a.blocks, "width": a.width, "hidden": a.hidden,
+            })
+            .to_string(),
         )?;
         Ok(())
     };
     for step in start..a.steps {
-        let mut drng = StdRng::seed_from_u64(a.seed ^ (step as u64).wrapping_mul(0x9E37_79B9));
-        let xv: Vec<f32> = (0..a.batch * a.width)
-            .map(|_| drng.random::<f32>() * 2.0 - 1.0)
-            .collect();
-        let x = Tensor::from_vec(xv, (a.batch, a.width), &dev)?.to_dtype(dtype)?;
+        let x = batch(&a, step, &dev)?.to_dtype(dtype)?;
         let target = teacher.forward(&x)?.to_dtype(DType::F32)?;
         let y = student.forward(&x)?;
         let loss = y.to_dtype(DType::F32)?.sub(&target)?.sqr()?.mean_all()?;
+        let l = loss.to_scalar::<f32>()?;
+        if !l.is_finite() {
+            bail!("loss is {l} at step {step}: refused before backward (weights and the last save unchanged)");
+        }
+        // The optimizer refuses a non-finite gradient before changing anything.
         let grads = student.backward(&loss)?;
         opt.step(&grads)?;
         student.zero_grad()?;
-        let l = loss.to_scalar::<f32>()?;
         losses.push((step + 1, l));
         let done = step + 1 - start;
         let tps = (done * a.batch) as f64 / t0.elapsed().as_secs_f64();
