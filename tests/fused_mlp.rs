@@ -253,9 +253,19 @@ fn streamed_fused_mlp_keep_and_recompute_match_autograd(dev: &Device) -> Result<
         &x,
     )?;
     ensure!(k_keep == 2, "kept {k_keep} blocks, expected 2");
-    // Keep and recompute run the same kernels on the same values: identical.
-    ensure!(l_keep == l_rec, "loss {l_keep} vs {l_rec}");
-    let tol = if dt == DType::F32 { 2e-5 } else { 3e-2 };
+    // On the CPU keep and recompute run the same ops on the same values: f32
+    // gradients agree to 1e-6. On CUDA the kept forward's GEMM (with the aux
+    // epilogue) may be another cuBLASLt kernel than the inference forward's, so
+    // bf16 rounding may differ: within the bf16 tolerance.
+    let (same_tol, tol) = if dt == DType::F32 {
+        (1e-6, 2e-5)
+    } else {
+        (2e-2, 3e-2)
+    };
+    ensure!(
+        ((l_keep - l_rec) / l_rec).abs() <= same_tol as f32,
+        "loss {l_keep} vs {l_rec}"
+    );
     ensure!(
         ((l_rec - l_ref) / l_ref).abs() <= tol as f32,
         "loss {l_rec} vs autograd {l_ref}"
@@ -264,8 +274,8 @@ fn streamed_fused_mlp_keep_and_recompute_match_autograd(dev: &Device) -> Result<
         let (rec, keep) = (&g_rec[name], &g_keep[name]);
         let same = rel_err(keep, rec)?;
         ensure!(
-            same == 0.0,
-            "{name}: keep and recompute differ by {same:.2e}"
+            same <= same_tol,
+            "{name}: keep and recompute differ by {same:.2e} > {same_tol:.0e}"
         );
         let err = rel_err(rec, want)?;
         ensure!(
