@@ -12,6 +12,7 @@
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
+use candle_streamer::cli;
 use clap::Parser;
 use std::collections::HashMap;
 use std::io::Write;
@@ -64,9 +65,9 @@ struct Args {
     /// whose layers exceed it is streamed with as many layers as fit.
     #[arg(long)]
     gpu_weight_budget: Option<String>,
-    /// Layers loaded ahead when streamed without a budget.
-    #[arg(long, default_value_t = 1)]
-    prefetch: usize,
+    /// Layers loaded ahead when streamed without a budget (default 1).
+    #[arg(long)]
+    prefetch: Option<usize>,
     /// Compute dtype: f32, bf16 or f16 (default: f32 on CPU, bf16 on CUDA).
     #[arg(long)]
     dtype: Option<String>,
@@ -75,11 +76,66 @@ struct Args {
     device: Option<String>,
 }
 
+/// The flags that do not depend on the model, checked before anything loads.
+fn check_args(a: &Args) -> Result<()> {
+    cli::count("--max-tokens", a.max_tokens, 1 << 24)?;
+    cli::non_negative("--temperature", a.temperature)?;
+    cli::fraction("--top-p", a.top_p)?;
+    if a.prompt.is_empty() {
+        bail!("--prompt is empty: give at least one byte to continue");
+    }
+    if let Some(b) = &a.gpu_weight_budget {
+        parse_bytes(b)?;
+    }
+    Ok(())
+}
+
+/// Prints the prompt and the sampled bytes as they come, then the speed.
+fn run(a: &Args, model: &Llama) -> Result<()> {
+    let prompt = ByteCorpus::encode(&a.prompt);
+    let mut out = std::io::stdout().lock();
+    out.write_all(a.prompt.as_bytes())?;
+    let mut err = None;
+    let started = std::time::Instant::now();
+    let new = generate(
+        model,
+        &prompt,
+        a.max_tokens,
+        a.temperature,
+        a.top_p,
+        a.seed,
+        |t| {
+            // Raw bytes: a multi-byte character is complete once all its bytes are
+            // out. Ids past 255 (a config with a larger vocabulary) print as '?'.
+            let b = u8::try_from(t).unwrap_or(b'?');
+            if let Err(e) = out.write_all(&[b]).and_then(|_| out.flush()) {
+                err.get_or_insert(e);
+            }
+        },
+    )?;
+    let secs = started.elapsed().as_secs_f64();
+    writeln!(out)?;
+    if let Some(e) = err {
+        return Err(e.into());
+    }
+    eprintln!(
+        "{} tokens in {secs:.2} s ({:.1} tokens/s; the time includes the {}-token prompt)",
+        new.len(),
+        new.len() as f64 / secs,
+        prompt.len()
+    );
+    if let Some(s) = model.stats()? {
+        eprintln!("{s}");
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let a = Args::parse();
-    let dev = candle_streamer::cli::device(a.device.as_deref())?;
+    check_args(&a)?;
+    let dev = cli::device(a.device.as_deref())?;
     let dtype = match a.dtype.as_deref() {
-        Some(s) => candle_streamer::cli::parse_dtype(s)?,
+        Some(s) => cli::parse_dtype(s)?,
         None if dev.is_cuda() => DType::BF16,
         None => DType::F32,
     };
@@ -126,7 +182,7 @@ fn main() -> Result<()> {
     let model = if streamed {
         let prefetch = match budget {
             Some(b) => prefetch_for_budget(&cfg, dtype, b)?,
-            None => a.prefetch.min(cfg.num_hidden_layers - 1),
+            None => cli::prefetch("--prefetch", a.prefetch, cfg.num_hidden_layers)?,
         };
         eprintln!(
             "streamed: {} layers of {:.1} MiB, window {} on {:?}",
@@ -156,40 +212,5 @@ fn main() -> Result<()> {
             From::Init(t) => Llama::resident(VarBuilder::from_tensors(t, dtype, &dev), &cfg)?,
         }
     };
-    let prompt = ByteCorpus::encode(&a.prompt);
-    let mut out = std::io::stdout().lock();
-    out.write_all(a.prompt.as_bytes())?;
-    let mut err = None;
-    let started = std::time::Instant::now();
-    let new = generate(
-        &model,
-        &prompt,
-        a.max_tokens,
-        a.temperature,
-        a.top_p,
-        a.seed,
-        |t| {
-            // Raw bytes: a multi-byte character is complete once all its bytes are
-            // out. Ids past 255 (a config with a larger vocabulary) print as '?'.
-            let b = u8::try_from(t).unwrap_or(b'?');
-            if let Err(e) = out.write_all(&[b]).and_then(|_| out.flush()) {
-                err.get_or_insert(e);
-            }
-        },
-    )?;
-    let secs = started.elapsed().as_secs_f64();
-    writeln!(out)?;
-    if let Some(e) = err {
-        return Err(e.into());
-    }
-    eprintln!(
-        "{} tokens in {secs:.2} s ({:.1} tokens/s; the time includes the {}-token prompt)",
-        new.len(),
-        new.len() as f64 / secs,
-        prompt.len()
-    );
-    if let Some(s) = model.stats()? {
-        eprintln!("{s}");
-    }
-    Ok(())
+    run(&a, &model)
 }

@@ -1102,3 +1102,41 @@ fn llama_loop_options_are_checked_before_work(_dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(llama_loop_options_are_checked_before_work);
+
+fn cli_flags_are_checked_with_their_values(_dev: &Device) -> Result<()> {
+    use candle_streamer::cli;
+    ensure!(cli::seq_len(Some(512), 64, 512)? == 512);
+    ensure!(cli::seq_len(None, 2048, 512)? == 512);
+    let e = err_of(cli::seq_len(Some(100000), 64, 512))?;
+    ensure!(
+        e.contains("--seq 100000") && e.contains("max_position_embeddings = 512"),
+        "{e}"
+    );
+    ensure!(err_of(cli::seq_len(Some(0), 64, 512))?.contains("--seq 0"));
+    ensure!(
+        cli::prefetch("--prefetch", None, 1)? == 0 && cli::prefetch("--prefetch", None, 4)? == 1
+    );
+    ensure!(cli::prefetch("--prefetch", Some(3), 4)? == 3);
+    ensure!(err_of(cli::prefetch("--prefetch", Some(4), 4))?.contains("--prefetch 4"));
+    ensure!(err_of(cli::weight_decay("--weight-decay", 0.5, 2.0))?.contains("below 1"));
+    ensure!(err_of(cli::weight_decay("--weight-decay", -0.1, 1e-3))?.contains("-0.1"));
+    ensure!(err_of(cli::non_negative("--temperature", f64::NAN))?.contains("NaN"));
+    for bad in [0.0, 1.5, f64::NAN] {
+        ensure!(err_of(cli::fraction("--top-p", bad))?.contains("--top-p"));
+    }
+    ensure!(err_of(cli::learning_rate("--lr", f64::NEG_INFINITY))?.contains("-inf"));
+    // --resume with another preset: both configs named, the differing fields listed.
+    let (tiny, big) = (LlamaConfig::tiny(), LlamaConfig::llama_350m());
+    ensure!(tiny.preset_name() == Some("tiny") && micro(false).preset_name().is_none());
+    let path = Path::new("ckpt/config.json");
+    cli::same_config("--preset tiny", &tiny, path, &tiny)?;
+    let e = err_of(cli::same_config("--preset 350m", &big, path, &tiny))?;
+    ensure!(
+        e.contains("--preset 350m")
+            && e.contains("ckpt/config.json (tiny)")
+            && e.contains("hidden_size: 1024 vs 128"),
+        "{e}"
+    );
+    Ok(())
+}
+candle_streamer::test_device!(cli_flags_are_checked_with_their_values);
