@@ -9,7 +9,9 @@
 //! `LM_BENCH=1b:both,3b:streamed` picks presets and modes (GPU default; the CPU
 //! default is `tiny:both`), `LM_BENCH_BATCH` / `LM_BENCH_SEQ` the step's shape
 //! (16 x 2048 on a GPU), `LM_BENCH_STEPS` the timed steps (after 2 warm-up
-//! steps), `LM_BENCH_WINDOW` the decoder layers on the device (default 2).
+//! steps; `LM_BENCH_WARMUP` changes that), `LM_BENCH_WINDOW` the decoder layers
+//! on the device (default 2), `LM_BENCH_LAYERS` a smaller layer count of the
+//! same shapes (to profile a layer's kernels with `ncu`).
 //! Model FLOPs utilisation is `6 x parameters x tokens/s / 990 TFLOP/s` (the
 //! H200's dense bf16 peak); the streamed run recomputes each layer's forward
 //! in backward, which this convention does not count.
@@ -65,13 +67,14 @@ fn time_steps(
     let sampler = common::MemSampler::start(dev);
     let mut step_s = Vec::new();
     let mut loss = Vec::new();
-    for s in 0..steps + 2 {
+    let warmup = env_or("LM_BENCH_WARMUP", 2);
+    for s in 0..steps + warmup {
         let (x, y) = data.batch(0, s as u64, batch, seq, dev)?;
         dev.synchronize()?;
         let t = Instant::now();
         let l = step(&x, &y)?;
         dev.synchronize()?;
-        if s >= 2 {
+        if s >= warmup {
             step_s.push(t.elapsed().as_secs_f64());
         }
         loss.push(l);
@@ -164,7 +167,11 @@ fn main() -> Result<()> {
     let mut rows = Vec::new();
     for item in spec.split(',') {
         let (preset, modes) = item.split_once(':').unwrap_or((item, "both"));
-        let cfg = LlamaConfig::preset(preset)?;
+        let mut cfg = LlamaConfig::preset(preset)?;
+        // Fewer layers of the same shapes (for profiling one layer's kernels).
+        if let Ok(l) = std::env::var("LM_BENCH_LAYERS") {
+            cfg.num_hidden_layers = l.parse()?;
+        }
         let params = cfg.num_params();
         let tokens = batch * seq;
         let modes: Vec<&str> = match modes {
