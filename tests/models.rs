@@ -922,7 +922,10 @@ fn llama_config_unsupported_fields_are_named(_dev: &Device) -> Result<()> {
 candle_streamer::test_device!(llama_config_unsupported_fields_are_named);
 
 /// Every bit of a trainer's weights and AdamW moments, and its step counts.
-fn trainer_bits(t: &LmTrainer) -> Result<(Vec<Vec<u32>>, Vec<Vec<u32>>, usize, usize)> {
+/// Weights' bits, moments' bits, optimizer steps, trainer steps.
+type TrainerBits = (Vec<Vec<u32>>, Vec<Vec<u32>>, usize, usize);
+
+fn trainer_bits(t: &LmTrainer) -> Result<TrainerBits> {
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
     let w = params_of(t)?.iter().map(|(_, v)| bits(v)).collect();
     let opt = t.optimizer();

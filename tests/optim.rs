@@ -391,7 +391,10 @@ fn subset_steps_equal_one_full_step(dev: &Device) -> Result<()> {
 candle_streamer::test_device!(subset_steps_equal_one_full_step);
 
 /// Every bit of the params, the AdamW moments and the step count.
-fn adamw_snapshot(vars: &[Var], a: &CpuAdamW) -> Result<(Vec<Vec<u32>>, Vec<Vec<u32>>, usize)> {
+/// Params' bits, moments' bits, step count.
+type Snapshot = (Vec<Vec<u32>>, Vec<Vec<u32>>, usize);
+
+fn adamw_snapshot(vars: &[Var], a: &CpuAdamW) -> Result<Snapshot> {
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
     let params = values(vars)?.iter().map(|v| bits(v)).collect();
     let moments = (0..vars.len())
