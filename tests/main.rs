@@ -3,6 +3,7 @@
 //! by `candle_streamer::test_device!`.
 
 mod attention;
+mod crash;
 mod cuda_chain;
 mod fused_linear;
 mod fused_mlp;

@@ -119,7 +119,7 @@ impl CheckpointFiles {
             let s = field(k)?.as_str().ok_or_else(|| {
                 candle_core::Error::Msg(format!("{}: field {k:?} is not a string", p.display()))
             })?;
-            Ok(dir.join(s))
+            streamer_core::sibling_file(dir, s, &format!("{}: field {k:?}", p.display()))
         };
         let step = field("step")?.as_u64().ok_or_else(|| {
             candle_core::Error::Msg(format!("{}: field \"step\" is not an integer", p.display()))
@@ -312,12 +312,22 @@ impl LmTrainer {
     /// rename), then `checkpoint.json` naming them, then removes the previous
     /// save's files. An interruption at any point leaves `checkpoint.json`
     /// pointing at a complete save.
+    ///
+    /// Every file is flushed to the disk before the rename that publishes it, and
+    /// the folder after it ([`streamer_core::replace_atomic`]), so a power loss
+    /// cannot leave `checkpoint.json` naming files that are not on the disk.
+    /// Files of saves that were interrupted before their `checkpoint.json`
+    /// (`weights-*`, `optimizer-*` and their `.tmp`) are removed too.
     pub fn save(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
         self.check_savable(dir)?;
-        std::fs::create_dir_all(dir).map_err(|e| {
-            candle_core::Error::Msg(format!("cannot create {}: {e}", dir.display()))
-        })?;
+        if !dir.is_dir() {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                candle_core::Error::Msg(format!("cannot create {}: {e}", dir.display()))
+            })?;
+            // The new folder's own entry, so that it survives with its files.
+            streamer_core::sync_dir(dir.parent().unwrap_or(Path::new(".")))?;
+        }
         let previous = CheckpointFiles::read(dir).ok();
         write_atomic(&dir.join("config.json"), &self.model.config().to_json()?)?;
         let w = format!("weights-{:08}.safetensors", self.step);
@@ -338,7 +348,31 @@ impl LmTrainer {
                 }
             }
         }
+        remove_stale_saves(dir, &[&w, &o]);
         Ok(())
+    }
+}
+
+/// Removes the files of earlier saves in a checkpoint folder that
+/// `checkpoint.json` does not name (`weights-<step>.safetensors`,
+/// `optimizer-<step>.safetensors` and their `.tmp`, left by a save that was
+/// killed), keeping `keep`. Best effort: a file that cannot be removed stays.
+fn remove_stale_saves(dir: &Path, keep: &[&str]) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let base = name.strip_suffix(".tmp").unwrap_or(name);
+        let ours = ["weights-", "optimizer-"].iter().any(|prefix| {
+            base.strip_prefix(prefix)
+                .and_then(|r| r.strip_suffix(".safetensors"))
+                .is_some_and(|step| !step.is_empty() && step.bytes().all(|b| b.is_ascii_digit()))
+        });
+        if ours && !keep.contains(&name) {
+            let _ = std::fs::remove_file(entry.path());
+        }
     }
 }
 

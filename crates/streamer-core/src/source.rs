@@ -94,7 +94,9 @@ fn missing(name: &str) -> candle_core::Error {
 }
 
 /// Expands `*.index.json` files into the shard files they list (relative to the
-/// index's folder), keeping other paths as they are.
+/// index's folder), keeping other paths as they are. Every value of the index's
+/// `weight_map` must be a plain file name in that folder (no separators, no
+/// `..`): an index that names anything else is refused with the offending entry.
 pub fn expand_paths<P: AsRef<Path>>(paths: &[P]) -> Result<Vec<PathBuf>> {
     let mut out = Vec::new();
     for p in paths {
@@ -103,18 +105,7 @@ pub fn expand_paths<P: AsRef<Path>>(paths: &[P]) -> Result<Vec<PathBuf>> {
             let text = std::fs::read_to_string(p).map_err(|e| {
                 candle_core::Error::Msg(format!("cannot read index {}: {e}", p.display()))
             })?;
-            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
-                candle_core::Error::Msg(format!("{} is not valid JSON: {e}", p.display()))
-            })?;
-            let map = v
-                .get("weight_map")
-                .and_then(|m| m.as_object())
-                .ok_or_else(|| {
-                    candle_core::Error::Msg(format!("{} has no \"weight_map\" object", p.display()))
-                })?;
-            let dir = p.parent().unwrap_or(Path::new("."));
-            let shards: BTreeSet<&str> = map.values().filter_map(|s| s.as_str()).collect();
-            out.extend(shards.into_iter().map(|s| dir.join(s)));
+            out.extend(parse_index(p, &text)?);
         } else {
             out.push(p.to_path_buf());
         }
@@ -125,23 +116,122 @@ pub fn expand_paths<P: AsRef<Path>>(paths: &[P]) -> Result<Vec<PathBuf>> {
     Ok(out)
 }
 
-/// Replaces `path` atomically: `write` fills `<path>.tmp`, which is then renamed
-/// over `path`, so readers see the old file or the new one, never a partial one.
-/// Every file the project saves (weights, optimizer state, checkpoint pointers)
-/// goes through here.
-pub fn replace_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+/// The shard files named by the text of the index file `index`, sorted and
+/// without repeats.
+fn parse_index(index: &Path, text: &str) -> Result<Vec<PathBuf>> {
+    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| {
+        candle_core::Error::Msg(format!("{} is not valid JSON: {e}", index.display()))
+    })?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "{} has no \"weight_map\" object",
+                index.display()
+            ))
+        })?;
+    let what = format!("{}: weight_map", index.display());
+    let mut shards = BTreeSet::new();
+    for (tensor, shard) in map {
+        let Some(name) = shard.as_str() else {
+            candle_core::bail!(
+                "{what}: tensor {tensor:?} maps to {shard}, which is not a file name string"
+            );
+        };
+        shards.insert(name);
+    }
+    if shards.is_empty() {
+        candle_core::bail!("{what} is empty: the index names no shard files");
+    }
+    let dir = index.parent().unwrap_or(Path::new("."));
+    shards
+        .into_iter()
+        .map(|s| sibling_file(dir, s, &what))
+        .collect()
+}
+
+/// `dir/name`, after checking that `name` is one plain file name (not empty,
+/// no path separator, not `.` or `..`, not absolute): files that a checkpoint or
+/// an index names must stay in its folder. `what` starts the error message.
+pub fn sibling_file(dir: &Path, name: &str, what: &str) -> Result<PathBuf> {
+    let mut parts = Path::new(name).components();
+    match (parts.next(), parts.next()) {
+        (Some(std::path::Component::Normal(n)), None) if n == name && !name.contains('\\') => {
+            Ok(dir.join(name))
+        }
+        _ => candle_core::bail!(
+            "{what}: {name:?} is not a plain file name in {} (no folders, \"..\" or absolute paths)",
+            dir.display()
+        ),
+    }
+}
+
+/// `<path>.tmp`: where [`replace_atomic`] writes before the rename.
+pub fn temp_path(path: &Path) -> PathBuf {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    write(&tmp)
-        .map_err(|e| candle_core::Error::Msg(format!("cannot write {}: {e}", tmp.display())))?;
+    PathBuf::from(tmp)
+}
+
+/// Replaces `path` atomically and durably: `write` fills `<path>.tmp` (in the
+/// same folder), which is flushed to the disk (`fsync`), renamed over `path`,
+/// and then the folder itself is flushed (on Unix), so that after a crash or a
+/// power loss readers see the old file or the new one, never a partial one, and
+/// a save that returned is not lost. On an error the temporary file is removed
+/// and `path` is left as it was. Every file the project saves (weights,
+/// optimizer state, checkpoint pointers) goes through here.
+pub fn replace_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    let tmp = temp_path(path);
+    let written = write(&tmp)
+        .map_err(|e| candle_core::Error::Msg(format!("cannot write {}: {e}", tmp.display())))
+        .and_then(|()| sync_file(&tmp));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
     std::fs::rename(&tmp, path).map_err(|e| {
         candle_core::Error::Msg(format!(
             "cannot rename {} to {}: {e}",
             tmp.display(),
             path.display()
         ))
-    })
+    })?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
+/// Flushes a written file's data and metadata to the disk.
+fn sync_file(path: &Path) -> Result<()> {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| candle_core::Error::Msg(format!("cannot fsync {}: {e}", path.display())))
+}
+
+/// Flushes a folder's entries (files created, renamed or removed in it) to the
+/// disk, so that a rename survives a power loss. `""` means the current folder.
+/// A no-op where folders cannot be opened as files (Windows, whose rename is
+/// durable once it returns).
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    #[cfg(unix)]
+    {
+        let dir = if dir.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            dir
+        };
+        std::fs::File::open(dir)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| {
+                candle_core::Error::Msg(format!("cannot fsync folder {}: {e}", dir.display()))
+            })
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = dir;
+        Ok(())
+    }
 }
 
 /// Saves tensors to `path` as safetensors through [`replace_atomic`].
