@@ -149,8 +149,11 @@ struct ChildRun {
     ready_at: Option<Instant>,
 }
 
+/// A child's stdout lines with when each came, filled by a reader thread.
+type Lines = Arc<Mutex<Vec<(Instant, String)>>>;
+
 /// Reads the child's stdout lines into `lines` as they come.
-fn collect_lines(child: &mut Child) -> Result<Arc<Mutex<Vec<(Instant, String)>>>> {
+fn collect_lines(child: &mut Child) -> Result<Lines> {
     let out = child.stdout.take().context("child stdout")?;
     let lines = Arc::new(Mutex::new(Vec::new()));
     let sink = lines.clone();
@@ -169,7 +172,13 @@ fn collect_lines(child: &mut Child) -> Result<Arc<Mutex<Vec<(Instant, String)>>>
 fn run_child(dir: &Path, delay: Duration) -> Result<ChildRun> {
     let exe = std::env::current_exe()?;
     let mut child = Command::new(&exe)
-        .args([CHILD_TEST, "--exact", "--nocapture", "--test-threads=1", "-q"])
+        .args([
+            CHILD_TEST,
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+            "-q",
+        ])
         .env(CHILD_DIR, dir)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -198,10 +207,7 @@ fn run_child(dir: &Path, delay: Duration) -> Result<ChildRun> {
     let status = child.wait()?;
     if !killed && !status.success() {
         let mut err = String::new();
-        child
-            .stderr
-            .take()
-            .map(|mut e| e.read_to_string(&mut err));
+        child.stderr.take().map(|mut e| e.read_to_string(&mut err));
         bail!("the child failed ({status}) on {}: {err}", dir.display());
     }
     // The reader ends at the pipe's end (the child is gone); give it a moment.
@@ -243,7 +249,10 @@ fn verify(dir: &Path, acked: Option<usize>, reference: &[Bits]) -> Result<Option
         "checkpoint.json says step {k}"
     );
     if let Some(a) = acked {
-        ensure!(k >= a, "checkpoint at step {k} but step {a}'s save had returned");
+        ensure!(
+            k >= a,
+            "checkpoint at step {k} but step {a}'s save had returned"
+        );
     }
     let mut t = resume(dir)?;
     ensure!(t.steps_done() == k, "resumed at {} not {k}", t.steps_done());
@@ -314,7 +323,10 @@ fn check_final_listing(dir: &Path) -> Result<()> {
         format!("weights-{FINAL_STEP:08}.safetensors"),
     ];
     let got = listing(dir)?;
-    ensure!(got == want, "a finished run left {got:?}, expected {want:?}");
+    ensure!(
+        got == want,
+        "a finished run left {got:?}, expected {want:?}"
+    );
     Ok(())
 }
 
@@ -339,7 +351,10 @@ fn checkpoint_survives_sigkill_at_random_moments() -> Result<()> {
     let mut cycle = 0.02f64;
     let t0 = Instant::now();
     while tally.kills < kills {
-        ensure!(tally.children < 4 * kills + 20, "children keep finishing: {tally:?}");
+        ensure!(
+            tally.children < 4 * kills + 20,
+            "children keep finishing: {tally:?}"
+        );
         // Kill within about the next three saves.
         let delay = Duration::from_secs_f64(rng.random::<f64>() * 3.0 * cycle);
         let before = listing(&dir)?;
@@ -368,8 +383,7 @@ fn checkpoint_survives_sigkill_at_random_moments() -> Result<()> {
             check_final_listing(&dir)?;
         }
         if step == Some(FINAL_STEP) {
-            std::fs::remove_dir_all(&dir)
-                .with_context(|| format!("removing {}", dir.display()))?;
+            std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
             acked = None;
         }
     }

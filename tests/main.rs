@@ -8,6 +8,7 @@ mod cuda_chain;
 mod fused_linear;
 mod fused_mlp;
 mod fused_ops;
+mod fuzz;
 mod models;
 mod optim;
 mod pool;

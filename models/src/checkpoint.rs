@@ -188,7 +188,15 @@ pub fn parse_bytes(s: &str) -> Result<usize> {
         "ti" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
         _ => bail!("unknown unit in byte count {s:?} (K, M, G, T, KiB, MiB, GiB, TiB)"),
     };
-    Ok((x * mult) as usize)
+    let bytes = x * mult;
+    // `x` has only digits and dots, so it is finite or +inf (hundreds of digits).
+    if !bytes.is_finite() || bytes >= usize::MAX as f64 {
+        bail!(
+            "byte count {s:?} is too large (at most {} bytes)",
+            usize::MAX
+        );
+    }
+    Ok(bytes as usize)
 }
 
 /// Bytes of one decoder layer's weights in `dtype` (one device slot).

@@ -166,6 +166,14 @@ impl SavedState {
             )
         }
         s.step = s.parse("step")?;
+        if s.step > i64::MAX as usize {
+            bail!(
+                "optimizer state {}: metadata \"step\" = {} is beyond {} (steps are counted in i64)",
+                path.display(),
+                s.step,
+                i64::MAX
+            )
+        }
         let st = s.tensors()?;
         let view = s.view(&st, "last_step", Dtype::I64, &[num_params])?;
         let last_step: Vec<usize> = view
@@ -241,9 +249,17 @@ impl SavedState {
         }
     }
 
-    /// The metadata `key` as an f64.
+    /// The metadata `key` as a finite f64 (hyper-parameters are never NaN or
+    /// infinite).
     pub(crate) fn meta_f64(&self, key: &str) -> Result<f64> {
-        self.parse(key)
+        let v: f64 = self.parse(key)?;
+        if !v.is_finite() {
+            bail!(
+                "optimizer state {}: metadata {key:?} = {v} is not a finite number",
+                self.path.display()
+            )
+        }
+        Ok(v)
     }
 
     /// Whether the file holds a tensor `name`.

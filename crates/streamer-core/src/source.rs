@@ -126,10 +126,7 @@ fn parse_index(index: &Path, text: &str) -> Result<Vec<PathBuf>> {
         .get("weight_map")
         .and_then(|m| m.as_object())
         .ok_or_else(|| {
-            candle_core::Error::Msg(format!(
-                "{} has no \"weight_map\" object",
-                index.display()
-            ))
+            candle_core::Error::Msg(format!("{} has no \"weight_map\" object", index.display()))
         })?;
     let what = format!("{}: weight_map", index.display());
     let mut shards = BTreeSet::new();
