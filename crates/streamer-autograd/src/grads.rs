@@ -58,7 +58,14 @@ impl HostGrads {
                 self.acc[m] = Some(self.off().host_buffer(&shape, DType::F32)?);
             }
             let dst = self.acc[m].clone().expect("allocated above");
-            self.off().enqueue(&g32, &dst)?;
+            // SAFETY: `dst` is this offloader's `host_buffer`; it is read only
+            // after `finish` synchronises (`collect`) or, by the overlapped
+            // optimizer, after waiting on a marker taken after this copy
+            // (`written` + `marker`), and nothing writes it until then. The
+            // caller's `GradStore` from an earlier backward holds these buffers
+            // too: `TrainableSequential::backward` documents that the next
+            // backward rewrites them, so they are not to be read during one.
+            unsafe { self.off().enqueue(&g32, &dst)? };
             self.wrote[m] = true;
         } else {
             if self.landed[m] {
@@ -71,7 +78,10 @@ impl HostGrads {
                 self.land[m] = Some(self.off().host_buffer(&shape, DType::F32)?);
             }
             let dst = self.land[m].clone().expect("allocated above");
-            self.off().enqueue(&g32, &dst)?;
+            // SAFETY: `dst` is this offloader's `host_buffer`, private to this
+            // struct; `fold` reads it only after `synchronize` (above, or in
+            // `finish`).
+            unsafe { self.off().enqueue(&g32, &dst)? };
             self.landed[m] = true;
         }
         Ok(())

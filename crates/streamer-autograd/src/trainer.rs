@@ -321,29 +321,36 @@ impl TrainableSequential {
         // Each block's input is saved and its dropout seed set just before it
         // runs, so the recompute can replay it; blocks with a hand-written
         // backward keep their activations while the budget allows.
-        let r = run_blocks_with(
-            &mut pool,
-            self.model.blocks(),
-            &x_det,
-            &extras_det,
-            false,
-            |pool: &ResidencyPool, i, block: &dyn Block, h: &Tensor, extras: &[Tensor]| {
-                inputs.push(h.detach());
-                set_current_seed(seeds[i]);
-                let Some(man) = block.manual() else {
-                    return block.forward(h, extras);
-                };
-                let need = man.saved_bytes(h.shape(), h.dtype());
-                if budget == 0 || used + need > budget {
-                    return block.forward(h, extras);
-                }
-                let (y, acts) = man.forward_train(h, extras)?;
-                check_saved(pool, &acts, i)?;
-                used += need;
-                kept[i] = Some(acts);
-                Ok(vec![y])
-            },
-        );
+        // SAFETY: the closure keeps the block's input (the previous block's
+        // output, which `run_blocks_with` copied if it aliased a slot, or the
+        // caller's input) and activations that `check_saved` has verified share
+        // no storage with a slot; its outputs are copied by `run_blocks_with`
+        // when they alias one. Nothing else of the bound block survives it.
+        let r = unsafe {
+            run_blocks_with(
+                &mut pool,
+                self.model.blocks(),
+                &x_det,
+                &extras_det,
+                false,
+                |pool: &ResidencyPool, i, block: &dyn Block, h: &Tensor, extras: &[Tensor]| {
+                    inputs.push(h.detach());
+                    set_current_seed(seeds[i]);
+                    let Some(man) = block.manual() else {
+                        return block.forward(h, extras);
+                    };
+                    let need = man.saved_bytes(h.shape(), h.dtype());
+                    if budget == 0 || used + need > budget {
+                        return block.forward(h, extras);
+                    }
+                    let (y, acts) = man.forward_train(h, extras)?;
+                    check_saved(pool, &acts, i)?;
+                    used += need;
+                    kept[i] = Some(acts);
+                    Ok(vec![y])
+                },
+            )
+        };
         clear_current_seed();
         let outs = match r {
             Ok(o) => o,
@@ -387,7 +394,9 @@ impl TrainableSequential {
     /// Backpropagates `loss` through everything: the Candle graph after the
     /// streamed part, the streamed blocks (recomputed in reverse through the
     /// window), and the graph before them. Streamed weights' gradients
-    /// accumulate in host buffers until `zero_grad`.
+    /// accumulate in host buffers until `zero_grad`: the returned host tensors
+    /// are those buffers, so the next backward rewrites them in place (by DMA on
+    /// CUDA). Read or step them between backward calls, never during one.
     pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
         let mut grads = loss.backward()?;
         self.backward_into(&mut grads)?;
@@ -612,35 +621,26 @@ impl TrainableSequential {
         let mut g_next = g_outs;
         let mut g_extras: Vec<Option<Tensor>> = vec![None; saved.extras.len()];
         for i in (0..n).rev() {
-            let (weights, vars) = pool.acquire_vars(i, trainable)?;
-            let vb = VarBuilder::from_tensors(weights, pool.dtype(), pool.device());
-            let block = blocks[i].build(vb)?;
-            let step = match block.manual() {
-                Some(man) => manual_step(man, saved, i, &g_next)?,
-                None => autograd_step(block.as_ref(), saved, i, &g_next)?,
-            };
-            drop(block);
-            let Some(step) = step else {
+            let flow = self.backward_block(
+                pool,
+                host,
+                trainable,
+                saved,
+                i,
+                &g_next,
+                overlap.map(|tx| (tx, last_user.as_slice(), stepped.as_mut_slice())),
+            );
+            let flow = flow?;
+            pool.release(i)?;
+            if i >= window {
+                pool.load(i - window)?;
+            }
+            let Some((g_x, g_ex)) = flow else {
                 // Nothing flows back through this block (or anything before it).
-                pool.release(i)?;
-                if i >= window {
-                    pool.load(i - window)?;
-                }
                 g_next = vec![None];
                 continue;
             };
-            // The previous block's gradients have been copying out while this one
-            // computed; their device memory may be reused after those copies.
-            host.release_sources()?;
-            for (m, v) in &vars {
-                if let Some(g) = step.grads.get(v.as_tensor()) {
-                    host.offload(*m, g)?;
-                }
-            }
-            if let Some(tx) = overlap {
-                self.send_ready(host, tx, &vars, &last_user, i, &mut stepped)?;
-            }
-            for (acc, g) in g_extras.iter_mut().zip(step.g_extras) {
+            for (acc, g) in g_extras.iter_mut().zip(g_ex) {
                 if let Some(g) = g {
                     *acc = Some(match acc.take() {
                         None => g,
@@ -648,15 +648,64 @@ impl TrainableSequential {
                     });
                 }
             }
-            drop(step.grads);
-            pool.release(i)?;
-            if i >= window {
-                pool.load(i - window)?;
-            }
-            g_next = vec![step.g_x];
+            g_next = vec![g_x];
         }
         host.finish()?;
         Ok((g_next.swap_remove(0), g_extras, stepped))
+    }
+
+    /// Backward through block `i` (loaded, not yet acquired), with its weights
+    /// bound as variables: sends their gradients to the host (and, with
+    /// `overlap`, completed weights to the optimizer thread) and returns the
+    /// gradients of its input and extras, or `None` when nothing flows back.
+    /// Everything bound to the slot is dropped before this returns; the caller
+    /// releases the block.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn backward_block(
+        &self,
+        pool: &mut ResidencyPool,
+        host: &mut HostGrads,
+        trainable: &[bool],
+        saved: &mut Saved,
+        i: usize,
+        g_next: &[Option<Tensor>],
+        overlap: Option<(&std::sync::mpsc::Sender<StepJob>, &[usize], &mut [bool])>,
+    ) -> Result<Option<(Option<Tensor>, Vec<Option<Tensor>>)>> {
+        // SAFETY: the weights, the variables and the block built from them are
+        // locals of this function, dropped before it returns and so before the
+        // caller's `release(i)`; what leaves it (the input and extras gradients,
+        // and the weight gradients being offloaded) is checked against the slots
+        // below and copied if a hand-written backward returned slot memory.
+        let (weights, vars) = unsafe { pool.acquire_vars(i, trainable)? };
+        let vb = VarBuilder::from_tensors(weights, pool.dtype(), pool.device());
+        let block = self.model.blocks()[i].build(vb)?;
+        let step = match block.manual() {
+            Some(man) => manual_step(man, saved, i, g_next)?,
+            None => autograd_step(block.as_ref(), saved, i, g_next)?,
+        };
+        drop(block);
+        let Some(step) = step else {
+            return Ok(None);
+        };
+        // The previous block's gradients have been copying out while this one
+        // computed; their device memory may be reused after those copies.
+        host.release_sources()?;
+        for (m, v) in &vars {
+            if let Some(g) = step.grads.get(v.as_tensor()) {
+                host.offload(*m, &fresh(pool, g)?)?;
+            }
+        }
+        if let Some((tx, last_user, stepped)) = overlap {
+            self.send_ready(host, tx, &vars, last_user, i, stepped)?;
+        }
+        drop(vars);
+        let g_x = step.g_x.map(|g| fresh(pool, &g)).transpose()?;
+        let g_extras = step
+            .g_extras
+            .into_iter()
+            .map(|g| g.map(|g| fresh(pool, &g)).transpose())
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some((g_x, g_extras)))
     }
 
     /// Hands the overlapped optimizer the weights block `i` completed.
@@ -778,6 +827,17 @@ fn manual_step(
         g_x: Some(g_x),
         g_extras: vec![None; saved.extras.len()],
     }))
+}
+
+/// `t`, or a copy of it when it shares memory with a slot (a hand-written
+/// backward that returned a weight): the slot is refilled before `t` is used.
+/// The check compares storage identities, so fresh tensors cost nothing.
+fn fresh(pool: &ResidencyPool, t: &Tensor) -> Result<Tensor> {
+    if pool.aliases_slot(t) {
+        t.copy()
+    } else {
+        Ok(t.clone())
+    }
 }
 
 /// Kept activations must not share memory with a pool slot: the slot is

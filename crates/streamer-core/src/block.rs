@@ -10,6 +10,11 @@ use std::sync::Arc;
 /// tensors handed to every block (a mask, positions). A block returns one or more
 /// tensors: the first is passed on to the next block; the last block's outputs are
 /// all returned.
+///
+/// The weights a block is built with are the pool's device copies, valid for one
+/// call: the pool refills their slot once the block is dropped. A block must not
+/// stash them (in a static, or an `Arc` its builder shares) for later calls;
+/// outputs that alias them are copied for you.
 pub trait Block {
     /// Runs the block.
     fn forward(&self, x: &Tensor, extras: &[Tensor]) -> Result<Vec<Tensor>>;

@@ -55,7 +55,7 @@ pub use device_memory::{free_device_memory, pooled_idle_bytes, retain_freed_devi
 pub use host::{HostMasters, Master};
 pub use offload::{OffloadMarker, Offloader};
 pub use pool::{BlockLayout, Entry, ResidencyPool};
-pub use sequential::{release_all, run_block, run_blocks, run_blocks_with, RunBlock, StreamedSequential};
+pub use sequential::{release_all, run_blocks_with, RunBlock, StreamedSequential};
 pub use source::{expand_paths, replace_atomic, save_atomic, WeightSource};
 pub use source::{sibling_file, sync_dir, temp_path};
 pub use stats::{Observer, StreamStats, Transition, TransitionKind, TRANSITION_LOG_LEN};

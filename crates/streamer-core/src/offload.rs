@@ -33,7 +33,10 @@ impl OffloadMarker {
     }
 }
 
-/// Queue of device-to-host copies (see the module docs).
+/// Queue of device-to-host copies (see the module docs). For the training
+/// crate: [`Offloader::enqueue`] is `unsafe` because its destination is written
+/// behind the host's back until the copy is waited for.
+#[doc(hidden)]
 pub struct Offloader {
     device: Device,
     /// Host buffers handed out by `host_buffer`, kept page-locked while alive
@@ -102,9 +105,17 @@ impl Offloader {
     }
 
     /// Enqueues the copy of `src` (on the device, any layout) into `dst` (a host
-    /// buffer from [`Self::host_buffer`] with the same shape and dtype). `dst`
-    /// must not be read before [`Self::synchronize`].
-    pub fn enqueue(&mut self, src: &Tensor, dst: &Tensor) -> Result<()> {
+    /// buffer from [`Self::host_buffer`] with the same shape and dtype).
+    ///
+    /// # Safety
+    /// On CUDA the copy is asynchronous DMA into `dst`'s memory: `dst` (and every
+    /// tensor sharing its storage) must not be read or written until
+    /// [`Self::synchronize`] returns or a [`Self::marker`] taken after this call
+    /// has been waited on, and `dst` must be a buffer from this offloader's
+    /// [`Self::host_buffer`] (it keeps that memory alive and page-locked for as
+    /// long as the offloader lives; any other buffer must outlive the copy).
+    #[doc(hidden)]
+    pub unsafe fn enqueue(&mut self, src: &Tensor, dst: &Tensor) -> Result<()> {
         if src.shape() != dst.shape() || src.dtype() != dst.dtype() {
             candle_core::bail!(
                 "offload: source {:?} {:?} does not match host buffer {:?} {:?}",
@@ -133,7 +144,8 @@ impl Offloader {
                 let dev_ptr = crate::cuda::device_ptr(&src)?;
                 // SAFETY: `src` is kept alive in `pending` until the compute stream
                 // waits on `done`; `dst` comes from `host_buffer` (page-aligned and
-                // page-locked whole) and is not read before `synchronize`.
+                // page-locked whole) and is not touched before `synchronize` or a
+                // later marker's wait (this function's contract).
                 unsafe { crate::cuda::dtoh_async(host as *mut u8, dev_ptr, n, stream)? };
                 let done = stream
                     .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))

@@ -11,6 +11,15 @@
 //! block's ready event and the transfer stream waits on the slot's free event,
 //! both on the device, so the host never blocks. On the CPU the same protocol
 //! runs with plain memory copies.
+//!
+//! Soundness: the views and variables handed out between `acquire` and
+//! `release` share memory with a slot that the next `load` overwrites (and that
+//! the pool frees when it drops), so nothing safe outside this crate can get
+//! them: `acquire` is crate-private, and [`ResidencyPool::acquire_vars`] (for the
+//! training crate) and [`crate::run_blocks_with`] are `unsafe fn`s whose
+//! contract is that nothing they hand out outlives the block's `release`.
+//! Loading, releasing and the queries are safe: without a view outstanding, a
+//! refill cannot be observed.
 use crate::config::StreamConfig;
 use crate::host::HostMasters;
 use crate::stats::{Observer, StreamStats, Transition, TransitionKind};
@@ -126,6 +135,54 @@ enum Engine {
 }
 
 /// The pool of device slots and the host masters they are filled from.
+///
+/// Views of a slot are not available to safe code: `acquire` is private and
+/// `acquire_vars` is `unsafe`, so a view cannot outlive the slot's refill
+/// without an `unsafe` block whose contract the caller broke.
+///
+/// ```compile_fail,E0133
+/// # fn f(pool: &mut streamer_core::ResidencyPool) -> candle_core::Result<()> {
+/// // error[E0133]: call to unsafe function requires an unsafe block
+/// let (weights, vars) = pool.acquire_vars(0, &[true])?;
+/// pool.release(0)?;
+/// # Ok(()) }
+/// ```
+///
+/// ```compile_fail,E0624
+/// # fn f(pool: &mut streamer_core::ResidencyPool) -> candle_core::Result<()> {
+/// // error[E0624]: method `acquire` is private
+/// let views = pool.acquire(0)?;
+/// # Ok(()) }
+/// ```
+///
+/// Nor can a block's views leak through the runners or the gradient offload:
+///
+/// ```compile_fail,E0133
+/// # use candle_core::Tensor;
+/// # fn f(pool: &mut streamer_core::ResidencyPool, blocks: &[streamer_core::BlockSpec], x: &Tensor) {
+/// let mut kept = Vec::new();
+/// // error[E0133]: `run_blocks_with` is unsafe (its closure could keep `block`'s weights)
+/// let _ = streamer_core::run_blocks_with(pool, blocks, x, &[], false, |_, _, block, h, e| {
+///     let out = block.forward(h, e)?;
+///     kept.push(out[0].clone());
+///     Ok(out)
+/// });
+/// # }
+/// ```
+///
+/// ```compile_fail,E0133
+/// # use candle_core::Tensor;
+/// # fn f(off: &mut streamer_core::Offloader, g: &Tensor, dst: &Tensor) -> candle_core::Result<()> {
+/// // error[E0133]: `enqueue` is unsafe (`dst` is written by DMA until synchronised)
+/// off.enqueue(g, dst)?;
+/// let racy = dst.to_vec1::<f32>()?;
+/// # Ok(()) }
+/// ```
+///
+/// ```compile_fail,E0425
+/// // error[E0425]: the safe runners `run_blocks`/`run_block` are crate-private
+/// let _ = streamer_core::run_blocks;
+/// ```
 pub struct ResidencyPool {
     device: Device,
     dtype: DType,
@@ -357,8 +414,9 @@ impl ResidencyPool {
 
     /// Orders compute after `block`'s copy and returns its weights as device
     /// tensors keyed by their names relative to the block's prefix. The tensors
-    /// are views into the slot: drop them before `release`.
-    pub fn acquire(&mut self, block: usize) -> Result<HashMap<String, Tensor>> {
+    /// are views into the slot: nothing may keep them past `release` (the next
+    /// `load` overwrites the slot), which is why this is crate-private.
+    pub(crate) fn acquire(&mut self, block: usize) -> Result<HashMap<String, Tensor>> {
         let Some(slot) = self.slot_of.get(block).copied().flatten() else {
             candle_core::bail!("block {block} was not loaded before use");
         };
@@ -385,8 +443,20 @@ impl ResidencyPool {
     /// back as plain tensors. Returns the tensors by local name and the
     /// `(master, variable)` pairs. On CUDA the variables alias the slot's memory
     /// (no copy); on the CPU they are copies of the slot.
+    ///
+    /// # Safety
+    /// The returned tensors and variables, and every tensor sharing memory with
+    /// them (views, reshapes, a block built from them, anything a block keeps),
+    /// must not be used by work issued after `release(block)`, and must all be
+    /// dropped before the pool is: on CUDA the variables alias slot memory that
+    /// the next `load` overwrites and that the pool frees when it drops, so a
+    /// later use is a stale read or a use after free. Gradients computed from
+    /// them before `release` are fresh tensors and may be kept (check with
+    /// [`Self::aliases_slot`] when a block's code is not trusted to return fresh
+    /// tensors).
+    #[doc(hidden)]
     #[allow(clippy::type_complexity)]
-    pub fn acquire_vars(
+    pub unsafe fn acquire_vars(
         &mut self,
         block: usize,
         trainable: &[bool],
@@ -476,11 +546,24 @@ impl ResidencyPool {
         Ok(())
     }
 
-    /// Whether `t` shares storage with a slot (and so would be overwritten when
-    /// the slot is refilled).
+    /// Whether `t` shares storage with a slot or with a variable aliasing one (and
+    /// so would be overwritten when the slot is refilled).
     pub fn aliases_slot(&self, t: &Tensor) -> bool {
         let key = storage_key(t);
-        self.slots.iter().any(|s| storage_key(&s.flat) == key)
+        self.slots.iter().any(|s| {
+            if storage_key(&s.flat) == key {
+                return true;
+            }
+            #[cfg(feature = "cuda")]
+            if s.alias_vars
+                .values()
+                .flatten()
+                .any(|(_, v)| storage_key(v.as_tensor()) == key)
+            {
+                return true;
+            }
+            false
+        })
     }
 
     /// Waits for every copy and compute the pool issued.
@@ -544,6 +627,8 @@ impl Drop for ResidencyPool {
         let _ = self.synchronize();
         // Alias variables point into slot memory they do not own: dropping them
         // would free it a second time, so they are forgotten (a few bytes each).
+        // A forgotten clone also keeps the variable's reference count above zero
+        // for good, so a clone someone else still holds never frees it either.
         #[cfg(feature = "cuda")]
         for s in self.slots.iter_mut() {
             for (_, vars) in s.alias_vars.drain() {

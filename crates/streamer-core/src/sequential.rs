@@ -278,8 +278,8 @@ impl candle_core::Module for StreamedSequential {
 /// Blocks already loaded (by a previous call's `cyclic` prefetch) are used as
 /// they are. With `cyclic`, the slots that free up at the end start loading the
 /// first blocks for the next call. `on_input(i, x)` sees each block's input
-/// before it runs (training saves them).
-pub fn run_blocks(
+/// before it runs.
+pub(crate) fn run_blocks(
     pool: &mut ResidencyPool,
     blocks: &[BlockSpec],
     x: &Tensor,
@@ -287,14 +287,23 @@ pub fn run_blocks(
     cyclic: bool,
     mut on_input: impl FnMut(usize, &Tensor) -> Result<()>,
 ) -> Result<Vec<Tensor>> {
-    run_blocks_with(pool, blocks, x, extras, cyclic, |_, i, block, h, extras| {
-        on_input(i, h)?;
-        block.forward(h, extras)
-    })
+    // SAFETY: the closure keeps nothing: it passes the block's input to
+    // `on_input` (an input, not slot memory) and returns the block's outputs,
+    // which `run_block_with` copies when they alias a slot. (A block that
+    // stashes its own weights, against `Block`'s documented contract, can see
+    // them refilled: a stale read, not freed memory, since views share the
+    // slot's reference-counted storage.)
+    unsafe {
+        run_blocks_with(pool, blocks, x, extras, cyclic, |_, i, block, h, extras| {
+            on_input(i, h)?;
+            block.forward(h, extras)
+        })
+    }
 }
 
 /// How [`run_blocks_with`] runs one bound block: `(pool, index, block, input,
 /// extras) -> outputs`. Training uses it to keep a block's activations.
+#[doc(hidden)]
 pub trait RunBlock:
     FnMut(&ResidencyPool, usize, &dyn Block, &Tensor, &[Tensor]) -> Result<Vec<Tensor>>
 {
@@ -304,8 +313,22 @@ impl<F: FnMut(&ResidencyPool, usize, &dyn Block, &Tensor, &[Tensor]) -> Result<V
 {
 }
 
-/// [`run_blocks`] with the call of each bound block left to `run`.
-pub fn run_blocks_with(
+/// Runs `blocks` through `pool` in order, keeping `window` loads in flight, with
+/// the call of each bound block left to `run`. Blocks already loaded (by a
+/// previous call's `cyclic` prefetch) are used as they are. With `cyclic`, the
+/// slots that free up at the end start loading the first blocks for the next
+/// call. For the training crate; `StreamedSequential::forward_with` is the safe
+/// way to run blocks.
+///
+/// # Safety
+/// `run` gets a block bound to views of its slot, which the pool refills after
+/// `run` returns. Apart from its returned outputs (copied here when they share
+/// a slot's storage), `run` must not keep anything that shares memory with the
+/// block's weights (a view, a reshape, activations a `forward_train` kept that
+/// alias them) beyond its return; check with [`ResidencyPool::aliases_slot`].
+/// A kept alias reads another block's weights after the refill.
+#[doc(hidden)]
+pub unsafe fn run_blocks_with(
     pool: &mut ResidencyPool,
     blocks: &[BlockSpec],
     x: &Tensor,
@@ -346,25 +369,11 @@ pub fn run_blocks_with(
     Ok(last)
 }
 
-/// Binds block `i`'s resident weights, runs it and releases its slot. Outputs
-/// that would alias the slot are copied, so eviction really frees the weights.
-pub fn run_block(
-    pool: &mut ResidencyPool,
-    spec: &BlockSpec,
-    i: usize,
-    x: &Tensor,
-    extras: &[Tensor],
-) -> Result<Vec<Tensor>> {
-    run_block_with(
-        pool,
-        spec,
-        i,
-        x,
-        extras,
-        &mut |_: &ResidencyPool, _, b: &dyn Block, x: &Tensor, e: &[Tensor]| b.forward(x, e),
-    )
-}
-
+/// Binds block `i`'s resident weights, runs it through `run` and releases its
+/// slot. Outputs that would alias the slot are copied, so eviction really frees
+/// the weights and a refill cannot change them; the views themselves die with
+/// the block before `release` (what `run` may keep is [`run_blocks_with`]'s
+/// contract).
 fn run_block_with(
     pool: &mut ResidencyPool,
     spec: &BlockSpec,
