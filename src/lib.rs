@@ -15,6 +15,7 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 #![warn(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
 
 pub use cqsa;
 pub use streamer_autograd;

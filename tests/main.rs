@@ -12,4 +12,5 @@ mod fuzz;
 mod models;
 mod optim;
 mod pool;
+mod side_effects;
 mod training;

@@ -44,6 +44,7 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 #![warn(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod checkpoint;
 pub mod config;
@@ -61,6 +62,9 @@ pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budg
 pub use config::{LlamaConfig, RopeScaling};
 pub use fused_linear::{fused_linear, Epilogue, FusedLinear};
 pub use fused_mlp::{fused_mlp, FusedMlp};
+#[cfg(feature = "cuda")]
+#[doc(hidden)]
+pub use lt::{cached_handles as cached_cublaslt_handles, handle_probe as cublaslt_handle_probe};
 #[cfg(feature = "cuda")]
 pub use lt::epilogue_fallbacks;
 pub use llama::{apply_rope, apply_rope_unfused, DecoderLayer, Llama, RmsNorm, Rope};

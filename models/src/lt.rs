@@ -55,16 +55,57 @@ impl Drop for Handle {
     }
 }
 
+impl Handle {
+    /// Whether only this handle still holds its stream (itself and its
+    /// workspace): every device and tensor of that stream is gone, so nothing
+    /// can ask for the handle again. A call in flight holds a tensor of the
+    /// stream, so a handle in use is never idle.
+    fn is_idle(&self) -> bool {
+        Arc::strong_count(&self.stream) <= 2
+    }
+}
+
+/// Handles by stream. The key is the raw context and stream pointers (a
+/// default stream is null in every context); the entry holds an `Arc` of that
+/// stream, so neither pointer can be reused by another while the entry exists. Entries whose stream nobody else holds are dropped
+/// (the handle destroyed, the workspace freed) on the next lookup.
+static HANDLES: OnceLock<Mutex<HashMap<(usize, usize), Arc<Handle>>>> = OnceLock::new();
+
+fn handles() -> Result<std::sync::MutexGuard<'static, HashMap<(usize, usize), Arc<Handle>>>> {
+    HANDLES
+        .get_or_init(Default::default)
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("cuBLASLt handle cache poisoned".into()))
+}
+
+/// cuBLASLt handles cached now: one per live compute stream that ran a fused
+/// GEMM (after dropping those whose stream is gone). For tests.
+#[doc(hidden)]
+pub fn cached_handles() -> Result<usize> {
+    let mut map = handles()?;
+    map.retain(|_, h| !h.is_idle());
+    Ok(map.len())
+}
+
+/// A weak reference to the handle of `dev`'s stream (made if missing): it
+/// stops upgrading once the handle is freed. For tests.
+#[doc(hidden)]
+pub fn handle_probe(dev: &CudaDevice) -> Result<std::sync::Weak<dyn std::any::Any + Send + Sync>> {
+    let h: Arc<dyn std::any::Any + Send + Sync> = handle(dev)?;
+    Ok(Arc::downgrade(&h))
+}
+
 /// The handle for `dev`'s stream, made on first use (one per compute stream:
 /// cuBLASLt enqueues on the stream the outputs were allocated on).
 fn handle(dev: &CudaDevice) -> Result<Arc<Handle>> {
-    static HANDLES: OnceLock<Mutex<HashMap<usize, Arc<Handle>>>> = OnceLock::new();
     let stream = dev.cuda_stream();
-    let key = stream.cu_stream() as usize;
-    let mut map = HANDLES
-        .get_or_init(Default::default)
-        .lock()
-        .map_err(|_| candle_core::Error::Msg("cuBLASLt handle cache poisoned".into()))?;
+    let key = (
+        stream.context().cu_ctx() as usize,
+        stream.cu_stream() as usize,
+    );
+    let mut map = handles()?;
+    // `stream` is held here, so this stream's own entry is not idle.
+    map.retain(|_, h| !h.is_idle());
     if let Some(h) = map.get(&key) {
         return Ok(h.clone());
     }

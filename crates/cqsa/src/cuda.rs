@@ -17,7 +17,8 @@
 //! Ordering: every launch of one call goes to the compute stream of the inputs'
 //! Candle device, so the launches are ordered among themselves and with the
 //! stream-ordered frees of cudarc, whether or not the context tracks per-slice
-//! events (the streamer pool turns that tracking off). Every device view passed to
+//! events (cudarc's default; a caller may opt out with
+//! `streamer_core::disable_cuda_event_tracking`). Every device view passed to
 //! a launch is a local borrowed by the launch builder, so it outlives the launch.
 use candle_core::backend::BackendStorage;
 use std::ffi::c_void;
@@ -454,7 +455,7 @@ fn backward_t<T: CudaDType + DeviceRepr>(
 /// The host tensors' memory is page-locked in place with `cuMemHostRegister` (so
 /// the copies are asynchronous DMA) and unregistered when the feed is finished or
 /// dropped. Ordering is explicit, never left to cudarc's per-slice event tracking
-/// (the streamer pool turns it off): a chunk's buffer is allocated on the compute
+/// (which the caller may have turned off): a chunk's buffer is allocated on the compute
 /// stream, an event recorded there makes the transfer stream wait for the
 /// allocation, the copies run on the transfer stream, and an event recorded after
 /// them is what the compute stream waits on before the chunk's first use

@@ -51,6 +51,7 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 #![warn(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
 
 mod cpu;
 #[cfg(feature = "cuda")]

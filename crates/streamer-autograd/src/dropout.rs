@@ -2,6 +2,12 @@
 //! sets for each block, so the backward pass's recompute sees the very masks the
 //! forward pass used. Candle's own dropout draws from the device RNG, which the
 //! CPU device cannot seed; use this one in streamed blocks.
+//!
+//! Replayed masks never touch the device's own generator (the one
+//! `Tensor::rand` and `Device::set_seed` use): on the CPU they come from a
+//! xorshift stream of the seed, on CUDA from a Philox generator created for the
+//! one mask and destroyed after it, so the caller's random streams go on as if
+//! no dropout had run.
 use candle_core::{Device, Module, Result, Tensor};
 use std::cell::Cell;
 
@@ -59,12 +65,70 @@ fn uniform(shape: &[usize], device: &Device) -> Result<Tensor> {
                     .collect();
                 Tensor::from_vec(v, shape, device)
             }
-            _ => {
-                device.set_seed(seed)?;
-                Tensor::rand(0f32, 1f32, shape, device)
-            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(dev) => cuda_uniform(dev, seed, shape),
+            other => candle_core::bail!(
+                "replayable dropout supports the CPU and CUDA, not {:?}",
+                other.location()
+            ),
         },
     }
+}
+
+/// A curand generator owned by one mask, destroyed on drop.
+#[cfg(feature = "cuda")]
+struct Philox(candle_core::cuda_backend::cudarc::curand::sys::curandGenerator_t);
+
+#[cfg(feature = "cuda")]
+impl Drop for Philox {
+    fn drop(&mut self) {
+        use candle_core::cuda_backend::cudarc::curand::result;
+        // SAFETY: created once in `cuda_uniform` and destroyed once, here; work
+        // already enqueued with it keeps its parameters (Philox has no device
+        // state), as with cudarc's own `CudaRng`, which drops the same way.
+        let _ = unsafe { result::destroy_generator(self.0) };
+    }
+}
+
+/// Uniform [0, 1) f32 noise of `shape` on `dev`'s stream from a Philox
+/// generator seeded with `seed`: the same seed gives the same noise, and the
+/// device's own generator is left as it was.
+#[cfg(feature = "cuda")]
+fn cuda_uniform(dev: &candle_core::CudaDevice, seed: u64, shape: &[usize]) -> Result<Tensor> {
+    use candle_core::cuda_backend::cudarc::curand::{result, sys};
+    use candle_core::cuda_backend::cudarc::driver::DevicePtrMut;
+    use candle_core::{op::BackpropOp, CudaStorage, Storage};
+    let w = |e: result::CurandError| candle_core::Error::Msg(format!("curand: {e:?}"));
+    let n: usize = shape.iter().product();
+    if n == 0 {
+        return Tensor::zeros(shape, candle_core::DType::F32, &Device::Cuda(dev.clone()));
+    }
+    let stream = dev.cuda_stream();
+    let gen = Philox(
+        result::create_generator_kind(sys::curandRngType_t::CURAND_RNG_PSEUDO_PHILOX4_32_10)
+            .map_err(w)?,
+    );
+    // SAFETY: `gen.0` is a live generator; the stream outlives this call's
+    // enqueued work (the output slice below holds it).
+    unsafe {
+        result::set_seed(gen.0, seed).map_err(w)?;
+        result::set_stream(gen.0, stream.cu_stream() as sys::cudaStream_t).map_err(w)?;
+    }
+    // SAFETY: every one of the n elements is written by the generator below,
+    // on this stream, before any later kernel on it reads them.
+    let mut slice = unsafe { stream.alloc::<f32>(n) }.map_err(candle_core::Error::wrap)?;
+    {
+        let (ptr, _record) = slice.device_ptr_mut(&stream);
+        // SAFETY: `ptr` holds n f32s of a live allocation, enqueued on `stream`.
+        unsafe { result::generate::uniform_f32(gen.0, ptr as *mut f32, n) }.map_err(w)?;
+    }
+    let storage = CudaStorage::wrap_cuda_slice(slice, dev.clone());
+    Ok(Tensor::from_storage(
+        Storage::Cuda(storage),
+        shape,
+        BackpropOp::none(),
+        false,
+    ))
 }
 
 /// Inverted dropout with probability `p` (kept values scaled by `1 / (1 - p)`),

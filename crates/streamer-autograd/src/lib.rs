@@ -25,6 +25,7 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 #![warn(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
 
 mod activations;
 mod adamw;

@@ -3,6 +3,13 @@ use candle_core::{DType, Device};
 use std::path::PathBuf;
 
 /// Configuration of a [`crate::StreamedSequential`] and its pool.
+///
+/// Building a model changes nothing context-wide that this struct does not
+/// name: the pool orders its transfer stream with its own events and works
+/// whether or not the CUDA context tracks per-tensor events (cudarc's default,
+/// which costs a few microseconds per kernel once a second stream exists). To
+/// trade that safety net for speed, opt in explicitly with the `unsafe`
+/// [`crate::disable_cuda_event_tracking`] before building.
 #[derive(Clone, Debug)]
 pub struct StreamConfig {
     /// Where blocks compute. Weights always live on the host.
@@ -31,13 +38,6 @@ pub struct StreamConfig {
     /// optimizer step) would not be seen by those early copies, so this is off by
     /// default; `StreamedSequential::evict_all` drops them.
     pub prefetch_across_calls: bool,
-    /// Keep cudarc's per-tensor event tracking on for this device's context. The
-    /// pool orders its streams itself (ready and free events), and Candle runs on
-    /// one stream, so by default the pool turns tracking off: with it on, every
-    /// kernel launch records and waits on events once a second stream exists,
-    /// which costs microseconds per op. Turn it on if your own code shares
-    /// tensors across streams of this context.
-    pub cuda_event_tracking: bool,
     /// Keep device memory freed between calls in CUDA's memory pool instead of
     /// handing it back to the driver at every synchronisation (see
     /// [`crate::retain_freed_device_memory`]); on by default, like PyTorch's
@@ -61,7 +61,6 @@ impl Default for StreamConfig {
             timeline_path: None,
             transfer_delay: None,
             prefetch_across_calls: false,
-            cuda_event_tracking: false,
             retain_device_memory: true,
         }
     }

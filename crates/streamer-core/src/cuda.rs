@@ -108,15 +108,17 @@ pub(crate) unsafe fn htod_async(
     stream: &CudaStream,
 ) -> Result<()> {
     for (off, n, _) in page_pieces(src as usize, bytes) {
-        check(
+        // SAFETY: `off + n <= bytes`, so both ranges lie inside the caller's
+        // buffers, which stay valid until the copy completes (this fn's contract).
+        let r = unsafe {
             sys::cuMemcpyHtoDAsync_v2(
                 dst + off as u64,
                 src.add(off) as *const _,
                 n,
                 stream.cu_stream(),
-            ),
-            "cuMemcpyHtoDAsync",
-        )?;
+            )
+        };
+        check(r, "cuMemcpyHtoDAsync")?;
     }
     Ok(())
 }
@@ -133,10 +135,10 @@ pub(crate) unsafe fn dtoh_async(
     bytes: usize,
     stream: &CudaStream,
 ) -> Result<()> {
-    check(
-        sys::cuMemcpyDtoHAsync_v2(dst as *mut _, src, bytes, stream.cu_stream()),
-        "cuMemcpyDtoHAsync",
-    )
+    // SAFETY: the caller guarantees both ranges and that `dst` is page-locked and
+    // untouched until the stream passes the copy (this fn's contract).
+    let r = unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut _, src, bytes, stream.cu_stream()) };
+    check(r, "cuMemcpyDtoHAsync")
 }
 
 /// Whether our cast kernel covers this conversion.
@@ -187,7 +189,9 @@ pub(crate) unsafe fn cast(
     };
     let mut b = stream.launch_builder(&func);
     b.arg(&src).arg(&dst).arg(&n);
-    b.launch(cfg).map_err(candle_core::Error::wrap)?;
+    // SAFETY: the kernel reads n elements at `src` and writes n at `dst`, which
+    // the caller guarantees are live device buffers of those dtypes.
+    unsafe { b.launch(cfg) }.map_err(candle_core::Error::wrap)?;
     Ok(())
 }
 
@@ -281,21 +285,26 @@ pub(crate) unsafe fn alias_var(
     use candle_core::{op::BackpropOp, CudaStorage, Storage, Tensor};
     let stream = dev.cuda_stream();
     let n = shape.elem_count();
+    // SAFETY (each arm): `ptr` holds n elements of this dtype inside an
+    // allocation that outlives the slice, which is never dropped (the caller
+    // forgets it): this fn's contract.
     let storage = match dtype {
         DType::BF16 => CudaStorage::wrap_cuda_slice(
-            stream.upgrade_device_ptr::<half::bf16>(ptr, n),
+            unsafe { stream.upgrade_device_ptr::<half::bf16>(ptr, n) },
             dev.clone(),
         ),
         DType::F16 => CudaStorage::wrap_cuda_slice(
-            stream.upgrade_device_ptr::<half::f16>(ptr, n),
+            unsafe { stream.upgrade_device_ptr::<half::f16>(ptr, n) },
             dev.clone(),
         ),
-        DType::F32 => {
-            CudaStorage::wrap_cuda_slice(stream.upgrade_device_ptr::<f32>(ptr, n), dev.clone())
-        }
-        DType::F64 => {
-            CudaStorage::wrap_cuda_slice(stream.upgrade_device_ptr::<f64>(ptr, n), dev.clone())
-        }
+        DType::F32 => CudaStorage::wrap_cuda_slice(
+            unsafe { stream.upgrade_device_ptr::<f32>(ptr, n) },
+            dev.clone(),
+        ),
+        DType::F64 => CudaStorage::wrap_cuda_slice(
+            unsafe { stream.upgrade_device_ptr::<f64>(ptr, n) },
+            dev.clone(),
+        ),
         dt => candle_core::bail!("slots hold float weights, got {dt:?}"),
     };
     let t = Tensor::from_storage(

@@ -31,10 +31,12 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 #![warn(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
 
 mod bandwidth;
 mod block;
 mod config;
+mod context;
 mod convert;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
@@ -50,6 +52,7 @@ mod timeline;
 pub use bandwidth::measure_h2d_gbps;
 pub use block::{Block, BlockSpec, ManualBackward, ModuleBlock, SavedActivations};
 pub use config::StreamConfig;
+pub use context::{cuda_event_tracking, disable_cuda_event_tracking};
 pub use convert::convert;
 pub use device_memory::{free_device_memory, pooled_idle_bytes, retain_freed_device_memory, trim_device_memory};
 pub use host::{HostMasters, Master};

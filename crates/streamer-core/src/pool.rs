@@ -9,7 +9,11 @@
 //!
 //! On CUDA, copies run on a dedicated transfer stream; compute waits on each
 //! block's ready event and the transfer stream waits on the slot's free event,
-//! both on the device, so the host never blocks. On the CPU the same protocol
+//! both on the device, so the host never blocks. The copies go through raw
+//! device pointers, which cudarc's per-slice event tracking does not see, so
+//! this ordering is complete on its own: the pool works the same whether the
+//! context tracks events (the default, left alone) or the caller switched that
+//! off ([`crate::disable_cuda_event_tracking`]). On the CPU the same protocol
 //! runs with plain memory copies.
 //!
 //! Soundness: the views and variables handed out between `acquire` and
@@ -686,12 +690,9 @@ impl CudaEngine {
         cfg: &StreamConfig,
     ) -> Result<Self> {
         use cudarc::driver::sys::CUevent_flags;
+        // The context's event tracking is left as the caller set it: the pool's
+        // own ready/free events order its streams either way.
         let compute = dev.cuda_stream();
-        if !cfg.cuda_event_tracking {
-            // SAFETY: the pool orders its streams with its own events (see the
-            // module docs); slices created from here on skip cudarc's tracking.
-            unsafe { dev.disable_event_tracking() };
-        }
         if cfg.retain_device_memory {
             crate::cuda::set_release_threshold(dev, u64::MAX)?;
         }
