@@ -134,3 +134,67 @@ fn cublaslt_handle_is_freed_with_its_stream() -> Result<()> {
     );
     Ok(())
 }
+
+/// The page size as the OS reports it to a shell (`getconf PAGESIZE`).
+fn getconf_page_size() -> Result<usize> {
+    let out = std::process::Command::new("getconf")
+        .arg("PAGESIZE")
+        .output()?;
+    ensure!(out.status.success(), "getconf PAGESIZE failed: {out:?}");
+    Ok(String::from_utf8(out.stdout)?.trim().parse()?)
+}
+
+/// Page-locking (streamer-core's masters and offload buffers, cqsa's streamed
+/// inputs: one implementation, `streamer_core::pages`) registers whole pages of
+/// the OS page size, so it never touches a neighbouring allocation's page.
+#[test]
+fn pinning_uses_the_os_page_size() -> Result<()> {
+    use streamer_core::pages::{page_pieces, page_size, whole_pages};
+    let page = getconf_page_size()?;
+    ensure!(
+        page_size() == page,
+        "page_size() = {} but the OS says {page}",
+        page_size()
+    );
+    ensure!(
+        whole_pages(3 * page + 1, 2 * page) == Some((4 * page, 5 * page)),
+        "whole pages of [3p+1, 5p+1) with p = {page}: {:?}",
+        whole_pages(3 * page + 1, 2 * page)
+    );
+    ensure!(
+        whole_pages(page + 1, page).is_none(),
+        "a range within two partial pages has no whole page"
+    );
+    // The pieces of a copy cover the range once, and only the middle one is
+    // (page-aligned) whole pages.
+    let (start, len) = (5 * page - 7, 3 * page + 11);
+    let pieces: Vec<_> = page_pieces(start, len).collect();
+    ensure!(
+        pieces.iter().map(|p| p.1).sum::<usize>() == len,
+        "{pieces:?}"
+    );
+    for &(off, n, whole) in &pieces {
+        let aligned = (start + off) % page == 0 && n % page == 0;
+        ensure!(
+            aligned == whole,
+            "piece {off}+{n} of {pieces:?} (page {page})"
+        );
+    }
+    // No crate keeps a page size of its own.
+    for dir in [
+        "crates/streamer-core/src",
+        "crates/cqsa/src",
+        "crates/streamer-autograd/src",
+    ] {
+        for entry in std::fs::read_dir(dir)? {
+            let path = entry?.path();
+            let text = std::fs::read_to_string(&path)?;
+            ensure!(
+                !text.contains("const PAGE"),
+                "{} defines its own page size",
+                path.display()
+            );
+        }
+    }
+    Ok(())
+}

@@ -34,6 +34,7 @@ use candle_core::{
     bail, CpuStorage, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor,
 };
 use half::{bf16, f16};
+use streamer_core::pages::{page_pieces, PinnedRegion};
 use streamer_kernels::{module, ATTENTION};
 
 use crate::Dims;
@@ -479,8 +480,8 @@ pub(crate) struct ChunkFeed<'a> {
     /// size) ends up with as many as it had in flight at once, two when each
     /// result is received one subproblem after its drain.
     staging: Vec<PinnedHostSlice<f32>>,
-    /// Host pointers this feed registered (unregistered at the end).
-    registered: Vec<usize>,
+    /// Host pages this feed page-locked (unregistered at the end).
+    registered: Vec<PinnedRegion>,
     /// Whether `release` already ran.
     released: bool,
     /// The host memory read by copies in flight lives at least as long as `'a`.
@@ -520,24 +521,16 @@ impl<'a> ChunkFeed<'a> {
             released: false,
             _host: std::marker::PhantomData,
         };
-        feed.compute.context().bind_to_thread().w()?;
         for s in sources {
             let (ptr, bytes) = host_span(s)?;
-            // Only the whole pages inside the storage: its partial end pages may
-            // hold other allocations, and registering those would make Candle's
-            // own copies into ordinary Vecs there asynchronous (and unsafe).
-            let (lo, hi) = (ptr.div_ceil(PAGE) * PAGE, (ptr + bytes) / PAGE * PAGE);
-            if hi <= lo {
-                continue;
-            }
-            let (ptr, bytes) = (lo, hi - lo);
+            // Only the whole pages inside the storage are registered (OS page
+            // size; see `streamer_core::pages`).
             // SAFETY: `ptr..ptr + bytes` is the live allocation of a host storage
-            // borrowed for 'a; registering only page-locks it (no data change), and
-            // it is unregistered in `finish`/`drop`, which outlive no borrow ('a).
-            let r = unsafe { sys::cuMemHostRegister_v2(ptr as *mut c_void, bytes, 0) };
-            if r == sys::CUresult::CUDA_SUCCESS {
-                feed.registered.push(ptr);
-            }
+            // borrowed for 'a; the region is dropped in `release` (from `finish`
+            // or `drop`), so before the borrow ends.
+            let pin =
+                unsafe { PinnedRegion::register(feed.compute.context(), ptr as *mut u8, bytes)? };
+            feed.registered.extend(pin);
         }
         Ok(feed)
     }
@@ -594,22 +587,17 @@ impl<'a> ChunkFeed<'a> {
                 // A copy may not span registered and unregistered pages: copy the
                 // whole pages and the partial ends separately.
                 let base = src.as_ptr() as usize;
-                let total = std::mem::size_of_val(src);
-                let first = (base.div_ceil(PAGE) * PAGE).min(base + total);
-                let last = ((base + total) / PAGE * PAGE).max(first);
-                for (a, z) in [(base, first), (first, last), (last, base + total)] {
-                    if z > a {
-                        unsafe {
-                            sys::cuMemcpyHtoDAsync_v2(
-                                dst + (x * c * d * e + (a - base)) as u64,
-                                a as *const c_void,
-                                z - a,
-                                self.transfer.cu_stream(),
-                            )
-                        }
-                        .result()
-                        .w()?;
+                for (off, len, _) in page_pieces(base, std::mem::size_of_val(src)) {
+                    unsafe {
+                        sys::cuMemcpyHtoDAsync_v2(
+                            dst + (x * c * d * e + off) as u64,
+                            (base + off) as *const c_void,
+                            len,
+                            self.transfer.cu_stream(),
+                        )
                     }
+                    .result()
+                    .w()?;
                 }
             }
         }
@@ -741,14 +729,10 @@ impl<'a> ChunkFeed<'a> {
         }
         // Idle buffers: no copy targets them (those in flight belong to a `Drained`).
         self.staging.clear();
-        for ptr in self.registered.drain(..) {
-            // SAFETY: `ptr` was registered by this feed and every copy reading it has
-            // completed (the transfer stream was synchronized just above).
-            let r = unsafe { sys::cuMemHostUnregister(ptr as *mut c_void) }.result();
-            if first.is_ok() {
-                first = r;
-            }
-        }
+        // Every copy reading the registered pages has completed (the transfer
+        // stream was synchronized just above): unregister them (a failure is
+        // recorded on the context).
+        self.registered.clear();
         first
     }
 }
@@ -788,9 +772,6 @@ impl Drop for ChunkFeed<'_> {
 }
 
 /// Start address and byte length of a host storage's whole buffer.
-/// Host page size assumed for page-locking (4 KiB on x86-64 Linux).
-const PAGE: usize = 4096;
-
 fn host_span(s: &CpuStorage) -> Result<(usize, usize)> {
     Ok(match s {
         CpuStorage::F32(v) => (v.as_ptr() as usize, std::mem::size_of_val(v.as_slice())),

@@ -140,7 +140,11 @@ impl Budget {
                     .context()
                     .mem_get_info()
                     .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
-                free + pool_idle_bytes(c)
+                // Memory CUDA's default pool keeps for reuse (Candle allocates
+                // from it) but no tensor uses: `cuMemGetInfo` counts it as taken,
+                // yet our allocations get it. Zero when the query fails (an older
+                // driver): the budget is then only smaller.
+                free + streamer_core::pooled_idle_bytes(device).unwrap_or(0)
             }
             #[allow(unreachable_patterns)]
             other => bail!(
@@ -153,39 +157,6 @@ impl Budget {
             host_bytes: host_available(),
         })
     }
-}
-
-/// Memory CUDA's default pool keeps for reuse (Candle allocates from it) but no
-/// tensor uses: `cuMemGetInfo` counts it as taken, yet our allocations get it.
-/// Zero when the query fails (an older driver): the budget is then only smaller.
-#[cfg(feature = "cuda")]
-fn pool_idle_bytes(dev: &candle_core::CudaDevice) -> usize {
-    use cudarc::driver::sys;
-    let ctx = dev.cuda_stream().context().clone();
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    let get = |pool, attr| -> u64 {
-        let mut v: u64 = 0;
-        // SAFETY: the reserved/used attributes are cuuint64_t.
-        let r = unsafe {
-            sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut std::ffi::c_void)
-        };
-        if r == sys::CUresult::CUDA_SUCCESS {
-            v
-        } else {
-            0
-        }
-    };
-    // SAFETY: a driver query into a local.
-    if ctx.bind_to_thread().is_err()
-        || unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }
-            != sys::CUresult::CUDA_SUCCESS
-    {
-        return 0;
-    }
-    use sys::CUmemPool_attribute as A;
-    let reserved = get(pool, A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
-    let used = get(pool, A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT);
-    reserved.saturating_sub(used) as usize
 }
 
 /// `MemAvailable` from `/proc/meminfo`, or a large default where that is missing.

@@ -15,7 +15,10 @@ pub fn measure_h2d_gbps(device: &Device, bytes: usize, iters: usize) -> Result<f
         Device::Cuda(dev) => {
             use cudarc::driver::sys::CUevent_flags;
             let ctx = dev.cuda_stream().context().clone();
-            let _pin = crate::cuda::PinnedRegion::register(&ctx, host.as_ptr() as *mut u8, bytes)?;
+            // SAFETY: `host` is a local Vec that outlives `_pin` (declared after it).
+            let _pin = unsafe {
+                crate::pages::PinnedRegion::register(&ctx, host.as_ptr() as *mut u8, bytes)?
+            };
             let stream = ctx.new_stream().map_err(candle_core::Error::wrap)?;
             let (dst, ptr) =
                 crate::cuda::alloc_flat(dev, candle_core::DType::F32, bytes.div_ceil(4))?;

@@ -1,8 +1,9 @@
-//! Raw CUDA work of the pool: page-locking host masters in place, asynchronous
-//! copies on the transfer stream, and launches of our conversion kernel.
+//! Raw CUDA work of the pool: asynchronous copies on the transfer stream (split
+//! at page boundaries, see [`crate::pages`]), launches of our conversion
+//! kernel, and queries of the device's memory pool.
+use crate::pages::page_pieces;
 use candle_core::{CudaDevice, DType, Result};
-use cudarc::driver::{sys, CudaContext, CudaStream, LaunchConfig, PushKernelArg};
-use std::sync::Arc;
+use cudarc::driver::{sys, CudaStream, LaunchConfig, PushKernelArg};
 
 fn check(r: sys::CUresult, what: &str) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
@@ -10,89 +11,6 @@ fn check(r: sys::CUresult, what: &str) -> Result<()> {
     } else {
         candle_core::bail!("CUDA error in {what}: {r:?}")
     }
-}
-
-const PAGE: usize = 4096;
-
-/// Host pages registered with the driver (page-locked in place); unregistered on drop.
-pub(crate) struct PinnedRegion {
-    base: *mut std::ffi::c_void,
-    ctx: Arc<CudaContext>,
-}
-
-// SAFETY: the region is only a registration handle; the memory it names is owned
-// by a host tensor that outlives it, and unregistering works from any thread.
-unsafe impl Send for PinnedRegion {}
-unsafe impl Sync for PinnedRegion {}
-
-impl PinnedRegion {
-    /// Registers the whole pages inside `[ptr, ptr + bytes)`: they hold only this
-    /// allocation's bytes. The partial pages at either end are left alone, as
-    /// they may hold other allocations: a registered page makes every copy to or
-    /// from it asynchronous, and Candle's own copies into ordinary `Vec`s rely on
-    /// pageable copies being synchronous. Returns `None` when the range holds no
-    /// whole page (a small tensor stays pageable).
-    pub(crate) fn register(
-        ctx: &Arc<CudaContext>,
-        ptr: *mut u8,
-        bytes: usize,
-    ) -> Result<Option<Self>> {
-        // STREAMER_PIN=0 leaves host memory pageable (diagnostics, slow copies).
-        if std::env::var("STREAMER_PIN").is_ok_and(|v| v == "0") {
-            return Ok(None);
-        }
-        ctx.bind_to_thread().map_err(candle_core::Error::wrap)?;
-        let start = ptr as usize;
-        let (lo, hi) = (start.div_ceil(PAGE) * PAGE, (start + bytes) / PAGE * PAGE);
-        if hi <= lo {
-            return Ok(None);
-        }
-        // SAFETY: the pages lie inside a live host allocation owned by the caller,
-        // which drops this registration before freeing it; registering does not
-        // change the memory's contents.
-        let r = unsafe {
-            sys::cuMemHostRegister_v2(lo as *mut _, hi - lo, sys::CU_MEMHOSTREGISTER_PORTABLE)
-        };
-        // A failure (another component registered these pages, or the driver's
-        // page-lock limit) leaves the memory pageable: copies stay correct, only
-        // slower and synchronous.
-        Ok((r == sys::CUresult::CUDA_SUCCESS).then(|| Self {
-            base: lo as *mut _,
-            ctx: ctx.clone(),
-        }))
-    }
-}
-
-impl Drop for PinnedRegion {
-    fn drop(&mut self) {
-        if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: `base` is exactly the pointer registered in `register`.
-            let r = unsafe { sys::cuMemHostUnregister(self.base) };
-            if r != sys::CUresult::CUDA_SUCCESS {
-                self.ctx
-                    .record_err::<()>(Err(cudarc::driver::DriverError(r)));
-            }
-        }
-    }
-}
-
-/// Splits a host range into the part before its first page boundary, its whole
-/// pages (page-locked by `PinnedRegion`, so copies from them are asynchronous
-/// DMA), and the part after its last page boundary (pageable). A copy may not
-/// span registered and unregistered memory, so each piece is copied on its own.
-/// Returns `(offset, len, whole_pages)`.
-pub(crate) fn page_pieces(host: usize, bytes: usize) -> impl Iterator<Item = (usize, usize, bool)> {
-    let end = host + bytes;
-    let first = (host.div_ceil(PAGE) * PAGE).min(end);
-    let last = (end / PAGE * PAGE).max(first);
-    [
-        (host, first, false),
-        (first, last, true),
-        (last, end, false),
-    ]
-    .into_iter()
-    .filter(|(a, b, _)| b > a)
-    .map(move |(a, b, whole)| (a - host, b - a, whole))
 }
 
 /// Enqueues a host-to-device copy on `stream`.

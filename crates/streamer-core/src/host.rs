@@ -9,7 +9,7 @@ pub struct Master {
     // Declared first so it is dropped first: the pages are unregistered before
     // the memory they belong to can be freed.
     #[cfg(feature = "cuda")]
-    pub(crate) pin: Option<crate::cuda::PinnedRegion>,
+    pub(crate) pin: Option<crate::pages::PinnedRegion>,
     /// Canonical name (the first name it was found under).
     pub name: String,
     /// The host tensor, contiguous, in the master dtype. Optimizers update it in place.
@@ -137,7 +137,11 @@ impl HostMasters {
         for m in self.masters.iter_mut() {
             if m.pin.is_none() {
                 let (ptr, bytes) = host_bytes(m.var.as_tensor())?;
-                m.pin = crate::cuda::PinnedRegion::register(ctx, ptr as *mut u8, bytes)?;
+                // SAFETY: the range is the master's own storage, which the
+                // master's `var` keeps alive; `pin` is declared before `var`, so
+                // it is unregistered before the memory can be freed.
+                m.pin =
+                    unsafe { crate::pages::PinnedRegion::register(ctx, ptr as *mut u8, bytes)? };
             }
         }
         Ok(())

@@ -43,6 +43,7 @@ pub(crate) mod cuda;
 mod device_memory;
 mod host;
 mod offload;
+pub mod pages;
 mod pool;
 mod sequential;
 mod source;
@@ -54,7 +55,9 @@ pub use block::{Block, BlockSpec, ManualBackward, ModuleBlock, SavedActivations}
 pub use config::StreamConfig;
 pub use context::{cuda_event_tracking, disable_cuda_event_tracking};
 pub use convert::convert;
-pub use device_memory::{free_device_memory, pooled_idle_bytes, retain_freed_device_memory, trim_device_memory};
+pub use device_memory::{
+    free_device_memory, pooled_idle_bytes, retain_freed_device_memory, trim_device_memory,
+};
 pub use host::{HostMasters, Master};
 pub use offload::{OffloadMarker, Offloader};
 pub use pool::{BlockLayout, Entry, ResidencyPool};

@@ -42,7 +42,7 @@ pub struct Offloader {
     /// Host buffers handed out by `host_buffer`, kept page-locked while alive
     /// (the registration first in the pair, so it is dropped before the memory).
     #[cfg(feature = "cuda")]
-    pins: Vec<(Option<crate::cuda::PinnedRegion>, Tensor)>,
+    pins: Vec<(Option<crate::pages::PinnedRegion>, Tensor)>,
     #[cfg(feature = "cuda")]
     stream: Option<std::sync::Arc<cudarc::driver::CudaStream>>,
     #[cfg(feature = "cuda")]
@@ -84,20 +84,25 @@ impl Offloader {
     pub fn host_buffer(&mut self, shape: &Shape, dtype: DType) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let Device::Cuda(d) = &self.device {
-            const PAGE: usize = 4096;
+            let page = crate::pages::page_size();
             let es = dtype.size_in_bytes();
             let n = shape.elem_count();
-            let page_elems = PAGE / es;
+            let page_elems = page / es;
             let flat = Tensor::zeros(n + 2 * page_elems, dtype, &Device::Cpu)?;
             let (base, _) = crate::host::host_bytes(&flat)?;
-            let skip = ((base as usize).next_multiple_of(PAGE) - base as usize) / es;
+            let skip = ((base as usize).next_multiple_of(page) - base as usize) / es;
             let t = flat.narrow(0, skip, n)?.reshape(shape)?;
             let (ptr, bytes) = crate::host::host_bytes(&t)?;
-            let pin = crate::cuda::PinnedRegion::register(
-                d.cuda_stream().context(),
-                ptr as *mut u8,
-                bytes.next_multiple_of(PAGE),
-            )?;
+            // SAFETY: the padded range lies inside `flat` (two spare pages), and
+            // `pins` keeps a view of `flat` alive after the registration, which
+            // is dropped first (declared first in the pair).
+            let pin = unsafe {
+                crate::pages::PinnedRegion::register(
+                    d.cuda_stream().context(),
+                    ptr as *mut u8,
+                    bytes.next_multiple_of(page),
+                )?
+            };
             self.pins.push((pin, t.clone()));
             return Ok(t);
         }
