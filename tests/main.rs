@@ -5,6 +5,7 @@
 mod attention;
 mod crash;
 mod cuda_chain;
+mod decoder_backward;
 mod fused_linear;
 mod fused_mlp;
 mod fused_ops;

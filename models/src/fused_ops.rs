@@ -115,26 +115,39 @@ impl CustomOp3 for RmsNormGrad {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let xf = x.to_dtype(DType::F32)?;
-        let gf = grad.to_dtype(DType::F32)?;
-        let wf = w.to_dtype(DType::F32)?;
-        let r = (xf.sqr()?.mean_keepdim(D::Minus1)? + self.eps)?
-            .sqrt()?
-            .recip()?;
-        let xr = xf.broadcast_mul(&r)?; // the normalised input
-        let gw = gf.broadcast_mul(&wf)?;
-        // dx = r (gw - xr mean(gw xr))
-        let m = (&gw * &xr)?.mean_keepdim(D::Minus1)?;
-        let dx = (gw - xr.broadcast_mul(&m)?)?.broadcast_mul(&r)?;
-        // dw = sum over every row of g xr
-        let hidden = x.dim(D::Minus1)?;
-        let dw = (gf * xr)?.reshape(((), hidden))?.sum(0)?;
-        Ok((
-            Some(dx.to_dtype(x.dtype())?),
-            Some(dw.to_dtype(w.dtype())?),
-            None,
-        ))
+        let (dx, dw) = rms_norm_backward(x, w, grad, self.eps)?;
+        Ok((Some(dx), Some(dw), None))
     }
+}
+
+/// The RMSNorm gradients `(dx, dw)` for input `x` (`(..., hidden)`), weight
+/// `w` and output gradient `grad`, in f32, returned in the dtypes of `x`, `w`.
+pub(crate) fn rms_norm_backward(
+    x: &Tensor,
+    w: &Tensor,
+    grad: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    let xf = x.to_dtype(DType::F32)?;
+    let gf = grad.to_dtype(DType::F32)?;
+    let wf = w.to_dtype(DType::F32)?;
+    let r = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?
+        .sqrt()?
+        .recip()?;
+    let xr = xf.broadcast_mul(&r)?; // the normalised input
+    let gw = gf.broadcast_mul(&wf)?;
+    // dx = r (gw - xr mean(gw xr))
+    let m = (&gw * &xr)?.mean_keepdim(D::Minus1)?;
+    let dx = (gw - xr.broadcast_mul(&m)?)?.broadcast_mul(&r)?;
+    // dw = sum over every row of g xr
+    let hidden = x.dim(D::Minus1)?;
+    let dw = (gf * xr)?.reshape(((), hidden))?.sum(0)?;
+    Ok((dx.to_dtype(x.dtype())?, dw.to_dtype(w.dtype())?))
+}
+
+/// The rotary embedding's gradient: the inverse rotation of `grad`.
+pub(crate) fn rope_backward(grad: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    candle_nn::rotary_emb::rope(&grad.contiguous()?, cos, &sin.neg()?)
 }
 
 /// `(x, y) -> y`, with the rotary backward `rope(g, cos, -sin)`.
@@ -178,7 +191,6 @@ impl CustomOp2 for RopeGrad {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let dx = candle_nn::rotary_emb::rope(&grad.contiguous()?, &self.cos, &self.sin.neg()?)?;
-        Ok((Some(dx), None))
+        Ok((Some(rope_backward(grad, &self.cos, &self.sin)?), None))
     }
 }

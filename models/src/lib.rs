@@ -48,6 +48,7 @@
 
 pub mod checkpoint;
 pub mod config;
+mod decoder_backward;
 pub mod fused_linear;
 pub mod fused_mlp;
 pub mod fused_ops;
@@ -62,11 +63,11 @@ pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budg
 pub use config::{LlamaConfig, RopeScaling};
 pub use fused_linear::{fused_linear, Epilogue, FusedLinear};
 pub use fused_mlp::{fused_mlp, FusedMlp};
+pub use llama::{apply_rope, apply_rope_unfused, DecoderLayer, Llama, RmsNorm, Rope};
+#[cfg(feature = "cuda")]
+pub use lt::epilogue_fallbacks;
 #[cfg(feature = "cuda")]
 #[doc(hidden)]
 pub use lt::{cached_handles as cached_cublaslt_handles, handle_probe as cublaslt_handle_probe};
-#[cfg(feature = "cuda")]
-pub use lt::epilogue_fallbacks;
-pub use llama::{apply_rope, apply_rope_unfused, DecoderLayer, Llama, RmsNorm, Rope};
 pub use sample::{generate, sample_token};
 pub use train::{train_loop, ByteCorpus, CheckpointFiles, LmTrainer, LoopOptions, StepReport};

@@ -26,8 +26,8 @@ use streamer_core::{
 /// dtype before the weight multiplies it).
 #[derive(Clone, Debug)]
 pub struct RmsNorm {
-    weight: Tensor,
-    eps: f64,
+    pub(crate) weight: Tensor,
+    pub(crate) eps: f64,
 }
 
 impl RmsNorm {
@@ -163,18 +163,18 @@ impl Rope {
 /// this call's keys and values to its slot of the model's kv cache and to attend
 /// over every cached position ([`Llama::forward_cached`]).
 pub struct DecoderLayer {
-    input_layernorm: RmsNorm,
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
-    post_attention_layernorm: RmsNorm,
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
+    pub(crate) input_layernorm: RmsNorm,
+    pub(crate) q_proj: Linear,
+    pub(crate) k_proj: Linear,
+    pub(crate) v_proj: Linear,
+    pub(crate) o_proj: Linear,
+    pub(crate) post_attention_layernorm: RmsNorm,
+    pub(crate) gate_proj: Linear,
+    pub(crate) up_proj: Linear,
+    pub(crate) down_proj: Linear,
+    pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) head_dim: usize,
     /// The model's kv cache and this layer's index in it.
     cache: Option<(Arc<KvCache>, usize)>,
 }
@@ -234,7 +234,7 @@ impl DecoderLayer {
         ]
     }
 
-    fn heads(&self, t: Tensor, b: usize, n: usize, heads: usize) -> Result<Tensor> {
+    pub(crate) fn heads(&self, t: Tensor, b: usize, n: usize, heads: usize) -> Result<Tensor> {
         t.reshape((b, n, heads, self.head_dim))?
             .transpose(1, 2)?
             .contiguous()
@@ -281,6 +281,10 @@ impl Block for DecoderLayer {
         let u = self.up_proj.forward(&h)?;
         let x = (&x + self.down_proj.forward(&(g * u)?)?)?;
         Ok(vec![x])
+    }
+
+    fn manual(&self) -> Option<&dyn streamer_core::ManualBackward> {
+        Some(self)
     }
 }
 

@@ -4,6 +4,8 @@
 //!   forward keeps only block inputs; backward re-fetches each block's weights in
 //!   reverse, recomputes it under Candle autograd, sends weight gradients to
 //!   host buffers on their own stream, and returns one Candle `GradStore`.
+//!   Blocks with a hand-written backward keep their activations instead of
+//!   recomputing while an [`ActivationPolicy`] budget allows.
 //! - [`CpuAdamW`], [`CpuSgd`]: fused, multi-threaded optimizers that update the
 //!   host masters in place; they also implement candle-nn's `Optimizer`.
 //! - [`Dropout`] / [`dropout`]: dropout whose masks the recompute replays.

@@ -1,0 +1,179 @@
+//! The decoder layer's training forward and backward written out, so streamed
+//! training runs them without Candle autograd.
+//!
+//! Under autograd every intermediate gradient is added into a fresh zero
+//! tensor, the block output needs a surrogate loss, and each op's backward is
+//! a chain of generic element-wise kernels: on the H200 a `1b` layer spent
+//! three quarters of its GPU time outside the GEMMs and attention
+//! (`benches/results/README.md`). Here each gradient is produced once:
+//!
+//! - forward keeps `x`, both norms' outputs, the rotated `q`, `k`, `v`, the
+//!   attention output and its log-sum-exp, the residual `x_mid`, and `gate`,
+//!   `up`, `silu(gate) * up` (and the call's rotary tables);
+//! - backward is the GEMMs of each projection (input and weight gradient),
+//!   cqsa's attention backward from the kept log-sum-exp, RMSNorm's closed
+//!   form, RoPE's inverse rotation and SwiGLU's derivative.
+//!
+//! Sums of gradients from two branches (residuals, q/k/v into the norm) are
+//! single adds. Weight gradients are in the weights' dtype, as autograd gives.
+use crate::fused_ops::{rms_norm_backward, rope_backward};
+use crate::llama::DecoderLayer;
+use candle_core::{bail, DType, Result, Shape, Tensor};
+use streamer_core::{ManualBackward, SavedActivations};
+
+/// `x W^T` for a row-major `x (rows, in)` and `w (out, in)`.
+fn mm_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    x.matmul(&w.t()?)
+}
+
+/// The activations one layer keeps, in order (see the module docs).
+const SAVED: usize = 15;
+
+impl DecoderLayer {
+    fn rope_tables<'a>(&self, extras: &'a [Tensor]) -> Result<(&'a Tensor, &'a Tensor)> {
+        match extras {
+            [cos, sin] => Ok((cos, sin)),
+            _ => bail!(
+                "a Llama decoder layer trains with extras [cos, sin] (no kv cache), got {} tensors",
+                extras.len()
+            ),
+        }
+    }
+
+    /// `(b, heads, n, d)` back to `(b * n, heads * d)`.
+    fn rows(&self, t: &Tensor, b: usize, n: usize) -> Result<Tensor> {
+        let heads = t.dim(1)?;
+        t.transpose(1, 2)?
+            .reshape((b * n, heads * self.head_dim))?
+            .contiguous()
+    }
+}
+
+impl ManualBackward for DecoderLayer {
+    fn forward_train(&self, x: &Tensor, extras: &[Tensor]) -> Result<(Tensor, SavedActivations)> {
+        let (cos, sin) = self.rope_tables(extras)?;
+        let (b, n, hidden) = x.dims3()?;
+        let x2 = x.reshape((b * n, hidden))?.contiguous()?;
+        let n1 = &self.input_layernorm;
+        let h1 = candle_nn::ops::rms_norm(&x2, &n1.weight.contiguous()?, n1.eps as f32)?;
+        let proj = |w: &candle_nn::Linear, heads| self.heads(mm_t(&h1, w.weight())?, b, n, heads);
+        let q = candle_nn::rotary_emb::rope(&proj(&self.q_proj, self.heads)?, cos, sin)?;
+        let k = candle_nn::rotary_emb::rope(&proj(&self.k_proj, self.kv_heads)?, cos, sin)?;
+        let v = proj(&self.v_proj, self.kv_heads)?;
+        let scale = 1.0 / (self.head_dim as f32).sqrt();
+        let (o, lse) = cqsa::attention_forward(&q, &k, &v, scale, Some(0))?;
+        let o2 = self.rows(&o, b, n)?;
+        let x_mid = (&x2 + mm_t(&o2, self.o_proj.weight())?)?;
+        let n2 = &self.post_attention_layernorm;
+        let h2 = candle_nn::ops::rms_norm(&x_mid, &n2.weight.contiguous()?, n2.eps as f32)?;
+        let gate = mm_t(&h2, self.gate_proj.weight())?;
+        let up = mm_t(&h2, self.up_proj.weight())?;
+        let act = (gate.silu()? * &up)?;
+        let y = (&x_mid + mm_t(&act, self.down_proj.weight())?)?;
+        let (cos, sin) = (cos.clone(), sin.clone());
+        let saved = vec![
+            x2, h1, q, k, v, o, lse, o2, x_mid, h2, gate, up, act, cos, sin,
+        ];
+        Ok((y.reshape((b, n, hidden))?, SavedActivations(saved)))
+    }
+
+    fn saved_bytes(&self, x: &Shape, dtype: DType) -> usize {
+        let hidden = x.dims().last().copied().unwrap_or(1).max(1);
+        let rows = x.elem_count() / hidden;
+        let (q, kv) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
+        let m = self.gate_proj.weight().dim(0).unwrap_or(0);
+        // x, h1, x_mid, h2; q, o, o2; k, v; gate, up, act; lse in f32.
+        let elems = rows * (4 * hidden + 3 * q + 2 * kv + 3 * m);
+        elems * dtype.size_in_bytes() + rows * self.heads * 4
+    }
+
+    fn backward(
+        &self,
+        saved: SavedActivations,
+        grad: &Tensor,
+    ) -> Result<(Tensor, Vec<(Tensor, Tensor)>)> {
+        let acts: [Tensor; SAVED] = saved.0.try_into().map_err(|_| {
+            candle_core::Error::Msg(format!(
+                "decoder layer: backward needs the {SAVED} saved activations of its forward"
+            ))
+        })?;
+        let [x2, h1, q, k, v, o, lse, o2, x_mid, h2, gate, up, act, cos, sin] = acts;
+        let (b, n) = (q.dim(0)?, q.dim(2)?);
+        let hidden = x2.dim(1)?;
+        if grad.dims() != [b, n, hidden] || grad.dtype() != x2.dtype() {
+            bail!(
+                "decoder layer: output gradient {:?} {:?} does not match the forward's output [{b}, {n}, {hidden}] {:?}",
+                grad.dims(),
+                grad.dtype(),
+                x2.dtype()
+            );
+        }
+        let dy = grad.reshape((b * n, hidden))?.contiguous()?;
+        let mut grads = Vec::with_capacity(9);
+        // y = x_mid + act W_down^T
+        let (d_act, gw) = linear_grads(&dy, &act, self.down_proj.weight())?;
+        grads.push(gw);
+        let (d_gate, d_up) = swiglu_backward(&d_act, &gate, &up)?;
+        let (dh2_g, gw) = linear_grads(&d_gate, &h2, self.gate_proj.weight())?;
+        grads.push(gw);
+        let (dh2_u, gw) = linear_grads(&d_up, &h2, self.up_proj.weight())?;
+        grads.push(gw);
+        let n2 = &self.post_attention_layernorm;
+        let (dx_n2, dw2) = rms_norm_backward(&x_mid, &n2.weight, &(dh2_g + dh2_u)?, n2.eps)?;
+        grads.push((n2.weight.clone(), dw2));
+        let d_mid = (dy + dx_n2)?;
+        // x_mid = x + o2 W_o^T
+        let (d_o2, gw) = linear_grads(&d_mid, &o2, self.o_proj.weight())?;
+        grads.push(gw);
+        let d_o = self.heads(d_o2, b, n, self.heads)?;
+        let scale = 1.0 / (self.head_dim as f32).sqrt();
+        let (dq, dk, dv) = cqsa::attention_backward(&q, &k, &v, &o, &d_o, &lse, scale, Some(0))?;
+        drop((o, lse));
+        let dq = self.rows(&rope_backward(&dq, &cos, &sin)?, b, n)?;
+        let dk = self.rows(&rope_backward(&dk, &cos, &sin)?, b, n)?;
+        let dv = self.rows(&dv, b, n)?;
+        let mut dh1: Option<Tensor> = None;
+        for (d, w) in [
+            (&dq, &self.q_proj),
+            (&dk, &self.k_proj),
+            (&dv, &self.v_proj),
+        ] {
+            let (dh, gw) = linear_grads(d, &h1, w.weight())?;
+            grads.push(gw);
+            dh1 = Some(match dh1 {
+                None => dh,
+                Some(a) => (a + dh)?,
+            });
+        }
+        let n1 = &self.input_layernorm;
+        let dh1 = dh1.expect("three projections");
+        let (dx_n1, dw1) = rms_norm_backward(&x2, &n1.weight, &dh1, n1.eps)?;
+        grads.push((n1.weight.clone(), dw1));
+        let dx = (d_mid + dx_n1)?;
+        Ok((dx.reshape((b, n, hidden))?, grads))
+    }
+}
+
+/// For `y = a W^T`: `dL/da = g W` and `(W, dL/dW = g^T a)`.
+fn linear_grads(g: &Tensor, a: &Tensor, w: &Tensor) -> Result<(Tensor, (Tensor, Tensor))> {
+    let da = g.matmul(w)?;
+    let dw = g.t()?.matmul(a)?;
+    Ok((da, (w.clone(), dw)))
+}
+
+/// For `act = silu(gate) * up`: `(d gate, d up)`, the derivative in f32:
+/// `silu'(z) = s (1 + z (1 - s))` with `s = sigmoid(z)`.
+fn swiglu_backward(d_act: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
+    let dt = d_act.dtype();
+    let (da, z, u) = (
+        d_act.to_dtype(DType::F32)?,
+        gate.to_dtype(DType::F32)?,
+        up.to_dtype(DType::F32)?,
+    );
+    let s = candle_nn::ops::sigmoid(&z)?;
+    let silu = (&z * &s)?;
+    let dsilu = (&s * (s.affine(-1.0, 1.0)? * &z)?.affine(1.0, 1.0)?)?;
+    let d_gate = ((&da * u)? * dsilu)?;
+    let d_up = (da * silu)?;
+    Ok((d_gate.to_dtype(dt)?, d_up.to_dtype(dt)?))
+}
