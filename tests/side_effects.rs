@@ -109,6 +109,7 @@ candle_streamer::test_device!(dropout_leaves_the_device_generator_alone);
 #[cfg(feature = "cuda")]
 #[test]
 fn cublaslt_handle_is_freed_with_its_stream() -> Result<()> {
+    use candle_core::Module;
     use streamer_models::{Epilogue, FusedLinear};
     let dev = candle_streamer::test_utils::cuda_device()?;
     let Device::Cuda(cuda) = &dev else {
