@@ -8,8 +8,8 @@
 //! Writes `<out>/loss.csv`, `<out>/loss.svg`, `<out>/weights.safetensors`,
 //! `<out>/optimizer.safetensors` and `<out>/progress.json`.
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{linear, Optimizer, ParamsAdamW, VarBuilder};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{Optimizer, ParamsAdamW};
 use candle_streamer::cli;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -18,8 +18,9 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
-use streamer_autograd::{CpuAdamW, Train, TrainableSequential};
+use streamer_autograd::{ActivationPolicy, CpuAdamW, Train, TrainableSequential};
 use streamer_core::{BlockSpec, StreamConfig, StreamedSequential};
+use streamer_models::fused_mlp;
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a streamed MLP to imitate a random teacher network")]
@@ -66,18 +67,18 @@ struct Args {
     /// Seed of the teacher, the initial student and the data.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// What training keeps for backward: recompute, keep:BYTES (e.g. keep:8GiB)
+    /// or auto[:FRACTION] of free device memory (default auto:0.5).
+    #[arg(long, default_value = "auto")]
+    activations: String,
 }
 
-fn mlp(vb: VarBuilder, w: usize, h: usize) -> candle_core::Result<impl Module> {
-    let up = linear(w, h, vb.pp("up"))?;
-    let down = linear(h, w, vb.pp("down"))?;
-    Ok(move |x: &Tensor| down.forward(&up.forward(x)?.gelu()?))
-}
-
+/// `Linear(w,h), GELU, Linear(h,w)` as `FusedMlp`: bias and GELU in the GEMM
+/// epilogues, and a hand-written backward (no recompute GEMM, no autograd).
 fn blocks(a: &Args) -> Vec<BlockSpec> {
     let (w, h) = (a.width, a.hidden);
     (0..a.blocks)
-        .map(|i| BlockSpec::module(format!("layers.{i}"), move |vb| mlp(vb, w, h)))
+        .map(|i| BlockSpec::new(format!("layers.{i}"), move |vb| fused_mlp(w, h, vb)))
         .collect()
 }
 
@@ -184,6 +185,17 @@ fn check_args(a: &Args) -> Result<usize> {
     Ok(cli::prefetch("--prefetch", a.prefetch, a.blocks)?)
 }
 
+/// `--activations`, parsed and checked against the device before any work.
+fn activation_policy(a: &Args, dev: &Device) -> Result<ActivationPolicy> {
+    let p: ActivationPolicy = a
+        .activations
+        .parse()
+        .with_context(|| format!("--activations {:?}", a.activations))?;
+    p.validate(dev)
+        .with_context(|| format!("--activations {:?}", a.activations))?;
+    Ok(p)
+}
+
 /// `--resume`: the step saved in progress.json, after checking that the saved
 /// run had this run's sizes (the error names both).
 fn resume_step(a: &Args, progress_path: &std::path::Path) -> Result<usize> {
@@ -275,6 +287,7 @@ fn main() -> Result<()> {
     let a = Args::parse();
     let prefetch = check_args(&a)?;
     let dev = cli::device(a.device.as_deref())?;
+    let policy = activation_policy(&a, &dev)?;
     let dtype = match &a.dtype {
         Some(s) => cli::parse_dtype(s)?,
         None if dev.is_cuda() => DType::BF16,
@@ -303,6 +316,7 @@ fn main() -> Result<()> {
         },
     )?;
     let (student, mut opt, start, mut losses) = student(&a, &cfg, &mut rng)?;
+    student.set_activation_policy(policy)?;
     if start >= a.steps {
         println!(
             "already at step {start} of {}: nothing to do (raise --steps)",
