@@ -24,6 +24,7 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use std::time::Instant;
+use streamer_autograd::ActivationPolicy;
 use streamer_core::StreamConfig;
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{init_weights, ByteCorpus, Llama, LlamaConfig, LmTrainer};
@@ -31,6 +32,8 @@ use streamer_models::{init_weights, ByteCorpus, Llama, LlamaConfig, LmTrainer};
 const PEAK_TFLOPS: f64 = 990.0;
 
 struct Run {
+    /// Decoder layers whose activations the last streamed forward kept.
+    kept_layers: Option<usize>,
     step_s: Vec<f64>,
     loss: Vec<f32>,
     peak_device: usize,
@@ -80,6 +83,7 @@ fn time_steps(
         loss.push(l);
     }
     Ok(Run {
+        kept_layers: None,
         step_s,
         loss,
         peak_device: common::MemSampler::finish(sampler).saturating_sub(base),
@@ -118,6 +122,7 @@ fn streamed(
     adam: &ParamsAdamW,
     shape: (usize, usize, usize),
     window: usize,
+    policy: ActivationPolicy,
 ) -> Result<Run> {
     let (batch, seq, steps) = shape;
     let stream = StreamConfig {
@@ -131,13 +136,96 @@ fn streamed(
     let model = Llama::from_tensors(init_weights(cfg, 0)?, cfg, stream)?;
     let mut trainer = LmTrainer::new(model, adam.clone())?;
     trainer.set_overlap(true);
-    let run = time_steps(dev, &corpus(), batch, seq, steps, |x, y| {
+    let layers = trainer
+        .model()
+        .trainable_layers()
+        .expect("a trainable streamed model");
+    layers.set_activation_policy(policy)?;
+    println!(
+        "  activations {policy:?}; device memory free before: {:.1} GiB",
+        streamer_core::free_device_memory(dev)?.unwrap_or(0) as f64 / (1u64 << 30) as f64
+    );
+    let mut run = time_steps(dev, &corpus(), batch, seq, steps, |x, y| {
         Ok(trainer.step(x, y)?)
     })?;
+    let layers = trainer
+        .model()
+        .trainable_layers()
+        .expect("a trainable streamed model");
+    run.kept_layers = Some(layers.kept_blocks()?);
     if let Some(st) = trainer.model().stats()? {
         println!("  streamed layers: {st}");
     }
     Ok(run)
+}
+
+/// What one row of the bench runs.
+struct Bench<'a> {
+    preset: &'a str,
+    cfg: &'a LlamaConfig,
+    dev: &'a Device,
+    dtype: DType,
+    adam: &'a ParamsAdamW,
+    shape: (usize, usize, usize),
+    window: usize,
+}
+
+/// Runs one (mode, activation policy) and returns its row; a failure is a row
+/// with the error (the bench goes on).
+fn bench_one(
+    b: &Bench<'_>,
+    mode: &str,
+    policy: Option<(String, ActivationPolicy)>,
+    tps: &mut std::collections::HashMap<String, f64>,
+) -> serde_json::Value {
+    let (batch, seq, steps) = b.shape;
+    let params = b.cfg.num_params();
+    let tokens = batch * seq;
+    let name = policy
+        .as_ref()
+        .map_or("autograd (resident)".to_string(), |p| p.0.clone());
+    println!(
+        "{} ({:.2} B params, {} layers) {mode}, activations {name}: {batch} x {seq} tokens per step, {steps} timed steps",
+        b.preset,
+        params as f64 / 1e9,
+        b.cfg.num_hidden_layers
+    );
+    let run = match &policy {
+        None => resident(b.cfg, b.dev, b.dtype, b.adam, b.shape),
+        Some((_, p)) => streamed(b.cfg, b.dev, b.dtype, b.adam, b.shape, b.window, *p),
+    };
+    let run = match run {
+        Ok(r) => r,
+        Err(e) => {
+            println!("  {mode} failed: {e}");
+            return serde_json::json!({ "system": "ours", "preset": b.preset, "mode": mode, "activation_policy": name, "error": e.to_string() });
+        }
+    };
+    let mut sorted = run.step_s.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted[sorted.len() / 2];
+    let tok_s = tokens as f64 / median;
+    let mfu = 6.0 * params as f64 * tok_s / (PEAK_TFLOPS * 1e12);
+    let best = tps.entry(mode.to_string()).or_insert(0.0);
+    *best = best.max(tok_s);
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    println!(
+        "  step {median:.3} s (median), {tok_s:.0} tokens/s, MFU {:.1} %, peak device {:.2} GiB, host RSS {:.2} GiB, kept layers {:?}, loss {:?}",
+        mfu * 100.0,
+        gib(run.peak_device),
+        gib(run.host_rss),
+        run.kept_layers,
+        run.loss
+    );
+    serde_json::json!({
+        "system": "ours", "activation_policy": name, "kept_layers": run.kept_layers,
+        "peak_device_gib": gib(run.peak_device),
+        "preset": b.preset, "mode": mode, "params": params, "layers": b.cfg.num_hidden_layers,
+        "batch": batch, "seq": seq, "tokens_per_step": tokens,
+        "window_layers": if mode == "streamed" { Some(b.window) } else { None },
+        "step_s": run.step_s, "median_step_s": median, "tokens_per_s": tok_s, "mfu": mfu,
+        "peak_device_bytes": run.peak_device, "host_rss_bytes": run.host_rss, "losses": run.loss,
+    })
 }
 
 fn main() -> Result<()> {
@@ -172,56 +260,38 @@ fn main() -> Result<()> {
         if let Ok(l) = std::env::var("LM_BENCH_LAYERS") {
             cfg.num_hidden_layers = l.parse()?;
         }
-        let params = cfg.num_params();
-        let tokens = batch * seq;
-        let modes: Vec<&str> = match modes {
-            "both" => vec!["resident", "streamed"],
-            "resident" | "streamed" => vec![modes],
+        let policies =
+            std::env::var("LM_BENCH_ACTIVATIONS").unwrap_or_else(|_| "recompute,auto".into());
+        let policies = policies
+            .split(',')
+            .map(|p| p.parse::<ActivationPolicy>().map(|v| (p.to_string(), v)))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let runs: Vec<(&str, Option<(String, ActivationPolicy)>)> = match modes {
+            "both" | "resident" | "streamed" => {
+                let mut v = vec![];
+                if modes != "streamed" {
+                    v.push(("resident", None));
+                }
+                if modes != "resident" {
+                    v.extend(policies.iter().cloned().map(|p| ("streamed", Some(p))));
+                }
+                v
+            }
             m => bail!("LM_BENCH: unknown mode {m:?} (both, resident, streamed)"),
         };
         let mut tps = std::collections::HashMap::new();
-        for mode in modes {
-            println!(
-                "{preset} ({:.2} B params, {} layers) {mode}: {batch} x {seq} tokens per step, {steps} timed steps",
-                params as f64 / 1e9,
-                cfg.num_hidden_layers
-            );
-            let run = if mode == "resident" {
-                resident(&cfg, &dev, dtype, &adam, (batch, seq, steps))
-            } else {
-                streamed(&cfg, &dev, dtype, &adam, (batch, seq, steps), window)
+        for (mode, policy) in runs {
+            let what = Bench {
+                preset,
+                cfg: &cfg,
+                dev: &dev,
+                dtype,
+                adam: &adam,
+                shape: (batch, seq, steps),
+                window,
             };
-            let run = match run {
-                Ok(r) => r,
-                Err(e) => {
-                    println!("  {mode} failed: {e}");
-                    rows.push(serde_json::json!({ "preset": preset, "mode": mode, "error": e.to_string() }));
-                    continue;
-                }
-            };
-            let mut sorted = run.step_s.clone();
-            sorted.sort_by(f64::total_cmp);
-            let median = sorted[sorted.len() / 2];
-            let tok_s = tokens as f64 / median;
-            let mfu = 6.0 * params as f64 * tok_s / (PEAK_TFLOPS * 1e12);
-            tps.insert(mode, tok_s);
-            println!(
-                "  step {:.3} s (median), {tok_s:.0} tokens/s, MFU {:.1} %, peak device {:.2} GiB, host RSS {:.2} GiB, loss {:?}",
-                median,
-                mfu * 100.0,
-                run.peak_device as f64 / (1u64 << 30) as f64,
-                run.host_rss as f64 / (1u64 << 30) as f64,
-                run.loss
-            );
-            rows.push(serde_json::json!({
-                "system": "ours", "activation_policy": "recompute (decoder layers use Candle autograd)",
-                "peak_device_gib": run.peak_device as f64 / (1u64 << 30) as f64,
-                "preset": preset, "mode": mode, "params": params, "layers": cfg.num_hidden_layers,
-                "batch": batch, "seq": seq, "tokens_per_step": tokens,
-                "window_layers": if mode == "streamed" { Some(window) } else { None },
-                "step_s": run.step_s, "median_step_s": median, "tokens_per_s": tok_s, "mfu": mfu,
-                "peak_device_bytes": run.peak_device, "host_rss_bytes": run.host_rss, "losses": run.loss,
-            }));
+            let row = bench_one(&what, mode, policy, &mut tps);
+            rows.push(row);
         }
         if let (Some(r), Some(s)) = (tps.get("resident"), tps.get("streamed")) {
             println!("{preset}: streamed / resident tokens/s = {:.3}", s / r);
