@@ -27,12 +27,19 @@ pub const DELAY: &str = include_str!(concat!(env!("OUT_DIR"), "/delay.ptx"));
 #[cfg(feature = "cuda")]
 pub const ATTENTION: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
 
+/// The decoder layer's fused backward pieces (SwiGLU derivative, RMSNorm
+/// input and weight gradients), used by the models crate.
+#[cfg(feature = "cuda")]
+pub const DECODER: &str = include_str!(concat!(env!("OUT_DIR"), "/decoder.ptx"));
+
 /// Module names under which the PTX above is registered with a Candle device.
 pub mod module {
     /// Module name of [`super::CAST`].
     pub const CAST: &str = "streamer_cast";
     /// Module name of [`super::ATTENTION`].
     pub const ATTENTION: &str = "cqsa_attention";
+    /// Module name of [`super::DECODER`].
+    pub const DECODER: &str = "streamer_decoder";
     /// Module name of [`super::DELAY`].
     pub const DELAY: &str = "streamer_delay";
 }

@@ -14,6 +14,9 @@
 //!   cqsa's attention backward from the kept log-sum-exp, RMSNorm's closed
 //!   form, RoPE's inverse rotation and SwiGLU's derivative.
 //!
+//! On CUDA the SwiGLU derivative and the RMSNorm gradients are fused kernels
+//! (`kernels/src/decoder.cu`, one pass each); elsewhere Candle ops in f32.
+//!
 //! Sums of gradients from two branches (residuals, q/k/v into the norm) are
 //! single adds. Weight gradients are in the weights' dtype, as autograd gives.
 use crate::fused_ops::{rms_norm_backward, rope_backward};
@@ -119,7 +122,7 @@ impl ManualBackward for DecoderLayer {
         let (dh2_u, gw) = linear_grads(&d_up, &h2, self.up_proj.weight())?;
         grads.push(gw);
         let n2 = &self.post_attention_layernorm;
-        let (dx_n2, dw2) = rms_norm_backward(&x_mid, &n2.weight, &(dh2_g + dh2_u)?, n2.eps)?;
+        let (dx_n2, dw2) = norm_backward(&x_mid, &n2.weight, &(dh2_g + dh2_u)?, n2.eps)?;
         grads.push((n2.weight.clone(), dw2));
         let d_mid = (dy + dx_n2)?;
         // x_mid = x + o2 W_o^T
@@ -147,11 +150,22 @@ impl ManualBackward for DecoderLayer {
         }
         let n1 = &self.input_layernorm;
         let dh1 = dh1.expect("three projections");
-        let (dx_n1, dw1) = rms_norm_backward(&x2, &n1.weight, &dh1, n1.eps)?;
+        let (dx_n1, dw1) = norm_backward(&x2, &n1.weight, &dh1, n1.eps)?;
         grads.push((n1.weight.clone(), dw1));
         let dx = (d_mid + dx_n1)?;
         Ok((dx.reshape((b, n, hidden))?, grads))
     }
+}
+
+/// RMSNorm's `(dx, dw)`: our fused kernels on CUDA, Candle ops elsewhere.
+fn norm_backward(x: &Tensor, w: &Tensor, g: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        if let Some(r) = crate::decoder_kernels::rms_norm_backward(x, w, g, eps)? {
+            return Ok(r);
+        }
+    }
+    rms_norm_backward(x, w, g, eps)
 }
 
 /// For `y = a W^T`: `dL/da = g W` and `(W, dL/dW = g^T a)`.
@@ -164,6 +178,10 @@ fn linear_grads(g: &Tensor, a: &Tensor, w: &Tensor) -> Result<(Tensor, (Tensor, 
 /// For `act = silu(gate) * up`: `(d gate, d up)`, the derivative in f32:
 /// `silu'(z) = s (1 + z (1 - s))` with `s = sigmoid(z)`.
 fn swiglu_backward(d_act: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if d_act.device().is_cuda() {
+        return crate::decoder_kernels::swiglu_backward(d_act, gate, up);
+    }
     let dt = d_act.dtype();
     let (da, z, u) = (
         d_act.to_dtype(DType::F32)?,

@@ -49,6 +49,8 @@
 pub mod checkpoint;
 pub mod config;
 mod decoder_backward;
+#[cfg(feature = "cuda")]
+mod decoder_kernels;
 pub mod fused_linear;
 pub mod fused_mlp;
 pub mod fused_ops;

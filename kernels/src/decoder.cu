@@ -1,0 +1,122 @@
+// Fused element-wise pieces of the decoder layer's backward, each one pass
+// over its operands with f32 arithmetic (the Candle-op versions are chains of
+// f32 conversions and binary kernels, one pass each):
+// - swiglu_bwd: for act = silu(gate) * up, writes d_gate then d_up (one buffer
+//   of 2n elements);
+// - rms_dx: RMSNorm's input gradient, one block per row (two block sums);
+// - rms_dw: per block of rows, the partial sums over those rows of g x r
+//   (the weight gradient is their column sum).
+// Grid-stride and block-stride loops, so any launch size covers any length.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+
+template <typename T>
+__device__ void swiglu_bwd(const T* __restrict__ da, const T* __restrict__ g,
+                           const T* __restrict__ u, T* __restrict__ out, size_t n) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)blockDim.x * gridDim.x) {
+    float z = to_f(g[i]), a = to_f(da[i]), up = to_f(u[i]);
+    float s = 1.f / (1.f + __expf(-z));
+    out[i] = from_f<T>(a * up * s * (1.f + z * (1.f - s)));
+    out[n + i] = from_f<T>(a * z * s);
+  }
+}
+
+// Sum of v over the block (blockDim.x a multiple of 32, at most 1024); every
+// thread gets the result. `sh` holds 32 floats.
+__device__ float block_sum(float v, float* sh) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();  // the previous call's readers of sh[0] are done
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float t = lane < (int)(blockDim.x >> 5) ? sh[lane] : 0.f;
+    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+    if (lane == 0) sh[0] = t;
+  }
+  __syncthreads();
+  return sh[0];
+}
+
+// dx = r (g w - x r m), r = 1 / sqrt(mean(x^2) + eps), m = r sum(g w x) / h.
+template <typename T>
+__device__ void rms_dx(const T* __restrict__ x, const T* __restrict__ w,
+                       const T* __restrict__ g, T* __restrict__ dx, int h, float eps) {
+  __shared__ float sh[32];
+  const size_t off = (size_t)blockIdx.x * h;
+  float s2 = 0.f, sgwx = 0.f;
+  for (int j = threadIdx.x; j < h; j += blockDim.x) {
+    float xv = to_f(x[off + j]);
+    s2 += xv * xv;
+    sgwx += to_f(g[off + j]) * to_f(w[j]) * xv;
+  }
+  s2 = block_sum(s2, sh);
+  sgwx = block_sum(sgwx, sh);
+  const float r = rsqrtf(s2 / h + eps);
+  const float m = sgwx * r / h;
+  for (int j = threadIdx.x; j < h; j += blockDim.x) {
+    float xv = to_f(x[off + j]);
+    dx[off + j] = from_f<T>(r * (to_f(g[off + j]) * to_f(w[j]) - xv * r * m));
+  }
+}
+
+// part[block][j] = sum over this block's rows of g x r (h <= 32 * blockDim.x).
+template <typename T>
+__device__ void rms_dw(const T* __restrict__ x, const T* __restrict__ g, float* __restrict__ part,
+                       size_t rows, int h, float eps, size_t rows_per_block) {
+  __shared__ float sh[32];
+  float acc[32];
+#pragma unroll
+  for (int k = 0; k < 32; ++k) acc[k] = 0.f;
+  const size_t r0 = (size_t)blockIdx.x * rows_per_block;
+  const size_t r1 = min(rows, r0 + rows_per_block);
+  for (size_t row = r0; row < r1; ++row) {
+    const size_t off = row * h;
+    float s2 = 0.f;
+    for (int j = threadIdx.x; j < h; j += blockDim.x) {
+      float xv = to_f(x[off + j]);
+      s2 += xv * xv;
+    }
+    const float r = rsqrtf(block_sum(s2, sh) / h + eps);
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
+      const int j = threadIdx.x + k * blockDim.x;
+      if (j < h) acc[k] += to_f(g[off + j]) * to_f(x[off + j]) * r;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 32; ++k) {
+    const int j = threadIdx.x + k * blockDim.x;
+    if (j < h) part[(size_t)blockIdx.x * h + j] = acc[k];
+  }
+}
+
+#define DECODER_KERNELS(T, S)                                                                  \
+  extern "C" __global__ void swiglu_bwd_##S(const T* da, const T* g, const T* u, T* out,      \
+                                            size_t n) {                                        \
+    swiglu_bwd<T>(da, g, u, out, n);                                                           \
+  }                                                                                            \
+  extern "C" __global__ void rms_dx_##S(const T* x, const T* w, const T* g, T* dx, int h,      \
+                                        float eps) {                                           \
+    rms_dx<T>(x, w, g, dx, h, eps);                                                            \
+  }                                                                                            \
+  extern "C" __global__ void rms_dw_##S(const T* x, const T* g, float* part, size_t rows,      \
+                                        int h, float eps, size_t rows_per_block) {             \
+    rms_dw<T>(x, g, part, rows, h, eps, rows_per_block);                                       \
+  }
+
+DECODER_KERNELS(__nv_bfloat16, bf16)
+DECODER_KERNELS(__half, f16)
+DECODER_KERNELS(float, f32)

@@ -1,0 +1,319 @@
+//! The decoder backward's fused element-wise pieces on CUDA (kernels in
+//! `kernels/src/decoder.cu`), as Candle custom ops without a backward of
+//! their own (they are the backward). The CPU and unsupported shapes use the
+//! Candle-op versions in `decoder_backward.rs` / `fused_ops.rs`, which the
+//! tests hold these to.
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    bail, CpuStorage, CudaStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor,
+};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+/// Widest row the RMSNorm weight-gradient kernel takes (32 columns per thread).
+const MAX_HIDDEN: usize = 32 * 256;
+
+fn contiguous(l: &Layout, what: &str) -> Result<usize> {
+    if !l.is_contiguous() {
+        bail!(
+            "decoder kernels: {what} must be contiguous, got {:?}",
+            l.shape()
+        );
+    }
+    Ok(l.start_offset())
+}
+
+fn suffix(dt: DType) -> Result<&'static str> {
+    Ok(match dt {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        DType::F32 => "f32",
+        dt => bail!("decoder kernels take bf16, f16 or f32, got {dt:?}"),
+    })
+}
+
+fn func(dev: &candle_core::CudaDevice, name: &str) -> Result<cudarc::driver::CudaFunction> {
+    dev.get_or_load_custom_func(
+        name,
+        streamer_kernels::module::DECODER,
+        streamer_kernels::DECODER,
+    )
+}
+
+fn grid(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 65535) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `(d_act, gate, up) -> [d_gate; d_up]` stacked as `(2, ...)`.
+struct SwiGluBwd;
+
+impl CustomOp3 for SwiGluBwd {
+    fn name(&self) -> &'static str {
+        "swiglu-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("swiglu-bwd: CUDA only (the CPU uses Candle ops)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        sa: &CudaStorage,
+        la: &Layout,
+        sg: &CudaStorage,
+        lg: &Layout,
+        su: &CudaStorage,
+        lu: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (oa, og, ou) = (
+            contiguous(la, "d_act")?,
+            contiguous(lg, "gate")?,
+            contiguous(lu, "up")?,
+        );
+        if la.shape() != lg.shape() || la.shape() != lu.shape() {
+            bail!(
+                "swiglu-bwd: shapes differ: {:?} {:?} {:?}",
+                la.shape(),
+                lg.shape(),
+                lu.shape()
+            );
+        }
+        let n = la.shape().elem_count();
+        let dev = sa.device().clone();
+        let f = func(&dev, &format!("swiglu_bwd_{}", suffix(sa.dtype())?))?;
+        let stream = dev.cuda_stream();
+        macro_rules! go {
+            ($t:ty) => {{
+                let (a, g, u) = (sa.as_cuda_slice::<$t>()?.slice(oa..), sg.as_cuda_slice::<$t>()?.slice(og..), su.as_cuda_slice::<$t>()?.slice(ou..));
+                // SAFETY: the kernel writes all 2n elements before anything reads them.
+                let out = unsafe { dev.alloc::<$t>(2 * n) }?;
+                let mut b = stream.launch_builder(&f);
+                b.arg(&a).arg(&g).arg(&u).arg(&out).arg(&n);
+                // SAFETY: three inputs of n elements and an output of 2n, as the kernel reads and writes.
+                unsafe { b.launch(grid(n)) }.map_err(candle_core::Error::wrap)?;
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        let out = match sa.dtype() {
+            DType::BF16 => go!(half::bf16),
+            DType::F16 => go!(half::f16),
+            DType::F32 => go!(f32),
+            dt => bail!("swiglu-bwd: unsupported dtype {dt:?}"),
+        };
+        let mut dims = vec![2];
+        dims.extend_from_slice(la.dims());
+        Ok((out, Shape::from(dims)))
+    }
+}
+
+/// For `act = silu(gate) * up` on CUDA: `(d_gate, d_up)` in one pass.
+pub(crate) fn swiglu_backward(
+    d_act: &Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let both = d_act
+        .contiguous()?
+        .apply_op3(&gate.contiguous()?, &up.contiguous()?, SwiGluBwd)?;
+    Ok((both.get(0)?, both.get(1)?))
+}
+
+/// `(x, w, g) -> dx` of RMSNorm over the last dim.
+struct RmsDx {
+    eps: f32,
+}
+
+impl CustomOp3 for RmsDx {
+    fn name(&self) -> &'static str {
+        "rms-norm-dx"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("rms-norm-dx: CUDA only (the CPU uses Candle ops)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        sx: &CudaStorage,
+        lx: &Layout,
+        sw: &CudaStorage,
+        lw: &Layout,
+        sg: &CudaStorage,
+        lg: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (ox, ow, og) = (
+            contiguous(lx, "x")?,
+            contiguous(lw, "weight")?,
+            contiguous(lg, "grad")?,
+        );
+        let h = *lx.dims().last().unwrap_or(&0);
+        if lx.shape() != lg.shape() || lw.dims() != [h] {
+            bail!(
+                "rms-norm-dx: x {:?}, weight {:?}, grad {:?}",
+                lx.shape(),
+                lw.shape(),
+                lg.shape()
+            );
+        }
+        let (n, rows) = (lx.shape().elem_count(), lx.shape().elem_count() / h.max(1));
+        let dev = sx.device().clone();
+        let f = func(&dev, &format!("rms_dx_{}", suffix(sx.dtype())?))?;
+        let stream = dev.cuda_stream();
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (h32, eps) = (h as i32, self.eps);
+        macro_rules! go {
+            ($t:ty) => {{
+                let (x, w, g) = (
+                    sx.as_cuda_slice::<$t>()?.slice(ox..),
+                    sw.as_cuda_slice::<$t>()?.slice(ow..),
+                    sg.as_cuda_slice::<$t>()?.slice(og..),
+                );
+                // SAFETY: one block per row writes every element of its row.
+                let dx = unsafe { dev.alloc::<$t>(n) }?;
+                let mut b = stream.launch_builder(&f);
+                b.arg(&x).arg(&w).arg(&g).arg(&dx).arg(&h32).arg(&eps);
+                // SAFETY: rows x h inputs and output, a weight of h, as the kernel indexes.
+                unsafe { b.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+                CudaStorage::wrap_cuda_slice(dx, dev.clone())
+            }};
+        }
+        let dx = match sx.dtype() {
+            DType::BF16 => go!(half::bf16),
+            DType::F16 => go!(half::f16),
+            DType::F32 => go!(f32),
+            dt => bail!("rms-norm-dx: unsupported dtype {dt:?}"),
+        };
+        Ok((dx, lx.shape().clone()))
+    }
+}
+
+/// `(x, g) -> (blocks, hidden)` f32 partial sums of `g x r` over row blocks.
+struct RmsDwPartial {
+    eps: f32,
+}
+
+/// Row blocks of the weight-gradient kernel: two per SM of an H200 class GPU
+/// is plenty; fewer for short inputs.
+fn dw_blocks(rows: usize) -> usize {
+    rows.clamp(1, 264)
+}
+
+impl CustomOp2 for RmsDwPartial {
+    fn name(&self) -> &'static str {
+        "rms-norm-dw"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("rms-norm-dw: CUDA only (the CPU uses Candle ops)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        sx: &CudaStorage,
+        lx: &Layout,
+        sg: &CudaStorage,
+        lg: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (ox, og) = (contiguous(lx, "x")?, contiguous(lg, "grad")?);
+        let h = *lx.dims().last().unwrap_or(&0);
+        if lx.shape() != lg.shape() || h == 0 || h > MAX_HIDDEN {
+            bail!(
+                "rms-norm-dw: x {:?}, grad {:?} (hidden 1..={MAX_HIDDEN})",
+                lx.shape(),
+                lg.shape()
+            );
+        }
+        let rows = lx.shape().elem_count() / h;
+        let blocks = dw_blocks(rows);
+        let per = rows.div_ceil(blocks);
+        let dev = sx.device().clone();
+        let f = func(&dev, &format!("rms_dw_{}", suffix(sx.dtype())?))?;
+        let stream = dev.cuda_stream();
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (h32, eps) = (h as i32, self.eps);
+        // Zeroed: a block past the last row (rows < blocks * per) still writes its zeros.
+        let part = dev.alloc_zeros::<f32>(blocks * h)?;
+        macro_rules! go {
+            ($t:ty) => {{
+                let (x, g) = (
+                    sx.as_cuda_slice::<$t>()?.slice(ox..),
+                    sg.as_cuda_slice::<$t>()?.slice(og..),
+                );
+                let mut b = stream.launch_builder(&f);
+                b.arg(&x)
+                    .arg(&g)
+                    .arg(&part)
+                    .arg(&rows)
+                    .arg(&h32)
+                    .arg(&eps)
+                    .arg(&per);
+                // SAFETY: rows x h inputs; the output holds blocks x h floats.
+                unsafe { b.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+            }};
+        }
+        match sx.dtype() {
+            DType::BF16 => go!(half::bf16),
+            DType::F16 => go!(half::f16),
+            DType::F32 => go!(f32),
+            dt => bail!("rms-norm-dw: unsupported dtype {dt:?}"),
+        }
+        Ok((
+            CudaStorage::wrap_cuda_slice(part, dev),
+            Shape::from((blocks, h)),
+        ))
+    }
+}
+
+/// RMSNorm's `(dx, dw)` on CUDA in two passes, `None` for a row wider than
+/// the weight-gradient kernel takes (the caller then uses Candle ops).
+pub(crate) fn rms_norm_backward(
+    x: &Tensor,
+    w: &Tensor,
+    grad: &Tensor,
+    eps: f64,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let h = x.dim(candle_core::D::Minus1)?;
+    if h > MAX_HIDDEN || w.dtype() != x.dtype() || grad.dtype() != x.dtype() {
+        return Ok(None);
+    }
+    let (x, w, g) = (x.contiguous()?, w.contiguous()?, grad.contiguous()?);
+    let dx = x.apply_op3(&w, &g, RmsDx { eps: eps as f32 })?;
+    let dw = x
+        .apply_op2(&g, RmsDwPartial { eps: eps as f32 })?
+        .sum(0)?
+        .to_dtype(w.dtype())?;
+    Ok(Some((dx, dw)))
+}
