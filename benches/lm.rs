@@ -11,7 +11,10 @@
 //! (16 x 2048 on a GPU), `LM_BENCH_STEPS` the timed steps (after 2 warm-up
 //! steps; `LM_BENCH_WARMUP` changes that), `LM_BENCH_WINDOW` the decoder layers
 //! on the device (default 2), `LM_BENCH_LAYERS` a smaller layer count of the
-//! same shapes (to profile a layer's kernels with `ncu`).
+//! same shapes (to profile a layer's kernels with `ncu`),
+//! `LM_BENCH_ACTIVATIONS` the streamed runs' activation policies (default
+//! `recompute,auto`), `LM_BENCH_NO_EVENT_TRACKING=1` turns cudarc's event
+//! tracking off first (the opt-in `streamer_core::disable_cuda_event_tracking`).
 //! Model FLOPs utilisation is `6 x parameters x tokens/s / 990 TFLOP/s` (the
 //! H200's dense bf16 peak); the streamed run recomputes each layer's forward
 //! in backward, which this convention does not count.
@@ -77,6 +80,16 @@ fn time_steps(
         let t = Instant::now();
         let l = step(&x, &y)?;
         dev.synchronize()?;
+        if dev.is_cuda() {
+            let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+            let idle = streamer_core::pooled_idle_bytes(dev)?;
+            println!(
+                "  step {s}: {:.3} s, device in use {:.1} GiB ({:.1} GiB of it idle in the pool)",
+                t.elapsed().as_secs_f64(),
+                gib(common::used_now(dev)),
+                gib(idle)
+            );
+        }
         if s >= warmup {
             step_s.push(t.elapsed().as_secs_f64());
         }
@@ -233,6 +246,12 @@ fn main() -> Result<()> {
     let tag = common::device_tag(&dev);
     let gpu = dev.is_cuda();
     streamer_core::retain_freed_device_memory(&dev)?;
+    if std::env::var("LM_BENCH_NO_EVENT_TRACKING").is_ok_and(|v| v == "1") {
+        // SAFETY: this bench's only streams are Candle's and the pool's, which
+        // order themselves with explicit events.
+        unsafe { streamer_core::disable_cuda_event_tracking(&dev)? };
+        println!("cudarc event tracking off (LM_BENCH_NO_EVENT_TRACKING=1)");
+    }
     let spec = std::env::var("LM_BENCH").unwrap_or_else(|_| {
         if gpu {
             "1b:both,3b:streamed"

@@ -356,7 +356,9 @@ impl LmTrainer {
 /// Removes the files of earlier saves in a checkpoint folder that
 /// `checkpoint.json` does not name (`weights-<step>.safetensors`,
 /// `optimizer-<step>.safetensors` and their `.tmp`, left by a save that was
-/// killed), keeping `keep`. Best effort: a file that cannot be removed stays.
+/// killed), and the `.tmpXXXXXX` files safetensors' own writer (a `tempfile`
+/// beside its target) leaves when killed mid-write, keeping `keep`. Best
+/// effort: a file that cannot be removed stays.
 fn remove_stale_saves(dir: &Path, keep: &[&str]) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
@@ -370,7 +372,10 @@ fn remove_stale_saves(dir: &Path, keep: &[&str]) {
                 .and_then(|r| r.strip_suffix(".safetensors"))
                 .is_some_and(|step| !step.is_empty() && step.bytes().all(|b| b.is_ascii_digit()))
         });
-        if ours && !keep.contains(&name) {
+        let safetensors_temp = name.len() == 10
+            && name.starts_with(".tmp")
+            && name[4..].bytes().all(|b| b.is_ascii_alphanumeric());
+        if (ours || safetensors_temp) && !keep.contains(&name) {
             let _ = std::fs::remove_file(entry.path());
         }
     }
