@@ -814,8 +814,12 @@ fn manual_step(
         }
     };
     let (g_x, list) = man.backward(acts, g)?;
+    // Detached: a backward computed with the pool's variables may have recorded
+    // a Candle graph, which the next block's backward would otherwise keep alive.
+    let g_x = g_x.detach();
     let mut grads: HashMap<candle_core::TensorId, Tensor> = HashMap::with_capacity(list.len());
     for (w, g) in list {
+        let g = g.detach();
         let sum = match grads.remove(&w.id()) {
             Some(prev) => prev.add(&g)?,
             None => g,
