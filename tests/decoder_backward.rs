@@ -1,28 +1,13 @@
 //! The decoder layer's hand-written training backward (what streamed training
 //! runs) against Candle autograd through the layer's ordinary forward, for the
 //! input and every weight, in f32 and (on CUDA) bf16.
+use super::fused_mlp::rel_err;
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use streamer_core::Block;
 use streamer_models::{DecoderLayer, LlamaConfig, Rope};
-
-fn rel_err(got: &Tensor, want: &Tensor) -> Result<f64> {
-    let g: Vec<f64> = got.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
-    let w: Vec<f64> = want.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
-    ensure!(
-        g.len() == w.len(),
-        "{} values, expected {}",
-        g.len(),
-        w.len()
-    );
-    let scale = w.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
-    Ok(g.iter()
-        .zip(&w)
-        .fold(0f64, |m, (a, b)| m.max((a - b).abs()))
-        / scale)
-}
 
 fn decoder_manual_backward_matches_autograd(dev: &Device) -> Result<()> {
     // GQA (4 query heads over 2 kv heads), head_dim 16, an odd sequence length.

@@ -10,8 +10,9 @@ use streamer_autograd::{ActivationPolicy, Train};
 use streamer_core::{Block, BlockSpec, ManualBackward, StreamConfig, StreamedSequential};
 use streamer_models::{fused_mlp, FusedMlp};
 
-/// Largest absolute difference over the largest reference magnitude.
-fn rel_err(got: &Tensor, want: &Tensor) -> Result<f64> {
+/// Largest absolute difference over the largest reference magnitude (any
+/// devices, compared in f64 on the CPU).
+pub(crate) fn rel_err(got: &Tensor, want: &Tensor) -> Result<f64> {
     let g: Vec<f64> = got
         .to_dtype(DType::F64)?
         .to_device(&Device::Cpu)?

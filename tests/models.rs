@@ -795,15 +795,9 @@ fn llama_config_mistral_without_window_is_llama(_dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(llama_config_mistral_without_window_is_llama);
 
-fn llama_config_unsupported_fields_are_named(_dev: &Device) -> Result<()> {
-    let rp = |edits: serde_json::Value| {
-        let mut r = hf5_config()["rope_parameters"].clone();
-        for (k, v) in edits.as_object().expect("object") {
-            r[k] = v.clone();
-        }
-        serde_json::json!({ "rope_parameters": r })
-    };
-    let cases = [
+/// Unsupported `config.json` fields and the words their error must name (unsupported_cases_a).
+fn unsupported_cases_a() -> Vec<(serde_json::Value, serde_json::Value, Vec<&'static str>)> {
+    vec![
         (
             hf4_config(),
             serde_json::json!({"model_type": "qwen2"}),
@@ -854,6 +848,19 @@ fn llama_config_unsupported_fields_are_named(_dev: &Device) -> Result<()> {
             serde_json::json!({"rope_scaling": {"rope_type": "llama3", "type": "yarn"}}),
             vec!["rope_scaling", "yarn"],
         ),
+    ]
+}
+
+/// Unsupported `config.json` fields and the words their error must name (unsupported_cases_b).
+fn unsupported_cases_b() -> Vec<(serde_json::Value, serde_json::Value, Vec<&'static str>)> {
+    let rp = |edits: serde_json::Value| {
+        let mut r = hf5_config()["rope_parameters"].clone();
+        for (k, v) in edits.as_object().expect("object") {
+            r[k] = v.clone();
+        }
+        serde_json::json!({ "rope_parameters": r })
+    };
+    vec![
         (
             hf5_config(),
             rp(serde_json::json!({"rope_type": "yarn"})),
@@ -906,7 +913,13 @@ fn llama_config_unsupported_fields_are_named(_dev: &Device) -> Result<()> {
             serde_json::json!({"head_dim": 7}),
             vec!["head dimension 7"],
         ),
-    ];
+    ]
+}
+
+fn llama_config_unsupported_fields_are_named(_dev: &Device) -> Result<()> {
+    let cases = unsupported_cases_a()
+        .into_iter()
+        .chain(unsupported_cases_b());
     for (base, edits, want) in cases {
         let e = err_of(parse(&with(base, edits.clone())))?;
         ensure!(want.iter().all(|w| e.contains(w)), "{edits}: {e}");
