@@ -5,8 +5,11 @@
 //!     cargo run --release --example train_mlp -- --resume         # continue from the last save
 //!     cargo run --release --features cuda --example train_mlp -- --width 4096 --hidden 16384 --blocks 8 --batch 8192
 //!
-//! Writes `<out>/loss.csv`, `<out>/loss.svg`, `<out>/weights.safetensors`,
-//! `<out>/optimizer.safetensors` and `<out>/progress.json`.
+//! Writes `<out>/loss.csv`, `<out>/loss.svg`, `<out>/weights-<step>.safetensors`,
+//! `<out>/optimizer-<step>.safetensors` and `<out>/progress.json`. A save
+//! writes the step's two files, then `progress.json` naming them (each
+//! atomically), then removes the previous save's: a run killed at any moment
+//! resumes from a complete, consistent save.
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Optimizer, ParamsAdamW};
@@ -196,9 +199,16 @@ fn activation_policy(a: &Args, dev: &Device) -> Result<ActivationPolicy> {
     Ok(p)
 }
 
-/// `--resume`: the step saved in progress.json, after checking that the saved
+/// What `progress.json` records: the step and the files of its save.
+struct Saved {
+    step: usize,
+    weights: PathBuf,
+    optimizer: PathBuf,
+}
+
+/// `--resume`: the save progress.json names, after checking that the saved
 /// run had this run's sizes (the error names both).
-fn resume_step(a: &Args, progress_path: &std::path::Path) -> Result<usize> {
+fn resume_from(a: &Args, progress_path: &std::path::Path) -> Result<Saved> {
     let progress: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(progress_path)
             .with_context(|| format!("--resume: no {}", progress_path.display()))?,
@@ -219,9 +229,54 @@ fn resume_step(a: &Args, progress_path: &std::path::Path) -> Result<usize> {
             }
         }
     }
-    Ok(progress["step"]
+    let step = progress["step"]
         .as_u64()
-        .context("progress.json has no step")? as usize)
+        .context("progress.json has no step")? as usize;
+    // Saves from before files were named by step used fixed names.
+    let file = |key: &str, legacy: &str| -> Result<PathBuf> {
+        let name = progress[key].as_str().unwrap_or(legacy);
+        let what = format!("{} field {key:?}", progress_path.display());
+        Ok(streamer_core::sibling_file(&a.out, name, &what)?)
+    };
+    Ok(Saved {
+        step,
+        weights: file("weights", "weights.safetensors")?,
+        optimizer: file("optimizer", "optimizer.safetensors")?,
+    })
+}
+
+/// Saves weights, optimizer state and progress as one consistent set (see the
+/// module docs); `previous` is the save it replaces, removed last.
+fn save_run(
+    a: &Args,
+    student: &TrainableSequential,
+    opt: &CpuAdamW,
+    step: usize,
+    losses: &[(usize, f32)],
+    previous: &mut Option<(PathBuf, PathBuf)>,
+) -> Result<()> {
+    // Never save a NaN or an infinity (the previous save stays).
+    opt.check_finite()
+        .with_context(|| format!("not saving step {step} into {}", a.out.display()))?;
+    let w = a.out.join(format!("weights-{step:08}.safetensors"));
+    let o = a.out.join(format!("optimizer-{step:08}.safetensors"));
+    student.inner().save_safetensors(&w)?;
+    opt.save(&o)?;
+    write_curve(&a.out, losses)?;
+    let name = |p: &PathBuf| p.file_name().map(|n| n.to_string_lossy().into_owned());
+    let progress = serde_json::json!({
+        "step": step, "blocks": a.blocks, "width": a.width, "hidden": a.hidden,
+        "weights": name(&w), "optimizer": name(&o),
+    });
+    streamer_models::train::write_atomic(&a.out.join("progress.json"), &progress.to_string())?;
+    if let Some((pw, po)) = previous.replace((w.clone(), o.clone())) {
+        for p in [pw, po] {
+            if p != w && p != o {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The student and its optimizer: fresh, or with `--resume` the saved weights,
@@ -235,15 +290,17 @@ fn student(a: &Args, cfg: &StreamConfig, rng: &mut StdRng) -> Result<Student> {
         let opt = optimizer(a, &student)?;
         return Ok((student, opt, 0, Vec::new()));
     }
-    let start = resume_step(a, &a.out.join("progress.json"))?;
-    let weights_path = a.out.join("weights.safetensors");
-    let student = StreamedSequential::from_safetensors(&[&weights_path], blocks(a), cfg.clone())
+    let saved = resume_from(a, &a.out.join("progress.json"))?;
+    let student = StreamedSequential::from_safetensors(&[&saved.weights], blocks(a), cfg.clone())
         .context("--resume: the saved weights do not fit this --blocks/--width/--hidden")?
         .train();
     let mut opt = optimizer(a, &student)?;
-    opt.load(a.out.join("optimizer.safetensors"))?;
+    opt.load(&saved.optimizer)?;
     opt.set_learning_rate(a.lr);
-    Ok((student, opt, start, read_losses(&a.out.join("loss.csv"))?))
+    // loss.csv is written before progress.json: drop rows past the saved step.
+    let mut losses = read_losses(&a.out.join("loss.csv"))?;
+    losses.retain(|(s, _)| *s <= saved.step);
+    Ok((student, opt, saved.step, losses))
 }
 
 fn print_header(
@@ -294,9 +351,6 @@ fn main() -> Result<()> {
         None => DType::F32,
     };
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
-    let weights_path = a.out.join("weights.safetensors");
-    let opt_path = a.out.join("optimizer.safetensors");
-    let progress_path = a.out.join("progress.json");
     let cfg = StreamConfig {
         device: dev.clone(),
         prefetch_ahead: prefetch,
@@ -330,21 +384,11 @@ fn main() -> Result<()> {
         "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
     )?);
     let t0 = Instant::now();
-    let save = |step: usize, losses: &[(usize, f32)], opt: &CpuAdamW| -> Result<()> {
-        // Never save a NaN or an infinity (the previous save stays).
-        opt.check_finite()
-            .with_context(|| format!("not saving step {step} into {}", a.out.display()))?;
-        student.inner().save_safetensors(&weights_path)?;
-        opt.save(&opt_path)?;
-        write_curve(&a.out, losses)?;
-        std::fs::write(
-            &progress_path,
-            serde_json::json!({
-                "step": step, "blocks": a.blocks, "width": a.width, "hidden": a.hidden,
-            })
-            .to_string(),
-        )?;
-        Ok(())
+    let mut previous = if a.resume {
+        let s = resume_from(&a, &a.out.join("progress.json"))?;
+        Some((s.weights, s.optimizer))
+    } else {
+        None
     };
     for step in start..a.steps {
         let x = batch(&a, step, &dev)?.to_dtype(dtype)?;
@@ -365,11 +409,11 @@ fn main() -> Result<()> {
         bar.set_message(format!("loss {l:.5}  {tps:.0} tokens/s"));
         bar.inc(1);
         if (step + 1) % a.save_every == 0 && step + 1 < a.steps {
-            save(step + 1, &losses, &opt)?;
+            save_run(&a, &student, &opt, step + 1, &losses, &mut previous)?;
         }
     }
     bar.finish();
-    save(a.steps, &losses, &opt)?;
+    save_run(&a, &student, &opt, a.steps, &losses, &mut previous)?;
     let first = losses.first().map(|l| l.1).unwrap_or(f32::NAN);
     let last = losses.last().map(|l| l.1).unwrap_or(f32::NAN);
     println!(
@@ -379,7 +423,7 @@ fn main() -> Result<()> {
     );
     println!("student {}", student.stats()?);
     println!(
-        "wrote {}/{{loss.csv, loss.svg, weights.safetensors, optimizer.safetensors}}",
+        "wrote {}/{{loss.csv, loss.svg, weights-<step>.safetensors, optimizer-<step>.safetensors, progress.json}}",
         a.out.display()
     );
     Ok(())
