@@ -280,15 +280,22 @@ fn save_run(
 }
 
 /// The student and its optimizer: fresh, or with `--resume` the saved weights,
-/// optimizer state, step and losses.
-type Student = (TrainableSequential, CpuAdamW, usize, Vec<(usize, f32)>);
+/// optimizer state, step and losses, and the files of that save (which the
+/// next save replaces).
+type Student = (
+    TrainableSequential,
+    CpuAdamW,
+    usize,
+    Vec<(usize, f32)>,
+    Option<(PathBuf, PathBuf)>,
+);
 
 fn student(a: &Args, cfg: &StreamConfig, rng: &mut StdRng) -> Result<Student> {
     if !a.resume {
         let init = random_weights(a, rng, 1.0)?;
         let student = StreamedSequential::from_tensors(init, blocks(a), cfg.clone())?.train();
         let opt = optimizer(a, &student)?;
-        return Ok((student, opt, 0, Vec::new()));
+        return Ok((student, opt, 0, Vec::new(), None));
     }
     let saved = resume_from(a, &a.out.join("progress.json"))?;
     let student = StreamedSequential::from_safetensors(&[&saved.weights], blocks(a), cfg.clone())
@@ -300,7 +307,8 @@ fn student(a: &Args, cfg: &StreamConfig, rng: &mut StdRng) -> Result<Student> {
     // loss.csv is written before progress.json: drop rows past the saved step.
     let mut losses = read_losses(&a.out.join("loss.csv"))?;
     losses.retain(|(s, _)| *s <= saved.step);
-    Ok((student, opt, saved.step, losses))
+    let files = Some((saved.weights, saved.optimizer));
+    Ok((student, opt, saved.step, losses, files))
 }
 
 fn print_header(
@@ -369,7 +377,7 @@ fn main() -> Result<()> {
             ..cfg.clone()
         },
     )?;
-    let (student, mut opt, start, mut losses) = student(&a, &cfg, &mut rng)?;
+    let (student, mut opt, start, mut losses, mut previous) = student(&a, &cfg, &mut rng)?;
     student.set_activation_policy(policy)?;
     if start >= a.steps {
         println!(
@@ -384,12 +392,6 @@ fn main() -> Result<()> {
         "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
     )?);
     let t0 = Instant::now();
-    let mut previous = if a.resume {
-        let s = resume_from(&a, &a.out.join("progress.json"))?;
-        Some((s.weights, s.optimizer))
-    } else {
-        None
-    };
     for step in start..a.steps {
         let x = batch(&a, step, &dev)?.to_dtype(dtype)?;
         let target = teacher.forward(&x)?.to_dtype(DType::F32)?;
