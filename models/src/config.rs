@@ -5,11 +5,12 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::path::Path;
 
-/// Rotary-embedding frequency scaling (`rope_scaling` in `config.json`). Only
-/// Llama 3's `"llama3"` scheme (and `"default"`, no scaling) is supported.
+/// Rotary-embedding frequency scaling (`rope_scaling` in `config.json`): Llama
+/// 3's `"llama3"` scheme, `"linear"` (every frequency divided by `factor`) and
+/// `"default"` (no scaling).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RopeScaling {
-    /// `"llama3"` or `"default"` (older files call this field `type`).
+    /// `"llama3"`, `"linear"` or `"default"` (older files call this field `type`).
     #[serde(alias = "type")]
     pub rope_type: String,
     /// Context extension factor.
@@ -44,12 +45,26 @@ fn default_theta() -> f64 {
 fn default_max_pos() -> usize {
     2048
 }
+fn default_model_type() -> String {
+    "llama".into()
+}
+
+/// The model families this decoder runs (`model_type` in `config.json`).
+pub const MODEL_TYPES: [&str; 4] = ["llama", "mistral", "qwen2", "qwen3"];
 
 /// A Llama-family decoder's configuration. Field names are those of Hugging
-/// Face's `config.json` for Llama models; unknown fields are ignored, missing
-/// optional ones take Hugging Face's defaults.
+/// Face's `config.json` for Llama, Mistral, Qwen2 and Qwen3 models; unknown
+/// fields are ignored, missing optional ones take Hugging Face's defaults.
+///
+/// The family (`model_type`) decides what the fields cannot say: Qwen2 has
+/// q/k/v biases (no `o_proj` bias), Qwen3 an RMSNorm over each query and key
+/// head before the rotary embedding; Llama's `attention_bias` puts biases on
+/// q/k/v/o.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LlamaConfig {
+    /// Model family: `llama`, `mistral`, `qwen2` or `qwen3` ([`MODEL_TYPES`]).
+    #[serde(default = "default_model_type")]
+    pub model_type: String,
     /// Width of the residual stream.
     pub hidden_size: usize,
     /// Width of the SwiGLU MLP.
@@ -81,7 +96,8 @@ pub struct LlamaConfig {
     /// Rotary frequency scaling (Llama 3.1+).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_scaling: Option<RopeScaling>,
-    /// Biases on the attention projections (not supported: must be false).
+    /// Biases on the q/k/v/o projections (Llama, Qwen3; Qwen2's q/k/v biases
+    /// come with the family, Mistral has none).
     #[serde(default)]
     pub attention_bias: bool,
     /// Biases on the MLP projections (not supported: must be false).
@@ -90,6 +106,18 @@ pub struct LlamaConfig {
     /// Activation of the MLP gate (only `"silu"` is supported).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hidden_act: Option<String>,
+    /// Sliding-window attention: a query sees the `sliding_window` most recent
+    /// keys (itself included) in the layers `layer_types` marks
+    /// `sliding_attention` (every layer when `layer_types` is empty); `None` is
+    /// dense attention. Qwen's `use_sliding_window: false` reads as `None`.
+    /// Until cqsa has a window mask, a forward over more keys than the window
+    /// is an error naming this field.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    /// Each layer's attention, `full_attention` or `sliding_attention`
+    /// (transformers 5.x; Qwen 4.x files' `max_window_layers` is read into it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layer_types: Vec<String>,
 }
 
 impl LlamaConfig {
@@ -97,6 +125,7 @@ impl LlamaConfig {
     /// `intermediate_size` is 8/3 of the width rounded up to a multiple of 128.
     pub fn bytes(hidden: usize, layers: usize, heads: usize, kv_heads: usize) -> Self {
         Self {
+            model_type: default_model_type(),
             hidden_size: hidden,
             intermediate_size: (hidden * 8 / 3).div_ceil(128) * 128,
             num_hidden_layers: layers,
@@ -112,6 +141,8 @@ impl LlamaConfig {
             attention_bias: false,
             mlp_bias: false,
             hidden_act: Some("silu".into()),
+            sliding_window: None,
+            layer_types: Vec::new(),
         }
     }
 
@@ -195,10 +226,10 @@ impl LlamaConfig {
     ///
     /// Reads the layouts of Hugging Face transformers 4.x (top-level `rope_theta`
     /// and `rope_scaling`) and 5.x (`rope_parameters`, `layer_types`); both give
-    /// the same configuration. `model_type` must be `llama` (or absent), or
-    /// `mistral` without a sliding window shorter than the context. A field that
-    /// would change the math and that this decoder does not implement is an
-    /// error naming the field and its value; other unknown fields are ignored.
+    /// the same configuration. `model_type` must be `llama` (or absent),
+    /// `mistral`, `qwen2` or `qwen3`. A field that would change the math and
+    /// that this decoder does not implement is an error naming the field and
+    /// its value; other unknown fields are ignored.
     pub fn from_json(text: &str) -> Result<Self> {
         let v: Value = serde_json::from_str(text)
             .map_err(|e| candle_core::Error::Msg(format!("invalid Llama config.json: {e}")))?;
@@ -221,18 +252,56 @@ impl LlamaConfig {
             .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", path.display())))
     }
 
-    /// The configuration as `config.json` text (with `architectures` and
-    /// `model_type` so Hugging Face tools recognise it).
+    /// The configuration as `config.json` text (with `architectures` so
+    /// Hugging Face tools recognise it, and Qwen's `use_sliding_window`).
     pub fn to_json(&self) -> Result<String> {
         let mut v = serde_json::to_value(self).map_err(candle_core::Error::wrap)?;
         if let Some(o) = v.as_object_mut() {
-            o.insert(
-                "architectures".into(),
-                serde_json::json!(["LlamaForCausalLM"]),
-            );
-            o.insert("model_type".into(), serde_json::json!("llama"));
+            let arch = match self.model_type.as_str() {
+                "mistral" => "MistralForCausalLM",
+                "qwen2" => "Qwen2ForCausalLM",
+                "qwen3" => "Qwen3ForCausalLM",
+                _ => "LlamaForCausalLM",
+            };
+            o.insert("architectures".into(), serde_json::json!([arch]));
+            if self.is_qwen() {
+                let on = self.sliding_window.is_some();
+                o.insert("use_sliding_window".into(), serde_json::json!(on));
+                // Every layer by `layer_types`: max_window_layers plays no part.
+                o.insert("max_window_layers".into(), serde_json::json!(0));
+            }
         }
         serde_json::to_string_pretty(&v).map_err(candle_core::Error::wrap)
+    }
+
+    fn is_qwen(&self) -> bool {
+        self.model_type == "qwen2" || self.model_type == "qwen3"
+    }
+
+    /// Whether the q, k and v projections have biases (Qwen2, or `attention_bias`).
+    pub fn qkv_bias(&self) -> bool {
+        self.attention_bias || self.model_type == "qwen2"
+    }
+
+    /// Whether the output projection has a bias (`attention_bias`).
+    pub fn o_bias(&self) -> bool {
+        self.attention_bias
+    }
+
+    /// Whether each query and key head is RMS-normalised before the rotary
+    /// embedding (`q_norm`, `k_norm` of shape `(head_dim,)`: Qwen3).
+    pub fn qk_norm(&self) -> bool {
+        self.model_type == "qwen3"
+    }
+
+    /// The attention window of layer `i` (keys a query sees, itself included),
+    /// `None` for dense attention.
+    pub fn layer_window(&self, i: usize) -> Option<usize> {
+        let w = self.sliding_window?;
+        match self.layer_types.get(i).map(String::as_str) {
+            None | Some("sliding_attention") => Some(w),
+            Some(_) => None,
+        }
     }
 
     /// Key/value heads.
@@ -248,17 +317,28 @@ impl LlamaConfig {
 
     /// Rejects configurations this decoder cannot run, naming the field.
     pub fn validate(&self) -> Result<()> {
-        for (field, v) in [
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_hidden_layers", self.num_hidden_layers),
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_kv_heads()),
-            ("vocab_size", self.vocab_size),
-            ("max_position_embeddings", self.max_position_embeddings),
+        // Upper bounds far above any published model (Llama 3.1 405B: hidden
+        // 16384, intermediate 53248, 126 layers, 128 heads, vocabulary 128256)
+        // so that a corrupt file is an error here, not an hours-long
+        // `weight_shapes` or an overflowing `num_params`.
+        for (field, v, max) in [
+            ("hidden_size", self.hidden_size, 1 << 17),
+            ("intermediate_size", self.intermediate_size, 1 << 20),
+            ("num_hidden_layers", self.num_hidden_layers, 1 << 12),
+            ("num_attention_heads", self.num_attention_heads, 1 << 12),
+            ("num_key_value_heads", self.num_kv_heads(), 1 << 12),
+            ("vocab_size", self.vocab_size, 1 << 22),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                1 << 27,
+            ),
         ] {
             if v == 0 {
                 bail!("config field {field} must be positive, got 0");
+            }
+            if v > max {
+                bail!("config field {field} = {v} is beyond this decoder's limit of {max}");
             }
         }
         if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
@@ -294,9 +374,7 @@ impl LlamaConfig {
                 self.rope_theta
             );
         }
-        if self.attention_bias {
-            bail!("config field attention_bias = true is not supported (no q/k/v/o biases yet)");
-        }
+        self.validate_family()?;
         if self.mlp_bias {
             bail!("config field mlp_bias = true is not supported (no MLP biases yet)");
         }
@@ -306,17 +384,54 @@ impl LlamaConfig {
             }
         }
         if let Some(s) = &self.rope_scaling {
-            if s.rope_type != "llama3" && s.rope_type != "default" {
+            if !["llama3", "linear", "default"].contains(&s.rope_type.as_str()) {
                 bail!(
-                    "config field rope_scaling.rope_type = {:?} is not supported (\"llama3\" or \"default\")",
+                    "config field rope_scaling.rope_type = {:?} is not supported (\"default\", \"linear\" or \"llama3\")",
                     s.rope_type
                 );
             }
-            if s.rope_type == "llama3"
-                && (s.factor <= 0.0 || s.high_freq_factor <= s.low_freq_factor)
+            if s.factor.is_nan()
+                || s.factor <= 0.0
+                || (s.rope_type == "llama3" && s.high_freq_factor.partial_cmp(&s.low_freq_factor) != Some(std::cmp::Ordering::Greater))
             {
                 bail!(
-                    "config field rope_scaling: need factor > 0 and high_freq_factor > low_freq_factor, got {s:?}"
+                    "config field rope_scaling: need factor > 0 (and for llama3 high_freq_factor > low_freq_factor), got {s:?}"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The family and the fields that depend on it: `model_type`, biases a
+    /// family has none of, the sliding window and `layer_types`.
+    fn validate_family(&self) -> Result<()> {
+        if !MODEL_TYPES.contains(&self.model_type.as_str()) {
+            bail!(
+                "config field model_type = {:?} is not supported (one of {MODEL_TYPES:?})",
+                self.model_type
+            );
+        }
+        if self.attention_bias && (self.model_type == "mistral" || self.model_type == "qwen2") {
+            bail!(
+                "config field attention_bias = true is not supported for model_type {:?} (its \
+                 attention biases are fixed by the family)",
+                self.model_type
+            );
+        }
+        if self.sliding_window == Some(0) {
+            bail!("config field sliding_window must be positive or null, got 0");
+        }
+        if !self.layer_types.is_empty() && self.layer_types.len() != self.num_hidden_layers {
+            bail!(
+                "config field layer_types has {} entries but num_hidden_layers = {}",
+                self.layer_types.len(),
+                self.num_hidden_layers
+            );
+        }
+        for (i, t) in self.layer_types.iter().enumerate() {
+            if t != "full_attention" && t != "sliding_attention" {
+                bail!(
+                    "config field layer_types[{i}] = {t:?} is not supported (\"full_attention\" or \"sliding_attention\")"
                 );
             }
         }
@@ -350,6 +465,7 @@ impl LlamaConfig {
                     })
                     .collect()
             }
+            Some(s) if s.rope_type == "linear" => base.into_iter().map(|f| f / s.factor).collect(),
             _ => base,
         }
     }
@@ -363,7 +479,7 @@ impl LlamaConfig {
         let attn = "hidden_size, num_attention_heads, head_dim";
         let kv_f = "hidden_size, num_key_value_heads, head_dim";
         let mlp = "hidden_size, intermediate_size";
-        vec![
+        let mut w = vec![
             (
                 format!("{p}.input_layernorm.weight"),
                 vec![h],
@@ -373,6 +489,23 @@ impl LlamaConfig {
             (format!("{p}.self_attn.k_proj.weight"), vec![kv, h], kv_f),
             (format!("{p}.self_attn.v_proj.weight"), vec![kv, h], kv_f),
             (format!("{p}.self_attn.o_proj.weight"), vec![h, q], attn),
+        ];
+        if self.qkv_bias() {
+            let why = "model_type or attention_bias";
+            w.push((format!("{p}.self_attn.q_proj.bias"), vec![q], why));
+            w.push((format!("{p}.self_attn.k_proj.bias"), vec![kv], why));
+            w.push((format!("{p}.self_attn.v_proj.bias"), vec![kv], why));
+        }
+        if self.o_bias() {
+            w.push((format!("{p}.self_attn.o_proj.bias"), vec![h], "attention_bias"));
+        }
+        if self.qk_norm() {
+            let why = "model_type qwen3, head_dim";
+            let d = self.head_dim();
+            w.push((format!("{p}.self_attn.q_norm.weight"), vec![d], why));
+            w.push((format!("{p}.self_attn.k_norm.weight"), vec![d], why));
+        }
+        w.extend([
             (
                 format!("{p}.post_attention_layernorm.weight"),
                 vec![h],
@@ -381,7 +514,8 @@ impl LlamaConfig {
             (format!("{p}.mlp.gate_proj.weight"), vec![m, h], mlp),
             (format!("{p}.mlp.up_proj.weight"), vec![m, h], mlp),
             (format!("{p}.mlp.down_proj.weight"), vec![h, m], mlp),
-        ]
+        ]);
+        w
     }
 
     /// The weights outside the layers: embedding, final norm and (unless tied) head.
