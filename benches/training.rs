@@ -35,6 +35,7 @@ enum Kind {
 struct Run {
     step_ms: f64,
     forward_ms: f64,
+    optimizer_ms: f64,
     kept_blocks: usize,
     peak_device_gib: f64,
     stats: streamer_core::StreamStats,
@@ -63,11 +64,15 @@ fn measure(
             }
         })
         .collect();
+    // TRAINING_BENCH_TIMELINE=DIR writes each case's Chrome-trace timeline
+    // (copies and per-block compute of the measured steps) into DIR.
+    let timeline = std::env::var("TRAINING_BENCH_TIMELINE").ok();
     let cfg = StreamConfig {
         device: dev.clone(),
         prefetch_ahead: 1,
         dtype: DType::BF16,
         master_dtype: Some(DType::F32),
+        timeline: timeline.is_some(),
         ..Default::default()
     };
     let model = StreamedSequential::from_tensors(host.clone(), blocks, cfg)?.train();
@@ -77,7 +82,7 @@ fn measure(
         ..Default::default()
     };
     let mut opt = CpuAdamW::new(model.trainable_vars()?, params)?;
-    let (mut total, mut fwd) = (vec![], vec![]);
+    let (mut total, mut fwd, mut opt_s) = (vec![], vec![], vec![]);
     let mut sampler = None;
     for it in 0..warmup + iters {
         if it == warmup {
@@ -96,12 +101,21 @@ fn measure(
         if it >= warmup {
             total.push(t0.elapsed().as_secs_f64() * 1e3);
             fwd.push((t1 - t0).as_secs_f64() * 1e3);
+            opt_s.push(model.last_optimizer_seconds()? * 1e3);
         }
     }
     let peak = sampler.map_or(0, |s| s.finish());
+    if let Some(dir) = timeline {
+        let name = format!("training-timeline-w{w}x{n}-{kind:?}-{policy:?}.json")
+            .replace([' ', '{', '}', ':', ','], "");
+        model
+            .inner()
+            .write_timeline(Some(&std::path::Path::new(&dir).join(name)))?;
+    }
     Ok(Run {
         step_ms: median(total),
         forward_ms: median(fwd),
+        optimizer_ms: median(opt_s),
         kept_blocks: model.kept_blocks()?,
         peak_device_gib: peak as f64 / (1u64 << 30) as f64,
         stats: model.stats()?,
@@ -132,7 +146,14 @@ fn main() -> Result<()> {
     let torch = torch_rows(&tag);
     let mut rows: Vec<serde_json::Value> = torch.clone();
     let mut bars = Vec::new();
+    // TRAINING_BENCH_CONFIGS=w4096x8,... runs only those block shapes.
+    let only = std::env::var("TRAINING_BENCH_CONFIGS").ok();
     for (w, h, n, tokens) in configs {
+        if let Some(only) = &only {
+            if !only.split(',').any(|c| c == format!("w{w}x{n}")) {
+                continue;
+            }
+        }
         let host = common::mlp_weights(&dev, w, h, n, DType::F32)?;
         let x = Tensor::randn(0f32, 1.0, (tokens, w), &dev)?.to_dtype(DType::BF16)?;
         let target = Tensor::randn(0f32, 1.0, (tokens, w), &dev)?;
@@ -156,10 +177,11 @@ fn main() -> Result<()> {
             let vs = peer.map(|p| r.step_ms / p);
             let per = reps.1 as f64;
             println!(
-                "{blocks} {tokens} tokens {kind:?} {acts}: step {:.1} ms (forward {:.1}), {} of {n} blocks kept, \
-                 peak {:.1} GiB, stall {:.1} ms/step | PyTorch resident {} -> ratio {}",
+                "{blocks} {tokens} tokens {kind:?} {acts}: step {:.1} ms (forward {:.1}, host optimizer {:.1}), \
+                 {} of {n} blocks kept, peak {:.1} GiB, stall {:.1} ms/step | PyTorch resident {} -> ratio {}",
                 r.step_ms,
                 r.forward_ms,
+                r.optimizer_ms,
                 r.kept_blocks,
                 r.peak_device_gib,
                 r.stats.stall_seconds * 1e3 / per,
@@ -174,6 +196,7 @@ fn main() -> Result<()> {
                 "mode": "streamed", "block_kind": format!("{kind:?}"), "activations": acts,
                 "policy": format!("{policy:?}"), "kept_blocks": r.kept_blocks,
                 "step_ms": r.step_ms, "forward_ms": r.forward_ms, "vs_pytorch_resident": vs,
+                "host_optimizer_ms": r.optimizer_ms,
                 "peak_device_gib": r.peak_device_gib,
                 "h2d_bytes_per_step": r.stats.h2d_bytes as f64 / per,
                 "d2h_bytes_per_step": r.stats.d2h_bytes as f64 / per,

@@ -71,5 +71,12 @@ pub use lt::epilogue_fallbacks;
 #[cfg(feature = "cuda")]
 #[doc(hidden)]
 pub use lt::{cached_handles as cached_cublaslt_handles, handle_probe as cublaslt_handle_probe};
+/// The raw cuBLASLt GEMMs behind `FusedLinear` and `FusedMlp`, for
+/// `benches/gemm.rs` (which times each against cuBLAS and PyTorch).
+#[cfg(feature = "cuda")]
+#[doc(hidden)]
+pub mod lt_probe {
+    pub use crate::lt::{input_grad, linear, weight_grad};
+}
 pub use sample::{generate, sample_token};
 pub use train::{train_loop, ByteCorpus, CheckpointFiles, LmTrainer, LoopOptions, StepReport};

@@ -528,7 +528,7 @@ fn dims2(t: &Tensor, what: &str) -> Result<(usize, usize)> {
 
 /// `g^T a` for `g (n, m)`, `a (n, k)`: the weight gradient `(m, k)` of a linear
 /// layer with input `a` and output gradient `g`; with `bias`, also `sum_rows(g)`.
-pub(crate) fn weight_grad(g: &Tensor, a: &Tensor, bias: bool) -> Result<(Tensor, Option<Tensor>)> {
+pub fn weight_grad(g: &Tensor, a: &Tensor, bias: bool) -> Result<(Tensor, Option<Tensor>)> {
     let (n, m) = dims2(g, "output gradient")?;
     let (_, k) = dims2(a, "layer input")?;
     // Column-major: dW^T (k x m) = A (stored k x n) * G (stored m x n, transposed).
@@ -573,7 +573,7 @@ pub(crate) fn weight_grad(g: &Tensor, a: &Tensor, bias: bool) -> Result<(Tensor,
 /// layer. With `gelu_input = Some(z)` (`z (n, k)`, the GELU's input that
 /// produced this layer's input) it is `(g W) * gelu'(z)`, returned with its
 /// row sum (the bias gradient of the layer that produced `z`).
-pub(crate) fn input_grad(
+pub fn input_grad(
     g: &Tensor,
     w: &Tensor,
     gelu_input: Option<&Tensor>,
@@ -630,7 +630,7 @@ pub(crate) fn input_grad(
 
 /// [`linear_raw`] over tensors: `epilogue(x W^T + b)` for `x (n, k)`,
 /// `w (m, k)`, `b (m,)`, and with `keep_z` (GELU only) the pre-activation.
-pub(crate) fn linear(
+pub fn linear(
     x: &Tensor,
     w: &Tensor,
     b: &Tensor,
