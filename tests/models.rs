@@ -756,57 +756,134 @@ fn llama_config_hf4_and_hf5_layouts_agree(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(llama_config_hf4_and_hf5_layouts_agree);
 
-fn llama_config_mistral_without_window_is_llama(_dev: &Device) -> Result<()> {
+fn llama_config_families_read_their_windows(_dev: &Device) -> Result<()> {
     let llama = parse(&hf4_config())?;
-    for window in [
-        serde_json::json!(null),
-        serde_json::json!(64),
-        serde_json::json!(4096),
+    let fam = |edits: serde_json::Value| parse(&with(hf4_config(), edits));
+    let windowed = |c: &LlamaConfig| (0..2).map(|i| c.layer_window(i)).collect::<Vec<_>>();
+    // Mistral: the window applies to every layer; null is dense; absent is
+    // transformers' default 4096. The rest is Llama's.
+    for (window, want) in [
+        (serde_json::json!(null), None),
+        (serde_json::json!(16), Some(16)),
+        (serde_json::json!(4096), Some(4096)),
     ] {
-        let m = with(
-            hf4_config(),
-            serde_json::json!({"model_type": "mistral", "sliding_window": window}),
-        );
-        ensure!(parse(&m)? == llama, "window {window}");
-    }
-    for (edits, want) in [
-        (
-            serde_json::json!({"model_type": "mistral", "sliding_window": 16}),
-            "sliding_window = 16",
-        ),
-        // transformers' Mistral default window (4096) when the file has none.
-        (
-            serde_json::json!({"model_type": "mistral", "max_position_embeddings": 32768}),
-            "sliding_window = 4096",
-        ),
-        (
-            serde_json::json!({"model_type": "mistral", "sliding_window": 16,
-                "layer_types": ["sliding_attention", "sliding_attention"]}),
-            "sliding_window = 16",
-        ),
-    ] {
-        let e = err_of(parse(&with(hf4_config(), edits.clone())))?;
+        let m = fam(serde_json::json!({"model_type": "mistral", "sliding_window": window}))?;
         ensure!(
-            e.contains(want) && e.contains("not supported"),
-            "{edits}: {e}"
+            m.sliding_window == want && windowed(&m) == vec![want; 2],
+            "{m:?}"
         );
+        let same = LlamaConfig {
+            model_type: "mistral".into(),
+            sliding_window: want,
+            ..llama.clone()
+        };
+        ensure!(m == same, "window {window}: {m:?}");
+    }
+    let m = fam(serde_json::json!({"model_type": "mistral"}))?;
+    ensure!(m.sliding_window == Some(4096), "{m:?}");
+    // Qwen: no window unless use_sliding_window; then layers from
+    // max_window_layers on slide (4.x), or as layer_types says (5.x).
+    for use_w in [serde_json::json!(false), serde_json::json!(null)] {
+        let q = fam(
+            serde_json::json!({"model_type": "qwen2", "sliding_window": 16,
+            "use_sliding_window": use_w}),
+        )?;
+        ensure!(
+            q.sliding_window.is_none() && windowed(&q) == vec![None; 2],
+            "{q:?}"
+        );
+    }
+    let q = fam(
+        serde_json::json!({"model_type": "qwen2", "sliding_window": 16,
+        "use_sliding_window": true, "max_window_layers": 1}),
+    )?;
+    ensure!(windowed(&q) == vec![None, Some(16)], "{q:?}");
+    ensure!(q.qkv_bias() && !q.o_bias() && !q.qk_norm());
+    ensure!(
+        LlamaConfig::from_json(&q.to_json()?)? == q,
+        "qwen2 round trip"
+    );
+    let q = fam(
+        serde_json::json!({"model_type": "qwen3", "sliding_window": 16,
+        "use_sliding_window": true, "layer_types": ["sliding_attention", "full_attention"]}),
+    )?;
+    ensure!(windowed(&q) == vec![Some(16), None], "{q:?}");
+    ensure!(
+        q.head_dim() == 128 && q.qk_norm() && !q.qkv_bias(),
+        "qwen3 defaults: {q:?}"
+    );
+    ensure!(
+        LlamaConfig::from_json(&q.to_json()?)? == q,
+        "qwen3 round trip"
+    );
+    let l = fam(serde_json::json!({"attention_bias": true}))?;
+    ensure!(l.qkv_bias() && l.o_bias());
+    // Linear rope scaling divides every frequency by the factor.
+    let lin = fam(serde_json::json!({"rope_scaling": {"type": "linear", "factor": 2.0}}))?;
+    let plain = LlamaConfig {
+        rope_scaling: None,
+        ..lin.clone()
+    };
+    for (a, b) in lin.inv_freq().iter().zip(plain.inv_freq()) {
+        ensure!((a * 2.0 - b).abs() <= 1e-15 * b, "linear {a} vs {b}");
     }
     Ok(())
 }
-candle_streamer::test_device!(llama_config_mistral_without_window_is_llama);
+candle_streamer::test_device!(llama_config_families_read_their_windows);
+
+/// A window shorter than the keys of a call is an error naming the field and
+/// both numbers (resident, streamed, trainable, and through the kv cache); a
+/// call within the window gives the dense model's logits.
+fn llama_window_shorter_than_sequence_errors(dev: &Device) -> Result<()> {
+    let cfg = parse(&with(
+        hf4_config(),
+        serde_json::json!({"model_type": "mistral", "sliding_window": 16}),
+    ))?;
+    let dense = LlamaConfig {
+        sliding_window: None,
+        ..cfg.clone()
+    };
+    let w = init_weights(&cfg, 3)?;
+    let vb = VarBuilder::from_tensors(w.clone(), DType::F32, dev);
+    let model = Llama::resident(vb.clone(), &cfg)?;
+    let check = |e: String| -> Result<()> {
+        ensure!(
+            e.contains("sliding_window = 16") && e.contains("17 key positions"),
+            "{e}"
+        );
+        Ok(())
+    };
+    check(err_of(model.forward(&tokens(dev, 1, 17, 1)?))?)?;
+    let x = tokens(dev, 2, 16, 1)?;
+    let d = max_diff(
+        &model.forward(&x)?,
+        &Llama::resident(vb, &dense)?.forward(&x)?,
+    )?;
+    ensure!(d == 0.0, "within the window: {d}");
+    let streamed = Llama::from_tensors(w, &cfg, stream(dev, DType::F32, 1))?;
+    check(err_of(streamed.forward(&tokens(dev, 1, 17, 1)?))?)?;
+    let trainable = streamed.into_trainable()?;
+    let t = tokens(dev, 1, 17, 2)?;
+    check(err_of(trainable.loss(&t, &t))?)?;
+    trainable.set_training(false);
+    model.forward_cached(&tokens(dev, 1, 16, 1)?)?;
+    check(err_of(model.forward_cached(&tokens(dev, 1, 1, 1)?))?)?;
+    Ok(())
+}
+candle_streamer::test_device!(llama_window_shorter_than_sequence_errors);
 
 /// Unsupported `config.json` fields and the words their error must name (unsupported_cases_a).
 fn unsupported_cases_a() -> Vec<(serde_json::Value, serde_json::Value, Vec<&'static str>)> {
     vec![
         (
             hf4_config(),
-            serde_json::json!({"model_type": "qwen2"}),
-            vec!["model_type", "qwen2"],
+            serde_json::json!({"model_type": "qwen2", "attention_bias": true}),
+            vec!["attention_bias = true", "qwen2"],
         ),
         (
             hf4_config(),
-            serde_json::json!({"model_type": "qwen3"}),
-            vec!["model_type", "qwen3"],
+            serde_json::json!({"model_type": "qwen2", "use_sliding_window": "yes"}),
+            vec!["use_sliding_window", "yes"],
         ),
         (
             hf4_config(),
@@ -820,8 +897,8 @@ fn unsupported_cases_a() -> Vec<(serde_json::Value, serde_json::Value, Vec<&'sta
         ),
         (
             hf4_config(),
-            serde_json::json!({"attention_bias": true}),
-            vec!["attention_bias = true"],
+            serde_json::json!({"model_type": "mistral", "attention_bias": true}),
+            vec!["attention_bias = true", "mistral"],
         ),
         (
             hf4_config(),
@@ -835,13 +912,13 @@ fn unsupported_cases_a() -> Vec<(serde_json::Value, serde_json::Value, Vec<&'sta
         ),
         (
             hf4_config(),
-            serde_json::json!({"sliding_window": 8}),
-            vec!["sliding_window = 8"],
+            serde_json::json!({"sliding_window": 0}),
+            vec!["sliding_window = 0"],
         ),
         (
             hf4_config(),
-            serde_json::json!({"rope_scaling": {"type": "linear", "factor": 2.0}}),
-            vec!["rope_scaling.rope_type", "linear"],
+            serde_json::json!({"rope_scaling": {"type": "dynamic", "factor": 2.0}}),
+            vec!["rope_scaling.rope_type", "dynamic"],
         ),
         (
             hf4_config(),

@@ -392,7 +392,9 @@ impl LlamaConfig {
             }
             if s.factor.is_nan()
                 || s.factor <= 0.0
-                || (s.rope_type == "llama3" && s.high_freq_factor.partial_cmp(&s.low_freq_factor) != Some(std::cmp::Ordering::Greater))
+                || (s.rope_type == "llama3"
+                    && s.high_freq_factor.partial_cmp(&s.low_freq_factor)
+                        != Some(std::cmp::Ordering::Greater))
             {
                 bail!(
                     "config field rope_scaling: need factor > 0 (and for llama3 high_freq_factor > low_freq_factor), got {s:?}"
@@ -497,7 +499,11 @@ impl LlamaConfig {
             w.push((format!("{p}.self_attn.v_proj.bias"), vec![kv], why));
         }
         if self.o_bias() {
-            w.push((format!("{p}.self_attn.o_proj.bias"), vec![h], "attention_bias"));
+            w.push((
+                format!("{p}.self_attn.o_proj.bias"),
+                vec![h],
+                "attention_bias",
+            ));
         }
         if self.qk_norm() {
             let why = "model_type qwen3, head_dim";
@@ -577,95 +583,126 @@ mod hf_layout {
 
     /// transformers' default `sliding_window` for Mistral when the file has none.
     const MISTRAL_DEFAULT_WINDOW: u64 = 4096;
+    /// transformers' default `head_dim` for Qwen3 when the file has none.
+    const QWEN3_DEFAULT_HEAD_DIM: u64 = 128;
+    /// transformers' default `max_window_layers` for Qwen2 and Qwen3.
+    const QWEN_DEFAULT_MAX_WINDOW_LAYERS: u64 = 28;
 
-    /// Checks the model family and the fields that change the math, and
-    /// rewrites a 5.x `rope_parameters` (or a 4.x `rope_scaling`) into
-    /// `rope_theta` plus a normalised `rope_scaling`.
+    /// Checks the model family and the fields that change the math, fills the
+    /// family's defaults that differ from Llama's, reads the sliding window
+    /// into `sliding_window` and `layer_types`, and rewrites a 5.x
+    /// `rope_parameters` (or a 4.x `rope_scaling`) into `rope_theta` plus a
+    /// normalised `rope_scaling`.
     pub(super) fn normalize(o: &mut Obj) -> Result<()> {
-        let default_window = check_model_type(o)?;
-        let window = sliding_window(o, default_window)?;
-        check_layer_types(o, window)?;
+        let family = model_type(o)?;
+        if family == "qwen3" && o.get("head_dim").is_none_or(Value::is_null) {
+            o.insert("head_dim".into(), Value::from(QWEN3_DEFAULT_HEAD_DIM));
+        }
+        let window = sliding_window(o, &family)?;
+        let types = layer_types(o, &family, window)?;
+        o.insert("model_type".into(), Value::from(family));
+        o.insert(
+            "sliding_window".into(),
+            window.map_or(Value::Null, Value::from),
+        );
+        o.insert("layer_types".into(), Value::from(types));
         check_zero(o, "attention_dropout")?;
         normalize_rope(o)
     }
 
-    /// Accepts `llama` (or no `model_type`) and `mistral`; returns the family's
-    /// default sliding window.
-    fn check_model_type(o: &Obj) -> Result<Option<u64>> {
+    /// The family: `llama` (also when absent), `mistral`, `qwen2` or `qwen3`.
+    fn model_type(o: &Obj) -> Result<String> {
         match o.get("model_type") {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::String(t)) if t == "llama" => Ok(None),
-            Some(Value::String(t)) if t == "mistral" => Ok(Some(MISTRAL_DEFAULT_WINDOW)),
+            None | Some(Value::Null) => Ok("llama".into()),
+            Some(Value::String(t)) if super::MODEL_TYPES.contains(&t.as_str()) => Ok(t.clone()),
             Some(t) => bail!(
-                "config field model_type = {t} is not supported: this decoder runs \"llama\" and \
-                 \"mistral\" (without a sliding window); qwen2 (q/k/v biases) and qwen3 (q/k norms) \
-                 are not implemented yet"
+                "config field model_type = {t} is not supported (one of {:?})",
+                super::MODEL_TYPES
             ),
         }
     }
 
-    fn max_positions(o: &Obj) -> u64 {
-        o.get("max_position_embeddings")
-            .and_then(Value::as_u64)
-            .unwrap_or(super::default_max_pos() as u64)
+    fn is_qwen(family: &str) -> bool {
+        family == "qwen2" || family == "qwen3"
     }
 
-    /// The attention window if it is shorter than the context: an error, since
-    /// attention here is always dense. `null` (or a window at least
-    /// `max_position_embeddings` long) is dense attention and accepted.
-    fn sliding_window(o: &Obj, default: Option<u64>) -> Result<Option<u64>> {
+    /// The attention window as transformers reads it: Mistral's defaults to
+    /// 4096 when absent; Qwen's counts only with `use_sliding_window: true`
+    /// (its default is false); `null` is dense attention.
+    fn sliding_window(o: &Obj, family: &str) -> Result<Option<u64>> {
         let w = match o.get("sliding_window") {
-            None => default,
-            Some(Value::Null) => None,
-            Some(v) => Some(v.as_u64().ok_or_else(|| {
-                candle_core::Error::Msg(format!(
-                    "config field sliding_window = {v} is not a non-negative integer or null"
-                ))
-            })?),
+            None if family == "mistral" => Some(MISTRAL_DEFAULT_WINDOW),
+            None | Some(Value::Null) => None,
+            Some(v) => match v.as_u64() {
+                Some(w) if w > 0 => Some(w),
+                _ => bail!("config field sliding_window = {v} is not a positive integer or null"),
+            },
         };
-        let use_window = o.get("use_sliding_window").and_then(Value::as_bool);
-        let max = max_positions(o);
-        match w {
-            Some(w) if w < max && use_window != Some(false) => bail!(
-                "config field sliding_window = {w} is shorter than max_position_embeddings = {max}: \
-                 sliding-window attention is not supported yet (it would be computed densely, \
-                 which is wrong past {w} tokens)"
-            ),
-            _ => Ok(w),
+        if !is_qwen(family) {
+            return Ok(w);
+        }
+        match o.get("use_sliding_window") {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(None),
+            Some(Value::Bool(true)) => Ok(w),
+            Some(v) => bail!("config field use_sliding_window = {v} is not a boolean"),
         }
     }
 
-    /// `layer_types` (5.x): every layer must be `full_attention`, or
-    /// `sliding_attention` with a window that covers the whole context.
-    fn check_layer_types(o: &Obj, window: Option<u64>) -> Result<()> {
-        let Some(v) = o.get("layer_types") else {
-            return Ok(());
+    /// Each layer's attention type: the file's `layer_types` (5.x), checked; for
+    /// Qwen 4.x files with a window, layers from `max_window_layers` on slide;
+    /// empty (every layer alike) otherwise, and always without a window.
+    fn layer_types(o: &Obj, family: &str, window: Option<u64>) -> Result<Vec<String>> {
+        let layers = o.get("num_hidden_layers").and_then(Value::as_u64);
+        let types: Vec<String> = match o.get("layer_types") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(types)) => {
+                if let Some(n) = layers.filter(|n| types.len() as u64 != *n) {
+                    bail!(
+                        "config field layer_types has {} entries but num_hidden_layers = {n}",
+                        types.len()
+                    );
+                }
+                let mut out = Vec::with_capacity(types.len());
+                for (i, t) in types.iter().enumerate() {
+                    match t.as_str() {
+                        Some(s @ ("full_attention" | "sliding_attention")) => {
+                            out.push(s.to_string())
+                        }
+                        _ => bail!(
+                            "config field layer_types[{i}] = {t} is not supported \
+                             (\"full_attention\" or \"sliding_attention\")"
+                        ),
+                    }
+                }
+                out
+            }
+            Some(v) => bail!("config field layer_types = {v} is not a list"),
         };
-        let Value::Array(types) = v else {
-            if v.is_null() {
-                return Ok(());
-            }
-            bail!("config field layer_types = {v} is not a list")
-        };
-        if let Some(n) = o.get("num_hidden_layers").and_then(Value::as_u64) {
-            if types.len() as u64 != n {
-                bail!(
-                    "config field layer_types has {} entries but num_hidden_layers = {n}",
-                    types.len()
-                );
-            }
+        if window.is_none() {
+            return Ok(Vec::new());
         }
-        for (i, t) in types.iter().enumerate() {
-            match t.as_str() {
-                Some("full_attention") => {}
-                // `sliding_window` passed its check: the window is the whole context.
-                Some("sliding_attention") if window.is_none_or(|w| w >= max_positions(o)) => {}
-                _ => bail!(
-                    "config field layer_types[{i}] = {t} is not supported (only \"full_attention\")"
-                ),
-            }
+        if types.is_empty() && is_qwen(family) {
+            let first = match o.get("max_window_layers") {
+                None | Some(Value::Null) => QWEN_DEFAULT_MAX_WINDOW_LAYERS,
+                Some(v) => v.as_u64().ok_or_else(|| {
+                    candle_core::Error::Msg(format!(
+                        "config field max_window_layers = {v} is not a non-negative integer"
+                    ))
+                })?,
+            };
+            let n = layers.unwrap_or(0);
+            return Ok((0..n)
+                .map(|i| {
+                    if i >= first {
+                        "sliding_attention"
+                    } else {
+                        "full_attention"
+                    }
+                })
+                .map(String::from)
+                .collect());
         }
-        Ok(())
+        Ok(types)
     }
 
     /// A numeric field that must be 0 when present (the decoder has no such term).
@@ -710,6 +747,13 @@ mod hf_layout {
         }
         match ty.as_str() {
             "default" => Ok(None),
+            "linear" => Ok(Some(RopeScaling {
+                rope_type: ty,
+                factor: number(r, field, "factor")?.unwrap_or(1.0),
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: super::default_original_max(),
+            })),
             "llama3" => {
                 let orig = match r.get("original_max_position_embeddings") {
                     None | Some(Value::Null) => super::default_original_max(),
@@ -729,7 +773,7 @@ mod hf_layout {
                 }))
             }
             other => bail!(
-                "config field {field}.rope_type = {other:?} is not supported (\"default\" or \"llama3\")"
+                "config field {field}.rope_type = {other:?} is not supported (\"default\", \"linear\" or \"llama3\")"
             ),
         }
     }

@@ -62,6 +62,10 @@ impl ManualBackward for DecoderLayer {
     fn forward_train(&self, x: &Tensor, extras: &[Tensor]) -> Result<(Tensor, SavedActivations)> {
         let (cos, sin) = self.rope_tables(extras)?;
         let (b, n, hidden) = x.dims3()?;
+        if !self.is_plain() {
+            bail!("decoder layer: the hand-written backward has no biases or q/k norms (Block::manual returns None for this layer)");
+        }
+        self.check_window(n)?;
         let x2 = x.reshape((b * n, hidden))?.contiguous()?;
         let n1 = &self.input_layernorm;
         let h1 = candle_nn::ops::rms_norm(&x2, &n1.weight.detach().contiguous()?, n1.eps as f32)?;

@@ -7,7 +7,7 @@ use crate::config::LlamaConfig;
 use crate::kv_cache::KvCache;
 use candle_core::backprop::GradStore;
 use candle_core::{bail, DType, Device, Module, Result, Tensor, Var, D};
-use candle_nn::{linear_no_bias, Linear, VarBuilder};
+use candle_nn::{linear_b, linear_no_bias, Linear, VarBuilder};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -156,7 +156,15 @@ impl Rope {
 ///
 /// Weights (Hugging Face names, relative to the layer's `VarBuilder`):
 /// `input_layernorm.weight`, `self_attn.{q,k,v,o}_proj.weight`,
-/// `post_attention_layernorm.weight`, `mlp.{gate,up,down}_proj.weight`.
+/// `post_attention_layernorm.weight`, `mlp.{gate,up,down}_proj.weight`; by
+/// family ([`LlamaConfig::qkv_bias`], [`LlamaConfig::o_bias`],
+/// [`LlamaConfig::qk_norm`]) `self_attn.{q,k,v}_proj.bias`,
+/// `self_attn.o_proj.bias` and `self_attn.{q,k}_norm.weight` (RMSNorm over each
+/// head's `head_dim` before the rotary embedding, Qwen3).
+///
+/// A layer with a sliding window ([`LlamaConfig::layer_window`]) refuses a
+/// call over more keys than its window (cqsa has no window mask yet), so it
+/// never computes dense attention where the model would not.
 ///
 /// Extras: `[cos, sin]` for the call's positions. A layer built by a [`Llama`]
 /// also accepts `[cos, sin, _]`: the third tensor (any value) asks it to append
@@ -172,6 +180,10 @@ pub struct DecoderLayer {
     pub(crate) gate_proj: Linear,
     pub(crate) up_proj: Linear,
     pub(crate) down_proj: Linear,
+    /// Qwen3's per-head RMSNorms of the queries and keys.
+    pub(crate) qk_norm: Option<(RmsNorm, RmsNorm)>,
+    /// Attention window (keys a query sees, itself included); `None` dense.
+    pub(crate) window: Option<usize>,
     pub(crate) heads: usize,
     pub(crate) kv_heads: usize,
     pub(crate) head_dim: usize,
@@ -180,18 +192,33 @@ pub struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    /// Builds the layer over `vb` (rooted at `model.layers.{i}`).
+    /// Builds layer 0 of `cfg` over `vb` (see [`DecoderLayer::for_layer`]).
     pub fn new(cfg: &LlamaConfig, vb: VarBuilder) -> Result<Self> {
+        Self::for_layer(cfg, 0, vb)
+    }
+
+    /// Builds layer `index` of `cfg` (its attention window comes from
+    /// `layer_types`) over `vb` (rooted at `model.layers.{index}`).
+    pub fn for_layer(cfg: &LlamaConfig, index: usize, vb: VarBuilder) -> Result<Self> {
         let (h, m, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
         let (nq, nkv) = (cfg.num_attention_heads, cfg.num_kv_heads());
         let attn = vb.pp("self_attn");
         let mlp = vb.pp("mlp");
+        let qkv_b = cfg.qkv_bias();
+        let qk_norm = if cfg.qk_norm() {
+            Some((
+                RmsNorm::new(d, cfg.rms_norm_eps, attn.pp("q_norm"))?,
+                RmsNorm::new(d, cfg.rms_norm_eps, attn.pp("k_norm"))?,
+            ))
+        } else {
+            None
+        };
         Ok(Self {
             input_layernorm: RmsNorm::new(h, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
-            q_proj: linear_no_bias(h, nq * d, attn.pp("q_proj"))?,
-            k_proj: linear_no_bias(h, nkv * d, attn.pp("k_proj"))?,
-            v_proj: linear_no_bias(h, nkv * d, attn.pp("v_proj"))?,
-            o_proj: linear_no_bias(nq * d, h, attn.pp("o_proj"))?,
+            q_proj: linear_b(h, nq * d, qkv_b, attn.pp("q_proj"))?,
+            k_proj: linear_b(h, nkv * d, qkv_b, attn.pp("k_proj"))?,
+            v_proj: linear_b(h, nkv * d, qkv_b, attn.pp("v_proj"))?,
+            o_proj: linear_b(nq * d, h, cfg.o_bias(), attn.pp("o_proj"))?,
             post_attention_layernorm: RmsNorm::new(
                 h,
                 cfg.rms_norm_eps,
@@ -200,6 +227,8 @@ impl DecoderLayer {
             gate_proj: linear_no_bias(h, m, mlp.pp("gate_proj"))?,
             up_proj: linear_no_bias(h, m, mlp.pp("up_proj"))?,
             down_proj: linear_no_bias(m, h, mlp.pp("down_proj"))?,
+            qk_norm,
+            window: cfg.layer_window(index),
             heads: nq,
             kv_heads: nkv,
             head_dim: d,
@@ -215,6 +244,68 @@ impl DecoderLayer {
 
     /// The layer's weights under their names relative to the layer.
     pub fn named_weights(&self) -> Vec<(&'static str, Tensor)> {
+        let mut w = self.core_weights();
+        let biases = [
+            ("self_attn.q_proj.bias", &self.q_proj),
+            ("self_attn.k_proj.bias", &self.k_proj),
+            ("self_attn.v_proj.bias", &self.v_proj),
+            ("self_attn.o_proj.bias", &self.o_proj),
+        ];
+        for (name, l) in biases {
+            if let Some(b) = l.bias() {
+                w.push((name, b.clone()));
+            }
+        }
+        if let Some((qn, kn)) = &self.qk_norm {
+            w.push(("self_attn.q_norm.weight", qn.weight().clone()));
+            w.push(("self_attn.k_norm.weight", kn.weight().clone()));
+        }
+        w
+    }
+
+    /// Whether the layer is the plain Llama layer (no biases, no q/k norms)
+    /// that the hand-written backward covers.
+    pub(crate) fn is_plain(&self) -> bool {
+        self.qk_norm.is_none()
+            && [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
+                .iter()
+                .all(|l| l.bias().is_none())
+    }
+
+    /// Refuses attention over `keys` positions when the layer's window is
+    /// shorter: that needs a window mask, which cqsa does not have yet.
+    pub(crate) fn check_window(&self, keys: usize) -> Result<()> {
+        match self.window {
+            Some(w) if keys > w => bail!(
+                "config field sliding_window = {w} is shorter than the {keys} key positions of \
+                 this call: sliding-window attention is not supported yet (cqsa has no window \
+                 mask, and dense attention would be wrong past {w} tokens); use sequences of at \
+                 most {w} tokens"
+            ),
+            _ => Ok(()),
+        }
+    }
+
+    /// `(b, n, heads * head_dim)` projections as `(b, heads, n, head_dim)`, with
+    /// the per-head norm (Qwen3's q/k norms) applied first when given.
+    fn heads_normed(
+        &self,
+        t: Tensor,
+        b: usize,
+        n: usize,
+        heads: usize,
+        norm: Option<&RmsNorm>,
+    ) -> Result<Tensor> {
+        let t = t.reshape((b, n, heads, self.head_dim))?;
+        let t = match norm {
+            Some(nm) => nm.forward(&t)?,
+            None => t,
+        };
+        t.transpose(1, 2)?.contiguous()
+    }
+
+    /// The weights every layer has.
+    fn core_weights(&self) -> Vec<(&'static str, Tensor)> {
         vec![
             (
                 "input_layernorm.weight",
@@ -254,9 +345,14 @@ impl Block for DecoderLayer {
             ),
         };
         let (b, n, _) = x.dims3()?;
+        self.check_window(n)?;
         let h = self.input_layernorm.forward(x)?;
-        let q = self.heads(self.q_proj.forward(&h)?, b, n, self.heads)?;
-        let k = self.heads(self.k_proj.forward(&h)?, b, n, self.kv_heads)?;
+        let (qn, kn) = match &self.qk_norm {
+            Some((qn, kn)) => (Some(qn), Some(kn)),
+            None => (None, None),
+        };
+        let q = self.heads_normed(self.q_proj.forward(&h)?, b, n, self.heads, qn)?;
+        let k = self.heads_normed(self.k_proj.forward(&h)?, b, n, self.kv_heads, kn)?;
         let v = self.heads(self.v_proj.forward(&h)?, b, n, self.kv_heads)?;
         let q = apply_rope(&q, cos, sin)?;
         let k = apply_rope(&k, cos, sin)?;
@@ -267,6 +363,7 @@ impl Block for DecoderLayer {
             (true, Some((cache, i))) => cache.extend(*i, k, v)?,
             (true, None) => bail!("this decoder layer was built without a kv cache"),
         };
+        self.check_window(k.dim(2)?)?;
         let opts = cqsa::AttentionOpts {
             causal: true,
             ..Default::default()
@@ -283,8 +380,15 @@ impl Block for DecoderLayer {
         Ok(vec![x])
     }
 
+    /// The hand-written backward covers the plain Llama layer; layers with
+    /// biases or q/k norms (Qwen2, Qwen3, `attention_bias`) train through
+    /// Candle autograd (recomputed).
     fn manual(&self) -> Option<&dyn streamer_core::ManualBackward> {
-        Some(self)
+        if self.is_plain() {
+            Some(self)
+        } else {
+            None
+        }
     }
 }
 
@@ -338,7 +442,7 @@ fn layer_blocks(cfg: &LlamaConfig, cache: &Arc<KvCache>) -> Vec<BlockSpec> {
         .map(|i| {
             let (c, cache) = (cfg.clone(), cache.clone());
             BlockSpec::new(format!("model.layers.{i}"), move |vb| {
-                Ok(DecoderLayer::new(&c, vb)?.with_cache(&cache, i))
+                Ok(DecoderLayer::for_layer(&c, i, vb)?.with_cache(&cache, i))
             })
         })
         .collect()
@@ -361,7 +465,8 @@ impl Llama {
         let kv = Arc::new(KvCache::new(cfg.num_hidden_layers));
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
-                Ok(DecoderLayer::new(cfg, vb.pp(format!("model.layers.{i}")))?.with_cache(&kv, i))
+                let vb = vb.pp(format!("model.layers.{i}"));
+                Ok(DecoderLayer::for_layer(cfg, i, vb)?.with_cache(&kv, i))
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
