@@ -4,6 +4,7 @@
 
 mod attention;
 mod crash;
+mod cross_entropy;
 mod cuda_chain;
 mod decoder_backward;
 mod fused_linear;

@@ -120,3 +120,68 @@ __device__ void rms_dw(const T* __restrict__ x, const T* __restrict__ g, float* 
 DECODER_KERNELS(__nv_bfloat16, bf16)
 DECODER_KERNELS(__half, f16)
 DECODER_KERNELS(float, f32)
+
+// Cross-entropy over one row of logits per block, f32 arithmetic on any input
+// dtype (so the f32 logits are never materialised).
+// - ce_fwd: loss[r] = logsumexp(x[r, :]) - x[r, t[r]] (NaN when t[r] >= v);
+// - ce_bwd: dx[r, j] = g[r] * (softmax(x[r, :])[j] - [j == t[r]]), where the
+//   log-sum-exp is loss[r] + x[r, t[r]] (aux holds loss then g, 2 rows of n).
+#define CE_NEG_INF __int_as_float(0xff800000)
+#define CE_NAN __int_as_float(0x7fffffff)
+__device__ float block_max(float v, float* sh) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float t = lane < (int)(blockDim.x >> 5) ? sh[lane] : CE_NEG_INF;
+    for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, o));
+    if (lane == 0) sh[0] = t;
+  }
+  __syncthreads();
+  return sh[0];
+}
+
+template <typename T>
+__device__ void ce_fwd(const T* __restrict__ x, const uint32_t* __restrict__ t,
+                       float* __restrict__ loss, int v) {
+  __shared__ float sh[32];
+  const T* row = x + (size_t)blockIdx.x * v;
+  float m = CE_NEG_INF;
+  for (int j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, to_f(row[j]));
+  m = block_max(m, sh);
+  float s = 0.f;
+  for (int j = threadIdx.x; j < v; j += blockDim.x) s += __expf(to_f(row[j]) - m);
+  s = block_sum(s, sh);
+  if (threadIdx.x == 0) {
+    const uint32_t k = t[blockIdx.x];
+    loss[blockIdx.x] = k < (uint32_t)v ? logf(s) + m - to_f(row[k]) : CE_NAN;
+  }
+}
+
+template <typename T>
+__device__ void ce_bwd(const T* __restrict__ x, const uint32_t* __restrict__ t,
+                       const float* __restrict__ aux, T* __restrict__ dx, int v, int n) {
+  const size_t off = (size_t)blockIdx.x * v;
+  const uint32_t k = t[blockIdx.x];
+  const float g = aux[n + blockIdx.x];
+  const float lse = k < (uint32_t)v ? aux[blockIdx.x] + to_f(x[off + k]) : CE_NAN;
+  for (int j = threadIdx.x; j < v; j += blockDim.x) {
+    const float p = __expf(to_f(x[off + j]) - lse);
+    dx[off + j] = from_f<T>(g * (p - (j == (int)k ? 1.f : 0.f)));
+  }
+}
+
+#define CE(T, S)                                                                          \
+  extern "C" __global__ void ce_fwd_##S(const T* x, const uint32_t* t, float* loss,      \
+                                        int v) {                                         \
+    ce_fwd<T>(x, t, loss, v);                                                            \
+  }                                                                                      \
+  extern "C" __global__ void ce_bwd_##S(const T* x, const uint32_t* t, const float* aux, \
+                                        T* dx, int v, int n) {                           \
+    ce_bwd<T>(x, t, aux, dx, v, n);                                                      \
+  }
+CE(__nv_bfloat16, bf16)
+CE(__half, f16)
+CE(float, f32)

@@ -319,3 +319,97 @@ pub(crate) fn rms_norm_backward(
         .to_dtype(w.dtype())?;
     Ok(Some((dx, dw)))
 }
+
+/// Per-row cross-entropy losses `(rows,)` f32 of contiguous `logits (rows,
+/// vocab)` against u32 `targets (rows,)` (NaN where a target is out of range).
+pub(crate) fn cross_entropy_fwd(
+    sx: &CudaStorage,
+    lx: &Layout,
+    st: &CudaStorage,
+    lt: &Layout,
+) -> Result<CudaStorage> {
+    let (ox, ot) = (contiguous(lx, "logits")?, contiguous(lt, "targets")?);
+    let (rows, vocab) = lx.shape().dims2()?;
+    let dev = sx.device().clone();
+    let f = func(&dev, &format!("ce_fwd_{}", suffix(sx.dtype())?))?;
+    let stream = dev.cuda_stream();
+    let t = st.as_cuda_slice::<u32>()?.slice(ot..);
+    // SAFETY: one block per row writes that row's loss.
+    let loss = unsafe { dev.alloc::<f32>(rows) }?;
+    let v = vocab as i32;
+    macro_rules! go {
+        ($t:ty) => {{
+            let x = sx.as_cuda_slice::<$t>()?.slice(ox..);
+            let mut b = stream.launch_builder(&f);
+            b.arg(&x).arg(&t).arg(&loss).arg(&v);
+            // SAFETY: rows x vocab logits, rows targets and losses, as the kernel indexes.
+            unsafe { b.launch(row_grid(rows)) }.map_err(candle_core::Error::wrap)?;
+        }};
+    }
+    match sx.dtype() {
+        DType::BF16 => go!(half::bf16),
+        DType::F16 => go!(half::f16),
+        DType::F32 => go!(f32),
+        dt => bail!("cross_entropy: unsupported dtype {dt:?}"),
+    }
+    Ok(CudaStorage::wrap_cuda_slice(loss, dev))
+}
+
+/// The logits' gradient `(rows, vocab)` in their dtype, from `aux = [loss;
+/// grad of loss]` (`2 rows` f32).
+pub(crate) fn cross_entropy_bwd(
+    sx: &CudaStorage,
+    lx: &Layout,
+    st: &CudaStorage,
+    lt: &Layout,
+    sa: &CudaStorage,
+    la: &Layout,
+) -> Result<CudaStorage> {
+    let (ox, ot, oa) = (
+        contiguous(lx, "logits")?,
+        contiguous(lt, "targets")?,
+        contiguous(la, "aux")?,
+    );
+    let (rows, vocab) = lx.shape().dims2()?;
+    if lt.dims() != [rows] || la.dims() != [2 * rows] {
+        bail!(
+            "cross_entropy backward: logits {:?}, targets {:?}, aux {:?}",
+            lx.shape(),
+            lt.shape(),
+            la.shape()
+        );
+    }
+    let dev = sx.device().clone();
+    let f = func(&dev, &format!("ce_bwd_{}", suffix(sx.dtype())?))?;
+    let stream = dev.cuda_stream();
+    let t = st.as_cuda_slice::<u32>()?.slice(ot..);
+    let a = sa.as_cuda_slice::<f32>()?.slice(oa..);
+    let (v, n) = (vocab as i32, rows as i32);
+    macro_rules! go {
+        ($t:ty) => {{
+            let x = sx.as_cuda_slice::<$t>()?.slice(ox..);
+            // SAFETY: one block per row writes every element of its row.
+            let d = unsafe { dev.alloc::<$t>(rows * vocab) }?;
+            let mut b = stream.launch_builder(&f);
+            b.arg(&x).arg(&t).arg(&a).arg(&d).arg(&v).arg(&n);
+            // SAFETY: rows x vocab logits and gradient, rows targets, 2 rows aux.
+            unsafe { b.launch(row_grid(rows)) }.map_err(candle_core::Error::wrap)?;
+            CudaStorage::wrap_cuda_slice(d, dev.clone())
+        }};
+    }
+    Ok(match sx.dtype() {
+        DType::BF16 => go!(half::bf16),
+        DType::F16 => go!(half::f16),
+        DType::F32 => go!(f32),
+        dt => bail!("cross_entropy backward: unsupported dtype {dt:?}"),
+    })
+}
+
+/// One 256-thread block per row.
+fn row_grid(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}

@@ -1,0 +1,157 @@
+//! `streamer_models::cross_entropy` (no f32 copy of the logits, gradient in
+//! their dtype): the loss against an f64 loop and candle-nn's
+//! `cross_entropy`, the logits' gradient against Candle autograd through
+//! candle-nn's version; bf16 logits within a bf16 bound; bad input.
+use crate::fused_mlp::rel_err;
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use streamer_models::cross_entropy;
+
+/// The mean loss and its gradient in f64 for `x (rows, vocab)` and targets.
+fn reference(x: &[f64], t: &[u32], vocab: usize) -> (f64, Vec<f64>) {
+    let rows = t.len();
+    let (mut loss, mut grad) = (0f64, vec![0f64; x.len()]);
+    for r in 0..rows {
+        let row = &x[r * vocab..(r + 1) * vocab];
+        let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+        loss += (lse - row[t[r] as usize]) / rows as f64;
+        for j in 0..vocab {
+            let onehot = if j == t[r] as usize { 1.0 } else { 0.0 };
+            grad[r * vocab + j] = ((row[j] - lse).exp() - onehot) / rows as f64;
+        }
+    }
+    (loss, grad)
+}
+
+fn case(rows: usize, vocab: usize, scale: f64, seed: u32) -> Result<(Tensor, Vec<u32>)> {
+    let x = (Tensor::randn(0f64, 1.0, (rows, vocab), &Device::Cpu)? * scale)?;
+    let t = (0..rows as u32)
+        .map(|r| (r.wrapping_mul(2_654_435_761).wrapping_add(seed)) % vocab as u32)
+        .collect();
+    Ok((x, t))
+}
+
+fn to_f64(t: &Tensor) -> Result<Vec<f64>> {
+    Ok(t.to_dtype(DType::F64)?
+        .to_device(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1()?)
+}
+
+fn cross_entropy_matches_reference_and_candle(dev: &Device) -> Result<()> {
+    // A vocabulary below one block of threads, one not a multiple of it, and
+    // large logits (the log-sum-exp must subtract the row max).
+    for (rows, vocab, scale) in [(5, 3, 1.0), (37, 1000, 1.0), (8, 517, 60.0)] {
+        let (x64, t) = case(rows, vocab, scale, 7)?;
+        let (want_loss, want_grad) = reference(&x64.flatten_all()?.to_vec1()?, &t, vocab);
+        let x = Var::from_tensor(&x64.to_dtype(DType::F32)?.to_device(dev)?)?;
+        let targets = Tensor::new(t.as_slice(), dev)?;
+        let loss = cross_entropy(x.as_tensor(), &targets)?;
+        let grad = loss
+            .backward()?
+            .get(x.as_tensor())
+            .expect("logits' gradient")
+            .clone();
+        let plain = candle_nn::loss::cross_entropy(x.as_tensor(), &targets)?;
+        let plain_grad = plain
+            .backward()?
+            .get(x.as_tensor())
+            .expect("plain gradient")
+            .clone();
+        let got = loss.to_scalar::<f32>()? as f64;
+        let e_ref = (got - want_loss).abs() / want_loss.abs();
+        let e_plain = (got - plain.to_scalar::<f32>()? as f64).abs() / want_loss.abs();
+        ensure!(
+            e_ref < 1e-5,
+            "{rows}x{vocab}: loss {got} vs f64 {want_loss} (rel {e_ref:e})"
+        );
+        ensure!(
+            e_plain < 1e-5,
+            "{rows}x{vocab}: loss vs candle-nn rel {e_plain:e}"
+        );
+        let want = Tensor::from_vec(want_grad, (rows, vocab), &Device::Cpu)?;
+        let (g_ref, g_plain) = (rel_err(&grad, &want)?, rel_err(&grad, &plain_grad)?);
+        ensure!(
+            g_ref < 1e-5,
+            "{rows}x{vocab}: gradient vs f64 rel {g_ref:e}"
+        );
+        ensure!(
+            g_plain < 1e-5,
+            "{rows}x{vocab}: gradient vs candle-nn autograd rel {g_plain:e}"
+        );
+        ensure!(grad.dtype() == DType::F32 && grad.dims() == [rows, vocab]);
+    }
+    Ok(())
+}
+candle_streamer::test_device!(cross_entropy_matches_reference_and_candle);
+
+fn cross_entropy_bf16_logits_within_bound(dev: &Device) -> Result<()> {
+    let (rows, vocab) = (33, 700);
+    let (x64, t) = case(rows, vocab, 2.0, 3)?;
+    let xb = x64.to_dtype(DType::BF16)?;
+    // The reference sees the same bf16-rounded logits: what remains is the
+    // kernel's f32 arithmetic (loss) and the gradient's rounding to bf16.
+    let (want_loss, want_grad) = reference(&to_f64(&xb)?, &t, vocab);
+    let x = Var::from_tensor(&xb.to_device(dev)?)?;
+    let loss = cross_entropy(x.as_tensor(), &Tensor::new(t.as_slice(), dev)?)?;
+    let grad = loss
+        .backward()?
+        .get(x.as_tensor())
+        .expect("logits' gradient")
+        .clone();
+    ensure!(
+        loss.dtype() == DType::F32,
+        "the loss is f32, got {:?}",
+        loss.dtype()
+    );
+    ensure!(
+        grad.dtype() == DType::BF16,
+        "the gradient keeps the logits' dtype"
+    );
+    let got = loss.to_scalar::<f32>()? as f64;
+    let e = (got - want_loss).abs() / want_loss.abs();
+    ensure!(
+        e < 1e-5,
+        "bf16 logits: loss {got} vs {want_loss} (rel {e:e})"
+    );
+    let want = Tensor::from_vec(want_grad, (rows, vocab), &Device::Cpu)?;
+    // bf16 keeps 8 bits: 2^-8 of the largest gradient, with margin.
+    let g = rel_err(&grad, &want)?;
+    ensure!(g < 8e-3, "bf16 gradient rel {g:e} (bound 8e-3)");
+    Ok(())
+}
+candle_streamer::test_device!(cross_entropy_bf16_logits_within_bound);
+
+fn cross_entropy_rejects_bad_input(dev: &Device) -> Result<()> {
+    let x = Tensor::zeros((4, 10), DType::F32, dev)?;
+    let msg = |r: candle_core::Result<Tensor>| r.err().map(|e| e.to_string()).unwrap_or_default();
+    let e = msg(cross_entropy(&x, &Tensor::zeros(3, DType::U32, dev)?));
+    ensure!(
+        e.contains("(4,) u32") && e.contains("[3]"),
+        "wrong target count: {e}"
+    );
+    let e = msg(cross_entropy(&x, &Tensor::zeros(4, DType::I64, dev)?));
+    ensure!(e.contains("I64"), "wrong target dtype: {e}");
+    let e = msg(cross_entropy(
+        &Tensor::zeros((4, 10), DType::U32, dev)?,
+        &Tensor::zeros(4, DType::U32, dev)?,
+    ));
+    ensure!(e.contains("U32"), "integer logits: {e}");
+    let e = msg(cross_entropy(
+        &Tensor::zeros((0, 10), DType::F32, dev)?,
+        &Tensor::zeros(0, DType::U32, dev)?,
+    ));
+    ensure!(e.contains("0 rows"), "no rows: {e}");
+    let bad = Tensor::new(&[1u32, 2, 10, 0], dev)?;
+    if dev.is_cpu() {
+        let e = msg(cross_entropy(&x, &bad));
+        ensure!(e.contains("target 10 of row 2"), "out-of-range target: {e}");
+    } else {
+        // Checked on the device without a sync: the loss cannot look valid.
+        let l = cross_entropy(&x, &bad)?.to_scalar::<f32>()?;
+        ensure!(l.is_nan(), "an out-of-range target gave loss {l}");
+    }
+    Ok(())
+}
+candle_streamer::test_device!(cross_entropy_rejects_bad_input);
