@@ -534,3 +534,102 @@ fn non_finite_hyper_parameters_are_refused(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(non_finite_hyper_parameters_are_refused);
+
+/// A state file in the documented format (`crate::optim_state`: f32 buffers
+/// `<buffer>.<name>`, an i64 `last_step`, metadata `kind`, `num_params`,
+/// `step` and the hyper-parameters), written here with the safetensors crate
+/// rather than by the optimizers, as files saved before the optimizers shared
+/// one skeleton were: both load it exactly, and a buffer the hyper-parameters
+/// do not use is refused.
+fn state_files_of_the_documented_format_load(dev: &Device) -> Result<()> {
+    use safetensors::tensor::TensorView;
+    use safetensors::Dtype;
+    let vars = make_vars(1.0)?;
+    let n: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
+    let buf = |k: usize, i: usize| -> Vec<u8> {
+        (0..n[i])
+            .flat_map(|j| ((j * 7 + i * 3 + k) as f32 * 0.001).to_le_bytes())
+            .collect()
+    };
+    let last: Vec<u8> = [5i64, 0, 4].iter().flat_map(|x| x.to_le_bytes()).collect();
+    let write = |path: &std::path::Path, prefixes: &[&str], meta: &[(&str, &str)]| -> Result<()> {
+        let mut data = vec![("last_step".to_string(), Dtype::I64, vec![3], last.clone())];
+        for (k, p) in prefixes.iter().enumerate() {
+            for (i, v) in vars.iter().enumerate() {
+                data.push((format!("{p}.{i}"), Dtype::F32, v.dims().to_vec(), buf(k, i)));
+            }
+        }
+        let views: Vec<(String, TensorView)> = data
+            .iter()
+            .map(|(name, dt, shape, bytes)| {
+                Ok((name.clone(), TensorView::new(*dt, shape.clone(), bytes)?))
+            })
+            .collect::<Result<_>>()?;
+        let mut m: std::collections::HashMap<String, String> = meta
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        m.insert("num_params".into(), "3".into());
+        m.insert("step".into(), "5".into());
+        safetensors::serialize_to_file(views, Some(m), path)?;
+        Ok(())
+    };
+    let f32s = |bytes: Vec<u8>| -> Vec<f32> {
+        bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    };
+    let path = temp_path(&format!("format-adamw-{}", dev_tag(dev)));
+    let adam_meta = [
+        ("kind", "CpuAdamW"),
+        ("lr", "0.001"),
+        ("beta1", "0.9"),
+        ("beta2", "0.999"),
+        ("eps", "1e-8"),
+        ("weight_decay", "0.01"),
+    ];
+    write(&path, &["m", "v"], &adam_meta)?;
+    let mut a = CpuAdamW::new(vars.clone(), ParamsAdamW::default())?;
+    a.load(&path)?;
+    assert_eq!(a.step_count(), 5);
+    assert_eq!(a.params().weight_decay, 0.01);
+    for i in 0..3 {
+        let (m, v) = a.moments(i).expect("moments");
+        assert!(m == f32s(buf(0, i)) && v == f32s(buf(1, i)), "param {i}");
+    }
+    let sgd_meta = [
+        ("kind", "CpuSgd"),
+        ("lr", "0.01"),
+        ("momentum", "0.9"),
+        ("dampening", "0"),
+        ("weight_decay", "0"),
+        ("nesterov", "true"),
+    ];
+    write(&path, &["momentum"], &sgd_meta)?;
+    let mut s = CpuSgd::new(vars.clone(), ParamsSgd::default())?;
+    s.load(&path)?;
+    assert!(s.params().nesterov && s.params().momentum == 0.9 && s.step_count() == 5);
+    for i in 0..3 {
+        assert!(
+            s.momentum_buffer(i) == Some(&f32s(buf(0, i))[..]),
+            "param {i}"
+        );
+    }
+    // Momentum 0 with a momentum buffer in the file: refused, nothing changes.
+    let no_momentum = [
+        ("kind", "CpuSgd"),
+        ("lr", "0.01"),
+        ("momentum", "0"),
+        ("dampening", "0"),
+        ("weight_decay", "0"),
+        ("nesterov", "false"),
+    ];
+    write(&path, &["momentum"], &no_momentum)?;
+    let e = s.load(&path).unwrap_err().to_string();
+    assert!(e.contains("\"momentum.0\""), "{e}");
+    assert!(s.params().momentum == 0.9 && s.momentum_buffer(0) == Some(&f32s(buf(0, 0))[..]));
+    std::fs::remove_file(&path)?;
+    Ok(())
+}
+candle_streamer::test_device!(state_files_of_the_documented_format_load);

@@ -33,12 +33,15 @@ mod activations;
 mod adamw;
 mod dropout;
 mod grads;
+mod host_optim;
+mod host_update;
 mod optim_state;
 mod sgd;
 mod trainer;
 
 pub use activations::ActivationPolicy;
-pub use adamw::CpuAdamW;
+pub use adamw::{AdamWUpdate, CpuAdamW};
 pub use dropout::{dropout, with_seed, Dropout};
-pub use sgd::{CpuSgd, ParamsSgd};
+pub use host_optim::{BufferName, HostOptimizer, MetaValue, UpdateRule};
+pub use sgd::{CpuSgd, ParamsSgd, SgdUpdate};
 pub use trainer::{Train, TrainableSequential};

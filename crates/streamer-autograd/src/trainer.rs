@@ -53,20 +53,9 @@ fn index_updates<'a>(
         .collect()
 }
 
-impl OverlapStep for crate::CpuAdamW {
+impl<R: crate::UpdateRule> OverlapStep for crate::HostOptimizer<R> {
     fn begin_step(&mut self) {
-        crate::CpuAdamW::begin_step(self)
-    }
-
-    fn step_vars(&mut self, updates: &[(Var, Tensor)]) -> Result<()> {
-        let idx = index_updates(self.vars(), updates)?;
-        self.step_tensors(&idx)
-    }
-}
-
-impl OverlapStep for crate::CpuSgd {
-    fn begin_step(&mut self) {
-        crate::CpuSgd::begin_step(self)
+        crate::HostOptimizer::begin_step(self)
     }
 
     fn step_vars(&mut self, updates: &[(Var, Tensor)]) -> Result<()> {
