@@ -713,9 +713,25 @@ impl Llama {
                 targets.dims()
             );
         }
-        let logits = logits.to_dtype(DType::F32)?.reshape((b * n, v))?;
+        if targets.dtype() != DType::U32 {
+            bail!("targets must be u32, got {:?}", targets.dtype());
+        }
+        if targets.device().is_cpu() {
+            // Checked here where it is free; on the device an out-of-range
+            // target makes the loss NaN (see `cross_entropy`).
+            if let Some(t) = targets
+                .flatten_all()?
+                .to_vec1::<u32>()?
+                .into_iter()
+                .find(|&t| t as usize >= v)
+            {
+                bail!("target token {t} is outside the vocabulary of {v} (vocab_size)");
+            }
+        }
+        // In the logits' dtype: no f32 copy of (batch x seq x vocab) logits.
+        let logits = logits.reshape((b * n, v))?;
         let targets = targets.to_device(&self.device)?.flatten_all()?;
-        candle_nn::loss::cross_entropy(&logits, &targets)
+        crate::cross_entropy(&logits, &targets)
     }
 
     /// Gradients of `loss` for every parameter: through the streamed layers
