@@ -470,31 +470,7 @@ impl TrainableSequential {
                  (each forward can be backpropagated once)"
             );
         };
-        if st.saved_training != self.is_training() {
-            candle_core::bail!(
-                "the model switched from {} to {} mode between forward and backward",
-                if st.saved_training {
-                    "training"
-                } else {
-                    "evaluation"
-                },
-                if self.is_training() {
-                    "training"
-                } else {
-                    "evaluation"
-                }
-            );
-        }
-        let now = self.fingerprints()?;
-        for (i, (a, b)) in saved.fingerprints.iter().zip(&now).enumerate() {
-            if a != b {
-                candle_core::bail!(
-                    "weight {:?} changed between forward and backward (an optimizer step or \
-                     Var::set before backward): gradients would be silently wrong",
-                    self.model.masters().get(i).name
-                );
-            }
-        }
+        self.check_unchanged_since_forward(st.saved_training, &saved)?;
         let g_outs: Vec<Option<Tensor>> = saved
             .outputs
             .iter()
@@ -549,23 +525,28 @@ impl TrainableSequential {
             }
             st.stepped.iter_mut().for_each(|s| *s = false);
         }
-        // Continue into whatever produced the input and the extras.
-        let mut upstream = Vec::new();
-        if let Some(g) = g_x {
-            upstream.push((saved.x.clone(), g));
+        continue_upstream(grads, &saved, g_x, g_extras)
+    }
+
+    /// Refuses a backward whose forward ran in the other mode or whose weights
+    /// changed since (the recompute would give silently wrong gradients).
+    fn check_unchanged_since_forward(&self, saved_training: bool, saved: &Saved) -> Result<()> {
+        let mode = |t: bool| if t { "training" } else { "evaluation" };
+        if saved_training != self.is_training() {
+            candle_core::bail!(
+                "the model switched from {} to {} mode between forward and backward",
+                mode(saved_training),
+                mode(self.is_training())
+            );
         }
-        for (e, g) in saved.extras.iter().zip(g_extras) {
-            if let Some(g) = g {
-                upstream.push((e.clone(), g));
-            }
-        }
-        for (t, g) in upstream {
-            if t.is_variable() {
-                accumulate(grads, &t, g)?;
-            } else if t.track_op() {
-                // d/dθ sum(t ⊙ g) = J_tᵀ g: the chain rule into t's own graph.
-                let more = t.mul(&g.detach())?.sum_all()?.backward()?;
-                grads.extend(more)?;
+        let now = self.fingerprints()?;
+        for (i, (a, b)) in saved.fingerprints.iter().zip(&now).enumerate() {
+            if a != b {
+                candle_core::bail!(
+                    "weight {:?} changed between forward and backward (an optimizer step or \
+                     Var::set before backward): gradients would be silently wrong",
+                    self.model.masters().get(i).name
+                );
             }
         }
         Ok(())
@@ -863,4 +844,33 @@ fn set_current_seed(seed: u64) {
 
 fn clear_current_seed() {
     crate::dropout::set_seed(None);
+}
+
+/// Continues backward into whatever produced the model input and the extras
+/// (their gradients `g_x`, `g_extras` from the first block).
+fn continue_upstream(
+    grads: &mut GradStore,
+    saved: &Saved,
+    g_x: Option<Tensor>,
+    g_extras: Vec<Option<Tensor>>,
+) -> Result<()> {
+    let mut upstream = Vec::new();
+    if let Some(g) = g_x {
+        upstream.push((saved.x.clone(), g));
+    }
+    for (e, g) in saved.extras.iter().zip(g_extras) {
+        if let Some(g) = g {
+            upstream.push((e.clone(), g));
+        }
+    }
+    for (t, g) in upstream {
+        if t.is_variable() {
+            accumulate(grads, &t, g)?;
+        } else if t.track_op() {
+            // d/dθ sum(t ⊙ g) = J_tᵀ g: the chain rule into t's own graph.
+            let more = t.mul(&g.detach())?.sum_all()?.backward()?;
+            grads.extend(more)?;
+        }
+    }
+    Ok(())
 }
