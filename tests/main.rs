@@ -7,6 +7,7 @@ mod crash;
 mod cross_entropy;
 mod cuda_chain;
 mod decoder_backward;
+mod families;
 mod fused_linear;
 mod fused_mlp;
 mod fused_ops;

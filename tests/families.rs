@@ -1,0 +1,310 @@
+//! Parity with Hugging Face transformers: tiny random checkpoints of each family
+//! and layout (`tests/fixtures/hf/`, written by `tests/fixtures/make_fixtures.py`
+//! with the versions in `VERSIONS.txt`) and transformers' own logits, loss and
+//! every parameter's gradient for them. Our resident and streamed (trainable)
+//! models must match at f32 relative error <= 1e-4 (max abs difference over the
+//! reference's max abs value, per tensor); bf16 within 3e-2.
+use super::fused_mlp::rel_err;
+use anyhow::{ensure, Context, Result};
+use candle_core::{DType, Device, IndexOp, Tensor, Var};
+use candle_nn::VarBuilder;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use streamer_core::StreamConfig;
+use streamer_models::{Llama, LlamaConfig};
+
+const F32_TOL: f64 = 1e-4;
+/// bf16 logits may be off the f32 reference by at most this multiple of
+/// transformers' own bf16 error on the same checkpoint.
+const BF16_FACTOR: f64 = 2.0;
+
+/// A fixture folder, from the package root at build time or the working
+/// directory (a test binary carried to another machine runs from the
+/// repository root there).
+pub(crate) fn fixture(name: &str) -> Result<PathBuf> {
+    let rel = PathBuf::from("tests/fixtures/hf").join(name);
+    [
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(&rel),
+        rel.clone(),
+    ]
+    .into_iter()
+    .find(|p| p.join("config.json").exists())
+    .with_context(|| format!("fixture {} not found", rel.display()))
+}
+
+struct Fixture {
+    cfg: LlamaConfig,
+    /// `model.safetensors` or the shard index.
+    weights: PathBuf,
+    /// transformers' outputs (see the module docs).
+    reference: HashMap<String, Tensor>,
+}
+
+fn load(name: &str) -> Result<Fixture> {
+    let dir = fixture(name)?;
+    let cfg = LlamaConfig::from_json_file(dir.join("config.json"))?;
+    let index = dir.join("model.safetensors.index.json");
+    let weights = if index.exists() {
+        index
+    } else {
+        dir.join("model.safetensors")
+    };
+    let reference =
+        candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu)?;
+    Ok(Fixture {
+        cfg,
+        weights,
+        reference,
+    })
+}
+
+impl Fixture {
+    fn get(&self, name: &str) -> Result<&Tensor> {
+        self.reference
+            .get(name)
+            .with_context(|| format!("reference has no {name}"))
+    }
+
+    /// `tokens` and `targets` as u32 on `dev`, their first `n` positions.
+    fn inputs(&self, dev: &Device, n: usize) -> Result<(Tensor, Tensor)> {
+        let t = |k: &str| -> Result<Tensor> {
+            Ok(self
+                .get(k)?
+                .narrow(1, 0, n)?
+                .to_dtype(DType::U32)?
+                .to_device(dev)?)
+        };
+        Ok((t("tokens")?, t("targets")?))
+    }
+
+    fn seq(&self) -> Result<usize> {
+        Ok(self.get("tokens")?.dim(1)?)
+    }
+
+    /// Every checkpoint tensor as an f32 variable on `dev`.
+    fn vars(&self, dev: &Device) -> Result<HashMap<String, Var>> {
+        let files = streamer_core::expand_paths(&[&self.weights])?;
+        let mut vars = HashMap::new();
+        for f in files {
+            for (k, t) in candle_core::safetensors::load(&f, dev)? {
+                vars.insert(k, Var::from_tensor(&t.to_dtype(DType::F32)?)?);
+            }
+        }
+        Ok(vars)
+    }
+}
+
+fn check(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> Result<()> {
+    ensure!(
+        got.dims() == want.dims(),
+        "{what}: shape {:?} vs transformers' {:?}",
+        got.dims(),
+        want.dims()
+    );
+    let e = rel_err(got, want)?;
+    ensure!(e <= tol, "{what}: relative error {e:.2e} > {tol:.0e}");
+    Ok(())
+}
+
+/// Resident (variables, plain Candle autograd) against every reference tensor.
+fn resident_matches(fx: &Fixture, dev: &Device, name: &str) -> Result<()> {
+    let vars = fx.vars(dev)?;
+    let tensors = vars
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect();
+    let model = Llama::resident(VarBuilder::from_tensors(tensors, DType::F32, dev), &fx.cfg)?;
+    let (x, y) = fx.inputs(dev, fx.seq()?)?;
+    check(
+        &format!("{name} resident logits"),
+        &model.forward(&x)?,
+        fx.get("logits")?,
+        F32_TOL,
+    )?;
+    let loss = model.loss(&x, &y)?;
+    check(
+        &format!("{name} resident loss"),
+        &loss,
+        fx.get("loss")?,
+        F32_TOL,
+    )?;
+    let grads = model.backward(&loss)?;
+    let mut n = 0;
+    for (k, want) in fx.reference.iter().filter(|(k, _)| k.starts_with("grad.")) {
+        let p = &k["grad.".len()..];
+        let v = vars
+            .get(p)
+            .with_context(|| format!("{name}: no weight {p}"))?;
+        let g = grads
+            .get(v.as_tensor())
+            .with_context(|| format!("{name}: no gradient for {p}"))?;
+        check(&format!("{name} resident grad {p}"), g, want, F32_TOL)?;
+        n += 1;
+    }
+    ensure!(
+        n == fx.cfg.weight_shapes().len(),
+        "{name}: {n} gradients checked"
+    );
+    // The file loader gives the same logits.
+    let loaded = Llama::load_resident(&[&fx.weights], &fx.cfg, DType::F32, dev)?;
+    check(
+        &format!("{name} load_resident logits"),
+        &loaded.forward(&x)?,
+        fx.get("logits")?,
+        F32_TOL,
+    )?;
+    Ok(())
+}
+
+fn stream(dev: &Device, dtype: DType) -> StreamConfig {
+    StreamConfig {
+        device: dev.clone(),
+        prefetch_ahead: 1,
+        dtype,
+        master_dtype: Some(DType::F32),
+        ..Default::default()
+    }
+}
+
+/// Streamed and trainable (host masters, recomputed or hand-written backward).
+fn streamed_matches(fx: &Fixture, dev: &Device, name: &str) -> Result<()> {
+    let model = Llama::from_safetensors(&[&fx.weights], &fx.cfg, stream(dev, DType::F32))?
+        .into_trainable()?;
+    let (x, y) = fx.inputs(dev, fx.seq()?)?;
+    let loss = model.loss(&x, &y)?;
+    check(
+        &format!("{name} streamed loss"),
+        &loss,
+        fx.get("loss")?,
+        F32_TOL,
+    )?;
+    let grads = model.backward(&loss)?;
+    let params = model.parameters();
+    ensure!(
+        params.len() == fx.cfg.weight_shapes().len(),
+        "{name}: {} parameters",
+        params.len()
+    );
+    for (p, v) in params {
+        let g = grads
+            .get(v.as_tensor())
+            .with_context(|| format!("{name}: no gradient for {p}"))?;
+        check(
+            &format!("{name} streamed grad {p}"),
+            g,
+            fx.get(&format!("grad.{p}"))?,
+            F32_TOL,
+        )?;
+    }
+    model.set_training(false);
+    check(
+        &format!("{name} streamed logits"),
+        &model.forward(&x)?,
+        fx.get("logits")?,
+        F32_TOL,
+    )?;
+    Ok(())
+}
+
+fn family_matches_transformers(name: &str, dev: &Device) -> Result<()> {
+    let fx = load(name)?;
+    resident_matches(&fx, dev, name)?;
+    streamed_matches(&fx, dev, name)
+}
+
+fn hf_llama_4x_layout_matches_transformers(dev: &Device) -> Result<()> {
+    family_matches_transformers("llama-4x", dev)
+}
+candle_streamer::test_device!(hf_llama_4x_layout_matches_transformers);
+
+fn hf_llama_5x_layout_matches_transformers(dev: &Device) -> Result<()> {
+    let (c4, c5) = (load("llama-4x")?.cfg, load("llama-5x")?.cfg);
+    ensure!(
+        c4 == c5,
+        "the two layouts read differently:\n{c4:?}\n{c5:?}"
+    );
+    family_matches_transformers("llama-5x", dev)
+}
+candle_streamer::test_device!(hf_llama_5x_layout_matches_transformers);
+
+fn hf_llama31_rope_scaling_and_bias_matches_transformers(dev: &Device) -> Result<()> {
+    let fx = load("llama31-bias")?;
+    let s = fx.cfg.rope_scaling.as_ref().context("llama3 scaling")?;
+    ensure!(s.rope_type == "llama3" && fx.cfg.rope_theta == 500000.0 && fx.cfg.o_bias());
+    family_matches_transformers("llama31-bias", dev)
+}
+candle_streamer::test_device!(hf_llama31_rope_scaling_and_bias_matches_transformers);
+
+fn hf_qwen2_matches_transformers(dev: &Device) -> Result<()> {
+    let fx = load("qwen2")?;
+    ensure!(fx.cfg.qkv_bias() && !fx.cfg.o_bias() && fx.cfg.sliding_window.is_none());
+    family_matches_transformers("qwen2", dev)
+}
+candle_streamer::test_device!(hf_qwen2_matches_transformers);
+
+fn hf_qwen3_matches_transformers(dev: &Device) -> Result<()> {
+    let fx = load("qwen3")?;
+    ensure!(fx.cfg.qk_norm() && fx.cfg.head_dim() == 16 && fx.cfg.hidden_size == 32);
+    family_matches_transformers("qwen3", dev)
+}
+candle_streamer::test_device!(hf_qwen3_matches_transformers);
+
+/// Tied head, three shards, bf16 weights: in f32 (the bf16 values upcast, as
+/// transformers' reference did) at the f32 bound; computed in bf16, no further
+/// from the f32 logits than twice transformers' bf16 logits are.
+fn hf_llama_tied_sharded_bf16_matches_transformers(dev: &Device) -> Result<()> {
+    let fx = load("llama-tied-sharded-bf16")?;
+    ensure!(fx.cfg.tie_word_embeddings && fx.weights.ends_with("model.safetensors.index.json"));
+    family_matches_transformers("llama-tied-sharded-bf16", dev)?;
+    let (x, _) = fx.inputs(dev, fx.seq()?)?;
+    let exact = fx.get("logits")?;
+    // transformers' own bf16 logits are this far from its f32 ones (2.8e-2).
+    let tol = BF16_FACTOR * rel_err(fx.get("logits_bfloat16")?, exact)?;
+    let resident = Llama::load_resident(&[&fx.weights], &fx.cfg, DType::BF16, dev)?;
+    check("bf16 resident logits", &resident.forward(&x)?, exact, tol)?;
+    let streamed = Llama::from_safetensors(&[&fx.weights], &fx.cfg, stream(dev, DType::BF16))?;
+    check("bf16 streamed logits", &streamed.forward(&x)?, exact, tol)?;
+    Ok(())
+}
+candle_streamer::test_device!(hf_llama_tied_sharded_bf16_matches_transformers);
+
+/// Mistral with a window of 16 and transformers' logits at 24 tokens: until
+/// cqsa has a window mask, 24 tokens are an error naming the field and both
+/// numbers; the first 16 positions (which the window does not cut) match.
+fn hf_mistral_window_shorter_than_sequence_errors(dev: &Device) -> Result<()> {
+    let fx = load("mistral-window16")?;
+    ensure!(fx.cfg.model_type == "mistral" && fx.cfg.sliding_window == Some(16));
+    let n = fx.seq()?;
+    ensure!(n > 16);
+    let (x, y) = fx.inputs(dev, n)?;
+    let resident = Llama::load_resident(&[&fx.weights], &fx.cfg, DType::F32, dev)?;
+    let streamed = Llama::from_safetensors(&[&fx.weights], &fx.cfg, stream(dev, DType::F32))?
+        .into_trainable()?;
+    let want_msg = format!("sliding_window = 16 is shorter than the {n} key positions");
+    for (what, r) in [
+        ("resident", resident.forward(&x).map(|_| ())),
+        ("streamed", streamed.loss(&x, &y).map(|_| ())),
+    ] {
+        let e = r
+            .err()
+            .with_context(|| format!("{what}: {n} tokens ran densely"))?;
+        ensure!(e.to_string().contains(&want_msg), "{what}: {e}");
+    }
+    let (x16, _) = fx.inputs(dev, 16)?;
+    let want = fx.get("logits")?.i((.., ..16, ..))?;
+    check(
+        "mistral resident logits[..16]",
+        &resident.forward(&x16)?,
+        &want,
+        F32_TOL,
+    )?;
+    streamed.set_training(false);
+    check(
+        "mistral streamed logits[..16]",
+        &streamed.forward(&x16)?,
+        &want,
+        F32_TOL,
+    )?;
+    Ok(())
+}
+candle_streamer::test_device!(hf_mistral_window_shorter_than_sequence_errors);
