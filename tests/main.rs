@@ -14,6 +14,7 @@ mod fused_ops;
 mod fuzz;
 mod models;
 mod optim;
+mod pretrained;
 mod pool;
 mod side_effects;
 mod training;

@@ -14,7 +14,10 @@
 //! - [`check_weights`], [`init_weights`] ([`checkpoint`]): strict checks of a
 //!   checkpoint against a config (the error names the tensor and the config
 //!   fields), seeded initial weights, byte budgets.
-//! - [`LmTrainer`], [`train_loop`], [`ByteCorpus`] ([`train`]): host AdamW over
+//! - [`Llama::from_pretrained`] ([`pretrained`]) and [`TextTokenizer`]
+//!   ([`tokenizer`]): a Hugging Face model folder (`config.json`, weights,
+//!   `tokenizer.json`) checked as a whole, then placed resident or streamed.
+//! - [`LmTrainer`], [`train_loop`], [`TokenCorpus`] ([`train`]): host AdamW over
 //!   every master, checkpoints an interrupted save cannot break, resume.
 //! - [`generate`] ([`sample`]): temperature and top-p sampling, feeding one token
 //!   per step through the model's kv cache ([`Llama::forward_cached`]).
@@ -59,7 +62,9 @@ mod kv_cache;
 pub mod llama;
 #[cfg(feature = "cuda")]
 mod lt;
+pub mod pretrained;
 pub mod sample;
+pub mod tokenizer;
 pub mod train;
 
 pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budget, SplitMix64};
@@ -80,5 +85,9 @@ pub use lt::{cached_handles as cached_cublaslt_handles, handle_probe as cublaslt
 pub mod lt_probe {
     pub use crate::lt::{input_grad, linear, weight_grad};
 }
+pub use pretrained::{Placement, Pretrained, PretrainedFiles};
 pub use sample::{generate, sample_token};
-pub use train::{train_loop, ByteCorpus, CheckpointFiles, LmTrainer, LoopOptions, StepReport};
+pub use tokenizer::TextTokenizer;
+pub use train::{
+    train_loop, ByteCorpus, CheckpointFiles, LmTrainer, LoopOptions, StepReport, TokenCorpus,
+};

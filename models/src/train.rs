@@ -1,4 +1,4 @@
-//! Language-model training: a byte-level corpus, a trainer over a streamed
+//! Language-model training: a token corpus (bytes, or a tokenizer's ids), a trainer over a streamed
 //! [`Llama`] with the AdamW optimizer on the host, and checkpoints that an
 //! interrupted save never breaks.
 use crate::checkpoint::SplitMix64;
@@ -11,19 +11,40 @@ use std::time::Instant;
 use streamer_autograd::CpuAdamW;
 use streamer_core::StreamConfig;
 
-/// Text as bytes: the tokenizer is the identity on bytes (vocabulary 256).
+/// A training text as token ids: bytes ([`TokenCorpus::new`],
+/// [`TokenCorpus::from_file`]: the tokenizer is the identity on bytes,
+/// vocabulary 256), or the ids of a tokenizer
+/// ([`crate::TextTokenizer::corpus_from_file`]).
 #[derive(Clone, Debug)]
-pub struct ByteCorpus {
-    bytes: Vec<u8>,
+pub struct TokenCorpus {
+    tokens: Vec<u32>,
 }
 
-impl ByteCorpus {
-    /// A corpus over `bytes`.
+/// The byte-level corpus (the name it had before tokenizers).
+pub type ByteCorpus = TokenCorpus;
+
+impl TokenCorpus {
+    /// A corpus over `bytes` (byte-level tokens).
     pub fn new(bytes: Vec<u8>) -> Self {
-        Self { bytes }
+        Self::from_tokens(bytes.into_iter().map(u32::from).collect())
     }
 
-    /// Reads a file.
+    /// A corpus over token ids.
+    pub fn from_tokens(tokens: Vec<u32>) -> Self {
+        Self { tokens }
+    }
+
+    /// The token ids.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The largest token id (`None` when empty).
+    pub fn max_token(&self) -> Option<u32> {
+        self.tokens.iter().copied().max()
+    }
+
+    /// Reads a file as bytes.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let bytes = std::fs::read(path).map_err(|e| {
@@ -32,14 +53,14 @@ impl ByteCorpus {
         Ok(Self::new(bytes))
     }
 
-    /// Bytes in the corpus.
+    /// Tokens in the corpus.
     pub fn len(&self) -> usize {
-        self.bytes.len()
+        self.tokens.len()
     }
 
     /// Whether it is empty.
     pub fn is_empty(&self) -> bool {
-        self.bytes.is_empty()
+        self.tokens.is_empty()
     }
 
     /// Token ids of a text (its bytes).
@@ -56,7 +77,7 @@ impl ByteCorpus {
     /// The batch of step `step`: `batch` windows at offsets drawn from
     /// `(seed, step)` only, so a resumed run sees the data an uninterrupted one
     /// would. Returns `(inputs, targets)`, each `(batch, seq)` u32 on `device`,
-    /// targets shifted by one byte.
+    /// targets shifted by one token.
     pub fn batch(
         &self,
         seed: u64,
@@ -65,19 +86,19 @@ impl ByteCorpus {
         seq: usize,
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
-        if self.bytes.len() < seq + 2 {
+        if self.tokens.len() < seq + 2 {
             bail!(
-                "the corpus has {} bytes, too few for sequences of {seq}",
-                self.bytes.len()
+                "the corpus has {} tokens, too few for sequences of {seq}",
+                self.tokens.len()
             );
         }
         let mut rng = SplitMix64::new(seed ^ step.wrapping_mul(0xD1B5_4A32_D192_ED03));
         let mut x = Vec::with_capacity(batch * seq);
         let mut y = Vec::with_capacity(batch * seq);
         for _ in 0..batch {
-            let o = rng.below(self.bytes.len() - seq - 1);
-            x.extend(self.bytes[o..o + seq].iter().map(|&b| b as u32));
-            y.extend(self.bytes[o + 1..o + seq + 1].iter().map(|&b| b as u32));
+            let o = rng.below(self.tokens.len() - seq - 1);
+            x.extend_from_slice(&self.tokens[o..o + seq]);
+            y.extend_from_slice(&self.tokens[o + 1..o + seq + 1]);
         }
         Ok((
             Tensor::from_vec(x, (batch, seq), device)?,
@@ -419,8 +440,9 @@ impl LoopOptions {
     /// Checks the options against the model's configuration and the corpus
     /// before any work: positive sizes, `seq` within the model's context
     /// (`max_position_embeddings`; never clamped), a finite positive learning
-    /// rate, a corpus long enough for one sequence, `save_every` positive.
-    pub fn check(&self, cfg: &LlamaConfig, corpus: &ByteCorpus) -> Result<()> {
+    /// rate, a corpus long enough for one sequence whose ids fit `vocab_size`,
+    /// `save_every` positive.
+    pub fn check(&self, cfg: &LlamaConfig, corpus: &TokenCorpus) -> Result<()> {
         if self.batch == 0 || self.seq == 0 {
             bail!(
                 "batch ({}) and seq ({}) must be positive",
@@ -455,9 +477,15 @@ impl LoopOptions {
         }
         if corpus.len() < self.seq + 2 {
             bail!(
-                "the corpus has {} bytes, too few for sequences of {}",
+                "the corpus has {} tokens, too few for sequences of {}",
                 corpus.len(),
                 self.seq
+            );
+        }
+        if let Some(m) = corpus.max_token().filter(|&m| m as usize >= cfg.vocab_size) {
+            bail!(
+                "the corpus has token id {m}, beyond the model's vocab_size = {}",
+                cfg.vocab_size
             );
         }
         Ok(())
@@ -479,7 +507,7 @@ pub fn lr_at(opts: &LoopOptions, step: usize) -> f64 {
 /// with its error, the last checkpoint untouched.
 pub fn train_loop(
     trainer: &mut LmTrainer,
-    corpus: &ByteCorpus,
+    corpus: &TokenCorpus,
     opts: &LoopOptions,
     mut on_step: impl FnMut(&StepReport),
 ) -> Result<Vec<(usize, f32)>> {

@@ -1,0 +1,168 @@
+//! A Hugging Face model folder as the unit: `config.json`, `model.safetensors`
+//! (or `model.safetensors.index.json` and its shards) and `tokenizer.json`,
+//! checked against each other before any weight is loaded.
+use crate::checkpoint::{check_weights, layer_bytes, prefetch_for_budget};
+use crate::config::LlamaConfig;
+use crate::llama::Llama;
+use crate::tokenizer::TextTokenizer;
+use candle_core::{bail, DType, Device, Result};
+use std::path::{Path, PathBuf};
+use streamer_core::{StreamConfig, WeightSource};
+
+/// Where [`Llama::from_pretrained`] puts the model.
+#[derive(Clone, Debug)]
+pub enum Placement {
+    /// Every weight on `device` in `dtype` ([`Llama::load_resident`]).
+    Resident {
+        /// Compute device.
+        device: Device,
+        /// Compute dtype (the checkpoint's values converted).
+        dtype: DType,
+    },
+    /// Layers streamed from host masters as `StreamConfig` says
+    /// ([`Llama::from_safetensors`]).
+    Streamed(StreamConfig),
+    /// Resident when the decoder layers' weights fit in `budget` bytes of
+    /// device memory, otherwise streamed through a window of as many layers as
+    /// fit (f32 host masters).
+    Budget {
+        /// Compute device.
+        device: Device,
+        /// Compute dtype.
+        dtype: DType,
+        /// Device bytes for decoder-layer weights.
+        budget: usize,
+    },
+}
+
+/// The files of a Hugging Face model folder.
+#[derive(Clone, Debug)]
+pub struct PretrainedFiles {
+    /// `config.json`.
+    pub config: PathBuf,
+    /// `model.safetensors` or `model.safetensors.index.json`.
+    pub weights: PathBuf,
+    /// `tokenizer.json`.
+    pub tokenizer: PathBuf,
+}
+
+impl PretrainedFiles {
+    /// The files of `dir`; a missing `config.json` or weights file is an error
+    /// naming what was looked for. `tokenizer.json` is only named here (its
+    /// absence is reported when it is read).
+    pub fn in_dir(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref();
+        if !dir.is_dir() {
+            bail!("{}: not a model folder (no such directory)", dir.display());
+        }
+        let config = dir.join("config.json");
+        if !config.is_file() {
+            bail!(
+                "{}: no such file (a model folder needs its config.json)",
+                config.display()
+            );
+        }
+        let single = dir.join("model.safetensors");
+        let index = dir.join("model.safetensors.index.json");
+        let weights = if single.is_file() {
+            single
+        } else if index.is_file() {
+            index
+        } else {
+            bail!(
+                "{}: no weights (neither model.safetensors nor model.safetensors.index.json)",
+                dir.display()
+            )
+        };
+        Ok(Self {
+            config,
+            weights,
+            tokenizer: dir.join("tokenizer.json"),
+        })
+    }
+}
+
+/// A model folder loaded by [`Llama::from_pretrained`].
+#[derive(Debug)]
+pub struct Pretrained {
+    /// The model, placed as asked.
+    pub model: Llama,
+    /// Its tokenizer.
+    pub tokenizer: TextTokenizer,
+    /// `eos_token_id` of `config.json` (the first, when it is a list).
+    pub eos_token_id: Option<u32>,
+    /// The files read.
+    pub files: PretrainedFiles,
+}
+
+impl std::fmt::Debug for Llama {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Llama")
+            .field("model_type", &self.config().model_type)
+            .field("layers", &self.config().num_hidden_layers)
+            .field("streamed", &self.is_streamed())
+            .finish()
+    }
+}
+
+/// `eos_token_id` of a `config.json` text: a number or a list of numbers.
+fn eos_token_id(config_text: &str) -> Option<u32> {
+    let v: serde_json::Value = serde_json::from_str(config_text).ok()?;
+    let e = v.get("eos_token_id")?;
+    let first = e.as_array().and_then(|a| a.first()).unwrap_or(e);
+    first.as_u64().and_then(|n| u32::try_from(n).ok())
+}
+
+impl Llama {
+    /// Loads a Hugging Face model folder: `config.json`, the weights
+    /// (`model.safetensors` or the sharded index) and `tokenizer.json`, placed
+    /// as `placement` says. Everything is checked before any weight is loaded:
+    /// the config's fields, the tokenizer's ids against `vocab_size` (an error
+    /// naming both files and sizes), and every tensor's name and shape.
+    pub fn from_pretrained(dir: impl AsRef<Path>, placement: Placement) -> Result<Pretrained> {
+        let files = PretrainedFiles::in_dir(dir)?;
+        let text = std::fs::read_to_string(&files.config).map_err(|e| {
+            candle_core::Error::Msg(format!("cannot read {}: {e}", files.config.display()))
+        })?;
+        let cfg = LlamaConfig::from_json(&text)
+            .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", files.config.display())))?;
+        let tokenizer = TextTokenizer::from_file(&files.tokenizer)?;
+        tokenizer.check_vocab(&cfg, &files.config)?;
+        let src = WeightSource::safetensors(&[&files.weights])?;
+        check_weights(&src, &cfg)
+            .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", files.weights.display())))?;
+        let model = place(&files.weights, &cfg, placement)?;
+        Ok(Pretrained {
+            model,
+            tokenizer,
+            eos_token_id: eos_token_id(&text),
+            files,
+        })
+    }
+}
+
+fn place(weights: &Path, cfg: &LlamaConfig, placement: Placement) -> Result<Llama> {
+    match placement {
+        Placement::Resident { device, dtype } => {
+            Llama::load_resident(&[weights], cfg, dtype, &device)
+        }
+        Placement::Streamed(stream) => Llama::from_safetensors(&[weights], cfg, stream),
+        Placement::Budget {
+            device,
+            dtype,
+            budget,
+        } => {
+            if layer_bytes(cfg, dtype) * cfg.num_hidden_layers <= budget {
+                return Llama::load_resident(&[weights], cfg, dtype, &device);
+            }
+            let stream = StreamConfig {
+                device,
+                prefetch_ahead: prefetch_for_budget(cfg, dtype, budget)?,
+                dtype,
+                master_dtype: Some(DType::F32),
+                ..Default::default()
+            };
+            Llama::from_safetensors(&[weights], cfg, stream)
+        }
+    }
+}

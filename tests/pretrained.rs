@@ -1,0 +1,241 @@
+//! A Hugging Face model folder as the unit: `tokenizer.json` through the
+//! `tokenizers` crate gives the ids Python's `tokenizers` gave
+//! (`tests/fixtures/hf/llama-tokenizer/tokenizer_cases.json`),
+//! `Llama::from_pretrained` checks config, tokenizer and weights against each
+//! other before loading, places the model resident or streamed, and the model
+//! fine-tunes on a corpus tokenized by its own tokenizer.
+use super::families::fixture;
+use anyhow::{ensure, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::ParamsAdamW;
+use std::path::{Path, PathBuf};
+use streamer_core::StreamConfig;
+use streamer_models::{
+    train_loop, Llama, LmTrainer, LoopOptions, Placement, Pretrained, TextTokenizer,
+};
+
+fn temp_dir(name: &str) -> Result<PathBuf> {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let k = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let d = std::env::temp_dir().join(format!(
+        "streamer-pretrained-{name}-{}-{k}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d)?;
+    Ok(d)
+}
+
+/// A copy of the tokenizer fixture's folder to edit.
+fn copy_fixture(name: &str) -> Result<PathBuf> {
+    let src = fixture("llama-tokenizer")?;
+    let dst = temp_dir(name)?;
+    for e in std::fs::read_dir(&src)? {
+        let e = e?;
+        std::fs::copy(e.path(), dst.join(e.file_name()))?;
+    }
+    Ok(dst)
+}
+
+fn err_of<T>(r: candle_core::Result<T>) -> Result<String> {
+    match r {
+        Ok(_) => anyhow::bail!("expected an error"),
+        Err(e) => Ok(e.to_string()),
+    }
+}
+
+fn tokenizer_matches_python_tokenizers(_dev: &Device) -> Result<()> {
+    let dir = fixture("llama-tokenizer")?;
+    let tok = TextTokenizer::from_file(dir.join("tokenizer.json"))?;
+    let cases: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_cases.json"))?)?;
+    ensure!(tok.id_count() as u64 == cases["vocab_size"].as_u64().context("vocab_size")?);
+    let list = cases["cases"].as_array().context("cases")?;
+    ensure!(list.len() >= 4);
+    for c in list {
+        let text = c["text"].as_str().context("text")?;
+        let want: Vec<u32> = serde_json::from_value(c["ids"].clone())?;
+        let got = tok.encode(text)?;
+        ensure!(got == want, "{text:?}: {got:?} vs Python's {want:?}");
+        // Byte-level BPE: decoding gives the text back.
+        ensure!(tok.decode(&got)? == text, "{text:?} decodes differently");
+    }
+    ensure!(tok.token_id("</s>").is_some());
+    let e = err_of(TextTokenizer::from_file(dir.join("nope.json")))?;
+    ensure!(e.contains("nope.json") && e.contains("tokenizer"), "{e}");
+    let e = err_of(TextTokenizer::from_file(dir.join("config.json")))?;
+    ensure!(e.contains("config.json"), "{e}");
+    Ok(())
+}
+candle_streamer::test_device!(tokenizer_matches_python_tokenizers);
+
+fn from_pretrained_resident_and_streamed_agree(dev: &Device) -> Result<()> {
+    let dir = fixture("llama-tokenizer")?;
+    let resident = Llama::from_pretrained(
+        &dir,
+        Placement::Resident {
+            device: dev.clone(),
+            dtype: DType::F32,
+        },
+    )?;
+    ensure!(!resident.model.is_streamed());
+    ensure!(resident.eos_token_id == resident.tokenizer.token_id("</s>"));
+    // A budget of one layer: streamed through a window of one.
+    let one_layer = streamer_models::checkpoint::layer_bytes(resident.model.config(), DType::F32);
+    let streamed = Llama::from_pretrained(
+        &dir,
+        Placement::Budget {
+            device: dev.clone(),
+            dtype: DType::F32,
+            budget: one_layer,
+        },
+    )?;
+    ensure!(streamed.model.is_streamed());
+    let ids = resident
+        .tokenizer
+        .encode("a single man in possession of a good fortune")?;
+    let x = Tensor::new(ids.as_slice(), dev)?.unsqueeze(0)?;
+    let (a, b) = (resident.model.forward(&x)?, streamed.model.forward(&x)?);
+    let d = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    ensure!(d < 1e-5, "resident vs streamed: {d}");
+    let big = Llama::from_pretrained(
+        &dir,
+        Placement::Budget {
+            device: dev.clone(),
+            dtype: DType::F32,
+            budget: 1 << 30,
+        },
+    )?;
+    ensure!(!big.model.is_streamed());
+    Ok(())
+}
+candle_streamer::test_device!(from_pretrained_resident_and_streamed_agree);
+
+fn load_cpu(dir: &Path) -> candle_core::Result<Pretrained> {
+    Llama::from_pretrained(
+        dir,
+        Placement::Resident {
+            device: Device::Cpu,
+            dtype: DType::F32,
+        },
+    )
+}
+
+fn from_pretrained_mismatches_are_named(_dev: &Device) -> Result<()> {
+    // No tokenizer.json.
+    let d = copy_fixture("no-tokenizer")?;
+    std::fs::remove_file(d.join("tokenizer.json"))?;
+    let e = err_of(load_cpu(&d))?;
+    ensure!(
+        e.contains(&d.join("tokenizer.json").display().to_string()),
+        "{e}"
+    );
+    // A config whose vocabulary is smaller than the tokenizer's.
+    let d = copy_fixture("small-vocab")?;
+    let p = d.join("config.json");
+    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p)?)?;
+    c["vocab_size"] = 200.into();
+    std::fs::write(&p, c.to_string())?;
+    let e = err_of(load_cpu(&d))?;
+    for w in [
+        "vocabulary mismatch",
+        "300 token ids",
+        "vocab_size = 200",
+        "config.json",
+        "tokenizer.json",
+    ] {
+        ensure!(e.contains(w), "missing {w:?}: {e}");
+    }
+    // A larger config vocabulary (padded embedding) passes the tokenizer check
+    // and fails on the weights' shape, naming the tensor.
+    c["vocab_size"] = 320.into();
+    std::fs::write(&p, c.to_string())?;
+    let e = err_of(load_cpu(&d))?;
+    ensure!(
+        e.contains("model.embed_tokens.weight") && e.contains("vocab_size"),
+        "{e}"
+    );
+    // No weights, no config.
+    let d = copy_fixture("no-weights")?;
+    std::fs::remove_file(d.join("model.safetensors"))?;
+    let e = err_of(load_cpu(&d))?;
+    ensure!(e.contains("model.safetensors.index.json"), "{e}");
+    std::fs::remove_file(d.join("config.json"))?;
+    ensure!(err_of(load_cpu(&d))?.contains("config.json"));
+    ensure!(err_of(load_cpu(&d.join("absent")))?.contains("absent"));
+    Ok(())
+}
+candle_streamer::test_device!(from_pretrained_mismatches_are_named);
+
+fn tokenized_corpora_text_and_jsonl(_dev: &Device) -> Result<()> {
+    let tok = TextTokenizer::from_file(fixture("llama-tokenizer")?.join("tokenizer.json"))?;
+    let d = temp_dir("corpus")?;
+    let eos = tok.token_id("</s>").context("eos")?;
+    std::fs::write(d.join("a.txt"), "Hello, world!")?;
+    let c = tok.corpus_from_file(d.join("a.txt"), None)?;
+    ensure!(c.len() == tok.encode("Hello, world!")?.len());
+    std::fs::write(
+        d.join("b.jsonl"),
+        "{\"text\": \"Hello, world!\"}\n\n{\"text\": \"a single man\", \"id\": 2}\n",
+    )?;
+    let c = tok.corpus_from_file(d.join("b.jsonl"), Some(eos))?;
+    let (h, m) = (tok.encode("Hello, world!")?, tok.encode("a single man")?);
+    let want: Vec<u32> = [h, vec![eos], m, vec![eos]].concat();
+    ensure!(
+        c.tokens() == want.as_slice(),
+        "{:?} vs {want:?}",
+        c.tokens()
+    );
+    std::fs::write(
+        d.join("c.jsonl"),
+        "{\"text\": \"ok\"}\n{\"body\": \"no\"}\n",
+    )?;
+    let e = err_of(tok.corpus_from_file(d.join("c.jsonl"), None))?;
+    ensure!(
+        e.contains("c.jsonl") && e.contains("line 2") && e.contains("\"text\""),
+        "{e}"
+    );
+    std::fs::write(d.join("d.jsonl"), "{\"text\": 3}\nnot json\n")?;
+    let e = err_of(tok.corpus_from_file(d.join("d.jsonl"), None))?;
+    ensure!(e.contains("line 1"), "{e}");
+    Ok(())
+}
+candle_streamer::test_device!(tokenized_corpora_text_and_jsonl);
+
+/// Full fine-tuning of the folder's model, streamed with host AdamW, on text
+/// tokenized by its tokenizer: the loss falls.
+fn from_pretrained_fine_tunes_on_its_tokenizer(dev: &Device) -> Result<()> {
+    let dir = fixture("llama-tokenizer")?;
+    let stream = StreamConfig {
+        device: dev.clone(),
+        prefetch_ahead: 1,
+        dtype: DType::F32,
+        master_dtype: Some(DType::F32),
+        ..Default::default()
+    };
+    let p = Llama::from_pretrained(&dir, Placement::Streamed(stream))?;
+    let d = temp_dir("finetune")?;
+    let text = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife. ";
+    std::fs::write(d.join("corpus.txt"), text.repeat(8))?;
+    let corpus = p.tokenizer.corpus_from_file(d.join("corpus.txt"), None)?;
+    let adam = ParamsAdamW {
+        lr: 1e-2,
+        ..Default::default()
+    };
+    let mut trainer = LmTrainer::new(p.model, adam)?;
+    let opts = LoopOptions {
+        steps: 12,
+        batch: 2,
+        seq: 16,
+        seed: 0,
+        lr: 1e-2,
+        warmup: 0,
+        save_every: None,
+        checkpoint_dir: None,
+    };
+    let losses = train_loop(&mut trainer, &corpus, &opts, |_| {})?;
+    let (first, last) = (losses[0].1, losses[losses.len() - 1].1);
+    ensure!(last < 0.7 * first, "loss {first} -> {last}");
+    Ok(())
+}
+candle_streamer::test_device!(from_pretrained_fine_tunes_on_its_tokenizer);
