@@ -1,5 +1,8 @@
-//! Sample text from a Llama-style checkpoint with temperature and top-p, byte-level.
+//! Sample text from a Llama-family checkpoint with temperature and top-p: a
+//! Hugging Face model folder with its own tokenizer, or train_lm's byte-level
+//! checkpoints.
 //!
+//!     cargo run --release --example generate -- --model path/to/hf-model-folder --prompt "Hello"
 //!     cargo run --release --example generate -- --checkpoint runs/train_lm/checkpoint
 //!     cargo run --release --example generate -- --weights model.safetensors --config config.json --streamed
 //!     cargo run --release --features cuda --example generate -- --checkpoint runs/3b/checkpoint --gpu-weight-budget 4GiB
@@ -9,24 +12,35 @@
 //! The model runs resident unless `--streamed` is given or its decoder layers'
 //! weights exceed `--gpu-weight-budget`; then the layers stream from host memory
 //! through a window of as many layers as the budget holds.
+//!
+//! Tokens: `--model`'s `tokenizer.json` (required), `--tokenizer FILE` with any
+//! source, a `tokenizer.json` inside `--checkpoint`'s folder (train_lm copies
+//! the one it fine-tuned with), or else bytes.
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_streamer::cli;
 use clap::Parser;
 use std::collections::HashMap;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use streamer_core::StreamConfig;
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
     generate, init_weights, parse_bytes, prefetch_for_budget, ByteCorpus, CheckpointFiles, Llama,
-    LlamaConfig,
+    LlamaConfig, Placement, TextTokenizer,
 };
 
 #[derive(Parser, Debug)]
-#[command(about = "Sample text from a Llama-style checkpoint (byte-level tokens)")]
+#[command(about = "Sample text from a Llama-family checkpoint or Hugging Face model folder")]
 struct Args {
+    /// A Hugging Face model folder: config.json, model.safetensors (or the
+    /// sharded index) and tokenizer.json.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// A tokenizer.json to use (checked against the config's vocab_size).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
     /// A folder written by train_lm (its checkpoint.json names the files).
     #[arg(long)]
     checkpoint: Option<PathBuf>,
@@ -46,7 +60,7 @@ struct Args {
     /// Text to continue.
     #[arg(long, default_value = "Mr. Phileas Fogg")]
     prompt: String,
-    /// Bytes to generate.
+    /// Tokens to generate.
     #[arg(long, default_value_t = 300)]
     max_tokens: usize,
     /// Softmax temperature (0: greedy).
@@ -82,7 +96,7 @@ fn check_args(a: &Args) -> Result<()> {
     cli::non_negative("--temperature", a.temperature)?;
     cli::fraction("--top-p", a.top_p)?;
     if a.prompt.is_empty() {
-        bail!("--prompt is empty: give at least one byte to continue");
+        bail!("--prompt is empty: give some text to continue");
     }
     if let Some(b) = &a.gpu_weight_budget {
         parse_bytes(b)?;
@@ -90,12 +104,73 @@ fn check_args(a: &Args) -> Result<()> {
     Ok(())
 }
 
-/// Prints the prompt and the sampled bytes as they come, then the speed.
-fn run(a: &Args, model: &Llama) -> Result<()> {
-    let prompt = ByteCorpus::encode(&a.prompt);
+/// How text becomes ids and back.
+enum Tokens {
+    /// Byte-level (train_lm's presets).
+    Bytes,
+    /// A `tokenizer.json`.
+    Hf(Box<TextTokenizer>),
+}
+
+impl Tokens {
+    fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(match self {
+            Tokens::Bytes => ByteCorpus::encode(text),
+            Tokens::Hf(t) => t.encode(text)?,
+        })
+    }
+
+    /// A file's tokenizer for `cfg`, checked against `vocab_size`.
+    fn from_file(path: &Path, cfg: &LlamaConfig, config: &Path) -> Result<Self> {
+        let t = TextTokenizer::from_file(path)?;
+        t.check_vocab(cfg, config)?;
+        Ok(Tokens::Hf(Box::new(t)))
+    }
+}
+
+/// Writes each new piece of text as tokens arrive: raw bytes for byte-level
+/// tokens (a multi-byte character is complete once all its bytes are out),
+/// the growth of the decoded text for a tokenizer.
+struct Printer<'a> {
+    tokens: &'a Tokens,
+    ids: Vec<u32>,
+    printed: usize,
+}
+
+impl Printer<'_> {
+    fn push(&mut self, out: &mut impl Write, t: u32) -> Result<()> {
+        match self.tokens {
+            Tokens::Bytes => {
+                // Ids past 255 (a config with a larger vocabulary) print as '?'.
+                out.write_all(&[u8::try_from(t).unwrap_or(b'?')])?;
+            }
+            Tokens::Hf(tok) => {
+                self.ids.push(t);
+                let text = tok.decode(&self.ids)?;
+                if text.len() > self.printed && text.is_char_boundary(self.printed) {
+                    out.write_all(&text.as_bytes()[self.printed..])?;
+                    self.printed = text.len();
+                }
+            }
+        }
+        Ok(out.flush()?)
+    }
+}
+
+/// Prints the prompt and the sampled text as it comes, then the speed.
+fn run(a: &Args, model: &Llama, tokens: &Tokens) -> Result<()> {
+    let prompt = tokens.encode(&a.prompt)?;
+    if prompt.is_empty() {
+        bail!("--prompt {:?} encodes to no tokens", a.prompt);
+    }
     let mut out = std::io::stdout().lock();
     out.write_all(a.prompt.as_bytes())?;
     let mut err = None;
+    let mut printer = Printer {
+        tokens,
+        ids: Vec::new(),
+        printed: 0,
+    };
     let started = std::time::Instant::now();
     let new = generate(
         model,
@@ -105,10 +180,7 @@ fn run(a: &Args, model: &Llama) -> Result<()> {
         a.top_p,
         a.seed,
         |t| {
-            // Raw bytes: a multi-byte character is complete once all its bytes are
-            // out. Ids past 255 (a config with a larger vocabulary) print as '?'.
-            let b = u8::try_from(t).unwrap_or(b'?');
-            if let Err(e) = out.write_all(&[b]).and_then(|_| out.flush()) {
+            if let Err(e) = printer.push(&mut out, t) {
                 err.get_or_insert(e);
             }
         },
@@ -116,7 +188,7 @@ fn run(a: &Args, model: &Llama) -> Result<()> {
     let secs = started.elapsed().as_secs_f64();
     writeln!(out)?;
     if let Some(e) = err {
-        return Err(e.into());
+        return Err(e);
     }
     eprintln!(
         "{} tokens in {secs:.2} s ({:.1} tokens/s; the time includes the {}-token prompt)",
@@ -130,6 +202,61 @@ fn run(a: &Args, model: &Llama) -> Result<()> {
     Ok(())
 }
 
+/// `--model DIR`: the folder's config, weights and tokenizer, placed by
+/// `--streamed` / `--gpu-weight-budget`.
+fn from_folder(a: &Args, dir: &Path, dev: &Device, dtype: DType) -> Result<(Llama, Tokens)> {
+    if a.checkpoint.is_some() || !a.weights.is_empty() || a.preset.is_some() || a.config.is_some() {
+        bail!("--model takes its config and weights from the folder: drop --checkpoint, --weights, --preset and --config");
+    }
+    let budget = a
+        .gpu_weight_budget
+        .as_deref()
+        .map(parse_bytes)
+        .transpose()?;
+    let placement = match (a.streamed, budget) {
+        (false, None) => Placement::Resident {
+            device: dev.clone(),
+            dtype,
+        },
+        (false, Some(budget)) => Placement::Budget {
+            device: dev.clone(),
+            dtype,
+            budget,
+        },
+        (true, _) => {
+            let files = streamer_models::PretrainedFiles::in_dir(dir)?;
+            let cfg = LlamaConfig::from_json_file(&files.config)?;
+            let prefetch = match budget {
+                Some(b) => prefetch_for_budget(&cfg, dtype, b)?,
+                None => cli::prefetch("--prefetch", a.prefetch, cfg.num_hidden_layers)?,
+            };
+            Placement::Streamed(StreamConfig {
+                device: dev.clone(),
+                prefetch_ahead: prefetch,
+                dtype,
+                ..Default::default()
+            })
+        }
+    };
+    let p = Llama::from_pretrained(dir, placement)?;
+    let tokens = match &a.tokenizer {
+        Some(t) => Tokens::from_file(t, p.model.config(), &p.files.config)?,
+        None => Tokens::Hf(Box::new(p.tokenizer)),
+    };
+    eprintln!(
+        "{}: {} ({} layers), {}",
+        dir.display(),
+        p.model.config().model_type,
+        p.model.config().num_hidden_layers,
+        if p.model.is_streamed() {
+            "streamed"
+        } else {
+            "resident"
+        }
+    );
+    Ok((p.model, tokens))
+}
+
 fn main() -> Result<()> {
     let a = Args::parse();
     check_args(&a)?;
@@ -139,55 +266,86 @@ fn main() -> Result<()> {
         None if dev.is_cuda() => DType::BF16,
         None => DType::F32,
     };
-    // Where the weights come from: files, or a preset's seeded initialisation.
-    enum From {
-        Files(Vec<PathBuf>),
-        Init(HashMap<String, Tensor>),
+    let (model, tokens) = match &a.model {
+        Some(dir) => from_folder(&a, dir, &dev, dtype)?,
+        None => from_files(&a, &dev, dtype)?,
+    };
+    run(&a, &model, &tokens)
+}
+
+/// Where the weights come from: files, or a preset's seeded initialisation.
+enum From {
+    Files(Vec<PathBuf>),
+    Init(HashMap<String, Tensor>),
+}
+
+/// The tokens for a model that is not a folder: `--tokenizer`, the
+/// checkpoint folder's `tokenizer.json`, or bytes.
+fn tokens_for(a: &Args, cfg: &LlamaConfig, config: &Path) -> Result<Tokens> {
+    let in_ckpt = a.checkpoint.as_ref().map(|d| d.join("tokenizer.json"));
+    match (&a.tokenizer, in_ckpt) {
+        (Some(t), _) => Tokens::from_file(t, cfg, config),
+        (None, Some(t)) if t.is_file() => Tokens::from_file(&t, cfg, config),
+        _ if cfg.vocab_size < 256 => bail!(
+            "byte-level tokens need vocab_size >= 256, {} has {} (give --tokenizer FILE)",
+            config.display(),
+            cfg.vocab_size
+        ),
+        _ => Ok(Tokens::Bytes),
     }
-    let (from, cfg) = match (&a.checkpoint, a.weights.is_empty(), &a.preset) {
+}
+
+/// `--checkpoint`, `--weights` with `--config`, or `--preset`.
+fn from_files(a: &Args, dev: &Device, dtype: DType) -> Result<(Llama, Tokens)> {
+    let (from, config) = match (&a.checkpoint, a.weights.is_empty(), &a.preset) {
         (Some(dir), true, None) => {
             let f = CheckpointFiles::read(dir)?;
             let config = a.config.clone().unwrap_or(f.config);
-            (
-                From::Files(vec![f.weights]),
-                LlamaConfig::from_json_file(&config)?,
-            )
+            (From::Files(vec![f.weights]), config)
         }
         (None, false, None) => {
             let config = a.config.clone().context("--weights needs --config")?;
-            (
-                From::Files(a.weights.clone()),
-                LlamaConfig::from_json_file(&config)?,
-            )
+            (From::Files(a.weights.clone()), config)
         }
         (None, true, Some(p)) => {
             let cfg = LlamaConfig::preset(p)?;
-            (From::Init(init_weights(&cfg, a.init_seed)?), cfg)
+            let t = tokens_for(a, &cfg, Path::new("--preset"))?;
+            return Ok((
+                place(
+                    a,
+                    From::Init(init_weights(&cfg, a.init_seed)?),
+                    &cfg,
+                    dev,
+                    dtype,
+                )?,
+                t,
+            ));
         }
-        _ => bail!("give one of --checkpoint, --weights (with --config) or --preset"),
+        _ => bail!("give one of --model, --checkpoint, --weights (with --config) or --preset"),
     };
-    if cfg.vocab_size < 256 {
-        bail!(
-            "byte-level tokens need vocab_size >= 256, the config has {}",
-            cfg.vocab_size
-        );
-    }
-    let layers_bytes = layer_bytes(&cfg, dtype) * cfg.num_hidden_layers;
+    let cfg = LlamaConfig::from_json_file(&config)?;
+    let tokens = tokens_for(a, &cfg, &config)?;
+    Ok((place(a, from, &cfg, dev, dtype)?, tokens))
+}
+
+/// Resident, or streamed by `--streamed` / `--gpu-weight-budget`.
+fn place(a: &Args, from: From, cfg: &LlamaConfig, dev: &Device, dtype: DType) -> Result<Llama> {
+    let layers_bytes = layer_bytes(cfg, dtype) * cfg.num_hidden_layers;
     let budget = a
         .gpu_weight_budget
         .as_deref()
         .map(parse_bytes)
         .transpose()?;
     let streamed = a.streamed || budget.is_some_and(|b| layers_bytes > b);
-    let model = if streamed {
+    Ok(if streamed {
         let prefetch = match budget {
-            Some(b) => prefetch_for_budget(&cfg, dtype, b)?,
+            Some(b) => prefetch_for_budget(cfg, dtype, b)?,
             None => cli::prefetch("--prefetch", a.prefetch, cfg.num_hidden_layers)?,
         };
         eprintln!(
             "streamed: {} layers of {:.1} MiB, window {} on {:?}",
             cfg.num_hidden_layers,
-            layer_bytes(&cfg, dtype) as f64 / 1048576.0,
+            layer_bytes(cfg, dtype) as f64 / 1048576.0,
             prefetch + 1,
             dev.location()
         );
@@ -198,8 +356,8 @@ fn main() -> Result<()> {
             ..Default::default()
         };
         match from {
-            From::Files(w) => Llama::from_safetensors(&w, &cfg, stream)?,
-            From::Init(t) => Llama::from_tensors(t, &cfg, stream)?,
+            From::Files(w) => Llama::from_safetensors(&w, cfg, stream)?,
+            From::Init(t) => Llama::from_tensors(t, cfg, stream)?,
         }
     } else {
         eprintln!(
@@ -208,9 +366,8 @@ fn main() -> Result<()> {
             dev.location()
         );
         match from {
-            From::Files(w) => Llama::load_resident(&w, &cfg, dtype, &dev)?,
-            From::Init(t) => Llama::resident(VarBuilder::from_tensors(t, dtype, &dev), &cfg)?,
+            From::Files(w) => Llama::load_resident(&w, cfg, dtype, dev)?,
+            From::Init(t) => Llama::resident(VarBuilder::from_tensors(t, dtype, dev), cfg)?,
         }
-    };
-    run(&a, &model)
+    })
 }

@@ -1,8 +1,11 @@
-//! Train a Llama-style decoder on the shipped corpus (`data/corpus.txt`, Jules
-//! Verne, public domain) with a byte-level tokenizer, its decoder layers streamed
-//! from host memory and AdamW on the host.
+//! Train a Llama-family decoder on the shipped corpus (`data/corpus.txt`, Jules
+//! Verne, public domain) with a byte-level tokenizer, or fine-tune a Hugging
+//! Face model folder on a text or JSONL corpus tokenized by its own
+//! `tokenizer.json`; the decoder layers streamed from host memory and AdamW on
+//! the host (full fine-tuning).
 //!
 //!     cargo run --release --example train_lm -- --preset tiny            # CPU, about a minute
+//!     cargo run --release --example train_lm -- --model path/to/hf-folder --corpus data.jsonl --steps 100
 //!     cargo run --release --example train_lm -- --preset tiny --resume   # continue from the last save
 //!     cargo run --release --features cuda --example train_lm -- --preset 3b --gpu-weight-budget 2layers
 //!
@@ -10,7 +13,9 @@
 //! (bytes, `2GiB`, or `<n>layers`): the streaming window is as many layers as
 //! fit. Writes `<out>/loss.csv`, `<out>/loss.svg` and checkpoints in
 //! `<out>/checkpoint/` (`checkpoint.json`, `config.json`, weights and AdamW
-//! state), which `examples/generate` reads. Checkpoints are atomic: kill the
+//! state, and the tokenizer.json used), which `examples/generate` reads. A JSONL
+//! corpus has one object with a `"text"` string per line; documents are joined
+//! by the tokenizer's end-of-text token. Checkpoints are atomic: kill the
 //! run at any moment and `--resume` continues from the last complete save with
 //! the same data and optimizer state an uninterrupted run would have had.
 //!
@@ -30,7 +35,8 @@ use streamer_core::StreamConfig;
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
     generate, init_weights, parse_bytes, prefetch_for_budget, train_loop, ByteCorpus,
-    CheckpointFiles, Llama, LlamaConfig, LmTrainer, LoopOptions,
+    CheckpointFiles, Llama, LlamaConfig, LmTrainer, LoopOptions, Placement, PretrainedFiles,
+    TextTokenizer, TokenCorpus,
 };
 
 #[derive(Parser, Debug)]
@@ -43,9 +49,20 @@ struct Args {
     /// A Hugging Face Llama config.json to use instead of the preset.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Training text (bytes are tokens).
+    /// A Hugging Face model folder to fine-tune (config.json, weights,
+    /// tokenizer.json).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// A tokenizer.json for the corpus (default: the --model folder's, the
+    /// checkpoint's with --resume, else bytes).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Training text, or JSONL with a "text" string per line (`.jsonl`).
     #[arg(long, default_value = "data/corpus.txt")]
     corpus: PathBuf,
+    /// Text the samples before and after training continue.
+    #[arg(long, default_value = "Mr. Phileas Fogg")]
+    prompt: String,
     /// Total optimizer steps (a resumed run continues up to this count).
     /// Default: 200 for tiny, 300 otherwise.
     #[arg(long)]
@@ -93,7 +110,7 @@ struct Args {
     /// Step the optimizer after backward instead of overlapping it with backward.
     #[arg(long)]
     no_overlap: bool,
-    /// Bytes to sample before and after training (0: none).
+    /// Tokens to sample before and after training (0: none).
     #[arg(long, default_value_t = 200)]
     sample_tokens: usize,
 }
@@ -125,14 +142,19 @@ fn prefetch(a: &Args, cfg: &LlamaConfig, dtype: DType) -> Result<usize> {
 /// The model's configuration and how to call it: `--config`, `--preset`, or
 /// with `--resume` the checkpoint's (an explicit other one is an error).
 fn resolve_config(a: &Args, ckpt: &Path) -> Result<(LlamaConfig, String)> {
-    let requested = match (&a.config, &a.preset) {
-        (Some(_), Some(_)) => bail!("give --config or --preset, not both"),
-        (Some(p), None) => Some((
+    let folder = a.model.as_ref().map(PretrainedFiles::in_dir).transpose()?;
+    let requested = match (&a.config, &a.preset, &folder) {
+        (Some(p), None, None) => Some((
             LlamaConfig::from_json_file(p)?,
             format!("--config {}", p.display()),
         )),
-        (None, Some(n)) => Some((LlamaConfig::preset(n)?, format!("--preset {n}"))),
-        (None, None) => None,
+        (None, Some(n), None) => Some((LlamaConfig::preset(n)?, format!("--preset {n}"))),
+        (None, None, Some(f)) => Some((
+            LlamaConfig::from_json_file(&f.config)?,
+            format!("--model {}", f.config.display()),
+        )),
+        (None, None, None) => None,
+        _ => bail!("give one of --config, --preset and --model"),
     };
     let cfg = if a.resume {
         let saved = CheckpointFiles::read(ckpt)
@@ -145,21 +167,57 @@ fn resolve_config(a: &Args, ckpt: &Path) -> Result<(LlamaConfig, String)> {
     } else {
         requested.map_or_else(LlamaConfig::tiny, |(c, _)| c)
     };
-    if cfg.vocab_size < 256 {
-        bail!(
-            "byte-level tokens need vocab_size >= 256, the config has {}",
-            cfg.vocab_size
-        );
-    }
-    let label = cfg.preset_name().unwrap_or("custom config").to_string();
+    let label = match (&a.model, cfg.preset_name()) {
+        (Some(m), _) => m.display().to_string(),
+        (None, Some(p)) => p.to_string(),
+        (None, None) => "custom config".to_string(),
+    };
     Ok((cfg, label))
+}
+
+/// The corpus's tokens: `--tokenizer`, the `--model` folder's tokenizer.json
+/// (required), the checkpoint's with `--resume`, or bytes.
+fn resolve_tokenizer(a: &Args, cfg: &LlamaConfig, ckpt: &Path) -> Result<Option<TextTokenizer>> {
+    let file = match (&a.tokenizer, &a.model) {
+        (Some(t), _) => Some(t.clone()),
+        (None, Some(m)) => Some(m.join("tokenizer.json")),
+        (None, None) if a.resume && ckpt.join("tokenizer.json").is_file() => {
+            Some(ckpt.join("tokenizer.json"))
+        }
+        (None, None) => None,
+    };
+    let Some(file) = file else {
+        if cfg.vocab_size < 256 {
+            bail!(
+                "byte-level tokens need vocab_size >= 256, the config has {} (give --tokenizer FILE)",
+                cfg.vocab_size
+            );
+        }
+        return Ok(None);
+    };
+    let t = TextTokenizer::from_file(&file)?;
+    let config = match (&a.model, &a.config) {
+        (Some(m), _) => m.join("config.json"),
+        (None, Some(c)) => c.clone(),
+        (None, None) => ckpt.join("config.json"),
+    };
+    t.check_vocab(cfg, &config)?;
+    Ok(Some(t))
+}
+
+/// The corpus, tokenized by `tok` (documents joined by its end-of-text id) or as bytes.
+fn read_corpus(a: &Args, tok: Option<&TextTokenizer>) -> Result<TokenCorpus> {
+    Ok(match tok {
+        Some(t) => t.corpus_from_file(&a.corpus, t.eos_id())?,
+        None => ByteCorpus::from_file(&a.corpus)?,
+    })
 }
 
 /// Every flag checked against the model and the corpus before any work.
 fn loop_options(
     a: &Args,
     cfg: &LlamaConfig,
-    corpus: &ByteCorpus,
+    corpus: &TokenCorpus,
     ckpt: &Path,
 ) -> Result<LoopOptions> {
     let tiny = *cfg == LlamaConfig::tiny();
@@ -201,7 +259,7 @@ fn write_curve(out: &Path, losses: &[(usize, f32)], title: &str) -> Result<()> {
         false,
         title,
         "step",
-        "cross-entropy (nats/byte)",
+        "cross-entropy (nats/token)",
         &[("train".into(), pts)],
     );
     std::fs::write(out.join("loss.svg"), svg)?;
@@ -225,14 +283,20 @@ fn read_losses(path: &Path, upto: usize) -> Result<Vec<(usize, f32)>> {
     Ok(all.into_iter().filter(|(s, _)| *s <= upto).collect())
 }
 
-fn sample(model: &Llama, n: usize, seed: u64) -> Result<String> {
-    let prompt = ByteCorpus::encode("Mr. Phileas Fogg");
-    let out = generate(model, &prompt, n, 0.8, 0.95, seed, |_| {})?;
-    Ok(format!(
-        "{}{}",
-        ByteCorpus::decode(&prompt),
-        ByteCorpus::decode(&out)
-    ))
+fn sample(model: &Llama, tok: Option<&TextTokenizer>, a: &Args) -> Result<String> {
+    let prompt = match tok {
+        Some(t) => t.encode(&a.prompt)?,
+        None => ByteCorpus::encode(&a.prompt),
+    };
+    if prompt.is_empty() {
+        bail!("--prompt {:?} encodes to no tokens", a.prompt);
+    }
+    let out = generate(model, &prompt, a.sample_tokens, 0.8, 0.95, a.seed, |_| {})?;
+    let text = match tok {
+        Some(t) => t.decode(&out)?,
+        None => ByteCorpus::decode(&out),
+    };
+    Ok(format!("{}{text}", a.prompt))
 }
 
 fn main() -> Result<()> {
@@ -244,8 +308,9 @@ fn main() -> Result<()> {
         None => DType::F32,
     };
     let ckpt = a.out.join("checkpoint");
-    let corpus = ByteCorpus::from_file(&a.corpus)?;
     let (cfg, label) = resolve_config(&a, &ckpt)?;
+    let tok = resolve_tokenizer(&a, &cfg, &ckpt)?;
+    let corpus = read_corpus(&a, tok.as_ref())?;
     let opts = loop_options(&a, &cfg, &corpus, &ckpt)?;
     let prefetch = prefetch(&a, &cfg, dtype)?;
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
@@ -259,15 +324,30 @@ fn main() -> Result<()> {
         prefetch_ahead: prefetch,
         dtype,
         master_dtype: Some(DType::F32),
-        slot_budget_bytes: Some(layer_bytes(&cfg, dtype)),
+        slot_budget_bytes: Some(slot_bytes(&cfg, dtype)),
         ..Default::default()
     };
-    let mut trainer = if a.resume {
-        LmTrainer::resume(&ckpt, stream, adam)?
-    } else {
-        let model = Llama::from_tensors(init_weights(&cfg, a.seed)?, &cfg, stream)?;
-        LmTrainer::new(model, adam)?
+    let mut trainer = match (&a.model, a.resume) {
+        (_, true) => LmTrainer::resume(&ckpt, stream, adam)?,
+        (Some(dir), false) => {
+            let p = Llama::from_pretrained(dir, Placement::Streamed(stream))?;
+            LmTrainer::new(p.model, adam)?
+        }
+        (None, false) => {
+            let model = Llama::from_tensors(init_weights(&cfg, a.seed)?, &cfg, stream)?;
+            LmTrainer::new(model, adam)?
+        }
     };
+    if let Some(t) = &tok {
+        // generate --checkpoint finds the tokenizer beside the weights.
+        std::fs::create_dir_all(&ckpt).with_context(|| format!("creating {}", ckpt.display()))?;
+        let dst = ckpt.join("tokenizer.json");
+        if t.path() != dst {
+            let text = std::fs::read_to_string(t.path())
+                .with_context(|| format!("reading {}", t.path().display()))?;
+            streamer_models::train::write_atomic(&dst, &text)?;
+        }
+    }
     trainer.set_overlap(!a.no_overlap);
     let start = trainer.steps_done();
     let losses = if a.resume {
@@ -282,19 +362,44 @@ fn main() -> Result<()> {
         );
         return Ok(());
     }
-    train(&a, &mut trainer, &corpus, &opts, &label, prefetch, losses)
+    let run = Run {
+        label,
+        prefetch,
+        tok,
+    };
+    train(&a, &mut trainer, &corpus, &opts, &run, losses)
+}
+
+/// An upper bound of one layer's device slot: the pool starts each tensor at
+/// a multiple of 256 bytes, so odd sizes (a width of 32) need more than
+/// `layer_bytes`.
+fn slot_bytes(cfg: &LlamaConfig, dtype: DType) -> usize {
+    let align = (256 / dtype.size_in_bytes()).max(1);
+    let elems: usize = cfg
+        .layer_weights(0)
+        .iter()
+        .map(|(_, s, _)| s.iter().product::<usize>().div_ceil(align) * align)
+        .sum();
+    elems * dtype.size_in_bytes()
+}
+
+/// What [`train`] reports and samples with.
+struct Run {
+    label: String,
+    prefetch: usize,
+    tok: Option<TextTokenizer>,
 }
 
 /// Trains from the trainer's step to `opts.steps`, with progress, curve and samples.
 fn train(
     a: &Args,
     trainer: &mut LmTrainer,
-    corpus: &ByteCorpus,
+    corpus: &TokenCorpus,
     opts: &LoopOptions,
-    label: &str,
-    prefetch: usize,
+    run: &Run,
     mut losses: Vec<(usize, f32)>,
 ) -> Result<()> {
+    let (label, prefetch, tok) = (&run.label, run.prefetch, run.tok.as_ref());
     let cfg = trainer.model().config().clone();
     let dtype = trainer.model().dtype();
     let dev = trainer.model().device().clone();
@@ -312,10 +417,7 @@ fn train(
         a.batch,
     );
     if a.sample_tokens > 0 {
-        println!(
-            "sample before: {:?}",
-            sample(trainer.model(), a.sample_tokens, a.seed)?
-        );
+        println!("sample before: {:?}", sample(trainer.model(), tok, a)?);
     }
     let bar = ProgressBar::new((steps - start) as u64);
     bar.set_style(ProgressStyle::with_template(
@@ -354,10 +456,7 @@ fn train(
         println!("layers: {s}");
     }
     if a.sample_tokens > 0 {
-        println!(
-            "sample after: {:?}",
-            sample(trainer.model(), a.sample_tokens, a.seed)?
-        );
+        println!("sample after: {:?}", sample(trainer.model(), tok, a)?);
     }
     println!(
         "wrote {0}/loss.csv, {0}/loss.svg, {1}/checkpoint.json (+ config, weights, optimizer state)",

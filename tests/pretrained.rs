@@ -60,7 +60,7 @@ fn tokenizer_matches_python_tokenizers(_dev: &Device) -> Result<()> {
         // Byte-level BPE: decoding gives the text back.
         ensure!(tok.decode(&got)? == text, "{text:?} decodes differently");
     }
-    ensure!(tok.token_id("</s>").is_some());
+    ensure!(tok.token_id("</s>").is_some() && tok.eos_id() == tok.token_id("</s>"));
     let e = err_of(TextTokenizer::from_file(dir.join("nope.json")))?;
     ensure!(e.contains("nope.json") && e.contains("tokenizer"), "{e}");
     let e = err_of(TextTokenizer::from_file(dir.join("config.json")))?;

@@ -94,6 +94,14 @@ impl TextTokenizer {
             .map_err(|e| err(&self.path, format!("cannot decode {} ids: {e}", ids.len())))
     }
 
+    /// The end-of-text id by its usual names (`</s>`, `<|endoftext|>`,
+    /// `<|end_of_text|>`, `<eos>`), if the vocabulary has one.
+    pub fn eos_id(&self) -> Option<u32> {
+        ["</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>"]
+            .iter()
+            .find_map(|t| self.token_id(t))
+    }
+
     /// The id of a token string, if the vocabulary has it.
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
