@@ -8,6 +8,7 @@ mod cross_entropy;
 mod cuda_chain;
 mod decoder_backward;
 mod families;
+mod faults;
 mod fused_linear;
 mod fused_mlp;
 mod fused_ops;

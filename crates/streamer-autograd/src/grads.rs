@@ -50,6 +50,9 @@ impl HostGrads {
 
     /// Sends master `m`'s gradient `g` (on the device, compute dtype) to the host.
     pub(crate) fn offload(&mut self, m: usize, g: &Tensor) -> Result<()> {
+        streamer_core::faults::check(streamer_core::faults::FaultPoint::GradientOffload, || {
+            format!("the gradient of weight {m} (shape {:?})", g.dims())
+        })?;
         // Convert on the device (our cast kernel on CUDA): the optimizer gets f32.
         let g32 = streamer_core::convert(g, DType::F32)?;
         let shape = self.shapes[m].clone();

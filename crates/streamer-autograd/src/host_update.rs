@@ -209,6 +209,10 @@ pub(crate) fn prepare_grads(
                 g.dims()
             )
         }
+        streamer_core::faults::check(streamer_core::faults::FaultPoint::OptimizerGradient, || {
+            let name = names.get(i).map(String::as_str).unwrap_or("?");
+            format!("{what}: the gradient of param {i} ({name})")
+        })?;
         let g = g
             .to_device(&Device::Cpu)?
             .to_dtype(DType::F32)?

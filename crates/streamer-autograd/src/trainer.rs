@@ -157,6 +157,10 @@ struct TrainState {
     policy: ActivationPolicy,
     /// Blocks whose activations the last training forward kept.
     kept_blocks: usize,
+    /// The first dropout seed of the last training forward: given back if a
+    /// panic interrupts its step, as an error does, or on request
+    /// (`rewind_dropout_seeds`).
+    step_seeds: Option<u64>,
 }
 
 /// Turns a streamed model into a trainable one.
@@ -188,6 +192,7 @@ impl TrainableSequential {
                 optimizer_pool: None,
                 policy: ActivationPolicy::default(),
                 kept_blocks: 0,
+                step_seeds: None,
             }),
             model,
         }
@@ -218,10 +223,49 @@ impl TrainableSequential {
             .collect())
     }
 
+    /// The training state. After a panic that escaped a call holding it, the
+    /// half-done call's state is dropped first (its saved forward, its partial
+    /// gradients), so the next call starts clean: a backward then asks for a
+    /// new forward.
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, TrainState>> {
-        self.state
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("trainer state lock poisoned".into()))
+        self.state.lock().or_else(|poisoned| {
+            let mut st = poisoned.into_inner();
+            st.saved = None;
+            st.grads.abort();
+            st.stepped.iter_mut().for_each(|s| *s = false);
+            if let Some(base) = st.step_seeds.take() {
+                self.rewind_seeds(base);
+            }
+            self.state.clear_poison();
+            Ok(st)
+        })
+    }
+
+    /// Gives back the dropout seeds of the last training forward, so that the
+    /// next training forward replays its masks: for a step that failed after
+    /// its backward (in the optimizer, say), so that retrying it gives what a
+    /// run that never failed gives. A failed (or panicked) forward or backward
+    /// does this itself. Does nothing if no training forward ran, or another
+    /// drew seeds since.
+    pub fn rewind_dropout_seeds(&self) -> Result<()> {
+        if let Some(base) = self.lock()?.step_seeds.take() {
+            self.rewind_seeds(base);
+        }
+        Ok(())
+    }
+
+    /// Gives back the dropout seeds a failed training forward (or the forward
+    /// of a failed backward) drew, so that retrying the step replays the same
+    /// masks as a run that never failed. Does nothing if a later forward drew
+    /// seeds since.
+    fn rewind_seeds(&self, base: u64) {
+        let n = self.model.blocks().len() as u64;
+        let _ = self.next_seed.compare_exchange(
+            base.wrapping_add(n),
+            base,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
     }
 
     /// Freezes (or unfreezes) the named weights: frozen ones get no gradient
@@ -300,6 +344,7 @@ impl TrainableSequential {
         let mut pool = self.model.lock_pool()?;
         let n = self.model.blocks().len();
         let base = self.next_seed.fetch_add(n as u64, Ordering::SeqCst);
+        st.step_seeds = Some(base);
         let seeds: Vec<u64> = (0..n as u64).map(|i| base.wrapping_add(i)).collect();
         let mut inputs = Vec::with_capacity(n);
         let mut kept: Vec<Option<SavedActivations>> = (0..n).map(|_| None).collect();
@@ -341,18 +386,20 @@ impl TrainableSequential {
             )
         };
         clear_current_seed();
+        // Backward starts with the last blocks: start copying them now, so the
+        // copies overlap whatever runs between this forward and its backward.
+        let r = r.and_then(|o| {
+            (0..pool.window().min(n)).try_for_each(|k| pool.load(n - 1 - k))?;
+            Ok(o)
+        });
         let outs = match r {
             Ok(o) => o,
             Err(e) => {
                 release_all(&mut pool);
+                self.rewind_seeds(base);
                 return Err(e);
             }
         };
-        // Backward starts with the last blocks: start copying them now, so the
-        // copies overlap whatever runs between this forward and its backward.
-        for k in 0..pool.window().min(n) {
-            pool.load(n - 1 - k)?;
-        }
         st.kept_blocks = kept.iter().filter(|k| k.is_some()).count();
         let outputs = outs
             .iter()
@@ -497,6 +544,9 @@ impl TrainableSequential {
             Err(e) => {
                 release_all(&mut pool);
                 st.grads.abort();
+                if let Some(&base) = saved.seeds.first() {
+                    self.rewind_seeds(base);
+                }
                 return Err(e);
             }
         };
@@ -648,12 +698,17 @@ impl TrainableSequential {
         // below and copied if a hand-written backward returned slot memory.
         let (weights, vars) = unsafe { pool.acquire_vars(i, trainable)? };
         let vb = VarBuilder::from_tensors(weights, pool.dtype(), pool.device());
-        let block = self.model.blocks()[i].build(vb)?;
-        let step = match block.manual() {
-            Some(man) => manual_step(man, saved, i, g_next)?,
-            None => autograd_step(block.as_ref(), saved, i, g_next)?,
-        };
-        drop(block);
+        let spec = &self.model.blocks()[i];
+        // A panic in the block's code is an error like any other (the caller
+        // releases the window); the block dies with the unwound closure.
+        let step = streamer_core::faults::catch_block_panic(spec.name(), "backward", || {
+            let block = spec.build(vb)?;
+            match block.manual() {
+                Some(man) => manual_step(man, saved, i, g_next),
+                None => autograd_step(block.as_ref(), saved, i, g_next),
+            }
+        })
+        .map_err(|e| e.context(format!("in the backward of block {:?}", spec.name())))?;
         let Some(step) = step else {
             return Ok(None);
         };

@@ -41,6 +41,7 @@ mod convert;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 mod device_memory;
+pub mod faults;
 mod host;
 mod offload;
 pub mod pages;

@@ -359,6 +359,9 @@ impl ResidencyPool {
         if self.slot_of[block].is_some() {
             candle_core::bail!("block {:?} is already loaded", self.names[block]);
         }
+        crate::faults::check(crate::faults::FaultPoint::WeightLoad, || {
+            format!("loading block {:?}", self.names[block])
+        })?;
         let Some(slot) = self.free.pop_front() else {
             let loaded: Vec<&str> = (0..self.layouts.len())
                 .filter(|&b| self.slot_of[b].is_some())
@@ -564,6 +567,31 @@ impl ResidencyPool {
         self.stats.resident_blocks -= 1;
         self.stats.resident_bytes -= self.layouts[block].bytes(self.dtype);
         self.transition(block, slot, TransitionKind::Evicted);
+        Ok(())
+    }
+
+    /// After a panic unwound through a call that held the pool (its bookkeeping
+    /// may be half-updated): waits for all work the pool issued, then empties
+    /// the window (every slot free, no block loaded), so the next call starts
+    /// as on a new pool. Nothing bound to a slot survives the unwinding.
+    pub(crate) fn reset_window(&mut self) -> Result<()> {
+        self.synchronize()?;
+        for s in &mut self.slots {
+            s.block = None;
+            s.cpu_compute_start = None;
+            #[cfg(feature = "cuda")]
+            {
+                // The streams are idle (synchronised above): no event to wait on.
+                s.free = None;
+                s.ready = None;
+                s.compute = None;
+                s.casts.clear();
+            }
+        }
+        self.free = (0..self.slots.len()).collect();
+        self.slot_of.iter_mut().for_each(|s| *s = None);
+        self.stats.resident_blocks = 0;
+        self.stats.resident_bytes = 0;
         Ok(())
     }
 

@@ -164,10 +164,26 @@ impl StreamedSequential {
 
     /// Exclusive access to the pool, or an error naming the misuse when another
     /// call holds it (a block that calls the model, or two threads sharing it).
+    /// A pool poisoned by a panic (one that escaped a call while holding it) is
+    /// reset first: every copy and compute it issued is waited for and its
+    /// window emptied, so no call computes on half-released slots; if that
+    /// reset fails, the error says the pool is poisoned.
     pub fn lock_pool(&self) -> Result<MutexGuard<'_, ResidencyPool>> {
         match self.pool.try_lock() {
             Ok(g) => Ok(g),
-            Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
+            Err(TryLockError::Poisoned(p)) => {
+                // A panic unwound through a call holding the pool: empty its
+                // window before anything computes on it again.
+                let mut pool = p.into_inner();
+                pool.reset_window().map_err(|e| {
+                    candle_core::Error::Msg(format!(
+                        "the pool is poisoned: a call panicked while holding it and resetting \
+                         its slots failed ({e}); build the model again"
+                    ))
+                })?;
+                self.pool.clear_poison();
+                Ok(pool)
+            }
             Err(TryLockError::WouldBlock) => candle_core::bail!(
                 "StreamedSequential is already running a call: reentrant or concurrent calls on \
                  the same model are not allowed (the pool has one window of slots)"
@@ -384,9 +400,14 @@ fn run_block_with(
 ) -> Result<Vec<Tensor>> {
     let views = pool.acquire(i)?;
     let vb = VarBuilder::from_tensors(views, pool.dtype(), pool.device());
-    let block = spec.build(vb)?;
-    let mut out = run(&*pool, i, block.as_ref(), x, extras)?;
-    drop(block);
+    // A panic in the block's code is an error like any other: the caller then
+    // releases the window (the views die with the unwound closure).
+    let pool_ref = &*pool;
+    let mut out = crate::faults::catch_block_panic(&spec.name, "forward", || {
+        let block = spec.build(vb)?;
+        run(pool_ref, i, block.as_ref(), x, extras)
+    })
+    .map_err(|e| e.context(format!("in the forward of block {:?}", spec.name)))?;
     if out.is_empty() {
         candle_core::bail!("block {:?} returned no output", spec.name);
     }
