@@ -120,10 +120,21 @@ fn resident(
         }
     }
     let model = Llama::resident(VarBuilder::from_varmap(&varmap, dtype, dev), cfg)?;
+    // LM_BENCH_RESIDENT_BACKWARD=autograd measures plain Candle autograd.
+    let fused = std::env::var("LM_BENCH_RESIDENT_BACKWARD").map_or(true, |v| v != "autograd");
+    model.set_fused_backward(fused)?;
+    println!(
+        "  resident backward: {}",
+        if fused {
+            "hand-written"
+        } else {
+            "Candle autograd"
+        }
+    );
     let mut opt = AdamW::new(varmap.all_vars(), adam.clone())?;
     time_steps(dev, &corpus(), batch, seq, steps, |x, y| {
         let loss = model.loss(x, y)?;
-        opt.backward_step(&loss)?;
+        opt.step(&model.backward(&loss)?)?;
         Ok(loss.to_scalar::<f32>()?)
     })
 }
@@ -331,7 +342,7 @@ fn main() -> Result<()> {
         "mfu_convention": format!("6 x all parameters x tokens/s / {PEAK_TFLOPS} TFLOP/s; recompute and attention FLOPs not counted"),
         "compute_dtype": format!("{dtype:?}"),
         "streamed": "f32 host masters, CpuAdamW on the host overlapped with backward",
-        "resident": "VarMap in the compute dtype on the device, candle-nn AdamW on the device, Candle autograd",
+        "resident": "VarMap in the compute dtype on the device, candle-nn AdamW on the device, the decoder layers' hand-written backward (LM_BENCH_RESIDENT_BACKWARD=autograd: Candle autograd)",
         "peak_device_note": "cuMemGetInfo sampled every 200 us above the level before the run, pool trimmed first",
         "results": rows,
     });

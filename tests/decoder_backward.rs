@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use streamer_core::Block;
-use streamer_models::{DecoderLayer, LlamaConfig, Rope};
+use streamer_models::{DecoderLayer, Llama, LlamaConfig, Rope};
 
 fn decoder_manual_backward_matches_autograd(dev: &Device) -> Result<()> {
     // GQA (4 query heads over 2 kv heads), head_dim 16, an odd sequence length.
@@ -82,3 +82,69 @@ fn decoder_manual_backward_matches_autograd(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(decoder_manual_backward_matches_autograd);
+
+/// A resident 2-layer model over a `VarMap` (f32 or bf16) and a token batch.
+fn resident_model(dev: &Device, dt: DType) -> Result<(candle_nn::VarMap, Llama, Tensor, Tensor)> {
+    let cfg = LlamaConfig {
+        intermediate_size: 96,
+        tie_word_embeddings: false,
+        ..LlamaConfig::bytes(64, 2, 4, 2)
+    };
+    let varmap = candle_nn::VarMap::new();
+    {
+        let mut data = varmap.data().lock().expect("fresh varmap");
+        for (k, t) in streamer_models::init_weights(&cfg, 3)? {
+            data.insert(k, Var::from_tensor(&t.to_dtype(dt)?.to_device(dev)?)?);
+        }
+    }
+    let model = Llama::resident(VarBuilder::from_varmap(&varmap, dt, dev), &cfg)?;
+    let ids: Vec<u32> = (0..2 * 19u32).map(|i| (i * 37 + 11) % 256).collect();
+    let x = Tensor::from_vec(ids.clone(), (2, 19), dev)?;
+    let y = Tensor::from_vec(
+        ids.iter().map(|t| (t * 7 + 1) % 256).collect(),
+        (2, 19),
+        dev,
+    )?;
+    Ok((varmap, model, x, y))
+}
+
+fn resident_fused_backward_matches_autograd(dev: &Device) -> Result<()> {
+    let mut dts = vec![(DType::F32, 1e-4)];
+    if dev.is_cuda() {
+        dts.push((DType::BF16, 4e-2));
+    }
+    for (dt, tol) in dts {
+        let (varmap, model, x, y) = resident_model(dev, dt)?;
+        let loss_ref = model.loss(&x, &y)?;
+        let want = model.backward(&loss_ref)?;
+        model.set_fused_backward(true)?;
+        let loss = model.loss(&x, &y)?;
+        let got = model.backward(&loss)?;
+        let (a, b) = (loss.to_scalar::<f32>()?, loss_ref.to_scalar::<f32>()?);
+        ensure!(
+            (a - b).abs() <= 1e-5 * b.abs(),
+            "{dt:?} loss {a} vs autograd {b}"
+        );
+        let vars = varmap.data().lock().expect("varmap").clone();
+        ensure!(vars.len() == 2 * 9 + 3, "{} variables", vars.len());
+        for (name, v) in &vars {
+            let g = got
+                .get(v.as_tensor())
+                .ok_or_else(|| anyhow::anyhow!("no gradient for {name}"))?;
+            let err = rel_err(g, want.get(v.as_tensor()).expect("reference gradient"))?;
+            ensure!(err <= tol, "{dt:?} grad of {name}: {err:.2e} > {tol:.0e}");
+        }
+        // A plain loss.backward() cannot see the layers' weight gradients: the
+        // next training forward says so instead of training on without them.
+        let _ = model.loss(&x, &y)?.backward()?;
+        let err = model.loss(&x, &y).expect_err("uncollected gradients");
+        ensure!(err.to_string().contains("Llama::backward"), "{err}");
+        let loss = model.loss(&x, &y)?;
+        ensure!(model
+            .backward(&loss)?
+            .get(vars["model.layers.1.mlp.up_proj.weight"].as_tensor())
+            .is_some());
+    }
+    Ok(())
+}
+candle_streamer::test_device!(resident_fused_backward_matches_autograd);

@@ -8,8 +8,10 @@
 //! (`benches/results/README.md`). Here each gradient is produced once:
 //!
 //! - forward keeps `x`, both norms' outputs, the rotated `q`, `k`, `v`, the
-//!   attention output and its log-sum-exp, the residual `x_mid`, and `gate`,
-//!   `up`, `silu(gate) * up` (and the call's rotary tables);
+//!   attention output (once, in cqsa's head-major layout: its row-major copy
+//!   for the output projection's weight gradient is remade in backward) and
+//!   its log-sum-exp, the residual `x_mid`, and `gate`, `up`,
+//!   `silu(gate) * up` (and the call's rotary tables);
 //! - backward is the GEMMs of each projection (input and weight gradient),
 //!   cqsa's attention backward from the kept log-sum-exp, RMSNorm's closed
 //!   form, RoPE's inverse rotation and SwiGLU's derivative.
@@ -36,7 +38,7 @@ fn mm_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 }
 
 /// The activations one layer keeps, in order (see the module docs).
-const SAVED: usize = 15;
+const SAVED: usize = 14;
 
 impl DecoderLayer {
     fn rope_tables<'a>(&self, extras: &'a [Tensor]) -> Result<(&'a Tensor, &'a Tensor)> {
@@ -85,9 +87,8 @@ impl ManualBackward for DecoderLayer {
         let act = (gate.silu()? * &up)?;
         let y = (&x_mid + mm_t(&act, self.down_proj.weight())?)?;
         let (cos, sin) = (cos.clone(), sin.clone());
-        let saved = vec![
-            x2, h1, q, k, v, o, lse, o2, x_mid, h2, gate, up, act, cos, sin,
-        ];
+        drop(o2);
+        let saved = vec![x2, h1, q, k, v, o, lse, x_mid, h2, gate, up, act, cos, sin];
         Ok((y.reshape((b, n, hidden))?, SavedActivations(saved)))
     }
 
@@ -96,8 +97,8 @@ impl ManualBackward for DecoderLayer {
         let rows = x.elem_count() / hidden;
         let (q, kv) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
         let m = self.gate_proj.weight().dim(0).unwrap_or(0);
-        // x, h1, x_mid, h2; q, o, o2; k, v; gate, up, act; lse in f32.
-        let elems = rows * (4 * hidden + 3 * q + 2 * kv + 3 * m);
+        // x, h1, x_mid, h2; q, o; k, v; gate, up, act; lse in f32.
+        let elems = rows * (4 * hidden + 2 * q + 2 * kv + 3 * m);
         elems * dtype.size_in_bytes() + rows * self.heads * 4
     }
 
@@ -111,7 +112,7 @@ impl ManualBackward for DecoderLayer {
                 "decoder layer: backward needs the {SAVED} saved activations of its forward"
             ))
         })?;
-        let [x2, h1, q, k, v, o, lse, o2, x_mid, h2, gate, up, act, cos, sin] = acts;
+        let [x2, h1, q, k, v, o, lse, x_mid, h2, gate, up, act, cos, sin] = acts;
         let (b, n) = (q.dim(0)?, q.dim(2)?);
         let hidden = x2.dim(1)?;
         if grad.dims() != [b, n, hidden] || grad.dtype() != x2.dtype() {
@@ -137,7 +138,9 @@ impl ManualBackward for DecoderLayer {
         grads.push((n2.weight.clone(), dw2));
         let d_mid = (dy + dx_n2)?;
         // x_mid = x + o2 W_o^T
+        let o2 = self.rows(&o, b, n)?;
         let (d_o2, gw) = linear_grads(&d_mid, &o2, self.o_proj.weight())?;
+        drop(o2);
         grads.push(gw);
         let d_o = self.heads(d_o2, b, n, self.heads)?;
         let scale = 1.0 / (self.head_dim as f32).sqrt();

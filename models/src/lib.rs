@@ -63,6 +63,7 @@ pub mod llama;
 #[cfg(feature = "cuda")]
 mod lt;
 pub mod pretrained;
+mod resident_backward;
 pub mod sample;
 pub mod tokenizer;
 pub mod train;

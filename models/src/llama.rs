@@ -5,6 +5,7 @@
 use crate::checkpoint::check_weights;
 use crate::config::LlamaConfig;
 use crate::kv_cache::KvCache;
+use crate::resident_backward::{layer_node, WeightGrads};
 use candle_core::backprop::GradStore;
 use candle_core::{bail, DType, Device, Module, Result, Tensor, Var, D};
 use candle_nn::{linear_b, linear_no_bias, Linear, VarBuilder};
@@ -170,6 +171,7 @@ impl Rope {
 /// also accepts `[cos, sin, _]`: the third tensor (any value) asks it to append
 /// this call's keys and values to its slot of the model's kv cache and to attend
 /// over every cached position ([`Llama::forward_cached`]).
+#[derive(Clone)]
 pub struct DecoderLayer {
     pub(crate) input_layernorm: RmsNorm,
     pub(crate) q_proj: Linear,
@@ -435,6 +437,9 @@ pub struct Llama {
     layers: Layers,
     /// Keys and values of earlier positions, for [`Llama::forward_cached`].
     kv: Arc<KvCache>,
+    /// The hand-written resident backward's switch and weight gradients
+    /// ([`Llama::set_fused_backward`]).
+    fused: Arc<WeightGrads>,
 }
 
 fn layer_blocks(cfg: &LlamaConfig, cache: &Arc<KvCache>) -> Vec<BlockSpec> {
@@ -477,6 +482,7 @@ impl Llama {
             outer: Outer::Resident { embed, norm, head },
             layers: Layers::Resident(layers),
             kv,
+            fused: Default::default(),
         })
     }
 
@@ -527,6 +533,7 @@ impl Llama {
             outer,
             layers: Layers::Streamed(Box::new(seq)),
             kv,
+            fused: Default::default(),
         })
     }
 
@@ -688,6 +695,14 @@ impl Llama {
         let (embed, norm, head) = self.device_weights()?;
         let x = candle_nn::Embedding::new(embed, self.cfg.hidden_size).forward(&tokens)?;
         let h = match &self.layers {
+            Layers::Resident(ls) if self.fused.enabled() && x.track_op() => {
+                self.fused.begin()?;
+                let mut h = x;
+                for l in ls {
+                    h = layer_node(l, &h, &extras, &self.fused)?;
+                }
+                h
+            }
             Layers::Resident(ls) => {
                 let mut h = x;
                 for l in ls {
@@ -742,13 +757,38 @@ impl Llama {
     pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
         match &self.layers {
             Layers::Trainable(t) => t.backward(loss),
-            Layers::Resident(_) => loss.backward(),
+            Layers::Resident(_) => {
+                let mut grads = loss.backward()?;
+                if self.fused.enabled() {
+                    self.fused.collect(&mut grads)?;
+                }
+                Ok(grads)
+            }
             Layers::Streamed(_) => {
                 bail!(
                     "backward on a streamed model that is not trainable: call into_trainable first"
                 )
             }
         }
+    }
+
+    /// Resident training through the decoder layers' hand-written backward
+    /// (`decoder_backward.rs`) instead of Candle autograd: same gradients,
+    /// each produced once, without autograd's zero-filled accumulators. While
+    /// it is on, a forward that tracks gradients runs each layer as one graph
+    /// node, and the layers' weight gradients come only from
+    /// [`Llama::backward`] (a plain `loss.backward()` cannot see them: the next
+    /// training forward then errors). Resident models whose layers are all
+    /// plain (no biases, no q/k norms) only; an error names the first other.
+    pub fn set_fused_backward(&self, on: bool) -> Result<()> {
+        let Layers::Resident(ls) = &self.layers else {
+            bail!("set_fused_backward: for resident models (streamed training already uses the hand-written backward)");
+        };
+        if let Some(i) = ls.iter().position(|l| !l.is_plain()) {
+            bail!("set_fused_backward: layer {i} has biases or q/k norms, which the hand-written backward does not cover");
+        }
+        self.fused.set_enabled(on);
+        Ok(())
     }
 
     /// Clears the trainable layers' accumulated host gradients.
