@@ -26,8 +26,8 @@ use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use candle_nn::ParamsAdamW;
 use candle_streamer::cli;
+use candle_streamer::report::Progress;
 use clap::Parser;
-use indicatif::{ProgressBar, ProgressStyle};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -107,6 +107,10 @@ struct Args {
     /// Seed of the initial weights and the data order.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// When stderr is not a terminal, a progress line (step, loss, tokens/s,
+    /// ETA) every N steps; 0: about 20 lines a run.
+    #[arg(long, default_value_t = 0)]
+    log_every: usize,
     /// Step the optimizer after backward instead of overlapping it with backward.
     #[arg(long)]
     no_overlap: bool,
@@ -419,28 +423,22 @@ fn train(
     if a.sample_tokens > 0 {
         println!("sample before: {:?}", sample(trainer.model(), tok, a)?);
     }
-    let bar = ProgressBar::new((steps - start) as u64);
-    bar.set_style(ProgressStyle::with_template(
-        "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
-    )?);
+    // A bar on a terminal; plain lines every --log-every steps in a log.
+    let progress = Progress::new(start, steps, a.log_every);
     let t0 = Instant::now();
     let title = format!("train_lm {label}: loss");
     let mut curve = losses.clone();
     let new = train_loop(trainer, corpus, opts, |r| {
         curve.push((r.step, r.loss));
-        bar.set_message(format!(
-            "loss {:.4}  {:.0} tokens/s",
-            r.loss, r.tokens_per_s
-        ));
-        bar.inc(1);
+        progress.update(r.step, r.loss, r.tokens_per_s);
         if r.saved {
             // The curve follows the checkpoints (a resumed run continues it).
             if let Err(e) = write_curve(&a.out, &curve, &title) {
-                bar.println(format!("warning: cannot write the loss curve: {e}"));
+                progress.println(&format!("warning: cannot write the loss curve: {e}"));
             }
         }
     })?;
-    bar.finish();
+    progress.finish();
     let secs = t0.elapsed().as_secs_f64();
     losses.extend(new.iter().copied());
     write_curve(&a.out, &losses, &title)?;

@@ -14,8 +14,8 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Optimizer, ParamsAdamW};
 use candle_streamer::cli;
+use candle_streamer::report::Progress;
 use clap::Parser;
-use indicatif::{ProgressBar, ProgressStyle};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::collections::HashMap;
 use std::io::Write;
@@ -67,6 +67,10 @@ struct Args {
     /// Save weights and optimizer state every N steps (and at the end).
     #[arg(long, default_value_t = 100)]
     save_every: usize,
+    /// When stderr is not a terminal, a progress line (step, loss, tokens/s,
+    /// ETA) every N steps; 0: about 20 lines a run.
+    #[arg(long, default_value_t = 0)]
+    log_every: usize,
     /// Seed of the teacher, the initial student and the data.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -387,10 +391,8 @@ fn main() -> Result<()> {
         return Ok(());
     }
     print_header(&a, &student, &cfg, start)?;
-    let bar = ProgressBar::new((a.steps - start) as u64);
-    bar.set_style(ProgressStyle::with_template(
-        "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
-    )?);
+    // A bar on a terminal; plain lines every --log-every steps in a log.
+    let progress = Progress::new(start, a.steps, a.log_every);
     let t0 = Instant::now();
     for step in start..a.steps {
         let x = batch(&a, step, &dev)?.to_dtype(dtype)?;
@@ -408,13 +410,12 @@ fn main() -> Result<()> {
         losses.push((step + 1, l));
         let done = step + 1 - start;
         let tps = (done * a.batch) as f64 / t0.elapsed().as_secs_f64();
-        bar.set_message(format!("loss {l:.5}  {tps:.0} tokens/s"));
-        bar.inc(1);
+        progress.update(step + 1, l, tps);
         if (step + 1) % a.save_every == 0 && step + 1 < a.steps {
             save_run(&a, &student, &opt, step + 1, &losses, &mut previous)?;
         }
     }
-    bar.finish();
+    progress.finish();
     save_run(&a, &student, &opt, a.steps, &losses, &mut previous)?;
     let first = losses.first().map(|l| l.1).unwrap_or(f32::NAN);
     let last = losses.last().map(|l| l.1).unwrap_or(f32::NAN);
