@@ -20,7 +20,7 @@ use candle_core::{bail, CpuStorage, Layout, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::Dims;
+use crate::AttentionShape;
 
 /// Query rows per task.
 const Q_BLOCK: usize = 32;
@@ -94,11 +94,11 @@ pub(crate) fn forward(
     q: &[f32],
     k: &[f32],
     v: &[f32],
-    dims: &Dims,
+    dims: &AttentionShape,
     scale: f32,
     causal: Option<i64>,
 ) -> (Vec<f32>, Vec<f32>) {
-    let Dims {
+    let AttentionShape {
         hq, hkv, nq, nk, d, ..
     } = *dims;
     let group = hq / hkv;
@@ -178,11 +178,11 @@ pub(crate) fn backward(
     o: &[f32],
     g: &[f32],
     lse: &[f32],
-    dims: &Dims,
+    dims: &AttentionShape,
     scale: f32,
     causal: Option<i64>,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let Dims {
+    let AttentionShape {
         hq, hkv, nq, nk, d, ..
     } = *dims;
     let group = hq / hkv;

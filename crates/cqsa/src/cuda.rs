@@ -26,7 +26,7 @@ use std::ffi::c_void;
 use candle_core::cuda_backend::cudarc::driver::sys::{self, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{
     CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr,
-    DriverError, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    DriverError, LaunchArgs, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
@@ -37,7 +37,7 @@ use half::{bf16, f16};
 use streamer_core::pages::{page_pieces, PinnedRegion};
 use streamer_kernels::{module, ATTENTION};
 
-use crate::Dims;
+use crate::AttentionShape;
 
 /// Rows handled by one block of the simple kernels (one warp per row).
 const SIMPLE_WARPS: u32 = 4;
@@ -142,12 +142,50 @@ fn to_i32(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("cqsa: {what} = {x} exceeds i32")))
 }
 
+/// The scalar arguments every attention kernel takes after its pointers, in the
+/// kernels' order: `hq, hkv, nq, nk, [d,] scale, causal, off`.
+struct KernelArgs {
+    hq: i32,
+    hkv: i32,
+    nq: i32,
+    nk: i32,
+    d: i32,
+    scale: f32,
+    causal: i32,
+    off: i64,
+}
+
+impl KernelArgs {
+    fn new(dims: &AttentionShape, scale: f32, causal: Option<i64>) -> Result<Self> {
+        Ok(Self {
+            hq: to_i32(dims.hq, "heads_q")?,
+            hkv: to_i32(dims.hkv, "heads_kv")?,
+            nq: to_i32(dims.nq, "seq_q")?,
+            nk: to_i32(dims.nk, "seq_k")?,
+            d: to_i32(dims.d, "head_dim")?,
+            scale,
+            causal: i32::from(causal.is_some()),
+            off: causal.unwrap_or(0),
+        })
+    }
+
+    /// Pushes the arguments; `with_d` for the simple kernels, which take the head
+    /// dim at run time.
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>, with_d: bool) {
+        b.arg(&self.hq).arg(&self.hkv).arg(&self.nq).arg(&self.nk);
+        if with_d {
+            b.arg(&self.d);
+        }
+        b.arg(&self.scale).arg(&self.causal).arg(&self.off);
+    }
+}
+
 /// Forward: returns the output (dtype of q) and the f32 log-sum-exp `(b, hq, nq)`.
 pub(crate) fn forward(
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
-    dims: &Dims,
+    dims: &AttentionShape,
     scale: f32,
     causal: Option<i64>,
 ) -> Result<(CudaStorage, CudaStorage)> {
@@ -163,7 +201,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
-    dims: &Dims,
+    dims: &AttentionShape,
     scale: f32,
     causal: Option<i64>,
 ) -> Result<(CudaStorage, CudaStorage)> {
@@ -173,76 +211,50 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let (qv, qa) = view::<T>(q.0, q.1)?;
     let (kv, ka) = view::<T>(k.0, k.1)?;
     let (vv, va) = view::<T>(v.0, v.1)?;
-    let Dims {
-        b,
-        hq,
-        hkv,
-        nq,
-        nk,
-        d,
-    } = *dims;
+    let AttentionShape { b, hq, nq, d, .. } = *dims;
     // SAFETY (uninitialised): both kernels below write every row of `out` and
     // `lse`, a row that sees no key included (0 and -inf); sizes are > 0
-    // (`validate`). Zeroing first would cost a memset of the output per call.
+    // (`AttentionShape::check`). Zeroing first would cost a memset of the output
+    // per call.
     let mut out: CudaSlice<T> = unsafe { dev.alloc::<T>(b * hq * nq * d) }?;
     let mut lse: CudaSlice<f32> = unsafe { dev.alloc::<f32>(b * hq * nq) }?;
-    let (hq_, hkv_, nq_, nk_) = (
-        to_i32(hq, "heads_q")?,
-        to_i32(hkv, "heads_kv")?,
-        to_i32(nq, "seq_q")?,
-        to_i32(nk, "seq_k")?,
-    );
-    let d_ = to_i32(d, "head_dim")?;
-    let causal_ = i32::from(causal.is_some());
-    let off = causal.unwrap_or(0);
-    if use_mma(dtype, d, &[qa, ka, va]) {
+    let args = KernelArgs::new(dims, scale, causal)?;
+    let mma = use_mma(dtype, d, &[qa, ka, va]);
+    let (name, cfg) = if mma {
         let smem = fwd_smem(d);
-        let name = format!("cqsa_fwd_mma_{sfx}_d{d}");
-        let func = dev.get_or_load_custom_func(&name, module::ATTENTION, ATTENTION)?;
-        allow_smem(&func, smem)?;
         let cfg = LaunchConfig {
             grid_dim: grid(nq.div_ceil(MMA_ROWS), hq, b)?,
             block_dim: (MMA_THREADS, 1, 1),
             shared_mem_bytes: smem,
         };
-        {
-            let mut builder = func.builder();
-            builder
-                .arg(&qv)
-                .arg(&kv)
-                .arg(&vv)
-                .arg(&mut out)
-                .arg(&mut lse);
-            builder.arg(&hq_).arg(&hkv_).arg(&nq_).arg(&nk_);
-            builder.arg(&scale).arg(&causal_).arg(&off);
-            // SAFETY: the kernel reads b*hq*nq*d / b*hkv*nk*d elements of the views
-            // (their exact lengths), writes b*hq*nq*d of `out` and b*hq*nq of `lse`;
-            // argument types match the kernel's signature; the dynamic shared memory
-            // is the kernel's FwdCfg::SMEM; every view lives past the launch.
-            unsafe { builder.launch(cfg) }.w()?;
-        }
+        (format!("cqsa_fwd_mma_{sfx}_d{d}"), cfg)
     } else {
-        let name = format!("cqsa_fwd_simple_{sfx}");
-        let func = dev.get_or_load_custom_func(&name, module::ATTENTION, ATTENTION)?;
         let cfg = LaunchConfig {
             grid_dim: grid(nq.div_ceil(SIMPLE_WARPS as usize), hq, b)?,
             block_dim: (32 * SIMPLE_WARPS, 1, 1),
             shared_mem_bytes: 0,
         };
-        {
-            let mut builder = func.builder();
-            builder
-                .arg(&qv)
-                .arg(&kv)
-                .arg(&vv)
-                .arg(&mut out)
-                .arg(&mut lse);
-            builder.arg(&hq_).arg(&hkv_).arg(&nq_).arg(&nk_).arg(&d_);
-            builder.arg(&scale).arg(&causal_).arg(&off);
-            // SAFETY: as above; d <= 256 is checked by `validate` (the kernel keeps at
-            // most 8 elements per lane).
-            unsafe { builder.launch(cfg) }.w()?;
-        }
+        (format!("cqsa_fwd_simple_{sfx}"), cfg)
+    };
+    let func = dev.get_or_load_custom_func(&name, module::ATTENTION, ATTENTION)?;
+    allow_smem(&func, cfg.shared_mem_bytes)?;
+    {
+        let mut builder = func.builder();
+        builder
+            .arg(&qv)
+            .arg(&kv)
+            .arg(&vv)
+            .arg(&mut out)
+            .arg(&mut lse);
+        args.push(&mut builder, !mma);
+        // SAFETY: the kernel reads b*hq*nq*d / b*hkv*nk*d elements of the views
+        // (their exact lengths), writes b*hq*nq*d of `out` and b*hq*nq of `lse`;
+        // argument types and order match the kernel's signature (`KernelArgs`);
+        // the tensor-core kernel gets FwdCfg::SMEM of dynamic shared memory and
+        // 16-byte aligned inputs (`use_mma`), the simple one d <= 256 (checked by
+        // `AttentionShape::check`: it keeps at most 8 elements per lane); every
+        // view lives past the launch.
+        unsafe { builder.launch(cfg) }.w()?;
     }
     Ok((
         CudaStorage::wrap_cuda_slice(out, dev.clone()),
@@ -254,7 +266,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
 /// dtype of q.
 pub(crate) fn backward(
     t: [(&CudaStorage, &Layout); 6],
-    dims: &Dims,
+    dims: &AttentionShape,
     scale: f32,
     causal: Option<i64>,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
@@ -266,79 +278,120 @@ pub(crate) fn backward(
     }
 }
 
+/// The inputs of one backward call as device views, and its outputs.
+struct Backward<'a, T> {
+    dev: &'a CudaDevice,
+    sfx: &'static str,
+    dims: AttentionShape,
+    args: KernelArgs,
+    q: CudaView<'a, T>,
+    k: CudaView<'a, T>,
+    v: CudaView<'a, T>,
+    g: CudaView<'a, T>,
+    lse: CudaView<'a, f32>,
+    /// `do . o` per row, written by the delta kernel.
+    delta: CudaSlice<f32>,
+    dq: CudaSlice<T>,
+    dk: CudaSlice<T>,
+    dv: CudaSlice<T>,
+}
+
 fn backward_t<T: CudaDType + DeviceRepr>(
     t: [(&CudaStorage, &Layout); 6],
-    dims: &Dims,
+    dims: &AttentionShape,
     scale: f32,
     causal: Option<i64>,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
     let dev: &CudaDevice = t[0].0.device();
     let dtype = t[0].0.dtype();
-    let sfx = suffix(dtype)?;
     let (qv, qa) = view::<T>(t[0].0, t[0].1)?;
     let (kv, ka) = view::<T>(t[1].0, t[1].1)?;
     let (vv, va) = view::<T>(t[2].0, t[2].1)?;
     let (ov, _) = view::<T>(t[3].0, t[3].1)?;
     let (gv, ga) = view::<T>(t[4].0, t[4].1)?;
     let (lv, _) = view::<f32>(t[5].0, t[5].1)?;
-    let Dims {
+    let AttentionShape {
         b,
         hq,
         hkv,
         nq,
         nk,
         d,
+        ..
     } = *dims;
     let rows = b * hq * nq;
     // SAFETY (uninitialised): every element is written before it is read: delta by
     // the delta kernel (every row), dq by the conversion or the simple dq kernel
     // (every row), dk and dv by the backward kernels (every key, a key no query
-    // sees included); sizes are > 0 (`validate`). Only the atomic dq accumulator
-    // below needs zeros.
-    let mut delta: CudaSlice<f32> = unsafe { dev.alloc::<f32>(rows) }?;
-    let mut dq: CudaSlice<T> = unsafe { dev.alloc::<T>(rows * d) }?;
-    let mut dk: CudaSlice<T> = unsafe { dev.alloc::<T>(b * hkv * nk * d) }?;
-    let mut dv: CudaSlice<T> = unsafe { dev.alloc::<T>(b * hkv * nk * d) }?;
-    let (hq_, hkv_, nq_, nk_, d_) = (
-        to_i32(hq, "heads_q")?,
-        to_i32(hkv, "heads_kv")?,
-        to_i32(nq, "seq_q")?,
-        to_i32(nk, "seq_k")?,
-        to_i32(d, "head_dim")?,
-    );
-    let rows_ = rows as i64;
-    let causal_ = i32::from(causal.is_some());
-    let off = causal.unwrap_or(0);
-    let block = (32 * SIMPLE_WARPS, 1, 1);
-    let w = SIMPLE_WARPS as usize;
-
-    let func = dev.get_or_load_custom_func(
-        &format!("cqsa_bwd_delta_{sfx}"),
-        module::ATTENTION,
-        ATTENTION,
-    )?;
-    let cfg = LaunchConfig {
-        grid_dim: grid(rows.div_ceil(w), 1, 1)?,
-        block_dim: block,
-        shared_mem_bytes: 0,
+    // sees included); sizes are > 0 (`AttentionShape::check`). Only the atomic dq
+    // accumulator of the tensor-core path needs zeros.
+    let mut bw = Backward {
+        dev,
+        sfx: suffix(dtype)?,
+        dims: *dims,
+        args: KernelArgs::new(dims, scale, causal)?,
+        q: qv,
+        k: kv,
+        v: vv,
+        g: gv,
+        lse: lv,
+        delta: unsafe { dev.alloc::<f32>(rows) }?,
+        dq: unsafe { dev.alloc::<T>(rows * d) }?,
+        dk: unsafe { dev.alloc::<T>(b * hkv * nk * d) }?,
+        dv: unsafe { dev.alloc::<T>(b * hkv * nk * d) }?,
     };
-    {
+    bw.delta(&ov)?;
+    if use_mma(dtype, d, &[qa, ka, va, ga]) {
+        bw.mma()?;
+    } else {
+        bw.simple()?;
+    }
+    Ok((
+        CudaStorage::wrap_cuda_slice(bw.dq, dev.clone()),
+        CudaStorage::wrap_cuda_slice(bw.dk, dev.clone()),
+        CudaStorage::wrap_cuda_slice(bw.dv, dev.clone()),
+    ))
+}
+
+impl<T: CudaDType + DeviceRepr> Backward<'_, T> {
+    /// `delta = rowsum(do * o)`, one warp per row.
+    fn delta(&mut self, o: &CudaView<'_, T>) -> Result<()> {
+        let rows = self.dims.b * self.dims.hq * self.dims.nq;
+        let func = self.dev.get_or_load_custom_func(
+            &format!("cqsa_bwd_delta_{}", self.sfx),
+            module::ATTENTION,
+            ATTENTION,
+        )?;
+        let cfg = LaunchConfig {
+            grid_dim: grid(rows.div_ceil(SIMPLE_WARPS as usize), 1, 1)?,
+            block_dim: (32 * SIMPLE_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let rows_ = rows as i64;
         let mut builder = func.builder();
         builder
-            .arg(&ov)
-            .arg(&gv)
-            .arg(&mut delta)
+            .arg(o)
+            .arg(&self.g)
+            .arg(&mut self.delta)
             .arg(&rows_)
-            .arg(&d_);
+            .arg(&self.args.d);
         // SAFETY: reads rows*d elements of o and grad_o, writes rows of delta; views live.
         unsafe { builder.launch(cfg) }.w()?;
+        Ok(())
     }
 
-    if use_mma(dtype, d, &[qa, ka, va, ga]) {
-        let mut dq_acc: CudaSlice<f32> = dev.alloc_zeros::<f32>(rows * d)?;
+    /// The tensor-core backward (dq through an f32 accumulator and atomics), then
+    /// the conversion of dq.
+    fn mma(&mut self) -> Result<()> {
+        let AttentionShape { b, hkv, nk, d, .. } = self.dims;
+        let n = self.dims.b * self.dims.hq * self.dims.nq * d;
+        let mut dq_acc: CudaSlice<f32> = self.dev.alloc_zeros::<f32>(n)?;
         let smem = bwd_smem(d);
-        let name = format!("cqsa_bwd_mma_{sfx}_d{d}");
-        let func = dev.get_or_load_custom_func(&name, module::ATTENTION, ATTENTION)?;
+        let func = self.dev.get_or_load_custom_func(
+            &format!("cqsa_bwd_mma_{}_d{d}", self.sfx),
+            module::ATTENTION,
+            ATTENTION,
+        )?;
         allow_smem(&func, smem)?;
         let cfg = LaunchConfig {
             grid_dim: grid(nk.div_ceil(bwd_keys(d)), hkv, b)?,
@@ -348,17 +401,16 @@ fn backward_t<T: CudaDType + DeviceRepr>(
         {
             let mut builder = func.builder();
             builder
-                .arg(&qv)
-                .arg(&kv)
-                .arg(&vv)
-                .arg(&gv)
-                .arg(&lv)
-                .arg(&delta)
+                .arg(&self.q)
+                .arg(&self.k)
+                .arg(&self.v)
+                .arg(&self.g)
+                .arg(&self.lse)
+                .arg(&self.delta)
                 .arg(&mut dq_acc)
-                .arg(&mut dk)
-                .arg(&mut dv);
-            builder.arg(&hq_).arg(&hkv_).arg(&nq_).arg(&nk_);
-            builder.arg(&scale).arg(&causal_).arg(&off);
+                .arg(&mut self.dk)
+                .arg(&mut self.dv);
+            self.args.push(&mut builder, false);
             // SAFETY: reads b*hq*nq*d of q and grad_o, b*hkv*nk*d of k and v, rows of
             // lse and delta (the views' lengths); adds into rows*d f32 of dq_acc and
             // writes b*hkv*nk*d of dk and dv; every offset is a multiple of 8 elements
@@ -366,87 +418,86 @@ fn backward_t<T: CudaDType + DeviceRepr>(
             // argument types match the kernel; every view lives past the launch.
             unsafe { builder.launch(cfg) }.w()?;
         }
-        let name = format!("cqsa_bwd_dq_convert_{sfx}");
-        let func = dev.get_or_load_custom_func(&name, module::ATTENTION, ATTENTION)?;
-        let n = rows * d;
+        let func = self.dev.get_or_load_custom_func(
+            &format!("cqsa_bwd_dq_convert_{}", self.sfx),
+            module::ATTENTION,
+            ATTENTION,
+        )?;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(256).min(65536) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let n_ = n as i64;
+        let mut builder = func.builder();
+        builder
+            .arg(&dq_acc)
+            .arg(&mut self.dq)
+            .arg(&n_)
+            .arg(&self.args.scale);
+        // SAFETY: reads and writes n = rows*d elements (both buffers' lengths),
+        // grid-stride loop; dq_acc lives past the launch (freed stream-ordered).
+        unsafe { builder.launch(cfg) }.w()?;
+        Ok(())
+    }
+
+    /// The simple kernels: dq by query rows, dk and dv by key rows.
+    fn simple(&mut self) -> Result<()> {
+        let AttentionShape {
+            b, hq, hkv, nq, nk, ..
+        } = self.dims;
+        let w = SIMPLE_WARPS as usize;
+        let block = (32 * SIMPLE_WARPS, 1, 1);
+        let func = self.dev.get_or_load_custom_func(
+            &format!("cqsa_bwd_dq_simple_{}", self.sfx),
+            module::ATTENTION,
+            ATTENTION,
+        )?;
+        let cfg = LaunchConfig {
+            grid_dim: grid(nq.div_ceil(w), hq, b)?,
+            block_dim: block,
+            shared_mem_bytes: 0,
+        };
         {
             let mut builder = func.builder();
-            builder.arg(&dq_acc).arg(&mut dq).arg(&n_).arg(&scale);
-            // SAFETY: reads and writes n = rows*d elements (both buffers' lengths),
-            // grid-stride loop; dq_acc lives past the launch (freed stream-ordered).
+            builder
+                .arg(&self.q)
+                .arg(&self.k)
+                .arg(&self.v)
+                .arg(&self.g)
+                .arg(&self.lse)
+                .arg(&self.delta)
+                .arg(&mut self.dq);
+            self.args.push(&mut builder, true);
+            // SAFETY: reads within the views' lengths, writes rows*d of dq; views live.
             unsafe { builder.launch(cfg) }.w()?;
         }
-        return Ok((
-            CudaStorage::wrap_cuda_slice(dq, dev.clone()),
-            CudaStorage::wrap_cuda_slice(dk, dev.clone()),
-            CudaStorage::wrap_cuda_slice(dv, dev.clone()),
-        ));
-    }
-
-    let func = dev.get_or_load_custom_func(
-        &format!("cqsa_bwd_dq_simple_{sfx}"),
-        module::ATTENTION,
-        ATTENTION,
-    )?;
-    let cfg = LaunchConfig {
-        grid_dim: grid(nq.div_ceil(w), hq, b)?,
-        block_dim: block,
-        shared_mem_bytes: 0,
-    };
-    {
+        let func = self.dev.get_or_load_custom_func(
+            &format!("cqsa_bwd_dkdv_simple_{}", self.sfx),
+            module::ATTENTION,
+            ATTENTION,
+        )?;
+        let cfg = LaunchConfig {
+            grid_dim: grid(nk.div_ceil(w), hkv, b)?,
+            block_dim: block,
+            shared_mem_bytes: 0,
+        };
         let mut builder = func.builder();
         builder
-            .arg(&qv)
-            .arg(&kv)
-            .arg(&vv)
-            .arg(&gv)
-            .arg(&lv)
-            .arg(&delta)
-            .arg(&mut dq);
-        builder.arg(&hq_).arg(&hkv_).arg(&nq_).arg(&nk_).arg(&d_);
-        builder.arg(&scale).arg(&causal_).arg(&off);
-        // SAFETY: reads within the views' lengths, writes rows*d of dq; views live.
+            .arg(&self.q)
+            .arg(&self.k)
+            .arg(&self.v)
+            .arg(&self.g)
+            .arg(&self.lse)
+            .arg(&self.delta)
+            .arg(&mut self.dk)
+            .arg(&mut self.dv);
+        self.args.push(&mut builder, true);
+        // SAFETY: reads within the views' lengths, writes b*hkv*nk*d of dk and dv;
+        // views live.
         unsafe { builder.launch(cfg) }.w()?;
+        Ok(())
     }
-
-    let func = dev.get_or_load_custom_func(
-        &format!("cqsa_bwd_dkdv_simple_{sfx}"),
-        module::ATTENTION,
-        ATTENTION,
-    )?;
-    let cfg = LaunchConfig {
-        grid_dim: grid(nk.div_ceil(w), hkv, b)?,
-        block_dim: block,
-        shared_mem_bytes: 0,
-    };
-    {
-        let mut builder = func.builder();
-        builder
-            .arg(&qv)
-            .arg(&kv)
-            .arg(&vv)
-            .arg(&gv)
-            .arg(&lv)
-            .arg(&delta)
-            .arg(&mut dk)
-            .arg(&mut dv);
-        builder.arg(&hq_).arg(&hkv_).arg(&nq_).arg(&nk_).arg(&d_);
-        builder.arg(&scale).arg(&causal_).arg(&off);
-        // SAFETY: reads within the views' lengths, writes b*hkv*nk*d of dk and dv; views live.
-        unsafe { builder.launch(cfg) }.w()?;
-    }
-
-    Ok((
-        CudaStorage::wrap_cuda_slice(dq, dev.clone()),
-        CudaStorage::wrap_cuda_slice(dk, dev.clone()),
-        CudaStorage::wrap_cuda_slice(dv, dev.clone()),
-    ))
 }
 
 /// Host-to-device copies of row chunks for the streamed mode, on a transfer stream

@@ -58,12 +58,14 @@ mod cpu;
 mod cuda;
 mod op;
 mod plan;
+mod shape;
 mod stream;
 
-use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_core::{bail, Device, Result, Tensor};
 
 pub use op::{attention_backward, attention_forward};
-pub use plan::{estimate, AttentionShape, Budget, Mode, Plan};
+pub use plan::{estimate, Budget, Mode, Plan};
+pub use shape::AttentionShape;
 
 /// The largest supported head dimension.
 pub const MAX_HEAD_DIM: usize = 256;
@@ -95,84 +97,6 @@ pub struct AttentionOpts {
     pub verbose: bool,
 }
 
-/// Sizes of one attention call, checked by [`validate`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Dims {
-    pub b: usize,
-    pub hq: usize,
-    pub hkv: usize,
-    pub nq: usize,
-    pub nk: usize,
-    pub d: usize,
-}
-
-/// Checks ranks, dtypes, devices and sizes of `(q, k, v)`; every failure names
-/// the offending values. Runs before anything is launched.
-pub(crate) fn validate(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Dims> {
-    for (name, t) in [("q", q), ("k", k), ("v", v)] {
-        if t.rank() != 4 {
-            bail!(
-                "cqsa: {name} must have rank 4 (batch, heads, seq, head_dim), got shape {:?}",
-                t.dims()
-            )
-        }
-        if !matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16) {
-            bail!(
-                "cqsa: {name} has dtype {:?}, supported are f32, f16 and bf16",
-                t.dtype()
-            )
-        }
-    }
-    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
-        bail!(
-            "cqsa: q, k, v must share one dtype, got {:?}, {:?}, {:?}",
-            q.dtype(),
-            k.dtype(),
-            v.dtype()
-        )
-    }
-    if !q.device().same_device(k.device()) || !q.device().same_device(v.device()) {
-        bail!(
-            "cqsa: q, k, v must be on one device, got {:?}, {:?}, {:?}",
-            q.device().location(),
-            k.device().location(),
-            v.device().location()
-        )
-    }
-    let (b, hq, nq, d) = q.dims4()?;
-    let (bk, hkv, nk, dk) = k.dims4()?;
-    if k.dims() != v.dims() {
-        bail!(
-            "cqsa: k and v must have the same shape, got {:?} and {:?}",
-            k.dims(),
-            v.dims()
-        )
-    }
-    if b != bk {
-        bail!("cqsa: batch of q ({b}) differs from batch of k/v ({bk})")
-    }
-    if d != dk {
-        bail!("cqsa: head_dim of q ({d}) differs from head_dim of k/v ({dk})")
-    }
-    if d == 0 || d > MAX_HEAD_DIM {
-        bail!("cqsa: head_dim must be in 1..={MAX_HEAD_DIM}, got {d}")
-    }
-    if hkv == 0 || hq == 0 || hq % hkv != 0 {
-        bail!("cqsa: heads_q ({hq}) must be a positive multiple of heads_kv ({hkv})")
-    }
-    if b == 0 || nq == 0 || nk == 0 {
-        bail!("cqsa: empty input: batch {b}, seq_q {nq}, seq_k {nk}")
-    }
-    Ok(Dims {
-        b,
-        hq,
-        hkv,
-        nq,
-        nk,
-        d,
-    })
-}
-
 /// The scale actually used: `opts.scale` or `1/sqrt(head_dim)`.
 pub(crate) fn resolve_scale(scale: Option<f64>, d: usize) -> f32 {
     scale.unwrap_or(1.0 / (d as f64).sqrt()) as f32
@@ -180,7 +104,7 @@ pub(crate) fn resolve_scale(scale: Option<f64>, d: usize) -> f32 {
 
 /// The causal offset of the whole call: key `j` visible from query `i` iff
 /// `j <= i + offset`, with `offset = seq_k - seq_q` (bottom-right alignment).
-pub(crate) fn causal_offset(causal: bool, dims: &Dims) -> Option<i64> {
+pub(crate) fn causal_offset(causal: bool, dims: &AttentionShape) -> Option<i64> {
     causal.then_some(dims.nk as i64 - dims.nq as i64)
 }
 
@@ -195,9 +119,9 @@ pub(crate) fn causal_offset(causal: bool, dims: &Dims) -> Option<i64> {
 /// ranks, mixed dtypes, mismatched devices, head counts that do not divide, a
 /// head_dim of 0 or above [`MAX_HEAD_DIM`], or when nothing fits the budget.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Result<Tensor> {
-    let dims = validate(q, k, v)?;
+    let shape = AttentionShape::of(q, k, v, opts.causal)?;
+    let dims = shape;
     let exec = opts.device.clone().unwrap_or_else(|| q.device().clone());
-    let shape = AttentionShape::new(&dims, q.dtype(), opts.causal);
     let plan = if opts.mode == Mode::Resident {
         None
     } else {

@@ -6,10 +6,13 @@
 //! is the one Candle stores in the graph for this very call).
 use std::sync::{Arc, Mutex};
 
+use candle_core::backend::BackendStorage;
 use candle_core::op::BackpropOp;
-use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{
+    bail, CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor,
+};
 
-use crate::{cpu, validate, Dims};
+use crate::{cpu, AttentionShape};
 
 /// The attention custom op for one call: scale, causal offset and the cell that
 /// carries the log-sum-exp from forward to backward.
@@ -35,20 +38,26 @@ pub(crate) fn apply(
     q.apply_op3(k, v, op)
 }
 
-fn dims_of(lq: &Layout, lk: &Layout) -> Result<Dims> {
+/// The shape of a call from the layouts of q and k (already validated by
+/// [`AttentionShape::of`] when the op was applied; checked again, it is cheap).
+fn dims_of(lq: &Layout, lk: &Layout, dtype: DType) -> Result<AttentionShape> {
     let (b, hq, nq, d) = lq.shape().dims4()?;
     let (_, hkv, nk, _) = lk.shape().dims4()?;
-    Ok(Dims {
+    let shape = AttentionShape {
         b,
         hq,
         hkv,
         nq,
         nk,
         d,
-    })
+        dtype,
+        causal: false,
+    };
+    shape.check()?;
+    Ok(shape)
 }
 
-fn lse_shape(dims: &Dims) -> Shape {
+fn lse_shape(dims: &AttentionShape) -> Shape {
     Shape::from((dims.b, dims.hq, dims.nq))
 }
 
@@ -62,8 +71,8 @@ fn cpu_forward(
     (sv, lv): (&CpuStorage, &Layout),
     scale: f32,
     causal: Option<i64>,
-) -> Result<(CpuStorage, Vec<f32>, Dims)> {
-    let dims = dims_of(lq, lk)?;
+) -> Result<(CpuStorage, Vec<f32>, AttentionShape)> {
+    let dims = dims_of(lq, lk, sq.dtype())?;
     let (q, k, v) = (
         cpu::to_f32(sq, lq)?,
         cpu::to_f32(sk, lk)?,
@@ -103,7 +112,7 @@ impl CustomOp3 for AttnOp {
         sv: &candle_core::CudaStorage,
         lv: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let dims = dims_of(lq, lk)?;
+        let dims = dims_of(lq, lk, sq.dtype())?;
         let (o, lse) =
             crate::cuda::forward((sq, lq), (sk, lk), (sv, lv), &dims, self.scale, self.causal)?;
         let lse = Tensor::from_storage(
@@ -147,7 +156,7 @@ pub fn attention_forward(
     scale: f32,
     causal_offset: Option<i64>,
 ) -> Result<(Tensor, Tensor)> {
-    let dims = validate(q, k, v)?;
+    let dims = AttentionShape::of(q, k, v, causal_offset.is_some())?;
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let (sq, lq) = q.storage_and_layout();
     let (sk, lk) = k.storage_and_layout();
@@ -194,21 +203,20 @@ pub fn attention_backward(
     scale: f32,
     causal_offset: Option<i64>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let dims = validate(q, k, v)?;
+    let dims = AttentionShape::of(q, k, v, causal_offset.is_some())?;
     if o.dims() != q.dims() || grad_o.dims() != q.dims() {
         bail!(
-            "cqsa: o {:?} and grad_o {:?} must have the shape of q {:?}",
-            o.dims(),
-            grad_o.dims(),
-            q.dims()
+            "cqsa: {} and {} must have the shape of {}",
+            crate::shape::describe("o", o),
+            crate::shape::describe("grad_o", grad_o),
+            crate::shape::describe("q", q)
         )
     }
-    if lse.dims() != [dims.b, dims.hq, dims.nq] || lse.dtype() != candle_core::DType::F32 {
+    if lse.dims() != dims.lse_dims() || lse.dtype() != DType::F32 {
         bail!(
-            "cqsa: lse must be f32 {:?}, got {:?} {:?}",
-            [dims.b, dims.hq, dims.nq],
-            lse.dtype(),
-            lse.dims()
+            "cqsa: lse must be F32 of shape {:?}, got {}",
+            dims.lse_dims(),
+            crate::shape::describe("lse", lse)
         )
     }
     let o = o.to_dtype(q.dtype())?.contiguous()?;

@@ -21,7 +21,7 @@ use std::fmt;
 
 use candle_core::{bail, DType, Device, Result};
 
-use crate::{AttentionOpts, Dims, MAX_HEAD_DIM};
+use crate::{AttentionOpts, AttentionShape};
 
 /// How a call runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -36,51 +36,7 @@ pub enum Mode {
     Streamed,
 }
 
-/// The sizes of one attention call, for [`estimate`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AttentionShape {
-    /// Batch.
-    pub b: usize,
-    /// Query heads.
-    pub hq: usize,
-    /// Key/value heads (divides `hq`).
-    pub hkv: usize,
-    /// Query sequence length.
-    pub nq: usize,
-    /// Key/value sequence length.
-    pub nk: usize,
-    /// Head dimension.
-    pub d: usize,
-    /// Element type of q, k, v.
-    pub dtype: DType,
-    /// Causal mask.
-    pub causal: bool,
-}
-
 impl AttentionShape {
-    pub(crate) fn new(dims: &Dims, dtype: DType, causal: bool) -> Self {
-        Self {
-            b: dims.b,
-            hq: dims.hq,
-            hkv: dims.hkv,
-            nq: dims.nq,
-            nk: dims.nk,
-            d: dims.d,
-            dtype,
-            causal,
-        }
-    }
-
-    /// Forward FLOPs by the usual convention: `4 b hq nq nk d`, halved when causal.
-    pub fn forward_flops(&self) -> f64 {
-        let f = 4.0 * (self.b * self.hq) as f64 * self.nq as f64 * self.nk as f64 * self.d as f64;
-        if self.causal {
-            f / 2.0
-        } else {
-            f
-        }
-    }
-
     fn elem(&self) -> usize {
         self.dtype.size_in_bytes()
     }
@@ -211,31 +167,6 @@ impl fmt::Display for Plan {
     }
 }
 
-fn check_shape(s: &AttentionShape) -> Result<()> {
-    if s.d == 0 || s.d > MAX_HEAD_DIM {
-        bail!("cqsa: head_dim must be in 1..={MAX_HEAD_DIM}, got {}", s.d)
-    }
-    if s.hkv == 0 || s.hq == 0 || s.hq % s.hkv != 0 {
-        bail!(
-            "cqsa: heads_q ({}) must be a positive multiple of heads_kv ({})",
-            s.hq,
-            s.hkv
-        )
-    }
-    if s.b == 0 || s.nq == 0 || s.nk == 0 {
-        bail!(
-            "cqsa: empty input: batch {}, seq_q {}, seq_k {}",
-            s.b,
-            s.nq,
-            s.nk
-        )
-    }
-    if !matches!(s.dtype, DType::F32 | DType::F16 | DType::BF16) {
-        bail!("cqsa: dtype {:?}, supported are f32, f16 and bf16", s.dtype)
-    }
-    Ok(())
-}
-
 /// Number of (query chunk, key chunk) pairs that see at least one key.
 fn count_subproblems(s: &AttentionShape, cq: usize, ck: usize) -> usize {
     let off = s.nk as i64 - s.nq as i64;
@@ -300,7 +231,7 @@ fn choose(
     cuda: bool,
     opts: Option<&AttentionOpts>,
 ) -> Result<Plan> {
-    check_shape(s)?;
+    s.check()?;
     let forced = opts
         .is_some_and(|o| o.mode == Mode::Streamed || o.q_chunk.is_some() || o.kv_chunk.is_some());
     let resident = s.resident_bytes();

@@ -46,7 +46,7 @@ use candle_core::{
 use rayon::prelude::*;
 
 use crate::op::{attention_backward, attention_forward};
-use crate::{causal_offset, cpu, resolve_scale, AttentionOpts, Dims, Plan};
+use crate::{causal_offset, cpu, resolve_scale, AttentionOpts, AttentionShape, Plan};
 
 /// Runs `attention` in streamed mode per `plan`, computing on `exec`.
 pub(crate) fn attention(
@@ -58,7 +58,7 @@ pub(crate) fn attention(
     exec: &Device,
     verbose: bool,
 ) -> Result<Tensor> {
-    let dims = crate::validate(q, k, v)?;
+    let dims = AttentionShape::of(q, k, v, opts.causal)?;
     let op = StreamOp {
         dims,
         scale: resolve_scale(opts.scale, dims.d),
@@ -87,7 +87,7 @@ pub(crate) fn attention(
 
 /// The streamed attention op over host tensors.
 struct StreamOp {
-    dims: Dims,
+    dims: AttentionShape,
     scale: f32,
     causal: Option<i64>,
     q_chunk: usize,
@@ -278,7 +278,7 @@ impl StreamOp {
     /// The chunk pairs that see at least one key, with their causal offsets;
     /// query-major (`by_query`) for the forward, key-major for the backward.
     fn pairs(&self, by_query: bool) -> Vec<Pair> {
-        let Dims { nq, nk, .. } = self.dims;
+        let AttentionShape { nq, nk, .. } = self.dims;
         let (qs, ks) = (
             Self::chunks(nq, self.q_chunk),
             Self::chunks(nk, self.kv_chunk),
@@ -483,7 +483,7 @@ impl CustomOp3 for StreamOp {
         sv: &CpuStorage,
         lv: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let Dims { b, hq, nq, d, .. } = self.dims;
+        let AttentionShape { b, hq, nq, d, .. } = self.dims;
         let pairs = self.pairs(true);
         let mut progress = Progress::new(self.verbose, "forward", pairs.len());
         let (q, k, v): (Src, Src, Src) = ((0, sq, lq), (1, sk, lk), (2, sv, lv));
@@ -553,14 +553,7 @@ impl CustomOp3 for StreamOp {
         let Some(lse) = self.lse.lock().map_err(poisoned)?.clone() else {
             bail!("cqsa: streamed backward called before its forward")
         };
-        let Dims {
-            b,
-            hq,
-            hkv,
-            nq,
-            nk,
-            d,
-        } = self.dims;
+        let AttentionShape { b, hq, nq, .. } = self.dims;
         let lse = Tensor::from_vec(lse, (b, hq, nq, 1), &Device::Cpu)?;
         let to_host = |t: &Tensor| -> Result<Tensor> {
             let t = if t.device().is_cpu() {
@@ -588,8 +581,6 @@ impl CustomOp3 for StreamOp {
         else {
             bail!("cqsa: streamed backward expects host tensors")
         };
-        let pairs = self.pairs(false);
-        let mut progress = Progress::new(self.verbose, "backward", pairs.len());
         let srcs: [Src; 6] = [
             (0, sq, lq),
             (1, sk, lk),
@@ -598,6 +589,38 @@ impl CustomOp3 for StreamOp {
             (4, sg, lg),
             (5, sl, ll),
         ];
+        let [dq, dk, dv] = self.backward_pairs(srcs)?;
+        let wrap = |x: Vec<f32>, shape: &Shape| -> Result<Tensor> {
+            Ok(Tensor::from_storage(
+                Storage::Cpu(cpu::from_f32(x, sq)?),
+                shape,
+                BackpropOp::none(),
+                false,
+            ))
+        };
+        Ok((
+            Some(wrap(dq, q.shape())?),
+            Some(wrap(dk, k.shape())?),
+            Some(wrap(dv, v.shape())?),
+        ))
+    }
+}
+
+impl StreamOp {
+    /// The backward's loop over key-major chunk pairs: `srcs` are the host q, k,
+    /// v, o, grad_o and lse; returns the host f32 dq, dk, dv.
+    fn backward_pairs(&self, srcs: [Src<'_>; 6]) -> Result<[Vec<f32>; 3]> {
+        let AttentionShape {
+            b,
+            hq,
+            hkv,
+            nq,
+            nk,
+            d,
+            ..
+        } = self.dims;
+        let pairs = self.pairs(false);
+        let mut progress = Progress::new(self.verbose, "backward", pairs.len());
         let [qs, ks, vs, os, gs, ls] = srcs;
         // Sinks: the gradients.
         const DQ: usize = 0;
@@ -608,7 +631,7 @@ impl CustomOp3 for StreamOp {
             Sink::new(b * hkv * nk * d, nk, 0.0),
             Sink::new(b * hkv * nk * d, nk, 0.0),
         ];
-        let mut feed = Feed::new(&self.exec, &[sq, sk, sv, so, sg, sl], sinks)?;
+        let mut feed = Feed::new(&self.exec, &srcs.map(|s| s.1), sinks)?;
         let mut kvc: Option<((usize, usize), Tensor, Tensor)> = None;
         let mut acc: Option<(Tensor, Tensor)> = None;
         for (p, pair) in pairs.iter().enumerate() {
@@ -653,20 +676,8 @@ impl CustomOp3 for StreamOp {
             }
             feed.settle()?;
         }
-        let [dq, dk, dv] = feed.finish()?;
+        let out = feed.finish()?;
         progress.finish();
-        let wrap = |x: Vec<f32>, shape: &Shape| -> Result<Tensor> {
-            Ok(Tensor::from_storage(
-                Storage::Cpu(cpu::from_f32(x, sq)?),
-                shape,
-                BackpropOp::none(),
-                false,
-            ))
-        };
-        Ok((
-            Some(wrap(dq, q.shape())?),
-            Some(wrap(dk, k.shape())?),
-            Some(wrap(dv, v.shape())?),
-        ))
+        Ok(out)
     }
 }
