@@ -272,7 +272,7 @@ impl Progress {
             b.set_position(step.saturating_sub(self.first) as u64);
             return None;
         }
-        if step % self.every != 0 && step != self.total {
+        if !step.is_multiple_of(self.every) && step != self.total {
             return None;
         }
         let line = progress_line(
