@@ -1194,7 +1194,10 @@ fn llama_loop_options_are_checked_before_work(_dev: &Device) -> Result<()> {
     ensure!(err_of(ok.check(&cfg, &short))?.contains("17 tokens"));
     let big_ids = streamer_models::TokenCorpus::from_tokens(vec![300; 100]);
     let e = err_of(ok.check(&cfg, &big_ids))?;
-    ensure!(e.contains("token id 300") && e.contains("vocab_size = 256"), "{e}");
+    ensure!(
+        e.contains("token id 300") && e.contains("vocab_size = 256"),
+        "{e}"
+    );
     Ok(())
 }
 candle_streamer::test_device!(llama_loop_options_are_checked_before_work);
