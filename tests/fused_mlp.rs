@@ -247,13 +247,32 @@ fn streamed_fused_mlp_keep_and_recompute_match_autograd(dev: &Device) -> Result<
     let (l_keep, g_keep, k_keep) = step_grads(
         &host,
         manual(),
-        cfg,
+        cfg.clone(),
         ActivationPolicy::Keep {
             device_bytes: 2 * per_block + 1,
         },
         &x,
     )?;
     ensure!(k_keep == 2, "kept {k_keep} blocks, expected 2");
+    // Inputs through host memory and back: the same recompute on the same
+    // bytes, for the hand-written and the autograd blocks alike.
+    for (blocks, want) in [(manual(), &g_rec), (autograd(), &g_ref)] {
+        let (_, g_off, k_off) = step_grads(
+            &host,
+            blocks,
+            cfg.clone(),
+            ActivationPolicy::OffloadInputs,
+            &x,
+        )?;
+        ensure!(k_off == 0, "offload kept {k_off}");
+        for (name, w) in want {
+            let err = rel_err(&g_off[name], w)?;
+            ensure!(
+                err == 0.0,
+                "{name}: offloaded inputs changed the gradient by {err:.2e}"
+            );
+        }
+    }
     // On the CPU keep and recompute run the same ops on the same values: f32
     // gradients agree to 1e-6. On CUDA the kept forward's GEMM (with the aux
     // epilogue) may be another cuBLASLt kernel than the inference forward's, so
@@ -333,6 +352,10 @@ fn activation_policy_rejects_impossible_values(dev: &Device) -> Result<()> {
         "recompute".parse::<ActivationPolicy>()? == ActivationPolicy::Recompute,
         "recompute"
     );
+    ensure!(
+        "offload".parse::<ActivationPolicy>()? == ActivationPolicy::OffloadInputs,
+        "offload parses"
+    );
     Ok(())
 }
 candle_streamer::test_device!(activation_policy_rejects_impossible_values);
@@ -394,3 +417,57 @@ fn kept_activations_may_not_alias_weights(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(kept_activations_may_not_alias_weights);
+
+/// `OffloadInputs` over several steps of one model (its host buffers reused,
+/// the inputs different each step) gives each step the gradients a
+/// `Recompute` model computes on the same input.
+fn offloaded_inputs_survive_buffer_reuse(dev: &Device) -> Result<()> {
+    let (n, dim, hidden, rows) = (3, 16, 40, 24);
+    let host = host_mlp(n, dim, hidden)?;
+    let dt = if dev.is_cuda() {
+        DType::BF16
+    } else {
+        DType::F32
+    };
+    let cfg = StreamConfig {
+        device: dev.clone(),
+        dtype: dt,
+        master_dtype: Some(DType::F32),
+        ..Default::default()
+    };
+    let blocks = || {
+        (0..n)
+            .map(|i| BlockSpec::new(format!("layers.{i}"), move |vb| fused_mlp(dim, hidden, vb)))
+            .collect::<Vec<_>>()
+    };
+    let off = StreamedSequential::from_tensors(host.clone(), blocks(), cfg.clone())?.train();
+    off.set_activation_policy(ActivationPolicy::OffloadInputs)?;
+    let rec = StreamedSequential::from_tensors(host, blocks(), cfg)?.train();
+    rec.set_activation_policy(ActivationPolicy::Recompute)?;
+    for step in 0..3 {
+        let x = (Tensor::randn(0f32, 1.0, (rows, dim), &Device::Cpu)? * (step + 1) as f64)?
+            .to_dtype(dt)?
+            .to_device(dev)?;
+        let mut got = Vec::new();
+        for m in [&off, &rec] {
+            m.zero_grad()?;
+            let loss = m.forward(&x)?.to_dtype(DType::F32)?.sqr()?.mean_all()?;
+            let grads = m.backward(&loss)?;
+            let g: Vec<Tensor> = m
+                .parameters()
+                .iter()
+                .map(|(_, v)| grads.get(v.as_tensor()).expect("gradient").copy())
+                .collect::<candle_core::Result<_>>()?;
+            got.push(g);
+        }
+        for (a, b) in got[0].iter().zip(&got[1]) {
+            let err = rel_err(a, b)?;
+            ensure!(
+                err == 0.0,
+                "step {step}: offloaded vs recompute differ by {err:.2e}"
+            );
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(offloaded_inputs_survive_buffer_reuse);

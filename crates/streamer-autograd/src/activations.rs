@@ -26,6 +26,12 @@ pub enum ActivationPolicy {
         /// Share of the free device memory, in (0, 1].
         fraction: f64,
     },
+    /// Recompute every block, with each block's saved input (after the first,
+    /// which is the caller's) in page-locked host memory: copied out on its
+    /// own stream while the next block runs, and back while the block after
+    /// it in reverse order runs its backward. For models whose saved inputs
+    /// alone do not fit on the device. Same gradients as `Recompute`.
+    OffloadInputs,
 }
 
 impl Default for ActivationPolicy {
@@ -38,12 +44,13 @@ impl Default for ActivationPolicy {
 impl std::str::FromStr for ActivationPolicy {
     type Err = candle_core::Error;
 
-    /// `recompute`, `keep:BYTES` (e.g. `keep:8GiB`, `keep:1000000`) or
-    /// `auto[:FRACTION]`.
+    /// `recompute`, `keep:BYTES` (e.g. `keep:8GiB`, `keep:1000000`),
+    /// `auto[:FRACTION]` or `offload`.
     fn from_str(s: &str) -> Result<Self> {
         let (name, arg) = s.split_once(':').map_or((s, None), |(a, b)| (a, Some(b)));
         match (name, arg) {
             ("recompute", None) => Ok(Self::Recompute),
+            ("offload", None) => Ok(Self::OffloadInputs),
             ("auto", None) => Ok(Self::default()),
             ("auto", Some(f)) => {
                 let fraction = f.parse::<f64>().map_err(|_| {
@@ -56,7 +63,7 @@ impl std::str::FromStr for ActivationPolicy {
                     .ok_or_else(|| candle_core::Error::Msg(format!("activation policy {s:?}: {b:?} is not a size (like 8GiB)")))?,
             }),
             _ => candle_core::bail!(
-                "unknown activation policy {s:?}: expected recompute, keep:BYTES (e.g. keep:8GiB) or auto[:FRACTION]"
+                "unknown activation policy {s:?}: expected recompute, keep:BYTES (e.g. keep:8GiB), auto[:FRACTION] or offload"
             ),
         }
     }
@@ -87,7 +94,7 @@ impl ActivationPolicy {
     /// Rejects a policy that cannot hold on `device`, naming the value.
     pub fn validate(&self, device: &Device) -> Result<()> {
         match *self {
-            Self::Recompute => Ok(()),
+            Self::Recompute | Self::OffloadInputs => Ok(()),
             Self::Keep { device_bytes: 0 } => candle_core::bail!(
                 "ActivationPolicy::Keep with a budget of 0 bytes keeps nothing: use Recompute"
             ),
@@ -112,7 +119,7 @@ impl ActivationPolicy {
     /// The byte budget for one training forward on `device` (0: keep nothing).
     pub(crate) fn budget(&self, device: &Device) -> Result<usize> {
         Ok(match *self {
-            Self::Recompute => 0,
+            Self::Recompute | Self::OffloadInputs => 0,
             Self::Keep { device_bytes } => device_bytes,
             Self::Auto { fraction } => streamer_core::free_device_memory(device)?
                 .map_or(0, |free| (free as f64 * fraction) as usize),

@@ -33,6 +33,7 @@ mod activations;
 mod adamw;
 mod dropout;
 mod grads;
+mod host_inputs;
 mod host_optim;
 mod host_update;
 mod optim_state;

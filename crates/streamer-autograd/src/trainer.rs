@@ -72,8 +72,10 @@ struct StepJob {
 
 /// What a training forward leaves for its backward.
 struct Saved {
-    /// Each block's input, detached (the first is the model input).
+    /// Each block's input, detached (the first is the model input); a host
+    /// copy where `on_host` says so ([`ActivationPolicy::OffloadInputs`]).
     inputs: Vec<Tensor>,
+    on_host: Vec<bool>,
     /// The model input and extras as the caller passed them (maybe tracked).
     x: Tensor,
     extras: Vec<Tensor>,
@@ -83,6 +85,22 @@ struct Saved {
     fingerprints: Vec<u64>,
     /// Activations kept by blocks with a hand-written backward (no recompute).
     kept: Vec<Option<SavedActivations>>,
+}
+
+impl Saved {
+    /// Block `i`'s input back on the device, if it was offloaded.
+    fn bring_input(
+        &mut self,
+        i: usize,
+        host: &mut crate::host_inputs::HostInputs,
+        device: &candle_core::Device,
+    ) -> Result<()> {
+        if self.on_host[i] {
+            self.inputs[i] = host.fetch(&self.inputs[i], device)?;
+            self.on_host[i] = false;
+        }
+        Ok(())
+    }
 }
 
 /// What backward through one block produced.
@@ -149,6 +167,8 @@ struct TrainState {
     /// Mode of the forward whose state is saved.
     saved_training: bool,
     grads: HostGrads,
+    /// Host copies of block inputs under `OffloadInputs`.
+    host_inputs: crate::host_inputs::HostInputs,
     trainable: Vec<bool>,
     /// Weights the overlapped step already stepped in this backward.
     stepped: Vec<bool>,
@@ -186,6 +206,7 @@ impl TrainableSequential {
                 saved: None,
                 saved_training: true,
                 grads: HostGrads::new(n),
+                host_inputs: Default::default(),
                 trainable: vec![true; n],
                 stepped: vec![false; n],
                 optimizer_seconds: 0.0,
@@ -347,8 +368,11 @@ impl TrainableSequential {
         st.step_seeds = Some(base);
         let seeds: Vec<u64> = (0..n as u64).map(|i| base.wrapping_add(i)).collect();
         let mut inputs = Vec::with_capacity(n);
+        let mut on_host = Vec::with_capacity(n);
+        let offload = st.policy == ActivationPolicy::OffloadInputs;
         let mut kept: Vec<Option<SavedActivations>> = (0..n).map(|_| None).collect();
         let budget = st.policy.budget(pool.device())?;
+        let host_inputs = &mut st.host_inputs;
         let mut used = 0usize;
         let x_det = x.detach();
         let extras_det: Vec<Tensor> = extras.iter().map(|e| e.detach()).collect();
@@ -368,7 +392,14 @@ impl TrainableSequential {
                 &extras_det,
                 false,
                 |pool: &ResidencyPool, i, block: &dyn Block, h: &Tensor, extras: &[Tensor]| {
-                    inputs.push(h.detach());
+                    // The first input is the caller's: it stays where it is.
+                    let to_host = offload && i > 0;
+                    inputs.push(if to_host {
+                        host_inputs.save(i, h)?
+                    } else {
+                        h.detach()
+                    });
+                    on_host.push(to_host);
                     set_current_seed(seeds[i]);
                     let Some(man) = block.manual() else {
                         return block.forward(h, extras);
@@ -386,6 +417,7 @@ impl TrainableSequential {
             )
         };
         clear_current_seed();
+        let r = r.and_then(|o| st.host_inputs.settle().map(|_| o));
         // Backward starts with the last blocks: start copying them now, so the
         // copies overlap whatever runs between this forward and its backward.
         let r = r.and_then(|o| {
@@ -408,6 +440,7 @@ impl TrainableSequential {
         let ret = outputs.iter().map(|v| v.as_tensor().clone()).collect();
         st.saved = Some(Saved {
             inputs,
+            on_host,
             x: x.clone(),
             extras: extras.to_vec(),
             outputs,
@@ -528,14 +561,16 @@ impl TrainableSequential {
         }
         let mut pool = self.model.lock_pool()?;
         let trainable = st.trainable.clone();
+        let mut host_inputs = std::mem::take(&mut st.host_inputs);
         let r = self.streamed_backward(
             &mut pool,
-            &mut st.grads,
+            (&mut st.grads, &mut host_inputs),
             &trainable,
             &mut saved,
             g_outs,
             overlap,
         );
+        st.host_inputs = host_inputs;
         let (g_x, g_extras) = match r {
             Ok((g_x, g_extras, stepped)) => {
                 st.stepped = stepped;
@@ -606,7 +641,7 @@ impl TrainableSequential {
     fn streamed_backward(
         &self,
         pool: &mut ResidencyPool,
-        host: &mut HostGrads,
+        (host, inputs): (&mut HostGrads, &mut crate::host_inputs::HostInputs),
         trainable: &[bool],
         saved: &mut Saved,
         g_outs: Vec<Option<Tensor>>,
@@ -640,6 +675,9 @@ impl TrainableSequential {
         }
         let mut g_next = g_outs;
         let mut g_extras: Vec<Option<Tensor>> = vec![None; saved.extras.len()];
+        if n > 0 {
+            saved.bring_input(n - 1, inputs, pool.device())?;
+        }
         for i in (0..n).rev() {
             let flow = self.backward_block(
                 pool,
@@ -651,6 +689,10 @@ impl TrainableSequential {
                 overlap.map(|tx| (tx, last_user.as_slice(), stepped.as_mut_slice())),
             );
             let flow = flow?;
+            // Issued after block i's backward, so the copy overlaps it.
+            if i > 0 {
+                saved.bring_input(i - 1, inputs, pool.device())?;
+            }
             pool.release(i)?;
             if i >= window {
                 pool.load(i - window)?;
@@ -671,6 +713,7 @@ impl TrainableSequential {
             g_next = vec![g_x];
         }
         host.finish()?;
+        inputs.finish()?;
         Ok((g_next.swap_remove(0), g_extras, stepped))
     }
 

@@ -202,6 +202,76 @@ impl Offloader {
         Ok(())
     }
 
+    /// Like [`Self::release_sources`] for all but the newest `keep` copies, so
+    /// the compute stream never waits for a copy it has just issued (a block's
+    /// input offloaded while the next block runs).
+    pub fn release_sources_but(&mut self, keep: usize) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(d) = &self.device {
+            let compute = d.cuda_stream();
+            let old = self.pending.len().saturating_sub(keep);
+            for p in self.pending[..old].iter_mut() {
+                if !p.keep.is_empty() {
+                    compute.wait(&p.done).map_err(candle_core::Error::wrap)?;
+                    p.keep.clear();
+                }
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = keep;
+        Ok(())
+    }
+
+    /// Copies `src` (a host buffer of this offloader, written by
+    /// [`Self::enqueue`]) back into a new device tensor, on the offload stream
+    /// after every copy enqueued before; the compute stream waits for it (on
+    /// the device) before any work issued after this call, so the result can
+    /// be used at once and the copy overlaps the compute issued before.
+    ///
+    /// # Safety
+    /// `src` must be a buffer from this offloader's [`Self::host_buffer`], and
+    /// must not be written by the host until the copy has completed (a later
+    /// [`Self::synchronize`] or marker wait).
+    #[doc(hidden)]
+    pub unsafe fn fetch(&mut self, src: &Tensor) -> Result<Tensor> {
+        match &self.device {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => {
+                use cudarc::driver::sys::CUevent_flags;
+                let w = candle_core::Error::wrap;
+                let stream = self.stream.as_ref().expect("cuda offloader has a stream");
+                let compute = d.cuda_stream();
+                // Allocated (and zeroed) on the compute stream: the copy waits for that.
+                let dst = Tensor::zeros(src.shape(), src.dtype(), &self.device)?;
+                let ready = compute.record_event(None).map_err(w)?;
+                stream.wait(&ready).map_err(w)?;
+                let start = stream
+                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(w)?;
+                let (host, n) = crate::host::host_bytes(src)?;
+                let dev_ptr = crate::cuda::device_ptr(&dst)?;
+                // SAFETY: `dst` is freed (if at all) on the compute stream, which
+                // waits for `done` below first; `src` is page-locked memory of
+                // this offloader that the host leaves alone until the copy is
+                // done (this fn's contract), and earlier copies into it are
+                // ahead of this one on the same stream.
+                unsafe { crate::cuda::htod_async(dev_ptr, host, n, stream)? };
+                let done = stream
+                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(w)?;
+                compute.wait(&done).map_err(w)?;
+                self.bytes += n as u64;
+                self.pending.push(Pending {
+                    keep: Vec::new(),
+                    done,
+                    start,
+                });
+                Ok(dst)
+            }
+            _ => src.to_device(&self.device)?.copy(),
+        }
+    }
+
     /// Waits for every copy; host buffers may be read afterwards.
     pub fn synchronize(&mut self) -> Result<()> {
         #[cfg(feature = "cuda")]
