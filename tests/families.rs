@@ -206,9 +206,42 @@ fn streamed_matches(fx: &Fixture, dev: &Device, name: &str) -> Result<()> {
     Ok(())
 }
 
+/// Resident with the hand-written layer backward (`Llama::set_fused_backward`).
+fn resident_fused_matches(fx: &Fixture, dev: &Device, name: &str) -> Result<()> {
+    let vars = fx.vars(dev)?;
+    let tensors = vars
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect();
+    let model = Llama::resident(VarBuilder::from_tensors(tensors, DType::F32, dev), &fx.cfg)?;
+    model.set_fused_backward(true)?;
+    let (x, y) = fx.inputs(dev, fx.seq()?)?;
+    let loss = model.loss(&x, &y)?;
+    check(
+        &format!("{name} fused loss"),
+        &loss,
+        fx.get("loss")?,
+        F32_TOL,
+    )?;
+    let grads = model.backward(&loss)?;
+    for (p, v) in &vars {
+        let g = grads
+            .get(v.as_tensor())
+            .with_context(|| format!("{name}: no fused gradient for {p}"))?;
+        check(
+            &format!("{name} fused grad {p}"),
+            g,
+            fx.get(&format!("grad.{p}"))?,
+            F32_TOL,
+        )?;
+    }
+    Ok(())
+}
+
 fn family_matches_transformers(name: &str, dev: &Device) -> Result<()> {
     let fx = load(name)?;
     resident_matches(&fx, dev, name)?;
+    resident_fused_matches(&fx, dev, name)?;
     streamed_matches(&fx, dev, name)
 }
 
@@ -308,3 +341,72 @@ fn hf_mistral_window_shorter_than_sequence_errors(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(hf_mistral_window_shorter_than_sequence_errors);
+
+/// The hand-written layer backward (what streamed training runs) against
+/// Candle autograd through the layer's ordinary forward, for layer 0 of the
+/// families with biases and q/k norms: the input and every weight, f32 and (on
+/// CUDA) bf16.
+fn family_layer_manual_backward_matches_autograd(dev: &Device) -> Result<()> {
+    use streamer_core::Block;
+    let mut dts = vec![(DType::F32, 1e-4)];
+    if dev.is_cuda() {
+        dts.push((DType::BF16, 4e-2));
+    }
+    for name in ["qwen2", "qwen3", "llama31-bias"] {
+        let fx = load(name)?;
+        for &(dt, tol) in &dts {
+            let vars: HashMap<String, Var> = fx
+                .vars(dev)?
+                .into_iter()
+                .filter_map(|(k, v)| {
+                    let local = k.strip_prefix("model.layers.0.")?.to_string();
+                    Some((local, v))
+                })
+                .map(|(k, v)| Ok((k, Var::from_tensor(&v.as_tensor().to_dtype(dt)?)?)))
+                .collect::<Result<_>>()?;
+            let tensors = vars
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+                .collect();
+            let layer = streamer_models::DecoderLayer::new(
+                &fx.cfg,
+                VarBuilder::from_tensors(tensors, dt, dev),
+            )?;
+            let n = 13;
+            let extras = streamer_models::Rope::new(&fx.cfg, dt, dev)?.extras(n)?;
+            let shape = (2, n, fx.cfg.hidden_size);
+            let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(dt)?)?;
+            let g = Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(dt)?;
+            let y_ref = layer.forward(x.as_tensor(), &extras)?.remove(0);
+            let want = (&y_ref * &g)?.to_dtype(DType::F32)?.sum_all()?.backward()?;
+            let man = layer
+                .manual()
+                .context("every layer has a hand-written backward")?;
+            let (y, saved) = man.forward_train(&x.as_tensor().detach(), &extras)?;
+            check(&format!("{name} {dt:?} output"), &y, &y_ref, tol)?;
+            let (dx, grads) = man.backward(saved, &g)?;
+            check(
+                &format!("{name} {dt:?} dx"),
+                &dx,
+                want.get(x.as_tensor()).context("dx")?,
+                tol,
+            )?;
+            ensure!(
+                grads.len() == vars.len(),
+                "{name}: {} gradients for {} weights",
+                grads.len(),
+                vars.len()
+            );
+            for (p, v) in &vars {
+                let (_, got) = grads
+                    .iter()
+                    .find(|(w, _)| w.id() == v.as_tensor().id())
+                    .with_context(|| format!("{name}: no gradient for {p}"))?;
+                let r = want.get(v.as_tensor()).context("reference")?;
+                check(&format!("{name} {dt:?} grad {p}"), got, r, tol)?;
+            }
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(family_layer_manual_backward_matches_autograd);

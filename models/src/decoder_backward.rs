@@ -21,6 +21,11 @@
 //!
 //! Sums of gradients from two branches (residuals, q/k/v into the norm) are
 //! single adds. Weight gradients are in the weights' dtype, as autograd gives.
+//!
+//! Every family is covered: q/k/v/o biases (their gradients are the output
+//! gradients summed over rows, in f32) and Qwen3's per-head q/k RMSNorms
+//! (forward keeps the projections before them; backward runs RMSNorm's closed
+//! form over `(rows * heads, head_dim)` after the inverse rotation).
 use crate::fused_ops::{rms_norm_backward, rope_backward};
 use crate::llama::DecoderLayer;
 use candle_core::{bail, DType, Result, Shape, Tensor};
@@ -37,8 +42,26 @@ fn mm_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.matmul(&w.detach().t()?)
 }
 
-/// The activations one layer keeps, in order (see the module docs).
+/// The activations every layer keeps, in order (see the module docs); a layer
+/// with q/k norms keeps the normalised projections' inputs after them.
 const SAVED: usize = 14;
+
+/// `x W^T + b` with the bias (when the layer has one) broadcast over rows.
+fn linear(x: &Tensor, l: &candle_nn::Linear) -> Result<Tensor> {
+    let y = mm_t(x, l.weight())?;
+    match l.bias() {
+        Some(b) => y.broadcast_add(&b.detach()),
+        None => Ok(y),
+    }
+}
+
+/// `(bias, d bias)` for a layer's bias: the output gradient summed over rows
+/// (in f32, then the bias's dtype).
+fn bias_grad(l: &candle_nn::Linear, g: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
+    let Some(b) = l.bias() else { return Ok(None) };
+    let db = g.to_dtype(DType::F32)?.sum(0)?.to_dtype(b.dtype())?;
+    Ok(Some((b.clone(), db)))
+}
 
 impl DecoderLayer {
     fn rope_tables<'a>(&self, extras: &'a [Tensor]) -> Result<(&'a Tensor, &'a Tensor)> {
@@ -58,27 +81,106 @@ impl DecoderLayer {
             .reshape((b * n, heads * self.head_dim))?
             .contiguous()
     }
+
+    /// A `(b * n, heads * d)` projection as `(b, heads, n, d)`, each head
+    /// RMS-normalised by `norm` first when given (Qwen3's q/k norms).
+    fn head_major(
+        &self,
+        p: &Tensor,
+        b: usize,
+        n: usize,
+        norm: Option<&crate::llama::RmsNorm>,
+    ) -> Result<Tensor> {
+        let heads = p.dim(1)? / self.head_dim;
+        let p = match norm {
+            Some(nm) => {
+                let rows = p.reshape((b * n * heads, self.head_dim))?;
+                candle_nn::ops::rms_norm(&rows, &nm.weight.detach().contiguous()?, nm.eps as f32)?
+            }
+            None => p.clone(),
+        };
+        self.heads(p.reshape((b * n, heads * self.head_dim))?, b, n, heads)
+    }
+
+    /// The q/k norms, if the layer has them.
+    fn qk_norms(
+        &self,
+    ) -> (
+        Option<&crate::llama::RmsNorm>,
+        Option<&crate::llama::RmsNorm>,
+    ) {
+        match &self.qk_norm {
+            Some((q, k)) => (Some(q), Some(k)),
+            None => (None, None),
+        }
+    }
+
+    /// Backward of `x_mid -> y` (post-attention norm, SwiGLU MLP, residual):
+    /// `d x_mid`, the MLP's and the norm's gradients pushed to `grads`.
+    fn mlp_backward(
+        &self,
+        dy: Tensor,
+        [x_mid, h2, gate, up, act]: [Tensor; 5],
+        grads: &mut Vec<(Tensor, Tensor)>,
+    ) -> Result<Tensor> {
+        // y = x_mid + act W_down^T
+        let (d_act, gw) = linear_grads(&dy, &act, self.down_proj.weight())?;
+        grads.push(gw);
+        let (d_gate, d_up) = swiglu_backward(&d_act, &gate, &up)?;
+        let (dh2_g, gw) = linear_grads(&d_gate, &h2, self.gate_proj.weight())?;
+        grads.push(gw);
+        let (dh2_u, gw) = linear_grads(&d_up, &h2, self.up_proj.weight())?;
+        grads.push(gw);
+        let n2 = &self.post_attention_layernorm;
+        let (dx_n2, dw2) = norm_backward(&x_mid, &n2.weight.detach(), &(dh2_g + dh2_u)?, n2.eps)?;
+        grads.push((n2.weight.clone(), dw2));
+        dy + dx_n2
+    }
+
+    /// A rotated (and maybe normalised) projection's gradient `(b, heads, n,
+    /// d)` back to its GEMM output `(b * n, heads * d)`: inverse rotation, then
+    /// the per-head norm's backward (its weight gradient pushed) from the kept
+    /// projection `pre`.
+    fn unrotate(
+        &self,
+        d: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
+        norm: Option<(&crate::llama::RmsNorm, &Tensor)>,
+        grads: &mut Vec<(Tensor, Tensor)>,
+    ) -> Result<Tensor> {
+        let (b, n) = (d.dim(0)?, d.dim(2)?);
+        let d = self.rows(&rope_backward(d, cos, sin)?, b, n)?;
+        let Some((nm, pre)) = norm else { return Ok(d) };
+        let width = d.dim(1)?;
+        let rows = (b * n * width / self.head_dim, self.head_dim);
+        let (dx, dw) = norm_backward(
+            &pre.reshape(rows)?,
+            &nm.weight.detach(),
+            &d.reshape(rows)?,
+            nm.eps,
+        )?;
+        grads.push((nm.weight.clone(), dw));
+        dx.reshape((b * n, width))
+    }
 }
 
 impl ManualBackward for DecoderLayer {
     fn forward_train(&self, x: &Tensor, extras: &[Tensor]) -> Result<(Tensor, SavedActivations)> {
         let (cos, sin) = self.rope_tables(extras)?;
         let (b, n, hidden) = x.dims3()?;
-        if !self.is_plain() {
-            bail!("decoder layer: the hand-written backward has no biases or q/k norms (Block::manual returns None for this layer)");
-        }
         self.check_window(n)?;
         let x2 = x.reshape((b * n, hidden))?.contiguous()?;
         let n1 = &self.input_layernorm;
         let h1 = candle_nn::ops::rms_norm(&x2, &n1.weight.detach().contiguous()?, n1.eps as f32)?;
-        let proj = |w: &candle_nn::Linear, heads| self.heads(mm_t(&h1, w.weight())?, b, n, heads);
-        let q = candle_nn::rotary_emb::rope(&proj(&self.q_proj, self.heads)?, cos, sin)?;
-        let k = candle_nn::rotary_emb::rope(&proj(&self.k_proj, self.kv_heads)?, cos, sin)?;
-        let v = proj(&self.v_proj, self.kv_heads)?;
+        let (qn, kn) = self.qk_norms();
+        let (q_pre, k_pre) = (linear(&h1, &self.q_proj)?, linear(&h1, &self.k_proj)?);
+        let q = candle_nn::rotary_emb::rope(&self.head_major(&q_pre, b, n, qn)?, cos, sin)?;
+        let k = candle_nn::rotary_emb::rope(&self.head_major(&k_pre, b, n, kn)?, cos, sin)?;
+        let v = self.head_major(&linear(&h1, &self.v_proj)?, b, n, None)?;
         let scale = 1.0 / (self.head_dim as f32).sqrt();
         let (o, lse) = cqsa::attention_forward(&q, &k, &v, scale, Some(0))?;
         let o2 = self.rows(&o, b, n)?;
-        let x_mid = (&x2 + mm_t(&o2, self.o_proj.weight())?)?;
+        let x_mid = (&x2 + linear(&o2, &self.o_proj)?)?;
         let n2 = &self.post_attention_layernorm;
         let h2 =
             candle_nn::ops::rms_norm(&x_mid, &n2.weight.detach().contiguous()?, n2.eps as f32)?;
@@ -88,7 +190,10 @@ impl ManualBackward for DecoderLayer {
         let y = (&x_mid + mm_t(&act, self.down_proj.weight())?)?;
         let (cos, sin) = (cos.clone(), sin.clone());
         drop(o2);
-        let saved = vec![x2, h1, q, k, v, o, lse, x_mid, h2, gate, up, act, cos, sin];
+        let mut saved = vec![x2, h1, q, k, v, o, lse, x_mid, h2, gate, up, act, cos, sin];
+        if self.qk_norm.is_some() {
+            saved.extend([q_pre, k_pre]);
+        }
         Ok((y.reshape((b, n, hidden))?, SavedActivations(saved)))
     }
 
@@ -97,8 +202,10 @@ impl ManualBackward for DecoderLayer {
         let rows = x.elem_count() / hidden;
         let (q, kv) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
         let m = self.gate_proj.weight().dim(0).unwrap_or(0);
-        // x, h1, x_mid, h2; q, o; k, v; gate, up, act; lse in f32.
-        let elems = rows * (4 * hidden + 2 * q + 2 * kv + 3 * m);
+        // x, h1, x_mid, h2; q, o; k, v; gate, up, act; (q, k before their
+        // norms); lse in f32.
+        let pre = if self.qk_norm.is_some() { q + kv } else { 0 };
+        let elems = rows * (4 * hidden + 2 * q + 2 * kv + 3 * m + pre);
         elems * dtype.size_in_bytes() + rows * self.heads * 4
     }
 
@@ -107,11 +214,24 @@ impl ManualBackward for DecoderLayer {
         saved: SavedActivations,
         grad: &Tensor,
     ) -> Result<(Tensor, Vec<(Tensor, Tensor)>)> {
-        let acts: [Tensor; SAVED] = saved.0.try_into().map_err(|_| {
-            candle_core::Error::Msg(format!(
-                "decoder layer: backward needs the {SAVED} saved activations of its forward"
-            ))
-        })?;
+        let want = SAVED + if self.qk_norm.is_some() { 2 } else { 0 };
+        if saved.0.len() != want {
+            bail!(
+                "decoder layer: backward needs the {want} saved activations of its forward, got {}",
+                saved.0.len()
+            );
+        }
+        let mut acts = saved.0;
+        // The projections before the q/k norms come last (None without norms).
+        let pre = if self.qk_norm.is_some() {
+            let k_pre = acts.pop();
+            (acts.pop(), k_pre)
+        } else {
+            (None, None)
+        };
+        let acts: [Tensor; SAVED] = acts
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("decoder layer: saved activations".into()))?;
         let [x2, h1, q, k, v, o, lse, x_mid, h2, gate, up, act, cos, sin] = acts;
         let (b, n) = (q.dim(0)?, q.dim(2)?);
         let hidden = x2.dim(1)?;
@@ -124,46 +244,39 @@ impl ManualBackward for DecoderLayer {
             );
         }
         let dy = grad.reshape((b * n, hidden))?.contiguous()?;
-        let mut grads = Vec::with_capacity(9);
-        // y = x_mid + act W_down^T
-        let (d_act, gw) = linear_grads(&dy, &act, self.down_proj.weight())?;
-        grads.push(gw);
-        let (d_gate, d_up) = swiglu_backward(&d_act, &gate, &up)?;
-        let (dh2_g, gw) = linear_grads(&d_gate, &h2, self.gate_proj.weight())?;
-        grads.push(gw);
-        let (dh2_u, gw) = linear_grads(&d_up, &h2, self.up_proj.weight())?;
-        grads.push(gw);
-        let n2 = &self.post_attention_layernorm;
-        let (dx_n2, dw2) = norm_backward(&x_mid, &n2.weight.detach(), &(dh2_g + dh2_u)?, n2.eps)?;
-        grads.push((n2.weight.clone(), dw2));
-        let d_mid = (dy + dx_n2)?;
-        // x_mid = x + o2 W_o^T
+        let mut grads = Vec::with_capacity(16);
+        let d_mid = self.mlp_backward(dy, [x_mid, h2, gate, up, act], &mut grads)?;
+        // x_mid = x + o2 W_o^T (+ b_o)
         let o2 = self.rows(&o, b, n)?;
         let (d_o2, gw) = linear_grads(&d_mid, &o2, self.o_proj.weight())?;
         drop(o2);
         grads.push(gw);
+        grads.extend(bias_grad(&self.o_proj, &d_mid)?);
         let d_o = self.heads(d_o2, b, n, self.heads)?;
         let scale = 1.0 / (self.head_dim as f32).sqrt();
         let (dq, dk, dv) = cqsa::attention_backward(&q, &k, &v, &o, &d_o, &lse, scale, Some(0))?;
         drop((o, lse));
-        let dq = self.rows(&rope_backward(&dq, &cos, &sin)?, b, n)?;
-        let dk = self.rows(&rope_backward(&dk, &cos, &sin)?, b, n)?;
+        let (qn, kn) = self.qk_norms();
+        let tables = (&cos, &sin);
+        let dq = self.unrotate(&dq, tables, qn.zip(pre.0.as_ref()), &mut grads)?;
+        let dk = self.unrotate(&dk, tables, kn.zip(pre.1.as_ref()), &mut grads)?;
         let dv = self.rows(&dv, b, n)?;
         let mut dh1: Option<Tensor> = None;
-        for (d, w) in [
+        for (d, l) in [
             (&dq, &self.q_proj),
             (&dk, &self.k_proj),
             (&dv, &self.v_proj),
         ] {
-            let (dh, gw) = linear_grads(d, &h1, w.weight())?;
+            let (dh, gw) = linear_grads(d, &h1, l.weight())?;
             grads.push(gw);
+            grads.extend(bias_grad(l, d)?);
             dh1 = Some(match dh1 {
                 None => dh,
                 Some(a) => (a + dh)?,
             });
         }
         let n1 = &self.input_layernorm;
-        let dh1 = dh1.expect("three projections");
+        let dh1 = dh1.ok_or_else(|| candle_core::Error::Msg("no projections".into()))?;
         let (dx_n1, dw1) = norm_backward(&x2, &n1.weight.detach(), &dh1, n1.eps)?;
         grads.push((n1.weight.clone(), dw1));
         let dx = (d_mid + dx_n1)?;

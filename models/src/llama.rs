@@ -265,15 +265,6 @@ impl DecoderLayer {
         w
     }
 
-    /// Whether the layer is the plain Llama layer (no biases, no q/k norms)
-    /// that the hand-written backward covers.
-    pub(crate) fn is_plain(&self) -> bool {
-        self.qk_norm.is_none()
-            && [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
-                .iter()
-                .all(|l| l.bias().is_none())
-    }
-
     /// Refuses attention over `keys` positions when the layer's window is
     /// shorter: that needs a window mask, which cqsa does not have yet.
     pub(crate) fn check_window(&self, keys: usize) -> Result<()> {
@@ -382,15 +373,10 @@ impl Block for DecoderLayer {
         Ok(vec![x])
     }
 
-    /// The hand-written backward covers the plain Llama layer; layers with
-    /// biases or q/k norms (Qwen2, Qwen3, `attention_bias`) train through
-    /// Candle autograd (recomputed).
+    /// The hand-written backward (`decoder_backward.rs`), which covers every
+    /// family: biases and Qwen3's q/k norms included.
     fn manual(&self) -> Option<&dyn streamer_core::ManualBackward> {
-        if self.is_plain() {
-            Some(self)
-        } else {
-            None
-        }
+        Some(self)
     }
 }
 
@@ -778,15 +764,11 @@ impl Llama {
     /// it is on, a forward that tracks gradients runs each layer as one graph
     /// node, and the layers' weight gradients come only from
     /// [`Llama::backward`] (a plain `loss.backward()` cannot see them: the next
-    /// training forward then errors). Resident models whose layers are all
-    /// plain (no biases, no q/k norms) only; an error names the first other.
+    /// training forward then errors). Resident models only.
     pub fn set_fused_backward(&self, on: bool) -> Result<()> {
-        let Layers::Resident(ls) = &self.layers else {
+        let Layers::Resident(_) = &self.layers else {
             bail!("set_fused_backward: for resident models (streamed training already uses the hand-written backward)");
         };
-        if let Some(i) = ls.iter().position(|l| !l.is_plain()) {
-            bail!("set_fused_backward: layer {i} has biases or q/k norms, which the hand-written backward does not cover");
-        }
         self.fused.set_enabled(on);
         Ok(())
     }
