@@ -13,6 +13,7 @@ mod fused_linear;
 mod fused_mlp;
 mod fused_ops;
 mod fuzz;
+mod lora;
 mod models;
 mod optim;
 mod pool;

@@ -60,6 +60,7 @@ pub mod fused_mlp;
 pub mod fused_ops;
 mod kv_cache;
 pub mod llama;
+pub mod lora;
 #[cfg(feature = "cuda")]
 mod lt;
 pub mod pretrained;
@@ -74,6 +75,7 @@ pub use cross_entropy::cross_entropy;
 pub use fused_linear::{fused_linear, Epilogue, FusedLinear};
 pub use fused_mlp::{fused_mlp, FusedMlp};
 pub use llama::{apply_rope, apply_rope_unfused, DecoderLayer, Llama, RmsNorm, Rope};
+pub use lora::{LoraAdapters, LoraConfig, LORA_TARGETS};
 #[cfg(feature = "cuda")]
 pub use lt::epilogue_fallbacks;
 #[cfg(feature = "cuda")]

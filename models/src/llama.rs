@@ -5,6 +5,7 @@
 use crate::checkpoint::check_weights;
 use crate::config::LlamaConfig;
 use crate::kv_cache::KvCache;
+use crate::lora::{LoraAdapters, LoraLayout, LoraSlot};
 use crate::resident_backward::{layer_node, WeightGrads};
 use candle_core::backprop::GradStore;
 use candle_core::{bail, DType, Device, Module, Result, Tensor, Var, D};
@@ -191,6 +192,8 @@ pub struct DecoderLayer {
     pub(crate) head_dim: usize,
     /// The model's kv cache and this layer's index in it.
     cache: Option<(Arc<KvCache>, usize)>,
+    /// The model's LoRA adapters (handed over as extras) and its layer count.
+    lora: Option<(Arc<LoraSlot>, usize)>,
 }
 
 impl DecoderLayer {
@@ -235,6 +238,7 @@ impl DecoderLayer {
             kv_heads: nkv,
             head_dim: d,
             cache: None,
+            lora: None,
         })
     }
 
@@ -242,6 +246,42 @@ impl DecoderLayer {
     fn with_cache(mut self, cache: &Arc<KvCache>, index: usize) -> Self {
         self.cache = Some((cache.clone(), index));
         self
+    }
+
+    /// This layer in a model of `layers` layers whose adapters are in `slot`.
+    fn with_lora(mut self, slot: &Arc<LoraSlot>, layers: usize) -> Self {
+        self.lora = Some((slot.clone(), layers));
+        self
+    }
+
+    /// The model's adapter layout when adapters are on, and the extras split
+    /// into the layer's own (`[cos, sin]` or `[cos, sin, flag]`) and this
+    /// layer's `[A, B, ...]` (every layer's adapters come last, layer-major).
+    fn split_lora<'a>(&self, extras: &'a [Tensor]) -> Result<LayerExtras<'a>> {
+        let Some((slot, layers)) = &self.lora else {
+            return Ok((extras, None));
+        };
+        let Some(layout) = slot.layout()? else {
+            return Ok((extras, None));
+        };
+        let per = layout.per_layer();
+        let index = self.cache.as_ref().map_or(0, |(_, i)| *i);
+        let Some(base) = extras.len().checked_sub(layers * per) else {
+            bail!(
+                "a LoRA decoder layer needs {} adapter tensors after its extras, got {} extras",
+                layers * per,
+                extras.len()
+            );
+        };
+        let ab = &extras[base + index * per..base + (index + 1) * per];
+        Ok((&extras[..base], Some((layout, ab))))
+    }
+
+    /// Whether the model's LoRA adapters are on.
+    fn lora_on(&self) -> bool {
+        self.lora
+            .as_ref()
+            .is_some_and(|(s, _)| s.layout().ok().flatten().is_some())
     }
 
     /// The layer's weights under their names relative to the layer.
@@ -329,6 +369,14 @@ impl Block for DecoderLayer {
     /// `x`: hidden states `(batch, seq, hidden)`; `extras`: `[cos, sin]`, each
     /// `(seq, head_dim / 2)` in the compute dtype. Returns the new hidden states.
     fn forward(&self, x: &Tensor, extras: &[Tensor]) -> Result<Vec<Tensor>> {
+        let (extras, lora) = self.split_lora(extras)?;
+        // Projection `t` of LORA_TARGETS, with its adapter when it has one.
+        let proj = |t: usize, l: &Linear, h: &Tensor| -> Result<Tensor> {
+            match &lora {
+                Some((layout, ab)) => layout.apply(t, h, l.forward(h)?, ab),
+                None => l.forward(h),
+            }
+        };
         let (cos, sin, cached) = match extras {
             [cos, sin] => (cos, sin, false),
             [cos, sin, _] => (cos, sin, true),
@@ -344,9 +392,9 @@ impl Block for DecoderLayer {
             Some((qn, kn)) => (Some(qn), Some(kn)),
             None => (None, None),
         };
-        let q = self.heads_normed(self.q_proj.forward(&h)?, b, n, self.heads, qn)?;
-        let k = self.heads_normed(self.k_proj.forward(&h)?, b, n, self.kv_heads, kn)?;
-        let v = self.heads(self.v_proj.forward(&h)?, b, n, self.kv_heads)?;
+        let q = self.heads_normed(proj(0, &self.q_proj, &h)?, b, n, self.heads, qn)?;
+        let k = self.heads_normed(proj(1, &self.k_proj, &h)?, b, n, self.kv_heads, kn)?;
+        let v = self.heads(proj(2, &self.v_proj, &h)?, b, n, self.kv_heads)?;
         let q = apply_rope(&q, cos, sin)?;
         let k = apply_rope(&k, cos, sin)?;
         // Cached: attend over the earlier positions too (causal masking is aligned
@@ -365,20 +413,29 @@ impl Block for DecoderLayer {
         let o = o
             .transpose(1, 2)?
             .reshape((b, n, self.heads * self.head_dim))?;
-        let x = (x + self.o_proj.forward(&o)?)?;
+        let x = (x + proj(3, &self.o_proj, &o)?)?;
         let h = self.post_attention_layernorm.forward(&x)?;
-        let g = self.gate_proj.forward(&h)?.silu()?;
-        let u = self.up_proj.forward(&h)?;
-        let x = (&x + self.down_proj.forward(&(g * u)?)?)?;
+        let g = proj(4, &self.gate_proj, &h)?.silu()?;
+        let u = proj(5, &self.up_proj, &h)?;
+        let x = (&x + proj(6, &self.down_proj, &(g * u)?)?)?;
         Ok(vec![x])
     }
 
     /// The hand-written backward (`decoder_backward.rs`), which covers every
-    /// family: biases and Qwen3's q/k norms included.
+    /// family: biases and Qwen3's q/k norms included. With LoRA adapters on,
+    /// none: the layer trains through Candle autograd, which gives the
+    /// adapters' gradients (as the extras' gradients).
     fn manual(&self) -> Option<&dyn streamer_core::ManualBackward> {
-        Some(self)
+        if self.lora_on() {
+            None
+        } else {
+            Some(self)
+        }
     }
 }
+
+/// A layer's own extras, and its LoRA layout with its `[A, B, ...]` when on.
+type LayerExtras<'a> = (&'a [Tensor], Option<(LoraLayout, &'a [Tensor])>);
 
 /// The layers of a [`Llama`], in one of three placements.
 enum Layers {
@@ -426,14 +483,19 @@ pub struct Llama {
     /// The hand-written resident backward's switch and weight gradients
     /// ([`Llama::set_fused_backward`]).
     fused: Arc<WeightGrads>,
+    /// LoRA adapters ([`Llama::set_lora`]), shared with the layers.
+    lora: Arc<LoraSlot>,
 }
 
-fn layer_blocks(cfg: &LlamaConfig, cache: &Arc<KvCache>) -> Vec<BlockSpec> {
-    (0..cfg.num_hidden_layers)
+fn layer_blocks(cfg: &LlamaConfig, cache: &Arc<KvCache>, lora: &Arc<LoraSlot>) -> Vec<BlockSpec> {
+    let layers = cfg.num_hidden_layers;
+    (0..layers)
         .map(|i| {
-            let (c, cache) = (cfg.clone(), cache.clone());
+            let (c, cache, lora) = (cfg.clone(), cache.clone(), lora.clone());
             BlockSpec::new(format!("model.layers.{i}"), move |vb| {
-                Ok(DecoderLayer::for_layer(&c, i, vb)?.with_cache(&cache, i))
+                Ok(DecoderLayer::for_layer(&c, i, vb)?
+                    .with_cache(&cache, i)
+                    .with_lora(&lora, layers))
             })
         })
         .collect()
@@ -454,10 +516,13 @@ impl Llama {
             vb.get((v, h), "lm_head.weight")?
         };
         let kv = Arc::new(KvCache::new(cfg.num_hidden_layers));
+        let lora = Arc::new(LoraSlot::default());
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
                 let vb = vb.pp(format!("model.layers.{i}"));
-                Ok(DecoderLayer::for_layer(cfg, i, vb)?.with_cache(&kv, i))
+                Ok(DecoderLayer::for_layer(cfg, i, vb)?
+                    .with_cache(&kv, i)
+                    .with_lora(&lora, cfg.num_hidden_layers))
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
@@ -469,6 +534,7 @@ impl Llama {
             layers: Layers::Resident(layers),
             kv,
             fused: Default::default(),
+            lora,
         })
     }
 
@@ -510,7 +576,9 @@ impl Llama {
             },
         };
         let kv = Arc::new(KvCache::new(cfg.num_hidden_layers));
-        let seq = StreamedSequential::from_source(src, layer_blocks(cfg, &kv), stream.clone())?;
+        let lora = Arc::new(LoraSlot::default());
+        let seq =
+            StreamedSequential::from_source(src, layer_blocks(cfg, &kv, &lora), stream.clone())?;
         Ok(Self {
             cfg: cfg.clone(),
             device: stream.device.clone(),
@@ -520,6 +588,7 @@ impl Llama {
             layers: Layers::Streamed(Box::new(seq)),
             kv,
             fused: Default::default(),
+            lora,
         })
     }
 
@@ -552,7 +621,56 @@ impl Llama {
                 "into_trainable: a resident Llama trains through the VarMap it was built from"
             ),
         };
-        Ok(Self { layers, ..self })
+        let model = Self { layers, ..self };
+        model.lora.set_training(true)?;
+        model.freeze_for_lora()?;
+        Ok(model)
+    }
+
+    /// Puts LoRA adapters on the model (or, with `None`, takes them off):
+    /// every layer adds `scale * dropout(x) A^T B^T` to its adapted
+    /// projections, the adapters handed over as extra inputs. A trainable
+    /// streamed model's own weights are frozen while adapters are on (no
+    /// gradient transfer for them) and unfrozen when they come off;
+    /// [`Llama::backward`] then gives the adapters' gradients (keyed by
+    /// [`LoraAdapters::vars`]). Adapters made for another shape of model are
+    /// an error, and so is the resident hand-written backward
+    /// ([`Llama::set_fused_backward`]), which has no adapters.
+    pub fn set_lora(&self, adapters: Option<LoraAdapters>) -> Result<()> {
+        if let Some(a) = &adapters {
+            a.check_base(&self.cfg)?;
+            if self.fused.enabled() {
+                bail!("set_lora: the resident hand-written backward is on (set_fused_backward(false) first)");
+            }
+        }
+        let training = self.is_training() || self.lora.layout()?.is_some_and(|l| l.training);
+        self.lora.set(adapters.map(Arc::new), training)?;
+        self.freeze_for_lora()
+    }
+
+    /// The adapters on the model, if any.
+    pub fn lora(&self) -> Result<Option<Arc<LoraAdapters>>> {
+        self.lora.adapters()
+    }
+
+    /// A trainable model's layer weights frozen while adapters are on.
+    fn freeze_for_lora(&self) -> Result<()> {
+        let Layers::Trainable(t) = &self.layers else {
+            return Ok(());
+        };
+        let names: Vec<String> = t.parameters().into_iter().map(|(n, _)| n).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        t.set_trainable(&names, self.lora.adapters()?.is_none())
+    }
+
+    /// Every weight with the adapters folded in (`W += scale * B A`), as
+    /// [`Llama::weights`] gives them: what a merged checkpoint holds.
+    pub fn merged_weights(&self) -> Result<HashMap<String, Tensor>> {
+        let mut w = self.weights()?;
+        if let Some(a) = self.lora.adapters()? {
+            a.merge_into(&mut w)?;
+        }
+        Ok(w)
     }
 
     /// The configuration.
@@ -589,11 +707,14 @@ impl Llama {
         }
     }
 
-    /// Training mode of a trainable model (forwards save what backward needs).
+    /// Training mode: a trainable model's forwards save what backward needs,
+    /// and LoRA dropout ([`Llama::set_lora`]) is active (on any model).
     pub fn set_training(&self, on: bool) {
         if let Layers::Trainable(t) = &self.layers {
             t.set_training(on)
         }
+        // Only a poisoned lock fails here; the adapters then error at forward.
+        let _ = self.lora.set_training(on);
     }
 
     /// Whether a trainable model is in training mode (false for the others).
@@ -676,7 +797,10 @@ impl Llama {
     }
 
     /// Embedding, layers (with `extras`), final norm and head.
-    fn run(&self, tokens: &Tensor, extras: Vec<Tensor>) -> Result<Tensor> {
+    fn run(&self, tokens: &Tensor, mut extras: Vec<Tensor>) -> Result<Tensor> {
+        if let Some(a) = self.lora.adapters()? {
+            extras.extend(a.extras(self.dtype, &self.device)?);
+        }
         let tokens = tokens.to_device(&self.device)?;
         let (embed, norm, head) = self.device_weights()?;
         let x = candle_nn::Embedding::new(embed, self.cfg.hidden_size).forward(&tokens)?;
@@ -769,6 +893,9 @@ impl Llama {
         let Layers::Resident(_) = &self.layers else {
             bail!("set_fused_backward: for resident models (streamed training already uses the hand-written backward)");
         };
+        if on && self.lora.adapters()?.is_some() {
+            bail!("set_fused_backward: the model has LoRA adapters, which the hand-written backward does not cover");
+        }
         self.fused.set_enabled(on);
         Ok(())
     }

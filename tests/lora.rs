@@ -1,0 +1,290 @@
+//! LoRA on a frozen base against PEFT: adapters written by PEFT
+//! (`tests/fixtures/hf/lora-peft`, on the `llama-4x` base) load and give PEFT's
+//! logits, loss and every adapter gradient (f32 relative error <= 1e-4), on a
+//! resident base and on a streamed trainable one whose own weights stay
+//! frozen; merged weights give PEFT's merged logits; our saves use PEFT's
+//! names and read back; bad adapters are errors naming file and field.
+use super::families::fixture;
+use super::fused_mlp::rel_err;
+use anyhow::{ensure, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{Optimizer, ParamsAdamW, VarBuilder};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use streamer_core::StreamConfig;
+use streamer_models::{Llama, LlamaConfig, LoraAdapters, LoraConfig};
+
+const TOL: f64 = 1e-4;
+
+struct Fx {
+    base: PathBuf,
+    adapters: PathBuf,
+    cfg: LlamaConfig,
+    reference: HashMap<String, Tensor>,
+}
+
+fn load() -> Result<Fx> {
+    let base = fixture("llama-4x")?;
+    let adapters = base.with_file_name("lora-peft");
+    let cfg = LlamaConfig::from_json_file(base.join("config.json"))?;
+    let reference =
+        candle_core::safetensors::load(adapters.join("reference.safetensors"), &Device::Cpu)?;
+    Ok(Fx {
+        base,
+        adapters,
+        cfg,
+        reference,
+    })
+}
+
+impl Fx {
+    fn get(&self, k: &str) -> Result<&Tensor> {
+        self.reference.get(k).with_context(|| format!("no {k}"))
+    }
+
+    fn inputs(&self, dev: &Device) -> Result<(Tensor, Tensor)> {
+        let t =
+            |k: &str| -> Result<Tensor> { Ok(self.get(k)?.to_dtype(DType::U32)?.to_device(dev)?) };
+        Ok((t("tokens")?, t("targets")?))
+    }
+
+    fn weights(&self) -> PathBuf {
+        self.base.join("model.safetensors")
+    }
+}
+
+fn check(what: &str, got: &Tensor, want: &Tensor) -> Result<()> {
+    ensure!(
+        got.dims() == want.dims(),
+        "{what}: {:?} vs {:?}",
+        got.dims(),
+        want.dims()
+    );
+    let e = rel_err(got, want)?;
+    ensure!(e <= TOL, "{what}: relative error {e:.2e} > {TOL:.0e}");
+    Ok(())
+}
+
+/// Logits, loss and each adapter's gradient of `model` (adapters on) against PEFT.
+fn matches_peft(fx: &Fx, model: &Llama, dev: &Device, what: &str) -> Result<()> {
+    let (x, y) = fx.inputs(dev)?;
+    let loss = model.loss(&x, &y)?;
+    check(&format!("{what} loss"), &loss, fx.get("loss")?)?;
+    let grads = model.backward(&loss)?;
+    let adapters = model.lora()?.context("adapters on")?;
+    let vars = adapters.vars();
+    ensure!(vars.len() == 16, "{} adapter tensors", vars.len());
+    for (name, v) in &vars {
+        let g = grads
+            .get(v.as_tensor())
+            .with_context(|| format!("{what}: no gradient for {name}"))?;
+        check(
+            &format!("{what} grad {name}"),
+            g,
+            fx.get(&format!("grad.{name}"))?,
+        )?;
+    }
+    model.set_training(false);
+    check(
+        &format!("{what} logits"),
+        &model.forward(&x)?,
+        fx.get("logits")?,
+    )?;
+    Ok(())
+}
+
+fn lora_peft_adapters_match_peft_resident_and_streamed(dev: &Device) -> Result<()> {
+    let fx = load()?;
+    let resident = Llama::load_resident(&[fx.weights()], &fx.cfg, DType::F32, dev)?;
+    resident.set_lora(Some(LoraAdapters::load_peft(&fx.adapters, &fx.cfg, dev)?))?;
+    matches_peft(&fx, &resident, dev, "resident")?;
+    let stream = StreamConfig {
+        device: dev.clone(),
+        prefetch_ahead: 1,
+        dtype: DType::F32,
+        master_dtype: Some(DType::F32),
+        ..Default::default()
+    };
+    let streamed = Llama::from_safetensors(&[fx.weights()], &fx.cfg, stream)?.into_trainable()?;
+    streamed.set_lora(Some(LoraAdapters::load_peft(&fx.adapters, &fx.cfg, dev)?))?;
+    let (x, y) = fx.inputs(dev)?;
+    let grads = streamed.backward(&streamed.loss(&x, &y)?)?;
+    // The base layers are frozen: no gradient comes back for them.
+    for (name, v) in streamed.parameters() {
+        if name.starts_with("model.layers.") {
+            ensure!(
+                grads.get(v.as_tensor()).is_none(),
+                "frozen {name} has a gradient"
+            );
+        }
+    }
+    streamed.zero_grad()?;
+    matches_peft(&fx, &streamed, dev, "streamed")?;
+    // Taking the adapters off gives the base model back.
+    streamed.set_lora(None)?;
+    let base = Llama::load_resident(&[fx.weights()], &fx.cfg, DType::F32, dev)?;
+    let d = rel_err(&streamed.forward(&x)?, &base.forward(&x)?)?;
+    ensure!(d <= TOL, "adapters off: {d:.2e}");
+    Ok(())
+}
+candle_streamer::test_device!(lora_peft_adapters_match_peft_resident_and_streamed);
+
+fn lora_merge_and_save_round_trip(dev: &Device) -> Result<()> {
+    let fx = load()?;
+    let model = Llama::load_resident(&[fx.weights()], &fx.cfg, DType::F32, dev)?;
+    model.set_lora(Some(LoraAdapters::load_peft(&fx.adapters, &fx.cfg, dev)?))?;
+    let (x, _) = fx.inputs(dev)?;
+    let merged = model.merged_weights()?;
+    let vb = VarBuilder::from_tensors(merged, DType::F32, dev);
+    let plain = Llama::resident(vb, &fx.cfg)?;
+    check(
+        "merged logits",
+        &plain.forward(&x)?,
+        fx.get("logits_merged")?,
+    )?;
+    // Our save has PEFT's tensor names and config, and reads back exactly.
+    let dir = std::env::temp_dir().join(format!("streamer-lora-save-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let adapters = model.lora()?.context("adapters")?;
+    adapters.save_peft(&dir, Some("llama-4x"))?;
+    let ours = candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)?;
+    let peft = candle_core::safetensors::load(
+        fx.adapters.join("adapter_model.safetensors"),
+        &Device::Cpu,
+    )?;
+    let mut a: Vec<&String> = ours.keys().collect();
+    let mut b: Vec<&String> = peft.keys().collect();
+    a.sort();
+    b.sort();
+    ensure!(a == b, "tensor names differ: {a:?} vs {b:?}");
+    for (k, t) in &peft {
+        ensure!(rel_err(&ours[k], t)? == 0.0, "{k} changed on save");
+    }
+    let again = LoraAdapters::load_peft(&dir, &fx.cfg, dev)?;
+    ensure!(again.config() == adapters.config());
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+candle_streamer::test_device!(lora_merge_and_save_round_trip);
+
+/// Fine-tuning only the adapters of a streamed frozen base: the loss falls and
+/// the base's weights do not change.
+fn lora_trains_adapters_on_a_frozen_streamed_base(dev: &Device) -> Result<()> {
+    let fx = load()?;
+    let stream = StreamConfig {
+        device: dev.clone(),
+        prefetch_ahead: 0,
+        dtype: DType::F32,
+        master_dtype: Some(DType::F32),
+        ..Default::default()
+    };
+    let model = Llama::from_safetensors(&[fx.weights()], &fx.cfg, stream)?.into_trainable()?;
+    let lcfg = LoraConfig::new(4, 16.0, 0.1, &["q_proj", "k_proj", "up_proj"])?;
+    model.set_lora(Some(LoraAdapters::init(&lcfg, &fx.cfg, dev, 0)?))?;
+    let before: Vec<Vec<f32>> = model
+        .parameters()
+        .iter()
+        .map(|(_, v)| v.as_tensor().flatten_all()?.to_vec1())
+        .collect::<candle_core::Result<_>>()?;
+    let vars = model.lora()?.context("adapters")?.vars();
+    let mut opt = candle_nn::AdamW::new(
+        vars.iter().map(|(_, v)| v.clone()).collect(),
+        ParamsAdamW {
+            lr: 3e-2,
+            ..Default::default()
+        },
+    )?;
+    let (x, y) = fx.inputs(dev)?;
+    let mut losses = Vec::new();
+    for _ in 0..15 {
+        let loss = model.loss(&x, &y)?;
+        losses.push(loss.to_scalar::<f32>()?);
+        opt.step(&model.backward(&loss)?)?;
+        model.zero_grad()?;
+    }
+    ensure!(losses[14] < 0.8 * losses[0], "loss {losses:?}");
+    let after: Vec<Vec<f32>> = model
+        .parameters()
+        .iter()
+        .map(|(_, v)| v.as_tensor().flatten_all()?.to_vec1())
+        .collect::<candle_core::Result<_>>()?;
+    ensure!(before == after, "the frozen base changed");
+    Ok(())
+}
+candle_streamer::test_device!(lora_trains_adapters_on_a_frozen_streamed_base);
+
+fn lora_bad_adapters_are_named(dev: &Device) -> Result<()> {
+    let fx = load()?;
+    let e = LoraConfig::new(4, 8.0, 0.0, &["q_proj", "qkv"])
+        .unwrap_err()
+        .to_string();
+    ensure!(e.contains("target_modules") && e.contains("qkv"), "{e}");
+    ensure!(LoraConfig::new(4, 8.0, 0.0, &[])
+        .unwrap_err()
+        .to_string()
+        .contains("names no module"));
+    ensure!(LoraConfig::new(0, 8.0, 0.0, &["q_proj"])
+        .unwrap_err()
+        .to_string()
+        .contains("r = 0"));
+    ensure!(LoraConfig::new(4, 8.0, 1.0, &["q_proj"])
+        .unwrap_err()
+        .to_string()
+        .contains("lora_dropout"));
+    let text = std::fs::read_to_string(fx.adapters.join("adapter_config.json"))?;
+    let file = fx.adapters.join("adapter_config.json");
+    for (field, value, want) in [
+        ("use_dora", serde_json::json!(true), "use_dora = true"),
+        ("bias", serde_json::json!("all"), "bias = \"all\""),
+        (
+            "rank_pattern",
+            serde_json::json!({"q_proj": 8}),
+            "rank_pattern",
+        ),
+        (
+            "target_modules",
+            serde_json::json!(".*proj"),
+            "target_modules",
+        ),
+        ("peft_type", serde_json::json!("IA3"), "peft_type"),
+    ] {
+        let mut v: serde_json::Value = serde_json::from_str(&text)?;
+        v[field] = value;
+        let e = LoraConfig::from_peft_json(&v.to_string(), &file)
+            .unwrap_err()
+            .to_string();
+        ensure!(
+            e.contains(want) && e.contains("adapter_config.json"),
+            "{field}: {e}"
+        );
+    }
+    // Adapters for another base: the shape error names the tensor.
+    let other = LlamaConfig {
+        intermediate_size: 96,
+        ..fx.cfg.clone()
+    };
+    let e = LoraAdapters::load_peft(&fx.adapters, &other, dev)
+        .unwrap_err()
+        .to_string();
+    ensure!(
+        e.contains("down_proj.lora_A.weight") && e.contains("shape"),
+        "{e}"
+    );
+    let fewer = LlamaConfig {
+        num_hidden_layers: 1,
+        ..fx.cfg.clone()
+    };
+    let e = LoraAdapters::load_peft(&fx.adapters, &fewer, dev)
+        .unwrap_err()
+        .to_string();
+    ensure!(e.contains("layers.1"), "{e}");
+    let model = Llama::load_resident(&[fx.weights()], &fx.cfg, DType::F32, dev)?;
+    let small = LoraAdapters::init(&LoraConfig::new(2, 4.0, 0.0, &["v_proj"])?, &fewer, dev, 0)?;
+    ensure!(model
+        .set_lora(Some(small))
+        .unwrap_err()
+        .to_string()
+        .contains("num_hidden_layers"));
+    Ok(())
+}
+candle_streamer::test_device!(lora_bad_adapters_are_named);
