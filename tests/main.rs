@@ -20,4 +20,5 @@ mod pool;
 mod pretrained;
 mod report;
 mod side_effects;
+mod soak;
 mod training;
