@@ -28,7 +28,7 @@ use streamer_core::StreamConfig;
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
     generate, init_weights, parse_bytes, prefetch_for_budget, ByteCorpus, CheckpointFiles, Llama,
-    LlamaConfig, Placement, TextTokenizer,
+    LlamaConfig, LoraAdapters, Placement, TextTokenizer,
 };
 
 #[derive(Parser, Debug)]
@@ -41,6 +41,11 @@ struct Args {
     /// A tokenizer.json to use (checked against the config's vocab_size).
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// LoRA adapters in PEFT's layout (adapter_config.json,
+    /// adapter_model.safetensors) to apply, checked against the model's config
+    /// before any weight is loaded.
+    #[arg(long)]
+    lora: Option<PathBuf>,
     /// A folder written by train_lm (its checkpoint.json names the files).
     #[arg(long)]
     checkpoint: Option<PathBuf>,
@@ -266,11 +271,39 @@ fn main() -> Result<()> {
         None if dev.is_cuda() => DType::BF16,
         None => DType::F32,
     };
+    let lora = match &a.lora {
+        Some(d) => Some(LoraAdapters::load_peft(d, &model_config(&a)?, &dev)?),
+        None => None,
+    };
     let (model, tokens) = match &a.model {
         Some(dir) => from_folder(&a, dir, &dev, dtype)?,
         None => from_files(&a, &dev, dtype)?,
     };
+    if let Some(l) = lora {
+        eprintln!(
+            "LoRA: r {} on {:?}",
+            l.config().r,
+            l.config().target_modules
+        );
+        model.set_lora(Some(l))?;
+    }
     run(&a, &model, &tokens)
+}
+
+/// The model's configuration as the chosen source gives it (read before any
+/// weight, to check adapters against).
+fn model_config(a: &Args) -> Result<LlamaConfig> {
+    Ok(match (&a.model, &a.config, &a.checkpoint, &a.preset) {
+        (Some(dir), ..) => {
+            LlamaConfig::from_json_file(streamer_models::PretrainedFiles::in_dir(dir)?.config)?
+        }
+        (None, Some(c), ..) => LlamaConfig::from_json_file(c)?,
+        (None, None, Some(dir), _) => {
+            LlamaConfig::from_json_file(CheckpointFiles::read(dir)?.config)?
+        }
+        (None, None, None, Some(p)) => LlamaConfig::preset(p)?,
+        _ => bail!("give one of --model, --checkpoint, --weights (with --config) or --preset"),
+    })
 }
 
 /// Where the weights come from: files, or a preset's seeded initialisation.

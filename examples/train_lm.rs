@@ -35,8 +35,8 @@ use streamer_core::StreamConfig;
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
     generate, init_weights, parse_bytes, prefetch_for_budget, train_loop, ByteCorpus,
-    CheckpointFiles, Llama, LlamaConfig, LmTrainer, LoopOptions, Placement, PretrainedFiles,
-    TextTokenizer, TokenCorpus,
+    CheckpointFiles, Llama, LlamaConfig, LmTrainer, LoopOptions, LoraConfig, Placement,
+    PretrainedFiles, TextTokenizer, TokenCorpus,
 };
 
 #[derive(Parser, Debug)]
@@ -111,6 +111,25 @@ struct Args {
     /// ETA) every N steps; 0: about 20 lines a run.
     #[arg(long, default_value_t = 0)]
     log_every: usize,
+    /// LoRA fine-tuning of rank R instead of full fine-tuning: the base
+    /// (streamed) is frozen, only the adapters train (AdamW on the device);
+    /// adapters are saved in PEFT's layout in <out>/adapter.
+    #[arg(long)]
+    lora_r: Option<usize>,
+    /// LoRA scale numerator (the update is scaled by alpha / r). Default: 2 r.
+    #[arg(long)]
+    lora_alpha: Option<f64>,
+    /// LoRA dropout on the adapters' inputs.
+    #[arg(long, default_value_t = 0.0)]
+    lora_dropout: f64,
+    /// Projections LoRA adapts (Hugging Face module names, comma-separated).
+    #[arg(long, default_value = "q_proj,v_proj")]
+    lora_targets: String,
+    /// With --lora-r: also write <out>/merged, a Hugging Face folder of the
+    /// base with the adapters folded in (config.json, model.safetensors,
+    /// tokenizer.json).
+    #[arg(long)]
+    merge: bool,
     /// Step the optimizer after backward instead of overlapping it with backward.
     #[arg(long)]
     no_overlap: bool,
@@ -313,6 +332,7 @@ fn main() -> Result<()> {
     };
     let ckpt = a.out.join("checkpoint");
     let (cfg, label) = resolve_config(&a, &ckpt)?;
+    let lora = lora_config(&a)?;
     let tok = resolve_tokenizer(&a, &cfg, &ckpt)?;
     let corpus = read_corpus(&a, tok.as_ref())?;
     let opts = loop_options(&a, &cfg, &corpus, &ckpt)?;
@@ -331,6 +351,18 @@ fn main() -> Result<()> {
         slot_budget_bytes: Some(slot_bytes(&cfg, dtype)),
         ..Default::default()
     };
+    if let Some(lcfg) = lora {
+        let model = match &a.model {
+            Some(dir) => Llama::from_pretrained(dir, Placement::Streamed(stream))?.model,
+            None => Llama::from_tensors(init_weights(&cfg, a.seed)?, &cfg, stream)?,
+        };
+        let run = Run {
+            label,
+            prefetch,
+            tok,
+        };
+        return lora::train(&a, model, &lcfg, &corpus, &opts, &run);
+    }
     let mut trainer = match (&a.model, a.resume) {
         (_, true) => LmTrainer::resume(&ckpt, stream, adam)?,
         (Some(dir), false) => {
@@ -372,6 +404,22 @@ fn main() -> Result<()> {
         tok,
     };
     train(&a, &mut trainer, &corpus, &opts, &run, losses)
+}
+
+/// `--lora-*` checked before any work (`None` without `--lora-r`).
+fn lora_config(a: &Args) -> Result<Option<LoraConfig>> {
+    let Some(r) = a.lora_r else {
+        if a.merge {
+            bail!("--merge folds LoRA adapters into the base: it needs --lora-r");
+        }
+        return Ok(None);
+    };
+    if a.resume {
+        bail!("--resume continues full fine-tuning; LoRA runs (--lora-r) start from the base");
+    }
+    let targets: Vec<&str> = a.lora_targets.split(',').map(str::trim).collect();
+    let alpha = a.lora_alpha.unwrap_or(2.0 * r as f64);
+    Ok(Some(LoraConfig::new(r, alpha, a.lora_dropout, &targets)?))
 }
 
 /// An upper bound of one layer's device slot: the pool starts each tensor at
@@ -462,4 +510,118 @@ fn train(
         ckpt.display()
     );
     Ok(())
+}
+
+/// LoRA fine-tuning: the adapters train on a frozen streamed base.
+mod lora {
+    use super::{sample, write_curve, Args, Run};
+    use anyhow::{Context, Result};
+    use candle_nn::{Optimizer, ParamsAdamW};
+    use candle_streamer::report::Progress;
+    use std::time::Instant;
+    use streamer_models::train::lr_at;
+    use streamer_models::{Llama, LoopOptions, LoraAdapters, LoraConfig, TokenCorpus};
+
+    /// Trains `model`'s adapters for `opts.steps` steps, saving them (PEFT's
+    /// layout) in `<out>/adapter` every `--save-every` steps and at the end,
+    /// and with `--merge` the merged model in `<out>/merged`.
+    pub(super) fn train(
+        a: &Args,
+        model: Llama,
+        lcfg: &LoraConfig,
+        corpus: &TokenCorpus,
+        opts: &LoopOptions,
+        run: &Run,
+    ) -> Result<()> {
+        let model = model.into_trainable()?;
+        let dev = model.device().clone();
+        model.set_lora(Some(LoraAdapters::init(
+            lcfg,
+            model.config(),
+            &dev,
+            a.seed,
+        )?))?;
+        let adapters = model.lora()?.context("adapters")?;
+        let vars = adapters.vars();
+        let n: usize = vars.iter().map(|(_, v)| v.elem_count()).sum();
+        println!(
+            "train_lm: LoRA r {} alpha {} on {:?} of {} ({:.2} M adapter params, base frozen), \
+             window {} layers, batch {} x {} tokens, lr {}, {} steps",
+            lcfg.r,
+            lcfg.lora_alpha,
+            lcfg.target_modules,
+            run.label,
+            n as f64 / 1e6,
+            run.prefetch + 1,
+            opts.batch,
+            opts.seq,
+            opts.lr,
+            opts.steps
+        );
+        let params = ParamsAdamW {
+            lr: opts.lr,
+            weight_decay: a.weight_decay,
+            ..Default::default()
+        };
+        let mut opt = candle_nn::AdamW::new(vars.iter().map(|(_, v)| v.clone()).collect(), params)?;
+        let dir = a.out.join("adapter");
+        let base = a.model.as_ref().map(|m| m.display().to_string());
+        let progress = Progress::new(0, opts.steps, a.log_every);
+        let (t0, mut losses) = (Instant::now(), Vec::new());
+        for s in 0..opts.steps {
+            let (x, y) = corpus.batch(opts.seed, s as u64, opts.batch, opts.seq, &dev)?;
+            opt.set_learning_rate(lr_at(opts, s));
+            let loss = model.loss(&x, &y)?;
+            let l = loss.to_scalar::<f32>()?;
+            anyhow::ensure!(
+                l.is_finite(),
+                "loss is {l} at step {s}: stopped (the last save is unchanged)"
+            );
+            opt.step(&model.backward(&loss)?)?;
+            model.zero_grad()?;
+            losses.push((s + 1, l));
+            let tps = ((s + 1) * opts.batch * opts.seq) as f64 / t0.elapsed().as_secs_f64();
+            progress.update(s + 1, l, tps);
+            if (s + 1) % opts.save_every.unwrap_or(usize::MAX) == 0 || s + 1 == opts.steps {
+                adapters.save_peft(&dir, base.as_deref())?;
+            }
+        }
+        progress.finish();
+        write_curve(
+            &a.out,
+            &losses,
+            &format!("train_lm LoRA {}: loss", run.label),
+        )?;
+        let (first, last) = (losses[0].1, losses[losses.len() - 1].1);
+        println!(
+            "loss {first:.4} -> {last:.4} over {} steps ({:.1} s); adapters in {}",
+            losses.len(),
+            t0.elapsed().as_secs_f64(),
+            dir.display()
+        );
+        if a.sample_tokens > 0 {
+            model.set_training(false);
+            println!("sample after: {:?}", sample(&model, run.tok.as_ref(), a)?);
+        }
+        if a.merge {
+            merge(a, &model, run)?;
+        }
+        Ok(())
+    }
+
+    /// `<out>/merged`: config.json, model.safetensors (the adapters folded
+    /// in) and the tokenizer, a folder `--model` reads.
+    fn merge(a: &Args, model: &Llama, run: &Run) -> Result<()> {
+        let out = a.out.join("merged");
+        std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+        let weights = model.merged_weights()?;
+        streamer_core::save_atomic(&weights, &out.join("model.safetensors"))?;
+        streamer_models::train::write_atomic(&out.join("config.json"), &model.config().to_json()?)?;
+        if let Some(t) = &run.tok {
+            let text = std::fs::read_to_string(t.path())?;
+            streamer_models::train::write_atomic(&out.join("tokenizer.json"), &text)?;
+        }
+        println!("merged model in {}", out.display());
+        Ok(())
+    }
 }
