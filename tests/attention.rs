@@ -650,3 +650,659 @@ fn estimate_plans_without_allocating(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(estimate_plans_without_allocating);
+
+// ------------------------------------------------------------------ masks
+// Sliding windows and logit soft-capping (flash-attn semantics, see
+// `cqsa::AttentionOpts`): against an f64 reference written from the documented
+// rule, and against Candle's naive attention with an additive mask and
+// `softcap * tanh(s / softcap)` built from candle ops (autograd for gradients).
+// Tolerances as above.
+
+/// A mask of the tests: causal, windows and soft-cap as in `AttentionOpts`.
+#[derive(Debug, Clone, Copy, Default)]
+struct Mask {
+    causal: bool,
+    wl: Option<usize>,
+    wr: Option<usize>,
+    cap: Option<f32>,
+}
+
+impl Mask {
+    fn opts(&self) -> AttentionOpts {
+        AttentionOpts {
+            causal: self.causal,
+            window_left: self.wl,
+            window_right: self.wr,
+            softcap: self.cap,
+            ..Default::default()
+        }
+    }
+
+    /// The documented rule: with `i' = i + nk - nq`, key `j` is visible iff
+    /// `i' - wl <= j <= i' + wr` (`wr = 0` when causal; `None`: no bound).
+    fn visible(&self, i: usize, j: usize, nq: usize, nk: usize) -> bool {
+        let ia = i as i64 + nk as i64 - nq as i64;
+        let j = j as i64;
+        let right = if self.causal {
+            Some(0)
+        } else {
+            self.wr.map(|w| w as i64)
+        };
+        self.wl.is_none_or(|w| j >= ia - w as i64) && right.is_none_or(|w| j <= ia + w)
+    }
+
+    fn cap_f64(&self, s: f64) -> f64 {
+        match self.cap {
+            Some(c) => c as f64 * (s / c as f64).tanh(),
+            None => s,
+        }
+    }
+}
+
+/// f64 attention under `mask`: output and natural-log lse (`-inf`, output 0 for
+/// a row that sees no key).
+fn reference_masked(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Mask,
+    scale: f64,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let (b, hq, nq, d) = q.dims4()?;
+    let (_, hkv, nk, _) = k.dims4()?;
+    let (q, k, v) = (host_f64(q)?, host_f64(k)?, host_f64(v)?);
+    let mut out = vec![0f64; b * hq * nq * d];
+    let mut lse = vec![f64::NEG_INFINITY; b * hq * nq];
+    for bi in 0..b {
+        for h in 0..hq {
+            let kh = bi * hkv + h / (hq / hkv);
+            for i in 0..nq {
+                let row = (bi * hq + h) * nq + i;
+                let keys: Vec<usize> = (0..nk).filter(|&j| mask.visible(i, j, nq, nk)).collect();
+                if keys.is_empty() {
+                    continue;
+                }
+                let s: Vec<f64> = keys
+                    .iter()
+                    .map(|&j| {
+                        let x: f64 = (0..d)
+                            .map(|x| q[row * d + x] * k[(kh * nk + j) * d + x])
+                            .sum();
+                        mask.cap_f64(x * scale)
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let p: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let l: f64 = p.iter().sum();
+                lse[row] = m + l.ln();
+                for x in 0..d {
+                    out[row * d + x] = keys
+                        .iter()
+                        .zip(&p)
+                        .map(|(&j, p)| p * v[(kh * nk + j) * d + x])
+                        .sum::<f64>()
+                        / l;
+                }
+            }
+        }
+    }
+    Ok((out, lse))
+}
+
+/// Candle's naive attention under `mask` (f32 ops, differentiable): repeated kv
+/// heads, `softcap * tanh(s / softcap)`, an additive 0 / -inf mask, softmax.
+/// Every row must see a key (softmax of all -inf is NaN).
+fn naive_masked(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<Tensor> {
+    let (b, hq, nq, d) = q.dims4()?;
+    let (_, hkv, nk, _) = k.dims4()?;
+    let rep = |t: &Tensor| -> Result<Tensor> {
+        Ok(t.unsqueeze(2)?
+            .broadcast_as((b, hkv, hq / hkv, nk, d))?
+            .reshape((b, hq, nk, d))?)
+    };
+    let (k, v) = (rep(k)?, rep(v)?);
+    let mut s = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
+    if let Some(c) = mask.cap {
+        s = ((s / c as f64)?.tanh()? * c as f64)?;
+    }
+    let add: Vec<f32> = (0..nq)
+        .flat_map(|i| {
+            (0..nk).map(move |j| {
+                if mask.visible(i, j, nq, nk) {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
+    let add = Tensor::from_vec(add, (nq, nk), q.device())?;
+    let p = candle_nn::ops::softmax(&s.broadcast_add(&add)?, candle_core::D::Minus1)?;
+    Ok(p.matmul(&v)?)
+}
+
+/// Whether every query row sees at least one key under `mask`.
+fn every_row_sees(mask: &Mask, nq: usize, nk: usize) -> bool {
+    (0..nq).all(|i| (0..nk).any(|j| mask.visible(i, j, nq, nk)))
+}
+
+/// The masks of the tests for a window `w`: left only, both sides, causal with a
+/// left window, and each soft-capped with GQA shapes elsewhere.
+fn window_masks(w: usize) -> Vec<Mask> {
+    vec![
+        Mask {
+            wl: Some(w),
+            ..Default::default()
+        },
+        Mask {
+            wl: Some(w),
+            wr: Some(w),
+            ..Default::default()
+        },
+        Mask {
+            causal: true,
+            wl: Some(w),
+            ..Default::default()
+        },
+        Mask {
+            wr: Some(w),
+            ..Default::default()
+        },
+    ]
+}
+
+/// Soft-capping alone, with causal, with a window (and causal).
+fn softcap_masks() -> Vec<Mask> {
+    let cap = Some(5.0);
+    vec![
+        Mask {
+            cap,
+            ..Default::default()
+        },
+        Mask {
+            cap,
+            causal: true,
+            ..Default::default()
+        },
+        Mask {
+            cap,
+            causal: true,
+            wl: Some(17),
+            ..Default::default()
+        },
+        Mask {
+            cap: Some(30.0),
+            wl: Some(1),
+            wr: Some(17),
+            ..Default::default()
+        },
+    ]
+}
+
+/// Forward of `mask` on `case` (causal flag of the case ignored) in `dtype`:
+/// output and lse against the f64 reference, output against Candle naive when
+/// every row sees a key.
+fn check_masked_forward(
+    dev: &Device,
+    case: Case,
+    mask: &Mask,
+    dtype: DType,
+    tol: f64,
+) -> Result<()> {
+    let (b, hq, hkv, nq, nk, d, _) = case;
+    let seed = (nq * 31 + nk * 7 + d) as u64;
+    let q = (rand_t((b, hq, nq, d), dtype, dev, seed)? * 2.0)?;
+    let k = (rand_t((b, hkv, nk, d), dtype, dev, seed + 1)? * 2.0)?;
+    let v = rand_t((b, hkv, nk, d), dtype, dev, seed + 2)?;
+    let scale = 1.0 / (d as f64).sqrt();
+    let o = attention(&q, &k, &v, &mask.opts())?;
+    ensure!(o.dims() == q.dims() && o.dtype() == dtype, "shape/dtype");
+    let (want, want_lse) = reference_masked(&q, &k, &v, mask, scale)?;
+    let got = host_f64(&o)?;
+    ensure!(
+        got.iter().all(|x| x.is_finite()),
+        "{mask:?} {case:?}: non-finite output"
+    );
+    let err = rel_err(&got, &want);
+    ensure!(
+        err <= tol,
+        "{dtype:?} {mask:?} {case:?}: error vs f64 reference {err:e} > {tol:e}"
+    );
+    // The log-sum-exp of the low-level op with the same scores.
+    let scores = cqsa::Scores::of(
+        &mask.opts(),
+        &cqsa::AttentionShape::of(&q, &k, &v, mask.causal)?,
+    )?;
+    let (_, lse) = cqsa::attention_forward_with(&q, &k, &v, &scores)?;
+    for (i, (a, b)) in host_f64(&lse)?.iter().zip(&want_lse).enumerate() {
+        let ok = if b.is_finite() {
+            (a - b).abs() <= 10.0 * tol * b.abs().max(1.0)
+        } else {
+            *a == f64::NEG_INFINITY
+        };
+        ensure!(
+            ok,
+            "{dtype:?} {mask:?} {case:?}: lse of row {i}: {a} vs {b}"
+        );
+    }
+    if every_row_sees(mask, nq, nk) {
+        let f = |t: &Tensor| t.to_dtype(DType::F32);
+        let nv = naive_masked(&f(&q)?, &f(&k)?, &f(&v)?, mask, scale)?;
+        let err = rel_err_t(&o, &nv)?;
+        ensure!(
+            err <= tol,
+            "{dtype:?} {mask:?} {case:?}: error vs candle naive {err:e} > {tol:e}"
+        );
+    }
+    Ok(())
+}
+
+/// Sliding windows 0, 1, 17 and >= N, alone, two-sided, with causal, GQA, seq_q
+/// below, equal to and above seq_k, head dims of both CUDA families (64 and 128
+/// on the tensor cores for f16/bf16; 40 and the f32 kernels elsewhere).
+fn attention_window_matches_reference_and_naive(dev: &Device) -> Result<()> {
+    let cases: &[Case] = &[
+        (1, 4, 2, 150, 150, 64, false),
+        (2, 2, 1, 97, 200, 128, false),
+        (1, 2, 2, 200, 90, 40, false),
+    ];
+    for &case in cases {
+        let big = case.3 + case.4; // a window >= N
+        for w in [0, 1, 17, big] {
+            for mask in window_masks(w) {
+                for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 3e-3)] {
+                    if dtype != DType::F32 && case.5 == 40 && w != 17 {
+                        continue; // the simple kernels: f32 covers them, one half case
+                    }
+                    check_masked_forward(dev, case, &mask, dtype, tol)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(attention_window_matches_reference_and_naive);
+
+/// A window far smaller than the sequence over many tiles (the CUDA kernels skip
+/// the tiles no row of a block sees): N = 700, window 17 and 64, causal or not.
+fn attention_window_long_sequence(dev: &Device) -> Result<()> {
+    for d in [64, 128] {
+        for (wl, wr, causal) in [(17, None, true), (64, Some(3), false)] {
+            let mask = Mask {
+                causal,
+                wl: Some(wl),
+                wr,
+                cap: None,
+            };
+            for (dtype, tol) in [(DType::BF16, 2e-2), (DType::F16, 3e-3)] {
+                check_masked_forward(dev, (1, 2, 1, 700, 700, d, false), &mask, dtype, tol)?;
+            }
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(attention_window_long_sequence);
+
+/// Soft-capping alone, with causal, with windows and GQA, all dtypes.
+fn attention_softcap_matches_reference_and_naive(dev: &Device) -> Result<()> {
+    let cases: &[Case] = &[
+        (1, 4, 2, 130, 130, 64, false),
+        (1, 2, 1, 70, 150, 128, false),
+        (2, 2, 2, 50, 40, 24, false),
+    ];
+    for &case in cases {
+        for mask in softcap_masks() {
+            for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 3e-3)] {
+                check_masked_forward(dev, case, &mask, dtype, tol)?;
+            }
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(attention_softcap_matches_reference_and_naive);
+
+/// Gradients of q, k, v of `sum(o * w)` under `mask` through cqsa (with
+/// `extra` options: mode, budget, chunks) and through Candle's naive attention
+/// with autograd in f32; the max relative error over the three.
+fn masked_grad_error(
+    dev: &Device,
+    case: Case,
+    dtype: DType,
+    mask: &Mask,
+    extra: AttentionOpts,
+) -> Result<f64> {
+    let (b, hq, hkv, nq, nk, d, _) = case;
+    let q = rand_t((b, hq, nq, d), dtype, dev, 61)?;
+    let k = (rand_t((b, hkv, nk, d), dtype, dev, 62)? * 2.0)?;
+    let v = rand_t((b, hkv, nk, d), dtype, dev, 63)?;
+    let w = rand_t((b, hq, nq, d), DType::F32, dev, 64)?;
+    let (vq, vk, vv) = (
+        Var::from_tensor(&q)?,
+        Var::from_tensor(&k)?,
+        Var::from_tensor(&v)?,
+    );
+    let opts = AttentionOpts {
+        causal: mask.causal,
+        window_left: mask.wl,
+        window_right: mask.wr,
+        softcap: mask.cap,
+        ..extra
+    };
+    let o = attention(vq.as_tensor(), vk.as_tensor(), vv.as_tensor(), &opts)?;
+    let g = (o.to_dtype(DType::F32)? * &w)?.sum_all()?.backward()?;
+    let f = |t: &Tensor| -> Result<Var> { Ok(Var::from_tensor(&t.to_dtype(DType::F32)?)?) };
+    let (fq, fk, fv) = (f(&q)?, f(&k)?, f(&v)?);
+    let on = naive_masked(
+        fq.as_tensor(),
+        fk.as_tensor(),
+        fv.as_tensor(),
+        mask,
+        1.0 / (d as f64).sqrt(),
+    )?;
+    let ng = (on * &w)?.sum_all()?.backward()?;
+    let mut worst = 0f64;
+    for (ours, theirs, name) in [(&vq, &fq, "dq"), (&vk, &fk, "dk"), (&vv, &fv, "dv")] {
+        let a = g
+            .get(ours.as_tensor())
+            .ok_or_else(|| anyhow::anyhow!("no {name} from cqsa"))?;
+        let b = ng
+            .get(theirs.as_tensor())
+            .ok_or_else(|| anyhow::anyhow!("no {name} from naive"))?;
+        ensure!(
+            a.dims() == ours.dims() && a.dtype() == dtype,
+            "{name} shape/dtype"
+        );
+        ensure!(
+            host_f64(a)?.iter().all(|x| x.is_finite()),
+            "{name}: non-finite"
+        );
+        worst = worst.max(rel_err_t(a, b)?);
+    }
+    Ok(worst)
+}
+
+/// Gradients of every mask kind (windows 1, 17, >= N alone, two-sided and with
+/// causal; soft-capping alone, with causal and with a window), GQA, in f32 and,
+/// at the tensor-core head dims, in f16 and bf16.
+fn attention_mask_grads_match_naive_autograd(dev: &Device) -> Result<()> {
+    let cases: &[Case] = &[
+        (1, 4, 2, 100, 130, 64, false),
+        (1, 2, 1, 90, 70, 128, false),
+    ];
+    let mut masks = softcap_masks();
+    for w in [1, 17, 500] {
+        masks.extend(window_masks(w));
+    }
+    for &case in cases {
+        for mask in &masks {
+            if !every_row_sees(mask, case.3, case.4) {
+                continue; // naive softmax is NaN there; covered by the zero-row test
+            }
+            for (dtype, tol) in [(DType::F32, 1e-4), (DType::F16, 1e-2), (DType::BF16, 5e-2)] {
+                let err = masked_grad_error(dev, case, dtype, mask, AttentionOpts::default())?;
+                ensure!(
+                    err <= tol,
+                    "{dtype:?} grads {mask:?} {case:?}: {err:e} > {tol:e}"
+                );
+            }
+        }
+    }
+    // A head dim of the simple CUDA kernels, f32.
+    let mask = Mask {
+        causal: true,
+        wl: Some(5),
+        cap: Some(4.0),
+        wr: None,
+    };
+    let err = masked_grad_error(
+        dev,
+        (1, 2, 1, 40, 33, 48, false),
+        DType::F32,
+        &mask,
+        AttentionOpts::default(),
+    )?;
+    ensure!(err <= 1e-4, "f32 d=48 grads {mask:?}: {err:e}");
+    Ok(())
+}
+candle_streamer::test_device!(attention_mask_grads_match_naive_autograd);
+
+/// Rows that see no key (a right window with seq_q > seq_k, a window to the
+/// right of the sequence): output 0, lse -inf, gradient 0, no NaN anywhere;
+/// the other rows match the reference.
+fn attention_masked_rows_without_keys(dev: &Device) -> Result<()> {
+    // wr = 2 with nq = 150, nk = 90: i' = i - 60 sees j <= i - 58, so rows 0..58
+    // see nothing.
+    let mask = Mask {
+        wr: Some(2),
+        wl: Some(17),
+        ..Default::default()
+    };
+    for (d, dtype, tol) in [
+        (64, DType::F32, 1e-5),
+        (64, DType::BF16, 2e-2),
+        (128, DType::F16, 3e-3),
+    ] {
+        check_masked_forward(dev, (1, 2, 1, 150, 90, d, false), &mask, dtype, tol)?;
+        let q = Var::from_tensor(&rand_t((1, 2, 150, d), dtype, dev, 71)?)?;
+        let k = Var::from_tensor(&rand_t((1, 1, 90, d), dtype, dev, 72)?)?;
+        let v = Var::from_tensor(&rand_t((1, 1, 90, d), dtype, dev, 73)?)?;
+        let o = attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &mask.opts())?;
+        let g = o.to_dtype(DType::F32)?.sqr()?.sum_all()?.backward()?;
+        let dq = g
+            .get(q.as_tensor())
+            .ok_or_else(|| anyhow::anyhow!("no dq"))?;
+        for (name, t) in [("o", &o), ("dq", dq)] {
+            ensure!(
+                host_f64(t)?.iter().all(|x| x.is_finite()),
+                "{name}: non-finite"
+            );
+            let lead = t
+                .narrow(2, 0, 58)?
+                .abs()?
+                .to_dtype(DType::F32)?
+                .max_all()?
+                .to_scalar::<f32>()?;
+            ensure!(
+                lead == 0.0,
+                "{dtype:?} d={d}: {name} of rows without keys is {lead}"
+            );
+        }
+        for t in [&k, &v] {
+            let gt = g
+                .get(t.as_tensor())
+                .ok_or_else(|| anyhow::anyhow!("no dk/dv"))?;
+            ensure!(
+                host_f64(gt)?.iter().all(|x| x.is_finite()),
+                "dk/dv: non-finite"
+            );
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(attention_masked_rows_without_keys);
+
+/// Streamed mode (small forced chunks, so chunk pairs are skipped, unmasked and
+/// cut by the band) equals resident mode under windows and soft-capping,
+/// forward and gradients.
+fn attention_masked_streamed_equals_resident(dev: &Device) -> Result<()> {
+    let masks = [
+        Mask {
+            causal: true,
+            wl: Some(17),
+            ..Default::default()
+        },
+        Mask {
+            wl: Some(1),
+            wr: Some(20),
+            cap: Some(5.0),
+            ..Default::default()
+        },
+        Mask {
+            cap: Some(3.0),
+            ..Default::default()
+        },
+        Mask {
+            wr: Some(2),
+            wl: Some(40),
+            ..Default::default()
+        }, // rows without keys
+    ];
+    for mask in masks {
+        for (dtype, d, tol) in [(DType::F32, 32, 1e-5), (DType::BF16, 64, 2e-2)] {
+            let q = rand_t((1, 2, 110, d), dtype, dev, 81)?;
+            let k = rand_t((1, 1, 90, d), dtype, dev, 82)?;
+            let v = rand_t((1, 1, 90, d), dtype, dev, 83)?;
+            let streamed = AttentionOpts {
+                mode: Mode::Streamed,
+                q_chunk: Some(16),
+                kv_chunk: Some(24),
+                ..mask.opts()
+            };
+            let resident = AttentionOpts {
+                mode: Mode::Resident,
+                ..mask.opts()
+            };
+            let a = attention(&q, &k, &v, &streamed)?;
+            let r = attention(&q, &k, &v, &resident)?;
+            let err = rel_err_t(&a, &r)?;
+            ensure!(
+                err <= tol,
+                "{dtype:?} {mask:?}: streamed vs resident {err:e}"
+            );
+            let (want, _) = reference_masked(&q, &k, &v, &mask, 1.0 / (d as f64).sqrt())?;
+            let err = rel_err(&host_f64(&a)?, &want);
+            ensure!(
+                err <= tol,
+                "{dtype:?} {mask:?}: streamed vs reference {err:e}"
+            );
+            let grads = |opts: &AttentionOpts| -> Result<Vec<Tensor>> {
+                let vars = [
+                    Var::from_tensor(&q)?,
+                    Var::from_tensor(&k)?,
+                    Var::from_tensor(&v)?,
+                ];
+                let o = attention(
+                    vars[0].as_tensor(),
+                    vars[1].as_tensor(),
+                    vars[2].as_tensor(),
+                    opts,
+                )?;
+                let g = o.to_dtype(DType::F32)?.sqr()?.sum_all()?.backward()?;
+                vars.iter()
+                    .map(|x| {
+                        g.get(x.as_tensor())
+                            .cloned()
+                            .ok_or_else(|| anyhow::anyhow!("missing grad"))
+                    })
+                    .collect()
+            };
+            let gtol = if dtype == DType::F32 { 1e-4 } else { 5e-2 };
+            for (x, y) in grads(&streamed)?.iter().zip(&grads(&resident)?) {
+                let err = rel_err_t(x, y)?;
+                ensure!(
+                    err <= gtol,
+                    "{dtype:?} {mask:?}: streamed vs resident grads {err:e}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(attention_masked_streamed_equals_resident);
+
+/// Bad mask options: errors name the field and its value; a mask with a head
+/// dim above the maximum names the head dim; head dims the tensor-core kernels
+/// do not serve fall back to the simple kernels (checked above, d = 24, 40, 48).
+fn attention_masks_reject_bad_input(dev: &Device) -> Result<()> {
+    let q = Tensor::zeros((1, 2, 8, 16), DType::F32, dev)?;
+    let kv = Tensor::zeros((1, 1, 8, 16), DType::F32, dev)?;
+    for (cap, needle) in [
+        (0.0, "softcap = 0"),
+        (-1.0, "softcap = -1"),
+        (f32::NAN, "softcap = NaN"),
+        (f32::INFINITY, "softcap = inf"),
+    ] {
+        let opts = AttentionOpts {
+            softcap: Some(cap),
+            ..Default::default()
+        };
+        expect_err(attention(&q, &kv, &kv, &opts), &["softcap", needle])?;
+    }
+    let opts = AttentionOpts {
+        causal: true,
+        window_right: Some(3),
+        ..Default::default()
+    };
+    expect_err(
+        attention(&q, &kv, &kv, &opts),
+        &["window_right = Some(3)", "causal"],
+    )?;
+    // causal with window_right = Some(0) is the same mask: accepted.
+    let opts = AttentionOpts {
+        causal: true,
+        window_right: Some(0),
+        window_left: Some(2),
+        ..Default::default()
+    };
+    attention(&q, &kv, &kv, &opts)?;
+    let opts = AttentionOpts {
+        scale: Some(f64::NAN),
+        window_left: Some(2),
+        ..Default::default()
+    };
+    expect_err(attention(&q, &kv, &kv, &opts), &["scale", "NaN"])?;
+    let qb = Tensor::zeros((1, 1, 4, 300), DType::F32, dev)?;
+    let opts = AttentionOpts {
+        window_left: Some(2),
+        softcap: Some(5.0),
+        ..Default::default()
+    };
+    expect_err(attention(&qb, &qb, &qb, &opts), &["head_dim", "300"])?;
+    // The low-level op checks its scores too.
+    let bad = cqsa::Scores {
+        softcap: Some(-2.0),
+        ..cqsa::Scores::dense(0.25)
+    };
+    match cqsa::attention_forward_with(&q, &kv, &kv, &bad) {
+        Ok(_) => anyhow::bail!("softcap -2 accepted by attention_forward_with"),
+        Err(e) => ensure!(e.to_string().contains("softcap = -2"), "{e}"),
+    }
+    Ok(())
+}
+candle_streamer::test_device!(attention_masks_reject_bad_input);
+
+/// The planner counts only the chunk pairs a window sees, and predicts the
+/// masked call's work (FLOPs per visible pair) rather than the dense call's.
+fn estimate_counts_window_pairs(dev: &Device) -> Result<()> {
+    let _ = dev;
+    let shape = AttentionShape {
+        b: 1,
+        hq: 2,
+        hkv: 2,
+        nq: 4096,
+        nk: 4096,
+        d: 64,
+        dtype: DType::BF16,
+        causal: true,
+    };
+    let scores = cqsa::Scores::of(
+        &Mask {
+            causal: true,
+            wl: Some(100),
+            ..Default::default()
+        }
+        .opts(),
+        &shape,
+    )?;
+    // Query i sees keys max(0, i - 100)..=i.
+    let want: u64 = (0..4096u64).map(|i| i.min(100) + 1).sum();
+    ensure!(
+        scores.visible_pairs(4096, 4096) == want,
+        "visible pairs {}",
+        scores.visible_pairs(4096, 4096)
+    );
+    let dense = cqsa::Scores::of(&AttentionOpts::default(), &shape)?;
+    ensure!(dense.visible_pairs(4096, 4096) == 4096 * 4096);
+    Ok(())
+}
+candle_streamer::test_device!(estimate_counts_window_pairs);

@@ -3,7 +3,8 @@
 // results against an f64 reference on the host. Build and run with
 // scripts/attention-harness.sh; `KFILE` names the kernel source to test, so two
 // versions of it can be compared in one device run.
-//   harness 0: correctness (bf16/f16, D 64/128, odd sizes, causal offsets, GQA)
+//   harness 0: correctness (bf16/f16, D 64/128, odd sizes, causal offsets, GQA,
+//              sliding windows (a lower bound lo), soft-capping)
 //   harness 1: benchmark (bf16, B=1, H=16, N = 1k..16k, causal and not)
 // A gradient whose reference is zero up to rounding (nk = 1, a scale of 1e-30) is
 // judged by its absolute error and marked '*'.
@@ -19,8 +20,8 @@
 #include <cuda_runtime.h>
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { fprintf(stderr, "cuda error %d at line %d\n", (int)e, __LINE__); exit(1);} } while (0)
 template <int D> constexpr int fwd_rows() { return FwdCfg<D>::BR; }
-typedef void (*FwdFn)(const void*, const void*, const void*, void*, float*, int, int, int, int, float, int, long long);
-typedef void (*BwdFn)(const void*, const void*, const void*, const void*, const float*, const float*, float*, void*, void*, int, int, int, int, float, int, long long);
+typedef void (*FwdFn)(const void*, const void*, const void*, void*, float*, int, int, int, int, float, int, int, float);
+typedef void (*BwdFn)(const void*, const void*, const void*, const void*, const float*, const float*, float*, void*, void*, int, int, int, int, float, int, int, float);
 float tof(__half x) { return __half2float(x); }
 float tof(__nv_bfloat16 x) { return __bfloat162float(x); }
 template <typename T> T fromf_h(float x);
@@ -29,8 +30,8 @@ template <> __nv_bfloat16 fromf_h<__nv_bfloat16>(float x) { return __float2bfloa
 
 template <typename T, int D> struct K;
 #define KDEF(T, SUF, D) template <> struct K<T, D> { \
-  static FwdFn fwd() { return (FwdFn)cqsa_fwd_mma_##SUF##_d##D; } \
-  static BwdFn bwd() { return (BwdFn)cqsa_bwd_mma_##SUF##_d##D; } \
+  static FwdFn fwd(bool cap) { return cap ? (FwdFn)cqsa_fwd_mma_cap_##SUF##_d##D : (FwdFn)cqsa_fwd_mma_##SUF##_d##D; } \
+  static BwdFn bwd(bool cap) { return cap ? (BwdFn)cqsa_bwd_mma_cap_##SUF##_d##D : (BwdFn)cqsa_bwd_mma_##SUF##_d##D; } \
   static int fsmem() { return FwdCfg<D>::SMEM; } static int bsmem() { return BwdCfg<D>::SMEM; } };
 KDEF(__half, f16, 64) KDEF(__half, f16, 128) KDEF(__nv_bfloat16, bf16, 64) KDEF(__nv_bfloat16, bf16, 128)
 template <typename T> void* delta_fn();
@@ -43,6 +44,7 @@ template <> void* conv_fn<__nv_bfloat16>() { return (void*)cqsa_bwd_dq_convert_b
 template <typename T, int D>
 struct Run {
   int b, hq, hkv, nq, nk; bool causal; long long off; float scale;
+  bool has_lo = false; long long lo = 0; float cap = 0.f;  // window: key j >= i + lo; soft-cap
   T *q, *k, *v, *o, *g, *dq, *dk, *dv; float *lse, *delta, *dqa;
   std::vector<T> hq_, hk_, hv_, hg_;
   void alloc(unsigned seed) {
@@ -58,12 +60,15 @@ struct Run {
     CK(cudaMemcpy(k, hk_.data(), nke * 2, cudaMemcpyHostToDevice)); CK(cudaMemcpy(v, hv_.data(), nke * 2, cudaMemcpyHostToDevice));
   }
   void release() { cudaFree(q); cudaFree(k); cudaFree(v); cudaFree(o); cudaFree(g); cudaFree(dq); cudaFree(dk); cudaFree(dv); cudaFree(lse); cudaFree(delta); cudaFree(dqa); }
+  // The band as the kernels take it (see BAND_PAD).
+  int klo() const { long long a = -(long long)(nq + BAND_PAD), b = nk + BAND_PAD; return has_lo ? (int)std::max(a, std::min(b, lo)) : (int)a; }
+  int khi() const { long long a = -(long long)(nq + BAND_PAD), b = nk + BAND_PAD; return causal ? (int)std::max(a, std::min(b, off)) : (int)b; }
   void fwd() {
-    FwdFn f = K<T, D>::fwd(); int sm = K<T, D>::fsmem();
+    FwdFn f = K<T, D>::fwd(cap > 0.f); int sm = K<T, D>::fsmem();
     CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize, sm));
     dim3 grid((nq + fwd_rows<D>() - 1) / fwd_rows<D>(), hq, b);
-    int c = causal;
-    void* args[] = {&q, &k, &v, &o, &lse, &hq, &hkv, &nq, &nk, &scale, &c, &off};
+    int kl = klo(), kh = khi();
+    void* args[] = {&q, &k, &v, &o, &lse, &hq, &hkv, &nq, &nk, &scale, &kl, &kh, &cap};
     CK(cudaLaunchKernel((const void*)f, grid, dim3(128), args, sm, 0));
   }
   void bwd() {
@@ -71,10 +76,10 @@ struct Run {
     { void* args[] = {&o, &g, &delta, &rows, &d};
       CK(cudaLaunchKernel(delta_fn<T>(), dim3((rows + 3) / 4), dim3(128), args, 0, 0)); }
     CK(cudaMemsetAsync(dqa, 0, rows * D * 4));
-    BwdFn f = K<T, D>::bwd(); int sm = K<T, D>::bsmem();
+    BwdFn f = K<T, D>::bwd(cap > 0.f); int sm = K<T, D>::bsmem();
     CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize, sm));
-    int c = causal;
-    { void* args[] = {&q, &k, &v, &g, &lse, &delta, &dqa, &dk, &dv, &hq, &hkv, &nq, &nk, &scale, &c, &off};
+    int kl = klo(), kh = khi();
+    { void* args[] = {&q, &k, &v, &g, &lse, &delta, &dqa, &dk, &dv, &hq, &hkv, &nq, &nk, &scale, &kl, &kh, &cap};
       const int bc = BwdCfg<D>::BC, bt = BwdCfg<D>::THREADS;
       CK(cudaLaunchKernel((const void*)f, dim3((nk + bc - 1) / bc, hkv, b), dim3(bt), args, sm, 0)); }
     long long n = rows * D;
@@ -95,25 +100,30 @@ struct Run {
       int kh = h / (hq / hkv);
       for (int i = 0; i < nq; i += (check_bwd ? 1 : row_stride)) {
         const T* qr = &hq_[(((size_t)bb * hq + h) * nq + i) * D];
-        long long vis = causal ? std::max(0LL, std::min((long long)nk, i + off + 1)) : nk;
-        std::vector<double> s(nk); double mx = -INFINITY;
-        for (int j = 0; j < vis; ++j) { const T* kr = &hk_[(((size_t)bb * hkv + kh) * nk + j) * D];
-          double a = 0; for (int x = 0; x < D; ++x) a += (double)tof(qr[x]) * tof(kr[x]); s[j] = a * scale; mx = std::max(mx, s[j]); }
-        double l = 0; for (int j = 0; j < vis; ++j) { s[j] = exp(s[j] - mx); l += s[j]; }
+        long long je = causal ? std::max(0LL, std::min((long long)nk, i + off + 1)) : nk;
+        long long j0 = has_lo ? std::max(0LL, std::min((long long)nk, i + lo)) : 0;
+        je = std::max(je, j0);
+        const long long vis = je - j0;
+        std::vector<double> s(nk), dsx(nk, 1.0); double mx = -INFINITY;
+        for (long long j = j0; j < je; ++j) { const T* kr = &hk_[(((size_t)bb * hkv + kh) * nk + j) * D];
+          double a = 0; for (int x = 0; x < D; ++x) a += (double)tof(qr[x]) * tof(kr[x]); s[j] = a * scale;
+          if (cap > 0.f) { double th = tanh(s[j] / cap); s[j] = cap * th; dsx[j] = 1 - th * th; }
+          mx = std::max(mx, s[j]); }
+        double l = 0; for (long long j = j0; j < je; ++j) { s[j] = exp(s[j] - mx); l += s[j]; }
         double lref = vis ? mx + log(l) : -INFINITY;
         float lg = hl[((size_t)bb * hq + h) * nq + i];
         if (vis == 0) { if (!(lg == -INFINITY)) badl++; } else el = std::max(el, fabs(lg - lref));
         std::vector<double> orow(D, 0);
-        for (int j = 0; j < vis; ++j) { const T* vr = &hv_[(((size_t)bb * hkv + kh) * nk + j) * D];
+        for (long long j = j0; j < je; ++j) { const T* vr = &hv_[(((size_t)bb * hkv + kh) * nk + j) * D];
           for (int x = 0; x < D; ++x) orow[x] += s[j] / l * tof(vr[x]); }
         for (int x = 0; x < D; ++x) { double gv = tof(ho[(((size_t)bb * hq + h) * nq + i) * D + x]); eo = std::max(eo, fabs(gv - orow[x])); mo = std::max(mo, fabs(orow[x])); }
         if (check_bwd && vis) {
           const T* gr = &hg_[(((size_t)bb * hq + h) * nq + i) * D];
           double dl = 0; for (int x = 0; x < D; ++x) dl += orow[x] * tof(gr[x]);
-          for (int j = 0; j < vis; ++j) { size_t kb_ = ((size_t)bb * hkv + kh) * nk + j;
+          for (long long j = j0; j < je; ++j) { size_t kb_ = ((size_t)bb * hkv + kh) * nk + j;
             const T* kr = &hk_[kb_ * D]; const T* vr = &hv_[kb_ * D];
             double p = s[j] / l, dp = 0; for (int x = 0; x < D; ++x) dp += tof(gr[x]) * tof(vr[x]);
-            double ds = p * (dp - dl);
+            double ds = p * (dp - dl) * dsx[j];
             for (int x = 0; x < D; ++x) { rdv[kb_ * D + x] += p * tof(gr[x]); rdk[kb_ * D + x] += ds * scale * tof(qr[x]);
               rdq[(((size_t)bb * hq + h) * nq + i) * D + x] += ds * scale * tof(kr[x]); } }
         }
@@ -130,8 +140,9 @@ struct Run {
     double edq = 0, edk = 0, edv = 0;
     bool zq = false, zk = false, zv = false;
     if (check_bwd) { edq = rel(hdq, rdq, zq); edk = rel(hdk, rdk, zk); edv = rel(hdv, rdv, zv); ok = ok && edq < 3e-2 && edk < 3e-2 && edv < 3e-2; }
-    printf("%s %s D=%d b=%d hq=%d hkv=%d nq=%d nk=%d causal=%d off=%lld scale=%.3g: o %.2e lse %.2e badl %d dq %.2e%s dk %.2e%s dv %.2e%s\n",
-           ok ? "OK  " : "FAIL", sizeof(T) == 2 && std::is_same<T, __half>::value ? "f16" : "bf16", D, b, hq, hkv, nq, nk, (int)causal, off, scale, eo / std::max(mo, 1e-30), el, badl,
+    printf("%s %s D=%d b=%d hq=%d hkv=%d nq=%d nk=%d causal=%d off=%lld lo=%s%lld cap=%g scale=%.3g: o %.2e lse %.2e badl %d dq %.2e%s dk %.2e%s dv %.2e%s\n",
+           ok ? "OK  " : "FAIL", sizeof(T) == 2 && std::is_same<T, __half>::value ? "f16" : "bf16", D, b, hq, hkv, nq, nk, (int)causal, off,
+           has_lo ? "" : "none:", lo, cap, scale, eo / std::max(mo, 1e-30), el, badl,
            edq, zq ? "*" : "", edk, zk ? "*" : "", edv, zv ? "*" : "");
   }
   void bench() {
@@ -150,6 +161,12 @@ struct Run {
 template <typename T, int D> void test(int b, int hq, int hkv, int nq, int nk, bool causal, long long off, bool bwd, float scale = 0.f, int stride = 1) {
   Run<T, D> r{b, hq, hkv, nq, nk, causal, off, scale == 0.f ? (float)(1.0 / sqrt((double)D)) : scale};
   r.alloc(nq * 7 + nk + D); r.check(bwd, stride); r.release();
+}
+// A sliding window (key j >= i + lo, and j <= i + off when causal) and/or a soft-cap.
+template <typename T, int D> void test_mask(int hq, int hkv, int nq, int nk, bool causal, long long off, bool has_lo, long long lo, float cap) {
+  Run<T, D> r{1, hq, hkv, nq, nk, causal, off, (float)(1.0 / sqrt((double)D))};
+  r.has_lo = has_lo; r.lo = lo; r.cap = cap;
+  r.alloc(nq * 5 + nk + D + (int)lo); r.check(true, 1); r.release();
 }
 int main(int argc, char** argv) {
   setvbuf(stdout, NULL, _IONBF, 0); fprintf(stderr, "start\n");
@@ -175,6 +192,23 @@ int main(int argc, char** argv) {
       test<__half, 64>(1, 8, 2, 513, 513, c, 0, true);
       test<__nv_bfloat16, 128>(1, 2, 2, 1, 300, c, c ? 299 : 0, true);
       test<__half, 128>(1, 2, 1, 300, 1, c, c ? -299 : 0, true);
+    }
+    // Windows of 1, 17 and >= N (offsets as cqsa passes them: lo = nk - nq - w),
+    // causal or with a right window, GQA; soft-cap alone and with a window.
+    for (int w : {0, 16, 100, 400})
+      for (int c = 0; c < 2; ++c) {
+        test_mask<__nv_bfloat16, 128>(4, 2, 300, 300, c, c ? 0 : 0, true, -w, 0.f);
+        test_mask<__half, 64>(2, 1, 200, 333, c, 133, true, 133 - w, 0.f);
+        test_mask<__half, 128>(2, 2, 333, 200, c, -133, true, -133 - w, 0.f);
+        test_mask<__nv_bfloat16, 64>(4, 1, 257, 257, c, 0, true, -w, 0.f);
+      }
+    test_mask<__nv_bfloat16, 128>(2, 1, 300, 300, false, 0, true, -1000, 0.f);  // window >= N
+    test_mask<__half, 64>(2, 2, 300, 300, true, 0, true, 5, 0.f);  // lo > hi: no row sees a key
+    for (float cap : {5.f, 30.f}) {
+      test_mask<__nv_bfloat16, 128>(2, 1, 200, 300, false, 0, false, 0, cap);
+      test_mask<__half, 64>(2, 2, 200, 300, true, 100, false, 0, cap);
+      test_mask<__half, 128>(4, 2, 257, 257, true, 0, true, -17, cap);
+      test_mask<__nv_bfloat16, 64>(2, 1, 300, 200, false, 0, true, -150, cap);
     }
     test<__nv_bfloat16, 128>(1, 2, 1, 2000, 2000, false, 0, false, 0.f, 7);
     test<__nv_bfloat16, 128>(1, 2, 1, 2000, 2000, true, 0, false, 0.f, 7);

@@ -2,9 +2,15 @@
 //
 // Layouts: q, o, do: (b, hq, nq, d); k, v, dk, dv: (b, hkv, nk, d); lse, delta:
 // (b, hq, nq) f32, natural log. Query head h reads kv head h / (hq / hkv).
-// Causal: key j is visible from query i iff j <= i + off (off = nk - nq for a whole
-// call, bottom-right aligned; other values for chunks of the streamed mode).
-// A row that sees no key gets output 0 and lse -inf.
+// Mask (a band): key j is visible from query i iff i + lo <= j <= i + hi, with int
+// lo, hi clamped by the launcher to [-(nq + BAND_PAD), nk + BAND_PAD]; the ends of
+// that range mean no bound (beyond any j - i of the call, tile padding included),
+// so the arithmetic needs no flag: causal is hi = nk - nq for a whole call
+// (bottom-right aligned; chunks of the streamed mode use other values), a sliding
+// window adds lo. The mask is applied to the (soft-capped) scores before the row
+// maximum. A row that sees no key gets output 0 and lse -inf.
+// Soft-capping (softcap > 0): s = softcap * tanh(scale * q.k / softcap); the
+// backward multiplies dS by 1 - tanh^2. softcap == 0: none.
 //
 // Two families:
 // - *_simple_*: one warp per query row (forward, dq) or per key row (dk/dv), f32
@@ -37,18 +43,46 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
-// Number of keys row i sees.
-__device__ __forceinline__ int visible(int i, int nk, int causal, long long off) {
-    if (!causal) return nk;
-    long long v = (long long)i + off + 1;
-    return (int)(v < 0 ? 0 : (v > nk ? nk : v));
+// A missing band bound (see the top): lo = -(nq + BAND_PAD), hi = nk + BAND_PAD.
+#define BAND_PAD 256
+
+__device__ __forceinline__ int clampi(long long x, int n) { return (int)(x < 0 ? 0 : (x > n ? n : x)); }
+
+// Keys [*j0, *j1) that row i sees (*j0 == *j1: none).
+__device__ __forceinline__ void key_range(int i, int nk, int lo, int hi, int* j0, int* j1) {
+    const int a = clampi((long long)i + lo, nk);
+    const int b = clampi((long long)i + hi + 1, nk);
+    *j0 = a;
+    *j1 = b < a ? a : b;
 }
 
-// First query row that sees key j.
-__device__ __forceinline__ int first_row(int j, int nq, int causal, long long off) {
-    if (!causal) return 0;
-    long long r = (long long)j - off;
-    return (int)(r < 0 ? 0 : (r > nq ? nq : r));
+// Query rows [*i0, *i1) that see key j (*i0 == *i1: none).
+__device__ __forceinline__ void row_range(int j, int nq, int lo, int hi, int* i0, int* i1) {
+    const int a = clampi((long long)j - hi, nq);
+    const int b = clampi((long long)j - lo + 1, nq);
+    *i0 = a;
+    *i1 = b < a ? a : b;
+}
+
+// tanh to a few ulp whatever --use_fast_math does to tanhf (tanh.approx has
+// 2^-11 relative error): expm1 keeps small arguments exact, |x| >= 9 is +-1 in f32.
+__device__ __forceinline__ float tanh_acc(float x) {
+    const float a = fminf(fabsf(x), 9.f);
+    const float e = expm1f(2.f * a);
+    return copysignf(e / (e + 2.f), x);
+}
+
+// The score of a raw dot product x = q.k: scale * x, soft-capped when cap > 0;
+// *dsdx gets d s / d (scale x) (1 - tanh^2, or 1).
+__device__ __forceinline__ float score(float x, float scale, float cap, float* dsdx) {
+    const float s = x * scale;
+    if (cap > 0.f) {
+        const float t = tanh_acc(s / cap);
+        *dsdx = 1.f - t * t;
+        return cap * t;
+    }
+    *dsdx = 1.f;
+    return s;
 }
 
 constexpr int SIMPLE_WARPS = 4;
@@ -58,7 +92,7 @@ constexpr int MAXC = 8;  // 256 / 32 head-dim elements per lane
 template <typename T>
 __device__ void fwd_simple(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                            T* __restrict__ o, float* __restrict__ lse, int hq, int hkv, int nq, int nk,
-                           int d, float scale, int causal, long long off) {
+                           int d, float scale, int lo, int hi, float cap) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * SIMPLE_WARPS + (threadIdx.x >> 5);
     const int h = blockIdx.y, b = blockIdx.z;
@@ -72,29 +106,31 @@ __device__ void fwd_simple(const T* __restrict__ q, const T* __restrict__ k, con
 #pragma unroll
     for (int c = 0; c < MAXC; ++c) {
         int x = lane + 32 * c;
-        qv[c] = x < d ? to_f(qr[x]) * scale : 0.f;
+        qv[c] = x < d ? to_f(qr[x]) : 0.f;
         acc[c] = 0.f;
     }
-    const int vis = visible(row, nk, causal, off);
+    int ja, jb;
+    key_range(row, nk, lo, hi, &ja, &jb);
     float m = NEG_INF, l = 0.f;
-    for (int j = 0; j < vis; ++j) {
+    for (int j = ja; j < jb; ++j) {
         const T* kr = kb + (size_t)j * d;
         const T* vr = vb + (size_t)j * d;
-        float s = 0.f;
+        float x = 0.f;
 #pragma unroll
         for (int c = 0; c < MAXC; ++c) {
-            int x = lane + 32 * c;
-            if (x < d) s += qv[c] * to_f(kr[x]);
+            int xi = lane + 32 * c;
+            if (xi < d) x += qv[c] * to_f(kr[xi]);
         }
-        s = warp_sum(s);
+        float dsdx;
+        const float s = score(warp_sum(x), scale, cap, &dsdx);
         float mn = fmaxf(m, s);
         float corr = __expf(m - mn);
         float p = __expf(s - mn);
         l = l * corr + p;
 #pragma unroll
         for (int c = 0; c < MAXC; ++c) {
-            int x = lane + 32 * c;
-            if (x < d) acc[c] = acc[c] * corr + p * to_f(vr[x]);
+            int xi = lane + 32 * c;
+            if (xi < d) acc[c] = acc[c] * corr + p * to_f(vr[xi]);
         }
         m = mn;
     }
@@ -127,7 +163,7 @@ template <typename T>
 __device__ void bwd_dq_simple(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                               const T* __restrict__ g, const float* __restrict__ lse,
                               const float* __restrict__ delta, T* __restrict__ dq, int hq, int hkv,
-                              int nq, int nk, int d, float scale, int causal, long long off) {
+                              int nq, int nk, int d, float scale, int lo, int hi, float cap) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * SIMPLE_WARPS + (threadIdx.x >> 5);
     const int h = blockIdx.y, b = blockIdx.z;
@@ -145,27 +181,30 @@ __device__ void bwd_dq_simple(const T* __restrict__ q, const T* __restrict__ k, 
         acc[c] = 0.f;
     }
     const float li = lse[qrow], di = delta[qrow];
-    const int vis = li == NEG_INF ? 0 : visible(row, nk, causal, off);
-    for (int j = 0; j < vis; ++j) {
+    int ja, jb;
+    key_range(row, nk, lo, hi, &ja, &jb);
+    if (li == NEG_INF) jb = ja;  // a row that saw no key: gradient 0
+    for (int j = ja; j < jb; ++j) {
         const T* kr = kb + (size_t)j * d;
         const T* vr = vb + (size_t)j * d;
-        float s = 0.f, dp = 0.f;
+        float x = 0.f, dp = 0.f;
 #pragma unroll
         for (int c = 0; c < MAXC; ++c) {
-            int x = lane + 32 * c;
-            if (x < d) {
-                s += qv[c] * to_f(kr[x]);
-                dp += gv[c] * to_f(vr[x]);
+            int xi = lane + 32 * c;
+            if (xi < d) {
+                x += qv[c] * to_f(kr[xi]);
+                dp += gv[c] * to_f(vr[xi]);
             }
         }
-        s = warp_sum(s);
         dp = warp_sum(dp);
-        const float p = __expf(s * scale - li);
-        const float ds = p * (dp - di);
+        float dsdx;
+        const float s = score(warp_sum(x), scale, cap, &dsdx);
+        const float p = __expf(s - li);
+        const float ds = p * (dp - di) * dsdx;
 #pragma unroll
         for (int c = 0; c < MAXC; ++c) {
-            int x = lane + 32 * c;
-            if (x < d) acc[c] += ds * to_f(kr[x]);
+            int xi = lane + 32 * c;
+            if (xi < d) acc[c] += ds * to_f(kr[xi]);
         }
     }
 #pragma unroll
@@ -180,8 +219,8 @@ template <typename T>
 __device__ void bwd_dkdv_simple(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                 const T* __restrict__ g, const float* __restrict__ lse,
                                 const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                                int hq, int hkv, int nq, int nk, int d, float scale, int causal,
-                                long long off) {
+                                int hq, int hkv, int nq, int nk, int d, float scale, int lo,
+                                int hi, float cap) {
     const int lane = threadIdx.x & 31;
     const int j = blockIdx.x * SIMPLE_WARPS + (threadIdx.x >> 5);
     const int kh = blockIdx.y, b = blockIdx.z;
@@ -197,34 +236,36 @@ __device__ void bwd_dkdv_simple(const T* __restrict__ q, const T* __restrict__ k
         ak[c] = 0.f;
         av[c] = 0.f;
     }
-    const int i0 = first_row(j, nq, causal, off);
+    int ia, ib;
+    row_range(j, nq, lo, hi, &ia, &ib);
     for (int h = kh * group; h < (kh + 1) * group; ++h) {
         const size_t base = ((size_t)b * hq + h) * nq;
-        for (int i = i0; i < nq; ++i) {
+        for (int i = ia; i < ib; ++i) {
             const size_t qrow = base + i;
             const float li = lse[qrow];
             if (li == NEG_INF) continue;
             const T* qr = q + qrow * d;
             const T* gr = g + qrow * d;
-            float s = 0.f, dp = 0.f;
+            float x = 0.f, dp = 0.f;
 #pragma unroll
             for (int c = 0; c < MAXC; ++c) {
-                int x = lane + 32 * c;
-                if (x < d) {
-                    s += to_f(qr[x]) * kv[c];
-                    dp += to_f(gr[x]) * vv[c];
+                int xi = lane + 32 * c;
+                if (xi < d) {
+                    x += to_f(qr[xi]) * kv[c];
+                    dp += to_f(gr[xi]) * vv[c];
                 }
             }
-            s = warp_sum(s);
             dp = warp_sum(dp);
-            const float p = __expf(s * scale - li);
-            const float ds = p * (dp - delta[qrow]) * scale;
+            float dsdx;
+            const float s = score(warp_sum(x), scale, cap, &dsdx);
+            const float p = __expf(s - li);
+            const float ds = p * (dp - delta[qrow]) * dsdx * scale;
 #pragma unroll
             for (int c = 0; c < MAXC; ++c) {
-                int x = lane + 32 * c;
-                if (x < d) {
-                    av[c] += p * to_f(gr[x]);
-                    ak[c] += ds * to_f(qr[x]);
+                int xi = lane + 32 * c;
+                if (xi < d) {
+                    av[c] += p * to_f(gr[xi]);
+                    ak[c] += ds * to_f(qr[xi]);
                 }
             }
         }
@@ -376,10 +417,13 @@ template <int D> struct FwdCfg {
 // (checked by the launcher), FwdCfg<D>::SMEM of dynamic shared memory, a grid of
 // ceil(nq / FwdCfg<D>::BR) blocks in x. K/V tiles are double-buffered: the copy of
 // tile i+1 (cp.async) overlaps the math on tile i.
-template <typename T, int D>
+// SOFTCAP is a template argument so that the plain instance carries none of it;
+// the band (lo, hi) is tested once per tile and warp, per element only on the
+// tiles it cuts.
+template <typename T, int D, bool SOFTCAP>
 __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         T* __restrict__ o, float* __restrict__ lse, int hq, int hkv, int nq, int nk,
-                        float scale, int causal, long long off) {
+                        float scale, int lo, int hi, float cap) {
     using C = FwdCfg<D>;
     constexpr int MT = FWD_MT, BR = C::BR, LD = C::LD;
     constexpr int TILE = MMA_BC * LD;  // elements of one K (or V) tile
@@ -391,9 +435,10 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
+    const bool has_lo = lo > -(nq + BAND_PAD), has_hi = hi < nk + BAND_PAD;
     int qblk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    if (causal) {
-        // The last query blocks see the most keys. Blocks start in launch order, so
+    if (has_hi && !has_lo) {
+        // Causal-like: the last query blocks see the most keys. Blocks start in launch order, so
         // hand out work heaviest first across every (batch, head), not only within
         // one head: the light blocks then fill the tail of the grid.
         const int heads = gridDim.y * gridDim.z;
@@ -409,12 +454,11 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     const T* vb = v + ((size_t)b * hkv + kh) * (size_t)nk * D;
     const int wrow = warp * 16 * MT;  // this warp's first row in the block
 
-    // Keys any row of this block can see.
-    int kv_end = nk;
-    if (causal) {
-        long long e = (long long)(q0 + BR - 1) + off + 1;
-        kv_end = (int)(e < 0 ? 0 : (e > nk ? nk : e));
-    }
+    // Keys any row of this block can see: from the first row's lower bound
+    // (rounded down to a tile) to the last row's upper bound. A sliding window
+    // visits O(window) keys per block, not nk.
+    const int kv_begin = clampi((long long)q0 + lo, nk) / MMA_BC * MMA_BC;
+    const int kv_end = clampi((long long)(q0 + BR - 1) + hi + 1, nk);
 
     // Copies: thread tid moves 16-byte chunk (tid % CPR) of rows tid / CPR + i * RSTEP.
     constexpr int CPR = D / 8, RSTEP = MMA_THREADS / CPR;
@@ -442,7 +486,7 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
             cp_async16s(vd + i * RSTEP * LD * 2, vb + src, in ? 16 : 0);
         }
     };
-    if (kv_end > 0) load_tile(0, 0);
+    if (kv_end > kv_begin) load_tile(kv_begin, 0);
     cp_async_commit();
 
     // Per-lane ldmatrix addresses: Q rows of this warp (A), K (B from [key][dim]),
@@ -462,20 +506,25 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = NEG_INF, l[mt][0] = l[mt][1] = 0.f;
     // p = exp2(s * fold - max * fold). With scale > 0, s stays unscaled and the
     // scale folds into that fma; otherwise s is scaled first (keeps max = max).
+    // Soft-capped scores are formed in log2 units first (fold 1).
     const float sl2 = scale * LOG2E;
-    const bool prescale = !(sl2 > 0.f);
+    const bool prescale = SOFTCAP || !(sl2 > 0.f);
     const float fold = prescale ? 1.f : sl2;
+    const float cap_in = SOFTCAP ? scale / cap : 0.f, cap_out = SOFTCAP ? cap * LOG2E : 0.f;
+    // This warp's rows: wr0..wr1.
+    const int wr0 = q0 + wrow, wr1 = q0 + wrow + 16 * MT - 1;
 
     int stage = 0;
-    for (int kv0 = 0; kv0 < kv_end; kv0 += MMA_BC, stage ^= 1) {
+    for (int kv0 = kv_begin; kv0 < kv_end; kv0 += MMA_BC, stage ^= 1) {
         // Prefetch the next tile into the other stage (consumed two barriers ago).
         if (kv0 + MMA_BC < kv_end) load_tile(kv0 + MMA_BC, stage ^ 1);
         cp_async_commit();
         cp_async_wait<1>();  // every group but the newest has landed: this tile is here
         __syncthreads();
-        // Causal: a tile that starts after this warp's last row adds nothing to it
-        // (the diagonal tiles of a block); the warp only keeps the barriers.
-        if (!(causal && (long long)kv0 > (long long)(q0 + wrow + 16 * MT - 1) + off)) {
+        // A tile that starts after this warp's last row's last key, or ends before
+        // its first row's first key, adds nothing to it (the edge tiles of a
+        // block); the warp only keeps the barriers.
+        if (!(kv0 > wr1 + hi || kv0 + MMA_BC - 1 < wr0 + lo)) {
         const uint32_t kt = ka_base + stage * TILE * 2;
         const uint32_t vt = va_base + stage * TILE * 2;
 
@@ -502,7 +551,14 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
             }
         }
 
-        if (prescale) {
+        if (SOFTCAP) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < MMA_BC / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][nt][e] = cap_out * tanh_acc(s[mt][nt][e] * cap_in);
+        } else if (prescale) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -510,9 +566,10 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
 #pragma unroll
                     for (int e = 0; e < 4; ++e) s[mt][nt][e] *= sl2;
         }
-        // Mask keys past the end, or causal (warp-uniform test: the warp's first row
-        // does not see the tile's last key).
-        if (kv0 + MMA_BC > nk || (causal && (long long)(kv0 + MMA_BC - 1) > (long long)(q0 + wrow) + off)) {
+        // Mask keys past the end and outside the band, after soft-capping and
+        // before the row maximum (warp-uniform test: the warp's first row does not
+        // see the tile's last key, or its last row not the tile's first).
+        if (kv0 + MMA_BC > nk || kv0 + MMA_BC - 1 > wr0 + hi || kv0 < wr1 + lo) {
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -521,7 +578,7 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
                     for (int e = 0; e < 4; ++e) {
                         const int col = kv0 + nt * 8 + 2 * t + (e & 1);
                         const int row = q0 + wrow + mt * 16 + g + (e < 2 ? 0 : 8);
-                        const bool ok = col < nk && (!causal || (long long)col <= (long long)row + off);
+                        const bool ok = col < nk && col - row <= hi && col - row >= lo;
                         if (!ok) s[mt][nt][e] = NEG_INF;
                     }
         }
@@ -653,14 +710,17 @@ __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
 #endif
 }
 
-// CAUSAL is a template argument so that the non-causal instance carries none of
-// the causal bookkeeping (the entry point picks one; measured 5 % faster).
-template <typename T, int D, bool CAUSAL>
+// BANDED (any mask: causal, window) is a template argument so that the unmasked
+// instance carries none of the band's bookkeeping (the entry point picks one;
+// measured 5 % faster), and SOFTCAP so that the plain entry points carry none of
+// the soft-capping (its own entry points, `cqsa_bwd_mma_cap_*`).
+template <typename T, int D, bool BANDED, bool SOFTCAP>
 __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         const T* __restrict__ g, const float* __restrict__ lse,
                         const float* __restrict__ delta, float* __restrict__ dq_acc, T* __restrict__ dk,
-                        T* __restrict__ dv, int hq, int hkv, int nq, int nk, float scale, long long off) {
-    constexpr bool causal = CAUSAL;
+                        T* __restrict__ dv, int hq, int hkv, int nq, int nk, float scale, int lo,
+                        int hi, float cap) {
+    constexpr bool banded = BANDED;
     using C = BwdCfg<D>;
     constexpr int BQ = C::BQ, LD = C::LD, LDS = C::LDS, BC = C::BC, WARPS = C::WARPS;
     constexpr int THREADS = C::THREADS;
@@ -684,8 +744,8 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g8 = lane >> 2, t = lane & 3;
     int kblk = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
-    if (causal) {
-        // The first key blocks are seen by the most query rows: heaviest first
+    if (banded) {
+        // Causal: the first key blocks are seen by the most query rows: heaviest first
         // across every (batch, kv head), as in the forward.
         const int heads = gridDim.y * gridDim.z;
         const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
@@ -716,15 +776,16 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
         cp_async16s(vs_u + cp_dst + i * RSTEP * LD * 2, vb + src, in ? 16 : 0);
     }
 
-    // First query row that can see key j0, rounded down to a tile.
-    int istart = 0;
-    if (causal) {
-        long long r = (long long)j0 - off;
-        istart = (int)(r < 0 ? 0 : (r > nq ? nq : r));
-        istart = istart / BQ * BQ;
+    // Query rows that can see a key of this block: from the first row that sees
+    // key j0 (rounded down to a tile) to the last row that sees key j0 + BC - 1.
+    // A sliding window visits O(window) rows per block, not nq.
+    int istart = 0, iend = nq;
+    if (banded) {
+        istart = clampi((long long)j0 - hi, nq) / BQ * BQ;
+        iend = clampi((long long)j0 + BC - lo, nq);
     }
-    // Tiles: every head of the group, and in each the query tiles from istart.
-    const int tiles_h = (nq - istart + BQ - 1) / BQ;
+    // Tiles: every head of the group, and in each the query tiles istart..iend.
+    const int tiles_h = iend > istart ? (iend - istart + BQ - 1) / BQ : 0;
     const int ntiles = tiles_h * group;
 
     // Stage tile `tau` (Q, dO zero past nq; lse, delta as stored).
@@ -765,6 +826,7 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     const T* kw = ks + warp * 16 * LD;    // this warp's 16 keys
     const T* vw = vs + warp * 16 * LD;
     const float sl2 = scale * LOG2E;
+    const float cap_in = SOFTCAP ? scale / cap : 0.f, cap_out = SOFTCAP ? cap * LOG2E : 0.f;
 
     for (int tau = 0; tau < ntiles; ++tau) {
         const int stage = tau & 1;
@@ -800,18 +862,28 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
             }
         }
 
-        // P^T = exp(S^T * scale - lse), masked (keys past nk, causal; warp-uniform test).
-        // A row past nq or one that sees no key (lse = -inf) gets p = 0.
-        const bool need_mask = kw0 + 16 > nk || (causal && (long long)(kw0 + 15) > (long long)i0 + off);
+        // P^T = exp(S^T * scale - lse), soft-capped first when SOFTCAP (keeping
+        // 1 - tanh^2 for dS), masked (keys past nk, outside the band; warp-uniform
+        // test). A row past nq or one that sees no key (lse = -inf) gets p = 0.
+        const bool need_mask = kw0 + 16 > nk || (banded && (kw0 + 15 > i0 + hi || kw0 < i0 + BQ - 1 + lo));
+        float dsx[SOFTCAP ? BQ / 8 : 1][4];
 #pragma unroll
         for (int nt = 0; nt < BQ / 8; ++nt) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = nt * 8 + 2 * t + (e & 1);  // query within the tile
-                float x = st[nt][e] * sl2;
+                float x;
+                if (SOFTCAP) {
+                    const float th = tanh_acc(st[nt][e] * cap_in);
+                    dsx[SOFTCAP ? nt : 0][e] = 1.f - th * th;
+                    x = cap_out * th;
+                } else {
+                    x = st[nt][e] * sl2;
+                }
                 if (need_mask) {
                     const int key = kr0 + (e < 2 ? 0 : 8);
-                    const bool ok = key < nk && (!causal || (long long)key <= (long long)(i0 + col) + off);
+                    const int rel = key - (i0 + col);  // j - i
+                    const bool ok = key < nk && (!banded || (rel <= hi && rel >= lo));
                     x = ok ? x : NEG_INF;
                 }
                 const float li = lt[col];
@@ -857,7 +929,8 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = nt * 8 + 2 * t + (e & 1);
-                const float ds = st[nt][e] * (dpt[nt][e] - dlt[col]);
+                float ds = st[nt][e] * (dpt[nt][e] - dlt[col]);
+                if (SOFTCAP) ds *= dsx[SOFTCAP ? nt : 0][e];
                 dpt[nt][e] = ds;
                 dss[col * LDS + warp * 16 + g8 + (e < 2 ? 0 : 8)] = from_f<T>(ds);
             }
@@ -935,11 +1008,15 @@ __device__ void bwd_dq_convert(const float* __restrict__ acc, T* __restrict__ dq
 }
 
 // ---------------------------------------------------------------- entry points
+// Every attention entry ends with (scale, lo, hi, cap): the band and soft-cap of
+// the top of this file (lo/hi at -(nq + BAND_PAD) / nk + BAND_PAD when absent,
+// cap 0 when none).
 #define SIMPLE_ENTRIES(T, SUF)                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * SIMPLE_WARPS)                                   \
         cqsa_fwd_simple_##SUF(const T* q, const T* k, const T* v, T* o, float* lse, int hq, int hkv, \
-                              int nq, int nk, int d, float scale, int causal, long long off) {        \
-        fwd_simple<T>(q, k, v, o, lse, hq, hkv, nq, nk, d, scale, causal, off);                       \
+                              int nq, int nk, int d, float scale, int lo, int hi,         \
+                              float cap) {                                                            \
+        fwd_simple<T>(q, k, v, o, lse, hq, hkv, nq, nk, d, scale, lo, hi, cap);                       \
     }                                                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * SIMPLE_WARPS)                                   \
         cqsa_bwd_delta_##SUF(const T* o, const T* g, float* delta, long long rows, int d) {          \
@@ -947,13 +1024,14 @@ __device__ void bwd_dq_convert(const float* __restrict__ acc, T* __restrict__ dq
     }                                                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * SIMPLE_WARPS) cqsa_bwd_dq_simple_##SUF(        \
         const T* q, const T* k, const T* v, const T* g, const float* lse, const float* delta, T* dq,  \
-        int hq, int hkv, int nq, int nk, int d, float scale, int causal, long long off) {             \
-        bwd_dq_simple<T>(q, k, v, g, lse, delta, dq, hq, hkv, nq, nk, d, scale, causal, off);         \
+        int hq, int hkv, int nq, int nk, int d, float scale, int lo, int hi, float cap) { \
+        bwd_dq_simple<T>(q, k, v, g, lse, delta, dq, hq, hkv, nq, nk, d, scale, lo, hi, cap);         \
     }                                                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * SIMPLE_WARPS) cqsa_bwd_dkdv_simple_##SUF(      \
         const T* q, const T* k, const T* v, const T* g, const float* lse, const float* delta, T* dk,  \
-        T* dv, int hq, int hkv, int nq, int nk, int d, float scale, int causal, long long off) {      \
-        bwd_dkdv_simple<T>(q, k, v, g, lse, delta, dk, dv, hq, hkv, nq, nk, d, scale, causal, off);   \
+        T* dv, int hq, int hkv, int nq, int nk, int d, float scale, int lo, int hi,       \
+        float cap) {                                                                                  \
+        bwd_dkdv_simple<T>(q, k, v, g, lse, delta, dk, dv, hq, hkv, nq, nk, d, scale, lo, hi, cap);   \
     }
 
 SIMPLE_ENTRIES(float, f32)
@@ -966,26 +1044,36 @@ SIMPLE_ENTRIES(__nv_bfloat16, bf16)
 #define BWD_BOUNDS_64 __launch_bounds__(128, 3)
 #define BWD_BOUNDS_128 __launch_bounds__(256)
 
-#define MMA_ENTRY(T, SUF, D)                                                                          \
+// Tensor-core entries: cqsa_{fwd,bwd}_mma_* without soft-capping (the band at
+// run time in the forward; banded or not picked here in the backward), and
+// cqsa_{fwd,bwd}_mma_cap_* with it, so the plain kernels are not slowed by it.
+#define MMA_ENTRY(T, SUF, D, CAPNAME, CAP)                                                            \
     extern "C" __global__ void __launch_bounds__(MMA_THREADS, 2)                                     \
-        cqsa_fwd_mma_##SUF##_d##D(const T* q, const T* k, const T* v, T* o, float* lse, int hq,       \
-                                  int hkv, int nq, int nk, float scale, int causal, long long off) {  \
-        fwd_mma<T, D>(q, k, v, o, lse, hq, hkv, nq, nk, scale, causal, off);                         \
+        cqsa_fwd_mma_##CAPNAME##SUF##_d##D(const T* q, const T* k, const T* v, T* o, float* lse,      \
+                                           int hq, int hkv, int nq, int nk, float scale, int lo,     \
+                                           int hi, float cap) {                                 \
+        fwd_mma<T, D, CAP>(q, k, v, o, lse, hq, hkv, nq, nk, scale, lo, hi, cap);                    \
     }                                                                                                \
-    extern "C" __global__ void BWD_BOUNDS_##D cqsa_bwd_mma_##SUF##_d##D(                          \
+    extern "C" __global__ void BWD_BOUNDS_##D cqsa_bwd_mma_##CAPNAME##SUF##_d##D(                    \
         const T* q, const T* k, const T* v, const T* g, const float* lse, const float* delta,        \
-        float* dq_acc, T* dk, T* dv, int hq, int hkv, int nq, int nk, float scale, int causal,        \
-        long long off) {                                                                             \
-        if (causal)                                                                                  \
-            bwd_mma<T, D, true>(q, k, v, g, lse, delta, dq_acc, dk, dv, hq, hkv, nq, nk, scale, off); \
+        float* dq_acc, T* dk, T* dv, int hq, int hkv, int nq, int nk, float scale, int lo, int hi,    \
+        float cap) {                                                                   \
+        if (lo > -(nq + BAND_PAD) || hi < nk + BAND_PAD)                                             \
+            bwd_mma<T, D, true, CAP>(q, k, v, g, lse, delta, dq_acc, dk, dv, hq, hkv, nq, nk, scale, \
+                                     lo, hi, cap);                                                   \
         else                                                                                         \
-            bwd_mma<T, D, false>(q, k, v, g, lse, delta, dq_acc, dk, dv, hq, hkv, nq, nk, scale, off);\
+            bwd_mma<T, D, false, CAP>(q, k, v, g, lse, delta, dq_acc, dk, dv, hq, hkv, nq, nk,       \
+                                      scale, lo, hi, cap);                                           \
     }
 
-MMA_ENTRY(__half, f16, 64)
-MMA_ENTRY(__half, f16, 128)
-MMA_ENTRY(__nv_bfloat16, bf16, 64)
-MMA_ENTRY(__nv_bfloat16, bf16, 128)
+MMA_ENTRY(__half, f16, 64, , false)
+MMA_ENTRY(__half, f16, 128, , false)
+MMA_ENTRY(__nv_bfloat16, bf16, 64, , false)
+MMA_ENTRY(__nv_bfloat16, bf16, 128, , false)
+MMA_ENTRY(__half, f16, 64, cap_, true)
+MMA_ENTRY(__half, f16, 128, cap_, true)
+MMA_ENTRY(__nv_bfloat16, bf16, 64, cap_, true)
+MMA_ENTRY(__nv_bfloat16, bf16, 128, cap_, true)
 
 #define CONVERT_ENTRY(T, SUF)                                                                          \
     extern "C" __global__ void cqsa_bwd_dq_convert_##SUF(const float* acc, T* dq, long long n,        \

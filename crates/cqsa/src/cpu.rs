@@ -20,7 +20,7 @@ use candle_core::{bail, CpuStorage, Layout, Result};
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::AttentionShape;
+use crate::{AttentionShape, Scores};
 
 /// Query rows per task.
 const Q_BLOCK: usize = 32;
@@ -78,30 +78,17 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     }
 }
 
-/// Number of keys query row `i` may see: all of them, or `i + offset + 1` clamped
-/// to `[0, nk]` when causal (key `j` is visible iff `j <= i + offset`).
-#[inline]
-pub(crate) fn visible_keys(i: usize, nk: usize, causal: Option<i64>) -> usize {
-    match causal {
-        None => nk,
-        Some(off) => (i as i64 + off + 1).clamp(0, nk as i64) as usize,
-    }
-}
-
 /// Forward on contiguous f32 data laid out `(b, h, n, d)`. Returns the output and
 /// the log-sum-exp `(b, hq, nq)`; rows that see no key get output 0 and lse `-inf`.
+/// Scores and mask per `sc` (masked keys never enter the row maximum).
 pub(crate) fn forward(
     q: &[f32],
     k: &[f32],
     v: &[f32],
     dims: &AttentionShape,
-    scale: f32,
-    causal: Option<i64>,
+    sc: &Scores,
 ) -> (Vec<f32>, Vec<f32>) {
-    let AttentionShape {
-        hq, hkv, nq, nk, d, ..
-    } = *dims;
-    let group = hq / hkv;
+    let AttentionShape { hq, nq, d, .. } = *dims;
     let mut o = vec![0f32; q.len()];
     let mut lse = vec![f32::NEG_INFINITY; dims.b * hq * nq];
     let tasks: Vec<(usize, usize, &mut [f32], &mut [f32])> = o
@@ -116,72 +103,99 @@ pub(crate) fn forward(
         })
         .collect();
     tasks.into_par_iter().for_each(|(bh, i0, oc, lc)| {
-        let (bi, h) = (bh / hq, bh % hq);
-        let kvh = bi * hkv + h / group;
-        let qs = &q[bh * nq * d..(bh + 1) * nq * d];
-        let ks = &k[kvh * nk * d..(kvh + 1) * nk * d];
-        let vs = &v[kvh * nk * d..(kvh + 1) * nk * d];
-        let rows = lc.len();
-        let mut m = vec![f32::NEG_INFINITY; rows];
-        let mut l = vec![0f32; rows];
-        let mut s = vec![0f32; K_BLOCK];
-        let last = visible_keys(i0 + rows - 1, nk, causal);
-        for j0 in (0..last).step_by(K_BLOCK) {
-            let j1 = (j0 + K_BLOCK).min(last);
-            for r in 0..rows {
-                let i = i0 + r;
-                let jend = visible_keys(i, nk, causal).min(j1);
-                if jend <= j0 {
-                    continue;
-                }
-                let qi = &qs[i * d..(i + 1) * d];
-                let mut bmax = f32::NEG_INFINITY;
-                for j in j0..jend {
-                    let x = dot(qi, &ks[j * d..(j + 1) * d]) * scale;
-                    s[j - j0] = x;
-                    bmax = bmax.max(x);
-                }
-                let mnew = m[r].max(bmax);
-                let corr = (m[r] - mnew).exp(); // 0 when m was -inf
-                let acc = &mut oc[r * d..(r + 1) * d];
-                if corr != 1.0 {
-                    acc.iter_mut().for_each(|a| *a *= corr);
-                }
-                let mut sum = 0f32;
-                for j in j0..jend {
-                    let p = (s[j - j0] - mnew).exp();
-                    sum += p;
-                    axpy(acc, p, &vs[j * d..(j + 1) * d]);
-                }
-                l[r] = l[r] * corr + sum;
-                m[r] = mnew;
-            }
-        }
-        for r in 0..rows {
-            if l[r] > 0.0 {
-                let inv = 1.0 / l[r];
-                oc[r * d..(r + 1) * d].iter_mut().for_each(|a| *a *= inv);
-                lc[r] = m[r] + l[r].ln();
-            }
-        }
+        forward_block(q, k, v, dims, sc, (bh, i0), oc, lc);
     });
     (o, lse)
 }
 
-/// Gradients of the inputs given the output `o`, its gradient `g` and the forward's
-/// `lse`, all contiguous f32. Returns `(dq, dk, dv)` shaped like `(q, k, v)`.
+/// One forward task: rows `i0..` (as many as `lc` holds) of head `bh`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn backward(
+fn forward_block(
     q: &[f32],
     k: &[f32],
     v: &[f32],
-    o: &[f32],
-    g: &[f32],
-    lse: &[f32],
     dims: &AttentionShape,
-    scale: f32,
-    causal: Option<i64>,
+    sc: &Scores,
+    (bh, i0): (usize, usize),
+    oc: &mut [f32],
+    lc: &mut [f32],
+) {
+    let AttentionShape {
+        hq, hkv, nq, nk, d, ..
+    } = *dims;
+    let (bi, h) = (bh / hq, bh % hq);
+    let kvh = bi * hkv + h / (hq / hkv);
+    let qs = &q[bh * nq * d..(bh + 1) * nq * d];
+    let ks = &k[kvh * nk * d..(kvh + 1) * nk * d];
+    let vs = &v[kvh * nk * d..(kvh + 1) * nk * d];
+    let rows = lc.len();
+    let mut m = vec![f32::NEG_INFINITY; rows];
+    let mut l = vec![0f32; rows];
+    let mut s = vec![0f32; K_BLOCK];
+    // Both bounds grow with the row: the block's keys run from the first row's
+    // first key to the last row's last.
+    let (first, _) = sc.keys(i0, nk);
+    let (_, last) = sc.keys(i0 + rows - 1, nk);
+    for j0 in (first..last).step_by(K_BLOCK) {
+        let j1 = (j0 + K_BLOCK).min(last);
+        for r in 0..rows {
+            let i = i0 + r;
+            let (ja, jb) = sc.keys(i, nk);
+            let (ja, jb) = (ja.max(j0), jb.min(j1));
+            if jb <= ja {
+                continue;
+            }
+            let qi = &qs[i * d..(i + 1) * d];
+            let mut bmax = f32::NEG_INFINITY;
+            for j in ja..jb {
+                let (x, _) = sc.score(dot(qi, &ks[j * d..(j + 1) * d]));
+                s[j - ja] = x;
+                bmax = bmax.max(x);
+            }
+            let mnew = m[r].max(bmax);
+            let corr = (m[r] - mnew).exp(); // 0 when m was -inf
+            let acc = &mut oc[r * d..(r + 1) * d];
+            if corr != 1.0 {
+                acc.iter_mut().for_each(|a| *a *= corr);
+            }
+            let mut sum = 0f32;
+            for j in ja..jb {
+                let p = (s[j - ja] - mnew).exp();
+                sum += p;
+                axpy(acc, p, &vs[j * d..(j + 1) * d]);
+            }
+            l[r] = l[r] * corr + sum;
+            m[r] = mnew;
+        }
+    }
+    for r in 0..rows {
+        if l[r] > 0.0 {
+            let inv = 1.0 / l[r];
+            oc[r * d..(r + 1) * d].iter_mut().for_each(|a| *a *= inv);
+            lc[r] = m[r] + l[r].ln();
+        }
+    }
+}
+
+/// The inputs of a backward call, contiguous f32.
+pub(crate) struct BackwardInputs<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub o: &'a [f32],
+    pub g: &'a [f32],
+    pub lse: &'a [f32],
+}
+
+/// Gradients of the inputs given the output `o`, its gradient `g` and the forward's
+/// `lse`, all contiguous f32. Returns `(dq, dk, dv)` shaped like `(q, k, v)`.
+/// With soft-capping, the gradient of a score passes through `1 - tanh^2`.
+pub(crate) fn backward(
+    x: &BackwardInputs<'_>,
+    dims: &AttentionShape,
+    sc: &Scores,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let BackwardInputs { q, k, v, o, g, lse } = *x;
     let AttentionShape {
         hq, hkv, nq, nk, d, ..
     } = *dims;
@@ -191,6 +205,12 @@ pub(crate) fn backward(
         .zip(g.par_chunks(d))
         .map(|(o, g)| dot(o, g))
         .collect();
+    // dS of one (row, key) pair given p's inputs: (p, ds * d s / d(scale x)).
+    let pds = |qi: &[f32], gi: &[f32], kj: &[f32], vj: &[f32], li: f32, di: f32| {
+        let (s, dsdx) = sc.score(dot(qi, kj));
+        let p = (s - li).exp();
+        (p, p * (dot(gi, vj) - di) * dsdx)
+    };
 
     // dq: tasks over blocks of query rows.
     let mut dq = vec![0f32; q.len()];
@@ -202,20 +222,17 @@ pub(crate) fn backward(
             for (r, dqi) in dqc.chunks_mut(d).enumerate() {
                 let row = t * Q_BLOCK + r; // global row over (b, hq, nq)
                 let (bh, i) = (row / nq, row % nq);
-                let (bi, h) = (bh / hq, bh % hq);
-                let kvh = bi * hkv + h / group;
-                let li = lse[row];
-                if li == f32::NEG_INFINITY {
+                let kvh = (bh / hq) * hkv + (bh % hq) / group;
+                if lse[row] == f32::NEG_INFINITY {
                     continue;
                 }
-                let qi = &q[row * d..(row + 1) * d];
-                let gi = &g[row * d..(row + 1) * d];
-                for j in 0..visible_keys(i, nk, causal) {
+                let (qi, gi) = (&q[row * d..(row + 1) * d], &g[row * d..(row + 1) * d]);
+                let (ja, jb) = sc.keys(i, nk);
+                for j in ja..jb {
                     let kj = &k[(kvh * nk + j) * d..(kvh * nk + j + 1) * d];
                     let vj = &v[(kvh * nk + j) * d..(kvh * nk + j + 1) * d];
-                    let p = (dot(qi, kj) * scale - li).exp();
-                    let ds = p * (dot(gi, vj) - delta[row]);
-                    axpy(dqi, ds * scale, kj);
+                    let (_, ds) = pds(qi, gi, kj, vj, lse[row], delta[row]);
+                    axpy(dqi, ds * sc.scale, kj);
                 }
             }
         });
@@ -223,12 +240,6 @@ pub(crate) fn backward(
     // dk, dv: tasks over blocks of keys of one (batch, kv head).
     let mut dk = vec![0f32; k.len()];
     let mut dv = vec![0f32; v.len()];
-    let first_row = |j: usize| -> usize {
-        match causal {
-            None => 0,
-            Some(off) => (j as i64 - off).clamp(0, nq as i64) as usize,
-        }
-    };
     dk.par_chunks_mut(K_BLOCK * d)
         .zip(dv.par_chunks_mut(K_BLOCK * d))
         .enumerate()
@@ -237,22 +248,18 @@ pub(crate) fn backward(
                 let col = t * K_BLOCK + r; // global key over (b, hkv, nk)
                 let (kvh, j) = (col / nk, col % nk);
                 let (bi, hk) = (kvh / hkv, kvh % hkv);
-                let kj = &k[col * d..(col + 1) * d];
-                let vj = &v[col * d..(col + 1) * d];
+                let (kj, vj) = (&k[col * d..(col + 1) * d], &v[col * d..(col + 1) * d]);
+                let (ia, ib) = sc.rows(j, nq);
                 for h in hk * group..(hk + 1) * group {
-                    let bh = bi * hq + h;
-                    for i in first_row(j)..nq {
-                        let row = bh * nq + i;
-                        let li = lse[row];
-                        if li == f32::NEG_INFINITY {
+                    for i in ia..ib {
+                        let row = (bi * hq + h) * nq + i;
+                        if lse[row] == f32::NEG_INFINITY {
                             continue;
                         }
-                        let qi = &q[row * d..(row + 1) * d];
-                        let gi = &g[row * d..(row + 1) * d];
-                        let p = (dot(qi, kj) * scale - li).exp();
+                        let (qi, gi) = (&q[row * d..(row + 1) * d], &g[row * d..(row + 1) * d]);
+                        let (p, ds) = pds(qi, gi, kj, vj, lse[row], delta[row]);
                         axpy(dvj, p, gi);
-                        let ds = p * (dot(gi, vj) - delta[row]);
-                        axpy(dkj, ds * scale, qi);
+                        axpy(dkj, ds * sc.scale, qi);
                     }
                 }
             }

@@ -8,7 +8,9 @@
 //! otherwise. Backward: `cqsa_bwd_delta_*`, then under the same conditions the
 //! tensor-core `cqsa_bwd_mma_*` (dq accumulated in an f32 buffer with atomics, then
 //! `cqsa_bwd_dq_convert_*`), otherwise `cqsa_bwd_dq_simple_*` and
-//! `cqsa_bwd_dkdv_simple_*`.
+//! `cqsa_bwd_dkdv_simple_*`. With soft-capping the tensor-core kernels are the
+//! `cqsa_{fwd,bwd}_mma_cap_*` instances (so the plain ones carry none of it);
+//! every kernel takes the band `(lo, hi)` of [`Scores`] (see `KernelArgs`).
 //!
 //! The tensor-core kernels take dynamic shared memory, some of them more than the
 //! 48 KiB default: [`allow_smem`] raises the function's limit first. The byte counts
@@ -37,7 +39,7 @@ use half::{bf16, f16};
 use streamer_core::pages::{page_pieces, PinnedRegion};
 use streamer_kernels::{module, ATTENTION};
 
-use crate::AttentionShape;
+use crate::{AttentionShape, Scores};
 
 /// Rows handled by one block of the simple kernels (one warp per row).
 const SIMPLE_WARPS: u32 = 4;
@@ -142,8 +144,15 @@ fn to_i32(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("cqsa: {what} = {x} exceeds i32")))
 }
 
+/// Margin of the band's open ends (`BAND_PAD` in the kernel): a missing lower
+/// bound is `lo = -(nq + BAND_PAD)`, a missing upper one `hi = nk + BAND_PAD`,
+/// beyond any `j - i` of the call even with the kernels' tile padding.
+const BAND_PAD: i64 = 256;
+
 /// The scalar arguments every attention kernel takes after its pointers, in the
-/// kernels' order: `hq, hkv, nq, nk, [d,] scale, causal, off`.
+/// kernels' order: `hq, hkv, nq, nk, [d,] scale, lo, hi, cap` (the band clamped
+/// to its open ends `[-(nq + BAND_PAD), nk + BAND_PAD]`, which mean no bound;
+/// the soft-cap 0 for none).
 struct KernelArgs {
     hq: i32,
     hkv: i32,
@@ -151,22 +160,44 @@ struct KernelArgs {
     nk: i32,
     d: i32,
     scale: f32,
-    causal: i32,
-    off: i64,
+    lo: i32,
+    hi: i32,
+    cap: f32,
 }
 
 impl KernelArgs {
-    fn new(dims: &AttentionShape, scale: f32, causal: Option<i64>) -> Result<Self> {
+    fn new(dims: &AttentionShape, sc: &Scores) -> Result<Self> {
+        // Bounds beyond the open ends hide nothing more (or everything already);
+        // clamping keeps the kernels' int sums of a row or key and a bound in range.
+        let (open_lo, open_hi) = (-(dims.nq as i64 + BAND_PAD), dims.nk as i64 + BAND_PAD);
+        to_i32(
+            dims.nq + dims.nk + 4 * BAND_PAD as usize,
+            "seq_q + seq_k + 1024",
+        )?;
+        let bound = |b: Option<i64>, open: i64| {
+            b.map_or(open, |x| x.clamp(open_lo, open_hi)) as i32 // in i32: checked above
+        };
         Ok(Self {
             hq: to_i32(dims.hq, "heads_q")?,
             hkv: to_i32(dims.hkv, "heads_kv")?,
             nq: to_i32(dims.nq, "seq_q")?,
             nk: to_i32(dims.nk, "seq_k")?,
             d: to_i32(dims.d, "head_dim")?,
-            scale,
-            causal: i32::from(causal.is_some()),
-            off: causal.unwrap_or(0),
+            scale: sc.scale,
+            lo: bound(sc.lo, open_lo),
+            hi: bound(sc.hi, open_hi),
+            cap: sc.softcap.unwrap_or(0.0),
         })
+    }
+
+    /// The name infix of the tensor-core kernels: `cap_` for the soft-capping
+    /// instances.
+    fn cap_infix(&self) -> &'static str {
+        if self.cap > 0.0 {
+            "cap_"
+        } else {
+            ""
+        }
     }
 
     /// Pushes the arguments; `with_d` for the simple kernels, which take the head
@@ -176,7 +207,10 @@ impl KernelArgs {
         if with_d {
             b.arg(&self.d);
         }
-        b.arg(&self.scale).arg(&self.causal).arg(&self.off);
+        b.arg(&self.scale)
+            .arg(&self.lo)
+            .arg(&self.hi)
+            .arg(&self.cap);
     }
 }
 
@@ -186,13 +220,12 @@ pub(crate) fn forward(
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
     dims: &AttentionShape,
-    scale: f32,
-    causal: Option<i64>,
+    sc: &Scores,
 ) -> Result<(CudaStorage, CudaStorage)> {
     match q.0.dtype() {
-        DType::F32 => forward_t::<f32>(q, k, v, dims, scale, causal),
-        DType::F16 => forward_t::<f16>(q, k, v, dims, scale, causal),
-        DType::BF16 => forward_t::<bf16>(q, k, v, dims, scale, causal),
+        DType::F32 => forward_t::<f32>(q, k, v, dims, sc),
+        DType::F16 => forward_t::<f16>(q, k, v, dims, sc),
+        DType::BF16 => forward_t::<bf16>(q, k, v, dims, sc),
         other => bail!("cqsa: no CUDA attention kernel for dtype {other:?}"),
     }
 }
@@ -202,8 +235,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
     dims: &AttentionShape,
-    scale: f32,
-    causal: Option<i64>,
+    sc: &Scores,
 ) -> Result<(CudaStorage, CudaStorage)> {
     let dev: &CudaDevice = q.0.device();
     let dtype = q.0.dtype();
@@ -218,7 +250,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     // per call.
     let mut out: CudaSlice<T> = unsafe { dev.alloc::<T>(b * hq * nq * d) }?;
     let mut lse: CudaSlice<f32> = unsafe { dev.alloc::<f32>(b * hq * nq) }?;
-    let args = KernelArgs::new(dims, scale, causal)?;
+    let args = KernelArgs::new(dims, sc)?;
     let mma = use_mma(dtype, d, &[qa, ka, va]);
     let (name, cfg) = if mma {
         let smem = fwd_smem(d);
@@ -227,7 +259,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             block_dim: (MMA_THREADS, 1, 1),
             shared_mem_bytes: smem,
         };
-        (format!("cqsa_fwd_mma_{sfx}_d{d}"), cfg)
+        (format!("cqsa_fwd_mma_{}{sfx}_d{d}", args.cap_infix()), cfg)
     } else {
         let cfg = LaunchConfig {
             grid_dim: grid(nq.div_ceil(SIMPLE_WARPS as usize), hq, b)?,
@@ -267,13 +299,12 @@ fn forward_t<T: CudaDType + DeviceRepr>(
 pub(crate) fn backward(
     t: [(&CudaStorage, &Layout); 6],
     dims: &AttentionShape,
-    scale: f32,
-    causal: Option<i64>,
+    sc: &Scores,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
     match t[0].0.dtype() {
-        DType::F32 => backward_t::<f32>(t, dims, scale, causal),
-        DType::F16 => backward_t::<f16>(t, dims, scale, causal),
-        DType::BF16 => backward_t::<bf16>(t, dims, scale, causal),
+        DType::F32 => backward_t::<f32>(t, dims, sc),
+        DType::F16 => backward_t::<f16>(t, dims, sc),
+        DType::BF16 => backward_t::<bf16>(t, dims, sc),
         other => bail!("cqsa: no CUDA attention kernel for dtype {other:?}"),
     }
 }
@@ -299,8 +330,7 @@ struct Backward<'a, T> {
 fn backward_t<T: CudaDType + DeviceRepr>(
     t: [(&CudaStorage, &Layout); 6],
     dims: &AttentionShape,
-    scale: f32,
-    causal: Option<i64>,
+    sc: &Scores,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
     let dev: &CudaDevice = t[0].0.device();
     let dtype = t[0].0.dtype();
@@ -329,7 +359,7 @@ fn backward_t<T: CudaDType + DeviceRepr>(
         dev,
         sfx: suffix(dtype)?,
         dims: *dims,
-        args: KernelArgs::new(dims, scale, causal)?,
+        args: KernelArgs::new(dims, sc)?,
         q: qv,
         k: kv,
         v: vv,
@@ -388,7 +418,7 @@ impl<T: CudaDType + DeviceRepr> Backward<'_, T> {
         let mut dq_acc: CudaSlice<f32> = self.dev.alloc_zeros::<f32>(n)?;
         let smem = bwd_smem(d);
         let func = self.dev.get_or_load_custom_func(
-            &format!("cqsa_bwd_mma_{}_d{d}", self.sfx),
+            &format!("cqsa_bwd_mma_{}{}_d{d}", self.args.cap_infix(), self.sfx),
             module::ATTENTION,
             ATTENTION,
         )?;

@@ -56,6 +56,7 @@
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod mask;
 mod op;
 mod plan;
 mod shape;
@@ -63,7 +64,10 @@ mod stream;
 
 use candle_core::{bail, Device, Result, Tensor};
 
-pub use op::{attention_backward, attention_forward};
+pub use mask::Scores;
+pub use op::{
+    attention_backward, attention_backward_with, attention_forward, attention_forward_with,
+};
 pub use plan::{estimate, Budget, Mode, Plan};
 pub use shape::AttentionShape;
 
@@ -73,10 +77,33 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// Options of [`attention`]. `AttentionOpts::default()` is non-causal attention
 /// with scale `1/sqrt(head_dim)`, the mode chosen by the planner from the free
 /// memory of the inputs' device.
+///
+/// Masks, as in flash-attn: with `i' = i + seq_k - seq_q` (query `i` aligned
+/// bottom-right), key `j` is visible from query `i` iff
+/// `i' - window_left <= j <= i' + window_right`, a `None` window being no
+/// bound on that side, and `causal` meaning `window_right = 0`. A window of
+/// `seq_q + seq_k` or more hides nothing. A row that sees no key (possible with
+/// windows and with causal `seq_q > seq_k`) has output 0, log-sum-exp `-inf` and
+/// gradient 0. Every mask works with every head dim `1..=MAX_HEAD_DIM` and dtype,
+/// forward and backward, resident and streamed; on CUDA the tensor-core kernels
+/// (f16/bf16 at head dims 64 and 128) skip the key tiles a block cannot see, so a
+/// window `w` at `N` tokens costs `O(N w)`, and other head dims fall back to the
+/// simple kernels.
 #[derive(Debug, Clone, Default)]
 pub struct AttentionOpts {
     /// Causal mask, aligned bottom-right when `seq_q != seq_k` (see the crate docs).
+    /// Implies `window_right = 0`; any other `window_right` is an error.
     pub causal: bool,
+    /// Sliding window to the left: query `i` sees keys down to `i' - window_left`
+    /// (see above; `Some(0)`: none left of the diagonal). `None`: unbounded.
+    pub window_left: Option<usize>,
+    /// Sliding window to the right: query `i` sees keys up to `i' + window_right`.
+    /// `None`: unbounded (or 0 when `causal`).
+    pub window_right: Option<usize>,
+    /// Logit soft-capping (Gemma 2): every scaled score `s` becomes
+    /// `softcap * tanh(s / softcap)` before the mask and the softmax; the
+    /// backward multiplies by `1 - tanh^2`. Must be positive and finite.
+    pub softcap: Option<f32>,
     /// Multiplier of `q k^T`; `None` means `1 / sqrt(head_dim)`.
     pub scale: Option<f64>,
     /// Force resident or streamed execution; `Mode::Auto` lets the planner decide.
@@ -102,12 +129,6 @@ pub(crate) fn resolve_scale(scale: Option<f64>, d: usize) -> f32 {
     scale.unwrap_or(1.0 / (d as f64).sqrt()) as f32
 }
 
-/// The causal offset of the whole call: key `j` visible from query `i` iff
-/// `j <= i + offset`, with `offset = seq_k - seq_q` (bottom-right alignment).
-pub(crate) fn causal_offset(causal: bool, dims: &AttentionShape) -> Option<i64> {
-    causal.then_some(dims.nk as i64 - dims.nq as i64)
-}
-
 /// Exact attention `softmax(q k^T * scale + mask) v`, differentiable.
 ///
 /// `q`: `(batch, heads_q, seq_q, head_dim)`, `k`, `v`: `(batch, heads_kv, seq_k,
@@ -117,10 +138,12 @@ pub(crate) fn causal_offset(causal: bool, dims: &AttentionShape) -> Option<i64> 
 /// Runs resident (one custom op) when it fits the budget and streamed otherwise,
 /// per [`estimate`]; `opts.mode` can force either. Errors, before any work, on bad
 /// ranks, mixed dtypes, mismatched devices, head counts that do not divide, a
-/// head_dim of 0 or above [`MAX_HEAD_DIM`], or when nothing fits the budget.
+/// head_dim of 0 or above [`MAX_HEAD_DIM`], a `softcap` that is not positive and
+/// finite, `window_right` other than 0 with `causal`, or when nothing fits the
+/// budget.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Result<Tensor> {
     let shape = AttentionShape::of(q, k, v, opts.causal)?;
-    let dims = shape;
+    let scores = Scores::of(opts, &shape)?;
     let exec = opts.device.clone().unwrap_or_else(|| q.device().clone());
     let plan = if opts.mode == Mode::Resident {
         None
@@ -137,7 +160,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Re
                 b
             }
         };
-        Some(plan::plan(&shape, &budget, opts, exec.is_cuda())?)
+        Some(plan::plan(&shape, &scores, &budget, opts, exec.is_cuda())?)
     };
     let streamed = plan.as_ref().is_some_and(|p| p.mode == Mode::Streamed);
     let verbose = opts.verbose || std::env::var("CQSA_VERBOSE").is_ok_and(|v| v == "1");
@@ -149,8 +172,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Re
             let to = |t: &Tensor| t.to_device(&exec)?.contiguous();
             (to(q)?, to(k)?, to(v)?)
         };
-        let scale = resolve_scale(opts.scale, dims.d);
-        let o = op::apply(&qe, &ke, &ve, scale, causal_offset(opts.causal, &dims))?;
+        let o = op::apply(&qe, &ke, &ve, &scores)?;
         return if on_exec {
             Ok(o)
         } else {
@@ -163,5 +185,5 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Re
     if verbose {
         eprintln!("cqsa: {plan}");
     }
-    stream::attention(q, k, v, opts, &plan, &exec, verbose)
+    stream::attention(q, k, v, &scores, &plan, &exec, verbose)
 }

@@ -12,27 +12,19 @@ use candle_core::{
     bail, CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor,
 };
 
-use crate::{cpu, AttentionShape};
+use crate::{cpu, AttentionShape, Scores};
 
-/// The attention custom op for one call: scale, causal offset and the cell that
+/// The attention custom op for one call: its scores and mask, and the cell that
 /// carries the log-sum-exp from forward to backward.
 pub(crate) struct AttnOp {
-    scale: f32,
-    causal: Option<i64>,
+    scores: Scores,
     lse: Arc<Mutex<Option<Tensor>>>,
 }
 
 /// Applies the differentiable resident op to contiguous `(q, k, v)`.
-pub(crate) fn apply(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    scale: f32,
-    causal: Option<i64>,
-) -> Result<Tensor> {
+pub(crate) fn apply(q: &Tensor, k: &Tensor, v: &Tensor, scores: &Scores) -> Result<Tensor> {
     let op = AttnOp {
-        scale,
-        causal,
+        scores: *scores,
         lse: Arc::new(Mutex::new(None)),
     };
     q.apply_op3(k, v, op)
@@ -69,8 +61,7 @@ fn cpu_forward(
     (sq, lq): (&CpuStorage, &Layout),
     (sk, lk): (&CpuStorage, &Layout),
     (sv, lv): (&CpuStorage, &Layout),
-    scale: f32,
-    causal: Option<i64>,
+    scores: &Scores,
 ) -> Result<(CpuStorage, Vec<f32>, AttentionShape)> {
     let dims = dims_of(lq, lk, sq.dtype())?;
     let (q, k, v) = (
@@ -78,7 +69,7 @@ fn cpu_forward(
         cpu::to_f32(sk, lk)?,
         cpu::to_f32(sv, lv)?,
     );
-    let (o, lse) = cpu::forward(&q, &k, &v, &dims, scale, causal);
+    let (o, lse) = cpu::forward(&q, &k, &v, &dims, scores);
     Ok((cpu::from_f32(o, sq)?, lse, dims))
 }
 
@@ -96,7 +87,7 @@ impl CustomOp3 for AttnOp {
         sv: &CpuStorage,
         lv: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (o, lse, dims) = cpu_forward((sq, lq), (sk, lk), (sv, lv), self.scale, self.causal)?;
+        let (o, lse, dims) = cpu_forward((sq, lq), (sk, lk), (sv, lv), &self.scores)?;
         let lse = Tensor::from_vec(lse, lse_shape(&dims), &Device::Cpu)?;
         *self.lse.lock().map_err(poisoned)? = Some(lse);
         Ok((o, lq.shape().clone()))
@@ -113,8 +104,7 @@ impl CustomOp3 for AttnOp {
         lv: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = dims_of(lq, lk, sq.dtype())?;
-        let (o, lse) =
-            crate::cuda::forward((sq, lq), (sk, lk), (sv, lv), &dims, self.scale, self.causal)?;
+        let (o, lse) = crate::cuda::forward((sq, lq), (sk, lk), (sv, lv), &dims, &self.scores)?;
         let lse = Tensor::from_storage(
             Storage::Cuda(lse),
             lse_shape(&dims),
@@ -137,7 +127,7 @@ impl CustomOp3 for AttnOp {
         let Some(lse) = lse else {
             bail!("cqsa: backward called before forward kept its log-sum-exp")
         };
-        let (dq, dk, dv) = attention_backward(q, k, v, o, grad_o, &lse, self.scale, self.causal)?;
+        let (dq, dk, dv) = attention_backward_with(q, k, v, o, grad_o, &lse, &self.scores)?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }
@@ -149,6 +139,7 @@ impl CustomOp3 for AttnOp {
 /// `causal_offset`: `None` for no mask, `Some(off)` to let query `i` see key `j`
 /// iff `j <= i + off` (the full causal call uses `off = seq_k - seq_q`). This is
 /// the building block of the streamed mode, where chunks use other offsets.
+/// [`attention_forward_with`] takes any [`Scores`] (windows, soft-capping).
 pub fn attention_forward(
     q: &Tensor,
     k: &Tensor,
@@ -156,21 +147,37 @@ pub fn attention_forward(
     scale: f32,
     causal_offset: Option<i64>,
 ) -> Result<(Tensor, Tensor)> {
-    let dims = AttentionShape::of(q, k, v, causal_offset.is_some())?;
+    let scores = Scores {
+        hi: causal_offset,
+        ..Scores::dense(scale)
+    };
+    attention_forward_with(q, k, v, &scores)
+}
+
+/// [`attention_forward`] with the scores and mask of `scores`: key `j` visible
+/// from query `i` iff `i + lo <= j <= i + hi`, scores soft-capped when
+/// `scores.softcap` is set.
+pub fn attention_forward_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scores: &Scores,
+) -> Result<(Tensor, Tensor)> {
+    let dims = AttentionShape::of(q, k, v, scores.hi.is_some())?;
+    scores.check()?;
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let (sq, lq) = q.storage_and_layout();
     let (sk, lk) = k.storage_and_layout();
     let (sv, lv) = v.storage_and_layout();
     match (&*sq, &*sk, &*sv) {
         (Storage::Cpu(a), Storage::Cpu(b), Storage::Cpu(c)) => {
-            let (o, lse, _) = cpu_forward((a, lq), (b, lk), (c, lv), scale, causal_offset)?;
+            let (o, lse, _) = cpu_forward((a, lq), (b, lk), (c, lv), scores)?;
             let o = Tensor::from_storage(Storage::Cpu(o), q.shape(), BackpropOp::none(), false);
             Ok((o, Tensor::from_vec(lse, lse_shape(&dims), &Device::Cpu)?))
         }
         #[cfg(feature = "cuda")]
         (Storage::Cuda(a), Storage::Cuda(b), Storage::Cuda(c)) => {
-            let (o, lse) =
-                crate::cuda::forward((a, lq), (b, lk), (c, lv), &dims, scale, causal_offset)?;
+            let (o, lse) = crate::cuda::forward((a, lq), (b, lk), (c, lv), &dims, scores)?;
             let o = Tensor::from_storage(Storage::Cuda(o), q.shape(), BackpropOp::none(), false);
             let lse = Tensor::from_storage(
                 Storage::Cuda(lse),
@@ -203,7 +210,26 @@ pub fn attention_backward(
     scale: f32,
     causal_offset: Option<i64>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let dims = AttentionShape::of(q, k, v, causal_offset.is_some())?;
+    let scores = Scores {
+        hi: causal_offset,
+        ..Scores::dense(scale)
+    };
+    attention_backward_with(q, k, v, o, grad_o, lse, &scores)
+}
+
+/// [`attention_backward`] with the scores and mask of `scores` (the same as
+/// the forward's, see [`attention_forward_with`]).
+pub fn attention_backward_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    grad_o: &Tensor,
+    lse: &Tensor,
+    scores: &Scores,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dims = AttentionShape::of(q, k, v, scores.hi.is_some())?;
+    scores.check()?;
     if o.dims() != q.dims() || grad_o.dims() != q.dims() {
         bail!(
             "cqsa: {} and {} must have the shape of {}",
@@ -245,8 +271,15 @@ pub fn attention_backward(
         ) => {
             let (qf, kf, vf) = (cpu::to_f32(cq, lq)?, cpu::to_f32(ck, lk)?, cpu::to_f32(cv, lv)?);
             let (of, gf, lf) = (cpu::to_f32(co, lo)?, cpu::to_f32(cg, lg)?, cpu::to_f32(cl, ll)?);
-            let (dq, dk, dv) =
-                cpu::backward(&qf, &kf, &vf, &of, &gf, &lf, &dims, scale, causal_offset);
+            let inputs = cpu::BackwardInputs {
+                q: &qf,
+                k: &kf,
+                v: &vf,
+                o: &of,
+                g: &gf,
+                lse: &lf,
+            };
+            let (dq, dk, dv) = cpu::backward(&inputs, &dims, scores);
             let wrap = |x: Vec<f32>, shape: &Shape| -> Result<Tensor> {
                 Ok(Tensor::from_storage(
                     Storage::Cpu(cpu::from_f32(x, cq)?),
@@ -269,8 +302,7 @@ pub fn attention_backward(
             let (dq, dk, dv) = crate::cuda::backward(
                 [(cq, lq), (ck, lk), (cv, lv), (co, lo), (cg, lg), (cl, ll)],
                 &dims,
-                scale,
-                causal_offset,
+                scores,
             )?;
             Ok((
                 Tensor::from_storage(Storage::Cuda(dq), q.shape(), none(), false),

@@ -21,7 +21,8 @@ use std::fmt;
 
 use candle_core::{bail, DType, Device, Result};
 
-use crate::{AttentionOpts, AttentionShape};
+use crate::mask::Coverage;
+use crate::{AttentionOpts, AttentionShape, Scores};
 
 /// How a call runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -168,18 +169,36 @@ impl fmt::Display for Plan {
 }
 
 /// Number of (query chunk, key chunk) pairs that see at least one key.
-fn count_subproblems(s: &AttentionShape, cq: usize, ck: usize) -> usize {
-    let off = s.nk as i64 - s.nq as i64;
+fn count_subproblems(s: &AttentionShape, sc: &Scores, cq: usize, ck: usize) -> usize {
     let mut n = 0;
     for i0 in (0..s.nq).step_by(cq) {
         let i1 = (i0 + cq).min(s.nq);
         for j0 in (0..s.nk).step_by(ck) {
-            if !s.causal || (j0 as i64) <= i1 as i64 - 1 + off {
+            let j1 = (j0 + ck).min(s.nk);
+            if sc.shifted(i0, j0).coverage(i1 - i0, j1 - j0) != Coverage::Nothing {
                 n += 1;
             }
         }
     }
     n
+}
+
+/// Forward FLOPs of the call: [`AttentionShape::forward_flops`] for unmasked and
+/// causal calls, `4 b hq d` per visible (query, key) pair with a window.
+fn work_flops(s: &AttentionShape, sc: &Scores) -> f64 {
+    if sc.lo.is_none() && (sc.hi.is_none() || s.causal) {
+        s.forward_flops()
+    } else {
+        4.0 * (s.b * s.hq * s.d) as f64 * sc.visible_pairs(s.nq, s.nk) as f64
+    }
+}
+
+/// The band of a call of shape `s` without options: causal or nothing.
+fn shape_scores(s: &AttentionShape) -> Scores {
+    Scores {
+        hi: s.causal.then_some(s.nk as i64 - s.nq as i64),
+        ..Scores::dense(1.0)
+    }
 }
 
 /// Nominal forward FLOP/s of a device for a dtype (see the module docs).
@@ -194,10 +213,10 @@ fn nominal_flops(s: &AttentionShape, cuda: bool) -> f64 {
     }
 }
 
-fn streamed_with(s: &AttentionShape, cq: usize, ck: usize, cuda: bool) -> Plan {
+fn streamed_with(s: &AttentionShape, sc: &Scores, cq: usize, ck: usize, cuda: bool) -> Plan {
     let cq = cq.clamp(1, s.nq);
     let ck = ck.clamp(1, s.nk);
-    let subproblems = count_subproblems(s, cq, ck);
+    let subproblems = count_subproblems(s, sc, cq, ck);
     let e = s.elem();
     // Every subproblem moves its key chunk; every query chunk moves once.
     let h2d = subproblems * ck * s.b * s.hkv * s.d * 2 * e + s.nq * s.b * s.hq * s.d * e;
@@ -217,7 +236,7 @@ fn streamed_with(s: &AttentionShape, cq: usize, ck: usize, cuda: bool) -> Plan {
         device_bytes: s.chunk_bytes(cq, ck, true),
         resident_bytes: s.resident_bytes(),
         host_bytes: 2 * io + acc + staging,
-        forward_seconds: (s.forward_flops() / nominal_flops(s, cuda)).max(h2d as f64 / 25e9),
+        forward_seconds: (work_flops(s, sc) / nominal_flops(s, cuda)).max(h2d as f64 / 25e9),
     }
 }
 
@@ -227,6 +246,7 @@ fn streamed_with(s: &AttentionShape, cq: usize, ck: usize, cuda: bool) -> Plan {
 /// 16-row chunks do not fit.
 fn choose(
     s: &AttentionShape,
+    sc: &Scores,
     budget: &Budget,
     cuda: bool,
     opts: Option<&AttentionOpts>,
@@ -244,7 +264,7 @@ fn choose(
             device_bytes: resident,
             resident_bytes: resident,
             host_bytes: 0,
-            forward_seconds: s.forward_flops() / nominal_flops(s, cuda),
+            forward_seconds: work_flops(s, sc) / nominal_flops(s, cuda),
         });
     }
     let (mut cq, mut ck) = (s.nq, s.nk);
@@ -288,7 +308,7 @@ fn choose(
     }
     // Round chunks down to a multiple of 64 (a kernel tile) when large enough.
     let round = |c: usize| if c > 64 { c / 64 * 64 } else { c };
-    let plan = streamed_with(s, round(cq), round(ck), cuda);
+    let plan = streamed_with(s, sc, round(cq), round(ck), cuda);
     if plan.host_bytes > budget.host_bytes {
         bail!(
             "cqsa: nothing fits: streamed mode holds {} host bytes, the host budget is {} bytes",
@@ -305,15 +325,16 @@ fn choose(
 /// `budget.device_bytes` came from one; here it assumes CUDA when the crate is
 /// built with the `cuda` feature.
 pub fn estimate(s: &AttentionShape, budget: &Budget) -> Result<Plan> {
-    choose(s, budget, cfg!(feature = "cuda"), None)
+    choose(s, &shape_scores(s), budget, cfg!(feature = "cuda"), None)
 }
 
 /// The plan [`crate::attention`] uses for `opts` on its compute device.
 pub(crate) fn plan(
     s: &AttentionShape,
+    sc: &Scores,
     budget: &Budget,
     opts: &AttentionOpts,
     cuda: bool,
 ) -> Result<Plan> {
-    choose(s, budget, cuda, Some(opts))
+    choose(s, sc, budget, cuda, Some(opts))
 }

@@ -13,9 +13,10 @@
 //! `dKj`, `dVj`; dK/dV accumulate on the device in f32 across query chunks, dQ in
 //! host f32 memory across key chunks.
 //!
-//! A causal subproblem uses the offset of its chunk pair: key `j0 + c` is visible
-//! from query `i0 + r` iff `c <= r + (i0 + seq_k - seq_q - j0)`; pairs that see
-//! nothing are skipped, pairs that see everything run unmasked.
+//! A masked subproblem uses the band of its chunk pair (`Scores::shifted`): key
+//! `j0 + c` is visible from query `i0 + r` iff `r + lo + i0 - j0 <= c <= r + hi +
+//! i0 - j0`; pairs that see nothing are skipped, pairs that see everything run
+//! unmasked (soft-capping, when on, applies to every pair).
 //!
 //! Results come back to host f32 buffers through the same `Feed`: the merged
 //! output and log-sum-exp once per query chunk (forward), dq once per subproblem
@@ -45,24 +46,24 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use crate::op::{attention_backward, attention_forward};
-use crate::{causal_offset, cpu, resolve_scale, AttentionOpts, AttentionShape, Plan};
+use crate::mask::Coverage;
+use crate::op::{attention_backward_with, attention_forward_with};
+use crate::{cpu, AttentionShape, Plan, Scores};
 
 /// Runs `attention` in streamed mode per `plan`, computing on `exec`.
 pub(crate) fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    opts: &AttentionOpts,
+    scores: &Scores,
     plan: &Plan,
     exec: &Device,
     verbose: bool,
 ) -> Result<Tensor> {
-    let dims = AttentionShape::of(q, k, v, opts.causal)?;
+    let dims = AttentionShape::of(q, k, v, scores.hi.is_some())?;
     let op = StreamOp {
         dims,
-        scale: resolve_scale(opts.scale, dims.d),
-        causal: causal_offset(opts.causal, &dims),
+        scores: *scores,
         q_chunk: plan.q_chunk.max(1),
         kv_chunk: plan.kv_chunk.max(1),
         exec: exec.clone(),
@@ -88,8 +89,7 @@ pub(crate) fn attention(
 /// The streamed attention op over host tensors.
 struct StreamOp {
     dims: AttentionShape,
-    scale: f32,
-    causal: Option<i64>,
+    scores: Scores,
     q_chunk: usize,
     kv_chunk: usize,
     exec: Device,
@@ -206,27 +206,6 @@ fn merge(o1: &Tensor, l1: &Tensor, o2: &Tensor, l2: &Tensor) -> Result<(Tensor, 
     Ok((o, lse))
 }
 
-/// Causal offset of the chunk pair `(i0..i1, j0..j1)`: `Err(())` when it sees
-/// nothing, `Ok(None)` when it sees everything, `Ok(Some(off))` otherwise.
-#[allow(clippy::result_unit_err)]
-fn pair_offset(
-    causal: Option<i64>,
-    i0: usize,
-    i1: usize,
-    j0: usize,
-    j1: usize,
-) -> std::result::Result<Option<i64>, ()> {
-    let Some(off) = causal else { return Ok(None) };
-    let local = i0 as i64 + off - j0 as i64; // key c visible from row r iff c <= r + local
-    if local + (i1 - i0) as i64 - 1 < 0 {
-        Err(())
-    } else if (j1 - j0) as i64 - 1 <= local {
-        Ok(None)
-    } else {
-        Ok(Some(local))
-    }
-}
-
 struct Progress {
     on: bool,
     what: &'static str,
@@ -275,7 +254,7 @@ impl StreamOp {
         (0..n).step_by(c).map(|a| (a, (a + c).min(n))).collect()
     }
 
-    /// The chunk pairs that see at least one key, with their causal offsets;
+    /// The chunk pairs that see at least one key, with their bands;
     /// query-major (`by_query`) for the forward, key-major for the backward.
     fn pairs(&self, by_query: bool) -> Vec<Pair> {
         let AttentionShape { nq, nk, .. } = self.dims;
@@ -288,9 +267,17 @@ impl StreamOp {
         for &a in outer {
             for &b in inner {
                 let (q, k) = if by_query { (a, b) } else { (b, a) };
-                if let Ok(off) = pair_offset(self.causal, q.0, q.1, k.0, k.1) {
-                    out.push(Pair { q, k, off });
-                }
+                let band = self.scores.shifted(q.0, k.0);
+                let scores = match band.coverage(q.1 - q.0, k.1 - k.0) {
+                    Coverage::Nothing => continue,
+                    Coverage::Everything => Scores {
+                        lo: None,
+                        hi: None,
+                        ..band
+                    },
+                    Coverage::Part => band,
+                };
+                out.push(Pair { q, k, scores });
             }
         }
         out
@@ -302,7 +289,9 @@ impl StreamOp {
 struct Pair {
     q: (usize, usize),
     k: (usize, usize),
-    off: Option<i64>,
+    /// The pair's scores: the call's band shifted to the pair, or none at all
+    /// when the pair sees every key.
+    scores: Scores,
 }
 
 /// Moves row chunks of host storages to the compute device, and result chunks
@@ -513,7 +502,7 @@ impl CustomOp3 for StreamOp {
             };
             let kc = feed.get(k, pair.k.0, pair.k.1)?;
             let vc = feed.get(v, pair.k.0, pair.k.1)?;
-            let (o, l) = attention_forward(&qt, &kc, &vc, self.scale, pair.off)?;
+            let (o, l) = attention_forward_with(&qt, &kc, &vc, &pair.scores)?;
             let o = o.to_dtype(DType::F32)?;
             acc = Some(match acc.take() {
                 None => (o, l),
@@ -658,7 +647,7 @@ impl StreamOp {
             let gc = feed.get(gs, i0, i1)?;
             let lc = feed.get(ls, i0, i1)?.squeeze(3)?;
             let (dqc, dkc, dvc) =
-                attention_backward(&qc, &kc, &vc, &oc, &gc, &lc, self.scale, pair.off)?;
+                attention_backward_with(&qc, &kc, &vc, &oc, &gc, &lc, &pair.scores)?;
             let (dkc, dvc) = (dkc.to_dtype(DType::F32)?, dvc.to_dtype(DType::F32)?);
             acc = Some(match acc.take() {
                 None => (dkc, dvc),
