@@ -21,6 +21,12 @@
 //!
 //! Beside the JSON file an SVG plot (same name, `.svg`) shows TFLOP/s against N.
 //!
+//! - `CQSA_BENCH_MASKED=0`: skip the masked rows (on by default): a sliding
+//!   window `window:W` (causal, `window_left = W`) at `N` tokens against a dense
+//!   causal call of `W` tokens repeated `N / W` times, the work the window should
+//!   cost (CUDA: W = 4096, N = 32768; CPU: 64 and 512). FLOPs of a masked call:
+//!   `4 B H D` per visible (query, key) pair, forward+backward 3.5x that.
+//!
 //! - `CQSA_BENCH_OOC_BWD=1`: also the streamed backward (CUDA only): causal
 //!   forward+backward through autograd at `CQSA_OOC_BWD_N` tokens (default
 //!   131,072) from host memory under a budget of `CQSA_OOC_BWD_BUDGET_GIB`
@@ -36,7 +42,10 @@ use std::time::Instant;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var, D};
-use cqsa::{attention, attention_backward, attention_forward, AttentionOpts, Mode};
+use cqsa::{
+    attention, attention_backward, attention_backward_with, attention_forward,
+    attention_forward_with, AttentionOpts, AttentionShape, Mode, Scores,
+};
 use serde_json::{json, Value};
 
 /// One call's time, median over the repeats: by device events where there are
@@ -260,6 +269,9 @@ fn main() -> Result<()> {
         "rows": rows,
     });
     let on = |var: &str| std::env::var(var).is_ok_and(|v| v == "1");
+    if std::env::var("CQSA_BENCH_MASKED").map_or(true, |v| v != "0") {
+        report["masked"] = masked_rows(&dev, dtype, (b, h, d), reps)?;
+    }
     if gpu && on("CQSA_BENCH_OOC_BWD") {
         streamer_core::trim_device_memory(&dev)?;
         report["out_of_core_backward"] = out_of_core_backward(&dev)?;
@@ -568,5 +580,78 @@ fn out_of_core(dev: &Device) -> Result<Value> {
         "seconds": secs, "tflops": flops / secs / 1e12,
         "peak_device_gib": peak as f64 / (1u64 << 30) as f64,
         "rel_err_first_rows": err_first, "rel_err_last_rows": err_last, "slice_rows": slice,
+    }))
+}
+
+/// The masked rows: a causal sliding window `window:W` at `N` tokens, and a
+/// dense causal call at `W` tokens, whose time times `N / W` is what the window
+/// should cost (the window's work is about `N / W` causal `W`-token calls).
+/// FLOPs of a masked call are `4 B H D` per visible (query, key) pair.
+fn masked_rows(
+    dev: &Device,
+    dtype: DType,
+    (b, h, d): (usize, usize, usize),
+    reps: usize,
+) -> Result<Value> {
+    let (w, n) = if dev.is_cuda() {
+        (4096, 32768)
+    } else {
+        (64, 512)
+    };
+    let mut rows = Vec::new();
+    let mut times = Vec::new();
+    for (mask, n, window) in [
+        (format!("window:{w}"), n, Some(w)),
+        ("none".to_string(), w, None),
+    ] {
+        let rnd = || -> Result<Tensor> {
+            Ok(Tensor::randn(0f32, 1.0, (b, h, n, d), dev)?.to_dtype(dtype)?)
+        };
+        let (q, k, v, g) = (rnd()?, rnd()?, rnd()?, rnd()?);
+        let opts = AttentionOpts {
+            causal: true,
+            window_left: window,
+            mode: Mode::Resident,
+            ..Default::default()
+        };
+        let shape = AttentionShape::of(&q, &k, &v, true)?;
+        let scores = Scores::of(&opts, &shape)?;
+        let fwd_flops = 4.0 * (b * h * d) as f64 * scores.visible_pairs(n, n) as f64;
+        let fwd = median_ms(dev, 2, reps, || {
+            attention(&q, &k, &v, &opts)?;
+            Ok(())
+        })?;
+        let fb = median_ms(dev, 1, reps, || {
+            let (o, lse) = attention_forward_with(&q, &k, &v, &scores)?;
+            attention_backward_with(&q, &k, &v, &o, &g, &lse, &scores)?;
+            Ok(())
+        })?;
+        println!(
+            "masked {mask:>12} N={n:>6} causal | fwd {:.3} ms {:.1} TF/s | f+b {:.3} ms {:.1} TF/s",
+            fwd.gpu,
+            fwd_flops / (fwd.gpu * 1e-3) / 1e12,
+            fb.gpu,
+            3.5 * fwd_flops / (fb.gpu * 1e-3) / 1e12
+        );
+        times.push((fwd.gpu, fb.gpu, n));
+        rows.push(json!({
+            "system": "cqsa", "n": n, "b": b, "h": h, "d": d, "dtype": format!("{dtype:?}"),
+            "causal": true, "mask": mask, "visible_pairs": scores.visible_pairs(n, n),
+            "fwd_ms": fwd.gpu, "fwdbwd_ms": fb.gpu,
+            "fwd_tflops": tflops(fwd_flops, Some(fwd.gpu)),
+            "fwdbwd_tflops": tflops(3.5 * fwd_flops, Some(fb.gpu)),
+        }));
+    }
+    // The window's time over N / W dense causal W-token calls (target <= 1.2).
+    let blocks = (times[0].2 / times[1].2) as f64;
+    let ratio_fwd = times[0].0 / (blocks * times[1].0);
+    let ratio_fb = times[0].1 / (blocks * times[1].1);
+    println!(
+        "masked: window / ({blocks} x dense causal {w}): fwd {ratio_fwd:.3}, fwd+bwd {ratio_fb:.3}"
+    );
+    Ok(json!({
+        "flops_convention": "masked calls: 4*B*H*D per visible (query, key) pair (forward), forward+backward 3.5x forward; the dense causal row by the same count (about 4*B*H*N^2*D/2)",
+        "rows": rows,
+        "window_over_dense_blocks": { "blocks": blocks, "fwd": ratio_fwd, "fwdbwd": ratio_fb },
     }))
 }
