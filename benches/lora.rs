@@ -1,0 +1,217 @@
+//! LoRA against full fine-tuning of the same streamed model: tokens/s, peak
+//! device memory and host memory. Both stream the decoder layers through a
+//! window of device slots from f32 host masters; full fine-tuning steps AdamW
+//! on the host over every weight (overlapped with backward, `LmTrainer`), LoRA
+//! freezes the base (no gradient transfer) and steps candle-nn AdamW on the
+//! device over the adapters only.
+//!
+//!     cargo bench --bench lora [--features cuda]
+//!
+//! `LORA_BENCH=8b,3b` picks the models (GPU default; CPU default `tiny`): `8b`
+//! has Llama 3.1 8B's shapes and real-size vocabulary (128256, llama3 rope) with
+//! random weights in the real layout, `3b` is the preset of that name.
+//! `LORA_BENCH_MODES` (default `lora,full`), `LORA_BENCH_R` (16),
+//! `LORA_BENCH_TARGETS` (`q_proj,k_proj,v_proj,o_proj`), `LORA_BENCH_BATCH` /
+//! `LORA_BENCH_SEQ` (8 x 2048 on a GPU), `LORA_BENCH_STEPS` (3 timed after 1
+//! warm-up), `LORA_BENCH_WINDOW` (2 layers on the device). Full fine-tuning of
+//! `8b` holds about 16 bytes a parameter on the host (masters, AdamW moments,
+//! gradients): 128 GiB, more than a one-GPU machine of 128 GiB has; LoRA needs
+//! the masters only.
+//!
+//! Writes `benches/results/lora-<device>.json`.
+#[path = "common/mod.rs"]
+mod common;
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device};
+use candle_nn::{Optimizer, ParamsAdamW};
+use std::time::Instant;
+use streamer_core::StreamConfig;
+use streamer_models::{
+    init_weights, ByteCorpus, Llama, LlamaConfig, LmTrainer, LoraAdapters, LoraConfig, RopeScaling,
+};
+
+fn env_or(key: &str, default: usize) -> usize {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Llama 3.1 8B's shapes: 32 layers of width 4096, 32 heads of 128 over 8
+/// key-value heads, MLP 14336, vocabulary 128256, llama3 rope scaling.
+fn llama31_8b() -> LlamaConfig {
+    LlamaConfig {
+        intermediate_size: 14336,
+        vocab_size: 128256,
+        rope_theta: 500_000.0,
+        max_position_embeddings: 131072,
+        rope_scaling: Some(RopeScaling {
+            rope_type: "llama3".into(),
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        }),
+        ..LlamaConfig::bytes(4096, 32, 32, 8)
+    }
+}
+
+fn config(name: &str) -> Result<LlamaConfig> {
+    Ok(match name {
+        "8b" => llama31_8b(),
+        other => LlamaConfig::preset(other)?,
+    })
+}
+
+struct Measured {
+    step_s: Vec<f64>,
+    loss: Vec<f32>,
+    peak_device: usize,
+    host_rss: usize,
+}
+
+/// Runs `1 + steps` steps of `step` (the first untimed) on the corpus.
+fn measure(
+    dev: &Device,
+    data: &ByteCorpus,
+    (batch, seq, steps): (usize, usize, usize),
+    mut step: impl FnMut(&candle_core::Tensor, &candle_core::Tensor) -> Result<f32>,
+) -> Result<Measured> {
+    streamer_core::trim_device_memory(dev)?;
+    let base = common::used_now(dev);
+    let sampler = common::MemSampler::start(dev);
+    let (mut step_s, mut loss) = (Vec::new(), Vec::new());
+    for s in 0..steps + 1 {
+        let (x, y) = data.batch(0, s as u64, batch, seq, dev)?;
+        dev.synchronize()?;
+        let t = Instant::now();
+        loss.push(step(&x, &y)?);
+        dev.synchronize()?;
+        if s > 0 {
+            step_s.push(t.elapsed().as_secs_f64());
+        }
+        println!("  step {s}: {:.3} s", t.elapsed().as_secs_f64());
+    }
+    Ok(Measured {
+        step_s,
+        loss,
+        peak_device: common::MemSampler::finish(sampler).saturating_sub(base),
+        host_rss: common::host_rss().0,
+    })
+}
+
+fn run(
+    name: &str,
+    mode: &str,
+    dev: &Device,
+    shape: (usize, usize, usize),
+) -> Result<serde_json::Value> {
+    let cfg = config(name)?;
+    let dtype = if dev.is_cuda() {
+        DType::BF16
+    } else {
+        DType::F32
+    };
+    let stream = StreamConfig {
+        device: dev.clone(),
+        prefetch_ahead: env_or("LORA_BENCH_WINDOW", 2).max(1) - 1,
+        dtype,
+        master_dtype: Some(DType::F32),
+        ..Default::default()
+    };
+    let data = ByteCorpus::from_file("data/corpus.txt")
+        .unwrap_or_else(|_| ByteCorpus::new((0..1 << 20).map(|i| (i * 31 % 251) as u8).collect()));
+    let model = Llama::from_tensors(init_weights(&cfg, 0)?, &cfg, stream)?.into_trainable()?;
+    let lr = 1e-4;
+    let (m, trainable) = match mode {
+        "full" => {
+            let mut t = LmTrainer::new(
+                model,
+                ParamsAdamW {
+                    lr,
+                    ..Default::default()
+                },
+            )?;
+            t.set_overlap(true);
+            (
+                measure(dev, &data, shape, |x, y| Ok(t.step(x, y)?))?,
+                cfg.num_params(),
+            )
+        }
+        "lora" => {
+            let targets = std::env::var("LORA_BENCH_TARGETS")
+                .unwrap_or_else(|_| "q_proj,k_proj,v_proj,o_proj".into());
+            let targets: Vec<&str> = targets.split(',').collect();
+            let r = env_or("LORA_BENCH_R", 16);
+            let lcfg = LoraConfig::new(r, 2.0 * r as f64, 0.0, &targets)?;
+            model.set_lora(Some(LoraAdapters::init(&lcfg, &cfg, dev, 0)?))?;
+            let vars: Vec<_> = model.lora()?.map(|a| a.vars()).unwrap_or_default();
+            let n = vars.iter().map(|(_, v)| v.elem_count()).sum();
+            let mut opt = candle_nn::AdamW::new(
+                vars.into_iter().map(|(_, v)| v).collect(),
+                ParamsAdamW {
+                    lr,
+                    ..Default::default()
+                },
+            )?;
+            let m = measure(dev, &data, shape, |x, y| {
+                let loss = model.loss(x, y)?;
+                opt.step(&model.backward(&loss)?)?;
+                model.zero_grad()?;
+                Ok(loss.to_scalar::<f32>()?)
+            })?;
+            (m, n)
+        }
+        other => bail!("unknown LORA_BENCH_MODES entry {other:?} (lora or full)"),
+    };
+    let mut s = m.step_s.clone();
+    s.sort_by(f64::total_cmp);
+    let median = s[s.len() / 2];
+    let tokens = (shape.0 * shape.1) as f64 / median;
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    println!(
+        "{name} {mode}: {median:.3} s a step, {tokens:.0} tokens/s, peak device {:.2} GiB, host RSS {:.2} GiB, {trainable} trainable, loss {:?}",
+        gib(m.peak_device),
+        gib(m.host_rss),
+        m.loss
+    );
+    Ok(serde_json::json!({
+        "model": name, "mode": mode, "params": cfg.num_params(), "trainable_params": trainable,
+        "batch": shape.0, "seq": shape.1, "step_s_median": median, "step_s": m.step_s,
+        "tokens_per_s": tokens, "peak_device_gib": gib(m.peak_device), "host_rss_gib": gib(m.host_rss),
+        "dtype": format!("{dtype:?}"), "losses": m.loss,
+    }))
+}
+
+fn main() -> Result<()> {
+    let dev = common::device();
+    let gpu = dev.is_cuda();
+    let models =
+        std::env::var("LORA_BENCH").unwrap_or_else(|_| if gpu { "8b,3b" } else { "tiny" }.into());
+    let modes = std::env::var("LORA_BENCH_MODES").unwrap_or_else(|_| "lora,full".into());
+    let shape = (
+        env_or("LORA_BENCH_BATCH", if gpu { 8 } else { 4 }),
+        env_or("LORA_BENCH_SEQ", if gpu { 2048 } else { 64 }),
+        env_or("LORA_BENCH_STEPS", 3).max(1),
+    );
+    let mut rows = Vec::new();
+    for name in models.split(',') {
+        for mode in modes.split(',') {
+            println!("{name} {mode}: batch {} x {} tokens", shape.0, shape.1);
+            // One row per run, so that a failure (out of memory) leaves the others.
+            match run(name, mode, &dev, shape) {
+                Ok(r) => rows.push(r),
+                Err(e) => {
+                    println!("{name} {mode}: failed: {e}");
+                    rows.push(
+                        serde_json::json!({"model": name, "mode": mode, "error": e.to_string()}),
+                    );
+                }
+            }
+            let path = common::results_path(&format!("lora-{}.json", common::device_tag(&dev)));
+            std::fs::write(&path, serde_json::to_string_pretty(&rows)?)?;
+        }
+    }
+    Ok(())
+}
