@@ -196,3 +196,54 @@ fn fused_ops_reject_bad_shapes(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(fused_ops_reject_bad_shapes);
+
+/// `streamer_models::embedding`: rows as candle-nn's `Embedding`, and the
+/// table's gradient (repeated ids included: every id of a small vocabulary
+/// appears many times) against an f64 scatter-add.
+fn embedding_matches_reference(dev: &Device) -> Result<()> {
+    let (vocab, hidden, b, t) = (11, 40, 3, 29);
+    let ids: Vec<u32> = (0..(b * t) as u32)
+        .map(|i| (i * 7 + i / 5) % vocab as u32)
+        .collect();
+    let table64 = Tensor::randn(0f64, 1.0, (vocab, hidden), &Device::Cpu)?;
+    let g64 = Tensor::randn(0f64, 1.0, (b, t, hidden), &Device::Cpu)?;
+    let gv: Vec<f64> = g64.flatten_all()?.to_vec1()?;
+    let mut want = vec![0f64; vocab * hidden];
+    for (k, &id) in ids.iter().enumerate() {
+        for j in 0..hidden {
+            want[id as usize * hidden + j] += gv[k * hidden + j];
+        }
+    }
+    let want = Tensor::from_vec(want, (vocab, hidden), &Device::Cpu)?;
+    let ids_t = Tensor::from_vec(ids.clone(), (b, t), dev)?;
+    for (dt, tol) in [(DType::F32, 1e-6), (DType::BF16, 8e-3)] {
+        let table = Var::from_tensor(&table64.to_dtype(dt)?.to_device(dev)?)?;
+        let rows = streamer_models::embedding(table.as_tensor(), &ids_t)?;
+        ensure!(
+            rows.dims() == [b, t, hidden] && rows.dtype() == dt,
+            "{:?}",
+            rows.dims()
+        );
+        let plain = candle_nn::Embedding::new(table.as_tensor().clone(), hidden).forward(&ids_t)?;
+        ensure!(
+            max_rel(&rows, &plain)? == 0.0,
+            "{dt:?}: rows differ from candle-nn's"
+        );
+        let g = g64.to_dtype(DType::F32)?.to_device(dev)?;
+        let grads = (rows.to_dtype(DType::F32)? * &g)?.sum_all()?.backward()?;
+        let got = grads.get(table.as_tensor()).expect("table gradient");
+        ensure!(got.dtype() == dt, "gradient dtype {:?}", got.dtype());
+        let e = max_rel(got, &want)?;
+        ensure!(e <= tol, "{dt:?}: table gradient error {e:e} > {tol:e}");
+    }
+    let bad = Tensor::from_vec(vec![0u32, vocab as u32], 2, dev)?;
+    let table = Tensor::zeros((vocab, hidden), DType::F32, dev)?;
+    if dev.is_cpu() {
+        let e = streamer_models::embedding(&table, &bad).expect_err("id past the vocabulary");
+        ensure!(e.to_string().contains("token id 11 at position 1"), "{e}");
+    }
+    let e = streamer_models::embedding(&table, &bad.to_dtype(DType::I64)?).expect_err("i64 ids");
+    ensure!(e.to_string().contains("u32"), "{e}");
+    Ok(())
+}
+candle_streamer::test_device!(embedding_matches_reference);

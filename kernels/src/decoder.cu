@@ -185,3 +185,25 @@ __device__ void ce_bwd(const T* __restrict__ x, const uint32_t* __restrict__ t,
 CE(__nv_bfloat16, bf16)
 CE(__half, f16)
 CE(float, f32)
+
+// Embedding backward: acc[ids[t], :] += g[t, :] in f32 with atomics, one
+// block per token (rows of a small vocabulary collide, and f32 atomics in L2
+// take that far better than a loop over tokens per column). ids >= v skip.
+template <typename T>
+__device__ void embed_bwd(const uint32_t* __restrict__ ids, const T* __restrict__ g,
+                          float* __restrict__ acc, int h, int v) {
+  const uint32_t id = ids[blockIdx.x];
+  if (id >= (uint32_t)v) return;
+  const T* row = g + (size_t)blockIdx.x * h;
+  float* dst = acc + (size_t)id * h;
+  for (int j = threadIdx.x; j < h; j += blockDim.x) atomicAdd(dst + j, to_f(row[j]));
+}
+
+#define EMBED(T, S)                                                                       \
+  extern "C" __global__ void embed_bwd_##S(const uint32_t* ids, const T* g, float* acc,  \
+                                           int h, int v) {                               \
+    embed_bwd<T>(ids, g, acc, h, v);                                                     \
+  }
+EMBED(__nv_bfloat16, bf16)
+EMBED(__half, f16)
+EMBED(float, f32)

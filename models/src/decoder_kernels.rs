@@ -413,3 +413,49 @@ fn row_grid(rows: usize) -> LaunchConfig {
         shared_mem_bytes: 0,
     }
 }
+
+/// `acc (vocab, hidden)` f32 with `acc[ids[t]] += g[t]` over the contiguous
+/// `ids (tokens,)` u32 and `g (tokens, hidden)`.
+pub(crate) fn embedding_bwd(
+    si: &CudaStorage,
+    li: &Layout,
+    sg: &CudaStorage,
+    lg: &Layout,
+    vocab: usize,
+) -> Result<CudaStorage> {
+    let (oi, og) = (contiguous(li, "token ids")?, contiguous(lg, "gradient")?);
+    let (tokens, hidden) = lg.shape().dims2()?;
+    if li.dims() != [tokens] {
+        bail!(
+            "embedding backward: ids {:?} for a gradient {:?}",
+            li.shape(),
+            lg.shape()
+        );
+    }
+    let dev = sg.device().clone();
+    let f = func(&dev, &format!("embed_bwd_{}", suffix(sg.dtype())?))?;
+    let stream = dev.cuda_stream();
+    let acc = dev.alloc_zeros::<f32>(vocab * hidden)?;
+    if tokens == 0 {
+        return Ok(CudaStorage::wrap_cuda_slice(acc, dev));
+    }
+    let ids = si.as_cuda_slice::<u32>()?.slice(oi..);
+    let (h, v) = (hidden as i32, vocab as i32);
+    macro_rules! go {
+        ($t:ty) => {{
+            let g = sg.as_cuda_slice::<$t>()?.slice(og..);
+            let mut b = stream.launch_builder(&f);
+            b.arg(&ids).arg(&g).arg(&acc).arg(&h).arg(&v);
+            // SAFETY: tokens ids and tokens x hidden gradients; rows of acc
+            // are indexed by ids below vocab only (the kernel skips others).
+            unsafe { b.launch(row_grid(tokens)) }.map_err(candle_core::Error::wrap)?;
+        }};
+    }
+    match sg.dtype() {
+        DType::BF16 => go!(half::bf16),
+        DType::F16 => go!(half::f16),
+        DType::F32 => go!(f32),
+        dt => bail!("embedding backward: unsupported dtype {dt:?}"),
+    }
+    Ok(CudaStorage::wrap_cuda_slice(acc, dev))
+}

@@ -55,6 +55,7 @@ pub mod cross_entropy;
 mod decoder_backward;
 #[cfg(feature = "cuda")]
 mod decoder_kernels;
+pub mod embedding;
 pub mod fused_linear;
 pub mod fused_mlp;
 pub mod fused_ops;
@@ -72,6 +73,7 @@ pub mod train;
 pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budget, SplitMix64};
 pub use config::{LlamaConfig, RopeScaling};
 pub use cross_entropy::cross_entropy;
+pub use embedding::embedding;
 pub use fused_linear::{fused_linear, Epilogue, FusedLinear};
 pub use fused_mlp::{fused_mlp, FusedMlp};
 pub use llama::{apply_rope, apply_rope_unfused, DecoderLayer, Llama, RmsNorm, Rope};

@@ -803,7 +803,7 @@ impl Llama {
         }
         let tokens = tokens.to_device(&self.device)?;
         let (embed, norm, head) = self.device_weights()?;
-        let x = candle_nn::Embedding::new(embed, self.cfg.hidden_size).forward(&tokens)?;
+        let x = crate::embedding(&embed, &tokens)?;
         let h = match &self.layers {
             Layers::Resident(ls) if self.fused.enabled() && x.track_op() => {
                 self.fused.begin()?;
