@@ -6,7 +6,7 @@
 //! reference's max abs value, per tensor); bf16 within 3e-2.
 use super::fused_mlp::rel_err;
 use anyhow::{ensure, Context, Result};
-use candle_core::{DType, Device, IndexOp, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -301,46 +301,16 @@ fn hf_llama_tied_sharded_bf16_matches_transformers(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(hf_llama_tied_sharded_bf16_matches_transformers);
 
-/// Mistral with a window of 16 and transformers' logits at 24 tokens: until
-/// cqsa has a window mask, 24 tokens are an error naming the field and both
-/// numbers; the first 16 positions (which the window does not cut) match.
-fn hf_mistral_window_shorter_than_sequence_errors(dev: &Device) -> Result<()> {
+/// Mistral with a window of 16 under a 24-token sequence: transformers' logits,
+/// loss and gradients through cqsa's window mask (resident autograd, resident
+/// hand-written backward, streamed).
+fn hf_mistral_sliding_window_matches_transformers(dev: &Device) -> Result<()> {
     let fx = load("mistral-window16")?;
     ensure!(fx.cfg.model_type == "mistral" && fx.cfg.sliding_window == Some(16));
-    let n = fx.seq()?;
-    ensure!(n > 16);
-    let (x, y) = fx.inputs(dev, n)?;
-    let resident = Llama::load_resident(&[&fx.weights], &fx.cfg, DType::F32, dev)?;
-    let streamed = Llama::from_safetensors(&[&fx.weights], &fx.cfg, stream(dev, DType::F32))?
-        .into_trainable()?;
-    let want_msg = format!("sliding_window = 16 is shorter than the {n} key positions");
-    for (what, r) in [
-        ("resident", resident.forward(&x).map(|_| ())),
-        ("streamed", streamed.loss(&x, &y).map(|_| ())),
-    ] {
-        let e = r
-            .err()
-            .with_context(|| format!("{what}: {n} tokens ran densely"))?;
-        ensure!(e.to_string().contains(&want_msg), "{what}: {e}");
-    }
-    let (x16, _) = fx.inputs(dev, 16)?;
-    let want = fx.get("logits")?.i((.., ..16, ..))?;
-    check(
-        "mistral resident logits[..16]",
-        &resident.forward(&x16)?,
-        &want,
-        F32_TOL,
-    )?;
-    streamed.set_training(false);
-    check(
-        "mistral streamed logits[..16]",
-        &streamed.forward(&x16)?,
-        &want,
-        F32_TOL,
-    )?;
-    Ok(())
+    ensure!(fx.seq()? > 16, "the window must cut the fixture's sequence");
+    family_matches_transformers("mistral-window16", dev)
 }
-candle_streamer::test_device!(hf_mistral_window_shorter_than_sequence_errors);
+candle_streamer::test_device!(hf_mistral_sliding_window_matches_transformers);
 
 /// The hand-written layer backward (what streamed training runs) against
 /// Candle autograd through the layer's ordinary forward, for layer 0 of the

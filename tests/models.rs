@@ -2,7 +2,7 @@
 //! the kv cache gives the logits of a full forward, checkpoints round-trip, bad
 //! checkpoints fail with the tensor's name, training resumes exactly, and the tiny
 //! preset learns.
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{ParamsAdamW, VarBuilder, VarMap};
 use std::collections::HashMap;
@@ -831,13 +831,15 @@ fn llama_config_families_read_their_windows(_dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(llama_config_families_read_their_windows);
 
-/// A window shorter than the keys of a call is an error naming the field and
-/// both numbers (resident, streamed, trainable, and through the kv cache); a
-/// call within the window gives the dense model's logits.
-fn llama_window_shorter_than_sequence_errors(dev: &Device) -> Result<()> {
+/// A sliding window of 6 (Mistral): positions before the window's length give
+/// the dense model's logits, later ones differ (the window masks); streamed
+/// equals resident; the kv cache (queries aligned after the cached keys, each
+/// window reaching back from there) gives the full forward's logits; streamed
+/// gradients (the hand-written backward, windowed) equal resident autograd's.
+fn llama_sliding_window_masks_beyond_the_window(dev: &Device) -> Result<()> {
     let cfg = parse(&with(
         hf4_config(),
-        serde_json::json!({"model_type": "mistral", "sliding_window": 16}),
+        serde_json::json!({"model_type": "mistral", "sliding_window": 6}),
     ))?;
     let dense = LlamaConfig {
         sliding_window: None,
@@ -846,31 +848,49 @@ fn llama_window_shorter_than_sequence_errors(dev: &Device) -> Result<()> {
     let w = init_weights(&cfg, 3)?;
     let vb = VarBuilder::from_tensors(w.clone(), DType::F32, dev);
     let model = Llama::resident(vb.clone(), &cfg)?;
-    let check = |e: String| -> Result<()> {
-        ensure!(
-            e.contains("sliding_window = 16") && e.contains("17 key positions"),
-            "{e}"
-        );
-        Ok(())
-    };
-    check(err_of(model.forward(&tokens(dev, 1, 17, 1)?))?)?;
-    let x = tokens(dev, 2, 16, 1)?;
-    let d = max_diff(
-        &model.forward(&x)?,
-        &Llama::resident(vb, &dense)?.forward(&x)?,
-    )?;
-    ensure!(d == 0.0, "within the window: {d}");
-    let streamed = Llama::from_tensors(w, &cfg, stream(dev, DType::F32, 1))?;
-    check(err_of(streamed.forward(&tokens(dev, 1, 17, 1)?))?)?;
-    let trainable = streamed.into_trainable()?;
-    let t = tokens(dev, 1, 17, 2)?;
-    check(err_of(trainable.loss(&t, &t))?)?;
-    trainable.set_training(false);
-    model.forward_cached(&tokens(dev, 1, 16, 1)?)?;
-    check(err_of(model.forward_cached(&tokens(dev, 1, 1, 1)?))?)?;
+    let x = tokens(dev, 2, 20, 1)?;
+    let (got, full) = (
+        model.forward(&x)?,
+        Llama::resident(vb, &dense)?.forward(&x)?,
+    );
+    let d = max_diff(&got.narrow(1, 0, 6)?, &full.narrow(1, 0, 6)?)?;
+    ensure!(d < 1e-5, "within the window: {d}");
+    let d = max_diff(&got.narrow(1, 6, 14)?, &full.narrow(1, 6, 14)?)?;
+    ensure!(d > 1e-3, "past the window the logits moved by only {d}");
+    let streamed = Llama::from_tensors(w.clone(), &cfg, stream(dev, DType::F32, 1))?;
+    ensure!(max_diff(&streamed.forward(&x)?, &got)? < 1e-4);
+    let mut at = 0;
+    for n in [7, 1, 5, 7] {
+        let c = model.forward_cached(&x.narrow(1, at, n)?)?;
+        let d = max_diff(&c, &got.narrow(1, at, n)?)?;
+        ensure!(d < 1e-4, "cached positions {at}..{}: {d}", at + n);
+        at += n;
+    }
+    // Gradients: streamed trainable (hand-written backward) vs resident autograd.
+    let vars: HashMap<String, Var> = w
+        .iter()
+        .map(|(k, t)| Ok((k.clone(), Var::from_tensor(&t.to_device(dev)?)?)))
+        .collect::<Result<_>>()?;
+    let tensors = vars
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect();
+    let resident = Llama::resident(VarBuilder::from_tensors(tensors, DType::F32, dev), &cfg)?;
+    let y = tokens(dev, 2, 20, 2)?;
+    let want = resident.loss(&x, &y)?.backward()?;
+    let trainable = Llama::from_tensors(w, &cfg, stream(dev, DType::F32, 1))?.into_trainable()?;
+    let grads = trainable.backward(&trainable.loss(&x, &y)?)?;
+    for (name, v) in trainable.parameters() {
+        let g = grads.get(v.as_tensor()).context("streamed gradient")?;
+        let r = want
+            .get(vars[&name].as_tensor())
+            .context("resident gradient")?;
+        let scale = r.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-12);
+        ensure!(max_diff(g, r)? <= 1e-4 * scale, "{name}");
+    }
     Ok(())
 }
-candle_streamer::test_device!(llama_window_shorter_than_sequence_errors);
+candle_streamer::test_device!(llama_sliding_window_masks_beyond_the_window);
 
 /// Unsupported `config.json` fields and the words their error must name (unsupported_cases_a).
 fn unsupported_cases_a() -> Vec<(serde_json::Value, serde_json::Value, Vec<&'static str>)> {

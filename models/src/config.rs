@@ -110,8 +110,7 @@ pub struct LlamaConfig {
     /// keys (itself included) in the layers `layer_types` marks
     /// `sliding_attention` (every layer when `layer_types` is empty); `None` is
     /// dense attention. Qwen's `use_sliding_window: false` reads as `None`.
-    /// Until cqsa has a window mask, a forward over more keys than the window
-    /// is an error naming this field.
+    /// Attention applies it through cqsa's window mask.
     #[serde(default)]
     pub sliding_window: Option<usize>,
     /// Each layer's attention, `full_attention` or `sliding_attention`

@@ -168,7 +168,6 @@ impl ManualBackward for DecoderLayer {
     fn forward_train(&self, x: &Tensor, extras: &[Tensor]) -> Result<(Tensor, SavedActivations)> {
         let (cos, sin) = self.rope_tables(extras)?;
         let (b, n, hidden) = x.dims3()?;
-        self.check_window(n)?;
         let x2 = x.reshape((b * n, hidden))?.contiguous()?;
         let n1 = &self.input_layernorm;
         let h1 = candle_nn::ops::rms_norm(&x2, &n1.weight.detach().contiguous()?, n1.eps as f32)?;
@@ -177,8 +176,7 @@ impl ManualBackward for DecoderLayer {
         let q = candle_nn::rotary_emb::rope(&self.head_major(&q_pre, b, n, qn)?, cos, sin)?;
         let k = candle_nn::rotary_emb::rope(&self.head_major(&k_pre, b, n, kn)?, cos, sin)?;
         let v = self.head_major(&linear(&h1, &self.v_proj)?, b, n, None)?;
-        let scale = 1.0 / (self.head_dim as f32).sqrt();
-        let (o, lse) = cqsa::attention_forward(&q, &k, &v, scale, Some(0))?;
+        let (o, lse) = cqsa::attention_forward_with(&q, &k, &v, &self.scores())?;
         let o2 = self.rows(&o, b, n)?;
         let x_mid = (&x2 + linear(&o2, &self.o_proj)?)?;
         let n2 = &self.post_attention_layernorm;
@@ -253,8 +251,8 @@ impl ManualBackward for DecoderLayer {
         grads.push(gw);
         grads.extend(bias_grad(&self.o_proj, &d_mid)?);
         let d_o = self.heads(d_o2, b, n, self.heads)?;
-        let scale = 1.0 / (self.head_dim as f32).sqrt();
-        let (dq, dk, dv) = cqsa::attention_backward(&q, &k, &v, &o, &d_o, &lse, scale, Some(0))?;
+        let (dq, dk, dv) =
+            cqsa::attention_backward_with(&q, &k, &v, &o, &d_o, &lse, &self.scores())?;
         drop((o, lse));
         let (qn, kn) = self.qk_norms();
         let tables = (&cos, &sin);

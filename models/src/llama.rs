@@ -164,9 +164,10 @@ impl Rope {
 /// `self_attn.o_proj.bias` and `self_attn.{q,k}_norm.weight` (RMSNorm over each
 /// head's `head_dim` before the rotary embedding, Qwen3).
 ///
-/// A layer with a sliding window ([`LlamaConfig::layer_window`]) refuses a
-/// call over more keys than its window (cqsa has no window mask yet), so it
-/// never computes dense attention where the model would not.
+/// A layer with a sliding window ([`LlamaConfig::layer_window`]) attends
+/// through cqsa's window mask (each query sees its `sliding_window` most
+/// recent keys, itself included), in every path: resident, streamed, the kv
+/// cache and the hand-written backward.
 ///
 /// Extras: `[cos, sin]` for the call's positions. A layer built by a [`Llama`]
 /// also accepts `[cos, sin, _]`: the third tensor (any value) asks it to append
@@ -305,17 +306,20 @@ impl DecoderLayer {
         w
     }
 
-    /// Refuses attention over `keys` positions when the layer's window is
-    /// shorter: that needs a window mask, which cqsa does not have yet.
-    pub(crate) fn check_window(&self, keys: usize) -> Result<()> {
-        match self.window {
-            Some(w) if keys > w => bail!(
-                "config field sliding_window = {w} is shorter than the {keys} key positions of \
-                 this call: sliding-window attention is not supported yet (cqsa has no window \
-                 mask, and dense attention would be wrong past {w} tokens); use sequences of at \
-                 most {w} tokens"
-            ),
-            _ => Ok(()),
+    /// cqsa's left window for this layer: HF's `sliding_window = w` shows a
+    /// query its `w` most recent keys, itself included (`i - j < w`), which
+    /// is `window_left = w - 1`.
+    pub(crate) fn window_left(&self) -> Option<usize> {
+        self.window.map(|w| w.saturating_sub(1))
+    }
+
+    /// The scores of this layer's causal attention (with its window) for the
+    /// low-level cqsa ops, with the query and key positions aligned.
+    pub(crate) fn scores(&self) -> cqsa::Scores {
+        cqsa::Scores {
+            lo: self.window_left().map(|w| -(w as i64)),
+            hi: Some(0),
+            ..cqsa::Scores::dense(1.0 / (self.head_dim as f32).sqrt())
         }
     }
 
@@ -386,7 +390,6 @@ impl Block for DecoderLayer {
             ),
         };
         let (b, n, _) = x.dims3()?;
-        self.check_window(n)?;
         let h = self.input_layernorm.forward(x)?;
         let (qn, kn) = match &self.qk_norm {
             Some((qn, kn)) => (Some(qn), Some(kn)),
@@ -404,9 +407,11 @@ impl Block for DecoderLayer {
             (true, Some((cache, i))) => cache.extend(*i, k, v)?,
             (true, None) => bail!("this decoder layer was built without a kv cache"),
         };
-        self.check_window(k.dim(2)?)?;
+        // Bottom-right aligned: with cached keys, new query i sits at position
+        // past + i, and its window reaches back from there.
         let opts = cqsa::AttentionOpts {
             causal: true,
+            window_left: self.window_left(),
             ..Default::default()
         };
         let o = cqsa::attention(&q, &k, &v, &opts)?;
