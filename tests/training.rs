@@ -676,3 +676,99 @@ fn overlapped_step_equals_plain_step(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(overlapped_step_equals_plain_step);
+
+/// A block scaling its input by two dropout masks drawn on other threads
+/// from its `BlockCtx`, and recording each call's context.
+struct CtxDropout {
+    w: Tensor,
+    calls: std::sync::Arc<std::sync::Mutex<Vec<(usize, bool, Option<u64>)>>>,
+}
+
+impl streamer_core::Block for CtxDropout {
+    fn forward(&self, _: &Tensor, _: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
+        candle_core::bail!("this block runs with its context only")
+    }
+
+    fn forward_ctx(
+        &self,
+        x: &Tensor,
+        _: &[Tensor],
+        ctx: &streamer_core::BlockCtx,
+    ) -> candle_core::Result<Vec<Tensor>> {
+        self.calls
+            .lock()
+            .expect("calls")
+            .push((ctx.index, ctx.training, ctx.seed));
+        let xw = x.broadcast_mul(&self.w)?;
+        // Drawn on two other threads, where the trainer's thread-local seed
+        // is absent (as in rayon work inside a block).
+        let (a, b) = std::thread::scope(|sc| {
+            let a = sc.spawn(|| streamer_autograd::dropout_ctx(&xw, 0.5, ctx, 0));
+            let b = sc.spawn(|| streamer_autograd::dropout_ctx(&xw, 0.5, ctx, 1));
+            (a.join().expect("thread"), b.join().expect("thread"))
+        });
+        Ok(vec![(a? + b?)?])
+    }
+}
+
+fn block_ctx_carries_seeds_across_threads(dev: &Device) -> Result<()> {
+    let (n, w) = (2, 64);
+    let mut weights = HashMap::new();
+    for i in 0..n {
+        weights.insert(
+            format!("b{i}.w"),
+            Tensor::ones(w, DType::F32, &Device::Cpu)?,
+        );
+    }
+    let calls = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let blocks: Vec<BlockSpec> = (0..n)
+        .map(|i| {
+            let calls = calls.clone();
+            BlockSpec::new(format!("b{i}"), move |vb: VarBuilder| {
+                Ok(CtxDropout {
+                    w: vb.get(64, "w")?,
+                    calls: calls.clone(),
+                })
+            })
+        })
+        .collect();
+    let model =
+        StreamedSequential::from_tensors(weights, blocks, cfg(dev, DType::F32, DType::F32, 1))?
+            .train();
+    let x = Tensor::ones((8, w), DType::F32, dev)?;
+    let y = model.forward(&x)?;
+    let grads = model.backward(&y.sum_all()?)?;
+    // With all-ones input and weights, y = (m1 + m2) x (m3 + m4) per element
+    // (masks of 0 or 2), and d sum(y) / d w_1 sums y over rows: the recompute
+    // in backward must draw the forward's masks, whichever thread draws them.
+    let (_, w1) = &model.parameters()[1];
+    let want = y.sum(0)?;
+    let got = grads.get(w1.as_tensor()).expect("gradient of b1.w");
+    assert_close(got, &want, 1e-5, 1e-6, "b1.w gradient from replayed masks")?;
+    let ys: Vec<f32> = y.flatten_all()?.to_vec1()?;
+    anyhow::ensure!(
+        ys.iter().any(|&v| v == 0.0) && ys.iter().any(|&v| v > 4.0),
+        "the masks drop and scale: {ys:?}"
+    );
+    let seen = calls.lock().expect("calls").clone();
+    // Forward of b0, b1, then b1's and b0's recompute: same seeds, training.
+    anyhow::ensure!(seen.len() == 4, "{seen:?}");
+    anyhow::ensure!(seen.iter().all(|c| c.1 && c.2.is_some()), "{seen:?}");
+    anyhow::ensure!(seen[0].2 == seen[3].2 && seen[1].2 == seen[2].2, "{seen:?}");
+    anyhow::ensure!((seen[0].0, seen[1].0, seen[2].0) == (0, 1, 1), "{seen:?}");
+    // Inference: no masks (identity dropout), inference contexts.
+    model.set_training(false);
+    let y = model.forward(&x)?;
+    assert_close(
+        &y,
+        &(Tensor::ones((8, w), DType::F32, dev)? * 4.0)?,
+        0.0,
+        0.0,
+        "inference",
+    )?;
+    anyhow::ensure!(calls.lock().expect("calls")[4..]
+        .iter()
+        .all(|c| !c.1 && c.2.is_none()));
+    Ok(())
+}
+candle_streamer::test_device!(block_ctx_carries_seeds_across_threads);

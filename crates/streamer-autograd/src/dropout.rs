@@ -147,6 +147,25 @@ pub fn dropout(xs: &Tensor, p: f32) -> Result<Tensor> {
     xs.mul(&scale)
 }
 
+/// Inverted dropout of the mask site `key` of a block call: identity outside
+/// training, else masks from [`streamer_core::BlockCtx::seed_for`], so the
+/// forward and its recompute agree whichever thread draws them (rayon work
+/// inside a block included). Pick one `key` per dropout site of the block.
+pub fn dropout_ctx(
+    xs: &Tensor,
+    p: f32,
+    ctx: &streamer_core::BlockCtx,
+    key: u64,
+) -> Result<Tensor> {
+    if !(0.0..1.0).contains(&p) {
+        candle_core::bail!("dropout probability must be in [0, 1), got {p}");
+    }
+    match ctx.seed_for(key) {
+        Some(seed) if ctx.training && p > 0.0 => with_seed(seed, || dropout(xs, p)),
+        _ => Ok(xs.clone()),
+    }
+}
+
 /// A dropout layer (like candle-nn's `Dropout`) whose masks replay under
 /// [`with_seed`]. As a `Module` it is always active; build it with `p = 0` for
 /// evaluation.

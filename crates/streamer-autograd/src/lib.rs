@@ -42,7 +42,7 @@ mod trainer;
 
 pub use activations::ActivationPolicy;
 pub use adamw::{AdamWUpdate, CpuAdamW};
-pub use dropout::{dropout, with_seed, Dropout};
+pub use dropout::{dropout, dropout_ctx, with_seed, Dropout};
 pub use host_optim::{BufferName, HostOptimizer, MetaValue, UpdateRule};
 pub use sgd::{CpuSgd, ParamsSgd, SgdUpdate};
 pub use trainer::{Train, TrainableSequential};

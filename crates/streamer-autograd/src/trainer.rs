@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use streamer_core::{
-    release_all, run_blocks_with, Block, ManualBackward, ResidencyPool, SavedActivations,
+    release_all, run_blocks_with, Block, BlockCtx, ManualBackward, ResidencyPool, SavedActivations,
     StreamedSequential,
 };
 
@@ -401,14 +401,16 @@ impl TrainableSequential {
                     });
                     on_host.push(to_host);
                     set_current_seed(seeds[i]);
+                    let plain = BlockCtx::training(i, pool.device(), seeds[i], false);
                     let Some(man) = block.manual() else {
-                        return block.forward(h, extras);
+                        return block.forward_ctx(h, extras, &plain);
                     };
                     let need = man.saved_bytes(h.shape(), h.dtype());
                     if budget == 0 || used + need > budget {
-                        return block.forward(h, extras);
+                        return block.forward_ctx(h, extras, &plain);
                     }
-                    let (y, acts) = man.forward_train(h, extras)?;
+                    let keep = BlockCtx::training(i, pool.device(), seeds[i], true);
+                    let (y, acts) = man.forward_train_ctx(h, extras, &keep)?;
                     check_saved(pool, &acts, i)?;
                     used += need;
                     kept[i] = Some(acts);
@@ -823,8 +825,9 @@ fn autograd_step(
             }
         })
         .collect::<Result<Vec<_>>>()?;
+    let ctx = BlockCtx::training(i, x_var.device(), saved.seeds[i], false);
     let outs = with_seed(saved.seeds[i], || {
-        block.forward(x_var.as_tensor(), &extra_vars)
+        block.forward_ctx(x_var.as_tensor(), &extra_vars, &ctx)
     })?;
     // A surrogate whose gradient with respect to each output is the upstream
     // gradient: backward of sum(out ⊙ g) = Jᵀ g.
@@ -875,8 +878,9 @@ fn manual_step(
     let acts = match saved.kept[i].take() {
         Some(a) => a,
         None => {
+            let ctx = BlockCtx::training(i, saved.inputs[i].device(), saved.seeds[i], false);
             with_seed(saved.seeds[i], || {
-                man.forward_train(&saved.inputs[i], &saved.extras)
+                man.forward_train_ctx(&saved.inputs[i], &saved.extras, &ctx)
             })?
             .1
         }

@@ -1,8 +1,69 @@
 //! What a streamed block is: a name, the prefix of its weights, and a builder
 //! that turns a `VarBuilder` over the block's resident weights into a module.
-use candle_core::{Module, Result, Tensor};
+use candle_core::{Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use std::sync::Arc;
+
+/// What one call of a block runs under, handed to [`Block::forward_ctx`]:
+/// whether it trains, the seed its dropout masks come from, whether its
+/// activations are kept, the device whose compute stream its work goes to.
+///
+/// The seed is derived per key ([`BlockCtx::seed_for`]), never per draw
+/// order, so a block that draws masks from rayon threads gets the same masks
+/// in its forward and in its recompute (the thread-local seed that
+/// `streamer_autograd::dropout` reads is lost on other threads).
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct BlockCtx {
+    /// The block's index in its model.
+    pub index: usize,
+    /// A training call (the forward of a training step or its recompute).
+    pub training: bool,
+    /// This call's dropout seed (training calls); the recompute gets the same.
+    pub seed: Option<u64>,
+    /// Whether this training forward keeps its activations (no recompute).
+    pub keeps_activations: bool,
+    /// The compute device; its (single) stream is the one the pool orders
+    /// the block's weights against.
+    pub device: Device,
+}
+
+impl BlockCtx {
+    /// An inference call of block `index` on `device`.
+    pub fn inference(index: usize, device: &Device) -> Self {
+        Self {
+            index,
+            training: false,
+            seed: None,
+            keeps_activations: false,
+            device: device.clone(),
+        }
+    }
+
+    /// A training call of block `index` with dropout seed `seed`.
+    pub fn training(index: usize, device: &Device, seed: u64, keeps_activations: bool) -> Self {
+        Self {
+            index,
+            training: true,
+            seed: Some(seed),
+            keeps_activations,
+            device: device.clone(),
+        }
+    }
+
+    /// The seed of the mask named `key` (any number the block picks, one per
+    /// dropout site) in this call: the same in the forward and its recompute,
+    /// different across keys and blocks. `None` outside training.
+    pub fn seed_for(&self, key: u64) -> Option<u64> {
+        self.seed.map(|seed| {
+            // SplitMix64 of (seed, key): independent streams per site.
+            let mut z = seed ^ key.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        })
+    }
+}
 
 /// A block's computation once its weights are bound.
 ///
@@ -18,6 +79,13 @@ use std::sync::Arc;
 pub trait Block {
     /// Runs the block.
     fn forward(&self, x: &Tensor, extras: &[Tensor]) -> Result<Vec<Tensor>>;
+
+    /// Runs the block with its call's context; what the pool and the trainer
+    /// call. The default ignores the context and runs [`Block::forward`].
+    fn forward_ctx(&self, x: &Tensor, extras: &[Tensor], ctx: &BlockCtx) -> Result<Vec<Tensor>> {
+        let _ = ctx;
+        self.forward(x, extras)
+    }
 
     /// The block's hand-written backward, if it has one. Training then runs
     /// [`ManualBackward::forward_train`] and [`ManualBackward::backward`]
@@ -43,6 +111,18 @@ pub struct SavedActivations(pub Vec<Tensor>);
 pub trait ManualBackward {
     /// The forward, returning the output and what `backward` needs.
     fn forward_train(&self, x: &Tensor, extras: &[Tensor]) -> Result<(Tensor, SavedActivations)>;
+
+    /// [`ManualBackward::forward_train`] with the call's context (what the
+    /// trainer calls); the default ignores it.
+    fn forward_train_ctx(
+        &self,
+        x: &Tensor,
+        extras: &[Tensor],
+        ctx: &BlockCtx,
+    ) -> Result<(Tensor, SavedActivations)> {
+        let _ = ctx;
+        self.forward_train(x, extras)
+    }
 
     /// Device bytes [`Self::forward_train`] keeps for an input of shape `x`
     /// and dtype `dtype` (used to fit kept activations into a budget).

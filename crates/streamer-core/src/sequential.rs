@@ -1,6 +1,6 @@
 //! `StreamedSequential`: a sequence of native Candle blocks run with their weights
 //! streamed from host memory through the residency pool.
-use crate::block::{Block, BlockSpec};
+use crate::block::{Block, BlockCtx, BlockSpec};
 use crate::config::StreamConfig;
 use crate::host::HostMasters;
 use crate::pool::{BlockLayout, ResidencyPool};
@@ -310,10 +310,17 @@ pub(crate) fn run_blocks(
     // them refilled: a stale read, not freed memory, since views share the
     // slot's reference-counted storage.)
     unsafe {
-        run_blocks_with(pool, blocks, x, extras, cyclic, |_, i, block, h, extras| {
-            on_input(i, h)?;
-            block.forward(h, extras)
-        })
+        run_blocks_with(
+            pool,
+            blocks,
+            x,
+            extras,
+            cyclic,
+            |pool, i, block, h, extras| {
+                on_input(i, h)?;
+                block.forward_ctx(h, extras, &BlockCtx::inference(i, pool.device()))
+            },
+        )
     }
 }
 
