@@ -61,6 +61,7 @@ mod op;
 mod plan;
 mod shape;
 mod stream;
+mod varlen;
 
 use candle_core::{bail, Device, Result, Tensor};
 
@@ -104,6 +105,17 @@ pub struct AttentionOpts {
     /// `softcap * tanh(s / softcap)` before the mask and the softmax; the
     /// backward multiplies by `1 - tanh^2`. Must be positive and finite.
     pub softcap: Option<f32>,
+    /// Variable-length packed sequences, as in flash-attn's `flash_attn_varlen`:
+    /// offsets along the query axis of the documents packed into every (batch,
+    /// head) row (`[0, n1, n1 + n2, ..., seq_q]`, never decreasing; equal
+    /// neighbours are an empty document). No query attends across documents,
+    /// the masks above apply inside each document (aligned bottom-right to it),
+    /// and a document without keys gives output 0. Set with `cu_seqlens_k`.
+    /// Each document runs as its own call (one launch per document).
+    pub cu_seqlens_q: Option<Vec<usize>>,
+    /// The documents' offsets along the key axis (`[0, ..., seq_k]`), as many as
+    /// in `cu_seqlens_q`.
+    pub cu_seqlens_k: Option<Vec<usize>>,
     /// Multiplier of `q k^T`; `None` means `1 / sqrt(head_dim)`.
     pub scale: Option<f64>,
     /// Force resident or streamed execution; `Mode::Auto` lets the planner decide.
@@ -139,11 +151,20 @@ pub(crate) fn resolve_scale(scale: Option<f64>, d: usize) -> f32 {
 /// per [`estimate`]; `opts.mode` can force either. Errors, before any work, on bad
 /// ranks, mixed dtypes, mismatched devices, head counts that do not divide, a
 /// head_dim of 0 or above [`MAX_HEAD_DIM`], a `softcap` that is not positive and
-/// finite, `window_right` other than 0 with `causal`, or when nothing fits the
-/// budget.
+/// finite, `window_right` other than 0 with `causal`, `cu_seqlens_q`/`cu_seqlens_k`
+/// that do not start at 0, decrease, miss the sequence length or disagree in
+/// count, or when nothing fits the budget.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Result<Tensor> {
     let shape = AttentionShape::of(q, k, v, opts.causal)?;
     let scores = Scores::of(opts, &shape)?;
+    if let Some(docs) = varlen::documents(opts, shape.nq, shape.nk)? {
+        let inner = AttentionOpts {
+            cu_seqlens_q: None,
+            cu_seqlens_k: None,
+            ..opts.clone()
+        };
+        return varlen::attention(q, k, v, &docs, |q, k, v| attention(q, k, v, &inner));
+    }
     let exec = opts.device.clone().unwrap_or_else(|| q.device().clone());
     let plan = if opts.mode == Mode::Resident {
         None
