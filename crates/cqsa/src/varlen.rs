@@ -15,6 +15,9 @@ use candle_core::{bail, Result, Tensor};
 
 use crate::AttentionOpts;
 
+/// One document: its query rows `q0..q1` and keys `k0..k1`.
+pub(crate) type Document = ((usize, usize), (usize, usize));
+
 /// Checks one `cu_seqlens` array against the sequence length `n`: starts at 0,
 /// never decreases (equal neighbours are an empty document), ends at `n`.
 fn check(name: &str, cu: &[usize], n: usize) -> Result<()> {
@@ -45,7 +48,7 @@ pub(crate) fn documents(
     opts: &AttentionOpts,
     nq: usize,
     nk: usize,
-) -> Result<Option<Vec<((usize, usize), (usize, usize))>>> {
+) -> Result<Option<Vec<Document>>> {
     let (cq, ck) = match (&opts.cu_seqlens_q, &opts.cu_seqlens_k) {
         (None, None) => return Ok(None),
         (Some(cq), Some(ck)) => (cq, ck),
@@ -77,7 +80,7 @@ pub(crate) fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    docs: &[((usize, usize), (usize, usize))],
+    docs: &[Document],
     attend: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let mut outs = Vec::with_capacity(docs.len());
