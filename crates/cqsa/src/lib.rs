@@ -20,6 +20,14 @@
 //! `seq_q > seq_k` the first `seq_q - seq_k` queries see no key; their output is 0
 //! and their gradient 0.
 //!
+//! Masks and scores of real models, through [`AttentionOpts`]: sliding windows
+//! (`window_left`, `window_right`; Mistral, Qwen2, Gemma 2's local layers) with
+//! flash-attn's semantics, logit soft-capping (`softcap`, Gemma 2), and
+//! variable-length packed sequences (`cu_seqlens_q`, `cu_seqlens_k`), each
+//! forward and backward, CPU and CUDA, resident and streamed. An additive bias
+//! or ALiBi is not supported. The low-level ops take the resolved mask as
+//! [`Scores`] ([`attention_forward_with`], [`attention_backward_with`]).
+//!
 //! When the inputs, output and workspace do not fit in the device's free memory (or
 //! in the [`Budget`] given in [`AttentionOpts`]), the call runs in streamed mode:
 //! the work is split into query and key chunks, every chunk pair runs resident, and
@@ -43,6 +51,11 @@
 //! let k = Tensor::randn(0f32, 1.0, (1, 2, 12, 16), &dev)?; // 2 kv heads: GQA
 //! let v = Tensor::randn(0f32, 1.0, (1, 2, 12, 16), &dev)?;
 //! let o = attention(&q, &k, &v, &AttentionOpts { causal: true, ..Default::default() })?;
+//! assert_eq!(o.dims(), &[1, 4, 10, 16]);
+//!
+//! // Causal with a sliding window of 4 keys left of the diagonal, soft-capped.
+//! let opts = AttentionOpts { causal: true, window_left: Some(4), softcap: Some(30.0), ..Default::default() };
+//! let o = attention(&q, &k, &v, &opts)?;
 //! assert_eq!(o.dims(), &[1, 4, 10, 16]);
 //!
 //! let shape = AttentionShape { b: 1, hq: 4, hkv: 2, nq: 10, nk: 12, d: 16, dtype: DType::F32, causal: true };
