@@ -380,3 +380,21 @@ fn family_layer_manual_backward_matches_autograd(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(family_layer_manual_backward_matches_autograd);
+
+/// Qwen2 with `use_sliding_window` and `max_window_layers = 1`: layer 0 dense,
+/// layer 1 a window of 8 under 24 tokens, as transformers 5.x writes it
+/// (`layer_types`) and as a 4.x file says it (`max_window_layers` alone):
+/// both read the same, and match transformers in every path.
+fn hf_qwen2_per_layer_window_matches_transformers(dev: &Device) -> Result<()> {
+    let fx = load("qwen2-window8")?;
+    ensure!(fx.cfg.layer_window(0).is_none() && fx.cfg.layer_window(1) == Some(8));
+    let text = std::fs::read_to_string(fixture("qwen2-window8")?.join("config.json"))?;
+    let mut v: serde_json::Value = serde_json::from_str(&text)?;
+    v.as_object_mut().context("object")?.remove("layer_types");
+    ensure!(
+        LlamaConfig::from_json(&v.to_string())? == fx.cfg,
+        "4.x reading differs"
+    );
+    family_matches_transformers("qwen2-window8", dev)
+}
+candle_streamer::test_device!(hf_qwen2_per_layer_window_matches_transformers);
