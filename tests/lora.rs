@@ -288,3 +288,62 @@ fn lora_bad_adapters_are_named(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(lora_bad_adapters_are_named);
+
+/// LoRA dropout on a streamed base: backward recomputes each layer, so its
+/// masks must be the forward's. The adapter gradient then predicts the change
+/// of the loss under the same seed (a directional finite difference of f32
+/// losses: agreement to 2%), and training off means no dropout.
+fn lora_dropout_replays_in_streamed_backward(dev: &Device) -> Result<()> {
+    let fx = load()?;
+    let stream = StreamConfig {
+        device: dev.clone(),
+        prefetch_ahead: 1,
+        dtype: DType::F32,
+        master_dtype: Some(DType::F32),
+        ..Default::default()
+    };
+    let model = Llama::from_safetensors(&[fx.weights()], &fx.cfg, stream)?.into_trainable()?;
+    let lcfg = LoraConfig::new(4, 8.0, 0.3, &["q_proj", "down_proj"])?;
+    let adapters = LoraAdapters::load_peft(&fx.adapters, &fx.cfg, dev)?;
+    // The fixture's values (B nonzero) under a config with dropout.
+    let fresh = LoraAdapters::init(&lcfg, &fx.cfg, dev, 0)?;
+    for (name, dst) in fresh.vars() {
+        if let Some((_, v)) = adapters.vars().into_iter().find(|(n, _)| *n == name) {
+            dst.set(v.as_tensor())?;
+        }
+    }
+    model.set_lora(Some(fresh))?;
+    let layers = model.trainable_layers().context("trainable")?;
+    let (x, y) = fx.inputs(dev)?;
+    layers.set_seed(11);
+    let loss0 = model.loss(&x, &y)?;
+    let grads = model.backward(&loss0)?;
+    let vars = model.lora()?.context("adapters")?.vars();
+    let (name, v) = vars
+        .iter()
+        .find(|(n, _)| n.contains("layers.0.mlp.down_proj.lora_B"))
+        .context("down_proj B")?;
+    let g = grads
+        .get(v.as_tensor())
+        .with_context(|| format!("no gradient for {name}"))?;
+    let eps = 1e-2;
+    let dir = (g / g.sqr()?.sum_all()?.sqrt()?.to_scalar::<f32>()? as f64)?;
+    let predicted = (g * &dir)?.sum_all()?.to_scalar::<f32>()? as f64 * eps;
+    let base = v.as_tensor().copy()?;
+    v.set(&(&base + (&dir * eps)?)?)?;
+    layers.set_seed(11);
+    let loss1 = model.loss(&x, &y)?;
+    model.zero_grad()?;
+    let actual = (loss1.to_scalar::<f32>()? - loss0.to_scalar::<f32>()?) as f64;
+    ensure!(
+        (actual - predicted).abs() <= 0.02 * predicted.abs(),
+        "loss moved {actual:.6} where the gradient predicts {predicted:.6}"
+    );
+    // Out of training mode the dropout is off: the same logits every call.
+    v.set(&base)?;
+    model.set_training(false);
+    let (a, b) = (model.forward(&x)?, model.forward(&x)?);
+    ensure!(rel_err(&a, &b)? == 0.0, "inference is not deterministic");
+    Ok(())
+}
+candle_streamer::test_device!(lora_dropout_replays_in_streamed_backward);
