@@ -134,6 +134,16 @@ fn lora_merge_and_save_round_trip(dev: &Device) -> Result<()> {
     let model = Llama::load_resident(&[fx.weights()], &fx.cfg, DType::F32, dev)?;
     model.set_lora(Some(LoraAdapters::load_peft(&fx.adapters, &fx.cfg, dev)?))?;
     let (x, _) = fx.inputs(dev)?;
+    // The kv cache sees the adapters too: cached calls give the full forward's logits.
+    let full = model.forward(&x)?;
+    let first = model.forward_cached(&x.narrow(1, 0, 10)?)?;
+    let rest = model.forward_cached(&x.narrow(1, 10, x.dim(1)? - 10)?)?;
+    check(
+        "cached logits",
+        &candle_core::Tensor::cat(&[first, rest], 1)?,
+        &full,
+    )?;
+    model.clear_cache()?;
     let merged = model.merged_weights()?;
     let vb = VarBuilder::from_tensors(merged, DType::F32, dev);
     let plain = Llama::resident(vb, &fx.cfg)?;
