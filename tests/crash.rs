@@ -11,6 +11,8 @@
 //! `STREAMER_CRASH_KILLS` (default 50) sets the number of kills and
 //! `STREAMER_CRASH_SEED` (default 12) the kill moments, for longer runs:
 //! `STREAMER_CRASH_KILLS=1000 cargo test --test integration crash::`.
+//! `STREAMER_CRASH_REPORT=<file>` writes the tally as JSON (what
+//! `benches/reliability.rs` reports).
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{DType, Device};
 use candle_nn::ParamsAdamW;
@@ -405,5 +407,22 @@ fn checkpoint_survives_sigkill_at_random_moments() -> Result<()> {
         2 * tally.verified >= tally.kills,
         "most kills found no checkpoint to verify: {tally:?}"
     );
+    if let Some(path) = std::env::var_os("STREAMER_CRASH_REPORT") {
+        // For benches/reliability.rs: what this run survived.
+        let report = serde_json::json!({
+            "kills": tally.kills, "children": tally.children,
+            "kills_inside_a_file_write": tally.torn_file,
+            "kills_between_files": tally.between_files,
+            "kills_before_any_checkpoint": tally.no_checkpoint,
+            "children_completed": tally.completed,
+            "recoveries_verified_bit_identical": tally.verified,
+            "seconds": t0.elapsed().as_secs_f64(),
+            "command": format!(
+                "STREAMER_CRASH_KILLS={kills} STREAMER_CRASH_REPORT=... cargo test --test integration crash::"
+            ),
+        });
+        std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", Path::new(&path).display()))?;
+    }
     Ok(())
 }
