@@ -1515,3 +1515,28 @@ fn attention_varlen_rejects_bad_offsets(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(attention_varlen_rejects_bad_offsets);
+
+/// The doctor's kernel checks (every family the device runs, plain, causal,
+/// windowed and soft-capped, forward and backward, against its f64 reference)
+/// pass, and on CUDA cover the tensor-core, soft-capping and simple kernels.
+fn doctor_kernel_checks_pass(dev: &Device) -> Result<()> {
+    let checks = cqsa::doctor::check_kernels(dev)?;
+    ensure!(checks.len() == 20, "{} checks", checks.len());
+    for c in &checks {
+        ensure!(c.ok(), "{}: error {:e} > {:e}", c.name, c.error, c.tol);
+    }
+    if dev.is_cuda() {
+        for family in [
+            "cuda tensor-core ",
+            "cuda tensor-core softcap",
+            "cuda simple",
+        ] {
+            ensure!(
+                checks.iter().any(|c| c.name.starts_with(family)),
+                "no {family} check"
+            );
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(doctor_kernel_checks_pass);

@@ -69,6 +69,7 @@
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod doctor;
 mod mask;
 mod op;
 mod plan;
