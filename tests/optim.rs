@@ -450,7 +450,7 @@ fn non_finite_gradient_is_refused_and_changes_nothing(dev: &Device) -> Result<()
                 "a refused subset step changed state"
             );
             // Undo the begun step by reloading (the documented way back).
-            let path = temp_path(&format!("nan-{param}-{}", bad.is_nan()));
+            let path = temp_path(&format!("nan-{param}-{}-{}", bad.is_nan(), dev_tag(dev)));
             b.save(&path)?;
             a.load(&path)?;
             let _ = std::fs::remove_file(&path);
