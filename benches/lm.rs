@@ -104,6 +104,15 @@ fn time_steps(
     })
 }
 
+/// The resident rows' activation label: every activation kept, through the
+/// hand-written layer backward unless LM_BENCH_RESIDENT_BACKWARD=autograd.
+fn resident_label() -> String {
+    match std::env::var("LM_BENCH_RESIDENT_BACKWARD").as_deref() {
+        Ok("autograd") => "keep (Candle autograd)".into(),
+        _ => "keep (hand-written backward)".into(),
+    }
+}
+
 fn resident(
     cfg: &LlamaConfig,
     dev: &Device,
@@ -207,7 +216,7 @@ fn bench_one(
     let tokens = batch * seq;
     let name = policy
         .as_ref()
-        .map_or("autograd (resident)".to_string(), |p| p.0.clone());
+        .map_or(resident_label(), |p| p.0.clone());
     println!(
         "{} ({:.2} B params, {} layers) {mode}, activations {name}: {batch} x {seq} tokens per step, {steps} timed steps",
         b.preset,
