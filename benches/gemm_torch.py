@@ -10,21 +10,8 @@ import json
 import torch
 import torch.nn.functional as F
 
-
-def bench(f, warmup=3, reps=10):
-    for _ in range(warmup):
-        f()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        f()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+# The CUDA-event median timer the attention reference uses (same folder).
+from attention_torch import median_ms
 
 
 def main():
@@ -48,7 +35,7 @@ def main():
         ]
         flops = 2.0 * n * d * h
         for op, epi, f in cases:
-            ms = bench(f)
+            ms = median_ms(f, warmup=3, reps=10)
             tf = flops / (ms * 1e-3) / 1e12
             print(f"d{d} h{h} n{n} {op:<9} pytorch   {epi:<14} {ms:8.3f} ms {tf:6.1f} TFLOP/s", flush=True)
             rows.append({"system": "pytorch", "d": d, "h": h, "n": n, "op": op, "epilogue": epi,
