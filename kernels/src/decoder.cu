@@ -4,8 +4,9 @@
 // - swiglu_bwd: for act = silu(gate) * up, writes d_gate then d_up (one buffer
 //   of 2n elements);
 // - rms_dx: RMSNorm's input gradient, one block per row (two block sums);
+// - rms_rinv: each row's 1 / rms (one block per row);
 // - rms_dw: per block of rows, the partial sums over those rows of g x r
-//   (the weight gradient is their column sum).
+//   (the weight gradient is their column sum), from rms_rinv's values.
 // Grid-stride and block-stride loops, so any launch size covers any length.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -72,34 +73,46 @@ __device__ void rms_dx(const T* __restrict__ x, const T* __restrict__ w,
   }
 }
 
-// part[block][j] = sum over this block's rows of g x r (h <= 32 * blockDim.x).
+// rinv[row] = 1 / sqrt(mean(x[row]^2) + eps), one block per row.
+template <typename T>
+__device__ void rms_rinv(const T* __restrict__ x, float* __restrict__ rinv, int h, float eps) {
+  __shared__ float sh[32];
+  const size_t off = (size_t)blockIdx.x * h;
+  float s2 = 0.f;
+  for (int j = threadIdx.x; j < h; j += blockDim.x) {
+    float xv = to_f(x[off + j]);
+    s2 += xv * xv;
+  }
+  s2 = block_sum(s2, sh);
+  if (threadIdx.x == 0) rinv[blockIdx.x] = rsqrtf(s2 / h + eps);
+}
+
+// part[block][j] = sum over this block's rows of g x rinv (h <= 32 * blockDim.x):
+// one streaming pass over x and g, the rows' rinv precomputed (no per-row
+// block reduction, which made this kernel ten times slower than its bytes).
 template <typename T>
 __device__ void rms_dw(const T* __restrict__ x, const T* __restrict__ g, float* __restrict__ part,
-                       size_t rows, int h, float eps, size_t rows_per_block) {
-  __shared__ float sh[32];
+                       size_t rows, int h, const float* __restrict__ rinv,
+                       size_t rows_per_block) {
   float acc[32];
 #pragma unroll
   for (int k = 0; k < 32; ++k) acc[k] = 0.f;
+  const int cols = (h + blockDim.x - 1) / blockDim.x;
   const size_t r0 = (size_t)blockIdx.x * rows_per_block;
   const size_t r1 = min(rows, r0 + rows_per_block);
   for (size_t row = r0; row < r1; ++row) {
     const size_t off = row * h;
-    float s2 = 0.f;
-    for (int j = threadIdx.x; j < h; j += blockDim.x) {
-      float xv = to_f(x[off + j]);
-      s2 += xv * xv;
-    }
-    const float r = rsqrtf(block_sum(s2, sh) / h + eps);
+    const float r = rinv[row];
 #pragma unroll
     for (int k = 0; k < 32; ++k) {
       const int j = threadIdx.x + k * blockDim.x;
-      if (j < h) acc[k] += to_f(g[off + j]) * to_f(x[off + j]) * r;
+      if (k < cols && j < h) acc[k] += to_f(g[off + j]) * to_f(x[off + j]) * r;
     }
   }
 #pragma unroll
   for (int k = 0; k < 32; ++k) {
     const int j = threadIdx.x + k * blockDim.x;
-    if (j < h) part[(size_t)blockIdx.x * h + j] = acc[k];
+    if (k < cols && j < h) part[(size_t)blockIdx.x * h + j] = acc[k];
   }
 }
 
@@ -112,9 +125,12 @@ __device__ void rms_dw(const T* __restrict__ x, const T* __restrict__ g, float* 
                                         float eps) {                                           \
     rms_dx<T>(x, w, g, dx, h, eps);                                                            \
   }                                                                                            \
+  extern "C" __global__ void rms_rinv_##S(const T* x, float* rinv, int h, float eps) {        \
+    rms_rinv<T>(x, rinv, h, eps);                                                              \
+  }                                                                                            \
   extern "C" __global__ void rms_dw_##S(const T* x, const T* g, float* part, size_t rows,      \
-                                        int h, float eps, size_t rows_per_block) {             \
-    rms_dw<T>(x, g, part, rows, h, eps, rows_per_block);                                       \
+                                        int h, const float* rinv, size_t rows_per_block) {     \
+    rms_dw<T>(x, g, part, rows, h, rinv, rows_per_block);                                      \
   }
 
 DECODER_KERNELS(__nv_bfloat16, bf16)

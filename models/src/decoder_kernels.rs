@@ -212,24 +212,70 @@ impl CustomOp3 for RmsDx {
     }
 }
 
-/// `(x, g) -> (blocks, hidden)` f32 partial sums of `g x r` over row blocks.
-struct RmsDwPartial {
+/// `x -> (rows,)` f32: each row's `1 / sqrt(mean(x^2) + eps)`.
+struct RmsRinv {
     eps: f32,
 }
 
-/// Row blocks of the weight-gradient kernel: two per SM of an H200 class GPU
-/// is plenty; fewer for short inputs.
-fn dw_blocks(rows: usize) -> usize {
-    rows.clamp(1, 264)
+impl candle_core::CustomOp1 for RmsRinv {
+    fn name(&self) -> &'static str {
+        "rms-norm-rinv"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        bail!("rms-norm-rinv: CUDA only (the CPU uses Candle ops)")
+    }
+
+    fn cuda_fwd(&self, sx: &CudaStorage, lx: &Layout) -> Result<(CudaStorage, Shape)> {
+        let ox = contiguous(lx, "x")?;
+        let h = *lx.dims().last().unwrap_or(&0);
+        if h == 0 {
+            bail!("rms-norm-rinv: x {:?} has empty rows", lx.shape());
+        }
+        let rows = lx.shape().elem_count() / h;
+        let dev = sx.device().clone();
+        let f = func(&dev, &format!("rms_rinv_{}", suffix(sx.dtype())?))?;
+        let stream = dev.cuda_stream();
+        // SAFETY: one block per row writes that row's value.
+        let rinv = unsafe { dev.alloc::<f32>(rows) }?;
+        let (h32, eps) = (h as i32, self.eps);
+        macro_rules! go {
+            ($t:ty) => {{
+                let x = sx.as_cuda_slice::<$t>()?.slice(ox..);
+                let mut b = stream.launch_builder(&f);
+                b.arg(&x).arg(&rinv).arg(&h32).arg(&eps);
+                // SAFETY: rows x h inputs, rows outputs, as the kernel indexes.
+                unsafe { b.launch(row_grid(rows)) }.map_err(candle_core::Error::wrap)?;
+            }};
+        }
+        match sx.dtype() {
+            DType::BF16 => go!(half::bf16),
+            DType::F16 => go!(half::f16),
+            DType::F32 => go!(f32),
+            dt => bail!("rms-norm-rinv: unsupported dtype {dt:?}"),
+        }
+        Ok((CudaStorage::wrap_cuda_slice(rinv, dev), Shape::from(rows)))
+    }
 }
 
-impl CustomOp2 for RmsDwPartial {
+/// `(x, g, rinv) -> (blocks, hidden)` f32 partial sums of `g x rinv` over row blocks.
+struct RmsDwPartial;
+
+/// Row blocks of the weight-gradient kernel: four per SM of an H200 class GPU
+/// is plenty; fewer for short inputs.
+fn dw_blocks(rows: usize) -> usize {
+    rows.clamp(1, 528)
+}
+
+impl CustomOp3 for RmsDwPartial {
     fn name(&self) -> &'static str {
         "rms-norm-dw"
     }
 
     fn cpu_fwd(
         &self,
+        _: &CpuStorage,
+        _: &Layout,
         _: &CpuStorage,
         _: &Layout,
         _: &CpuStorage,
@@ -244,8 +290,14 @@ impl CustomOp2 for RmsDwPartial {
         lx: &Layout,
         sg: &CudaStorage,
         lg: &Layout,
+        sr: &CudaStorage,
+        lr: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let (ox, og) = (contiguous(lx, "x")?, contiguous(lg, "grad")?);
+        let (ox, og, or) = (
+            contiguous(lx, "x")?,
+            contiguous(lg, "grad")?,
+            contiguous(lr, "rinv")?,
+        );
         let h = *lx.dims().last().unwrap_or(&0);
         if lx.shape() != lg.shape() || h == 0 || h > MAX_HIDDEN {
             bail!(
@@ -255,6 +307,9 @@ impl CustomOp2 for RmsDwPartial {
             );
         }
         let rows = lx.shape().elem_count() / h;
+        if lr.dims() != [rows] {
+            bail!("rms-norm-dw: rinv {:?} for {rows} rows", lr.shape());
+        }
         let blocks = dw_blocks(rows);
         let per = rows.div_ceil(blocks);
         let dev = sx.device().clone();
@@ -265,9 +320,10 @@ impl CustomOp2 for RmsDwPartial {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (h32, eps) = (h as i32, self.eps);
+        let h32 = h as i32;
         // Zeroed: a block past the last row (rows < blocks * per) still writes its zeros.
         let part = dev.alloc_zeros::<f32>(blocks * h)?;
+        let rinv = sr.as_cuda_slice::<f32>()?.slice(or..);
         macro_rules! go {
             ($t:ty) => {{
                 let (x, g) = (
@@ -280,9 +336,9 @@ impl CustomOp2 for RmsDwPartial {
                     .arg(&part)
                     .arg(&rows)
                     .arg(&h32)
-                    .arg(&eps)
+                    .arg(&rinv)
                     .arg(&per);
-                // SAFETY: rows x h inputs; the output holds blocks x h floats.
+                // SAFETY: rows x h inputs, rows rinv; the output holds blocks x h floats.
                 unsafe { b.launch(cfg) }.map_err(candle_core::Error::wrap)?;
             }};
         }
@@ -313,8 +369,9 @@ pub(crate) fn rms_norm_backward(
     }
     let (x, w, g) = (x.contiguous()?, w.contiguous()?, grad.contiguous()?);
     let dx = x.apply_op3(&w, &g, RmsDx { eps: eps as f32 })?;
+    let rinv = x.apply_op1_no_bwd(&RmsRinv { eps: eps as f32 })?;
     let dw = x
-        .apply_op2(&g, RmsDwPartial { eps: eps as f32 })?
+        .apply_op3_no_bwd(&g, &rinv, &RmsDwPartial)?
         .sum(0)?
         .to_dtype(w.dtype())?;
     Ok(Some((dx, dw)))
