@@ -940,7 +940,8 @@ fn attention_window_matches_reference_and_naive(dev: &Device) -> Result<()> {
 candle_streamer::test_device!(attention_window_matches_reference_and_naive);
 
 /// A window far smaller than the sequence over many tiles (the CUDA kernels skip
-/// the tiles no row of a block sees): N = 700, window 17 and 64, causal or not.
+/// the tiles no row of a block sees): N = 700 forward and N = 500 gradients,
+/// window 17 causal and 64 + 3 two-sided.
 fn attention_window_long_sequence(dev: &Device) -> Result<()> {
     for d in [64, 128] {
         for (wl, wr, causal) in [(17, None, true), (64, Some(3), false)] {
@@ -952,6 +953,16 @@ fn attention_window_long_sequence(dev: &Device) -> Result<()> {
             };
             for (dtype, tol) in [(DType::BF16, 2e-2), (DType::F16, 3e-3)] {
                 check_masked_forward(dev, (1, 2, 1, 700, 700, d, false), &mask, dtype, tol)?;
+            }
+            // Gradients over many key blocks and query tiles (the CUDA backward
+            // visits only the tiles that see its keys).
+            for (dtype, tol) in [(DType::BF16, 5e-2), (DType::F16, 1e-2)] {
+                let case = (1, 2, 1, 500, 520, d, false);
+                let err = masked_grad_error(dev, case, dtype, &mask, AttentionOpts::default())?;
+                ensure!(
+                    err <= tol,
+                    "{dtype:?} grads {mask:?} {case:?}: {err:e} > {tol:e}"
+                );
             }
         }
     }
