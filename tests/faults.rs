@@ -14,6 +14,11 @@
 //! per-test plan; the library's allocation points fail through
 //! `streamer_core::faults` (per thread, so parallel tests do not interfere).
 //!
+//! The decoder trainer (`LmTrainer::step`) gets the same treatment through the
+//! library's allocation points; with its optimizer overlapped with backward,
+//! where layers may be stepped before a later failure, the trainer must
+//! instead refuse every further step and save, saying why.
+//!
 //! On CUDA a last case makes the device really run out: it fills the GPU's
 //! memory with a tensor until little is free, steps (an out-of-memory error),
 //! frees the tensor and steps again.
@@ -33,6 +38,7 @@ use std::sync::{Arc, Mutex};
 use streamer_autograd::{dropout, CpuAdamW, Train, TrainableSequential};
 use streamer_core::faults::{self, FaultPoint};
 use streamer_core::{BlockSpec, StreamConfig, StreamedSequential};
+use streamer_models::{init_weights, Llama, LlamaConfig, LmTrainer};
 
 /// The model's shape.
 #[derive(Clone, Copy, Debug)]
@@ -559,6 +565,13 @@ pub fn run_all(dev: &Device) -> Vec<KindReport> {
     for f in cases() {
         record(f.kind(), survive(dev, &SMALL, f));
     }
+    for (kind, point, after) in lm_cases() {
+        record(kind, lm_survive(dev, point, after));
+    }
+    record(
+        "oom_lm_trainer_overlapped_refuses",
+        lm_overlapped_refuses(dev),
+    );
     #[cfg(feature = "cuda")]
     if dev.is_cuda() {
         record("oom_real_device_full", real_out_of_memory(dev));
@@ -627,6 +640,131 @@ fn injected_faults_fire_once_on_their_thread_only() -> Result<()> {
     ensure!(faults::injected_fault_count() == before + 1);
     Ok(())
 }
+
+// ---- the decoder trainer ----------------------------------------------------------
+
+/// `LmTrainer` on a micro decoder (2 layers of width 16), streamed on `dev`.
+fn lm_trainer(dev: &Device, overlap: bool) -> Result<LmTrainer> {
+    let cfg = LlamaConfig {
+        max_position_embeddings: 16,
+        ..LlamaConfig::bytes(16, 2, 2, 1)
+    };
+    let stream = StreamConfig {
+        device: dev.clone(),
+        prefetch_ahead: 1,
+        master_dtype: Some(candle_core::DType::F32),
+        ..Default::default()
+    };
+    let model = Llama::from_tensors(init_weights(&cfg, 3)?, &cfg, stream)?;
+    let params = ParamsAdamW {
+        lr: 3e-3,
+        weight_decay: 0.01,
+        ..Default::default()
+    };
+    let mut t = LmTrainer::new(model, params)?;
+    t.set_overlap(overlap);
+    Ok(t)
+}
+
+/// Step `k`'s tokens and next-token targets, `(2, 12)` u32 bytes.
+fn lm_batch(k: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+    let ids: Vec<u32> = (0..26).map(|j| ((j * 31 + k * 7) % 256) as u32).collect();
+    let rows =
+        |off: usize| -> Vec<u32> { [&ids[off..off + 12], &ids[13 + off..25 + off]].concat() };
+    Ok((
+        Tensor::from_vec(rows(0), (2, 12), dev)?,
+        Tensor::from_vec(rows(1), (2, 12), dev)?,
+    ))
+}
+
+fn lm_step(t: &mut LmTrainer, k: usize, dev: &Device) -> Result<f32> {
+    let (x, y) = lm_batch(k, dev)?;
+    Ok(t.step(&x, &y)?)
+}
+
+/// The decoder trainer's step (`LmTrainer::step`, optimizer after backward)
+/// with an allocation point failing: an error, nothing changed, and the retry
+/// and the next step match an uninterrupted trainer bit for bit.
+pub fn lm_survive(dev: &Device, point: FaultPoint, after: usize) -> Result<String> {
+    let _gpu = device_lock(dev);
+    let mut r = lm_trainer(dev, false)?;
+    for k in 0..3 {
+        lm_step(&mut r, k, dev)?;
+    }
+    let want = snapshot(r.optimizer())?;
+    let mut t = lm_trainer(dev, false)?;
+    lm_step(&mut t, 0, dev)?;
+    let before = snapshot(t.optimizer())?;
+    faults::inject_out_of_memory(point, after);
+    let what = format!("LmTrainer, {point} after {after}");
+    let err = must_fail(&what, || lm_step(&mut t, 1, dev));
+    faults::clear_injected_faults();
+    let err = err?;
+    ensure!(
+        err.contains("out of memory") && err.contains(&point.to_string()),
+        "{what}: {err}"
+    );
+    ensure!(
+        snapshot(t.optimizer())? == before && t.steps_done() == 1,
+        "{what}: the failed step changed the trainer"
+    );
+    lm_step(&mut t, 1, dev).with_context(|| format!("{what}: retrying"))?;
+    lm_step(&mut t, 2, dev)?;
+    ensure!(
+        snapshot(t.optimizer())? == want,
+        "{what}: the retried run differs from the uninterrupted one"
+    );
+    Ok(err)
+}
+
+/// With the optimizer overlapped with backward, layers may be stepped before
+/// a later gradient's offload fails: the step errors, and the trainer then
+/// refuses every further step and save with an error that says so.
+pub fn lm_overlapped_refuses(dev: &Device) -> Result<String> {
+    let _gpu = device_lock(dev);
+    let mut t = lm_trainer(dev, true)?;
+    lm_step(&mut t, 0, dev)?;
+    faults::inject_out_of_memory(FaultPoint::GradientOffload, 3);
+    let err = must_fail("overlapped LmTrainer", || lm_step(&mut t, 1, dev));
+    faults::clear_injected_faults();
+    let err = err?;
+    ensure!(err.contains("out of memory"), "overlapped: {err}");
+    let next = must_fail("the step after", || lm_step(&mut t, 2, dev))?;
+    ensure!(
+        next.contains("failed part-way"),
+        "the step after a part-way failure: {next}"
+    );
+    let dir = std::env::temp_dir().join(format!("faults-overlap-{}", std::process::id()));
+    let saved = t.save(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    match saved {
+        Ok(()) => bail!("a trainer part-way through a step saved a checkpoint"),
+        Err(e) => ensure!(e.to_string().contains("failed part-way"), "save: {e}"),
+    }
+    Ok(err)
+}
+
+/// The decoder trainer's cases, as `(kind, case)`.
+fn lm_cases() -> Vec<(&'static str, FaultPoint, usize)> {
+    vec![
+        ("oom_lm_trainer_step", FaultPoint::WeightLoad, 2),
+        ("oom_lm_trainer_step", FaultPoint::GradientOffload, 3),
+        ("oom_lm_trainer_step", FaultPoint::OptimizerGradient, 4),
+    ]
+}
+
+fn lm_trainer_step_survives_injected_oom(dev: &Device) -> Result<()> {
+    for (_, point, after) in lm_cases() {
+        lm_survive(dev, point, after)?;
+    }
+    Ok(())
+}
+candle_streamer::test_device!(lm_trainer_step_survives_injected_oom);
+
+fn lm_trainer_overlapped_failure_refuses_steps_and_saves(dev: &Device) -> Result<()> {
+    lm_overlapped_refuses(dev).map(drop)
+}
+candle_streamer::test_device!(lm_trainer_overlapped_failure_refuses_steps_and_saves);
 
 // ---- the real thing (CUDA) -------------------------------------------------------
 
