@@ -775,7 +775,8 @@ fn fill_device(dev: &Device, leave: usize) -> Result<Vec<Tensor>> {
     streamer_core::trim_device_memory(dev)?;
     let mut held = Vec::new();
     let mut chunk = 1usize << 34;
-    loop {
+    // Bounded: each pass allocates or halves the chunk.
+    for _ in 0..4096 {
         let free = streamer_core::free_device_memory(dev)?.unwrap_or(0);
         if free <= leave + (1 << 20) {
             break;
