@@ -1330,6 +1330,56 @@ fn estimate_counts_window_pairs(dev: &Device) -> Result<()> {
     );
     let dense = cqsa::Scores::of(&AttentionOpts::default(), &shape)?;
     ensure!(dense.visible_pairs(4096, 4096) == 4096 * 4096);
+    // At N = 1M streamed, a causal window of 4096 sees a band of chunk pairs:
+    // fewer subproblems and less predicted time than the causal call.
+    let big = AttentionShape {
+        nq: 1 << 20,
+        nk: 1 << 20,
+        hq: 16,
+        hkv: 16,
+        d: 128,
+        ..shape
+    };
+    let budget = Budget {
+        device_bytes: 4 << 30,
+        host_bytes: 1 << 40,
+    };
+    let causal = cqsa::estimate_with(
+        &big,
+        &AttentionOpts {
+            causal: true,
+            ..Default::default()
+        },
+        &budget,
+    )?;
+    let window = AttentionOpts {
+        causal: true,
+        window_left: Some(4096),
+        ..Default::default()
+    };
+    let windowed = cqsa::estimate_with(&big, &window, &budget)?;
+    ensure!(
+        causal.mode == Mode::Streamed && windowed.mode == Mode::Streamed,
+        "{causal} / {windowed}"
+    );
+    ensure!(
+        windowed.subproblems * 4 < causal.subproblems
+            && windowed.forward_seconds * 4.0 < causal.forward_seconds,
+        "{windowed} vs {causal}"
+    );
+    // The plain estimate agrees with estimate_with for a causal call.
+    ensure!(
+        estimate(&big, &budget)? == causal,
+        "estimate differs from estimate_with"
+    );
+    let bad = AttentionOpts {
+        softcap: Some(-1.0),
+        ..Default::default()
+    };
+    ensure!(
+        cqsa::estimate_with(&big, &bad, &budget).is_err(),
+        "softcap -1 accepted"
+    );
     Ok(())
 }
 candle_streamer::test_device!(estimate_counts_window_pairs);

@@ -83,7 +83,7 @@ pub use mask::Scores;
 pub use op::{
     attention_backward, attention_backward_with, attention_forward, attention_forward_with,
 };
-pub use plan::{estimate, Budget, Mode, Plan};
+pub use plan::{estimate, estimate_with, Budget, Mode, Plan};
 pub use shape::AttentionShape;
 
 /// The largest supported head dimension.

@@ -328,6 +328,16 @@ pub fn estimate(s: &AttentionShape, budget: &Budget) -> Result<Plan> {
     choose(s, &shape_scores(s), budget, cfg!(feature = "cuda"), None)
 }
 
+/// [`estimate`] for a call with the options `opts` (masks, mode, chunk
+/// overrides): a sliding window counts only the chunk pairs it sees and
+/// predicts the time of its visible (query, key) pairs. Errors on bad options
+/// as [`crate::attention`] does.
+pub fn estimate_with(s: &AttentionShape, opts: &AttentionOpts, budget: &Budget) -> Result<Plan> {
+    s.check()?;
+    let scores = Scores::of(opts, s)?;
+    choose(s, &scores, budget, cfg!(feature = "cuda"), Some(opts))
+}
+
 /// The plan [`crate::attention`] uses for `opts` on its compute device.
 pub(crate) fn plan(
     s: &AttentionShape,
