@@ -3,6 +3,7 @@
 //! by `candle_streamer::test_device!`.
 
 mod attention;
+mod bad_inputs;
 mod crash;
 mod cross_entropy;
 mod cuda_chain;
