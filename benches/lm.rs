@@ -214,9 +214,7 @@ fn bench_one(
     let (batch, seq, steps) = b.shape;
     let params = b.cfg.num_params();
     let tokens = batch * seq;
-    let name = policy
-        .as_ref()
-        .map_or(resident_label(), |p| p.0.clone());
+    let name = policy.as_ref().map_or(resident_label(), |p| p.0.clone());
     println!(
         "{} ({:.2} B params, {} layers) {mode}, activations {name}: {batch} x {seq} tokens per step, {steps} timed steps",
         b.preset,

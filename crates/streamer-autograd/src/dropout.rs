@@ -151,12 +151,7 @@ pub fn dropout(xs: &Tensor, p: f32) -> Result<Tensor> {
 /// training, else masks from [`streamer_core::BlockCtx::seed_for`], so the
 /// forward and its recompute agree whichever thread draws them (rayon work
 /// inside a block included). Pick one `key` per dropout site of the block.
-pub fn dropout_ctx(
-    xs: &Tensor,
-    p: f32,
-    ctx: &streamer_core::BlockCtx,
-    key: u64,
-) -> Result<Tensor> {
+pub fn dropout_ctx(xs: &Tensor, p: f32, ctx: &streamer_core::BlockCtx, key: u64) -> Result<Tensor> {
     if !(0.0..1.0).contains(&p) {
         candle_core::bail!("dropout probability must be in [0, 1), got {p}");
     }
