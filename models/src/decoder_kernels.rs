@@ -4,9 +4,7 @@
 //! Candle-op versions in `decoder_backward.rs` / `fused_ops.rs`, which the
 //! tests hold these to.
 use candle_core::backend::BackendStorage;
-use candle_core::{
-    bail, CpuStorage, CudaStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor,
-};
+use candle_core::{bail, CpuStorage, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// Widest row the RMSNorm weight-gradient kernel takes (32 columns per thread).
