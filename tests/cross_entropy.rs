@@ -42,7 +42,14 @@ fn to_f64(t: &Tensor) -> Result<Vec<f64>> {
 fn cross_entropy_matches_reference_and_candle(dev: &Device) -> Result<()> {
     // A vocabulary below one block of threads, one not a multiple of it, and
     // large logits (the log-sum-exp must subtract the row max).
-    for (rows, vocab, scale) in [(5, 3, 1.0), (37, 1000, 1.0), (8, 517, 60.0)] {
+    // Tolerances: 1e-5 for unit logits; for logits of magnitude ~180 the f32
+    // inputs alone are rounded by ulp(180) ~ 1.5e-5, and exp(x - lse) carries
+    // that relative error (the CUDA path computes in f32, the CPU in f64).
+    for (rows, vocab, scale, tol) in [
+        (5, 3, 1.0, 1e-5),
+        (37, 1000, 1.0, 1e-5),
+        (8, 517, 60.0, 1e-4),
+    ] {
         let (x64, t) = case(rows, vocab, scale, 7)?;
         let (want_loss, want_grad) = reference(&x64.flatten_all()?.to_vec1()?, &t, vocab);
         let x = Var::from_tensor(&x64.to_dtype(DType::F32)?.to_device(dev)?)?;
@@ -63,21 +70,18 @@ fn cross_entropy_matches_reference_and_candle(dev: &Device) -> Result<()> {
         let e_ref = (got - want_loss).abs() / want_loss.abs();
         let e_plain = (got - plain.to_scalar::<f32>()? as f64).abs() / want_loss.abs();
         ensure!(
-            e_ref < 1e-5,
+            e_ref < tol,
             "{rows}x{vocab}: loss {got} vs f64 {want_loss} (rel {e_ref:e})"
         );
         ensure!(
-            e_plain < 1e-5,
+            e_plain < tol,
             "{rows}x{vocab}: loss vs candle-nn rel {e_plain:e}"
         );
         let want = Tensor::from_vec(want_grad, (rows, vocab), &Device::Cpu)?;
         let (g_ref, g_plain) = (rel_err(&grad, &want)?, rel_err(&grad, &plain_grad)?);
+        ensure!(g_ref < tol, "{rows}x{vocab}: gradient vs f64 rel {g_ref:e}");
         ensure!(
-            g_ref < 1e-5,
-            "{rows}x{vocab}: gradient vs f64 rel {g_ref:e}"
-        );
-        ensure!(
-            g_plain < 1e-5,
+            g_plain < tol,
             "{rows}x{vocab}: gradient vs candle-nn autograd rel {g_plain:e}"
         );
         ensure!(grad.dtype() == DType::F32 && grad.dims() == [rows, vocab]);
