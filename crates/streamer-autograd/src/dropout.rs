@@ -35,11 +35,8 @@ fn next_seed() -> Option<u64> {
     BLOCK_SEED.with(|s| {
         s.get().map(|(seed, n)| {
             s.set(Some((seed, n + 1)));
-            // SplitMix64 of (seed, draw index): independent streams per draw.
-            let mut z = seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
+            // Independent streams per draw.
+            streamer_core::mix_seed(seed, n)
         })
     })
 }

@@ -55,14 +55,18 @@ impl BlockCtx {
     /// dropout site) in this call: the same in the forward and its recompute,
     /// different across keys and blocks. `None` outside training.
     pub fn seed_for(&self, key: u64) -> Option<u64> {
-        self.seed.map(|seed| {
-            // SplitMix64 of (seed, key): independent streams per site.
-            let mut z = seed ^ key.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        })
+        // Offset by one so that site 0 does not reuse the call's own seed.
+        self.seed.map(|seed| mix_seed(seed, key.wrapping_add(1)))
     }
+}
+
+/// SplitMix64's finalizer of `(seed, n)`: independent seeds for the `n`-th
+/// stream of a seed (dropout masks per site or per draw).
+pub fn mix_seed(seed: u64, n: u64) -> u64 {
+    let mut z = seed ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// A block's computation once its weights are bound.

@@ -52,7 +52,9 @@ mod stats;
 mod timeline;
 
 pub use bandwidth::measure_h2d_gbps;
-pub use block::{Block, BlockCtx, BlockSpec, ManualBackward, ModuleBlock, SavedActivations};
+pub use block::{
+    mix_seed, Block, BlockCtx, BlockSpec, ManualBackward, ModuleBlock, SavedActivations,
+};
 pub use config::StreamConfig;
 pub use context::{cuda_event_tracking, disable_cuda_event_tracking};
 pub use convert::convert;
