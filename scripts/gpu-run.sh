@@ -19,6 +19,9 @@ mkdir -p "$out"
 export BENCH_RESULTS_DIR=${BENCH_RESULTS_DIR:-$PWD/benches/results}
 mkdir -p "$BENCH_RESULTS_DIR"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# Every process JIT-compiles our PTX on its first launch (20-25 s); a cache big
+# enough for all of it lets the later processes of the same call reuse it.
+export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
 work=$(mktemp -d)
 xz -dc "$here/bin.tar.xz" | tar -C "$work" -xf -
 want="${*:-tests benches examples}"

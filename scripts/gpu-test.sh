@@ -6,6 +6,11 @@
 #   scripts/gpu-test.sh                      # build + bundle
 #   # device tool: carry ["gpu-bundle"], command: bash gpu-bundle/run.sh
 #
+# Building from a second worktree while another builds in this one: set
+# CUDA_TOOLCHAIN_DIR to this checkout's .cuda and CARGO_TARGET_DIR to its
+# target/cuda, so both builds use the same paths in RUSTFLAGS and share the
+# compiled dependencies instead of rebuilding each other's.
+#
 # run.sh writes each binary's output and a one-screen summary under $OUT
 # (or ./gpu-out) and exits non-zero when anything failed. Extra arguments to
 # run.sh select what runs: `tests`, `benches`, `examples` (default: all).
