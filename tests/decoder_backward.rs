@@ -144,6 +144,21 @@ fn resident_fused_backward_matches_autograd(dev: &Device) -> Result<()> {
             .backward(&loss)?
             .get(vars["model.layers.1.mlp.up_proj.weight"].as_tensor())
             .is_some());
+        // Cached decoding keeps its own path with the switch on: the prompt's
+        // logits through the kv cache equal the plain forward's.
+        model.clear_cache()?;
+        let cached = model.forward_cached(&x)?;
+        model.set_fused_backward(false)?;
+        let plain = model.forward(&x)?;
+        let err = rel_err(&cached, &plain)?;
+        ensure!(
+            err <= tol,
+            "{dt:?} cached logits with the switch on: {err:.2e}"
+        );
+        ensure!(
+            model.cached_positions()? == x.dim(1)?,
+            "the cache holds the prompt"
+        );
     }
     Ok(())
 }

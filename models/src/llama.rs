@@ -15,7 +15,7 @@ use std::path::Path;
 use std::sync::Arc;
 use streamer_autograd::{Train, TrainableSequential};
 use streamer_core::{
-    Block, BlockSpec, StreamConfig, StreamStats, StreamedSequential, WeightSource,
+    Block, BlockCtx, BlockSpec, StreamConfig, StreamStats, StreamedSequential, WeightSource,
 };
 
 /// Root-mean-square normalisation: `x / sqrt(mean(x^2) + eps) * weight`, with
@@ -170,9 +170,10 @@ impl Rope {
 /// cache and the hand-written backward.
 ///
 /// Extras: `[cos, sin]` for the call's positions. A layer built by a [`Llama`]
-/// also accepts `[cos, sin, _]`: the third tensor (any value) asks it to append
-/// this call's keys and values to its slot of the model's kv cache and to attend
-/// over every cached position ([`Llama::forward_cached`]).
+/// keeps a slot of the model's kv cache: a call whose `BlockCtx::kv_cache` is
+/// set ([`Llama::forward_cached`] asks for it) appends this call's keys and
+/// values to it and attends over every cached position. The older way to ask,
+/// a third extra `[cos, sin, _]` of any value, still works.
 #[derive(Clone)]
 pub struct DecoderLayer {
     pub(crate) input_layernorm: RmsNorm,
@@ -373,6 +374,36 @@ impl Block for DecoderLayer {
     /// `x`: hidden states `(batch, seq, hidden)`; `extras`: `[cos, sin]`, each
     /// `(seq, head_dim / 2)` in the compute dtype. Returns the new hidden states.
     fn forward(&self, x: &Tensor, extras: &[Tensor]) -> Result<Vec<Tensor>> {
+        self.forward_kv(x, extras, false)
+    }
+
+    /// As `forward`, with the kv cache in use when `ctx.kv_cache` asks.
+    fn forward_ctx(
+        &self,
+        x: &Tensor,
+        extras: &[Tensor],
+        ctx: &streamer_core::BlockCtx,
+    ) -> Result<Vec<Tensor>> {
+        self.forward_kv(x, extras, ctx.kv_cache)
+    }
+
+    /// The hand-written backward (`decoder_backward.rs`), which covers every
+    /// family: biases and Qwen3's q/k norms included. With LoRA adapters on,
+    /// none: the layer trains through Candle autograd, which gives the
+    /// adapters' gradients (as the extras' gradients).
+    fn manual(&self) -> Option<&dyn streamer_core::ManualBackward> {
+        if self.lora_on() {
+            None
+        } else {
+            Some(self)
+        }
+    }
+}
+
+impl DecoderLayer {
+    /// The layer's forward; `kv` (or a third extra, the older way to ask)
+    /// attends over the kv cache and extends it.
+    fn forward_kv(&self, x: &Tensor, extras: &[Tensor], kv: bool) -> Result<Vec<Tensor>> {
         let (extras, lora) = self.split_lora(extras)?;
         // Projection `t` of LORA_TARGETS, with its adapter when it has one.
         let proj = |t: usize, l: &Linear, h: &Tensor| -> Result<Tensor> {
@@ -382,7 +413,7 @@ impl Block for DecoderLayer {
             }
         };
         let (cos, sin, cached) = match extras {
-            [cos, sin] => (cos, sin, false),
+            [cos, sin] => (cos, sin, kv),
             [cos, sin, _] => (cos, sin, true),
             _ => bail!(
                 "a Llama decoder layer needs extras [cos, sin] (or [cos, sin, cache flag]), got {} tensors",
@@ -424,18 +455,6 @@ impl Block for DecoderLayer {
         let u = proj(5, &self.up_proj, &h)?;
         let x = (&x + proj(6, &self.down_proj, &(g * u)?)?)?;
         Ok(vec![x])
-    }
-
-    /// The hand-written backward (`decoder_backward.rs`), which covers every
-    /// family: biases and Qwen3's q/k norms included. With LoRA adapters on,
-    /// none: the layer trains through Candle autograd, which gives the
-    /// adapters' gradients (as the extras' gradients).
-    fn manual(&self) -> Option<&dyn streamer_core::ManualBackward> {
-        if self.lora_on() {
-            None
-        } else {
-            Some(self)
-        }
     }
 }
 
@@ -749,7 +768,7 @@ impl Llama {
     /// tokens `0..=t` (causal).
     pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
         let n = self.check_tokens(tokens)?;
-        self.run(tokens, self.rope.extras(n)?)
+        self.run(tokens, self.rope.extras(n)?, false)
     }
 
     /// Logits for `tokens` `(batch, seq)` placed after the positions already in
@@ -768,10 +787,7 @@ impl Llama {
         let r = (|| {
             let n = self.check_tokens(tokens)?;
             let past = self.kv.positions()?;
-            let mut extras = self.rope.extras_at(past, n)?;
-            // The flag's value is never read: its presence asks for the cache.
-            extras.push(Tensor::zeros(1, DType::U8, &self.device)?);
-            self.run(tokens, extras)
+            self.run(tokens, self.rope.extras_at(past, n)?, true)
         })();
         if r.is_err() {
             self.kv.clear()?;
@@ -801,8 +817,11 @@ impl Llama {
         Ok(n)
     }
 
-    /// Embedding, layers (with `extras`), final norm and head.
-    fn run(&self, tokens: &Tensor, mut extras: Vec<Tensor>) -> Result<Tensor> {
+    /// Embedding, layers (with `extras`, and their kv caches when `kv`),
+    /// final norm and head.
+    fn run(&self, tokens: &Tensor, mut extras: Vec<Tensor>, kv: bool) -> Result<Tensor> {
+        // The hand-written resident path is a training forward: no cache, no adapters.
+        let fused = self.fused.enabled() && !kv && self.lora.adapters()?.is_none();
         if let Some(a) = self.lora.adapters()? {
             extras.extend(a.extras(self.dtype, &self.device)?);
         }
@@ -810,7 +829,7 @@ impl Llama {
         let (embed, norm, head) = self.device_weights()?;
         let x = crate::embedding(&embed, &tokens)?;
         let h = match &self.layers {
-            Layers::Resident(ls) if self.fused.enabled() && x.track_op() => {
+            Layers::Resident(ls) if fused && x.track_op() => {
                 self.fused.begin()?;
                 let mut h = x;
                 for l in ls {
@@ -820,12 +839,15 @@ impl Llama {
             }
             Layers::Resident(ls) => {
                 let mut h = x;
-                for l in ls {
-                    h = l.forward(&h, &extras)?.swap_remove(0);
+                for (i, l) in ls.iter().enumerate() {
+                    let ctx = BlockCtx::inference(i, &self.device).with_kv_cache(kv);
+                    h = l.forward_ctx(&h, &extras, &ctx)?.swap_remove(0);
                 }
                 h
             }
+            Layers::Streamed(s) if kv => s.forward_cached_with(&x, &extras)?.swap_remove(0),
             Layers::Streamed(s) => s.forward_with(&x, &extras)?.swap_remove(0),
+            Layers::Trainable(t) if kv => t.forward_cached_with(&x, &extras)?.swap_remove(0),
             Layers::Trainable(t) => t.forward_with(&x, &extras)?.swap_remove(0),
         };
         let h = RmsNorm::from_weight(norm, self.cfg.rms_norm_eps).forward(&h)?;

@@ -353,6 +353,15 @@ impl TrainableSequential {
         Ok(self.forward_with(x, &[])?.swap_remove(0))
     }
 
+    /// [`StreamedSequential::forward_cached_with`]: inference with every
+    /// block's kv cache in use (an error in training mode).
+    pub fn forward_cached_with(&self, x: &Tensor, extras: &[Tensor]) -> Result<Vec<Tensor>> {
+        if self.is_training() {
+            candle_core::bail!("forward_cached_with: the model is in training mode");
+        }
+        self.model.forward_cached_with(x, extras)
+    }
+
     /// Runs the blocks with `extras` handed to every block. In training mode the
     /// outputs are tracked: a loss built on them can be passed to `backward`.
     pub fn forward_with(&self, x: &Tensor, extras: &[Tensor]) -> Result<Vec<Tensor>> {

@@ -23,6 +23,9 @@ pub struct BlockCtx {
     pub seed: Option<u64>,
     /// Whether this training forward keeps its activations (no recompute).
     pub keeps_activations: bool,
+    /// Use and extend the block's kv cache (inference of blocks that keep
+    /// one, e.g. incremental decoding).
+    pub kv_cache: bool,
     /// The compute device; its (single) stream is the one the pool orders
     /// the block's weights against.
     pub device: Device,
@@ -36,8 +39,15 @@ impl BlockCtx {
             training: false,
             seed: None,
             keeps_activations: false,
+            kv_cache: false,
             device: device.clone(),
         }
+    }
+
+    /// The same call with the kv cache asked for (or not).
+    pub fn with_kv_cache(mut self, on: bool) -> Self {
+        self.kv_cache = on;
+        self
     }
 
     /// A training call of block `index` with dropout seed `seed`.
@@ -47,6 +57,7 @@ impl BlockCtx {
             training: true,
             seed: Some(seed),
             keeps_activations,
+            kv_cache: false,
             device: device.clone(),
         }
     }

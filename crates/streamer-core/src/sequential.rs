@@ -229,6 +229,16 @@ impl StreamedSequential {
     /// Runs the blocks with `extras` handed to every block; returns all of the
     /// last block's outputs. Intermediate blocks pass their first output on.
     pub fn forward_with(&self, x: &Tensor, extras: &[Tensor]) -> Result<Vec<Tensor>> {
+        self.forward_in(x, extras, false)
+    }
+
+    /// [`Self::forward_with`] with [`BlockCtx::kv_cache`] set for every block:
+    /// blocks that keep a kv cache attend over it and extend it.
+    pub fn forward_cached_with(&self, x: &Tensor, extras: &[Tensor]) -> Result<Vec<Tensor>> {
+        self.forward_in(x, extras, true)
+    }
+
+    fn forward_in(&self, x: &Tensor, extras: &[Tensor], kv_cache: bool) -> Result<Vec<Tensor>> {
         self.check_inputs(x, extras)?;
         let mut pool = self.lock_pool()?;
         let r = run_blocks(
@@ -236,7 +246,7 @@ impl StreamedSequential {
             &self.blocks,
             x,
             extras,
-            self.cfg.prefetch_across_calls,
+            (self.cfg.prefetch_across_calls, kv_cache),
             |_, _| Ok(()),
         );
         if r.is_err() {
@@ -300,7 +310,7 @@ pub(crate) fn run_blocks(
     blocks: &[BlockSpec],
     x: &Tensor,
     extras: &[Tensor],
-    cyclic: bool,
+    (cyclic, kv_cache): (bool, bool),
     mut on_input: impl FnMut(usize, &Tensor) -> Result<()>,
 ) -> Result<Vec<Tensor>> {
     // SAFETY: the closure keeps nothing: it passes the block's input to
@@ -318,7 +328,8 @@ pub(crate) fn run_blocks(
             cyclic,
             |pool, i, block, h, extras| {
                 on_input(i, h)?;
-                block.forward_ctx(h, extras, &BlockCtx::inference(i, pool.device()))
+                let ctx = BlockCtx::inference(i, pool.device()).with_kv_cache(kv_cache);
+                block.forward_ctx(h, extras, &ctx)
             },
         )
     }
