@@ -28,7 +28,7 @@ use candle_nn::{Optimizer, ParamsAdamW};
 use std::time::Instant;
 use streamer_core::StreamConfig;
 use streamer_models::{
-    init_weights, ByteCorpus, Llama, LlamaConfig, LmTrainer, LoraAdapters, LoraConfig, RopeScaling,
+    init_weights, ByteCorpus, Llama, LlamaConfig, LmTrainer, LoraAdapters, LoraConfig,
 };
 
 fn env_or(key: &str, default: usize) -> usize {
@@ -38,28 +38,9 @@ fn env_or(key: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-/// Llama 3.1 8B's shapes: 32 layers of width 4096, 32 heads of 128 over 8
-/// key-value heads, MLP 14336, vocabulary 128256, llama3 rope scaling.
-fn llama31_8b() -> LlamaConfig {
-    LlamaConfig {
-        intermediate_size: 14336,
-        vocab_size: 128256,
-        rope_theta: 500_000.0,
-        max_position_embeddings: 131072,
-        rope_scaling: Some(RopeScaling {
-            rope_type: "llama3".into(),
-            factor: 8.0,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_position_embeddings: 8192,
-        }),
-        ..LlamaConfig::bytes(4096, 32, 32, 8)
-    }
-}
-
 fn config(name: &str) -> Result<LlamaConfig> {
     Ok(match name {
-        "8b" => llama31_8b(),
+        "8b" => LlamaConfig::llama31_8b(),
         other => LlamaConfig::preset(other)?,
     })
 }

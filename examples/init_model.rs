@@ -15,7 +15,7 @@ use candle_streamer::cli;
 use clap::Parser;
 use std::collections::HashMap;
 use std::path::PathBuf;
-use streamer_models::{init_weights, LlamaConfig, RopeScaling, TextTokenizer};
+use streamer_models::{init_weights, LlamaConfig, TextTokenizer};
 
 #[derive(Parser, Debug)]
 #[command(about = "Write a Hugging Face model folder of random weights in the real layout")]
@@ -41,23 +41,6 @@ struct Args {
     /// Seed of the weights.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-}
-
-fn llama31_8b() -> LlamaConfig {
-    LlamaConfig {
-        intermediate_size: 14336,
-        vocab_size: 128256,
-        rope_theta: 500_000.0,
-        max_position_embeddings: 131072,
-        rope_scaling: Some(RopeScaling {
-            rope_type: "llama3".into(),
-            factor: 8.0,
-            low_freq_factor: 1.0,
-            high_freq_factor: 4.0,
-            original_max_position_embeddings: 8192,
-        }),
-        ..LlamaConfig::bytes(4096, 32, 32, 8)
-    }
 }
 
 /// Writes `weights` as shards of at most `max` bytes and their index (one
@@ -109,7 +92,7 @@ fn main() -> Result<()> {
     let a = Args::parse();
     let cfg = match (&a.config, a.shape.as_deref()) {
         (Some(c), None) => LlamaConfig::from_json_file(c)?,
-        (None, Some("llama31-8b")) => llama31_8b(),
+        (None, Some("llama31-8b")) => LlamaConfig::llama31_8b(),
         (None, Some(p)) => LlamaConfig::preset(p)?,
         _ => bail!("give --config or --shape"),
     };

@@ -240,7 +240,7 @@ fn embedding_matches_reference(dev: &Device) -> Result<()> {
     let table = Tensor::zeros((vocab, hidden), DType::F32, dev)?;
     if dev.is_cpu() {
         let e = streamer_models::embedding(&table, &bad).expect_err("id past the vocabulary");
-        ensure!(e.to_string().contains("token id 11 at position 1"), "{e}");
+        ensure!(e.to_string().contains("token id 11 of position 1"), "{e}");
     }
     let e = streamer_models::embedding(&table, &bad.to_dtype(DType::I64)?).expect_err("i64 ids");
     ensure!(e.to_string().contains("u32"), "{e}");

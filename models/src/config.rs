@@ -184,6 +184,26 @@ impl LlamaConfig {
         }
     }
 
+    /// Llama 3.1 8B's shapes (random-weight benchmarks and model folders): 32
+    /// layers of width 4096, 32 heads of 128 over 8 key-value heads, MLP
+    /// 14336, vocabulary 128256, llama3 rope scaling, untied head.
+    pub fn llama31_8b() -> Self {
+        Self {
+            intermediate_size: 14336,
+            vocab_size: 128256,
+            rope_theta: 500_000.0,
+            max_position_embeddings: 131072,
+            rope_scaling: Some(RopeScaling {
+                rope_type: "llama3".into(),
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192,
+            }),
+            ..Self::bytes(4096, 32, 32, 8)
+        }
+    }
+
     /// A preset by name: `tiny`, `350m`, `1b` or `3b`.
     pub fn preset(name: &str) -> Result<Self> {
         Ok(match name {

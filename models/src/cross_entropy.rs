@@ -71,20 +71,27 @@ fn rows_of(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
 }
 
 fn targets_of(s: &CpuStorage, l: &Layout, vocab: usize) -> Result<Vec<usize>> {
+    let t = token_ids(s, l, vocab, "cross_entropy: target", "row")?;
+    Ok(t.iter().map(|&k| k as usize).collect())
+}
+
+/// The u32 ids of a CPU tensor, each checked to be below `vocab`; an error
+/// names the first other as "`{what}` {id} of `{unit}` {index}".
+pub(crate) fn token_ids<'a>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    vocab: usize,
+    what: &str,
+    unit: &str,
+) -> Result<&'a [u32]> {
     let CpuStorage::U32(t) = s else {
-        bail!("cross_entropy: targets must be u32, got {:?}", s.dtype());
+        bail!("{what}s must be u32, got {:?}", s.dtype());
     };
     let t = &t[l.start_offset()..l.start_offset() + l.shape().elem_count()];
-    t.iter()
-        .enumerate()
-        .map(|(r, &k)| {
-            if (k as usize) < vocab {
-                Ok(k as usize)
-            } else {
-                bail!("cross_entropy: target {k} of row {r} is outside the vocabulary of {vocab}")
-            }
-        })
-        .collect()
+    if let Some((r, &k)) = t.iter().enumerate().find(|(_, &k)| k as usize >= vocab) {
+        bail!("{what} {k} of {unit} {r} is outside the vocabulary of {vocab}");
+    }
+    Ok(t)
 }
 
 /// Log-sum-exp of one row (f64).

@@ -47,14 +47,7 @@ impl CustomOp2 for Embed {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (vocab, hidden) = l1.shape().dims2()?;
-        if let CpuStorage::U32(ids) = s2 {
-            let ids = &ids[l2.start_offset()..l2.start_offset() + l2.shape().elem_count()];
-            if let Some((t, &id)) = ids.iter().enumerate().find(|(_, &i)| i as usize >= vocab) {
-                bail!(
-                    "embedding: token id {id} at position {t} is outside the vocabulary of {vocab}"
-                );
-            }
-        }
+        crate::cross_entropy::token_ids(s2, l2, vocab, "embedding: token id", "position")?;
         let out = s1.index_select(s2, l1, l2, 0)?;
         Ok((out, Shape::from((l2.shape().elem_count(), hidden))))
     }
