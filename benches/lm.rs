@@ -27,10 +27,10 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 use std::time::Instant;
-use streamer_autograd::ActivationPolicy;
+use streamer_autograd::{ActivationPolicy, DeviceAdamW};
 use streamer_core::StreamConfig;
 use streamer_models::checkpoint::layer_bytes;
-use streamer_models::{init_weights, ByteCorpus, Llama, LlamaConfig, LmTrainer};
+use streamer_models::{init_weights, ByteCorpus, Llama, LlamaConfig, LmTrainer, OptimizerPlace};
 
 const PEAK_TFLOPS: f64 = 990.0;
 
@@ -140,12 +140,41 @@ fn resident(
             "Candle autograd"
         }
     );
-    let mut opt = AdamW::new(varmap.all_vars(), adam.clone())?;
+    // LM_BENCH_RESIDENT_OPTIMIZER=candle measures candle-nn's AdamW (a dozen
+    // element-wise ops per weight) instead of DeviceAdamW's one fused pass.
+    let mut opt: Box<dyn FnMut(&candle_core::backprop::GradStore) -> candle_core::Result<()>> =
+        match std::env::var("LM_BENCH_RESIDENT_OPTIMIZER").as_deref() {
+            Ok("candle") => {
+                let mut o = AdamW::new(varmap.all_vars(), adam.clone())?;
+                Box::new(move |g| o.step(g))
+            }
+            _ => {
+                let mut o = DeviceAdamW::new(varmap.all_vars(), adam.clone(), dev)?;
+                Box::new(move |g| o.step(g))
+            }
+        };
     time_steps(dev, &corpus(), batch, seq, steps, |x, y| {
         let loss = model.loss(x, y)?;
-        opt.step(&model.backward(&loss)?)?;
+        opt(&model.backward(&loss)?)?;
         Ok(loss.to_scalar::<f32>()?)
     })
+}
+
+/// `LM_BENCH_OPTIMIZER`: where the streamed rows' AdamW runs (`host`, the
+/// default: `CpuAdamW` overlapped with backward; `device`: `DeviceAdamW`).
+fn streamed_optimizer() -> Result<OptimizerPlace> {
+    Ok(match std::env::var("LM_BENCH_OPTIMIZER").as_deref() {
+        Err(_) | Ok("host") => OptimizerPlace::Host,
+        Ok("device") => OptimizerPlace::Device,
+        Ok(other) => anyhow::bail!("LM_BENCH_OPTIMIZER: unknown {other:?} (host or device)"),
+    })
+}
+
+fn resident_optimizer() -> &'static str {
+    match std::env::var("LM_BENCH_RESIDENT_OPTIMIZER").as_deref() {
+        Ok("candle") => "candle-nn AdamW",
+        _ => "DeviceAdamW",
+    }
 }
 
 fn streamed(
@@ -167,7 +196,7 @@ fn streamed(
         ..Default::default()
     };
     let model = Llama::from_tensors(init_weights(cfg, 0)?, cfg, stream)?;
-    let mut trainer = LmTrainer::new(model, adam.clone())?;
+    let mut trainer = LmTrainer::new_on(model, adam.clone(), streamed_optimizer()?)?;
     trainer.set_overlap(true);
     let layers = trainer
         .model()
@@ -254,6 +283,11 @@ fn bench_one(
         "preset": b.preset, "mode": mode, "params": params, "layers": b.cfg.num_hidden_layers,
         "batch": batch, "seq": seq, "tokens_per_step": tokens,
         "window_layers": if mode == "streamed" { Some(b.window) } else { None },
+        "optimizer": if mode == "streamed" {
+            match streamed_optimizer() { Ok(OptimizerPlace::Device) => "DeviceAdamW", _ => "CpuAdamW" }
+        } else {
+            resident_optimizer()
+        },
         "step_s": run.step_s, "median_step_s": median, "tokens_per_s": tok_s, "mfu": mfu,
         "peak_device_bytes": run.peak_device, "host_rss_bytes": run.host_rss, "losses": run.loss,
     })
@@ -348,8 +382,8 @@ fn main() -> Result<()> {
         "command": "cargo bench --bench lm --features cuda (scripts/gpu-test.sh bundle)",
         "mfu_convention": format!("6 x all parameters x tokens/s / {PEAK_TFLOPS} TFLOP/s; recompute and attention FLOPs not counted"),
         "compute_dtype": format!("{dtype:?}"),
-        "streamed": "f32 host masters, CpuAdamW on the host overlapped with backward",
-        "resident": "VarMap in the compute dtype on the device, candle-nn AdamW on the device, the decoder layers' hand-written backward (LM_BENCH_RESIDENT_BACKWARD=autograd: Candle autograd)",
+        "streamed": "f32 host masters; CpuAdamW on the host overlapped with backward, or (LM_BENCH_OPTIMIZER=device, the row's optimizer field) DeviceAdamW stepping the staged masters on the GPU",
+        "resident": "VarMap in the compute dtype on the device, DeviceAdamW (fused, f32 moments) on the device (LM_BENCH_RESIDENT_OPTIMIZER=candle: candle-nn AdamW), the decoder layers' hand-written backward (LM_BENCH_RESIDENT_BACKWARD=autograd: Candle autograd)",
         "peak_device_note": "cuMemGetInfo sampled every 200 us above the level before the run, pool trimmed first",
         "results": rows,
     });

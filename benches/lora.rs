@@ -29,6 +29,7 @@ use std::time::Instant;
 use streamer_core::StreamConfig;
 use streamer_models::{
     init_weights, ByteCorpus, Llama, LlamaConfig, LmTrainer, LoraAdapters, LoraConfig,
+    OptimizerPlace,
 };
 
 fn env_or(key: &str, default: usize) -> usize {
@@ -107,12 +108,23 @@ fn run(
     let lr = 1e-4;
     let (m, trainable) = match mode {
         "full" => {
-            let mut t = LmTrainer::new(
+            // LORA_BENCH_OPTIMIZER=host|device (default device on a GPU: the
+            // full 8B fine-tune's host optimizer state would not fit the host).
+            let place = match std::env::var("LORA_BENCH_OPTIMIZER").as_deref() {
+                Ok("host") => OptimizerPlace::Host,
+                Ok("device") => OptimizerPlace::Device,
+                Err(_) if dev.is_cuda() => OptimizerPlace::Device,
+                Err(_) => OptimizerPlace::Host,
+                Ok(other) => bail!("LORA_BENCH_OPTIMIZER: unknown {other:?} (host or device)"),
+            };
+            println!("  full fine-tune optimizer: {place:?}");
+            let mut t = LmTrainer::new_on(
                 model,
                 ParamsAdamW {
                     lr,
                     ..Default::default()
                 },
+                place,
             )?;
             t.set_overlap(true);
             (

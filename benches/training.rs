@@ -5,7 +5,10 @@
 //!
 //! Rows of ours: `FusedMlp` blocks (hand-written backward, four cuBLASLt GEMMs)
 //! with activations recomputed or kept, and candle-nn `Linear` blocks through
-//! Candle autograd (recompute).
+//! Candle autograd (recompute). Each `FusedMlp` case runs with the optimizer on
+//! the host (`CpuAdamW` overlapped with backward) and on the device
+//! (`DeviceAdamW` stepping the staged masters in `backward_step_device`);
+//! `TRAINING_BENCH_OPTIMIZERS=host,device` picks them.
 //!
 //!     cargo bench --bench training [--features cuda]
 //!
@@ -18,7 +21,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::ParamsAdamW;
 use std::collections::HashMap;
 use std::time::Instant;
-use streamer_autograd::{ActivationPolicy, CpuAdamW, Train};
+use streamer_autograd::{ActivationPolicy, CpuAdamW, DeviceAdamW, Train, TrainableSequential};
 use streamer_core::{BlockSpec, StreamConfig, StreamedSequential};
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -30,6 +33,41 @@ fn median(mut v: Vec<f64>) -> f64 {
 enum Kind {
     FusedMlp,
     CandleLinear,
+}
+
+/// Where the optimizer steps the streamed weights.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Opt {
+    Host,
+    Device,
+}
+
+/// The optimizer of one case, stepping inside its backward.
+enum Stepper {
+    Host(CpuAdamW),
+    Device(DeviceAdamW),
+}
+
+impl Stepper {
+    fn new(opt: Opt, model: &TrainableSequential, dev: &Device) -> Result<Self> {
+        let params = ParamsAdamW {
+            lr: 1e-4,
+            ..Default::default()
+        };
+        let vars = model.trainable_vars()?;
+        Ok(match opt {
+            Opt::Host => Self::Host(CpuAdamW::new(vars, params)?),
+            Opt::Device => Self::Device(DeviceAdamW::new(vars, params, dev)?),
+        })
+    }
+
+    fn backward(&mut self, model: &TrainableSequential, loss: &Tensor) -> Result<()> {
+        match self {
+            Self::Host(o) => model.backward_step(loss, o)?,
+            Self::Device(o) => model.backward_step_device(loss, o)?,
+        };
+        Ok(())
+    }
 }
 
 struct Run {
@@ -48,7 +86,7 @@ fn measure(
     dev: &Device,
     host: &HashMap<String, Tensor>,
     (w, h, n): (usize, usize, usize),
-    kind: Kind,
+    (kind, opt): (Kind, Opt),
     policy: ActivationPolicy,
     x: &Tensor,
     target: &Tensor,
@@ -77,11 +115,7 @@ fn measure(
     };
     let model = StreamedSequential::from_tensors(host.clone(), blocks, cfg)?.train();
     model.set_activation_policy(policy)?;
-    let params = ParamsAdamW {
-        lr: 1e-4,
-        ..Default::default()
-    };
-    let mut opt = CpuAdamW::new(model.trainable_vars()?, params)?;
+    let mut stepper = Stepper::new(opt, &model, dev)?;
     let (mut total, mut fwd, mut opt_s) = (vec![], vec![], vec![]);
     let mut sampler = None;
     for it in 0..warmup + iters {
@@ -95,7 +129,7 @@ fn measure(
         let loss = y.to_dtype(DType::F32)?.sub(target)?.sqr()?.mean_all()?;
         dev.synchronize()?;
         let t1 = Instant::now();
-        model.backward_step(&loss, &mut opt)?;
+        stepper.backward(&model, &loss)?;
         model.zero_grad()?;
         dev.synchronize()?;
         if it >= warmup {
@@ -106,7 +140,7 @@ fn measure(
     }
     let peak = sampler.map_or(0, |s| s.finish());
     if let Some(dir) = timeline {
-        let name = format!("training-timeline-w{w}x{n}-{kind:?}-{policy:?}.json")
+        let name = format!("training-timeline-w{w}x{n}-{kind:?}-{policy:?}-{opt:?}.json")
             .replace([' ', '{', '}', ':', ','], "");
         model
             .inner()
@@ -148,6 +182,17 @@ fn main() -> Result<()> {
     let mut bars = Vec::new();
     // TRAINING_BENCH_CONFIGS=w4096x8,... runs only those block shapes.
     let only = std::env::var("TRAINING_BENCH_CONFIGS").ok();
+    let opts = std::env::var("TRAINING_BENCH_OPTIMIZERS")
+        .unwrap_or_else(|_| "host,device".into())
+        .split(',')
+        .map(|o| match o {
+            "host" => Ok(Opt::Host),
+            "device" => Ok(Opt::Device),
+            other => anyhow::bail!(
+                "TRAINING_BENCH_OPTIMIZERS: unknown optimizer {other:?} (host or device)"
+            ),
+        })
+        .collect::<Result<Vec<_>>>()?;
     for (w, h, n, tokens) in configs {
         if let Some(only) = &only {
             if !only.split(',').any(|c| c == format!("w{w}x{n}")) {
@@ -162,22 +207,39 @@ fn main() -> Result<()> {
             .iter()
             .find(|r| r["blocks"] == blocks.as_str() && r["tokens"] == tokens)
             .and_then(|r| r["step_ms"].as_f64());
-        let cases = [
-            (Kind::FusedMlp, "recompute", ActivationPolicy::Recompute),
-            (
+        let keep = ActivationPolicy::Auto { fraction: 0.8 };
+        let mut cases = Vec::new();
+        for opt in &opts {
+            cases.push((
                 Kind::FusedMlp,
-                "keep",
-                ActivationPolicy::Auto { fraction: 0.8 },
-            ),
-            (Kind::CandleLinear, "recompute", ActivationPolicy::Recompute),
-        ];
+                *opt,
+                "recompute",
+                ActivationPolicy::Recompute,
+            ));
+            cases.push((Kind::FusedMlp, *opt, "keep", keep));
+        }
+        cases.push((
+            Kind::CandleLinear,
+            Opt::Host,
+            "recompute",
+            ActivationPolicy::Recompute,
+        ));
         let mut bar = Vec::new();
-        for (k, (kind, acts, policy)) in cases.into_iter().enumerate() {
-            let r = measure(&dev, &host, (w, h, n), kind, policy, &x, &target, reps)?;
+        for (k, (kind, opt, acts, policy)) in cases.into_iter().enumerate() {
+            let r = measure(
+                &dev,
+                &host,
+                (w, h, n),
+                (kind, opt),
+                policy,
+                &x,
+                &target,
+                reps,
+            )?;
             let vs = peer.map(|p| r.step_ms / p);
             let per = reps.1 as f64;
             println!(
-                "{blocks} {tokens} tokens {kind:?} {acts}: step {:.1} ms (forward {:.1}, host optimizer {:.1}), \
+                "{blocks} {tokens} tokens {kind:?} {acts} optimizer {opt:?}: step {:.1} ms (forward {:.1}, host optimizer {:.1}), \
                  {} of {n} blocks kept, peak {:.1} GiB, stall {:.1} ms/step | PyTorch resident {} -> ratio {}",
                 r.step_ms,
                 r.forward_ms,
@@ -195,6 +257,7 @@ fn main() -> Result<()> {
                 "system": "ours", "blocks": blocks, "w": w, "h": h, "n": n, "tokens": tokens,
                 "mode": "streamed", "block_kind": format!("{kind:?}"), "activations": acts,
                 "policy": format!("{policy:?}"), "kept_blocks": r.kept_blocks,
+                "optimizer": match opt { Opt::Host => "host", Opt::Device => "device" },
                 "step_ms": r.step_ms, "forward_ms": r.forward_ms, "vs_pytorch_resident": vs,
                 "host_optimizer_ms": r.optimizer_ms,
                 "peak_device_gib": r.peak_device_gib,
@@ -211,7 +274,7 @@ fn main() -> Result<()> {
     let fallbacks = 0usize;
     let out = serde_json::json!({
         "device": tag, "compute_dtype": "bf16", "prefetch_ahead": 1,
-        "ours": "streamed: f32 host masters, bf16 compute, CpuAdamW (f32 state, host) overlapped with backward",
+        "ours": "streamed: f32 host masters, bf16 compute; optimizer host = CpuAdamW (f32 state, host) overlapped with backward, device = DeviceAdamW (f32 moments on the GPU) stepping the staged masters in backward_step_device",
         "pytorch": "resident bf16 weights, fused AdamW on the GPU (benches/training_torch.py, same session)",
         "statistic": format!("median of {} steps after {} warm-up", reps.1, reps.0),
         "cublaslt_epilogue_fallbacks": fallbacks,
@@ -225,7 +288,7 @@ fn main() -> Result<()> {
         &svg,
         candle_streamer::report::svg_plot_axes(
             false,
-            "streamed step / PyTorch resident (1 FusedMlp recompute, 2 FusedMlp keep, 3 candle-nn)",
+            "streamed step / PyTorch resident (FusedMlp recompute, keep per optimizer; last: candle-nn)",
             "case",
             "ratio",
             &bars,

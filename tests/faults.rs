@@ -691,10 +691,10 @@ pub fn lm_survive(dev: &Device, point: FaultPoint, after: usize) -> Result<Strin
     for k in 0..3 {
         lm_step(&mut r, k, dev)?;
     }
-    let want = snapshot(r.optimizer())?;
+    let want = snapshot(r.optimizer().expect("host optimizer"))?;
     let mut t = lm_trainer(dev, false)?;
     lm_step(&mut t, 0, dev)?;
-    let before = snapshot(t.optimizer())?;
+    let before = snapshot(t.optimizer().expect("host optimizer"))?;
     faults::inject_out_of_memory(point, after);
     let what = format!("LmTrainer, {point} after {after}");
     let err = must_fail(&what, || lm_step(&mut t, 1, dev));
@@ -705,13 +705,13 @@ pub fn lm_survive(dev: &Device, point: FaultPoint, after: usize) -> Result<Strin
         "{what}: {err}"
     );
     ensure!(
-        snapshot(t.optimizer())? == before && t.steps_done() == 1,
+        snapshot(t.optimizer().expect("host optimizer"))? == before && t.steps_done() == 1,
         "{what}: the failed step changed the trainer"
     );
     lm_step(&mut t, 1, dev).with_context(|| format!("{what}: retrying"))?;
     lm_step(&mut t, 2, dev)?;
     ensure!(
-        snapshot(t.optimizer())? == want,
+        snapshot(t.optimizer().expect("host optimizer"))? == want,
         "{what}: the retried run differs from the uninterrupted one"
     );
     Ok(err)

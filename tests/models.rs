@@ -1038,7 +1038,7 @@ type TrainerBits = (Vec<Vec<u32>>, Vec<Vec<u32>>, usize, usize);
 fn trainer_bits(t: &LmTrainer) -> Result<TrainerBits> {
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
     let w = params_of(t)?.iter().map(|(_, v)| bits(v)).collect();
-    let opt = t.optimizer();
+    let opt = t.optimizer().expect("host optimizer");
     let m = (0..opt.vars().len())
         .flat_map(|i| {
             let (m, v) = opt.moments(i).expect("moments");

@@ -8,7 +8,7 @@ use anyhow::Result;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, SGD};
-use candle_streamer::streamer_autograd::{CpuAdamW, CpuSgd, ParamsSgd};
+use candle_streamer::streamer_autograd::{CpuAdamW, CpuSgd, DeviceAdamW, ParamsSgd};
 
 /// Shapes covering a scalar-ish bias, a small matrix, and one larger than the
 /// optimizers' 64K-element parallel chunk (so the chunked path runs).
@@ -633,3 +633,119 @@ fn state_files_of_the_documented_format_load(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(state_files_of_the_documented_format_load);
+
+/// `DeviceAdamW` on params living on `dev` (f32 and bf16) against `CpuAdamW`
+/// on host copies, 10 steps: its kernel rounds each operation as the host
+/// optimizer does, so f32 params agree to 1e-6 relative (bit-equal in
+/// practice) and bf16 params to one bf16 rounding (2^-8 relative).
+fn device_adamw_matches_cpu_adamw(dev: &Device) -> Result<()> {
+    for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 1.0 / 256.0)] {
+        let host = make_vars(1.0)?
+            .iter()
+            .map(|v| Ok(Var::from_tensor(&v.as_tensor().to_dtype(dtype)?)?))
+            .collect::<Result<Vec<_>>>()?;
+        let on_dev = host
+            .iter()
+            .map(|v| Ok(Var::from_tensor(&v.as_tensor().to_device(dev)?)?))
+            .collect::<Result<Vec<_>>>()?;
+        let mut a = CpuAdamW::new(host.clone(), adamw_params())?;
+        let mut b = DeviceAdamW::new(on_dev.clone(), adamw_params(), dev)?;
+        for step in 0..10 {
+            let g = make_grads(&host, step, dev)?;
+            a.step(&store(&host, &g, &Device::Cpu)?)?;
+            b.step(&store(&on_dev, &g, dev)?)?;
+        }
+        let f32s = |vs: &[Var]| -> Result<Vec<Vec<f32>>> {
+            vs.iter()
+                .map(|v| {
+                    Ok(v.as_tensor()
+                        .to_dtype(DType::F32)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?)
+                })
+                .collect()
+        };
+        let rel = max_rel(&f32s(&on_dev)?, &f32s(&host)?);
+        assert!(
+            rel <= tol,
+            "DeviceAdamW {dtype:?} vs CpuAdamW: max rel {rel}"
+        );
+        assert_eq!(b.step_count(), 10);
+    }
+    Ok(())
+}
+candle_streamer::test_device!(device_adamw_matches_cpu_adamw);
+
+/// A NaN in one gradient refuses the whole `DeviceAdamW` step, naming the
+/// param; no param, moment or step count changes.
+fn device_adamw_refuses_non_finite_and_changes_nothing(dev: &Device) -> Result<()> {
+    let vars = make_vars(1.0)?
+        .iter()
+        .map(|v| Ok(Var::from_tensor(&v.as_tensor().to_device(dev)?)?))
+        .collect::<Result<Vec<_>>>()?;
+    let mut opt = DeviceAdamW::new(vars.clone(), adamw_params(), dev)?;
+    opt.step(&store(&vars, &make_grads(&vars, 0, dev)?, dev)?)?;
+    let before = values(&vars)?;
+    let moments = (0..vars.len())
+        .map(|i| opt.moments(i))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let mut g = make_grads(&vars, 1, dev)?;
+    let mut bad = g[2].flatten_all()?.to_vec1::<f32>()?;
+    bad[77] = f32::NAN;
+    g[2] = Tensor::from_vec(bad, g[2].shape(), dev)?;
+    let err = opt.step(&store(&vars, &g, dev)?).unwrap_err().to_string();
+    assert!(
+        err.contains("param 2") && err.contains("not finite"),
+        "{err}"
+    );
+    assert_eq!(values(&vars)?, before, "params changed");
+    for (i, m) in moments.iter().enumerate() {
+        assert_eq!(&opt.moments(i)?, m, "moments of param {i} changed");
+    }
+    assert_eq!(opt.step_count(), 1);
+    Ok(())
+}
+candle_streamer::test_device!(device_adamw_refuses_non_finite_and_changes_nothing);
+
+/// `DeviceAdamW` saves `CpuAdamW`'s format: state saved by either resumes in
+/// the other, and the next step agrees (1e-6 relative).
+fn device_adamw_state_interchanges_with_cpu_adamw(dev: &Device) -> Result<()> {
+    let host = make_vars(1.0)?;
+    let on_dev = host
+        .iter()
+        .map(|v| Ok(Var::from_tensor(&v.as_tensor().to_device(dev)?)?))
+        .collect::<Result<Vec<_>>>()?;
+    let mut a = CpuAdamW::new(host.clone(), adamw_params())?;
+    let mut b = DeviceAdamW::new(on_dev.clone(), adamw_params(), dev)?;
+    for step in 0..3 {
+        let g = make_grads(&host, step, dev)?;
+        a.step(&store(&host, &g, &Device::Cpu)?)?;
+        b.step(&store(&on_dev, &g, dev)?)?;
+    }
+    let (pa, pb) = (
+        temp_path(&format!("xchg-a-{}", dev_tag(dev))),
+        temp_path(&format!("xchg-b-{}", dev_tag(dev))),
+    );
+    a.save(&pa)?;
+    b.save(&pb)?;
+    // Cross-load: the CPU optimizer takes the device one's file and vice versa.
+    let host2 = clone_vars(&host)?;
+    let dev2 = on_dev
+        .iter()
+        .map(|v| Ok(Var::from_tensor(&v.as_tensor().copy()?)?))
+        .collect::<Result<Vec<_>>>()?;
+    let mut a2 = CpuAdamW::new(host2.clone(), ParamsAdamW::default())?;
+    a2.load(&pb)?;
+    let mut b2 = DeviceAdamW::new(dev2.clone(), ParamsAdamW::default(), dev)?;
+    b2.load(&pa)?;
+    assert_eq!((a2.step_count(), b2.step_count()), (3, 3));
+    let g = make_grads(&host, 3, dev)?;
+    a2.step(&store(&host2, &g, &Device::Cpu)?)?;
+    b2.step(&store(&dev2, &g, dev)?)?;
+    let rel = max_rel(&values(&dev2)?, &values(&host2)?);
+    assert!(rel <= 1e-6, "resumed across optimizers: max rel {rel}");
+    std::fs::remove_file(pa)?;
+    std::fs::remove_file(pb)?;
+    Ok(())
+}
+candle_streamer::test_device!(device_adamw_state_interchanges_with_cpu_adamw);

@@ -32,6 +32,11 @@ pub const ATTENTION: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.pt
 #[cfg(feature = "cuda")]
 pub const DECODER: &str = include_str!(concat!(env!("OUT_DIR"), "/decoder.ptx"));
 
+/// AdamW in one pass over a parameter, its gradient and both moments (the
+/// device optimizer of streamer-autograd), rounding as the host optimizer does.
+#[cfg(feature = "cuda")]
+pub const OPTIM: &str = include_str!(concat!(env!("OUT_DIR"), "/optim.ptx"));
+
 /// Module names under which the PTX above is registered with a Candle device.
 pub mod module {
     /// Module name of [`super::CAST`].
@@ -40,6 +45,8 @@ pub mod module {
     pub const ATTENTION: &str = "cqsa_attention";
     /// Module name of [`super::DECODER`].
     pub const DECODER: &str = "streamer_decoder";
+    /// Module name of [`super::OPTIM`].
+    pub const OPTIM: &str = "streamer_optim";
     /// Module name of [`super::DELAY`].
     pub const DELAY: &str = "streamer_delay";
 }

@@ -94,5 +94,6 @@ pub use pretrained::{Placement, Pretrained, PretrainedFiles};
 pub use sample::{generate, sample_token};
 pub use tokenizer::TextTokenizer;
 pub use train::{
-    train_loop, ByteCorpus, CheckpointFiles, LmTrainer, LoopOptions, StepReport, TokenCorpus,
+    train_loop, ByteCorpus, CheckpointFiles, LmTrainer, LoopOptions, OptimizerPlace, StepReport,
+    TokenCorpus,
 };

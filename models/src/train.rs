@@ -8,7 +8,7 @@ use candle_core::{bail, Device, Result, Tensor};
 use candle_nn::{Optimizer, ParamsAdamW};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use streamer_autograd::CpuAdamW;
+use streamer_autograd::{CpuAdamW, DeviceAdamW};
 use streamer_core::StreamConfig;
 
 /// A training text as token ids: bytes ([`TokenCorpus::new`],
@@ -162,7 +162,77 @@ pub fn write_atomic(path: &Path, text: &str) -> Result<()> {
     })
 }
 
-/// Trains a streamed, trainable [`Llama`] with [`CpuAdamW`] over all of its host
+/// Where an [`LmTrainer`]'s AdamW keeps its moments and does its arithmetic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OptimizerPlace {
+    /// [`CpuAdamW`]: moments in host memory, the update on host threads
+    /// (overlapped with backward when `set_overlap` is on).
+    Host,
+    /// [`DeviceAdamW`]: moments on the model's GPU; the layers' weights are
+    /// stepped there while staged for backward and copied back instead of
+    /// their gradients (`backward_step_device`), so the host does no
+    /// optimizer work. Needs 8 bytes of device memory per parameter.
+    Device,
+}
+
+/// The trainer's optimizer, on the host or the device.
+enum TrainerOpt {
+    Host(CpuAdamW),
+    Device(DeviceAdamW),
+}
+
+impl TrainerOpt {
+    fn set_param_names(&mut self, names: Vec<String>) -> Result<()> {
+        match self {
+            Self::Host(o) => o.set_param_names(names),
+            Self::Device(o) => o.set_param_names(names),
+        }
+    }
+
+    fn load(&mut self, path: &Path) -> Result<()> {
+        match self {
+            Self::Host(o) => o.load(path),
+            Self::Device(o) => o.load(path),
+        }
+    }
+
+    fn save(&self, path: &Path) -> Result<()> {
+        match self {
+            Self::Host(o) => o.save(path),
+            Self::Device(o) => o.save(path),
+        }
+    }
+
+    fn step_count(&self) -> usize {
+        match self {
+            Self::Host(o) => o.step_count(),
+            Self::Device(o) => o.step_count(),
+        }
+    }
+
+    fn check_finite(&self) -> Result<()> {
+        match self {
+            Self::Host(o) => o.check_finite(),
+            Self::Device(o) => o.check_finite(),
+        }
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        match self {
+            Self::Host(o) => o.set_learning_rate(lr),
+            Self::Device(o) => o.set_learning_rate(lr),
+        }
+    }
+
+    fn step(&mut self, grads: &candle_core::backprop::GradStore) -> Result<()> {
+        match self {
+            Self::Host(o) => o.step(grads),
+            Self::Device(o) => o.step(grads),
+        }
+    }
+}
+
+/// Trains a streamed, trainable [`Llama`] with AdamW ([`OptimizerPlace`]) over all of its host
 /// masters (layers, embedding, norm, head): forward, cross-entropy, backward
 /// through the streamed layers, one optimizer step.
 ///
@@ -171,7 +241,7 @@ pub fn write_atomic(path: &Path, text: &str) -> Result<()> {
 /// the embedding, norm and head are stepped after. Both give the same update.
 pub struct LmTrainer {
     model: Llama,
-    opt: CpuAdamW,
+    opt: TrainerOpt,
     step: usize,
     overlap: bool,
     outer: Vec<usize>,
@@ -183,6 +253,11 @@ pub struct LmTrainer {
 impl LmTrainer {
     /// A trainer over `model` (made trainable if it is not) with fresh optimizer state.
     pub fn new(model: Llama, params: ParamsAdamW) -> Result<Self> {
+        Self::new_on(model, params, OptimizerPlace::Host)
+    }
+
+    /// A trainer whose optimizer runs where `place` says.
+    pub fn new_on(model: Llama, params: ParamsAdamW, place: OptimizerPlace) -> Result<Self> {
         let model = model.into_trainable()?;
         let named = model.parameters();
         let names: Vec<String> = named.iter().map(|(n, _)| n.clone()).collect();
@@ -192,7 +267,13 @@ impl LmTrainer {
             .filter(|(_, n)| !n.starts_with("model.layers."))
             .map(|(i, _)| i)
             .collect();
-        let mut opt = CpuAdamW::new(named.into_iter().map(|(_, v)| v).collect(), params)?;
+        let vars: Vec<_> = named.into_iter().map(|(_, v)| v).collect();
+        let mut opt = match place {
+            OptimizerPlace::Host => TrainerOpt::Host(CpuAdamW::new(vars, params)?),
+            OptimizerPlace::Device => {
+                TrainerOpt::Device(DeviceAdamW::new(vars, params, model.device())?)
+            }
+        };
         opt.set_param_names(names)?;
         Ok(Self {
             model,
@@ -213,11 +294,22 @@ impl LmTrainer {
         stream: StreamConfig,
         params: ParamsAdamW,
     ) -> Result<Self> {
+        Self::resume_on(dir, stream, params, OptimizerPlace::Host)
+    }
+
+    /// [`LmTrainer::resume`] with the optimizer where `place` says (the
+    /// state file is the same either way).
+    pub fn resume_on(
+        dir: impl AsRef<Path>,
+        stream: StreamConfig,
+        params: ParamsAdamW,
+        place: OptimizerPlace,
+    ) -> Result<Self> {
         let files = CheckpointFiles::read(dir)?;
         let cfg = LlamaConfig::from_json_file(&files.config)?;
         let model = Llama::from_safetensors(&[&files.weights], &cfg, stream)?;
         let lr = params.lr;
-        let mut t = Self::new(model, params)?;
+        let mut t = Self::new_on(model, params, place)?;
         t.opt.load(&files.optimizer)?;
         t.opt.set_learning_rate(lr);
         if t.opt.step_count() != files.step {
@@ -242,9 +334,20 @@ impl LmTrainer {
         &self.model
     }
 
-    /// The optimizer.
-    pub fn optimizer(&self) -> &CpuAdamW {
-        &self.opt
+    /// The host optimizer ([`OptimizerPlace::Host`]).
+    pub fn optimizer(&self) -> Option<&CpuAdamW> {
+        match &self.opt {
+            TrainerOpt::Host(o) => Some(o),
+            TrainerOpt::Device(_) => None,
+        }
+    }
+
+    /// The device optimizer ([`OptimizerPlace::Device`]).
+    pub fn device_optimizer(&self) -> Option<&DeviceAdamW> {
+        match &self.opt {
+            TrainerOpt::Device(o) => Some(o),
+            TrainerOpt::Host(_) => None,
+        }
     }
 
     /// Sets the learning rate of the next steps.
@@ -292,11 +395,20 @@ impl LmTrainer {
     }
 
     fn backward_and_step(&mut self, loss: &Tensor) -> Result<()> {
-        match (self.overlap, self.model.trainable_layers()) {
-            (true, Some(layers)) => {
+        match (&mut self.opt, self.overlap, self.model.trainable_layers()) {
+            (TrainerOpt::Device(opt), _, Some(layers)) => {
                 let r = layers
-                    .backward_step(loss, &mut self.opt)
-                    .and_then(|grads| self.opt.step_params(&grads, &self.outer));
+                    .backward_step_device(loss, opt)
+                    .and_then(|grads| opt.step_params(&grads, &self.outer));
+                if let Err(e) = &r {
+                    self.broken = Some(e.to_string());
+                }
+                r
+            }
+            (TrainerOpt::Host(opt), true, Some(layers)) => {
+                let r = layers
+                    .backward_step(loss, opt)
+                    .and_then(|grads| opt.step_params(&grads, &self.outer));
                 if let Err(e) = &r {
                     self.broken = Some(e.to_string());
                 }
@@ -354,7 +466,7 @@ impl LmTrainer {
         let w = format!("weights-{:08}.safetensors", self.step);
         let o = format!("optimizer-{:08}.safetensors", self.step);
         self.model.save_safetensors(dir.join(&w))?;
-        self.opt.save(dir.join(&o))?;
+        self.opt.save(&dir.join(&o))?;
         let pointer = serde_json::json!({
             "step": self.step,
             "config": "config.json",

@@ -10,24 +10,24 @@ use crate::host_update::{update_param, Kernel, Master};
 
 /// Rejects AdamW hyper-parameters that would write NaN or infinities into
 /// the parameters (or flip their sign through the decay), naming the value.
-fn check_adamw_params(p: &ParamsAdamW) -> Result<()> {
+pub(crate) fn check_adamw_params(what: &str, p: &ParamsAdamW) -> Result<()> {
     if !(p.lr.is_finite() && p.lr >= 0.0) {
         bail!(
-            "{ADAMW}: learning rate must be finite and >= 0, got {}",
+            "{what}: learning rate must be finite and >= 0, got {}",
             p.lr
         )
     }
     for (name, b) in [("beta1", p.beta1), ("beta2", p.beta2)] {
         if !(0.0..1.0).contains(&b) {
-            bail!("{ADAMW}: {name} must be in [0, 1), got {b}")
+            bail!("{what}: {name} must be in [0, 1), got {b}")
         }
     }
     if !(p.eps.is_finite() && p.eps > 0.0) {
-        bail!("{ADAMW}: eps must be finite and > 0, got {}", p.eps)
+        bail!("{what}: eps must be finite and > 0, got {}", p.eps)
     }
     if !(p.weight_decay.is_finite() && p.weight_decay >= 0.0 && p.lr * p.weight_decay < 1.0) {
         bail!(
-            "{ADAMW}: weight_decay must be finite, >= 0 and below 1 / lr, got {} (lr {})",
+            "{what}: weight_decay must be finite, >= 0 and below 1 / lr, got {} (lr {})",
             p.weight_decay,
             p.lr
         )
@@ -38,20 +38,20 @@ fn check_adamw_params(p: &ParamsAdamW) -> Result<()> {
 /// The per-step constants of the AdamW update, rounded to f32 exactly as
 /// candle-nn's tensor ops round their f64 scalars.
 #[derive(Clone, Copy, Debug)]
-struct AdamConsts {
-    beta1: f32,
-    one_minus_beta1: f32,
-    beta2: f32,
-    one_minus_beta2: f32,
-    scale_m: f32,
-    scale_v: f32,
-    decay: f32,
-    eps: f32,
-    lr: f32,
+pub(crate) struct AdamConsts {
+    pub(crate) beta1: f32,
+    pub(crate) one_minus_beta1: f32,
+    pub(crate) beta2: f32,
+    pub(crate) one_minus_beta2: f32,
+    pub(crate) scale_m: f32,
+    pub(crate) scale_v: f32,
+    pub(crate) decay: f32,
+    pub(crate) eps: f32,
+    pub(crate) lr: f32,
 }
 
 impl AdamConsts {
-    fn new(p: &ParamsAdamW, t: usize) -> Self {
+    pub(crate) fn new(p: &ParamsAdamW, t: usize) -> Self {
         let t = t.min(i32::MAX as usize) as i32;
         Self {
             beta1: p.beta1 as f32,
@@ -71,7 +71,7 @@ impl AdamConsts {
 /// those of candle-nn's `AdamW::step` (each tensor op rounds to f32), so in
 /// f32 the result is the same; written as a plain indexed loop over slices of
 /// equal length so LLVM vectorises it.
-struct AdamKernel;
+pub(crate) struct AdamKernel;
 
 impl Kernel for AdamKernel {
     type Consts = AdamConsts;
@@ -107,7 +107,7 @@ impl Kernel for AdamKernel {
 #[derive(Debug)]
 pub struct AdamWUpdate;
 
-const ADAMW: &str = "CpuAdamW";
+pub(crate) const ADAMW: &str = "CpuAdamW";
 const MOMENTS: &[BufferName] = &[("m", "first moment m"), ("v", "second moment v")];
 
 impl UpdateRule for AdamWUpdate {
@@ -116,7 +116,7 @@ impl UpdateRule for AdamWUpdate {
     const ALL_BUFFERS: &'static [BufferName] = MOMENTS;
 
     fn check(p: &ParamsAdamW) -> Result<()> {
-        check_adamw_params(p)
+        check_adamw_params(ADAMW, p)
     }
 
     fn buffers(_: &ParamsAdamW) -> &'static [BufferName] {

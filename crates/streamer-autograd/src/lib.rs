@@ -31,6 +31,10 @@
 
 mod activations;
 mod adamw;
+mod device_adamw;
+#[cfg(feature = "cuda")]
+mod device_kernels;
+mod device_step;
 mod dropout;
 mod grads;
 mod host_inputs;
@@ -42,6 +46,7 @@ mod trainer;
 
 pub use activations::ActivationPolicy;
 pub use adamw::{AdamWUpdate, CpuAdamW};
+pub use device_adamw::DeviceAdamW;
 pub use dropout::{dropout, dropout_ctx, with_seed, Dropout};
 pub use host_optim::{BufferName, HostOptimizer, MetaValue, UpdateRule};
 pub use sgd::{CpuSgd, ParamsSgd, SgdUpdate};

@@ -64,6 +64,17 @@ impl<R: crate::UpdateRule> OverlapStep for crate::HostOptimizer<R> {
     }
 }
 
+/// What a backward does with the streamed weights' gradients.
+enum Stepper<'a, 'o> {
+    /// Sends them to host buffers (returned in the `GradStore`).
+    Offload,
+    /// Sends them to host buffers and hands each completed weight to the
+    /// overlapped host optimizer's thread.
+    Host(&'a std::sync::mpsc::Sender<StepJob>),
+    /// Steps each completed weight on the device (no gradient transfer).
+    Device(&'a mut crate::device_step::DeviceStep<'o>),
+}
+
 /// Work for the overlapped optimizer thread: wait for the marker, then step.
 struct StepJob {
     marker: streamer_core::OffloadMarker,
@@ -509,7 +520,7 @@ impl TrainableSequential {
                 }
                 Ok(busy)
             });
-            let r = self.backward_impl(&mut grads, Some(&tx));
+            let r = self.backward_impl(&mut grads, Stepper::Host(&tx));
             drop(tx);
             let busy = worker
                 .join()
@@ -546,14 +557,40 @@ impl TrainableSequential {
     /// Like [`Self::backward`], for a `GradStore` the caller already computed
     /// (it must hold the gradients of this model's last outputs).
     pub fn backward_into(&self, grads: &mut GradStore) -> Result<()> {
-        self.backward_impl(grads, None)
+        self.backward_impl(grads, Stepper::Offload)
     }
 
-    fn backward_impl(
+    /// Backward with the streamed weights stepped on the device by `opt`: each
+    /// weight is stepped as soon as its gradient is complete, while its f32
+    /// master is still staged on the GPU for this backward, and the updated
+    /// master is copied back to the host in place of the gradient. The host
+    /// does no optimizer work and receives 4 bytes per parameter instead of a
+    /// gradient. `opt` must hold the model's trainable streamed parameters
+    /// (`trainable_vars`); weights outside the model get their gradients in
+    /// the returned `GradStore` as usual (step those yourself), streamed ones
+    /// do not appear in it. On the CPU the host masters are stepped directly
+    /// (the same arithmetic).
+    ///
+    /// A weight whose gradient holds a NaN or an infinity is left unchanged,
+    /// moments included, and the call then fails naming it; the other streamed
+    /// weights of this step have been stepped (as with `backward_step`, the
+    /// step overlaps backward, so it cannot be refused whole). Other threads
+    /// must not use the streamed parameters during the call: their host
+    /// memory is written by DMA.
+    pub fn backward_step_device(
         &self,
-        grads: &mut GradStore,
-        overlap: Option<&std::sync::mpsc::Sender<StepJob>>,
-    ) -> Result<()> {
+        loss: &Tensor,
+        opt: &mut crate::DeviceAdamW,
+    ) -> Result<GradStore> {
+        let mut grads = loss.backward()?;
+        let trainable = self.lock()?.trainable.clone();
+        let mut step = crate::device_step::DeviceStep::new(opt, self.model.masters(), &trainable)?;
+        self.backward_impl(&mut grads, Stepper::Device(&mut step))?;
+        step.finish(self.model.masters())?;
+        Ok(grads)
+    }
+
+    fn backward_impl(&self, grads: &mut GradStore, mut stepper: Stepper<'_, '_>) -> Result<()> {
         let mut st = self.lock()?;
         let Some(mut saved) = st.saved.take() else {
             candle_core::bail!(
@@ -579,7 +616,7 @@ impl TrainableSequential {
             &trainable,
             &mut saved,
             g_outs,
-            overlap,
+            &mut stepper,
         );
         st.host_inputs = host_inputs;
         let (g_x, g_extras) = match r {
@@ -589,6 +626,11 @@ impl TrainableSequential {
             }
             Err(e) => {
                 release_all(&mut pool);
+                if matches!(stepper, Stepper::Device(_)) {
+                    // Masters already written back must be whole before anything
+                    // reads them (their pageable ends land at synchronize).
+                    let _ = pool.synchronize();
+                }
                 st.grads.abort();
                 if let Some(&base) = saved.seeds.first() {
                     self.rewind_seeds(base);
@@ -604,11 +646,11 @@ impl TrainableSequential {
         for (m, g) in st.grads.collect()? {
             let var = &self.model.masters().get(m).var;
             grads.insert(var.as_tensor(), g.clone());
-            if overlap.is_some() && !st.stepped[m] {
+            if matches!(stepper, Stepper::Host(_)) && !st.stepped[m] {
                 rest.push((var.clone(), g));
             }
         }
-        if let Some(tx) = overlap {
+        if let Stepper::Host(tx) = stepper {
             // Weights not stepped during the loop (tied across blocks: their sum
             // was completed only now).
             if !rest.is_empty() {
@@ -656,7 +698,7 @@ impl TrainableSequential {
         trainable: &[bool],
         saved: &mut Saved,
         g_outs: Vec<Option<Tensor>>,
-        overlap: Option<&std::sync::mpsc::Sender<StepJob>>,
+        stepper: &mut Stepper<'_, '_>,
     ) -> Result<(Option<Tensor>, Vec<Option<Tensor>>, Vec<bool>)> {
         let blocks = self.model.blocks();
         let n = blocks.len();
@@ -697,7 +739,7 @@ impl TrainableSequential {
                 saved,
                 i,
                 &g_next,
-                overlap.map(|tx| (tx, last_user.as_slice(), stepped.as_mut_slice())),
+                (stepper, last_user.as_slice(), stepped.as_mut_slice()),
             );
             let flow = flow?;
             // Issued after block i's backward, so the copy overlaps it.
@@ -725,12 +767,18 @@ impl TrainableSequential {
         }
         host.finish()?;
         inputs.finish()?;
+        if matches!(stepper, Stepper::Device(_)) {
+            // The masters written back by DMA are complete (and the bounce
+            // copies of their pageable ends done) only after this.
+            pool.synchronize()?;
+        }
         Ok((g_next.swap_remove(0), g_extras, stepped))
     }
 
     /// Backward through block `i` (loaded, not yet acquired), with its weights
-    /// bound as variables: sends their gradients to the host (and, with
-    /// `overlap`, completed weights to the optimizer thread) and returns the
+    /// bound as variables: sends their gradients to the host (and, as the
+    /// stepper says, completed weights to the optimizer thread) or steps them
+    /// on the device, and returns the
     /// gradients of its input and extras, or `None` when nothing flows back.
     /// Everything bound to the slot is dropped before this returns; the caller
     /// releases the block.
@@ -743,7 +791,7 @@ impl TrainableSequential {
         saved: &mut Saved,
         i: usize,
         g_next: &[Option<Tensor>],
-        overlap: Option<(&std::sync::mpsc::Sender<StepJob>, &[usize], &mut [bool])>,
+        (stepper, last_user, stepped): (&mut Stepper<'_, '_>, &[usize], &mut [bool]),
     ) -> Result<Option<(Option<Tensor>, Vec<Option<Tensor>>)>> {
         // SAFETY: the weights, the variables and the block built from them are
         // locals of this function, dropped before it returns and so before the
@@ -769,12 +817,20 @@ impl TrainableSequential {
         // The previous block's gradients have been copying out while this one
         // computed; their device memory may be reused after those copies.
         host.release_sources()?;
-        for (m, v) in &vars {
-            if let Some(g) = step.grads.get(v.as_tensor()) {
-                host.offload(*m, &fresh(pool, g)?)?;
+        if let Stepper::Device(dev) = stepper {
+            let grads: Vec<(usize, Tensor)> = vars
+                .iter()
+                .filter_map(|(m, v)| step.grads.get(v.as_tensor()).map(|g| (*m, g.clone())))
+                .collect();
+            dev.step_block(pool, i, &grads, last_user)?;
+        } else {
+            for (m, v) in &vars {
+                if let Some(g) = step.grads.get(v.as_tensor()) {
+                    host.offload(*m, &fresh(pool, g)?)?;
+                }
             }
         }
-        if let Some((tx, last_user, stepped)) = overlap {
+        if let Stepper::Host(tx) = stepper {
             self.send_ready(host, tx, &vars, last_user, i, stepped)?;
         }
         drop(vars);

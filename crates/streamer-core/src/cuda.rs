@@ -290,3 +290,16 @@ pub(crate) fn pool_idle_bytes(dev: &CudaDevice) -> Result<usize> {
     let used = get(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
     Ok(reserved.saturating_sub(used) as usize)
 }
+
+/// The device address of a contiguous CUDA tensor's first element, for
+/// launching a kernel on it (using the address is the caller's `unsafe`).
+pub fn cuda_address(t: &candle_core::Tensor) -> Result<u64> {
+    if !t.is_contiguous() {
+        candle_core::bail!(
+            "expected a contiguous tensor, got shape {:?} with strides {:?}",
+            t.dims(),
+            t.stride()
+        );
+    }
+    device_ptr(t)
+}

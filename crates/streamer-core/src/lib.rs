@@ -58,12 +58,14 @@ pub use block::{
 pub use config::StreamConfig;
 pub use context::{cuda_event_tracking, disable_cuda_event_tracking};
 pub use convert::convert;
+#[cfg(feature = "cuda")]
+pub use cuda::cuda_address;
 pub use device_memory::{
     free_device_memory, pooled_idle_bytes, retain_freed_device_memory, trim_device_memory,
 };
 pub use host::{HostMasters, Master};
 pub use offload::{OffloadMarker, Offloader};
-pub use pool::{BlockLayout, Entry, ResidencyPool};
+pub use pool::{BlockLayout, DeviceMaster, Entry, ResidencyPool};
 pub use sequential::{release_all, run_blocks_with, RunBlock, StreamedSequential};
 pub use source::{expand_paths, replace_atomic, save_atomic, WeightSource};
 pub use source::{sibling_file, sync_dir, temp_path};

@@ -110,6 +110,10 @@ struct Slot {
     stage: Option<u64>,
     #[cfg(feature = "cuda")]
     casts: Vec<(DType, u64, DType, u64, usize)>,
+    /// Where the last load staged each master in its own dtype: `(master,
+    /// address)` (empty when masters are copied into the slot directly).
+    #[cfg(feature = "cuda")]
+    staged: Vec<(usize, u64)>,
 }
 
 #[cfg(feature = "cuda")]
@@ -126,6 +130,14 @@ struct CudaEngine {
     staging: Vec<(cudarc::driver::CudaSlice<u8>, u64)>,
     epoch: cudarc::driver::CudaEvent,
     pending: Vec<PendingTiming>,
+    /// Write-backs of device-stepped masters (`write_back_masters`): a master's
+    /// partial pages at either end are not page-locked, and a copy into
+    /// pageable memory would block the host until the GPU reaches it, so they
+    /// land in page-locked bounce buffers (per master, from `bounce`) and are
+    /// copied into place by `synchronize`.
+    bounce: crate::Offloader,
+    bounce_bufs: HashMap<usize, Tensor>,
+    bounce_pending: Vec<(usize, usize, usize)>,
 }
 
 #[cfg(feature = "cuda")]
@@ -147,6 +159,20 @@ enum Engine {
     Cpu,
     #[cfg(feature = "cuda")]
     Cuda(Box<CudaEngine>),
+}
+
+/// The device copy of one master, for an optimizer stepping it on the GPU
+/// ([`ResidencyPool::device_masters`]).
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceMaster {
+    /// The master's index.
+    pub master: usize,
+    /// Device address of its first element.
+    pub address: u64,
+    /// Its dtype (the master's).
+    pub dtype: DType,
+    /// Its element count.
+    pub elems: usize,
 }
 
 /// The pool of device slots and the host masters they are filled from.
@@ -615,12 +641,109 @@ impl ResidencyPool {
         })
     }
 
-    /// Waits for every copy and compute the pool issued.
+    /// Where the device copy of each master in `which` of the acquired
+    /// `block` lives, in the master's own dtype: the staging buffer its load
+    /// filled (masters in another dtype than the compute dtype) or the slot
+    /// itself. An optimizer may step these in place on the compute stream
+    /// between `acquire` and `release`, then [`Self::write_back_masters`].
+    /// The CPU pool keeps no such copies (its masters are the host tensors).
+    pub fn device_masters(&self, block: usize, which: &[usize]) -> Result<Vec<DeviceMaster>> {
+        let Some(slot) = self.slot_of.get(block).copied().flatten() else {
+            candle_core::bail!("block {block} is not loaded: its masters have no device copy");
+        };
+        let layout = &self.layouts[block];
+        match &self.engine {
+            Engine::Cpu => {
+                let _ = (slot, layout, which);
+                candle_core::bail!(
+                    "the CPU pool keeps no device copies of masters: step the host masters directly"
+                )
+            }
+            #[cfg(feature = "cuda")]
+            Engine::Cuda(_) => {
+                let s = &self.slots[slot];
+                if s.compute.is_none() {
+                    candle_core::bail!(
+                        "block {:?} is loaded but not acquired: its device copies are complete only after acquire",
+                        self.names[block]
+                    );
+                }
+                let es = self.dtype.size_in_bytes() as u64;
+                which
+                    .iter()
+                    .map(|&m| {
+                        let address = match s.stage {
+                            Some(_) => s.staged.iter().find(|(k, _)| *k == m).map(|x| x.1),
+                            None => layout
+                                .unique
+                                .iter()
+                                .find(|(k, _)| *k == m)
+                                .map(|&(_, off)| s.ptr + off as u64 * es),
+                        };
+                        let Some(address) = address else {
+                            candle_core::bail!(
+                                "weight {m} is not one of block {:?}'s masters",
+                                self.names[block]
+                            );
+                        };
+                        let var = &self.masters.get(m).var;
+                        Ok(DeviceMaster {
+                            master: m,
+                            address,
+                            dtype: var.dtype(),
+                            elems: var.elem_count(),
+                        })
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// Copies the device copies of `which` (see [`Self::device_masters`]) back
+    /// into their host masters, on the transfer stream after everything the
+    /// compute stream has been given so far (an optimizer step on them), and
+    /// before the slot's next load overwrites them. Complete when
+    /// [`Self::synchronize`] returns.
+    ///
+    /// # Safety
+    /// The copies write the host masters' memory by DMA: nothing may read or
+    /// write those masters (their `Var`s, clones, views) until
+    /// [`Self::synchronize`] has returned.
+    #[doc(hidden)]
+    pub unsafe fn write_back_masters(&mut self, block: usize, which: &[usize]) -> Result<()> {
+        let targets = self.device_masters(block, which)?;
+        #[cfg(feature = "cuda")]
+        if let Engine::Cuda(e) = &mut self.engine {
+            let ready = CudaEngine::event(&e.compute)?;
+            e.transfer.wait(&ready).map_err(candle_core::Error::wrap)?;
+            for t in &targets {
+                let master = self.masters.get(t.master);
+                let (host, n) = crate::host::host_bytes(master.var.as_tensor())?;
+                // SAFETY: `t.address` holds this master's device copy (n bytes,
+                // its dtype); the host side is the master itself, untouched until
+                // `synchronize` (this fn's contract), or a bounce buffer.
+                unsafe { e.write_back(t, host as *mut u8, n, master.is_pinned())? };
+                self.stats.d2h_bytes += n as u64;
+            }
+        }
+        let _ = targets;
+        Ok(())
+    }
+
+    /// Waits for every copy and compute the pool issued (and completes the
+    /// host side of [`Self::write_back_masters`]).
     pub fn synchronize(&mut self) -> Result<()> {
         #[cfg(feature = "cuda")]
         if let Engine::Cuda(e) = &mut self.engine {
             e.transfer.synchronize().map_err(candle_core::Error::wrap)?;
             e.compute.synchronize().map_err(candle_core::Error::wrap)?;
+            for (dst, src, len) in e.bounce_pending.drain(..) {
+                // SAFETY: `src` lies in a bounce buffer the engine owns, filled by
+                // a copy the transfer stream has passed (synchronised above);
+                // `dst` lies in a live host master that nothing touches until
+                // this returns (`write_back_masters`' contract).
+                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) };
+            }
         }
         Ok(())
     }
@@ -726,6 +849,8 @@ impl Slot {
             stage: None,
             #[cfg(feature = "cuda")]
             casts: Vec::new(),
+            #[cfg(feature = "cuda")]
+            staged: Vec::new(),
         })
     }
 }
@@ -798,6 +923,9 @@ impl CudaEngine {
             staging,
             epoch,
             pending: Vec::new(),
+            bounce: crate::Offloader::new(&Device::Cuda(dev.clone()))?,
+            bounce_bufs: HashMap::new(),
+            bounce_pending: Vec::new(),
         })
     }
 
@@ -827,6 +955,7 @@ impl CudaEngine {
         let es = dtype.size_in_bytes() as u64;
         let mut staged = 0u64;
         slot.casts.clear();
+        slot.staged.clear();
         for &(m, off) in &layout.unique {
             let master = masters.get(m);
             let (src, n) = crate::host::host_bytes(master.var.as_tensor())?;
@@ -847,6 +976,7 @@ impl CudaEngine {
                     // conversions that read the previous load's data ran on the
                     // compute stream before `slot.free`, which this stream waited for.
                     unsafe { crate::cuda::htod_async(at, src, n, &self.transfer)? };
+                    slot.staged.push((m, at));
                     slot.casts
                         .push((master.var.dtype(), at, dtype, dst, master.var.elem_count()));
                 }
@@ -886,6 +1016,52 @@ impl CudaEngine {
                 start,
                 end,
             });
+        }
+        Ok(())
+    }
+
+    /// Enqueues the copy of a device master copy into its host master: whole
+    /// page-locked pages directly, the pageable rest through a bounce buffer
+    /// (`synchronize` copies it into place).
+    ///
+    /// # Safety
+    /// `host..host + n` is the master's memory, untouched until `synchronize`.
+    unsafe fn write_back(
+        &mut self,
+        t: &DeviceMaster,
+        host: *mut u8,
+        n: usize,
+        pinned: bool,
+    ) -> Result<()> {
+        let page = crate::pages::page_size();
+        for (off, len, whole) in crate::pages::page_pieces(host as usize, n) {
+            let src = t.address + off as u64;
+            if whole && pinned {
+                // SAFETY: a page-locked range of the master (this fn's contract).
+                unsafe { crate::cuda::dtoh_async(host.add(off), src, len, &self.transfer)? };
+                continue;
+            }
+            let size = if pinned { 2 * page } else { n };
+            if !self.bounce_bufs.contains_key(&t.master) {
+                let buf = self.bounce.host_buffer(&Shape::from(size), DType::U8)?;
+                self.bounce_bufs.insert(t.master, buf);
+            }
+            let (b, _) = crate::host::host_bytes(&self.bounce_bufs[&t.master])?;
+            // Head at 0 and tail at one page in; everything at its offset when
+            // the master is not page-locked at all.
+            let at = if !pinned {
+                off
+            } else if off == 0 {
+                0
+            } else {
+                page
+            };
+            // SAFETY: `at + len <= size` (a head or tail is under one page); the
+            // bounce buffer is page-locked whole and read only after the stream
+            // passes this copy (`synchronize`).
+            unsafe { crate::cuda::dtoh_async(b.add(at) as *mut u8, src, len, &self.transfer)? };
+            self.bounce_pending
+                .push((host as usize + off, b as usize + at, len));
         }
         Ok(())
     }

@@ -1,0 +1,98 @@
+//! Launches of the device optimizer's kernels (`kernels/src/optim.cu`) on
+//! raw device buffers: the finite check of a gradient and the fused AdamW
+//! update, both on the device's compute stream.
+use candle_core::{CudaDevice, DType, Result};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use crate::adamw::AdamConsts;
+
+fn suffix(dt: DType) -> Result<&'static str> {
+    Ok(match dt {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        other => candle_core::bail!("device AdamW: unsupported dtype {other:?}"),
+    })
+}
+
+/// Grid-stride launches: enough blocks to fill any GPU, no device constant.
+fn config(n: usize) -> LaunchConfig {
+    let threads = 256u32;
+    LaunchConfig {
+        grid_dim: (n.div_ceil(threads as usize).clamp(1, 65_535) as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Sets the u32 at `flag` to 1 if any of the `n` elements at `g` is NaN or
+/// infinite (it is left alone otherwise; zero it first).
+///
+/// # Safety
+/// `g` holds `n` elements of `dt` and `flag` one u32, both device memory
+/// alive until the compute stream passes the kernel.
+pub(crate) unsafe fn nonfinite(
+    dev: &CudaDevice,
+    g: u64,
+    dt: DType,
+    n: usize,
+    flag: u64,
+) -> Result<()> {
+    let name = format!("nonfinite_{}", suffix(dt)?);
+    let func = dev.get_or_load_custom_func(
+        &name,
+        streamer_kernels::module::OPTIM,
+        streamer_kernels::OPTIM,
+    )?;
+    let stream = dev.cuda_stream();
+    let mut b = stream.launch_builder(&func);
+    b.arg(&g).arg(&n).arg(&flag);
+    // SAFETY: the kernel reads n elements at g and writes one u32 at flag
+    // (this fn's contract).
+    unsafe { b.launch(config(n)) }.map_err(candle_core::Error::wrap)?;
+    Ok(())
+}
+
+/// The buffers of one AdamW update: parameter (in place), gradient, moments
+/// (in place, f32) and the skip flag, all device addresses of `n` elements.
+pub(crate) struct AdamBuffers {
+    pub p: u64,
+    pub p_dtype: DType,
+    pub g: u64,
+    pub g_dtype: DType,
+    pub m: u64,
+    pub v: u64,
+    pub skip: u64,
+    pub n: usize,
+}
+
+/// Enqueues the fused AdamW update of `b` with the step's constants `k`;
+/// a set skip flag leaves everything unchanged.
+///
+/// # Safety
+/// Every address in `b` is device memory of the stated dtype and length,
+/// alive until the compute stream passes the kernel, and `p`, `m`, `v` are
+/// not read or written by anything else until then.
+pub(crate) unsafe fn adamw(dev: &CudaDevice, b: &AdamBuffers, k: &AdamConsts) -> Result<()> {
+    let name = format!("adamw_{}_{}", suffix(b.p_dtype)?, suffix(b.g_dtype)?);
+    let func = dev.get_or_load_custom_func(
+        &name,
+        streamer_kernels::module::OPTIM,
+        streamer_kernels::OPTIM,
+    )?;
+    let stream = dev.cuda_stream();
+    let mut l = stream.launch_builder(&func);
+    l.arg(&b.p)
+        .arg(&b.g)
+        .arg(&b.m)
+        .arg(&b.v)
+        .arg(&b.n)
+        .arg(&b.skip);
+    l.arg(&k.beta1).arg(&k.one_minus_beta1);
+    l.arg(&k.beta2).arg(&k.one_minus_beta2);
+    l.arg(&k.scale_m).arg(&k.scale_v);
+    l.arg(&k.decay).arg(&k.eps).arg(&k.lr);
+    // SAFETY: the buffers are as the kernel expects (this fn's contract).
+    unsafe { l.launch(config(b.n)) }.map_err(candle_core::Error::wrap)?;
+    Ok(())
+}

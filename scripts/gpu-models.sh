@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The model-folder figures (LoRA against full fine-tuning, generate --model
+# tokens/s) on the GPU machine, from the bundle that scripts/gpu-test.sh builds.
+# In stages, each with its own time limit so a device call never runs past its
+# 10 minutes:
+#
+#   bash scripts/gpu-models.sh lora3b     # benches/lora.rs: 3b preset, LoRA and full
+#   bash scripts/gpu-models.sh lora8b     # Llama 3.1 8B shapes: LoRA (LORA8B_MODES=lora,full for both)
+#   bash scripts/gpu-models.sh generate   # init_model (8B shapes, bf16) then generate --model, resident and streamed
+#
+# Outputs: run.sh's summaries and logs under $OUT (RUN_TAG per stage).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+limit=${STAGE_LIMIT_S:-240}
+fail=0
+gen() {
+  local tag=$1
+  shift
+  GPU_ONLY=example-generate GPU_ARGS_generate="$*" RUN_TAG=$tag \
+    timeout "$limit" bash gpu-bundle/run.sh examples || fail=1
+}
+for stage in "$@"; do
+  case "$stage" in
+    lora3b)
+      LORA_BENCH=3b GPU_ONLY=lora RUN_TAG=lora3b timeout "$limit" bash gpu-bundle/run.sh benches || fail=1 ;;
+    lora8b)
+      LORA_BENCH=8b LORA_BENCH_MODES=${LORA8B_MODES:-lora} GPU_ONLY=lora RUN_TAG=lora8b \
+        timeout "$limit" bash gpu-bundle/run.sh benches || fail=1 ;;
+    generate)
+      dir=${MODEL_DIR:-/tmp/llama31-8b-random}
+      if [ ! -f "$dir/config.json" ]; then
+        GPU_ONLY=init_model RUN_TAG=init GPU_ARGS_init_model="--shape llama31-8b --dtype bf16 \
+          --tokenizer tests/fixtures/hf/llama-tokenizer/tokenizer.json --out $dir" \
+          timeout "$limit" bash gpu-bundle/run.sh examples || fail=1
+      fi
+      n=${GEN_TOKENS:-256}
+      gen gen-resident --model "$dir" --max-tokens "$n" --temperature 0
+      gen gen-streamed --model "$dir" --max-tokens "$n" --temperature 0 --streamed ;;
+    *) echo "unknown stage $stage (lora3b, lora8b, generate)" >&2; exit 2 ;;
+  esac
+done
+exit $fail
