@@ -127,6 +127,23 @@ fn llama_kv_cache_matches_full_forward(dev: &Device) -> Result<()> {
         );
         model.clear_cache()?;
         ensure!(model.cached_positions()? == 0);
+        if name == "streamed" {
+            // The outer weights' device copies live for one cached sequence:
+            // a change between sequences is seen by the next one.
+            let params = model.parameters();
+            let (_, embed) = params
+                .iter()
+                .find(|(n, _)| n == "model.embed_tokens.weight")
+                .expect("a streamed model's embedding is a host master");
+            embed.set(&embed.as_tensor().affine(0.5, 0.0)?)?;
+            let full = model.forward(&x)?;
+            let got = model.forward_cached(&x.narrow(1, 0, 4)?)?;
+            ensure!(
+                max_diff(&got, &full.narrow(1, 0, 4)?)? < 1e-4,
+                "streamed: outer weights changed between sequences"
+            );
+            model.clear_cache()?;
+        }
     }
     // Training mode refuses the cache.
     let trainable = Llama::from_tensors(init_weights(&cfg, 3)?, &cfg, stream(dev, DType::F32, 1))?

@@ -14,9 +14,16 @@ use std::sync::{Mutex, MutexGuard};
 type Slot = Option<(Tensor, Tensor)>;
 
 /// Every layer's [`Slot`].
+/// A streamed model's embedding, final norm and head on the device.
+type Outer = (Tensor, Tensor, Tensor);
+
 #[derive(Debug)]
 pub(crate) struct KvCache {
     layers: Mutex<Vec<Slot>>,
+    /// The device copies of a streamed model's outer weights for the cached
+    /// sequence: uploaded at its first call, not at every token (they are the
+    /// size of several layers), and dropped with the cache.
+    outer: Mutex<Option<Outer>>,
 }
 
 impl KvCache {
@@ -24,6 +31,7 @@ impl KvCache {
     pub(crate) fn new(layers: usize) -> Self {
         Self {
             layers: Mutex::new(vec![None; layers]),
+            outer: Mutex::new(None),
         }
     }
 
@@ -42,10 +50,28 @@ impl KvCache {
         }
     }
 
-    /// Forgets every cached position.
+    /// Forgets every cached position (and the outer weights' copies).
     pub(crate) fn clear(&self) -> Result<()> {
         self.lock()?.iter_mut().for_each(|s| *s = None);
+        *self.lock_outer()? = None;
         Ok(())
+    }
+
+    fn lock_outer(&self) -> Result<MutexGuard<'_, Option<Outer>>> {
+        self.outer
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("kv cache poisoned by a panic".into()))
+    }
+
+    /// The outer weights' device copies of this cached sequence, made by
+    /// `make` at its first call (no position cached yet).
+    pub(crate) fn outer_or(&self, make: impl FnOnce() -> Result<Outer>) -> Result<Outer> {
+        let fresh = self.positions()? == 0;
+        let mut outer = self.lock_outer()?;
+        if fresh || outer.is_none() {
+            *outer = Some(make()?);
+        }
+        Ok(outer.clone().expect("set above"))
     }
 
     /// Appends this call's `k`, `v` to layer `layer`'s slot and returns the keys

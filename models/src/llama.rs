@@ -826,7 +826,10 @@ impl Llama {
             extras.extend(a.extras(self.dtype, &self.device)?);
         }
         let tokens = tokens.to_device(&self.device)?;
-        let (embed, norm, head) = self.device_weights()?;
+        let (embed, norm, head) = match &self.outer {
+            Outer::Host { .. } if kv => self.kv.outer_or(|| self.device_weights())?,
+            _ => self.device_weights()?,
+        };
         let x = crate::embedding(&embed, &tokens)?;
         let h = match &self.layers {
             Layers::Resident(ls) if fused && x.track_op() => {
