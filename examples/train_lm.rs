@@ -35,8 +35,8 @@ use streamer_core::StreamConfig;
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
     generate, init_weights, parse_bytes, prefetch_for_budget, train_loop, ByteCorpus,
-    CheckpointFiles, Llama, LlamaConfig, LmTrainer, LoopOptions, LoraConfig, Placement,
-    PretrainedFiles, TextTokenizer, TokenCorpus,
+    CheckpointFiles, Llama, LlamaConfig, LmTrainer, LoopOptions, LoraConfig, OptimizerPlace,
+    Placement, PretrainedFiles, TextTokenizer, TokenCorpus,
 };
 
 #[derive(Parser, Debug)]
@@ -133,6 +133,11 @@ struct Args {
     /// Step the optimizer after backward instead of overlapping it with backward.
     #[arg(long)]
     no_overlap: bool,
+    /// Where AdamW runs for full fine-tuning: `host` (CpuAdamW, moments in
+    /// host memory) or `device` (DeviceAdamW: moments on the GPU, 8 bytes per
+    /// parameter, the layers stepped there during backward).
+    #[arg(long, default_value = "host")]
+    optimizer: String,
     /// Tokens to sample before and after training (0: none).
     #[arg(long, default_value_t = 200)]
     sample_tokens: usize,
@@ -337,6 +342,11 @@ fn main() -> Result<()> {
     let corpus = read_corpus(&a, tok.as_ref())?;
     let opts = loop_options(&a, &cfg, &corpus, &ckpt)?;
     let prefetch = prefetch(&a, &cfg, dtype)?;
+    let place = match a.optimizer.as_str() {
+        "host" => OptimizerPlace::Host,
+        "device" => OptimizerPlace::Device,
+        other => bail!("--optimizer {other:?}: expected host or device"),
+    };
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let adam = ParamsAdamW {
         lr: opts.lr,
@@ -352,6 +362,12 @@ fn main() -> Result<()> {
         ..Default::default()
     };
     if let Some(lcfg) = lora {
+        if place == OptimizerPlace::Device {
+            bail!(
+                "--optimizer device is for full fine-tuning: with --lora-r the adapters and \
+                 their AdamW already live on the device"
+            );
+        }
         let model = match &a.model {
             Some(dir) => Llama::from_pretrained(dir, Placement::Streamed(stream))?.model,
             None => Llama::from_tensors(init_weights(&cfg, a.seed)?, &cfg, stream)?,
@@ -364,14 +380,14 @@ fn main() -> Result<()> {
         return lora::train(&a, model, &lcfg, &corpus, &opts, &run);
     }
     let mut trainer = match (&a.model, a.resume) {
-        (_, true) => LmTrainer::resume(&ckpt, stream, adam)?,
+        (_, true) => LmTrainer::resume_on(&ckpt, stream, adam, place)?,
         (Some(dir), false) => {
             let p = Llama::from_pretrained(dir, Placement::Streamed(stream))?;
-            LmTrainer::new(p.model, adam)?
+            LmTrainer::new_on(p.model, adam, place)?
         }
         (None, false) => {
             let model = Llama::from_tensors(init_weights(&cfg, a.seed)?, &cfg, stream)?;
-            LmTrainer::new(model, adam)?
+            LmTrainer::new_on(model, adam, place)?
         }
     };
     if let Some(t) = &tok {
