@@ -752,7 +752,17 @@ impl Llama {
                 Ok((embed.clone(), norm.clone(), head.clone()))
             }
             Outer::Host { embed, norm, head } => {
-                let to = |v: &Var| v.as_tensor().to_device(&self.device)?.to_dtype(self.dtype);
+                let to = |v: &Var| {
+                    v.as_tensor()
+                        .to_device(&self.device)
+                        .and_then(|t| t.to_dtype(self.dtype))
+                        .map_err(|e| {
+                            e.context(format!(
+                                "copying a host weight of shape {:?} to the device",
+                                v.dims()
+                            ))
+                        })
+                };
                 let e = to(embed)?;
                 let hd = match head {
                     Some(h) => to(h)?,
@@ -854,7 +864,9 @@ impl Llama {
             Layers::Trainable(t) => t.forward_with(&x, &extras)?.swap_remove(0),
         };
         let h = RmsNorm::from_weight(norm, self.cfg.rms_norm_eps).forward(&h)?;
-        Linear::new(head, None).forward(&h)
+        Linear::new(head, None)
+            .forward(&h)
+            .map_err(|e| e.context("in the head (final norm and vocabulary projection)"))
     }
 
     /// Mean next-token cross-entropy (f32 scalar) of `forward(tokens)` against

@@ -112,7 +112,12 @@ fn sample_loop(
         let last = if all.len() <= ctx {
             let new = &all[cached..];
             let tokens = Tensor::new(new, model.device())?.unsqueeze(0)?;
-            let logits = model.forward_cached(&tokens)?;
+            let logits = model.forward_cached(&tokens).map_err(|e| {
+                e.context(format!(
+                    "generating: the forward of positions {cached}..{}",
+                    all.len()
+                ))
+            })?;
             cached = all.len();
             logits.get(0)?.get(new.len() - 1)?
         } else {

@@ -429,14 +429,18 @@ impl ResidencyPool {
             #[cfg(feature = "cuda")]
             Engine::Cuda(e) => {
                 let s = &mut self.slots[slot];
-                bytes = e.load(
-                    block,
-                    layout,
-                    &self.masters,
-                    s,
-                    self.dtype,
-                    self.transfer_delay,
-                )?;
+                bytes = e
+                    .load(
+                        block,
+                        layout,
+                        &self.masters,
+                        s,
+                        self.dtype,
+                        self.transfer_delay,
+                    )
+                    .map_err(|err| {
+                        err.context(format!("copying block {:?}'s weights", self.names[block]))
+                    })?;
                 // Keep the queue of timing events bounded on long runs: fold in the
                 // ones that have completed (the old ones, in steady state).
                 if e.pending_len() > 1024 {
@@ -473,7 +477,12 @@ impl ResidencyPool {
         match &mut self.engine {
             Engine::Cpu => self.slots[slot].cpu_compute_start = Some(Instant::now()),
             #[cfg(feature = "cuda")]
-            Engine::Cuda(e) => e.acquire(&mut self.slots[slot])?,
+            Engine::Cuda(e) => e.acquire(&mut self.slots[slot]).map_err(|err| {
+                err.context(format!(
+                    "converting block {:?}'s weights",
+                    self.names[block]
+                ))
+            })?,
         }
         let flat = &self.slots[slot].flat;
         let mut views = HashMap::with_capacity(self.layouts[block].entries.len());
