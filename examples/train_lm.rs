@@ -342,11 +342,7 @@ fn main() -> Result<()> {
     let corpus = read_corpus(&a, tok.as_ref())?;
     let opts = loop_options(&a, &cfg, &corpus, &ckpt)?;
     let prefetch = prefetch(&a, &cfg, dtype)?;
-    let place = match a.optimizer.as_str() {
-        "host" => OptimizerPlace::Host,
-        "device" => OptimizerPlace::Device,
-        other => bail!("--optimizer {other:?}: expected host or device"),
-    };
+    let place: OptimizerPlace = a.optimizer.parse().context("--optimizer")?;
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let adam = ParamsAdamW {
         lr: opts.lr,

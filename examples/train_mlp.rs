@@ -21,7 +21,9 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
-use streamer_autograd::{ActivationPolicy, CpuAdamW, Train, TrainableSequential};
+use streamer_autograd::{
+    ActivationPolicy, OptimizerPlace, PlacedAdamW, Train, TrainableSequential,
+};
 use streamer_core::{BlockSpec, StreamConfig, StreamedSequential};
 use streamer_models::fused_mlp;
 
@@ -78,6 +80,12 @@ struct Args {
     /// or auto[:FRACTION] of free device memory (default auto:0.5).
     #[arg(long, default_value = "auto")]
     activations: String,
+    /// Where AdamW runs: `host` (CpuAdamW, moments in host memory) or
+    /// `device` (DeviceAdamW: moments on the GPU, 8 bytes per parameter,
+    /// each block stepped there during backward instead of sending its
+    /// gradients to the host).
+    #[arg(long, default_value = "host")]
+    optimizer: String,
 }
 
 /// `Linear(w,h), GELU, Linear(h,w)` as `FusedMlp`: bias and GELU in the GEMM
@@ -121,13 +129,15 @@ fn random_weights(a: &Args, rng: &mut StdRng, gain: f32) -> Result<HashMap<Strin
 
 /// AdamW over the student's weights, its state named after them (so a saved
 /// state loads only into the same model).
-fn optimizer(a: &Args, student: &TrainableSequential) -> Result<CpuAdamW> {
+fn optimizer(a: &Args, student: &TrainableSequential) -> Result<PlacedAdamW> {
     let params = ParamsAdamW {
         lr: a.lr,
         weight_decay: a.weight_decay,
         ..Default::default()
     };
-    let mut opt = CpuAdamW::new(student.trainable_vars()?, params)?;
+    let place: OptimizerPlace = a.optimizer.parse().context("--optimizer")?;
+    let dev = student.inner().config().device.clone();
+    let mut opt = PlacedAdamW::new(student.trainable_vars()?, params, place, &dev)?;
     opt.set_param_names(student.parameters().into_iter().map(|(n, _)| n).collect())?;
     Ok(opt)
 }
@@ -254,7 +264,7 @@ fn resume_from(a: &Args, progress_path: &std::path::Path) -> Result<Saved> {
 fn save_run(
     a: &Args,
     student: &TrainableSequential,
-    opt: &CpuAdamW,
+    opt: &PlacedAdamW,
     step: usize,
     losses: &[(usize, f32)],
     previous: &mut Option<(PathBuf, PathBuf)>,
@@ -288,7 +298,7 @@ fn save_run(
 /// next save replaces).
 type Student = (
     TrainableSequential,
-    CpuAdamW,
+    PlacedAdamW,
     usize,
     Vec<(usize, f32)>,
     Option<(PathBuf, PathBuf)>,
@@ -357,6 +367,8 @@ fn main() -> Result<()> {
     let prefetch = check_args(&a)?;
     let dev = cli::device(a.device.as_deref())?;
     let policy = activation_policy(&a, &dev)?;
+    // Checked here, before any work; `optimizer` parses it again.
+    let _: OptimizerPlace = a.optimizer.parse().context("--optimizer")?;
     let dtype = match &a.dtype {
         Some(s) => cli::parse_dtype(s)?,
         None if dev.is_cuda() => DType::BF16,
@@ -404,8 +416,11 @@ fn main() -> Result<()> {
             bail!("loss is {l} at step {step}: refused before backward (weights and the last save unchanged)");
         }
         // The optimizer refuses a non-finite gradient before changing anything.
-        let grads = student.backward(&loss)?;
-        opt.step(&grads)?;
+        match opt.place() {
+            OptimizerPlace::Host => opt.step(&student.backward(&loss)?)?,
+            // Each block's weights are stepped on the device during backward.
+            OptimizerPlace::Device => drop(opt.backward_step(&student, &loss)?),
+        }
         student.zero_grad()?;
         losses.push((step + 1, l));
         let done = step + 1 - start;

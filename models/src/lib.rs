@@ -92,8 +92,9 @@ pub mod lt_probe {
 }
 pub use pretrained::{Placement, Pretrained, PretrainedFiles};
 pub use sample::{generate, sample_token};
+/// Where [`LmTrainer`]'s AdamW runs (re-exported from streamer-autograd).
+pub use streamer_autograd::OptimizerPlace;
 pub use tokenizer::TextTokenizer;
 pub use train::{
-    train_loop, ByteCorpus, CheckpointFiles, LmTrainer, LoopOptions, OptimizerPlace, StepReport,
-    TokenCorpus,
+    train_loop, ByteCorpus, CheckpointFiles, LmTrainer, LoopOptions, StepReport, TokenCorpus,
 };

@@ -8,7 +8,7 @@ use candle_core::{bail, Device, Result, Tensor};
 use candle_nn::{Optimizer, ParamsAdamW};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use streamer_autograd::{CpuAdamW, DeviceAdamW};
+use streamer_autograd::{CpuAdamW, DeviceAdamW, OptimizerPlace, PlacedAdamW};
 use streamer_core::StreamConfig;
 
 /// A training text as token ids: bytes ([`TokenCorpus::new`],
@@ -162,76 +162,6 @@ pub fn write_atomic(path: &Path, text: &str) -> Result<()> {
     })
 }
 
-/// Where an [`LmTrainer`]'s AdamW keeps its moments and does its arithmetic.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OptimizerPlace {
-    /// [`CpuAdamW`]: moments in host memory, the update on host threads
-    /// (overlapped with backward when `set_overlap` is on).
-    Host,
-    /// [`DeviceAdamW`]: moments on the model's GPU; the layers' weights are
-    /// stepped there while staged for backward and copied back instead of
-    /// their gradients (`backward_step_device`), so the host does no
-    /// optimizer work. Needs 8 bytes of device memory per parameter.
-    Device,
-}
-
-/// The trainer's optimizer, on the host or the device.
-enum TrainerOpt {
-    Host(CpuAdamW),
-    Device(DeviceAdamW),
-}
-
-impl TrainerOpt {
-    fn set_param_names(&mut self, names: Vec<String>) -> Result<()> {
-        match self {
-            Self::Host(o) => o.set_param_names(names),
-            Self::Device(o) => o.set_param_names(names),
-        }
-    }
-
-    fn load(&mut self, path: &Path) -> Result<()> {
-        match self {
-            Self::Host(o) => o.load(path),
-            Self::Device(o) => o.load(path),
-        }
-    }
-
-    fn save(&self, path: &Path) -> Result<()> {
-        match self {
-            Self::Host(o) => o.save(path),
-            Self::Device(o) => o.save(path),
-        }
-    }
-
-    fn step_count(&self) -> usize {
-        match self {
-            Self::Host(o) => o.step_count(),
-            Self::Device(o) => o.step_count(),
-        }
-    }
-
-    fn check_finite(&self) -> Result<()> {
-        match self {
-            Self::Host(o) => o.check_finite(),
-            Self::Device(o) => o.check_finite(),
-        }
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        match self {
-            Self::Host(o) => o.set_learning_rate(lr),
-            Self::Device(o) => o.set_learning_rate(lr),
-        }
-    }
-
-    fn step(&mut self, grads: &candle_core::backprop::GradStore) -> Result<()> {
-        match self {
-            Self::Host(o) => o.step(grads),
-            Self::Device(o) => o.step(grads),
-        }
-    }
-}
-
 /// Trains a streamed, trainable [`Llama`] with AdamW ([`OptimizerPlace`]) over all of its host
 /// masters (layers, embedding, norm, head): forward, cross-entropy, backward
 /// through the streamed layers, one optimizer step.
@@ -241,7 +171,7 @@ impl TrainerOpt {
 /// the embedding, norm and head are stepped after. Both give the same update.
 pub struct LmTrainer {
     model: Llama,
-    opt: TrainerOpt,
+    opt: PlacedAdamW,
     step: usize,
     overlap: bool,
     outer: Vec<usize>,
@@ -268,12 +198,7 @@ impl LmTrainer {
             .map(|(i, _)| i)
             .collect();
         let vars: Vec<_> = named.into_iter().map(|(_, v)| v).collect();
-        let mut opt = match place {
-            OptimizerPlace::Host => TrainerOpt::Host(CpuAdamW::new(vars, params)?),
-            OptimizerPlace::Device => {
-                TrainerOpt::Device(DeviceAdamW::new(vars, params, model.device())?)
-            }
-        };
+        let mut opt = PlacedAdamW::new(vars, params, place, model.device())?;
         opt.set_param_names(names)?;
         Ok(Self {
             model,
@@ -337,16 +262,16 @@ impl LmTrainer {
     /// The host optimizer ([`OptimizerPlace::Host`]).
     pub fn optimizer(&self) -> Option<&CpuAdamW> {
         match &self.opt {
-            TrainerOpt::Host(o) => Some(o),
-            TrainerOpt::Device(_) => None,
+            PlacedAdamW::Host(o) => Some(o),
+            PlacedAdamW::Device(_) => None,
         }
     }
 
     /// The device optimizer ([`OptimizerPlace::Device`]).
     pub fn device_optimizer(&self) -> Option<&DeviceAdamW> {
         match &self.opt {
-            TrainerOpt::Device(o) => Some(o),
-            TrainerOpt::Host(_) => None,
+            PlacedAdamW::Device(o) => Some(o),
+            PlacedAdamW::Host(_) => None,
         }
     }
 
@@ -395,20 +320,13 @@ impl LmTrainer {
     }
 
     fn backward_and_step(&mut self, loss: &Tensor) -> Result<()> {
-        match (&mut self.opt, self.overlap, self.model.trainable_layers()) {
-            (TrainerOpt::Device(opt), _, Some(layers)) => {
-                let r = layers
-                    .backward_step_device(loss, opt)
-                    .and_then(|grads| opt.step_params(&grads, &self.outer));
-                if let Err(e) = &r {
-                    self.broken = Some(e.to_string());
-                }
-                r
-            }
-            (TrainerOpt::Host(opt), true, Some(layers)) => {
-                let r = layers
-                    .backward_step(loss, opt)
-                    .and_then(|grads| opt.step_params(&grads, &self.outer));
+        let device = self.opt.place() == OptimizerPlace::Device;
+        match (self.overlap || device, self.model.trainable_layers()) {
+            (true, Some(layers)) => {
+                let r = self
+                    .opt
+                    .backward_step(layers, loss)
+                    .and_then(|grads| self.opt.step_params(&grads, &self.outer));
                 if let Err(e) = &r {
                     self.broken = Some(e.to_string());
                 }

@@ -41,6 +41,7 @@ mod host_inputs;
 mod host_optim;
 mod host_update;
 mod optim_state;
+mod placed_adamw;
 mod sgd;
 mod trainer;
 
@@ -49,5 +50,6 @@ pub use adamw::{AdamWUpdate, CpuAdamW};
 pub use device_adamw::DeviceAdamW;
 pub use dropout::{dropout, dropout_ctx, with_seed, Dropout};
 pub use host_optim::{BufferName, HostOptimizer, MetaValue, UpdateRule};
+pub use placed_adamw::{OptimizerPlace, PlacedAdamW};
 pub use sgd::{CpuSgd, ParamsSgd, SgdUpdate};
 pub use trainer::{Train, TrainableSequential};
