@@ -582,6 +582,15 @@ impl TrainableSequential {
         loss: &Tensor,
         opt: &mut crate::DeviceAdamW,
     ) -> Result<GradStore> {
+        let device = &self.model.config().device;
+        if !opt.device().same_device(device) {
+            candle_core::bail!(
+                "backward_step_device: the DeviceAdamW keeps its moments on {:?} but the model \
+                 streams to {:?}",
+                opt.device().location(),
+                device.location()
+            );
+        }
         let mut grads = loss.backward()?;
         let trainable = self.lock()?.trainable.clone();
         let mut step = crate::device_step::DeviceStep::new(opt, self.model.masters(), &trainable)?;
