@@ -113,6 +113,9 @@ fn resident_label() -> String {
     }
 }
 
+/// One optimizer step over a `GradStore`.
+type StepFn = Box<dyn FnMut(&candle_core::backprop::GradStore) -> candle_core::Result<()>>;
+
 fn resident(
     cfg: &LlamaConfig,
     dev: &Device,
@@ -142,17 +145,16 @@ fn resident(
     );
     // LM_BENCH_RESIDENT_OPTIMIZER=candle measures candle-nn's AdamW (a dozen
     // element-wise ops per weight) instead of DeviceAdamW's one fused pass.
-    let mut opt: Box<dyn FnMut(&candle_core::backprop::GradStore) -> candle_core::Result<()>> =
-        match std::env::var("LM_BENCH_RESIDENT_OPTIMIZER").as_deref() {
-            Ok("candle") => {
-                let mut o = AdamW::new(varmap.all_vars(), adam.clone())?;
-                Box::new(move |g| o.step(g))
-            }
-            _ => {
-                let mut o = DeviceAdamW::new(varmap.all_vars(), adam.clone(), dev)?;
-                Box::new(move |g| o.step(g))
-            }
-        };
+    let mut opt: StepFn = match std::env::var("LM_BENCH_RESIDENT_OPTIMIZER").as_deref() {
+        Ok("candle") => {
+            let mut o = AdamW::new(varmap.all_vars(), adam.clone())?;
+            Box::new(move |g| o.step(g))
+        }
+        _ => {
+            let mut o = DeviceAdamW::new(varmap.all_vars(), adam.clone(), dev)?;
+            Box::new(move |g| o.step(g))
+        }
+    };
     time_steps(dev, &corpus(), batch, seq, steps, |x, y| {
         let loss = model.loss(x, y)?;
         opt(&model.backward(&loss)?)?;

@@ -384,7 +384,7 @@ impl LmTrainer {
         let w = format!("weights-{:08}.safetensors", self.step);
         let o = format!("optimizer-{:08}.safetensors", self.step);
         self.model.save_safetensors(dir.join(&w))?;
-        self.opt.save(&dir.join(&o))?;
+        self.opt.save(dir.join(&o))?;
         let pointer = serde_json::json!({
             "step": self.step,
             "config": "config.json",

@@ -219,6 +219,8 @@ impl DeviceAdamW {
             )
         }
         let first = self.last_step[i] == 0;
+        // Without `cuda`, `Host` is the only variant.
+        #[allow(clippy::infallible_destructuring_match)]
         let bufs = match &mut self.moments[i] {
             Moments::Host(b) => b,
             #[cfg(feature = "cuda")]
