@@ -26,8 +26,14 @@
 //! gradients summed over rows, in f32) and Qwen3's per-head q/k RMSNorms
 //! (forward keeps the projections before them; backward runs RMSNorm's closed
 //! form over `(rows * heads, head_dim)` after the inverse rotation).
+//!
+//! LoRA adapters too: each adapted projection adds `s (m x) A^T B^T` (`m` the
+//! dropout's scaled mask, drawn as the autograd forward draws it); forward
+//! keeps `A`, `B`, `u = (m x) A^T` and the mask, and backward returns the
+//! gradients of `A` and `B` keyed by the extras that carried them.
 use crate::fused_ops::{rms_norm_backward, rope_backward};
 use crate::llama::DecoderLayer;
+use crate::lora::{LoraLayout, LoraSaved};
 use candle_core::{bail, DType, Result, Shape, Tensor};
 use streamer_core::{ManualBackward, SavedActivations};
 
@@ -121,16 +127,20 @@ impl DecoderLayer {
         &self,
         dy: Tensor,
         [x_mid, h2, gate, up, act]: [Tensor; 5],
+        lora: &LoraTerms,
         grads: &mut Vec<(Tensor, Tensor)>,
     ) -> Result<Tensor> {
         // y = x_mid + act W_down^T
         let (d_act, gw) = linear_grads(&dy, &act, self.down_proj.weight())?;
         grads.push(gw);
+        let d_act = lora.add(6, &act, &dy, d_act, grads)?;
         let (d_gate, d_up) = swiglu_backward(&d_act, &gate, &up)?;
         let (dh2_g, gw) = linear_grads(&d_gate, &h2, self.gate_proj.weight())?;
         grads.push(gw);
+        let dh2_g = lora.add(4, &h2, &d_gate, dh2_g, grads)?;
         let (dh2_u, gw) = linear_grads(&d_up, &h2, self.up_proj.weight())?;
         grads.push(gw);
+        let dh2_u = lora.add(5, &h2, &d_up, dh2_u, grads)?;
         let n2 = &self.post_attention_layernorm;
         let (dx_n2, dw2) = norm_backward(&x_mid, &n2.weight.detach(), &(dh2_g + dh2_u)?, n2.eps)?;
         grads.push((n2.weight.clone(), dw2));
@@ -166,31 +176,50 @@ impl DecoderLayer {
 
 impl ManualBackward for DecoderLayer {
     fn forward_train(&self, x: &Tensor, extras: &[Tensor]) -> Result<(Tensor, SavedActivations)> {
-        let (cos, sin) = self.rope_tables(extras)?;
+        let (own, lora) = self.split_lora(extras)?;
+        let (cos, sin) = self.rope_tables(own)?;
         let (b, n, hidden) = x.dims3()?;
         let x2 = x.reshape((b * n, hidden))?.contiguous()?;
+        // Projection `t` of LORA_TARGETS from its base output, with its
+        // adapter's term when it has one (in forward_kv's order, so dropout
+        // masks are drawn as there).
+        let mut kept: Vec<LoraSaved> = Vec::new();
+        let mut proj = |t: usize, h: &Tensor, base: Tensor| -> Result<Tensor> {
+            let Some((layout, ab)) = &lora else {
+                return Ok(base);
+            };
+            let (y, s) = layout.apply_saved(t, h, base, ab)?;
+            kept.extend(s);
+            Ok(y)
+        };
         let n1 = &self.input_layernorm;
         let h1 = candle_nn::ops::rms_norm(&x2, &n1.weight.detach().contiguous()?, n1.eps as f32)?;
         let (qn, kn) = self.qk_norms();
-        let (q_pre, k_pre) = (linear(&h1, &self.q_proj)?, linear(&h1, &self.k_proj)?);
+        let q_pre = proj(0, &h1, linear(&h1, &self.q_proj)?)?;
+        let k_pre = proj(1, &h1, linear(&h1, &self.k_proj)?)?;
         let q = candle_nn::rotary_emb::rope(&self.head_major(&q_pre, b, n, qn)?, cos, sin)?;
         let k = candle_nn::rotary_emb::rope(&self.head_major(&k_pre, b, n, kn)?, cos, sin)?;
-        let v = self.head_major(&linear(&h1, &self.v_proj)?, b, n, None)?;
+        let v = self.head_major(&proj(2, &h1, linear(&h1, &self.v_proj)?)?, b, n, None)?;
         let (o, lse) = cqsa::attention_forward_with(&q, &k, &v, &self.scores())?;
         let o2 = self.rows(&o, b, n)?;
-        let x_mid = (&x2 + linear(&o2, &self.o_proj)?)?;
+        let x_mid = (&x2 + proj(3, &o2, linear(&o2, &self.o_proj)?)?)?;
         let n2 = &self.post_attention_layernorm;
         let h2 =
             candle_nn::ops::rms_norm(&x_mid, &n2.weight.detach().contiguous()?, n2.eps as f32)?;
-        let gate = mm_t(&h2, self.gate_proj.weight())?;
-        let up = mm_t(&h2, self.up_proj.weight())?;
+        let gate = proj(4, &h2, mm_t(&h2, self.gate_proj.weight())?)?;
+        let up = proj(5, &h2, mm_t(&h2, self.up_proj.weight())?)?;
         let act = (gate.silu()? * &up)?;
-        let y = (&x_mid + mm_t(&act, self.down_proj.weight())?)?;
+        let y = (&x_mid + proj(6, &act, mm_t(&act, self.down_proj.weight())?)?)?;
         let (cos, sin) = (cos.clone(), sin.clone());
         drop(o2);
         let mut saved = vec![x2, h1, q, k, v, o, lse, x_mid, h2, gate, up, act, cos, sin];
         if self.qk_norm.is_some() {
             saved.extend([q_pre, k_pre]);
+        }
+        // The adapters' part last: A, B, u (and the mask) per adapted target.
+        for k in kept {
+            saved.extend([k.a, k.b, k.u]);
+            saved.extend(k.m);
         }
         Ok((y.reshape((b, n, hidden))?, SavedActivations(saved)))
     }
@@ -203,7 +232,7 @@ impl ManualBackward for DecoderLayer {
         // x, h1, x_mid, h2; q, o; k, v; gate, up, act; (q, k before their
         // norms); lse in f32.
         let pre = if self.qk_norm.is_some() { q + kv } else { 0 };
-        let elems = rows * (4 * hidden + 2 * q + 2 * kv + 3 * m + pre);
+        let elems = rows * (4 * hidden + 2 * q + 2 * kv + 3 * m + pre) + self.lora_elems(rows);
         elems * dtype.size_in_bytes() + rows * self.heads * 4
     }
 
@@ -212,14 +241,15 @@ impl ManualBackward for DecoderLayer {
         saved: SavedActivations,
         grad: &Tensor,
     ) -> Result<(Tensor, Vec<(Tensor, Tensor)>)> {
+        let mut acts = saved.0;
+        let lora = self.lora_terms(&mut acts)?;
         let want = SAVED + if self.qk_norm.is_some() { 2 } else { 0 };
-        if saved.0.len() != want {
+        if acts.len() != want {
             bail!(
                 "decoder layer: backward needs the {want} saved activations of its forward, got {}",
-                saved.0.len()
+                acts.len()
             );
         }
-        let mut acts = saved.0;
         // The projections before the q/k norms come last (None without norms).
         let pre = if self.qk_norm.is_some() {
             let k_pre = acts.pop();
@@ -243,10 +273,11 @@ impl ManualBackward for DecoderLayer {
         }
         let dy = grad.reshape((b * n, hidden))?.contiguous()?;
         let mut grads = Vec::with_capacity(16);
-        let d_mid = self.mlp_backward(dy, [x_mid, h2, gate, up, act], &mut grads)?;
+        let d_mid = self.mlp_backward(dy, [x_mid, h2, gate, up, act], &lora, &mut grads)?;
         // x_mid = x + o2 W_o^T (+ b_o)
         let o2 = self.rows(&o, b, n)?;
         let (d_o2, gw) = linear_grads(&d_mid, &o2, self.o_proj.weight())?;
+        let d_o2 = lora.add(3, &o2, &d_mid, d_o2, &mut grads)?;
         drop(o2);
         grads.push(gw);
         grads.extend(bias_grad(&self.o_proj, &d_mid)?);
@@ -260,14 +291,15 @@ impl ManualBackward for DecoderLayer {
         let dk = self.unrotate(&dk, tables, kn.zip(pre.1.as_ref()), &mut grads)?;
         let dv = self.rows(&dv, b, n)?;
         let mut dh1: Option<Tensor> = None;
-        for (d, l) in [
-            (&dq, &self.q_proj),
-            (&dk, &self.k_proj),
-            (&dv, &self.v_proj),
+        for (t, d, l) in [
+            (0, &dq, &self.q_proj),
+            (1, &dk, &self.k_proj),
+            (2, &dv, &self.v_proj),
         ] {
             let (dh, gw) = linear_grads(d, &h1, l.weight())?;
             grads.push(gw);
             grads.extend(bias_grad(l, d)?);
+            let dh = lora.add(t, &h1, d, dh, &mut grads)?;
             dh1 = Some(match dh1 {
                 None => dh,
                 Some(a) => (a + dh)?,
@@ -279,6 +311,91 @@ impl ManualBackward for DecoderLayer {
         grads.push((n1.weight.clone(), dw1));
         let dx = (d_mid + dx_n1)?;
         Ok((dx.reshape((b, n, hidden))?, grads))
+    }
+}
+
+/// The adapters' saved forward, by target (`LORA_TARGETS` order), with
+/// their layout; empty without adapters.
+struct LoraTerms {
+    layout: Option<LoraLayout>,
+    saved: [Option<LoraSaved>; 7],
+}
+
+impl LoraTerms {
+    /// `dx` plus adapter `t`'s term of the input gradient (its `A`, `B`
+    /// gradients pushed), or `dx` itself when `t` has no adapter.
+    fn add(
+        &self,
+        t: usize,
+        x: &Tensor,
+        dy: &Tensor,
+        dx: Tensor,
+        grads: &mut Vec<(Tensor, Tensor)>,
+    ) -> Result<Tensor> {
+        match (&self.layout, &self.saved[t]) {
+            (Some(layout), Some(s)) => dx + layout.backward_term(s, x, dy, grads)?,
+            _ => Ok(dx),
+        }
+    }
+}
+
+impl DecoderLayer {
+    /// Elements the adapters add to the saved activations: `u` (rows x r)
+    /// per target and, with dropout, its mask (rows x the target's inputs).
+    fn lora_elems(&self, rows: usize) -> usize {
+        let Ok(Some((layout, r))) = self.lora_layout() else {
+            return 0;
+        };
+        let hidden = self.q_proj.weight().dim(1).unwrap_or(0);
+        let (attn, m) = (
+            self.heads * self.head_dim,
+            self.gate_proj.weight().dim(0).unwrap_or(0),
+        );
+        let inputs = |t: usize| match t {
+            3 => attn,
+            6 => m,
+            _ => hidden,
+        };
+        let masks: usize = if layout.drops() {
+            layout.targets.iter().map(|&t| inputs(t)).sum()
+        } else {
+            0
+        };
+        rows * (r * layout.targets.len() + masks)
+    }
+
+    /// Takes the adapters' part off the end of the saved activations (see
+    /// `forward_train`): `A, B, u` and, with dropout, the mask, per target.
+    fn lora_terms(&self, acts: &mut Vec<Tensor>) -> Result<LoraTerms> {
+        let mut saved: [Option<LoraSaved>; 7] = Default::default();
+        let Some((layout, _)) = self.lora_layout()? else {
+            return Ok(LoraTerms {
+                layout: None,
+                saved,
+            });
+        };
+        let per = if layout.drops() { 4 } else { 3 };
+        let len = per * layout.targets.len();
+        let Some(start) = acts.len().checked_sub(len) else {
+            bail!(
+                "decoder layer: backward needs {len} saved adapter tensors, got {}",
+                acts.len()
+            );
+        };
+        let mut tail = acts.split_off(start).into_iter();
+        for &t in &layout.targets {
+            let mut next = || {
+                tail.next()
+                    .ok_or_else(|| candle_core::Error::Msg("decoder layer: adapter tensors".into()))
+            };
+            let (a, b, u) = (next()?, next()?, next()?);
+            let m = if per == 4 { Some(next()?) } else { None };
+            saved[t] = Some(LoraSaved { a, b, u, m });
+        }
+        Ok(LoraTerms {
+            layout: Some(layout),
+            saved,
+        })
     }
 }
 

@@ -259,7 +259,7 @@ impl DecoderLayer {
     /// The model's adapter layout when adapters are on, and the extras split
     /// into the layer's own (`[cos, sin]` or `[cos, sin, flag]`) and this
     /// layer's `[A, B, ...]` (every layer's adapters come last, layer-major).
-    fn split_lora<'a>(&self, extras: &'a [Tensor]) -> Result<LayerExtras<'a>> {
+    pub(crate) fn split_lora<'a>(&self, extras: &'a [Tensor]) -> Result<LayerExtras<'a>> {
         let Some((slot, layers)) = &self.lora else {
             return Ok((extras, None));
         };
@@ -279,11 +279,15 @@ impl DecoderLayer {
         Ok((&extras[..base], Some((layout, ab))))
     }
 
-    /// Whether the model's LoRA adapters are on.
-    fn lora_on(&self) -> bool {
-        self.lora
-            .as_ref()
-            .is_some_and(|(s, _)| s.layout().ok().flatten().is_some())
+    /// The adapters' layout and rank when they are on.
+    pub(crate) fn lora_layout(&self) -> Result<Option<(LoraLayout, usize)>> {
+        let Some((slot, _)) = &self.lora else {
+            return Ok(None);
+        };
+        let (Some(layout), Some(a)) = (slot.layout()?, slot.adapters()?) else {
+            return Ok(None);
+        };
+        Ok(Some((layout, a.config().r)))
     }
 
     /// The layer's weights under their names relative to the layer.
@@ -388,15 +392,10 @@ impl Block for DecoderLayer {
     }
 
     /// The hand-written backward (`decoder_backward.rs`), which covers every
-    /// family: biases and Qwen3's q/k norms included. With LoRA adapters on,
-    /// none: the layer trains through Candle autograd, which gives the
-    /// adapters' gradients (as the extras' gradients).
+    /// family (biases and Qwen3's q/k norms included) and LoRA adapters (their
+    /// gradients come back as the gradients of the extras holding them).
     fn manual(&self) -> Option<&dyn streamer_core::ManualBackward> {
-        if self.lora_on() {
-            None
-        } else {
-            Some(self)
-        }
+        Some(self)
     }
 }
 
@@ -459,7 +458,7 @@ impl DecoderLayer {
 }
 
 /// A layer's own extras, and its LoRA layout with its `[A, B, ...]` when on.
-type LayerExtras<'a> = (&'a [Tensor], Option<(LoraLayout, &'a [Tensor])>);
+pub(crate) type LayerExtras<'a> = (&'a [Tensor], Option<(LoraLayout, &'a [Tensor])>);
 
 /// The layers of a [`Llama`], in one of three placements.
 enum Layers {

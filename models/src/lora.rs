@@ -259,6 +259,80 @@ impl LoraLayout {
     }
 }
 
+/// What a hand-written backward keeps of one adapter's forward: its `A`,
+/// `B` (the layer's extras, whose gradients it returns), `u = x' A^T` and,
+/// with dropout, the dropout's scaled mask `m` (`x' = m * x`).
+pub(crate) struct LoraSaved {
+    pub(crate) a: Tensor,
+    pub(crate) b: Tensor,
+    pub(crate) u: Tensor,
+    pub(crate) m: Option<Tensor>,
+}
+
+impl LoraLayout {
+    /// Whether this forward draws dropout masks.
+    pub(crate) fn drops(&self) -> bool {
+        self.training && self.dropout > 0.0
+    }
+
+    /// As [`LoraLayout::apply`] for a `(rows, in)` input, also returning what
+    /// [`LoraLayout::backward_term`] needs. The mask is drawn as
+    /// `dropout(ones)`, the same draw (and so the same bits) as `apply`'s
+    /// `dropout(x)` at this point of the layer.
+    pub(crate) fn apply_saved(
+        &self,
+        target: usize,
+        x: &Tensor,
+        base: Tensor,
+        ab: &[Tensor],
+    ) -> Result<(Tensor, Option<LoraSaved>)> {
+        let Some(k) = self.targets.iter().position(|&t| t == target) else {
+            return Ok((base, None));
+        };
+        let (a, b) = (ab[2 * k].clone(), ab[2 * k + 1].clone());
+        let m = if self.drops() {
+            Some(streamer_autograd::dropout(&x.ones_like()?, self.dropout)?)
+        } else {
+            None
+        };
+        let xd = match &m {
+            Some(m) => x.mul(m)?,
+            None => x.clone(),
+        };
+        let u = xd.matmul(&a.detach().t()?)?;
+        let delta = u.matmul(&b.detach().t()?)?;
+        let y = (base + (delta * self.scale)?)?;
+        Ok((y, Some(LoraSaved { a, b, u, m })))
+    }
+
+    /// The adapter's part of the backward of `y = base + s (m x) A^T B^T`
+    /// given `dy (rows, out)`: pushes `(A, dA)` and `(B, dB)` and returns
+    /// its term of `dx`.
+    pub(crate) fn backward_term(
+        &self,
+        saved: &LoraSaved,
+        x: &Tensor,
+        dy: &Tensor,
+        grads: &mut Vec<(Tensor, Tensor)>,
+    ) -> Result<Tensor> {
+        let (a, b) = (saved.a.detach(), saved.b.detach());
+        let xd = match &saved.m {
+            Some(m) => x.mul(m)?,
+            None => x.clone(),
+        };
+        let d_b = (dy.t()?.matmul(&saved.u)? * self.scale)?;
+        let du = (dy.matmul(&b)? * self.scale)?;
+        let d_a = du.t()?.matmul(&xd)?;
+        let dxd = du.matmul(&a)?;
+        grads.push((saved.a.clone(), d_a));
+        grads.push((saved.b.clone(), d_b));
+        match &saved.m {
+            Some(m) => dxd.mul(m),
+            None => Ok(dxd),
+        }
+    }
+}
+
 /// The model's adapters, shared (an `Arc`) with every layer it builds, like
 /// the kv cache: a streamed model rebuilds its layers on every call.
 /// The adapters and the layout the layers read from them.

@@ -972,10 +972,13 @@ fn manual_step(
         };
         grads.insert(w.id(), sum);
     }
+    // A hand-written backward may also return gradients of its extras (a
+    // LoRA layer's adapters), keyed by the extras it was given.
+    let g_extras = saved.extras.iter().map(|e| grads.remove(&e.id())).collect();
     Ok(Some(BlockStep {
         grads: BlockGrads::Manual(grads),
         g_x: Some(g_x),
-        g_extras: vec![None; saved.extras.len()],
+        g_extras,
     }))
 }
 

@@ -144,7 +144,9 @@ pub trait ManualBackward {
     fn saved_bytes(&self, x: &candle_core::Shape, dtype: candle_core::DType) -> usize;
 
     /// Given `grad = dL/d(output)`, returns `dL/dx` and the gradient of each
-    /// weight, keyed by the weight tensor the block got from its `VarBuilder`.
+    /// weight, keyed by the weight tensor the block got from its `VarBuilder`
+    /// (or by an extra tensor it was given, for a gradient that flows back
+    /// into that extra: a LoRA layer's adapters).
     fn backward(
         &self,
         saved: SavedActivations,
