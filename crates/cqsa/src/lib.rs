@@ -66,6 +66,7 @@
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod calibrate;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -79,6 +80,7 @@ mod varlen;
 
 use candle_core::{bail, Device, Result, Tensor};
 
+pub use calibrate::{calibrate, Calibration, RatesSource};
 pub use mask::Scores;
 pub use op::{
     attention_backward, attention_backward_with, attention_forward, attention_forward_with,
@@ -195,7 +197,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Re
                 b
             }
         };
-        Some(plan::plan(&shape, &scores, &budget, opts, exec.is_cuda())?)
+        Some(plan::plan(&shape, &scores, &budget, opts, &exec)?)
     };
     let streamed = plan.as_ref().is_some_and(|p| p.mode == Mode::Streamed);
     let verbose = opts.verbose || std::env::var("CQSA_VERBOSE").is_ok_and(|v| v == "1");

@@ -59,6 +59,35 @@ pub(crate) unsafe fn dtoh_async(
     check(r, "cuMemcpyDtoHAsync")
 }
 
+/// Enqueues a device-to-host copy on `stream` into host memory that may be
+/// page-locked only in its whole pages, split at page boundaries as
+/// [`htod_async`] splits (a copy may not span registered and pageable memory).
+///
+/// # Safety
+/// As [`htod_async`], with the roles of host and device swapped; `dst` must not
+/// be read until the stream has passed the copy.
+pub(crate) unsafe fn dtoh_pieces(
+    dst: *mut u8,
+    src: u64,
+    bytes: usize,
+    stream: &CudaStream,
+) -> Result<()> {
+    for (off, n, _) in page_pieces(dst as usize, bytes) {
+        // SAFETY: `off + n <= bytes`, so both ranges lie inside the caller's
+        // buffers, which stay valid until the copy completes (this fn's contract).
+        let r = unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                dst.add(off) as *mut _,
+                src + off as u64,
+                n,
+                stream.cu_stream(),
+            )
+        };
+        check(r, "cuMemcpyDtoHAsync")?;
+    }
+    Ok(())
+}
+
 /// Whether our cast kernel covers this conversion.
 pub(crate) fn has_cast(from: DType, to: DType) -> bool {
     matches!(

@@ -51,7 +51,7 @@ mod source;
 mod stats;
 mod timeline;
 
-pub use bandwidth::measure_h2d_gbps;
+pub use bandwidth::{measure_copy_gbps, measure_h2d_gbps, measure_pin_gbps, CopyDirection};
 pub use block::{
     mix_seed, Block, BlockCtx, BlockSpec, ManualBackward, ModuleBlock, SavedActivations,
 };
