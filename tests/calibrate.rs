@@ -258,7 +258,7 @@ fn streamed_check(name: &str, path: &std::path::Path, budget: &Budget) -> Result
         p.subproblems == 2 && p.rates == RatesSource::Calibrated(path.to_path_buf()),
         "{p}"
     );
-    let (n, h, d, e) = (1024.0, 2.0, 64.0, 2.0);
+    let (n, h, d, e): (f64, f64, f64, f64) = (1024.0, 2.0, 64.0, 2.0);
     let compute = 4.0 * h * d * n * n / 2e12 + n * h * d * 4.0 / 8e9; // one merge
     let h2d = (2.0 * 512.0 * h * d * 2.0 * e + n * h * d * e) / 1e9;
     let results = n * h * (d + 1.0) * 4.0;

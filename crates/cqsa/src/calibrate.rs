@@ -361,11 +361,11 @@ impl Calibration {
                 path.display()
             )
         };
-        let text = match std::fs::read_to_string(path) {
+        let bytes = match std::fs::read(path) {
             Ok(t) => t,
             Err(e) => return fail(format!("cannot read it ({e})")),
         };
-        let cal: Calibration = match serde_json::from_str(&text) {
+        let cal: Calibration = match serde_json::from_slice(&bytes) {
             Ok(c) => c,
             Err(e) => return fail(format!("not a calibration file ({e})")),
         };
