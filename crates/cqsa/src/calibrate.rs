@@ -429,10 +429,12 @@ pub(crate) fn cached(device: &str) -> std::result::Result<(Calibration, PathBuf)
     let path = cache_path_for(device).map_err(|e| e.to_string())?;
     let mtime = match std::fs::metadata(&path) {
         Ok(m) => m.modified().ok(),
-        Err(_) => return Err(format!(
+        Err(_) => {
+            return Err(format!(
             "no calibration for {device:?} at {} (run `cargo run --release --example calibrate`)",
             path.display()
-        )),
+        ))
+        }
     };
     let mut m = loaded()
         .lock()

@@ -59,7 +59,8 @@ pub use config::StreamConfig;
 pub use context::{cuda_event_tracking, disable_cuda_event_tracking};
 pub use convert::convert;
 pub use device_memory::{
-    free_device_memory, pooled_idle_bytes, retain_freed_device_memory, trim_device_memory,
+    device_pool_stats, free_device_memory, pooled_idle_bytes, reset_device_pool_peaks,
+    retain_freed_device_memory, trim_device_memory, DevicePoolStats,
 };
 pub use host::{HostMasters, Master};
 pub use offload::{OffloadMarker, Offloader};
