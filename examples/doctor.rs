@@ -120,7 +120,8 @@ fn kernels(report: &mut Report, dev: &Device, label: &str) {
 /// The planner's rates: the calibration cache of each device checked (ok when
 /// valid, skip when there is none, FAIL when a file is there but refused).
 fn calibration(report: &mut Report) {
-    let mut devices = vec![("CPU", Ok(Device::Cpu))];
+    #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+    let mut devices: Vec<(&str, candle_core::Result<Device>)> = vec![("CPU", Ok(Device::Cpu))];
     #[cfg(feature = "cuda")]
     devices.push(("CUDA", Device::new_cuda(0)));
     for (label, dev) in devices {

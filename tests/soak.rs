@@ -373,6 +373,9 @@ pub fn run(
     Ok(report(o, t0.elapsed().as_secs_f64(), checkpoints, samples))
 }
 
+/// A measure of the samples, by name.
+type Measure = (&'static str, fn(&Sample) -> usize);
+
 /// The growth figures of a run's samples.
 fn report(o: &SoakOptions, seconds: f64, checkpoints: usize, samples: Vec<Sample>) -> SoakReport {
     let counted: Vec<&Sample> = samples.iter().filter(|s| s.step >= o.warmup).collect();
@@ -384,7 +387,7 @@ fn report(o: &SoakOptions, seconds: f64, checkpoints: usize, samples: Vec<Sample
     let of = |set: &[&Sample], f: fn(&Sample) -> usize| {
         Growth::of(&set.iter().map(|s| f(s)).collect::<Vec<_>>())
     };
-    let measures: [(&'static str, fn(&Sample) -> usize); 5] = [
+    let measures: [Measure; 5] = [
         ("host_rss", |s| s.host_rss_bytes),
         ("device_used", |s| s.device_used_bytes),
         ("device_live", |s| s.device_live_bytes),
