@@ -252,16 +252,33 @@ impl CalibrateOptions {
 
 /// The name a calibration is keyed by: the GPU's name for a CUDA device; for
 /// the CPU its model (from `/proc/cpuinfo`) and Rayon's thread count, which
-/// the CPU kernels' speed depends on.
+/// the CPU kernels' speed depends on. Names are read once per device (the
+/// planner asks for every call).
 pub fn device_name(dev: &Device) -> Result<String> {
     match dev {
-        Device::Cpu => Ok(cpu_name()),
+        Device::Cpu => Ok(format!(
+            "CPU {}, {} threads",
+            cpu_model(),
+            rayon::current_num_threads()
+        )),
         #[cfg(feature = "cuda")]
-        Device::Cuda(d) => d
-            .cuda_stream()
-            .context()
-            .name()
-            .map_err(|e| candle_core::Error::Cuda(Box::new(e))),
+        Device::Cuda(d) => {
+            static NAMES: OnceLock<Mutex<HashMap<usize, String>>> = OnceLock::new();
+            let ctx = d.cuda_stream().context().clone();
+            let ordinal = ctx.ordinal();
+            let names = NAMES.get_or_init(|| Mutex::new(HashMap::new()));
+            let mut names = names
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("cqsa: device names poisoned".into()))?;
+            if let Some(n) = names.get(&ordinal) {
+                return Ok(n.clone());
+            }
+            let name = ctx
+                .name()
+                .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+            names.insert(ordinal, name.clone());
+            Ok(name)
+        }
         #[allow(unreachable_patterns)]
         other => bail!(
             "cqsa: cannot calibrate device {:?}: only the CPU and CUDA are supported",
@@ -270,17 +287,19 @@ pub fn device_name(dev: &Device) -> Result<String> {
     }
 }
 
-fn cpu_name() -> String {
-    let model = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|m| m.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown".to_string());
-    format!("CPU {model}, {} threads", rayon::current_num_threads())
+fn cpu_model() -> &'static str {
+    static MODEL: OnceLock<String> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|t| {
+                t.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .and_then(|l| l.split(':').nth(1))
+                    .map(|m| m.trim().to_string())
+            })
+            .unwrap_or_else(|| "unknown".to_string())
+    })
 }
 
 /// The directory of the cache files: `$CQSA_CALIBRATION_DIR`, else
