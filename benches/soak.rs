@@ -122,6 +122,17 @@ fn main() -> Result<()> {
         "master_dtype": "f32", "optimizer": "CpuAdamW lr 1e-3",
         "checkpoint_every": o.checkpoint_every,
     });
+    // When the driver's figure and the pool's reservation moved, and by how
+    // much: a cache stepping up once reads differently from a steady climb.
+    let changes = |f: fn(&soak::Sample) -> usize| -> Vec<serde_json::Value> {
+        r.samples
+            .windows(2)
+            .filter(|w| f(&w[0]) != f(&w[1]))
+            .map(|w| serde_json::json!({"step": w[1].step, "delta_bytes": f(&w[1]) as i64 - f(&w[0]) as i64}))
+            .collect()
+    };
+    json["device_used_changes"] = changes(|s| s.device_used_bytes).into();
+    json["pool_reserved_changes"] = changes(|s| s.pool_reserved_bytes).into();
     json["target_growth_frac"] = TARGET_GROWTH.into();
     json["pass"] = pass.into();
     let path = common::results_path(&format!("soak-{tag}.json"));
