@@ -32,6 +32,36 @@ fn env_or(key: &str, default: usize) -> Result<usize> {
     }
 }
 
+/// Each measure's growth after the warm-up (criterion or reported) and over it.
+fn print_growth(r: &soak::SoakReport) {
+    let rows = [
+        ("host RSS", &r.host_rss, true),
+        ("device live", &r.device_live, true),
+        ("device used", &r.device_used, false),
+        ("pool reserved", &r.pool_reserved, false),
+        ("pool peak", &r.pool_peak, false),
+    ];
+    for (name, g, counted) in rows {
+        let tag = if counted { "criterion" } else { "reported" };
+        println!(
+            "{name:<13} first {:>14} last {:>14} max {:>14}  growth {:+.4} % (peak {:+.4} %) [{tag}]",
+            g.first,
+            g.last,
+            g.max,
+            g.growth_frac * 100.0,
+            g.peak_growth_frac * 100.0
+        );
+    }
+    for (name, g) in &r.warmup_growth {
+        println!(
+            "warm-up {name:<16} {:>14} -> {:>14}  {:+.4} %",
+            g.first,
+            g.last,
+            g.growth_frac * 100.0
+        );
+    }
+}
+
 fn main() -> Result<()> {
     let dev = common::device();
     let d = soak::SoakOptions::for_device(&dev);
@@ -62,32 +92,7 @@ fn main() -> Result<()> {
             );
         }
     })?;
-    let rows = [
-        ("host RSS", &r.host_rss, true),
-        ("device live", &r.device_live, true),
-        ("device used", &r.device_used, false),
-        ("pool reserved", &r.pool_reserved, false),
-        ("pool peak", &r.pool_peak, false),
-    ];
-    for (name, g, counted) in rows {
-        let tag = if counted { "criterion" } else { "reported" };
-        println!(
-            "{name:<13} first {:>14} last {:>14} max {:>14}  growth {:+.4} % (peak {:+.4} %) [{tag}]",
-            g.first,
-            g.last,
-            g.max,
-            g.growth_frac * 100.0,
-            g.peak_growth_frac * 100.0
-        );
-    }
-    for (name, g) in &r.warmup_growth {
-        println!(
-            "warm-up {name:<16} {:>14} -> {:>14}  {:+.4} %",
-            g.first,
-            g.last,
-            g.growth_frac * 100.0
-        );
-    }
+    print_growth(&r);
     let pass = r.worst_growth() < TARGET_GROWTH;
     println!(
         "{} steps in {:.1} s ({} checkpoints), loss {:.5} -> {:.5}; criterion growth {:+.4} % (target < {} %): {}; raw worst {:+.4} %",
