@@ -427,9 +427,13 @@ impl Calibration {
     }
 }
 
-/// Calibrations already read, by path, with the file's modification time, so
-/// that the planner reads a file once and sees a new one written since.
-type Loaded = HashMap<PathBuf, (Option<SystemTime>, std::result::Result<Calibration, String>)>;
+/// What identifies one version of a file: its modification time and length.
+type Stamp = (Option<SystemTime>, u64);
+
+/// Calibrations already read, by path, with the file's stamp, so that the
+/// planner reads a file once and sees a new one written since (saves through
+/// [`Calibration::save`] also drop the entry).
+type Loaded = HashMap<(PathBuf, String), (Stamp, std::result::Result<Calibration, String>)>;
 
 fn loaded() -> &'static Mutex<Loaded> {
     static LOADED: OnceLock<Mutex<Loaded>> = OnceLock::new();
@@ -438,7 +442,7 @@ fn loaded() -> &'static Mutex<Loaded> {
 
 fn forget(path: &Path) {
     if let Ok(mut m) = loaded().lock() {
-        m.remove(path);
+        m.retain(|(p, _), _| p != path);
     }
 }
 
@@ -446,8 +450,8 @@ fn forget(path: &Path) {
 /// uses none: `Err(reason)` for a missing, unreadable or refused cache file.
 pub(crate) fn cached(device: &str) -> std::result::Result<(Calibration, PathBuf), String> {
     let path = cache_path_for(device).map_err(|e| e.to_string())?;
-    let mtime = match std::fs::metadata(&path) {
-        Ok(m) => m.modified().ok(),
+    let stamp = match std::fs::metadata(&path) {
+        Ok(m) => (m.modified().ok(), m.len()),
         Err(_) => {
             return Err(format!(
             "no calibration for {device:?} at {} (run `cargo run --release --example calibrate`)",
@@ -458,12 +462,13 @@ pub(crate) fn cached(device: &str) -> std::result::Result<(Calibration, PathBuf)
     let mut m = loaded()
         .lock()
         .map_err(|_| "calibration cache poisoned".to_string())?;
-    let fresh = m.get(&path).is_some_and(|(t, _)| *t == mtime);
-    if !fresh {
+    // By device too: two device names can share a file name.
+    let key = (path.clone(), device.to_string());
+    if m.get(&key).is_none_or(|(t, _)| *t != stamp) {
         let r = Calibration::load(&path, device).map_err(|e| e.to_string());
-        m.insert(path.clone(), (mtime, r));
+        m.insert(key.clone(), (stamp, r));
     }
-    match &m[&path].1 {
+    match &m[&key].1 {
         Ok(c) => Ok((c.clone(), path)),
         Err(e) => Err(e.clone()),
     }
