@@ -32,6 +32,17 @@
 //!   131,072) from host memory under a budget of `CQSA_OOC_BWD_BUDGET_GIB`
 //!   (default 2), against the same call resident: times and gradient errors.
 //!
+//! - `CQSA_BENCH_PREDICT=1`: only the planner's check (nothing else runs):
+//!   causal streamed forwards from host memory at `CQSA_PREDICT_NS` tokens
+//!   (CUDA default 262,144, 524,288 and 1,048,576, plus a non-causal 262,144;
+//!   bf16 H=16 D=128 under a device budget of `CQSA_PREDICT_BUDGET_GIB`, default
+//!   16; CPU: f32 H=2 D=64 at 2,048 and 4,096 in chunks of 512), each timed once
+//!   after an untimed warm-up call, beside `cqsa::estimate_with`'s prediction
+//!   from this device's calibration (measured first and stored when the cache
+//!   has none, or a refused one). Writes `attention-predict-h200.json` (CPU:
+//!   `attention-predict-cpu.json`), or `CQSA_BENCH_OUT`. Target on the H200:
+//!   every measured time within 15 % of its prediction.
+//!
 //! Timing: warm-up runs first; the median of the repeats is reported. On CUDA
 //! each call is timed by events recorded on Candle's stream before and after it,
 //! as `attention_torch.py` times PyTorch; the wall time to the end of a device
@@ -47,6 +58,9 @@ use cqsa::{
     attention_forward_with, AttentionOpts, AttentionShape, Mode, Scores,
 };
 use serde_json::{json, Value};
+
+#[path = "attention_predict.rs"]
+mod predict;
 
 /// One call's time, median over the repeats: by device events where there are
 /// some (`gpu`), and by the host's clock up to a device synchronise (`wall`).
@@ -157,6 +171,9 @@ fn main() -> Result<()> {
     let dev = device()?;
     let gpu = dev.is_cuda();
     streamer_core::retain_freed_device_memory(&dev)?;
+    if std::env::var("CQSA_BENCH_PREDICT").is_ok_and(|v| v == "1") {
+        return predict::run(&dev);
+    }
     let (dtype, b, h, d, reps) = if gpu {
         (DType::BF16, 1, 16, 128, 5)
     } else {
@@ -530,7 +547,7 @@ fn out_of_core(dev: &Device) -> Result<Value> {
         dtype,
         causal: true,
     };
-    let plan = cqsa::estimate(&shape, &budget)?;
+    let plan = cqsa::estimate_with(&shape, &opts, &budget)?;
     println!("plan: {plan}");
     dev.synchronize()?;
     let t = Instant::now();
@@ -578,6 +595,7 @@ fn out_of_core(dev: &Device) -> Result<Value> {
         "n": n, "b": b, "h": h, "d": d, "dtype": "bf16", "causal": true,
         "budget_gib": budget_gib, "plan": plan.to_string(),
         "seconds": secs, "tflops": flops / secs / 1e12,
+        "predicted_seconds": plan.forward_seconds, "rates": plan.rates.to_string(),
         "peak_device_gib": peak as f64 / (1u64 << 30) as f64,
         "rel_err_first_rows": err_first, "rel_err_last_rows": err_last, "slice_rows": slice,
     }))

@@ -55,6 +55,9 @@ fn summaries(tag: &str) -> (Value, Value, Value, bool) {
         "host_rss_growth_frac": soak["host_rss"]["growth_frac"],
         "device_used_growth_frac": soak["device_used"]["growth_frac"],
         "device_live_growth_frac": soak["device_live"]["growth_frac"],
+        "pool_peak_demand_growth_frac": soak["pool_peak_demand"]["growth_frac"],
+        "criterion": soak["criterion"], "criterion_growth_frac": soak["worst_growth_frac"],
+        "raw_worst_growth_frac": soak["raw_worst_growth_frac"], "checkpoints": soak["checkpoints"],
         "target_growth_frac": soak["target_growth_frac"], "pass": soak["pass"], "command": soak["command"],
     });
     let crash_ok = crash["kills"].as_u64().is_some_and(|k| k > 0);

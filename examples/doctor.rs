@@ -117,13 +117,47 @@ fn kernels(report: &mut Report, dev: &Device, label: &str) {
     }
 }
 
-/// The planner's rates: no measured calibration exists yet.
+/// The planner's rates: the calibration cache of each device checked (ok when
+/// valid, skip when there is none, FAIL when a file is there but refused).
 fn calibration(report: &mut Report) {
-    report.line(
-        Status::Skip,
-        "calibration cache",
-        "no calibration (cqsa has no `calibrate` yet): the planner uses its built-in nominal rates",
-    );
+    #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+    let mut devices: Vec<(&str, candle_core::Result<Device>)> = vec![("CPU", Ok(Device::Cpu))];
+    #[cfg(feature = "cuda")]
+    devices.push(("CUDA", Device::new_cuda(0)));
+    for (label, dev) in devices {
+        let what = format!("calibration cache ({label})");
+        let Ok(dev) = dev else {
+            report.line(Status::Skip, &what, "no device");
+            continue;
+        };
+        let found = cqsa::calibrate::cache_path(&dev).and_then(|p| {
+            let name = cqsa::calibrate::device_name(&dev)?;
+            Ok((p.exists(), p, name))
+        });
+        match found {
+            Ok((false, path, _)) => report.line(
+                Status::Skip,
+                &what,
+                &format!(
+                    "none at {}: the planner uses its built-in rates (run the `calibrate` example)",
+                    path.display()
+                ),
+            ),
+            Ok((true, path, name)) => match cqsa::Calibration::load(&path, &name) {
+                Ok(c) => report.line(
+                    Status::Ok,
+                    &what,
+                    &format!(
+                        "{} ({} kernel rates)",
+                        path.display(),
+                        c.rates.kernels.len()
+                    ),
+                ),
+                Err(e) => report.line(Status::Fail, &what, &e.to_string()),
+            },
+            Err(e) => report.line(Status::Fail, &what, &e.to_string()),
+        }
+    }
 }
 
 #[cfg(feature = "cuda")]

@@ -4,6 +4,7 @@
 
 mod attention;
 mod bad_inputs;
+mod calibrate;
 mod crash;
 mod cross_entropy;
 mod cuda_chain;

@@ -33,6 +33,9 @@
 //! the work is split into query and key chunks, every chunk pair runs resident, and
 //! partial outputs are merged by their log-sum-exp (exact up to rounding). The
 //! planner behind that choice is exposed by [`estimate`], which allocates nothing.
+//! Its time model uses this device's measured rates when [`calibrate()`] has
+//! stored them (see [`mod@calibrate`]), and built-in ones otherwise;
+//! [`Plan::rates`] says which.
 //!
 //! Speed on CUDA: the forward and backward kernels use tensor cores for f16/bf16
 //! at head dims 64 and 128 (other head dims and f32 take simpler kernels).
@@ -66,6 +69,7 @@
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod calibrate;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -79,6 +83,7 @@ mod varlen;
 
 use candle_core::{bail, Device, Result, Tensor};
 
+pub use calibrate::{calibrate, Calibration, RatesSource};
 pub use mask::Scores;
 pub use op::{
     attention_backward, attention_backward_with, attention_forward, attention_forward_with,
@@ -195,7 +200,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Re
                 b
             }
         };
-        Some(plan::plan(&shape, &scores, &budget, opts, exec.is_cuda())?)
+        Some(plan::plan(&shape, &scores, &budget, opts, &exec)?)
     };
     let streamed = plan.as_ref().is_some_and(|p| p.mode == Mode::Streamed);
     let verbose = opts.verbose || std::env::var("CQSA_VERBOSE").is_ok_and(|v| v == "1");

@@ -11,16 +11,28 @@
 //!   chunks, which are copied while the current one computes, and the f32 results
 //!   still being copied back to the host meanwhile.
 //!
-//! Predicted time: forward FLOPs `4 b hq nq nk d` (halved when causal) at a
-//! nominal rate per device, dtype and kernel; in streamed mode the host-to-device
-//! traffic at 25 GB/s overlaps that compute, so the slower of the two counts. The
-//! tensor-core rate is what the H200 measured (forward 280-360 TFLOP/s at D=128,
-//! 303 TFLOP/s streamed at N = 1M); the others are rough. The figures are meant
-//! to rank plans and to warn of long calls, not to be exact.
+//! Predicted time, from this device's calibration ([`crate::calibrate`]) or,
+//! without one, from built-in rates ([`Plan::rates`] says which). Resident:
+//! forward FLOPs (`4 b hq nq nk d`, halved when causal; `4 b hq d` per visible
+//! pair with a window) at the kernel's rate for the dtype, head dim and
+//! masking. Streamed: the dense subproblems at the dense kernel's rate and the
+//! masked ones (a causal diagonal, a window's edge) at the masked kernel's,
+//! plus the device-side merges of partial outputs; on CUDA that compute, the
+//! host-to-device copies, the device-to-host copies of the f32 results and the
+//! host's landing of them overlap (the slowest sets the pace), and the
+//! page-locking of the inputs, the first subproblem's copies, the last results'
+//! return and the conversion of the output to the inputs' dtype add to it; on
+//! the CPU nothing overlaps. The built-in rates: the tensor-core kernels at the
+//! H200's measured 300 TFLOP/s (forward at D=128), the other kernels rough
+//! guesses, 25 GB/s each way, 10 GB/s page-locking, 5 GB/s host landing and
+//! conversion; uncalibrated figures rank plans and warn of long calls, they
+//! are not exact.
 use std::fmt;
+use std::path::PathBuf;
 
 use candle_core::{bail, DType, Device, Result};
 
+use crate::calibrate::{Rates, RatesSource};
 use crate::mask::Coverage;
 use crate::{AttentionOpts, AttentionShape, Scores};
 
@@ -128,7 +140,7 @@ fn host_available() -> usize {
 }
 
 /// What the planner decided for one call.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
     /// Resident or streamed (never `Auto`).
     pub mode: Mode,
@@ -146,8 +158,11 @@ pub struct Plan {
     /// accumulators and, on CUDA, page-locked staging for results); 0 when
     /// resident.
     pub host_bytes: usize,
-    /// Predicted forward seconds.
+    /// Predicted forward seconds (see the module docs for the time model).
     pub forward_seconds: f64,
+    /// Where the rates behind `forward_seconds` came from: a calibration file
+    /// ([`crate::calibrate`]) or the built-in defaults, with the reason.
+    pub rates: RatesSource,
 }
 
 impl fmt::Display for Plan {
@@ -155,7 +170,7 @@ impl fmt::Display for Plan {
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         write!(
             f,
-            "{:?}: q_chunk {} kv_chunk {}, {} subproblems, device {:.3} GiB (resident would need {:.3} GiB), host {:.3} GiB, forward ~{:.3} s",
+            "{:?}: q_chunk {} kv_chunk {}, {} subproblems, device {:.3} GiB (resident would need {:.3} GiB), host {:.3} GiB, forward ~{:.3} s (rates: {})",
             self.mode,
             self.q_chunk,
             self.kv_chunk,
@@ -163,24 +178,47 @@ impl fmt::Display for Plan {
             gib(self.device_bytes),
             gib(self.resident_bytes),
             gib(self.host_bytes),
-            self.forward_seconds
+            self.forward_seconds,
+            self.rates
         )
     }
 }
 
-/// Number of (query chunk, key chunk) pairs that see at least one key.
-fn count_subproblems(s: &AttentionShape, sc: &Scores, cq: usize, ck: usize) -> usize {
-    let mut n = 0;
+/// The chunk pairs of a streamed forward and their work.
+#[derive(Debug, Default)]
+struct Pairs {
+    /// Pairs that see at least one key (the subproblems).
+    subproblems: usize,
+    /// Visible (query, key) pairs in subproblems that see every key of their
+    /// chunk (the dense kernel runs them).
+    dense: u64,
+    /// Visible (query, key) pairs in subproblems that see part of their chunk
+    /// (the masked kernel runs them).
+    masked: u64,
+    /// Query rows merged with an earlier partial result, summed over subproblems.
+    merged_rows: u64,
+}
+
+/// The subproblems of chunks `cq` x `ck` and their work.
+fn count_pairs(s: &AttentionShape, sc: &Scores, cq: usize, ck: usize) -> Pairs {
+    let mut p = Pairs::default();
     for i0 in (0..s.nq).step_by(cq) {
         let i1 = (i0 + cq).min(s.nq);
+        let mut seen = 0u64;
         for j0 in (0..s.nk).step_by(ck) {
             let j1 = (j0 + ck).min(s.nk);
-            if sc.shifted(i0, j0).coverage(i1 - i0, j1 - j0) != Coverage::Nothing {
-                n += 1;
+            let band = sc.shifted(i0, j0);
+            match band.coverage(i1 - i0, j1 - j0) {
+                Coverage::Nothing => continue,
+                Coverage::Everything => p.dense += ((i1 - i0) * (j1 - j0)) as u64,
+                Coverage::Part => p.masked += band.visible_pairs(i1 - i0, j1 - j0),
             }
+            p.subproblems += 1;
+            seen += 1;
         }
+        p.merged_rows += seen.saturating_sub(1) * (i1 - i0) as u64;
     }
-    n
+    p
 }
 
 /// Forward FLOPs of the call: [`AttentionShape::forward_flops`] for unmasked and
@@ -202,7 +240,7 @@ fn shape_scores(s: &AttentionShape) -> Scores {
 }
 
 /// Nominal forward FLOP/s of a device for a dtype (see the module docs).
-fn nominal_flops(s: &AttentionShape, cuda: bool) -> f64 {
+pub(crate) fn nominal_flops(s: &AttentionShape, cuda: bool) -> f64 {
     match (cuda, s.dtype) {
         // The tensor-core kernels (f16/bf16 at the tuned head dims).
         (true, DType::F16 | DType::BF16) if s.d == 64 || s.d == 128 => 300e12,
@@ -213,17 +251,155 @@ fn nominal_flops(s: &AttentionShape, cuda: bool) -> f64 {
     }
 }
 
-fn streamed_with(s: &AttentionShape, sc: &Scores, cq: usize, ck: usize, cuda: bool) -> Plan {
+/// The rates of one plan's time model: a calibration's, or the defaults.
+pub(crate) struct Model {
+    cuda: bool,
+    rates: Rates,
+    /// The calibration file, when the rates are from one.
+    file: Option<PathBuf>,
+    /// Why the defaults are used, when they are.
+    reason: String,
+}
+
+impl Model {
+    /// The built-in rates (see the module docs), for `reason`.
+    fn defaults(cuda: bool, reason: String) -> Self {
+        let rates = Rates {
+            kernels: Vec::new(),
+            h2d_bytes_per_s: 25e9,
+            d2h_bytes_per_s: 25e9,
+            pin_bytes_per_s: cuda.then_some(10e9),
+            device_merge_bytes_per_s: if cuda { 500e9 } else { 2e9 },
+            host_merge_bytes_per_s: 5e9,
+            host_convert_bytes_per_s: 5e9,
+        };
+        Self {
+            cuda,
+            rates,
+            file: None,
+            reason,
+        }
+    }
+
+    /// The rates for the device named `device` (a CUDA one when `cuda`): its
+    /// cached calibration, or the defaults and why.
+    fn named(device: std::result::Result<String, String>, cuda: bool) -> Self {
+        match device.and_then(|d| crate::calibrate::cached(&d)) {
+            Ok((cal, path)) => Self {
+                cuda,
+                rates: cal.rates,
+                file: Some(path),
+                reason: String::new(),
+            },
+            Err(why) => Self::defaults(cuda, why),
+        }
+    }
+
+    /// The rates of the compute device `dev`.
+    pub(crate) fn for_device(dev: &Device) -> Self {
+        let name = crate::calibrate::device_name(dev).map_err(|e| e.to_string());
+        Self::named(name, dev.is_cuda())
+    }
+
+    /// The rates [`estimate`] assumes: CUDA device 0 when built with the `cuda`
+    /// feature, the CPU otherwise.
+    fn for_build() -> Self {
+        #[cfg(feature = "cuda")]
+        {
+            static NAME: std::sync::OnceLock<std::result::Result<String, String>> =
+                std::sync::OnceLock::new();
+            let name = NAME.get_or_init(|| {
+                let ctx = cudarc::driver::CudaContext::new(0)
+                    .map_err(|e| format!("no CUDA device 0 to key the calibration by ({e})"))?;
+                ctx.name()
+                    .map_err(|e| format!("cannot name CUDA device 0 ({e})"))
+            });
+            Self::named(name.clone(), true)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Self::for_device(&Device::Cpu)
+    }
+
+    /// Forward FLOP/s of the kernel for shape `s` (`masked`: with a causal or
+    /// window band), and whether it was calibrated.
+    fn kernel(&self, s: &AttentionShape, masked: bool) -> (f64, bool) {
+        match self.rates.kernel(s.dtype, s.d, masked) {
+            Some(r) => (r, true),
+            None => (nominal_flops(s, self.cuda), false),
+        }
+    }
+
+    /// Where the rates of a plan for shape `s` come from, when it runs the
+    /// kernels for the maskings in `kinds` (`true`: masked).
+    fn source(&self, s: &AttentionShape, kinds: &[bool]) -> RatesSource {
+        let missing = kinds.iter().find(|&&m| !self.kernel(s, m).1);
+        match (&self.file, missing) {
+            (Some(p), None) => RatesSource::Calibrated(p.clone()),
+            (Some(p), Some(&masked)) => RatesSource::CalibratedExceptKernel {
+                path: p.clone(),
+                kernel: format!(
+                    "{} d={} {}",
+                    s.dtype.as_str(),
+                    s.d,
+                    if masked { "masked" } else { "dense" }
+                ),
+            },
+            (None, _) => RatesSource::Defaults(self.reason.clone()),
+        }
+    }
+
+    /// Predicted seconds of a streamed forward with chunks `cq` x `ck` whose
+    /// subproblems are `p` (see the module docs).
+    fn streamed_seconds(&self, s: &AttentionShape, p: &Pairs, cq: usize, ck: usize) -> f64 {
+        let r = &self.rates;
+        let (e, b, d) = (s.elem() as f64, s.b as f64, s.d as f64);
+        let per_pair = 4.0 * b * s.hq as f64 * d;
+        let compute = p.dense as f64 * per_pair / self.kernel(s, false).0
+            + p.masked as f64 * per_pair / self.kernel(s, true).0
+            + p.merged_rows as f64 * b * s.hq as f64 * d * 4.0 / r.device_merge_bytes_per_s;
+        // Every subproblem moves its key chunk; every query chunk moves once.
+        let h2d = (p.subproblems * ck * s.b * s.hkv * s.d * 2) as f64 * e
+            + (s.nq * s.b * s.hq * s.d) as f64 * e;
+        // The merged output and log-sum-exp come back once, in f32.
+        let results = (s.nq * s.b * s.hq * (s.d + 1) * 4) as f64;
+        let convert = (s.nq * s.b * s.hq * s.d * 4) as f64 / r.host_convert_bytes_per_s;
+        let (t_h2d, t_d2h, t_land) = (
+            h2d / r.h2d_bytes_per_s,
+            results / r.d2h_bytes_per_s,
+            results / r.host_merge_bytes_per_s,
+        );
+        if !self.cuda {
+            // Nothing overlaps on the CPU; each input chunk is copied twice
+            // (gathered, then made a tensor).
+            return compute + 2.0 * t_h2d + t_d2h + t_land + convert;
+        }
+        let inputs = ((s.nq * s.hq + 2 * s.nk * s.hkv) * s.b * s.d) as f64 * e;
+        let pin = r.pin_bytes_per_s.map_or(0.0, |rate| inputs / rate);
+        // Copies, compute and the host's landing overlap one subproblem apart:
+        // the slowest sets the pace; the first inputs and the last results
+        // are not hidden.
+        let steady = compute.max(t_h2d).max(t_d2h).max(t_land);
+        let first = ((cq.min(s.nq) * s.hq + 2 * ck.min(s.nk) * s.hkv) * s.b * s.d) as f64 * e;
+        let last = (cq.min(s.nq) * s.b * s.hq * (s.d + 1) * 4) as f64;
+        let ends =
+            first / r.h2d_bytes_per_s + last / r.d2h_bytes_per_s + last / r.host_merge_bytes_per_s;
+        pin + steady + ends + convert
+    }
+}
+
+fn streamed_with(s: &AttentionShape, sc: &Scores, cq: usize, ck: usize, m: &Model) -> Plan {
     let cq = cq.clamp(1, s.nq);
     let ck = ck.clamp(1, s.nk);
-    let subproblems = count_subproblems(s, sc, cq, ck);
+    let pairs = count_pairs(s, sc, cq, ck);
+    let kinds: Vec<bool> = [(pairs.dense > 0, false), (pairs.masked > 0, true)]
+        .into_iter()
+        .filter_map(|(used, masked)| used.then_some(masked))
+        .collect();
     let e = s.elem();
-    // Every subproblem moves its key chunk; every query chunk moves once.
-    let h2d = subproblems * ck * s.b * s.hkv * s.d * 2 * e + s.nq * s.b * s.hq * s.d * e;
     let io = s.b * s.d * (s.hq * s.nq * 3 + s.hkv * s.nk * 3) * e;
     let acc = s.b * s.d * s.hq * s.nq * 8;
     // Page-locked staging for results on their way back: two of each kind.
-    let staging = if cuda {
+    let staging = if m.cuda {
         2 * 4 * s.b * s.d * (s.hq * cq + 2 * s.hkv * ck)
     } else {
         0
@@ -232,11 +408,12 @@ fn streamed_with(s: &AttentionShape, sc: &Scores, cq: usize, ck: usize, cuda: bo
         mode: Mode::Streamed,
         q_chunk: cq,
         kv_chunk: ck,
-        subproblems,
+        subproblems: pairs.subproblems,
         device_bytes: s.chunk_bytes(cq, ck, true),
         resident_bytes: s.resident_bytes(),
         host_bytes: 2 * io + acc + staging,
-        forward_seconds: (work_flops(s, sc) / nominal_flops(s, cuda)).max(h2d as f64 / 25e9),
+        forward_seconds: m.streamed_seconds(s, &pairs, cq, ck),
+        rates: m.source(s, &kinds),
     }
 }
 
@@ -248,13 +425,14 @@ fn choose(
     s: &AttentionShape,
     sc: &Scores,
     budget: &Budget,
-    cuda: bool,
+    model: &Model,
     opts: Option<&AttentionOpts>,
 ) -> Result<Plan> {
     s.check()?;
     let forced = opts
         .is_some_and(|o| o.mode == Mode::Streamed || o.q_chunk.is_some() || o.kv_chunk.is_some());
     let resident = s.resident_bytes();
+    let masked = sc.lo.is_some() || sc.hi.is_some();
     if !forced && resident <= budget.device_bytes {
         return Ok(Plan {
             mode: Mode::Resident,
@@ -264,7 +442,8 @@ fn choose(
             device_bytes: resident,
             resident_bytes: resident,
             host_bytes: 0,
-            forward_seconds: work_flops(s, sc) / nominal_flops(s, cuda),
+            forward_seconds: work_flops(s, sc) / model.kernel(s, masked).0,
+            rates: model.source(s, &[masked]),
         });
     }
     let (mut cq, mut ck) = (s.nq, s.nk);
@@ -308,7 +487,7 @@ fn choose(
     }
     // Round chunks down to a multiple of 64 (a kernel tile) when large enough.
     let round = |c: usize| if c > 64 { c / 64 * 64 } else { c };
-    let plan = streamed_with(s, sc, round(cq), round(ck), cuda);
+    let plan = streamed_with(s, sc, round(cq), round(ck), model);
     if plan.host_bytes > budget.host_bytes {
         bail!(
             "cqsa: nothing fits: streamed mode holds {} host bytes, the host budget is {} bytes",
@@ -321,11 +500,13 @@ fn choose(
 
 /// The plan of a call of shape `s` under `budget`: mode, chunk sizes, predicted
 /// device and host bytes and forward time. Allocates nothing. Errors with the
-/// sizes when nothing fits. The time model assumes a CUDA device when
-/// `budget.device_bytes` came from one; here it assumes CUDA when the crate is
-/// built with the `cuda` feature.
+/// sizes when nothing fits. The time model is that of CUDA device 0 when the
+/// crate is built with the `cuda` feature, of the CPU otherwise, with that
+/// device's calibration ([`crate::calibrate`]) when its cache file exists and
+/// is valid, and the built-in rates otherwise; [`Plan::rates`] says which and
+/// why.
 pub fn estimate(s: &AttentionShape, budget: &Budget) -> Result<Plan> {
-    choose(s, &shape_scores(s), budget, cfg!(feature = "cuda"), None)
+    choose(s, &shape_scores(s), budget, &Model::for_build(), None)
 }
 
 /// [`estimate`] for a call with the options `opts` (masks, mode, chunk
@@ -335,16 +516,16 @@ pub fn estimate(s: &AttentionShape, budget: &Budget) -> Result<Plan> {
 pub fn estimate_with(s: &AttentionShape, opts: &AttentionOpts, budget: &Budget) -> Result<Plan> {
     s.check()?;
     let scores = Scores::of(opts, s)?;
-    choose(s, &scores, budget, cfg!(feature = "cuda"), Some(opts))
+    choose(s, &scores, budget, &Model::for_build(), Some(opts))
 }
 
-/// The plan [`crate::attention`] uses for `opts` on its compute device.
+/// The plan [`crate::attention`] uses for `opts` on its compute device `exec`.
 pub(crate) fn plan(
     s: &AttentionShape,
     sc: &Scores,
     budget: &Budget,
     opts: &AttentionOpts,
-    cuda: bool,
+    exec: &Device,
 ) -> Result<Plan> {
-    choose(s, sc, budget, cuda, Some(opts))
+    choose(s, sc, budget, &Model::for_device(exec), Some(opts))
 }

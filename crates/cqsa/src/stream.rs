@@ -206,6 +206,46 @@ fn merge(o1: &Tensor, l1: &Tensor, o2: &Tensor, l2: &Tensor) -> Result<(Tensor, 
     Ok((o, lse))
 }
 
+/// Rates (bytes per second) of the streamed forward's three merges, measured
+/// on `bytes` of f32 output, median of `reps` after a warm-up: merging a bf16
+/// partial into a running f32 result on `dev` (the partial's conversion
+/// included), landing results in a fresh host buffer (its pages touched for the
+/// first time, as a forward's output is), and converting the host f32 output to
+/// bf16.
+pub(crate) fn measure_merges(dev: &Device, bytes: usize, reps: usize) -> Result<(f64, f64, f64)> {
+    let (h, d) = (1usize, 128usize);
+    let n = (bytes / (4 * h * d)).max(1);
+    let bytes = (n * h * d * 4) as f64;
+    let o1 = Tensor::randn(0f32, 1.0, (1, h, n, d), dev)?;
+    let o2 = Tensor::randn(0f32, 1.0, (1, h, n, d), dev)?.to_dtype(DType::BF16)?;
+    let l1 = Tensor::randn(0f32, 1.0, (1, h, n), dev)?;
+    let l2 = Tensor::randn(0f32, 1.0, (1, h, n), dev)?;
+    let device = crate::calibrate::time_median(dev, reps, || {
+        merge(&o1, &l1, &o2.to_dtype(DType::F32)?, &l2).map(|_| ())
+    })?;
+    let chunk: Vec<f32> = (0..n * h * d).map(|i| (i % 7) as f32).collect();
+    let cpu = Device::Cpu;
+    let host = crate::calibrate::time_median(&cpu, reps, || {
+        let mut sink = Sink::new(chunk.len(), n, 0.0);
+        land(&mut sink, &chunk, (h, n, d), 0, false)?;
+        std::hint::black_box(&sink.data);
+        Ok(())
+    })?;
+    let like = CpuStorage::BF16(Vec::new());
+    let convert = crate::calibrate::time_median(&cpu, reps, || {
+        let out = cpu::from_f32(chunk.clone(), &like)?;
+        std::hint::black_box(&out);
+        Ok(())
+    })?;
+    // The conversion's input copy (`clone`) is not in a real call: take it out.
+    let copy = crate::calibrate::time_median(&cpu, reps, || {
+        std::hint::black_box(chunk.clone());
+        Ok(())
+    })?;
+    let convert = (convert - copy).max(convert / 10.0);
+    Ok((bytes / device, bytes / host, bytes / convert))
+}
+
 struct Progress {
     on: bool,
     what: &'static str,

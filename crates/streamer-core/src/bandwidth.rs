@@ -1,14 +1,40 @@
-//! Measures the host-to-device copy bandwidth the pool can reach on this machine
-//! (page-locked host memory, the pool's own copy path), the floor every
-//! streaming figure is compared with.
+//! Measures the copy bandwidths the pool and the streamed attention can reach on
+//! this machine (page-locked host memory, the pool's own copy path), the floors
+//! every streaming figure is compared with, and the cost of page-locking host
+//! memory in place.
 use candle_core::{Device, Result};
+
+/// Which way a measured copy goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyDirection {
+    /// Host to device.
+    HostToDevice,
+    /// Device to host.
+    DeviceToHost,
+}
 
 /// Median host-to-device bandwidth in GB/s over `iters` copies of `bytes` from
 /// page-locked host memory, timed with device events on a dedicated stream.
 /// On the CPU device it measures a plain memory copy.
 pub fn measure_h2d_gbps(device: &Device, bytes: usize, iters: usize) -> Result<f64> {
+    measure_copy_gbps(device, CopyDirection::HostToDevice, bytes, iters)
+}
+
+/// Median bandwidth in GB/s over `iters` copies of `bytes` between page-locked
+/// host memory and the device, in `direction`, timed with device events on a
+/// dedicated stream (two untimed copies first). On the CPU device it measures a
+/// plain memory copy either way.
+pub fn measure_copy_gbps(
+    device: &Device,
+    direction: CopyDirection,
+    bytes: usize,
+    iters: usize,
+) -> Result<f64> {
+    if bytes == 0 {
+        candle_core::bail!("measure_copy_gbps: cannot time a copy of 0 bytes")
+    }
     let iters = iters.max(1);
-    let host = vec![1u8; bytes];
+    let mut host = vec![1u8; bytes];
     let mut times = Vec::with_capacity(iters);
     match device {
         #[cfg(feature = "cuda")]
@@ -16,9 +42,8 @@ pub fn measure_h2d_gbps(device: &Device, bytes: usize, iters: usize) -> Result<f
             use cudarc::driver::sys::CUevent_flags;
             let ctx = dev.cuda_stream().context().clone();
             // SAFETY: `host` is a local Vec that outlives `_pin` (declared after it).
-            let _pin = unsafe {
-                crate::pages::PinnedRegion::register(&ctx, host.as_ptr() as *mut u8, bytes)?
-            };
+            let _pin =
+                unsafe { crate::pages::PinnedRegion::register(&ctx, host.as_mut_ptr(), bytes)? };
             let stream = ctx.new_stream().map_err(candle_core::Error::wrap)?;
             let (dst, ptr) =
                 crate::cuda::alloc_flat(dev, candle_core::DType::F32, bytes.div_ceil(4))?;
@@ -30,8 +55,18 @@ pub fn measure_h2d_gbps(device: &Device, bytes: usize, iters: usize) -> Result<f
                 let a = stream
                     .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                     .map_err(w)?;
-                // SAFETY: dst holds at least `bytes`; host lives until the sync below.
-                unsafe { crate::cuda::htod_async(ptr, host.as_ptr(), bytes, &stream)? };
+                match direction {
+                    // SAFETY: dst holds at least `bytes`; host lives until the sync below.
+                    CopyDirection::HostToDevice => unsafe {
+                        crate::cuda::htod_async(ptr, host.as_ptr(), bytes, &stream)?
+                    },
+                    // SAFETY: as above; `host` is not read before the sync below
+                    // (a piece left pageable by the page rounding is copied
+                    // synchronously, which is correct, only not overlapped).
+                    CopyDirection::DeviceToHost => unsafe {
+                        crate::cuda::dtoh_pieces(host.as_mut_ptr(), ptr, bytes, &stream)?
+                    },
+                }
                 let b = stream
                     .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                     .map_err(w)?;
@@ -43,15 +78,57 @@ pub fn measure_h2d_gbps(device: &Device, bytes: usize, iters: usize) -> Result<f
             drop(dst);
         }
         _ => {
+            let _ = direction;
             let mut dst = vec![0u8; bytes];
             for _ in 0..iters {
                 let t = std::time::Instant::now();
                 dst.copy_from_slice(&host);
-                std::hint::black_box(&dst);
+                std::hint::black_box(&mut dst);
                 times.push(t.elapsed().as_secs_f64());
             }
+            std::hint::black_box(&mut host);
         }
     }
+    Ok(bytes as f64 / median(times) / 1e9)
+}
+
+/// Median rate in GB/s of page-locking `bytes` of freshly allocated host memory
+/// in place (`cuMemHostRegister`, then unregistering, which is timed too), over
+/// `iters` tries: what the streamed attention pays before its first copy. On
+/// the CPU device, and where registration is refused or turned off
+/// (`STREAMER_PIN=0`), `None`: nothing is page-locked there.
+pub fn measure_pin_gbps(device: &Device, bytes: usize, iters: usize) -> Result<Option<f64>> {
+    if bytes == 0 {
+        candle_core::bail!("measure_pin_gbps: cannot time the registration of 0 bytes")
+    }
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(dev) => {
+            let ctx = dev.cuda_stream().context().clone();
+            let mut times = Vec::with_capacity(iters.max(1));
+            for _ in 0..iters.max(1) {
+                // Touched first, as a real input is: registration then only locks.
+                let mut host = vec![1u8; bytes];
+                let t = std::time::Instant::now();
+                // SAFETY: `host` outlives the region, which is dropped at once.
+                let pin = unsafe {
+                    crate::pages::PinnedRegion::register(&ctx, host.as_mut_ptr(), bytes)?
+                };
+                let Some(pin) = pin else { return Ok(None) };
+                drop(pin);
+                times.push(t.elapsed().as_secs_f64());
+                std::hint::black_box(&mut host);
+            }
+            Ok(Some(bytes as f64 / median(times) / 1e9))
+        }
+        _ => {
+            let _ = iters;
+            Ok(None)
+        }
+    }
+}
+
+fn median(mut times: Vec<f64>) -> f64 {
     times.sort_by(f64::total_cmp);
-    Ok(bytes as f64 / times[times.len() / 2] / 1e9)
+    times[times.len() / 2].max(1e-12)
 }

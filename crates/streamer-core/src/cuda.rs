@@ -59,6 +59,35 @@ pub(crate) unsafe fn dtoh_async(
     check(r, "cuMemcpyDtoHAsync")
 }
 
+/// Enqueues a device-to-host copy on `stream` into host memory that may be
+/// page-locked only in its whole pages, split at page boundaries as
+/// [`htod_async`] splits (a copy may not span registered and pageable memory).
+///
+/// # Safety
+/// As [`htod_async`], with the roles of host and device swapped; `dst` must not
+/// be read until the stream has passed the copy.
+pub(crate) unsafe fn dtoh_pieces(
+    dst: *mut u8,
+    src: u64,
+    bytes: usize,
+    stream: &CudaStream,
+) -> Result<()> {
+    for (off, n, _) in page_pieces(dst as usize, bytes) {
+        // SAFETY: `off + n <= bytes`, so both ranges lie inside the caller's
+        // buffers, which stay valid until the copy completes (this fn's contract).
+        let r = unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                dst.add(off) as *mut _,
+                src + off as u64,
+                n,
+                stream.cu_stream(),
+            )
+        };
+        check(r, "cuMemcpyDtoHAsync")?;
+    }
+    Ok(())
+}
+
 /// Whether our cast kernel covers this conversion.
 pub(crate) fn has_cast(from: DType, to: DType) -> bool {
     matches!(
@@ -271,24 +300,62 @@ pub(crate) fn trim_pool(dev: &CudaDevice) -> Result<()> {
     check(unsafe { sys::cuMemPoolTrimTo(pool, 0) }, "cuMemPoolTrimTo")
 }
 
+/// Reads one `cuuint64_t` attribute of the default pool.
+fn pool_attr(pool: sys::CUmemoryPool, attr: sys::CUmemPool_attribute) -> Result<u64> {
+    let mut v: u64 = 0;
+    // SAFETY: the attributes read here are all cuuint64_t, which `v` is.
+    check(
+        unsafe {
+            sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut std::ffi::c_void)
+        },
+        "cuMemPoolGetAttribute",
+    )?;
+    Ok(v)
+}
+
 /// Bytes reserved by the default pool minus bytes in use.
 pub(crate) fn pool_idle_bytes(dev: &CudaDevice) -> Result<usize> {
+    let s = pool_stats(dev)?;
+    Ok(s.reserved.saturating_sub(s.used))
+}
+
+/// The default pool's reserved and used bytes, now and at their peaks since
+/// the peaks were last reset.
+pub(crate) fn pool_stats(dev: &CudaDevice) -> Result<crate::DevicePoolStats> {
+    use sys::CUmemPool_attribute as A;
     let pool = default_pool(dev)?;
-    let get = |attr| -> Result<u64> {
-        let mut v: u64 = 0;
-        // SAFETY: both attributes are cuuint64_t.
+    let get = |a| pool_attr(pool, a).map(|v| v as usize);
+    Ok(crate::DevicePoolStats {
+        reserved: get(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+        used: get(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+        reserved_peak: get(A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?,
+        used_peak: get(A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+    })
+}
+
+/// Resets the default pool's peaks to its current figures.
+pub(crate) fn reset_pool_peaks(dev: &CudaDevice) -> Result<()> {
+    use sys::CUmemPool_attribute as A;
+    let pool = default_pool(dev)?;
+    for attr in [
+        A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+        A::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+    ] {
+        // The driver only accepts 0 here: "reset to the current value".
+        let mut zero: u64 = 0;
+        // SAFETY: both attributes take a cuuint64_t, which `zero` is.
         check(
             unsafe {
-                sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut std::ffi::c_void)
+                sys::cuMemPoolSetAttribute(
+                    pool,
+                    attr,
+                    &mut zero as *mut u64 as *mut std::ffi::c_void,
+                )
             },
-            "cuMemPoolGetAttribute",
+            "cuMemPoolSetAttribute(*_MEM_HIGH)",
         )?;
-        Ok(v)
-    };
-    use sys::CUmemPool_attribute as A;
-    let reserved = get(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
-    let used = get(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
-    Ok(reserved.saturating_sub(used) as usize)
+    }
+    Ok(())
 }
 
 /// The device address of a contiguous CUDA tensor's first element, for

@@ -63,3 +63,38 @@ pub fn free_device_memory(device: &Device) -> Result<Option<usize>> {
     let _ = device;
     Ok(None)
 }
+
+/// The figures of CUDA's default memory pool of a device (bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DevicePoolStats {
+    /// Reserved from the driver now (used or idle).
+    pub reserved: usize,
+    /// Held by live allocations now.
+    pub used: usize,
+    /// The most ever reserved since the peaks were last reset.
+    pub reserved_peak: usize,
+    /// The most held by live allocations at any moment since the peaks were
+    /// last reset: the workload's peak demand on the pool.
+    pub used_peak: usize,
+}
+
+/// The default pool's figures on `device`; `None` on the CPU.
+pub fn device_pool_stats(device: &Device) -> Result<Option<DevicePoolStats>> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        return crate::cuda::pool_stats(d).map(Some);
+    }
+    let _ = device;
+    Ok(None)
+}
+
+/// Resets the peaks of [`device_pool_stats`] to the current figures, so the
+/// next read gives the peaks since now. A no-op on the CPU.
+pub fn reset_device_pool_peaks(device: &Device) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        return crate::cuda::reset_pool_peaks(d);
+    }
+    let _ = device;
+    Ok(())
+}

@@ -51,7 +51,7 @@ mod source;
 mod stats;
 mod timeline;
 
-pub use bandwidth::measure_h2d_gbps;
+pub use bandwidth::{measure_copy_gbps, measure_h2d_gbps, measure_pin_gbps, CopyDirection};
 pub use block::{
     mix_seed, Block, BlockCtx, BlockSpec, ManualBackward, ModuleBlock, SavedActivations,
 };
@@ -61,7 +61,8 @@ pub use convert::convert;
 #[cfg(feature = "cuda")]
 pub use cuda::cuda_address;
 pub use device_memory::{
-    free_device_memory, pooled_idle_bytes, retain_freed_device_memory, trim_device_memory,
+    device_pool_stats, free_device_memory, pooled_idle_bytes, reset_device_pool_peaks,
+    retain_freed_device_memory, trim_device_memory, DevicePoolStats,
 };
 pub use host::{HostMasters, Master};
 pub use offload::{OffloadMarker, Offloader};
