@@ -85,7 +85,10 @@ pub(crate) fn check_scatter(rank: usize, world: usize, x: &Tensor) -> Result<usi
         return Err(err(
             rank,
             "reduce_scatter_sum",
-            format!("dim 0 of {:?} is not divisible by the world size {world}", x.dims()),
+            format!(
+                "dim 0 of {:?} is not divisible by the world size {world}",
+                x.dims()
+            ),
         ));
     }
     Ok(n / world)

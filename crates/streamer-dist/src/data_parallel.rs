@@ -101,7 +101,10 @@ impl DataParallel {
         for (i, c) in collectives.iter().enumerate() {
             for (j, d) in collectives.iter().enumerate().take(i) {
                 if c.device().is_cuda() && c.device().same_device(d.device()) {
-                    bail!("DataParallel: ranks {j} and {i} are on the same device {:?}", c.device().location())
+                    bail!(
+                        "DataParallel: ranks {j} and {i} are on the same device {:?}",
+                        c.device().location()
+                    )
                 }
             }
         }
@@ -137,7 +140,13 @@ impl DataParallel {
     /// `world_size` equal micro-batches in rank order). `loss(rank, output,
     /// targets)` gives a rank's scalar loss from its model output and its
     /// targets (both on its device). After the reduction `opt` steps once.
-    pub fn step<O, F>(&self, inputs: &Tensor, targets: &Tensor, loss: F, opt: &mut O) -> Result<StepReport>
+    pub fn step<O, F>(
+        &self,
+        inputs: &Tensor,
+        targets: &Tensor,
+        loss: F,
+        opt: &mut O,
+    ) -> Result<StepReport>
     where
         O: Optimizer,
         F: Fn(usize, &Tensor, &Tensor) -> Result<Tensor> + Sync,
@@ -167,7 +176,9 @@ impl DataParallel {
                 .map(|(r, h)| {
                     h.join().unwrap_or_else(|_| {
                         self.collectives[r].abort("its thread panicked");
-                        Err(candle_core::Error::Msg(format!("DataParallel: rank {r} panicked")))
+                        Err(candle_core::Error::Msg(format!(
+                            "DataParallel: rank {r} panicked"
+                        )))
                     })
                 })
                 .collect()
@@ -185,7 +196,8 @@ impl DataParallel {
                 Err(e) => return Err(self.first_failure(r, e)),
             }
         }
-        let grads = reduced.ok_or_else(|| candle_core::Error::Msg("DataParallel: no rank 0 result".into()))?;
+        let grads = reduced
+            .ok_or_else(|| candle_core::Error::Msg("DataParallel: no rank 0 result".into()))?;
         opt.step(&grads)?;
         for m in &self.replicas {
             m.zero_grad()?;
@@ -261,7 +273,9 @@ impl DataParallel {
             }
         }
         std::fs::create_dir_all(dir).map_err(candle_core::Error::wrap)?;
-        self.replicas[0].inner().save_safetensors(dir.join("model.safetensors"))?;
+        self.replicas[0]
+            .inner()
+            .save_safetensors(dir.join("model.safetensors"))?;
         opt.save(dir.join("optimizer.safetensors"))
     }
 }

@@ -75,7 +75,11 @@ impl HostCollective {
 
     /// A group whose rank `r` computes on `devices[r]` (device tensors travel
     /// through the host). `devices.len()` must equal `world_size`.
-    pub fn group_on(devices: Vec<Device>, world_size: usize, timeout: Duration) -> Result<Vec<Self>> {
+    pub fn group_on(
+        devices: Vec<Device>,
+        world_size: usize,
+        timeout: Duration,
+    ) -> Result<Vec<Self>> {
         check_rank(0, world_size)?;
         if devices.len() != world_size {
             candle_core::bail!(
@@ -107,10 +111,7 @@ impl HostCollective {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock cannot leave a round half-written (every
         // update is one assignment), so the state is usable after it.
-        self.shared
-            .state
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        self.shared.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn fail(&self, st: &mut State, why: String) {
@@ -183,7 +184,10 @@ impl HostCollective {
             taken: 0,
         });
         let mismatch = if round.op != op {
-            Some(format!("called {op} as operation #{seq}, another rank called {}", round.op))
+            Some(format!(
+                "called {op} as operation #{seq}, another rank called {}",
+                round.op
+            ))
         } else {
             round.deposits.iter().flatten().next().and_then(|other| {
                 (other.shape != d.shape || other.dtype != d.dtype).then(|| {
@@ -209,7 +213,11 @@ impl HostCollective {
 
     fn take(&self, st: &mut State, op: &'static str, seq: u64) -> Result<Vec<Option<Tensor>>> {
         let Some(round) = st.rounds.get_mut(&seq) else {
-            return Err(err(self.rank, op, format!("internal error: round #{seq} vanished")));
+            return Err(err(
+                self.rank,
+                op,
+                format!("internal error: round #{seq} vanished"),
+            ));
         };
         let out = round
             .deposits
@@ -235,9 +243,17 @@ impl HostCollective {
 fn sum_in_order(parts: &[Tensor]) -> Result<Tensor> {
     let dtype = parts[0].dtype();
     let wide = matches!(dtype, DType::BF16 | DType::F16);
-    let mut acc = if wide { parts[0].to_dtype(DType::F32)? } else { parts[0].clone() };
+    let mut acc = if wide {
+        parts[0].to_dtype(DType::F32)?
+    } else {
+        parts[0].clone()
+    };
     for p in &parts[1..] {
-        acc = if wide { (acc + p.to_dtype(DType::F32)?)? } else { (acc + p)? };
+        acc = if wide {
+            (acc + p.to_dtype(DType::F32)?)?
+        } else {
+            (acc + p)?
+        };
     }
     acc.to_dtype(dtype)
 }

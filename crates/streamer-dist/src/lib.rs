@@ -57,4 +57,6 @@ pub use data_parallel::{DataParallel, GradReduction, StepReport};
 pub use host::HostCollective;
 #[cfg(feature = "cuda")]
 pub use nccl::NcclCollective;
-pub use ring::{ring_attention, ring_attention_backward, ring_attention_forward, RingOpts, SeqSplit};
+pub use ring::{
+    ring_attention, ring_attention_backward, ring_attention_forward, RingOpts, SeqSplit,
+};

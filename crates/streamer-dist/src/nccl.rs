@@ -24,10 +24,22 @@ use crate::collective::{check_gather, check_scatter, err, Collective};
 macro_rules! each_type {
     ($typed:expr, |$src:ident, $dst:ident| $body:expr) => {
         match $typed {
-            Typed::F32(s, r, $dst) => { let $src = s.slice(r); $body }
-            Typed::F64(s, r, $dst) => { let $src = s.slice(r); $body }
-            Typed::F16(s, r, $dst) => { let $src = s.slice(r); $body }
-            Typed::BF16(s, r, $dst) => { let $src = s.slice(r); $body }
+            Typed::F32(s, r, $dst) => {
+                let $src = s.slice(r);
+                $body
+            }
+            Typed::F64(s, r, $dst) => {
+                let $src = s.slice(r);
+                $body
+            }
+            Typed::F16(s, r, $dst) => {
+                let $src = s.slice(r);
+                $body
+            }
+            Typed::BF16(s, r, $dst) => {
+                let $src = s.slice(r);
+                $body
+            }
         }
     };
 }
@@ -56,10 +68,15 @@ fn nccl_err(e: cudarc::nccl::result::NcclError) -> String {
 }
 
 impl NcclCollective {
+    /// The number of GPUs this process sees.
+    pub fn visible_gpus() -> Result<usize> {
+        Ok(CudaContext::device_count().map_err(candle_core::Error::wrap)? as usize)
+    }
+
     /// One rank per GPU `0..world_size`, each device with its own stream.
     /// Errors naming the counts when fewer GPUs are visible.
     pub fn with_world_size(world_size: usize, timeout: Duration) -> Result<Vec<Self>> {
-        let visible = CudaContext::device_count().map_err(candle_core::Error::wrap)? as usize;
+        let visible = Self::visible_gpus()?;
         if world_size == 0 || world_size > visible {
             candle_core::bail!(
                 "streamer-dist: world size {world_size} needs {world_size} GPUs, {visible} visible \
@@ -119,7 +136,11 @@ impl NcclCollective {
 
     /// Runs `issue` (which enqueues NCCL work) and waits for it with the
     /// timeout, the failure checks of the module docs around it.
-    fn run<T>(&self, op: &'static str, issue: impl FnOnce(&Comm) -> std::result::Result<T, String>) -> Result<T> {
+    fn run<T>(
+        &self,
+        op: &'static str,
+        issue: impl FnOnce(&Comm) -> std::result::Result<T, String>,
+    ) -> Result<T> {
         let seq = {
             let mut s = self.seq.lock().unwrap_or_else(|p| p.into_inner());
             *s += 1;
@@ -170,7 +191,10 @@ impl NcclCollective {
                 Ok(true) => return Ok(()),
                 Ok(false) => {}
                 Err(e) => {
-                    let why = format!("rank {}: {op} (#{seq}) failed on the device: {e:?}", self.rank);
+                    let why = format!(
+                        "rank {}: {op} (#{seq}) failed on the device: {e:?}",
+                        self.rank
+                    );
                     self.fail(why.clone());
                     return Err(why);
                 }
@@ -199,11 +223,25 @@ impl NcclCollective {
             return Err(err(
                 self.rank,
                 op,
-                format!("the tensor is on {:?}, this rank is on {:?}", x.device().location(), self.device.location()),
+                format!(
+                    "the tensor is on {:?}, this rank is on {:?}",
+                    x.device().location(),
+                    self.device.location()
+                ),
             ));
         }
-        if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
-            return Err(err(self.rank, op, format!("dtype {:?} is not supported (f32, f16, bf16, f64)", x.dtype())));
+        if !matches!(
+            x.dtype(),
+            DType::F32 | DType::F16 | DType::BF16 | DType::F64
+        ) {
+            return Err(err(
+                self.rank,
+                op,
+                format!(
+                    "dtype {:?} is not supported (f32, f16, bf16, f64)",
+                    x.dtype()
+                ),
+            ));
         }
         x.contiguous()
     }
@@ -265,11 +303,18 @@ impl NcclCollective {
     /// of three numbers per operation; a mismatch fails every rank.
     fn agree(&self, op: &'static str, x: &Tensor) -> Result<()> {
         let code = OPS.iter().position(|o| *o == op).unwrap_or(OPS.len()) as f64;
-        let mine = [code, x.elem_count() as f64, x.dtype().size_in_bytes() as f64 + 10.0 * dtype_code(x.dtype())];
+        let mine = [
+            code,
+            x.elem_count() as f64,
+            x.dtype().size_in_bytes() as f64 + 10.0 * dtype_code(x.dtype()),
+        ];
         let header = Tensor::new(&mine, &self.device)?;
         let n = 3 * self.world;
         let all = self.with_raw("header", &header, n, &|c, t| {
-            each_type!(t, |src, dst| c.all_gather(&src, dst).map(|_| ()).map_err(nccl_err))
+            each_type!(t, |src, dst| c
+                .all_gather(&src, dst)
+                .map(|_| ())
+                .map_err(nccl_err))
         })?;
         let all = all.narrow(0, 0, n)?.to_vec1::<f64>()?;
         for (r, theirs) in all.chunks(3).enumerate() {
@@ -289,7 +334,12 @@ impl NcclCollective {
     }
 }
 
-const OPS: [&str; 4] = ["all_reduce_sum", "reduce_scatter_sum", "all_gather", "ring_shift"];
+const OPS: [&str; 4] = [
+    "all_reduce_sum",
+    "reduce_scatter_sum",
+    "all_gather",
+    "ring_shift",
+];
 
 fn dtype_code(d: DType) -> f64 {
     match d {
@@ -303,27 +353,51 @@ fn dtype_code(d: DType) -> f64 {
 
 /// A source slice with its element range and an output slice, of one type.
 enum Typed<'a> {
-    F32(&'a CudaSlice<f32>, std::ops::Range<usize>, &'a mut CudaSlice<f32>),
-    F64(&'a CudaSlice<f64>, std::ops::Range<usize>, &'a mut CudaSlice<f64>),
-    F16(&'a CudaSlice<half::f16>, std::ops::Range<usize>, &'a mut CudaSlice<half::f16>),
-    BF16(&'a CudaSlice<half::bf16>, std::ops::Range<usize>, &'a mut CudaSlice<half::bf16>),
+    F32(
+        &'a CudaSlice<f32>,
+        std::ops::Range<usize>,
+        &'a mut CudaSlice<f32>,
+    ),
+    F64(
+        &'a CudaSlice<f64>,
+        std::ops::Range<usize>,
+        &'a mut CudaSlice<f64>,
+    ),
+    F16(
+        &'a CudaSlice<half::f16>,
+        std::ops::Range<usize>,
+        &'a mut CudaSlice<half::f16>,
+    ),
+    BF16(
+        &'a CudaSlice<half::bf16>,
+        std::ops::Range<usize>,
+        &'a mut CudaSlice<half::bf16>,
+    ),
 }
 
-fn alloc<T: DeviceRepr + ValidAsZeroBits>(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T>> {
+fn alloc<T: DeviceRepr + ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    n: usize,
+) -> Result<CudaSlice<T>> {
     stream.alloc_zeros::<T>(n).map_err(candle_core::Error::wrap)
 }
 
 fn dst_tensor<T: CudaDType>(dst: CudaSlice<T>, dev: &CudaDevice) -> Result<Tensor> {
     let n = dst.len();
     let s = CudaStorage::wrap_cuda_slice(dst, dev.clone());
-    Ok(Tensor::from_storage(Storage::Cuda(s), n, BackpropOp::none(), false))
+    Ok(Tensor::from_storage(
+        Storage::Cuda(s),
+        n,
+        BackpropOp::none(),
+        false,
+    ))
 }
 
 fn check_devices(devices: &[Device]) -> Result<Vec<CudaDevice>> {
     if devices.is_empty() {
         candle_core::bail!("streamer-dist: an NCCL group needs at least one device")
     }
-    let visible = CudaContext::device_count().map_err(candle_core::Error::wrap)? as usize;
+    let visible = NcclCollective::visible_gpus()?;
     if devices.len() > visible {
         candle_core::bail!(
             "streamer-dist: world size {} is larger than the {visible} visible GPUs",
@@ -334,11 +408,17 @@ fn check_devices(devices: &[Device]) -> Result<Vec<CudaDevice>> {
     let mut names: Vec<(usize, String)> = Vec::new();
     for (r, d) in devices.iter().enumerate() {
         let Device::Cuda(c) = d else {
-            candle_core::bail!("streamer-dist: NCCL rank {r} is on {:?}, not a CUDA device", d.location())
+            candle_core::bail!(
+                "streamer-dist: NCCL rank {r} is on {:?}, not a CUDA device",
+                d.location()
+            )
         };
         let ctx = c.cuda_stream().context().clone();
         let ordinal = ctx.ordinal();
-        if let Some(j) = cuda.iter().position(|o: &CudaDevice| o.cuda_stream().context().ordinal() == ordinal) {
+        if let Some(j) = cuda
+            .iter()
+            .position(|o: &CudaDevice| o.cuda_stream().context().ordinal() == ordinal)
+        {
             candle_core::bail!("streamer-dist: NCCL ranks {j} and {r} are both on GPU {ordinal}")
         }
         let name = ctx.name().map_err(candle_core::Error::wrap)?;
@@ -372,7 +452,10 @@ impl Collective for NcclCollective {
     fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
         let n = x.elem_count();
         let out = self.with_typed("all_reduce_sum", x, n, &|c, t| {
-            each_type!(t, |src, dst| c.all_reduce(&src, dst, &ReduceOp::Sum).map(|_| ()).map_err(nccl_err))
+            each_type!(t, |src, dst| c
+                .all_reduce(&src, dst, &ReduceOp::Sum)
+                .map(|_| ())
+                .map_err(nccl_err))
         })?;
         out.narrow(0, 0, n)?.reshape(x.shape())
     }
@@ -381,7 +464,10 @@ impl Collective for NcclCollective {
         let rows = check_scatter(self.rank, self.world, x)?;
         let n = x.elem_count() / self.world;
         let out = self.with_typed("reduce_scatter_sum", x, n, &|c, t| {
-            each_type!(t, |src, dst| c.reduce_scatter(&src, dst, &ReduceOp::Sum).map(|_| ()).map_err(nccl_err))
+            each_type!(t, |src, dst| c
+                .reduce_scatter(&src, dst, &ReduceOp::Sum)
+                .map(|_| ())
+                .map_err(nccl_err))
         })?;
         let mut dims = x.dims().to_vec();
         dims[0] = rows;
@@ -392,7 +478,10 @@ impl Collective for NcclCollective {
         check_gather(self.rank, x)?;
         let n = x.elem_count() * self.world;
         let out = self.with_typed("all_gather", x, n, &|c, t| {
-            each_type!(t, |src, dst| c.all_gather(&src, dst).map(|_| ()).map_err(nccl_err))
+            each_type!(t, |src, dst| c
+                .all_gather(&src, dst)
+                .map(|_| ())
+                .map_err(nccl_err))
         })?;
         let mut dims = x.dims().to_vec();
         dims[0] *= self.world;
@@ -401,7 +490,10 @@ impl Collective for NcclCollective {
 
     fn ring_shift(&self, x: &Tensor) -> Result<Tensor> {
         let n = x.elem_count();
-        let (next, prev) = ((self.rank + 1) % self.world, (self.rank + self.world - 1) % self.world);
+        let (next, prev) = (
+            (self.rank + 1) % self.world,
+            (self.rank + self.world - 1) % self.world,
+        );
         let out = self.with_typed("ring_shift", x, n, &|c, t| {
             // One group: the send and the receive proceed together (a lone
             // blocking send around a ring would deadlock).

@@ -149,7 +149,13 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(q: &Tensor, k: &Tensor, v: &Tensor, coll: &dyn Collective, opts: &RingOpts) -> Result<Self> {
+    fn new(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        coll: &dyn Collective,
+        opts: &RingOpts,
+    ) -> Result<Self> {
         let (rank, world) = (coll.rank(), coll.world_size());
         let op = "ring_attention";
         let shape = cqsa::AttentionShape::of(q, k, v, opts.causal)
@@ -251,7 +257,8 @@ pub fn ring_attention_forward(
             let qa = q.narrow(2, qo[a], plan.q_chunks[a].1)?;
             let kc = k.narrow(2, ko[c], k_chunks[c].1)?;
             let vc = v.narrow(2, ko[c], k_chunks[c].1)?;
-            let (o, lse) = cqsa::attention_forward_with(&qa, &kc.contiguous()?, &vc.contiguous()?, &scores)?;
+            let (o, lse) =
+                cqsa::attention_forward_with(&qa, &kc.contiguous()?, &vc.contiguous()?, &scores)?;
             acc[a] = merge(&acc[a].0, &acc[a].1, &o.to_dtype(DType::F32)?, &lse)?;
         }
         if step + 1 < plan.world {
@@ -282,7 +289,10 @@ pub fn ring_attention_backward(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let plan = Plan::new(q, k, v, coll, opts)?;
     let (q, mut k, mut v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    let (o, g) = (o.to_dtype(q.dtype())?.contiguous()?, grad_o.to_dtype(q.dtype())?.contiguous()?);
+    let (o, g) = (
+        o.to_dtype(q.dtype())?.contiguous()?,
+        grad_o.to_dtype(q.dtype())?.contiguous()?,
+    );
     let qo = offsets(&plan.q_chunks);
     let dev = q.device();
     let f32_zeros = |t: &Tensor, len: usize| -> Result<Tensor> {
@@ -407,8 +417,16 @@ impl CustomOp3 for RingOp {
             )
         }
         *done = true;
-        let (dq, dk, dv) =
-            ring_attention_backward(q, k, v, o, grad_o, &self.lse, self.coll.as_ref(), &self.opts)?;
+        let (dq, dk, dv) = ring_attention_backward(
+            q,
+            k,
+            v,
+            o,
+            grad_o,
+            &self.lse,
+            self.coll.as_ref(),
+            &self.opts,
+        )?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }
@@ -437,5 +455,6 @@ pub fn ring_attention(
         opts: opts.clone(),
         done: Mutex::new(false),
     };
-    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+    q.contiguous()?
+        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
 }
