@@ -15,6 +15,8 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::linear;
 use candle_streamer::streamer_autograd::{CpuSgd, ParamsSgd, Train};
 use candle_streamer::streamer_core::{BlockSpec, StreamConfig, StreamedSequential};
+#[cfg(feature = "cuda")]
+use candle_streamer::streamer_dist::NcclCollective;
 use candle_streamer::streamer_dist::{
     ring_attention, Collective, DataParallel, GradReduction, HostCollective, RingOpts, SeqSplit,
 };
@@ -119,11 +121,10 @@ fn host_collective_timeout_names_rank_op_and_missing_ranks() -> Result<()> {
         "took {:?}",
         t.elapsed()
     );
-    for r in 0..2 {
-        let e = out[r]
+    for (r, o) in out.iter().enumerate().take(2) {
+        let e = o
             .as_ref()
-            .err()
-            .expect("a rank waiting for rank 2 must fail")
+            .expect_err("a rank waiting for rank 2 must fail")
             .to_string();
         assert!(
             e.contains(&format!("rank {r}")) && e.contains("all_reduce_sum"),
@@ -173,8 +174,8 @@ fn host_collective_mismatched_calls_fail_every_rank() -> Result<()> {
         let x = Tensor::ones(3 + c.rank(), DType::F32, &Device::Cpu)?;
         c.all_reduce_sum(&x).map(|_| ())
     });
-    for r in 0..2 {
-        let e = out[r].as_ref().unwrap_err().to_string();
+    for o in &out {
+        let e = o.as_ref().unwrap_err().to_string();
         assert!(e.contains("all_reduce_sum") && e.contains("shape"), "{e}");
     }
     let ranks = HostCollective::group(2, Duration::from_secs(60))?;
@@ -603,80 +604,78 @@ fn data_parallel_checks_its_collectives() -> Result<()> {
 }
 
 #[cfg(feature = "cuda")]
-mod nccl {
-    use super::*;
-    use candle_streamer::streamer_dist::NcclCollective;
+fn one() -> Result<Vec<Arc<dyn Collective>>> {
+    Ok(NcclCollective::with_world_size(1, Duration::from_secs(60))?
+        .into_iter()
+        .map(|c| Arc::new(c) as Arc<dyn Collective>)
+        .collect())
+}
 
-    fn one() -> Result<Vec<Arc<dyn Collective>>> {
-        Ok(NcclCollective::with_world_size(1, Duration::from_secs(60))?
-            .into_iter()
-            .map(|c| Arc::new(c) as Arc<dyn Collective>)
-            .collect())
-    }
-
-    /// World size 1 through NCCL on one GPU: every collective against its
-    /// definition (the identity, a copy), ring attention against cqsa on the
-    /// same GPU, data-parallel training against the single-device model.
-    #[test]
-    fn nccl_world_size_one() -> Result<()> {
-        let colls = one()?;
-        let c = &colls[0];
-        let dev = c.device().clone();
-        for dtype in [DType::F32, DType::BF16] {
-            let x = Tensor::randn(0f32, 1.0, (4, 3), &dev)?.to_dtype(dtype)?;
-            for (name, y) in [
-                ("all_reduce_sum", c.all_reduce_sum(&x)?),
-                ("reduce_scatter_sum", c.reduce_scatter_sum(&x)?),
-                ("all_gather", c.all_gather(&x)?),
-                ("ring_shift", c.ring_shift(&x)?),
-            ] {
-                assert_eq!(y.dims(), x.dims(), "{name}");
-                assert_eq!(rel_err(&y, &x)?, 0.0, "{name} {dtype:?}");
-            }
+/// World size 1 through NCCL on one GPU: every collective against its
+/// definition (the identity, a copy), ring attention against cqsa on the
+/// same GPU, data-parallel training against the single-device model.
+#[cfg(feature = "cuda")]
+#[test]
+fn nccl_world_size_one() -> Result<()> {
+    let colls = one()?;
+    let c = &colls[0];
+    let dev = c.device().clone();
+    for dtype in [DType::F32, DType::BF16] {
+        let x = Tensor::randn(0f32, 1.0, (4, 3), &dev)?.to_dtype(dtype)?;
+        for (name, y) in [
+            ("all_reduce_sum", c.all_reduce_sum(&x)?),
+            ("reduce_scatter_sum", c.reduce_scatter_sum(&x)?),
+            ("all_gather", c.all_gather(&x)?),
+            ("ring_shift", c.ring_shift(&x)?),
+        ] {
+            assert_eq!(y.dims(), x.dims(), "{name}");
+            assert_eq!(rel_err(&y, &x)?, 0.0, "{name} {dtype:?}");
         }
-        // A strided input is made contiguous first.
-        let x = Tensor::randn(0f32, 1.0, (3, 4), &dev)?.t()?;
-        assert_eq!(rel_err(&c.all_reduce_sum(&x)?, &x)?, 0.0);
-        c.barrier()?;
-        let e = c
-            .all_reduce_sum(&Tensor::ones(2, DType::F32, &Device::Cpu)?)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("rank 0") && e.contains("all_reduce_sum"), "{e}");
-        ring_matches_cqsa(
-            1,
-            &RingOpts {
-                causal: true,
-                ..Default::default()
-            },
-            &colls,
-        )?;
-        data_parallel_matches(one()?, &dev)?;
-        Ok(())
     }
+    // A strided input is made contiguous first.
+    let x = Tensor::randn(0f32, 1.0, (3, 4), &dev)?.t()?;
+    assert_eq!(rel_err(&c.all_reduce_sum(&x)?, &x)?, 0.0);
+    c.barrier()?;
+    let e = c
+        .all_reduce_sum(&Tensor::ones(2, DType::F32, &Device::Cpu)?)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rank 0") && e.contains("all_reduce_sum"), "{e}");
+    ring_matches_cqsa(
+        1,
+        &RingOpts {
+            causal: true,
+            ..Default::default()
+        },
+        &colls,
+    )?;
+    data_parallel_matches(one()?, &dev)?;
+    Ok(())
+}
 
-    #[test]
-    fn nccl_world_size_larger_than_visible_gpus_is_an_error() -> Result<()> {
-        let visible = NcclCollective::visible_gpus()?;
-        let e = NcclCollective::with_world_size(visible + 1, Duration::from_secs(5))
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(
-            e.contains(&format!("world size {}", visible + 1))
-                && e.contains(&format!("{visible} visible")),
-            "{e}"
-        );
-        Ok(())
-    }
+#[cfg(feature = "cuda")]
+#[test]
+fn nccl_world_size_larger_than_visible_gpus_is_an_error() -> Result<()> {
+    let visible = NcclCollective::visible_gpus()?;
+    let e = NcclCollective::with_world_size(visible + 1, Duration::from_secs(5))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains(&format!("world size {}", visible + 1))
+            && e.contains(&format!("{visible} visible")),
+        "{e}"
+    );
+    Ok(())
+}
 
-    #[test]
-    fn nccl_abort_fails_later_calls() -> Result<()> {
-        let colls = one()?;
-        colls[0].abort("test abort");
-        let x = Tensor::ones(4, DType::F32, colls[0].device())?;
-        let e = colls[0].all_reduce_sum(&x).unwrap_err().to_string();
-        assert!(e.contains("rank 0 failed: test abort"), "{e}");
-        Ok(())
-    }
+#[cfg(feature = "cuda")]
+#[test]
+fn nccl_abort_fails_later_calls() -> Result<()> {
+    let colls = one()?;
+    colls[0].abort("test abort");
+    let x = Tensor::ones(4, DType::F32, colls[0].device())?;
+    let e = colls[0].all_reduce_sum(&x).unwrap_err().to_string();
+    assert!(e.contains("rank 0 failed: test abort"), "{e}");
+    Ok(())
 }

@@ -310,7 +310,7 @@ impl NcclCollective {
         ];
         let header = Tensor::new(&mine, &self.device)?;
         let n = 3 * self.world;
-        let all = self.with_raw("header", &header, n, &|c, t| {
+        let all = self.with_raw(op, &header, n, &|c, t| {
             each_type!(t, |src, dst| c
                 .all_gather(&src, dst)
                 .map(|_| ())
