@@ -532,6 +532,30 @@ fn data_parallel_rank_failure_errors_everywhere_and_writes_nothing() -> Result<(
 }
 
 #[test]
+fn data_parallel_panicking_rank_fails_the_step_at_once() -> Result<()> {
+    let (dp, _) = dp_of(3, Duration::from_secs(120))?;
+    let mut opt = CpuSgd::new(dp.trainable_vars()?, sgd())?;
+    let before = masters(&dp)?;
+    let x = Tensor::randn(0f32, 1.0, (6, WIDTH), &Device::Cpu)?;
+    let t0 = Instant::now();
+    let boom = |r: usize, y: &Tensor, t: &Tensor| {
+        if r == 1 {
+            panic!("injected panic");
+        }
+        loss(y, t)
+    };
+    let e = dp.step(&x, &x, boom, &mut opt).unwrap_err().to_string();
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        t0.elapsed()
+    );
+    assert!(e.contains("rank 1 panicked"), "{e}");
+    assert_eq!(masters(&dp)?, before);
+    Ok(())
+}
+
+#[test]
 fn data_parallel_stalled_rank_times_out_instead_of_hanging() -> Result<()> {
     let (dp, _) = dp_of(2, Duration::from_millis(300))?;
     let mut opt = CpuSgd::new(dp.trainable_vars()?, sgd())?;

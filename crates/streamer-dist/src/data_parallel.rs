@@ -162,7 +162,16 @@ impl DataParallel {
                 .map(|r| {
                     let (params, loss) = (&params, &loss);
                     s.spawn(move || {
-                        let out = self.rank_step(r, b, inputs, targets, params, loss);
+                        // A panic must abort the group at once, or the other
+                        // ranks would wait for this one until their timeout.
+                        let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            self.rank_step(r, b, inputs, targets, params, loss)
+                        }))
+                        .unwrap_or_else(|_| {
+                            Err(candle_core::Error::Msg(format!(
+                                "DataParallel: rank {r} panicked"
+                            )))
+                        });
                         if let Err(e) = &out {
                             self.collectives[r].abort(&e.to_string());
                         }
@@ -175,7 +184,6 @@ impl DataParallel {
                 .enumerate()
                 .map(|(r, h)| {
                     h.join().unwrap_or_else(|_| {
-                        self.collectives[r].abort("its thread panicked");
                         Err(candle_core::Error::Msg(format!(
                             "DataParallel: rank {r} panicked"
                         )))
