@@ -15,7 +15,7 @@ use candle_core::cuda::CudaDType;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Result, Storage, Tensor};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
-use cudarc::nccl::{Comm, NcclType, ReduceOp};
+use cudarc::nccl::{Comm, ReduceOp};
 
 use crate::collective::{check_gather, check_scatter, err, Collective};
 
