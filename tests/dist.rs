@@ -434,12 +434,25 @@ fn single_rank_training(
 }
 
 fn data_parallel_matches(colls: Vec<Arc<dyn Collective>>, dev: &Device) -> Result<()> {
+    data_parallel_matches_with(colls, dev, None)
+}
+
+/// Data-parallel training (gradient buckets of `bucket` elements, or the
+/// default) against [`single_rank_training`] on the whole batch.
+fn data_parallel_matches_with(
+    colls: Vec<Arc<dyn Collective>>,
+    dev: &Device,
+    bucket: Option<usize>,
+) -> Result<()> {
     let world = colls.len();
     let weights = mlp_weights(3)?;
     let x = Tensor::randn(0f32, 1.0, (12, WIDTH), &Device::Cpu)?;
     let t = Tensor::randn(0f32, 0.5, (12, WIDTH), &Device::Cpu)?;
     let want = single_rank_training(&weights, &x, &t, dev)?;
-    let dp = DataParallel::new(mlp(&weights, 3, dev)?, colls, GradReduction::Mean)?;
+    let mut dp = DataParallel::new(mlp(&weights, 3, dev)?, colls, GradReduction::Mean)?;
+    if let Some(b) = bucket {
+        dp.set_bucket_elems(b)?;
+    }
     let mut opt = CpuSgd::new(dp.trainable_vars()?, sgd())?;
     for _ in 0..3 {
         let rep = dp.step(&x, &t, |_, y, t| loss(y, t), &mut opt)?;
@@ -472,6 +485,12 @@ fn data_parallel_equals_single_rank_on_the_whole_batch_world_1_to_4() -> Result<
             .collect();
         data_parallel_matches(colls, &Device::Cpu)?;
     }
+    // Buckets of 80 elements: a block's weight (64) and bias (8) share one.
+    let colls = HostCollective::group(3, Duration::from_secs(60))?
+        .into_iter()
+        .map(|c| Arc::new(c) as Arc<dyn Collective>)
+        .collect();
+    data_parallel_matches_with(colls, &Device::Cpu, Some(80))?;
     Ok(())
 }
 

@@ -11,9 +11,10 @@
 //! 2. every rank (its own thread) moves its micro-batch to its device, runs the
 //!    streamed forward, the caller's loss and the streamed backward, whose
 //!    weight gradients land in that rank's host gradient buffers;
-//! 3. every rank reduces each gradient through its [`Collective`] (on its
-//!    device for NCCL: the host gradient goes up, is all-reduced, and the sum
-//!    comes back; on the host collective it is summed in host memory);
+//! 3. every rank reduces its gradients through its [`Collective`], packed
+//!    into buckets of about 64 MiB (one all-reduce each; on its device for
+//!    NCCL: the bucket goes up, is all-reduced, and the sum comes back; on the
+//!    host collective it is summed in host memory);
 //! 4. once every rank succeeded, the optimizer steps each parameter once with
 //!    the reduced gradients, on the calling thread (the host optimizers spread
 //!    one step over all cores themselves).
@@ -56,6 +57,7 @@ pub struct DataParallel {
     replicas: Vec<TrainableSequential>,
     collectives: Vec<Arc<dyn Collective>>,
     reduction: GradReduction,
+    bucket_elems: usize,
 }
 
 /// What one [`DataParallel::step`] measured.
@@ -117,7 +119,19 @@ impl DataParallel {
             replicas,
             collectives,
             reduction,
+            bucket_elems: BUCKET_ELEMS,
         })
+    }
+
+    /// Sets the size (elements) of one gradient all-reduce bucket; by default
+    /// 16 Mi elements (64 MiB of f32). A weight larger than that is a bucket
+    /// of its own. The same on every rank (it belongs to this object).
+    pub fn set_bucket_elems(&mut self, elems: usize) -> Result<()> {
+        if elems == 0 {
+            bail!("DataParallel: the bucket size must be at least 1 element, got 0")
+        }
+        self.bucket_elems = elems;
+        Ok(())
     }
 
     /// Number of ranks.
@@ -252,15 +266,21 @@ impl DataParallel {
             GradReduction::Mean => 1.0 / self.world_size() as f64,
             GradReduction::Sum => 1.0,
         };
+        let mut local = Vec::with_capacity(params.len());
         for v in params {
-            let g = match grads.get(v.as_tensor()) {
-                Some(g) => g.clone(),
+            local.push(match grads.get(v.as_tensor()) {
+                Some(g) => g.to_dtype(DType::F32)?,
                 // A weight this micro-batch did not reach: its gradient is zero
                 // here, and the other ranks still need this rank's part.
-                None => v.as_tensor().zeros_like()?.to_dtype(DType::F32)?,
-            };
-            let sum = coll.all_reduce_sum(&g.to_device(dev)?)?;
-            let sum = sum.to_device(&Device::Cpu)?.affine(scale, 0.0)?;
+                None => Tensor::zeros(v.shape(), DType::F32, &Device::Cpu)?,
+            });
+        }
+        for (v, sum) in params.iter().zip(reduce_buckets(
+            coll.as_ref(),
+            &local,
+            scale,
+            self.bucket_elems,
+        )?) {
             grads.insert(v.as_tensor(), sum);
         }
         Ok((lv, grads))
@@ -286,6 +306,46 @@ impl DataParallel {
             .save_safetensors(dir.join("model.safetensors"))?;
         opt.save(dir.join("optimizer.safetensors"))
     }
+}
+
+/// Elements of one all-reduce by default: gradients are packed into buckets
+/// of about this size (64 MiB of f32), so a model of many small weights costs
+/// a few collectives per step rather than one per weight.
+const BUCKET_ELEMS: usize = 16 << 20;
+
+/// The sums over ranks of the host f32 gradients `local`, times `scale`, as
+/// host tensors of the same shapes: packed into buckets (consecutive
+/// gradients, the same on every rank), each reduced by one all-reduce on the
+/// collective's device.
+fn reduce_buckets(
+    coll: &dyn Collective,
+    local: &[Tensor],
+    scale: f64,
+    bucket: usize,
+) -> Result<Vec<Tensor>> {
+    let mut out = Vec::with_capacity(local.len());
+    let mut start = 0;
+    while start < local.len() {
+        let mut end = start;
+        let mut elems = 0;
+        while end < local.len() && (end == start || elems + local[end].elem_count() <= bucket) {
+            elems += local[end].elem_count();
+            end += 1;
+        }
+        let flat: Vec<Tensor> = local[start..end]
+            .iter()
+            .map(|g| g.flatten_all())
+            .collect::<Result<_>>()?;
+        let sum = coll.all_reduce_sum(&Tensor::cat(&flat, 0)?.to_device(coll.device())?)?;
+        let sum = sum.to_device(&Device::Cpu)?.affine(scale, 0.0)?;
+        let mut off = 0;
+        for g in &local[start..end] {
+            out.push(sum.narrow(0, off, g.elem_count())?.reshape(g.shape())?);
+            off += g.elem_count();
+        }
+        start = end;
+    }
+    Ok(out)
 }
 
 /// The rows per rank of a batch, checked: `inputs` and `targets` agree on dim
