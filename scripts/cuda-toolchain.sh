@@ -51,6 +51,28 @@ if [ ! -e "$stub/libcuda.so" ]; then
   ln -sf libcuda.so "$stub/libcuda.so.1"
 fi
 
+# A link-time stand-in for NCCL (libnccl.so.2; streamer-dist's cuda feature),
+# exporting every function of cudarc's NCCL bindings. At run time the real
+# library is loaded (on the GPU machine: from the PyTorch wheels, see
+# scripts/gpu-dist.sh). Built from cudarc's sources (fetched if needed).
+if [ ! -e "$stub/libnccl.so" ]; then
+  find_nccl_sys() { ls "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.*/src/nccl/sys/mod.rs 2>/dev/null | sort | tail -n 1; }
+  sys=$(find_nccl_sys)
+  if [ -z "$sys" ]; then
+    (cd "$root" && cargo fetch --quiet >&2) || true
+    sys=$(find_nccl_sys)
+  fi
+  if [ -n "$sys" ]; then
+    log "generating the link-time libnccl.so stand-in from $sys"
+    mkdir -p "$stub"
+    grep -oE 'fn nccl[A-Za-z0-9_]*\(' "$sys" | sed -E 's/^fn //; s/\($//' | sort -u \
+      | awk '{ printf "void %s(void) {}\n", $1 }' >"$stub/libnccl_stub.c"
+    gcc -shared -fPIC -Wl,-soname,libnccl.so.2 -o "$stub/libnccl.so" "$stub/libnccl_stub.c"
+  else
+    log "cudarc's sources not found: no libnccl.so stand-in (linking --features cuda will fail)"
+  fi
+fi
+
 # Idempotent: evaluating it twice (a shell that already has it, then
 # scripts/gpu-test.sh) must give the same RUSTFLAGS, or cargo rebuilds every
 # crate, candle's CUDA kernels included (15+ minutes on 2 cores).

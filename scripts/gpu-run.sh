@@ -19,6 +19,27 @@ mkdir -p "$out"
 export BENCH_RESULTS_DIR=${BENCH_RESULTS_DIR:-$PWD/benches/results}
 mkdir -p "$BENCH_RESULTS_DIR"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# NCCL (streamer-dist links libnccl.so.2): on the GPU machine it exists only
+# inside the PyTorch wheels (nvidia-nccl-cu*); put its folder on the path.
+nccl_lib=$(python3 - <<'PY' 2>/dev/null || true
+import glob, os, site
+try:
+    import nvidia.nccl as m
+    d = os.path.join(list(m.__path__)[0], "lib")
+    if os.path.exists(os.path.join(d, "libnccl.so.2")):
+        print(d); raise SystemExit
+except ImportError:
+    pass
+for s in site.getsitepackages():
+    for f in sorted(glob.glob(s + "/nvidia/**/libnccl.so.2", recursive=True)):
+        print(os.path.dirname(f)); raise SystemExit
+PY
+)
+if [ -n "$nccl_lib" ] && [ -e "$nccl_lib/libnccl.so.2" ]; then
+  export LD_LIBRARY_PATH=$nccl_lib:$LD_LIBRARY_PATH
+else
+  echo "run.sh: libnccl.so.2 not found in the nvidia-nccl wheel; binaries that use NCCL will not start" >&2
+fi
 # Every process JIT-compiles our PTX on its first launch (20-25 s); a cache big
 # enough for all of it lets the later processes of the same call reuse it.
 export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}

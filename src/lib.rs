@@ -7,6 +7,7 @@
 //! - [`streamer_autograd`]: training through the pool, with the optimizer on the host.
 //! - [`cqsa`]: exact chunked attention as a Candle custom op.
 //! - [`streamer_models`]: models written the ordinary Candle way.
+//! - [`streamer_dist`]: collectives, data-parallel training, ring attention.
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
@@ -20,6 +21,7 @@
 pub use cqsa;
 pub use streamer_autograd;
 pub use streamer_core;
+pub use streamer_dist;
 pub use streamer_models;
 
 pub mod cli;

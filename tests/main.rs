@@ -9,6 +9,7 @@ mod crash;
 mod cross_entropy;
 mod cuda_chain;
 mod decoder_backward;
+mod dist;
 mod families;
 mod faults;
 mod fused_linear;

@@ -42,6 +42,8 @@ pub struct StreamedSequential {
     blocks: Vec<BlockSpec>,
     cfg: StreamConfig,
     masters: Arc<HostMasters>,
+    /// Where each block's weights sit in a slot (kept for [`Self::replica`]).
+    layouts: Vec<BlockLayout>,
     pool: Mutex<ResidencyPool>,
 }
 
@@ -114,11 +116,42 @@ impl StreamedSequential {
         }
         let masters = Arc::new(masters);
         let names = blocks.iter().map(|b| b.name.clone()).collect();
-        let pool = ResidencyPool::new(&cfg, masters.clone(), layouts, names)?;
+        let pool = ResidencyPool::new(&cfg, masters.clone(), layouts.clone(), names)?;
         Ok(Self {
             blocks,
             cfg,
             masters,
+            layouts,
+            pool: Mutex::new(pool),
+        })
+    }
+
+    /// A second model over the same host masters (nothing is copied on the
+    /// host), streaming to `device` through its own pool and window: one replica
+    /// per GPU is how data-parallel training keeps one copy of the weights.
+    /// Everything else in the configuration is this model's. The masters are
+    /// page-locked once, when the first model was built on a CUDA device (the
+    /// registration is portable to every context); a replica of a model built
+    /// for the CPU streams from pageable memory. An optimizer step on the
+    /// masters is seen by every replica (prefetching across calls must be off).
+    pub fn replica(&self, device: &Device) -> Result<Self> {
+        if self.cfg.prefetch_across_calls {
+            candle_core::bail!(
+                "replica: prefetch_across_calls is on, so a replica could compute with weights \
+                 loaded before an optimizer step; turn it off for replicated training"
+            );
+        }
+        let cfg = StreamConfig {
+            device: device.clone(),
+            ..self.cfg.clone()
+        };
+        let names = self.blocks.iter().map(|b| b.name.clone()).collect();
+        let pool = ResidencyPool::new(&cfg, self.masters.clone(), self.layouts.clone(), names)?;
+        Ok(Self {
+            blocks: self.blocks.clone(),
+            cfg,
+            masters: self.masters.clone(),
+            layouts: self.layouts.clone(),
             pool: Mutex::new(pool),
         })
     }
