@@ -247,3 +247,67 @@ fn embedding_matches_reference(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(embedding_matches_reference);
+
+/// `rope_into_heads` / `rope_into_rows` (RoPE fused with the move between a
+/// projection's rows and attention's head-major layout) against an f64 loop
+/// of the rotation with explicit indexing: f32 to 1e-6, bf16 (inputs rounded
+/// the same) to 1e-2 of the largest value. The round trip returns the input
+/// (a rotation and its inverse). Mis-shaped tables are refused, named.
+fn rope_layout_moves_match_reference(dev: &Device) -> Result<()> {
+    use streamer_models::fused_ops::{rope_into_heads, rope_into_rows};
+    let (b, n, h, d) = (2usize, 5usize, 3usize, 8usize);
+    let half = d / 2;
+    let p = Tensor::randn(0f32, 1.0, (b * n, h * d), &Device::Cpu)?;
+    let ang = Tensor::randn(0f32, 1.0, (n, half), &Device::Cpu)?;
+    let (cos, sin) = (ang.cos()?, ang.sin()?);
+    let pv: Vec<f64> = p.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+    let (cv, sv): (Vec<f64>, Vec<f64>) = (
+        cos.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?,
+        sin.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?,
+    );
+    // want[b, h, t, :] = rotate(p[b * n + t, h * d..]) ; back[b * n + t, h * d..] = unrotate(want)
+    let mut want = vec![0f64; b * h * n * d];
+    for (bb, hh, t, i) in (0..b)
+        .flat_map(|bb| (0..h).map(move |hh| (bb, hh)))
+        .flat_map(|(bb, hh)| (0..n).map(move |t| (bb, hh, t)))
+        .flat_map(|(bb, hh, t)| (0..half).map(move |i| (bb, hh, t, i)))
+    {
+        let src = (bb * n + t) * h * d + hh * d;
+        let dst = ((bb * h + hh) * n + t) * d;
+        let (x1, x2, c, s) = (
+            pv[src + i],
+            pv[src + i + half],
+            cv[t * half + i],
+            sv[t * half + i],
+        );
+        want[dst + i] = x1 * c - x2 * s;
+        want[dst + i + half] = x1 * s + x2 * c;
+    }
+    let want = Tensor::from_vec(want, (b, h, n, d), &Device::Cpu)?;
+    for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 1e-2)] {
+        let on = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(dtype)?.to_device(dev)?) };
+        let (pd, cd, sd) = (on(&p)?, on(&cos)?, on(&sin)?);
+        let heads = rope_into_heads(&pd, (b, n, h), &cd, &sd)?;
+        ensure!(heads.dims() == [b, h, n, d], "heads {:?}", heads.dims());
+        let e = max_rel(&heads, &want)?;
+        ensure!(e <= tol, "rope_into_heads {dtype:?}: {e:.2e}");
+        let back = rope_into_rows(&heads, &cd, &sd)?;
+        ensure!(back.dims() == [b * n, h * d], "rows {:?}", back.dims());
+        let e = max_rel(&back, &p)?;
+        ensure!(
+            e <= 2.0 * tol,
+            "rope_into_rows {dtype:?} round trip: {e:.2e}"
+        );
+        let short = cd.narrow(0, 0, n - 1)?;
+        let err = rope_into_heads(&pd, (b, n, h), &short, &sd)
+            .unwrap_err()
+            .to_string();
+        ensure!(err.contains("cos"), "{err}");
+        let err = rope_into_heads(&pd, (b, n + 1, h), &cd, &sd)
+            .unwrap_err()
+            .to_string();
+        ensure!(err.contains("rope_into_heads"), "{err}");
+    }
+    Ok(())
+}
+candle_streamer::test_device!(rope_layout_moves_match_reference);

@@ -223,3 +223,51 @@ __device__ void embed_bwd(const uint32_t* __restrict__ ids, const T* __restrict_
 EMBED(__nv_bfloat16, bf16)
 EMBED(__half, f16)
 EMBED(float, f32)
+
+// RoPE fused with the layout change around attention, so neither direction
+// needs its own transpose copy: rope_to_heads reads a projection in rows
+// (b * n, heads * d) and writes it rotated in cqsa's head-major (b, heads,
+// n, d); rope_to_rows reads a head-major gradient and writes it rotated back
+// (sign -1: the inverse rotation) in rows. The rotation is candle's `rope`
+// (halves, not interleaved): (x1, x2) -> (x1 c - x2 s, x1 s + x2 c), with
+// cos/sin of shape (n, d / 2); the arithmetic is f32.
+template <typename T, bool TO_HEADS>
+__device__ void rope_move(const T* __restrict__ src, const T* __restrict__ cos,
+                          const T* __restrict__ sin, T* __restrict__ dst, int b, int n,
+                          int heads, int d, float sign) {
+  const int half = d / 2;
+  const size_t total = (size_t)b * heads * n * half;
+  for (size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+       idx += (size_t)blockDim.x * gridDim.x) {
+    const int i = (int)(idx % half);
+    size_t r = idx / half;
+    const int t = (int)(r % n);
+    r /= n;
+    const int h = (int)(r % heads);
+    const int bb = (int)(r / heads);
+    const size_t rows = ((size_t)bb * n + t) * ((size_t)heads * d) + (size_t)h * d;
+    const size_t head_major = (((size_t)bb * heads + h) * n + t) * d;
+    const size_t in = TO_HEADS ? rows : head_major;
+    const size_t out = TO_HEADS ? head_major : rows;
+    const float x1 = to_f(src[in + i]), x2 = to_f(src[in + i + half]);
+    const float c = to_f(cos[(size_t)t * half + i]);
+    const float s = sign * to_f(sin[(size_t)t * half + i]);
+    dst[out + i] = from_f<T>(x1 * c - x2 * s);
+    dst[out + i + half] = from_f<T>(x1 * s + x2 * c);
+  }
+}
+
+#define ROPE_MOVE(T, S)                                                                     \
+  extern "C" __global__ void rope_to_heads_##S(const T* x, const T* cos, const T* sin,     \
+                                               T* out, int b, int n, int h, int d,         \
+                                               float sign) {                               \
+    rope_move<T, true>(x, cos, sin, out, b, n, h, d, sign);                               \
+  }                                                                                         \
+  extern "C" __global__ void rope_to_rows_##S(const T* g, const T* cos, const T* sin,      \
+                                              T* out, int b, int n, int h, int d,          \
+                                              float sign) {                                \
+    rope_move<T, false>(g, cos, sin, out, b, n, h, d, sign);                              \
+  }
+ROPE_MOVE(__nv_bfloat16, bf16)
+ROPE_MOVE(__half, f16)
+ROPE_MOVE(float, f32)

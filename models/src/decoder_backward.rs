@@ -31,7 +31,7 @@
 //! dropout's scaled mask, drawn as the autograd forward draws it); forward
 //! keeps `A`, `B`, `u = (m x) A^T` and the mask, and backward returns the
 //! gradients of `A` and `B` keyed by the extras that carried them.
-use crate::fused_ops::{rms_norm_backward, rope_backward};
+use crate::fused_ops::rms_norm_backward;
 use crate::llama::DecoderLayer;
 use crate::lora::{LoraLayout, LoraSaved};
 use candle_core::{bail, DType, Result, Shape, Tensor};
@@ -88,24 +88,30 @@ impl DecoderLayer {
             .contiguous()
     }
 
-    /// A `(b * n, heads * d)` projection as `(b, heads, n, d)`, each head
-    /// RMS-normalised by `norm` first when given (Qwen3's q/k norms).
-    fn head_major(
+    /// A `(b * n, heads * d)` projection with each head RMS-normalised by
+    /// `norm` when given (Qwen3's q/k norms), still in rows.
+    fn normed_rows(&self, p: &Tensor, norm: Option<&crate::llama::RmsNorm>) -> Result<Tensor> {
+        let Some(nm) = norm else {
+            return Ok(p.clone());
+        };
+        let (rows, width) = p.dims2()?;
+        let heads = width / self.head_dim;
+        let flat = p.reshape((rows * heads, self.head_dim))?;
+        candle_nn::ops::rms_norm(&flat, &nm.weight.detach().contiguous()?, nm.eps as f32)?
+            .reshape((rows, width))
+    }
+
+    /// A `(b * n, heads * d)` projection (normalised as [`Self::normed_rows`])
+    /// rotated into `(b, heads, n, d)`: one pass on CUDA, no transpose copy.
+    fn rotated_heads(
         &self,
         p: &Tensor,
-        b: usize,
-        n: usize,
+        (b, n): (usize, usize),
         norm: Option<&crate::llama::RmsNorm>,
+        (cos, sin): (&Tensor, &Tensor),
     ) -> Result<Tensor> {
         let heads = p.dim(1)? / self.head_dim;
-        let p = match norm {
-            Some(nm) => {
-                let rows = p.reshape((b * n * heads, self.head_dim))?;
-                candle_nn::ops::rms_norm(&rows, &nm.weight.detach().contiguous()?, nm.eps as f32)?
-            }
-            None => p.clone(),
-        };
-        self.heads(p.reshape((b * n, heads * self.head_dim))?, b, n, heads)
+        crate::fused_ops::rope_into_heads(&self.normed_rows(p, norm)?, (b, n, heads), cos, sin)
     }
 
     /// The q/k norms, if the layer has them.
@@ -159,7 +165,7 @@ impl DecoderLayer {
         grads: &mut Vec<(Tensor, Tensor)>,
     ) -> Result<Tensor> {
         let (b, n) = (d.dim(0)?, d.dim(2)?);
-        let d = self.rows(&rope_backward(d, cos, sin)?, b, n)?;
+        let d = crate::fused_ops::rope_into_rows(d, cos, sin)?;
         let Some((nm, pre)) = norm else { return Ok(d) };
         let width = d.dim(1)?;
         let rows = (b * n * width / self.head_dim, self.head_dim);
@@ -197,9 +203,10 @@ impl ManualBackward for DecoderLayer {
         let (qn, kn) = self.qk_norms();
         let q_pre = proj(0, &h1, linear(&h1, &self.q_proj)?)?;
         let k_pre = proj(1, &h1, linear(&h1, &self.k_proj)?)?;
-        let q = candle_nn::rotary_emb::rope(&self.head_major(&q_pre, b, n, qn)?, cos, sin)?;
-        let k = candle_nn::rotary_emb::rope(&self.head_major(&k_pre, b, n, kn)?, cos, sin)?;
-        let v = self.head_major(&proj(2, &h1, linear(&h1, &self.v_proj)?)?, b, n, None)?;
+        let q = self.rotated_heads(&q_pre, (b, n), qn, (cos, sin))?;
+        let k = self.rotated_heads(&k_pre, (b, n), kn, (cos, sin))?;
+        let v = proj(2, &h1, linear(&h1, &self.v_proj)?)?;
+        let v = self.heads(v, b, n, self.kv_heads)?;
         let (o, lse) = cqsa::attention_forward_with(&q, &k, &v, &self.scores())?;
         let o2 = self.rows(&o, b, n)?;
         let x_mid = (&x2 + proj(3, &o2, linear(&o2, &self.o_proj)?)?)?;

@@ -514,3 +514,129 @@ pub(crate) fn embedding_bwd(
     }
     Ok(CudaStorage::wrap_cuda_slice(acc, dev))
 }
+
+/// `(src, cos, sin) -> dst`: RoPE fused with the move between rows
+/// `(b * n, heads * d)` and head-major `(b, heads, n, d)` (`to_heads`), the
+/// inverse rotation with `sign = -1` (`decoder.cu`'s `rope_move`).
+struct RopeMove {
+    to_heads: bool,
+    dims: [usize; 4],
+    sign: f32,
+}
+
+impl CustomOp3 for RopeMove {
+    fn name(&self) -> &'static str {
+        "rope-move"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("rope-move: CUDA only (the CPU uses Candle ops)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        sx: &CudaStorage,
+        lx: &Layout,
+        sc: &CudaStorage,
+        lc: &Layout,
+        ss: &CudaStorage,
+        ls: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (ox, oc, os) = (
+            contiguous(lx, "input")?,
+            contiguous(lc, "cos")?,
+            contiguous(ls, "sin")?,
+        );
+        let [b, n, h, d] = self.dims;
+        let out_shape = if self.to_heads {
+            Shape::from((b, h, n, d))
+        } else {
+            Shape::from((b * n, h * d))
+        };
+        if lx.shape().elem_count() != b * n * h * d
+            || d % 2 != 0
+            || lc.dims() != [n, d / 2]
+            || ls.dims() != [n, d / 2]
+        {
+            bail!(
+                "rope-move: input {:?}, cos {:?}, sin {:?} for (b, n, heads, d) = {:?}",
+                lx.shape(),
+                lc.shape(),
+                ls.shape(),
+                self.dims
+            );
+        }
+        let count = b * h * n * d;
+        let dev = sx.device().clone();
+        let which = if self.to_heads {
+            "rope_to_heads"
+        } else {
+            "rope_to_rows"
+        };
+        let f = func(&dev, &format!("{which}_{}", suffix(sx.dtype())?))?;
+        let stream = dev.cuda_stream();
+        let (b32, n32, h32, d32, sign) = (b as i32, n as i32, h as i32, d as i32, self.sign);
+        macro_rules! go {
+            ($t:ty) => {{
+                let (x, c, s) = (
+                    sx.as_cuda_slice::<$t>()?.slice(ox..),
+                    sc.as_cuda_slice::<$t>()?.slice(oc..),
+                    ss.as_cuda_slice::<$t>()?.slice(os..),
+                );
+                // SAFETY: the kernel writes every element (each pair of halves).
+                let out = unsafe { dev.alloc::<$t>(count) }?;
+                let mut l = stream.launch_builder(&f);
+                l.arg(&x).arg(&c).arg(&s).arg(&out);
+                l.arg(&b32).arg(&n32).arg(&h32).arg(&d32).arg(&sign);
+                // SAFETY: input and output of b*n*h*d elements, tables of n*d/2, as indexed.
+                unsafe { l.launch(grid(count / 2)) }.map_err(candle_core::Error::wrap)?;
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        let out = match sx.dtype() {
+            DType::BF16 => go!(half::bf16),
+            DType::F16 => go!(half::f16),
+            DType::F32 => go!(f32),
+            dt => bail!("rope-move: unsupported dtype {dt:?}"),
+        };
+        Ok((out, out_shape))
+    }
+}
+
+/// `p (b * n, heads * d)` rotated into head-major `(b, heads, n, d)`, one pass.
+pub(crate) fn rope_to_heads(
+    p: &Tensor,
+    (b, n, heads): (usize, usize, usize),
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<Tensor> {
+    let d = p.dim(1)? / heads.max(1);
+    let op = RopeMove {
+        to_heads: true,
+        dims: [b, n, heads, d],
+        sign: 1.0,
+    };
+    p.contiguous()?
+        .apply_op3(&cos.contiguous()?, &sin.contiguous()?, op)
+}
+
+/// `g (b, heads, n, d)` rotated back (the inverse rotation) into rows
+/// `(b * n, heads * d)`, one pass.
+pub(crate) fn rope_to_rows(g: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (b, h, n, d) = g.dims4()?;
+    let op = RopeMove {
+        to_heads: false,
+        dims: [b, n, h, d],
+        sign: -1.0,
+    };
+    g.contiguous()?
+        .apply_op3(&cos.contiguous()?, &sin.contiguous()?, op)
+}

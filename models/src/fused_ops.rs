@@ -46,6 +46,79 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     )
 }
 
+/// [`rope`] of a projection in rows `(batch * seq, heads * head_dim)`,
+/// returned head-major `(batch, heads, seq, head_dim)` as attention takes it:
+/// on CUDA one kernel reads the rows and writes the rotated heads (no
+/// transpose copy first); elsewhere a transpose and `rope`. Not
+/// differentiable (for hand-written backwards: see [`rope_into_rows`]).
+pub fn rope_into_heads(
+    p: &Tensor,
+    (batch, seq, heads): (usize, usize, usize),
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<Tensor> {
+    let (rows, width) = p.dims2()?;
+    if rows != batch * seq || heads == 0 || width % heads != 0 || (width / heads) % 2 != 0 {
+        bail!(
+            "rope_into_heads: projection {:?} is not (batch * seq, heads * even head_dim) for batch {batch}, seq {seq}, heads {heads}",
+            p.dims()
+        );
+    }
+    let d = width / heads;
+    check_tables("rope_into_heads", p, cos, sin, seq, d)?;
+    #[cfg(feature = "cuda")]
+    if p.device().is_cuda() {
+        return crate::decoder_kernels::rope_to_heads(p, (batch, seq, heads), cos, sin);
+    }
+    let x = p
+        .reshape((batch, seq, heads, d))?
+        .transpose(1, 2)?
+        .contiguous()?;
+    candle_nn::rotary_emb::rope(&x, &cos.contiguous()?, &sin.contiguous()?)
+}
+
+/// The inverse rotation of a head-major gradient `(batch, heads, seq,
+/// head_dim)`, returned in rows `(batch * seq, heads * head_dim)`: the
+/// backward of [`rope_into_heads`], one kernel on CUDA.
+pub fn rope_into_rows(g: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (b, h, n, d) = g.dims4()?;
+    if d % 2 != 0 {
+        bail!("rope_into_rows: head_dim {d} of {:?} is odd", g.dims());
+    }
+    check_tables("rope_into_rows", g, cos, sin, n, d)?;
+    #[cfg(feature = "cuda")]
+    if g.device().is_cuda() {
+        return crate::decoder_kernels::rope_to_rows(g, cos, sin);
+    }
+    rope_backward(g, cos, sin)?
+        .transpose(1, 2)?
+        .reshape((b * n, h * d))?
+        .contiguous()
+}
+
+/// `cos`, `sin` must be `(seq, head_dim / 2)` in `x`'s dtype.
+fn check_tables(
+    what: &str,
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    seq: usize,
+    d: usize,
+) -> Result<()> {
+    for (name, t) in [("cos", cos), ("sin", sin)] {
+        if t.dims() != [seq, d / 2] || t.dtype() != x.dtype() {
+            bail!(
+                "{what}: {name} is {:?} {:?}, expected ({seq}, {}) {:?}",
+                t.dims(),
+                t.dtype(),
+                d / 2,
+                x.dtype()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// The output itself (a copy of argument `y` of the op), for the pass-through
 /// ops below.
 fn copy_cpu(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
