@@ -35,10 +35,13 @@ for s in site.getsitepackages():
         print(os.path.dirname(f)); raise SystemExit
 PY
 )
+nccl_note=""
 if [ -n "$nccl_lib" ] && [ -e "$nccl_lib/libnccl.so.2" ]; then
   export LD_LIBRARY_PATH=$nccl_lib:$LD_LIBRARY_PATH
+  nccl_note="libnccl.so.2 from $nccl_lib"
 else
-  echo "run.sh: libnccl.so.2 not found in the nvidia-nccl wheel; binaries that use NCCL will not start" >&2
+  nccl_note="WARNING: libnccl.so.2 not found in the nvidia-nccl wheel; binaries that link NCCL will not start"
+  echo "run.sh: $nccl_note" >&2
 fi
 # Every process JIT-compiles our PTX on its first launch (20-25 s); a cache big
 # enough for all of it lets the later processes of the same call reuse it.
@@ -52,6 +55,7 @@ mkdir -p "$logs"
 : >"$summary"
 fail=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$summary" 2>&1 || true
+echo "$nccl_note" >>"$summary"
 # Test binaries run once per topic (GPU_TEST_TOPICS, default: every module of
 # tests/main.rs), so a crash in one topic cannot hide the others' results.
 topics=${GPU_TEST_TOPICS:-$(sed -n 's/^mod \([a-z_0-9]*\);$/\1/p' tests/main.rs | tr '\n' ' ')}
