@@ -169,6 +169,8 @@ pub fn write_atomic(path: &Path, text: &str) -> Result<()> {
 /// With `overlap` on, the layers' weights are stepped on a host thread while
 /// backward continues with earlier layers (`TrainableSequential::backward_step`);
 /// the embedding, norm and head are stepped after. Both give the same update.
+/// With [`OptimizerPlace::Device`] the layers are always stepped on the device
+/// during backward (`backward_step_device`), whatever `overlap` says.
 pub struct LmTrainer {
     model: Llama,
     opt: PlacedAdamW,
