@@ -21,12 +21,7 @@ fn contiguous(l: &Layout, what: &str) -> Result<usize> {
 }
 
 fn suffix(dt: DType) -> Result<&'static str> {
-    Ok(match dt {
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        DType::F32 => "f32",
-        dt => bail!("decoder kernels take bf16, f16 or f32, got {dt:?}"),
-    })
+    streamer_core::kernel_suffix(dt, "decoder kernels")
 }
 
 fn func(dev: &candle_core::CudaDevice, name: &str) -> Result<cudarc::driver::CudaFunction> {
@@ -39,13 +34,7 @@ fn func(dev: &candle_core::CudaDevice, name: &str) -> Result<cudarc::driver::Cud
     .map(|f| f.into_cuda_function())
 }
 
-fn grid(n: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (n.div_ceil(256).clamp(1, 65535) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
+use streamer_core::grid_stride as grid;
 
 /// `(d_act, gate, up) -> [d_gate; d_up]` stacked as `(2, ...)`.
 struct SwiGluBwd;

@@ -117,12 +117,7 @@ fn use_mma(dtype: DType, d: usize, offsets: &[usize]) -> bool {
 }
 
 fn suffix(dtype: DType) -> Result<&'static str> {
-    Ok(match dtype {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        other => bail!("cqsa: no CUDA attention kernel for dtype {other:?}"),
-    })
+    streamer_core::kernel_suffix(dtype, "cqsa attention")
 }
 
 /// The contiguous part of `s` described by `l`, and its element offset.

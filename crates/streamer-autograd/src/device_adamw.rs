@@ -207,17 +207,29 @@ impl DeviceAdamW {
     /// the gradient is not finite.
     pub(crate) fn step_host(&mut self, i: usize, g: &Tensor) -> Result<()> {
         self.check_update(i, g)?;
+        let g = self.finite_host_grad(i, g)?;
+        self.host_update(i, &g)
+    }
+
+    /// `g` as a contiguous f32 CPU tensor, or an error naming param `i` when
+    /// it holds a NaN or an infinity.
+    fn finite_host_grad(&self, i: usize, g: &Tensor) -> Result<Tensor> {
         let g = g
             .to_device(&Device::Cpu)?
             .to_dtype(DType::F32)?
             .contiguous()?;
         if let Some((j, x)) = first_non_finite_tensor(&g)? {
             bail!(
-                "{WHAT}: the gradient of param {i} ({}) is {x} at element {j}; \
-                 the step is refused and this param and its moments were not changed",
+                "{WHAT}: the gradient of param {i} ({}) is not finite ({x} at element {j}); \
+                 the step is refused and no parameter or optimizer state was changed",
                 self.name(i)
             )
         }
+        Ok(g)
+    }
+
+    /// `CpuAdamW`'s kernel on host param `i` with its checked f32 gradient.
+    fn host_update(&mut self, i: usize, g: &Tensor) -> Result<()> {
         let first = self.last_step[i] == 0;
         // Without `cuda`, `Host` is the only variant.
         #[allow(clippy::infallible_destructuring_match)]
@@ -227,7 +239,7 @@ impl DeviceAdamW {
             Moments::Cuda(..) => bail!("{WHAT}: param {i}'s moments are on the device"),
         };
         let k = AdamConsts::new(&self.params, self.t);
-        update_param::<AdamKernel>("device-adamw", &self.vars[i], &g, bufs, first, &k)?;
+        update_param::<AdamKernel>("device-adamw", &self.vars[i], g, bufs, first, &k)?;
         self.last_step[i] = self.t;
         Ok(())
     }
@@ -417,20 +429,21 @@ impl DeviceAdamW {
                     // own when it lives on the device (written only on the
                     // compute stream, in order with every Candle op on it), or
                     // a fresh copy of a host var.
-                    unsafe { self.step_device_copy(*i, addr, var.dtype(), g)? };
+                    unsafe { self.launch_update(*i, addr, var.dtype(), g)? };
                     if var.device().is_cpu() {
                         var.set(&p.to_device(&Device::Cpu)?)?;
                     }
                 }
-                _ => self.step_host(*i, g)?,
+                _ => self.host_update(*i, g)?,
             }
         }
         Ok(())
     }
 
-    /// Checks every update at the open step count (shapes, devices, and, in
-    /// one device round trip, that every gradient is finite) and returns the
-    /// gradients on the moments' device.
+    /// Checks every update at the open step count (shapes, devices, kernel
+    /// dtypes and, in one device round trip, that every gradient is finite)
+    /// and returns the gradients ready for the update: contiguous on the
+    /// device, f32 on the CPU.
     fn validate_resident(&mut self, updates: &[(usize, Tensor)]) -> Result<Vec<(usize, Tensor)>> {
         self.zero_flags()?;
         let mut out = Vec::with_capacity(updates.len());
@@ -445,23 +458,17 @@ impl DeviceAdamW {
                     self.device.location()
                 )
             }
-            out.push((*i, g.to_device(&self.device)?));
-        }
-        if self.device.is_cpu() {
-            for (i, g) in &out {
-                let g = g.to_dtype(DType::F32)?.contiguous()?;
-                if let Some((j, x)) = first_non_finite_tensor(&g)? {
-                    bail!(
-                        "{WHAT}: the gradient of param {i} ({}) is not finite ({x} at element \
-                         {j}); the step is refused and no parameter or optimizer state was changed",
-                        self.name(*i)
-                    )
-                }
-            }
+            let g = if self.device.is_cpu() {
+                self.finite_host_grad(*i, g)?
+            } else {
+                g.to_device(&self.device)?.contiguous()?
+            };
+            out.push((*i, g));
         }
         #[cfg(feature = "cuda")]
         if self.device.is_cuda() {
             for (i, g) in &out {
+                check_kernel(self.vars[*i].dtype(), g.dtype())?;
                 self.flag_nonfinite(*i, g)?;
             }
             if let Some(i) = self.flagged()?.into_iter().next() {
@@ -474,6 +481,21 @@ impl DeviceAdamW {
         }
         Ok(out)
     }
+}
+
+/// Refuses a param/gradient dtype pair the fused kernel has no instance of.
+#[cfg(feature = "cuda")]
+fn check_kernel(p: DType, g: DType) -> Result<()> {
+    let ok = matches!(
+        (p, g),
+        (DType::F32, _)
+            | (DType::BF16, DType::BF16 | DType::F32)
+            | (DType::F16, DType::F16 | DType::F32)
+    );
+    if !ok {
+        bail!("{WHAT}: no kernel for {p:?} params with {g:?} gradients")
+    }
+    Ok(())
 }
 
 #[cfg(feature = "cuda")]
@@ -555,25 +577,24 @@ impl DeviceAdamW {
         g: &Tensor,
     ) -> Result<()> {
         self.check_update(i, g)?;
-        let ok = matches!(
-            (p_dtype, g.dtype()),
-            (DType::F32, _)
-                | (DType::BF16, DType::BF16 | DType::F32)
-                | (DType::F16, DType::F16 | DType::F32)
-        );
-        if !ok {
-            bail!(
-                "{WHAT}: no kernel for {p_dtype:?} params with {:?} gradients",
-                g.dtype()
-            )
-        }
+        check_kernel(p_dtype, g.dtype())?;
         let g = g.contiguous()?;
         self.flag_nonfinite(i, &g)?;
+        // SAFETY: forwarded from the caller; `g` is contiguous.
+        unsafe { self.launch_update(i, p, p_dtype, &g) }
+    }
+
+    /// The update of [`Self::step_device_copy`] once `g` (contiguous) is
+    /// checked and its finite flag enqueued.
+    ///
+    /// # Safety
+    /// As [`Self::step_device_copy`].
+    unsafe fn launch_update(&mut self, i: usize, p: u64, p_dtype: DType, g: &Tensor) -> Result<()> {
         let (m, v) = self.moment_addresses(i)?;
         let b = crate::device_kernels::AdamBuffers {
             p,
             p_dtype,
-            g: streamer_core::cuda_address(&g)?,
+            g: streamer_core::cuda_address(g)?,
             g_dtype: g.dtype(),
             m,
             v,

@@ -2,27 +2,12 @@
 //! raw device buffers: the finite check of a gradient and the fused AdamW
 //! update, both on the device's compute stream.
 use candle_core::{CudaDevice, DType, Result};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::PushKernelArg;
 
 use crate::adamw::AdamConsts;
 
 fn suffix(dt: DType) -> Result<&'static str> {
-    Ok(match dt {
-        DType::F32 => "f32",
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        other => candle_core::bail!("device AdamW: unsupported dtype {other:?}"),
-    })
-}
-
-/// Grid-stride launches: enough blocks to fill any GPU, no device constant.
-fn config(n: usize) -> LaunchConfig {
-    let threads = 256u32;
-    LaunchConfig {
-        grid_dim: (n.div_ceil(threads as usize).clamp(1, 65_535) as u32, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    }
+    streamer_core::kernel_suffix(dt, "device AdamW")
 }
 
 /// Sets the u32 at `flag` to 1 if any of the `n` elements at `g` is NaN or
@@ -49,7 +34,7 @@ pub(crate) unsafe fn nonfinite(
     b.arg(&g).arg(&n).arg(&flag);
     // SAFETY: the kernel reads n elements at g and writes one u32 at flag
     // (this fn's contract).
-    unsafe { b.launch(config(n)) }.map_err(candle_core::Error::wrap)?;
+    unsafe { b.launch(streamer_core::grid_stride(n)) }.map_err(candle_core::Error::wrap)?;
     Ok(())
 }
 
@@ -93,6 +78,6 @@ pub(crate) unsafe fn adamw(dev: &CudaDevice, b: &AdamBuffers, k: &AdamConsts) ->
     l.arg(&k.scale_m).arg(&k.scale_v);
     l.arg(&k.decay).arg(&k.eps).arg(&k.lr);
     // SAFETY: the buffers are as the kernel expects (this fn's contract).
-    unsafe { l.launch(config(b.n)) }.map_err(candle_core::Error::wrap)?;
+    unsafe { l.launch(streamer_core::grid_stride(b.n)) }.map_err(candle_core::Error::wrap)?;
     Ok(())
 }

@@ -88,6 +88,28 @@ pub(crate) unsafe fn dtoh_pieces(
     Ok(())
 }
 
+/// The name suffix of our kernels' instantiation for a float dtype (`f32`,
+/// `bf16`, `f16`); other dtypes are an error naming `what` and the dtype.
+pub fn kernel_suffix(dt: DType, what: &str) -> Result<&'static str> {
+    Ok(match dt {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        other => candle_core::bail!("{what}: no CUDA kernel for dtype {other:?} (f32, bf16, f16)"),
+    })
+}
+
+/// A launch of 256-thread blocks for a grid-stride loop over `n` elements:
+/// enough blocks to fill any GPU several times over (capped at 65,535; the
+/// loop covers the rest), so no device property is hard-coded.
+pub fn grid_stride(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 65_535) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// Whether our cast kernel covers this conversion.
 pub(crate) fn has_cast(from: DType, to: DType) -> bool {
     matches!(
@@ -125,15 +147,7 @@ pub(crate) unsafe fn cast(
     }
     let func =
         dev.get_or_load_custom_func(name, streamer_kernels::module::CAST, streamer_kernels::CAST)?;
-    let threads = 256u32;
-    // Enough blocks to fill any GPU several times over; the kernel's grid-stride
-    // loop covers whatever is left, so no device property is hard-coded.
-    let blocks = n.div_ceil(threads as usize).min(65_535) as u32;
-    let cfg = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = grid_stride(n);
     let mut b = stream.launch_builder(&func);
     b.arg(&src).arg(&dst).arg(&n);
     // SAFETY: the kernel reads n elements at `src` and writes n at `dst`, which

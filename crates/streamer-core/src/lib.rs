@@ -59,7 +59,7 @@ pub use config::StreamConfig;
 pub use context::{cuda_event_tracking, disable_cuda_event_tracking};
 pub use convert::convert;
 #[cfg(feature = "cuda")]
-pub use cuda::cuda_address;
+pub use cuda::{cuda_address, grid_stride, kernel_suffix};
 pub use device_memory::{
     device_pool_stats, free_device_memory, pooled_idle_bytes, reset_device_pool_peaks,
     retain_freed_device_memory, trim_device_memory, DevicePoolStats,
