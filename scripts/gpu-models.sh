@@ -6,7 +6,7 @@
 #
 #   bash scripts/gpu-models.sh lora3b     # benches/lora.rs: 3b preset, LoRA and full
 #   bash scripts/gpu-models.sh lora8b     # Llama 3.1 8B shapes: LoRA (LORA8B_MODES=lora,full for both)
-#   bash scripts/gpu-models.sh generate   # init_model (8B shapes, bf16) then generate --model, resident and streamed
+#   bash scripts/gpu-models.sh generate   # init_model (8B shapes, bf16), transformers' generate, then ours resident and streamed
 #
 # Outputs: run.sh's summaries and logs under $OUT (RUN_TAG per stage).
 set -uo pipefail
@@ -34,6 +34,10 @@ for stage in "$@"; do
           timeout "$limit" bash gpu-bundle/run.sh examples || fail=1
       fi
       n=${GEN_TOKENS:-256}
+      # transformers' figures first: ours pack benches/results into their logs.
+      mkdir -p "${OUT:-gpu-out}"
+      timeout "$limit" python3 scripts/generate_torch.py --model "$dir" --max-tokens "$n" \
+        >"${OUT:-gpu-out}/generate-torch.log" 2>&1 || fail=1
       gen gen-resident --model "$dir" --max-tokens "$n" --temperature 0
       gen gen-streamed --model "$dir" --max-tokens "$n" --temperature 0 --streamed ;;
     *) echo "unknown stage $stage (lora3b, lora8b, generate)" >&2; exit 2 ;;
