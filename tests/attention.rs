@@ -1362,9 +1362,12 @@ fn estimate_counts_window_pairs(dev: &Device) -> Result<()> {
         causal.mode == Mode::Streamed && windowed.mode == Mode::Streamed,
         "{causal} / {windowed}"
     );
+    // The predicted time shrinks less than the subproblem count: every query
+    // chunk still moves in and out, window or not (on the H200 machine's plan
+    // 63 against 528 subproblems gave 4.8 against 18.4 s).
     ensure!(
         windowed.subproblems * 4 < causal.subproblems
-            && windowed.forward_seconds * 4.0 < causal.forward_seconds,
+            && windowed.forward_seconds * 2.0 < causal.forward_seconds,
         "{windowed} vs {causal}"
     );
     // The plain estimate agrees with estimate_with for a causal call.

@@ -726,7 +726,10 @@ fn nccl_world_size_one() -> Result<()> {
         },
         &colls,
     )?;
-    data_parallel_matches(one()?, &dev)?;
+    // DataParallel over a fresh group: the model goes on its rank 0's device.
+    let group = one()?;
+    let dev0 = group[0].device().clone();
+    data_parallel_matches(group, &dev0)?;
     Ok(())
 }
 

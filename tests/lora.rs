@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{Optimizer, ParamsAdamW, VarBuilder};
 use std::collections::HashMap;
 use std::path::PathBuf;
+use streamer_autograd::ActivationPolicy;
 use streamer_core::StreamConfig;
 use streamer_models::{Llama, LlamaConfig, LoraAdapters, LoraConfig};
 
@@ -324,6 +325,7 @@ fn lora_dropout_replays_in_streamed_backward(dev: &Device) -> Result<()> {
     }
     model.set_lora(Some(fresh))?;
     let layers = model.trainable_layers().context("trainable")?;
+    layers.set_activation_policy(ActivationPolicy::Recompute)?;
     let (x, y) = fx.inputs(dev)?;
     layers.set_seed(11);
     let loss0 = model.loss(&x, &y)?;
@@ -349,8 +351,23 @@ fn lora_dropout_replays_in_streamed_backward(dev: &Device) -> Result<()> {
         (actual - predicted).abs() <= 0.02 * predicted.abs(),
         "loss moved {actual:.6} where the gradient predicts {predicted:.6}"
     );
-    // Out of training mode the dropout is off: the same logits every call.
+    // Kept activations (no recompute) give the same adapter gradients: they
+    // are keyed by the extras the forward handed the layers (on CUDA, whose
+    // default policy keeps, none came back before this was fixed).
     v.set(&base)?;
+    layers.set_activation_policy(ActivationPolicy::Keep {
+        device_bytes: 1 << 30,
+    })?;
+    layers.set_seed(11);
+    let loss_k = model.loss(&x, &y)?;
+    let grads_k = model.backward(&loss_k)?;
+    model.zero_grad()?;
+    let gk = grads_k
+        .get(v.as_tensor())
+        .with_context(|| format!("kept activations: no gradient for {name}"))?;
+    let e = rel_err(gk, g)?;
+    ensure!(e <= 1e-6, "{name}: kept against recomputed {e:.2e}");
+    // Out of training mode the dropout is off: the same logits every call.
     model.set_training(false);
     let (a, b) = (model.forward(&x)?, model.forward(&x)?);
     ensure!(rel_err(&a, &b)? == 0.0, "inference is not deterministic");

@@ -90,6 +90,10 @@ struct Saved {
     /// The model input and extras as the caller passed them (maybe tracked).
     x: Tensor,
     extras: Vec<Tensor>,
+    /// The extras as the forward handed them to the blocks (detached: new
+    /// tensor ids for variables). Kept activations hold these, so a
+    /// hand-written backward's extras gradients are keyed by their ids.
+    extras_det: Vec<Tensor>,
     /// The outputs handed back, as variables the loss's backward reaches.
     outputs: Vec<Var>,
     seeds: Vec<u64>,
@@ -465,6 +469,7 @@ impl TrainableSequential {
             on_host,
             x: x.clone(),
             extras: extras.to_vec(),
+            extras_det,
             outputs,
             seeds,
             fingerprints: self.fingerprints()?,
@@ -954,7 +959,7 @@ fn manual_step(
         None => {
             let ctx = BlockCtx::training(i, saved.inputs[i].device(), saved.seeds[i], false);
             with_seed(saved.seeds[i], || {
-                man.forward_train_ctx(&saved.inputs[i], &saved.extras, &ctx)
+                man.forward_train_ctx(&saved.inputs[i], &saved.extras_det, &ctx)
             })?
             .1
         }
@@ -973,8 +978,13 @@ fn manual_step(
         grads.insert(w.id(), sum);
     }
     // A hand-written backward may also return gradients of its extras (a
-    // LoRA layer's adapters), keyed by the extras it was given.
-    let g_extras = saved.extras.iter().map(|e| grads.remove(&e.id())).collect();
+    // LoRA layer's adapters), keyed by the extras it was given: the forward's
+    // detached ones, whether the activations were kept or recomputed.
+    let g_extras = saved
+        .extras_det
+        .iter()
+        .map(|e| grads.remove(&e.id()))
+        .collect();
     Ok(Some(BlockStep {
         grads: BlockGrads::Manual(grads),
         g_x: Some(g_x),

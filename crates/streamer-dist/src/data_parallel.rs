@@ -93,16 +93,25 @@ impl DataParallel {
             }
         }
         let dev0 = collectives[0].device();
-        if !model.config().device.same_device(dev0) {
+        let model_dev = &model.config().device;
+        if model_dev.location() != dev0.location() {
             bail!(
                 "DataParallel: the model computes on {:?} but rank 0 is on {:?}",
-                model.config().device.location(),
+                model_dev.location(),
+                dev0.location()
+            )
+        }
+        // Two `Device::new_cuda(0)` are distinct Candle devices (each with its
+        // own stream), whose tensors Candle refuses to mix.
+        if !model_dev.same_device(dev0) {
+            bail!(
+                "DataParallel: the model and rank 0 are on the same GPU {:?} but on different Candle devices: build the model on rank 0's device (`collectives[0].device()`), or the collectives on the model's with `NcclCollective::group`",
                 dev0.location()
             )
         }
         for (i, c) in collectives.iter().enumerate() {
             for (j, d) in collectives.iter().enumerate().take(i) {
-                if c.device().is_cuda() && c.device().same_device(d.device()) {
+                if c.device().is_cuda() && c.device().location() == d.device().location() {
                     bail!(
                         "DataParallel: ranks {j} and {i} are on the same device {:?}",
                         c.device().location()
