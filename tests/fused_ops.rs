@@ -311,3 +311,96 @@ fn rope_layout_moves_match_reference(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(rope_layout_moves_match_reference);
+
+/// `fused_ops::swiglu` and `fused_ops::add_rms_norm` (one kernel each on CUDA
+/// with untracked inputs) against f64 loops over the same rounded inputs:
+/// f32 to 1e-5 and bf16 to 1e-2 of the largest value (one rounding of the
+/// output; the sum `s` of `add_rms_norm` is rounded once more before its
+/// statistics). Tracked inputs take plain ops: their gradients match f64
+/// autograd to 1e-5 (f32). Mismatched operands are refused, named.
+fn swiglu_and_add_rms_norm_match_reference(dev: &Device) -> Result<()> {
+    use streamer_models::fused_ops::{add_rms_norm, swiglu};
+    let (rows, h, eps) = (37usize, 96usize, 1e-5);
+    let cpu = Device::Cpu;
+    let a = Tensor::randn(0f32, 2.0, (rows, h), &cpu)?;
+    let c = Tensor::randn(0f32, 1.0, (rows, h), &cpu)?;
+    let w = (Tensor::randn(0f32, 0.3, h, &cpu)? + 1.0)?;
+    for (dt, tol) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
+        // The reference reads the inputs as rounded to dt.
+        let r64 = |t: &Tensor| -> Result<Vec<f64>> {
+            Ok(t.to_dtype(dt)?
+                .to_dtype(DType::F64)?
+                .flatten_all()?
+                .to_vec1()?)
+        };
+        let (av, cv, wv) = (r64(&a)?, r64(&c)?, r64(&w)?);
+        let on = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(dt)?.to_device(dev)?) };
+        let (ad, cd, wd) = (on(&a)?, on(&c)?, on(&w)?);
+        let act: Vec<f64> = av
+            .iter()
+            .zip(&cv)
+            .map(|(z, u)| z / (1.0 + (-z).exp()) * u)
+            .collect();
+        let e = max_rel(&swiglu(&ad, &cd)?, &Tensor::from_vec(act, (rows, h), &cpu)?)?;
+        ensure!(e <= tol, "swiglu {dt:?}: {e:.2e} > {tol:.0e}");
+        let (mut sv, mut yv) = (vec![0f64; rows * h], vec![0f64; rows * h]);
+        for r in 0..rows {
+            let row: Vec<f64> = (0..h).map(|j| av[r * h + j] + cv[r * h + j]).collect();
+            let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / h as f64 + eps).sqrt();
+            for j in 0..h {
+                sv[r * h + j] = row[j];
+                yv[r * h + j] = row[j] * inv * wv[j];
+            }
+        }
+        let (s, y) = add_rms_norm(&ad, &cd, &wd, eps)?;
+        ensure!(s.dims() == [rows, h] && y.dims() == [rows, h] && y.dtype() == dt);
+        let es = max_rel(&s, &Tensor::from_vec(sv, (rows, h), &cpu)?)?;
+        let ey = max_rel(&y, &Tensor::from_vec(yv, (rows, h), &cpu)?)?;
+        ensure!(
+            es <= tol && ey <= tol,
+            "add_rms_norm {dt:?}: sum {es:.2e}, norm {ey:.2e} > {tol:.0e}"
+        );
+    }
+    // Tracked inputs: autograd through the plain ops, against f64.
+    let g = Tensor::randn(0f32, 1.0, (rows, h), &cpu)?;
+    let f = |x: &Tensor, w: &Tensor| -> candle_core::Result<Tensor> {
+        let u = x.affine(0.5, 0.1)?;
+        let (s, y) = add_rms_norm(x, &u, w, eps).map_err(candle_core::Error::wrap)?;
+        swiglu(&y, &s).map_err(candle_core::Error::wrap)
+    };
+    let var = |t: &Tensor, d: &Device, dt: DType| -> Result<Var> {
+        Ok(Var::from_tensor(&t.to_dtype(dt)?.to_device(d)?)?)
+    };
+    let (dx, dw) = grads(
+        f,
+        &var(&a, dev, DType::F32)?,
+        &var(&w, dev, DType::F32)?,
+        &g.to_device(dev)?,
+    )?;
+    let (rx, rw) = grads(
+        f,
+        &var(&a, &cpu, DType::F64)?,
+        &var(&w, &cpu, DType::F64)?,
+        &g,
+    )?;
+    let (ex, ew) = (max_rel(&dx, &rx)?, max_rel(&dw, &rw)?);
+    ensure!(
+        ex <= 1e-5 && ew <= 1e-5,
+        "tracked: dx {ex:.2e}, dw {ew:.2e}"
+    );
+    // Bad operands, before any launch.
+    let short = Tensor::zeros((rows, h - 1), DType::F32, dev)?;
+    let x = a.to_device(dev)?;
+    let err = swiglu(&x, &short).unwrap_err().to_string();
+    ensure!(err.contains("swiglu") && err.contains("up"), "{err}");
+    let err = add_rms_norm(&x, &x.to_dtype(DType::BF16)?, &w.to_device(dev)?, eps)
+        .unwrap_err()
+        .to_string();
+    ensure!(err.contains("residual"), "{err}");
+    let err = add_rms_norm(&x, &x, &short.get(0)?, eps)
+        .unwrap_err()
+        .to_string();
+    ensure!(err.contains("weight"), "{err}");
+    Ok(())
+}
+candle_streamer::test_device!(swiglu_and_add_rms_norm_match_reference);

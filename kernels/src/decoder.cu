@@ -7,6 +7,11 @@
 // - rms_rinv: each row's 1 / rms (one block per row);
 // - rms_dw: per block of rows, the partial sums over those rows of g x r
 //   (the weight gradient is their column sum), from rms_rinv's values.
+// - swiglu_fwd: act = silu(gate) * up in one pass (forward);
+// - add_rms: s = x + r and RMSNorm(s) w in one pass over the row (the residual
+//   add fused with the norm after it; forward);
+// - rms_dx with a residual: the norm's input gradient plus the residual
+//   branch's gradient, one rounding (backward).
 // Grid-stride and block-stride loops, so any launch size covers any length.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -34,6 +39,16 @@ __device__ void swiglu_bwd(const T* __restrict__ da, const T* __restrict__ g,
   }
 }
 
+template <typename T>
+__device__ void swiglu_fwd(const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ out,
+                           size_t n) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)blockDim.x * gridDim.x) {
+    const float z = to_f(g[i]);
+    out[i] = from_f<T>(z / (1.f + __expf(-z)) * to_f(u[i]));
+  }
+}
+
 // Sum of v over the block (blockDim.x a multiple of 32, at most 1024); every
 // thread gets the result. `sh` holds 32 floats.
 __device__ float block_sum(float v, float* sh) {
@@ -51,10 +66,34 @@ __device__ float block_sum(float v, float* sh) {
   return sh[0];
 }
 
-// dx = r (g w - x r m), r = 1 / sqrt(mean(x^2) + eps), m = r sum(g w x) / h.
+// One block per row: s = x + r (rounded to T, as a separate add would), then
+// h = s rinv(s) w with the statistics of the rounded s. Each thread reads back
+// only the elements of s it wrote itself, so no barrier is needed between.
+template <typename T>
+__device__ void add_rms(const T* __restrict__ x, const T* __restrict__ r,
+                        const T* __restrict__ w, T* __restrict__ s, T* __restrict__ y, int h,
+                        float eps) {
+  __shared__ float sh[32];
+  const size_t off = (size_t)blockIdx.x * h;
+  float s2 = 0.f;
+  for (int j = threadIdx.x; j < h; j += blockDim.x) {
+    const T v = from_f<T>(to_f(x[off + j]) + to_f(r[off + j]));
+    s[off + j] = v;
+    const float f = to_f(v);
+    s2 += f * f;
+  }
+  s2 = block_sum(s2, sh);
+  const float inv = rsqrtf(s2 / h + eps);
+  for (int j = threadIdx.x; j < h; j += blockDim.x)
+    y[off + j] = from_f<T>(to_f(s[off + j]) * inv * to_f(w[j]));
+}
+
+// dx = res + r (g w - x r m), r = 1 / sqrt(mean(x^2) + eps), m = r sum(g w x) / h;
+// res (the residual branch's gradient) may be null.
 template <typename T>
 __device__ void rms_dx(const T* __restrict__ x, const T* __restrict__ w,
-                       const T* __restrict__ g, T* __restrict__ dx, int h, float eps) {
+                       const T* __restrict__ g, const T* __restrict__ res, T* __restrict__ dx,
+                       int h, float eps) {
   __shared__ float sh[32];
   const size_t off = (size_t)blockIdx.x * h;
   float s2 = 0.f, sgwx = 0.f;
@@ -69,7 +108,8 @@ __device__ void rms_dx(const T* __restrict__ x, const T* __restrict__ w,
   const float m = sgwx * r / h;
   for (int j = threadIdx.x; j < h; j += blockDim.x) {
     float xv = to_f(x[off + j]);
-    dx[off + j] = from_f<T>(r * (to_f(g[off + j]) * to_f(w[j]) - xv * r * m));
+    const float add = res ? to_f(res[off + j]) : 0.f;
+    dx[off + j] = from_f<T>(add + r * (to_f(g[off + j]) * to_f(w[j]) - xv * r * m));
   }
 }
 
@@ -121,9 +161,16 @@ __device__ void rms_dw(const T* __restrict__ x, const T* __restrict__ g, float* 
                                             size_t n) {                                        \
     swiglu_bwd<T>(da, g, u, out, n);                                                           \
   }                                                                                            \
-  extern "C" __global__ void rms_dx_##S(const T* x, const T* w, const T* g, T* dx, int h,      \
-                                        float eps) {                                           \
-    rms_dx<T>(x, w, g, dx, h, eps);                                                            \
+  extern "C" __global__ void rms_dx_##S(const T* x, const T* w, const T* g, const T* res,     \
+                                        T* dx, int h, float eps) {                             \
+    rms_dx<T>(x, w, g, res, dx, h, eps);                                                       \
+  }                                                                                            \
+  extern "C" __global__ void swiglu_fwd_##S(const T* g, const T* u, T* out, size_t n) {       \
+    swiglu_fwd<T>(g, u, out, n);                                                               \
+  }                                                                                            \
+  extern "C" __global__ void add_rms_##S(const T* x, const T* r, const T* w, T* s, T* y,      \
+                                         int h, float eps) {                                   \
+    add_rms<T>(x, r, w, s, y, h, eps);                                                         \
   }                                                                                            \
   extern "C" __global__ void rms_rinv_##S(const T* x, float* rinv, int h, float eps) {        \
     rms_rinv<T>(x, rinv, h, eps);                                                              \

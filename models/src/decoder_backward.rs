@@ -16,8 +16,10 @@
 //!   cqsa's attention backward from the kept log-sum-exp, RMSNorm's closed
 //!   form, RoPE's inverse rotation and SwiGLU's derivative.
 //!
-//! On CUDA the SwiGLU derivative and the RMSNorm gradients are fused kernels
-//! (`kernels/src/decoder.cu`, one pass each); elsewhere Candle ops in f32.
+//! On CUDA the SwiGLU product and its derivative, the residual add with the
+//! norm after it, and the RMSNorm gradients with the residual's gradient
+//! added are fused kernels (`kernels/src/decoder.cu`, one pass each);
+//! elsewhere Candle ops in f32.
 //!
 //! Sums of gradients from two branches (residuals, q/k/v into the norm) are
 //! single adds. Weight gradients are in the weights' dtype, as autograd gives.
@@ -31,7 +33,7 @@
 //! dropout's scaled mask, drawn as the autograd forward draws it); forward
 //! keeps `A`, `B`, `u = (m x) A^T` and the mask, and backward returns the
 //! gradients of `A` and `B` keyed by the extras that carried them.
-use crate::fused_ops::rms_norm_backward;
+use crate::fused_ops::{add_rms_norm, rms_norm_backward, swiglu};
 use crate::llama::DecoderLayer;
 use crate::lora::{LoraLayout, LoraSaved};
 use candle_core::{bail, DType, Result, Shape, Tensor};
@@ -147,10 +149,12 @@ impl DecoderLayer {
         let (dh2_u, gw) = linear_grads(&d_up, &h2, self.up_proj.weight())?;
         grads.push(gw);
         let dh2_u = lora.add(5, &h2, &d_up, dh2_u, grads)?;
+        // d x_mid = dy (the residual) + the norm's input gradient, one pass.
         let n2 = &self.post_attention_layernorm;
-        let (dx_n2, dw2) = norm_backward(&x_mid, &n2.weight.detach(), &(dh2_g + dh2_u)?, n2.eps)?;
+        let dh2 = (dh2_g + dh2_u)?;
+        let (d_mid, dw2) = norm_backward(&x_mid, &n2.weight.detach(), &dh2, Some(&dy), n2.eps)?;
         grads.push((n2.weight.clone(), dw2));
-        dy + dx_n2
+        Ok(d_mid)
     }
 
     /// A rotated (and maybe normalised) projection's gradient `(b, heads, n,
@@ -173,6 +177,7 @@ impl DecoderLayer {
             &pre.reshape(rows)?,
             &nm.weight.detach(),
             &d.reshape(rows)?,
+            None,
             nm.eps,
         )?;
         grads.push((nm.weight.clone(), dw));
@@ -209,13 +214,14 @@ impl ManualBackward for DecoderLayer {
         let v = self.heads(v, b, n, self.kv_heads)?;
         let (o, lse) = cqsa::attention_forward_with(&q, &k, &v, &self.scores())?;
         let o2 = self.rows(&o, b, n)?;
-        let x_mid = (&x2 + proj(3, &o2, linear(&o2, &self.o_proj)?)?)?;
+        let attn = proj(3, &o2, linear(&o2, &self.o_proj)?)?;
+        // x_mid = x + attn and its norm h2 in one pass (fused on CUDA).
         let n2 = &self.post_attention_layernorm;
-        let h2 =
-            candle_nn::ops::rms_norm(&x_mid, &n2.weight.detach().contiguous()?, n2.eps as f32)?;
+        let (x_mid, h2) = add_rms_norm(&x2, &attn, &n2.weight.detach(), n2.eps)?;
+        drop(attn);
         let gate = proj(4, &h2, mm_t(&h2, self.gate_proj.weight())?)?;
         let up = proj(5, &h2, mm_t(&h2, self.up_proj.weight())?)?;
-        let act = (gate.silu()? * &up)?;
+        let act = swiglu(&gate, &up)?;
         let y = (&x_mid + proj(6, &act, mm_t(&act, self.down_proj.weight())?)?)?;
         let (cos, sin) = (cos.clone(), sin.clone());
         drop(o2);
@@ -312,11 +318,12 @@ impl ManualBackward for DecoderLayer {
                 Some(a) => (a + dh)?,
             });
         }
+        // dx = d_mid (the residual) + the input norm's gradient, one pass.
         let n1 = &self.input_layernorm;
         let dh1 = dh1.ok_or_else(|| candle_core::Error::Msg("no projections".into()))?;
-        let (dx_n1, dw1) = norm_backward(&x2, &n1.weight.detach(), &dh1, n1.eps)?;
+        let (dx, dw1) = norm_backward(&x2, &n1.weight.detach(), &dh1, Some(&d_mid), n1.eps)?;
+        drop(d_mid);
         grads.push((n1.weight.clone(), dw1));
-        let dx = (d_mid + dx_n1)?;
         Ok((dx.reshape((b, n, hidden))?, grads))
     }
 }
@@ -406,15 +413,27 @@ impl DecoderLayer {
     }
 }
 
-/// RMSNorm's `(dx, dw)`: our fused kernels on CUDA, Candle ops elsewhere.
-fn norm_backward(x: &Tensor, w: &Tensor, g: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+/// RMSNorm's `(dx, dw)`, with `res` (a residual branch's gradient into the
+/// same input) added to `dx`: our fused kernels on CUDA (the add in the same
+/// pass), Candle ops elsewhere.
+fn norm_backward(
+    x: &Tensor,
+    w: &Tensor,
+    g: &Tensor,
+    res: Option<&Tensor>,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        if let Some(r) = crate::decoder_kernels::rms_norm_backward(x, w, g, eps)? {
+        if let Some(r) = crate::decoder_kernels::rms_norm_backward(x, w, g, res, eps)? {
             return Ok(r);
         }
     }
-    rms_norm_backward(x, w, g, eps)
+    let (dx, dw) = rms_norm_backward(x, w, g, eps)?;
+    Ok(match res {
+        Some(r) => ((dx + r)?, dw),
+        None => (dx, dw),
+    })
 }
 
 /// For `y = a W^T`: `dL/da = g W` and `(W, dL/dW = g^T a)`.

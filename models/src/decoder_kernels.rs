@@ -118,9 +118,187 @@ pub(crate) fn swiglu_backward(
     Ok((both.get(0)?, both.get(1)?))
 }
 
-/// `(x, w, g) -> dx` of RMSNorm over the last dim.
+/// `(gate, up) -> silu(gate) * up`.
+struct SwiGluFwd;
+
+impl candle_core::CustomOp2 for SwiGluFwd {
+    fn name(&self) -> &'static str {
+        "swiglu-fwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("swiglu-fwd: CUDA only (the CPU uses Candle ops)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        sg: &CudaStorage,
+        lg: &Layout,
+        su: &CudaStorage,
+        lu: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (og, ou) = (contiguous(lg, "gate")?, contiguous(lu, "up")?);
+        if lg.shape() != lu.shape() || sg.dtype() != su.dtype() {
+            bail!(
+                "swiglu-fwd: gate {:?} {:?}, up {:?} {:?}",
+                lg.shape(),
+                sg.dtype(),
+                lu.shape(),
+                su.dtype()
+            );
+        }
+        let n = lg.shape().elem_count();
+        let dev = sg.device().clone();
+        let f = func(&dev, &format!("swiglu_fwd_{}", suffix(sg.dtype())?))?;
+        let stream = dev.cuda_stream();
+        macro_rules! go {
+            ($t:ty) => {{
+                let (g, u) = (
+                    sg.as_cuda_slice::<$t>()?.slice(og..),
+                    su.as_cuda_slice::<$t>()?.slice(ou..),
+                );
+                // SAFETY: the kernel writes all n elements before anything reads them.
+                let out = unsafe { dev.alloc::<$t>(n) }?;
+                let mut b = stream.launch_builder(&f);
+                b.arg(&g).arg(&u).arg(&out).arg(&n);
+                // SAFETY: two inputs and an output of n elements, as the kernel indexes.
+                unsafe { b.launch(grid(n)) }.map_err(candle_core::Error::wrap)?;
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        let out = match sg.dtype() {
+            DType::BF16 => go!(half::bf16),
+            DType::F16 => go!(half::f16),
+            DType::F32 => go!(f32),
+            dt => bail!("swiglu-fwd: unsupported dtype {dt:?}"),
+        };
+        Ok((out, lg.shape().clone()))
+    }
+}
+
+/// `silu(gate) * up` on CUDA in one pass (f32 arithmetic, one rounding).
+pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    gate.contiguous()?
+        .apply_op2_no_bwd(&up.contiguous()?, &SwiGluFwd)
+}
+
+/// `(x, r, w) -> [x + r; rms_norm(x + r) w]` stacked as `(2, ...)`.
+struct AddRms {
+    eps: f32,
+}
+
+impl CustomOp3 for AddRms {
+    fn name(&self) -> &'static str {
+        "add-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("add-rms-norm: CUDA only (the CPU uses Candle ops)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        sx: &CudaStorage,
+        lx: &Layout,
+        sr: &CudaStorage,
+        lr: &Layout,
+        sw: &CudaStorage,
+        lw: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (ox, or, ow) = (
+            contiguous(lx, "x")?,
+            contiguous(lr, "residual")?,
+            contiguous(lw, "weight")?,
+        );
+        let h = *lx.dims().last().unwrap_or(&0);
+        let same = sx.dtype() == sr.dtype() && sx.dtype() == sw.dtype();
+        if lx.shape() != lr.shape() || lw.dims() != [h] || h == 0 || !same {
+            bail!(
+                "add-rms-norm: x {:?} {:?}, residual {:?} {:?}, weight {:?} {:?}",
+                lx.shape(),
+                sx.dtype(),
+                lr.shape(),
+                sr.dtype(),
+                lw.shape(),
+                sw.dtype()
+            );
+        }
+        let n = lx.shape().elem_count();
+        let dev = sx.device().clone();
+        let f = func(&dev, &format!("add_rms_{}", suffix(sx.dtype())?))?;
+        let stream = dev.cuda_stream();
+        let (h32, eps) = (h as i32, self.eps);
+        macro_rules! go {
+            ($t:ty) => {{
+                let (x, r, w) = (
+                    sx.as_cuda_slice::<$t>()?.slice(ox..),
+                    sr.as_cuda_slice::<$t>()?.slice(or..),
+                    sw.as_cuda_slice::<$t>()?.slice(ow..),
+                );
+                // SAFETY: one block per row writes every element of both halves.
+                let out = unsafe { dev.alloc::<$t>(2 * n) }?;
+                {
+                    let (s, y) = (out.slice(..n), out.slice(n..));
+                    let mut b = stream.launch_builder(&f);
+                    b.arg(&x)
+                        .arg(&r)
+                        .arg(&w)
+                        .arg(&s)
+                        .arg(&y)
+                        .arg(&h32)
+                        .arg(&eps);
+                    // SAFETY: rows x h inputs and two outputs of rows x h, a weight of h.
+                    unsafe { b.launch(row_grid(n / h)) }.map_err(candle_core::Error::wrap)?;
+                }
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        let out = match sx.dtype() {
+            DType::BF16 => go!(half::bf16),
+            DType::F16 => go!(half::f16),
+            DType::F32 => go!(f32),
+            dt => bail!("add-rms-norm: unsupported dtype {dt:?}"),
+        };
+        let mut dims = vec![2];
+        dims.extend_from_slice(lx.dims());
+        Ok((out, Shape::from(dims)))
+    }
+}
+
+/// `(x + r, rms_norm(x + r) w)` on CUDA in one pass over each row.
+pub(crate) fn add_rms_norm(
+    x: &Tensor,
+    r: &Tensor,
+    w: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    let both = x.contiguous()?.apply_op3_no_bwd(
+        &r.contiguous()?,
+        &w.contiguous()?,
+        &AddRms { eps: eps as f32 },
+    )?;
+    Ok((both.get(0)?, both.get(1)?))
+}
+
+/// `(x, w, g) -> dx` of RMSNorm over the last dim, plus `res` (the gradient
+/// of a residual branch into the same input, x's shape and dtype) when given.
 struct RmsDx {
     eps: f32,
+    res: Option<Tensor>,
 }
 
 impl CustomOp3 for RmsDx {
@@ -164,6 +342,19 @@ impl CustomOp3 for RmsDx {
             );
         }
         let (n, rows) = (lx.shape().elem_count(), lx.shape().elem_count() / h.max(1));
+        let res = self.res.as_ref().map(|t| t.storage_and_layout());
+        if let Some((st, l)) = &res {
+            if l.shape() != lx.shape() || !l.is_contiguous() || st.dtype() != sx.dtype() {
+                bail!(
+                    "rms-norm-dx: residual gradient {:?} {:?} (contiguous: {}) for x {:?} {:?}",
+                    l.shape(),
+                    st.dtype(),
+                    l.is_contiguous(),
+                    lx.shape(),
+                    sx.dtype()
+                );
+            }
+        }
         let dev = sx.device().clone();
         let f = func(&dev, &format!("rms_dx_{}", suffix(sx.dtype())?))?;
         let stream = dev.cuda_stream();
@@ -180,11 +371,28 @@ impl CustomOp3 for RmsDx {
                     sw.as_cuda_slice::<$t>()?.slice(ow..),
                     sg.as_cuda_slice::<$t>()?.slice(og..),
                 );
+                let r = match &res {
+                    Some((st, l)) => match &**st {
+                        candle_core::Storage::Cuda(c) => {
+                            Some(c.as_cuda_slice::<$t>()?.slice(l.start_offset()..))
+                        }
+                        _ => bail!("rms-norm-dx: the residual gradient is not on CUDA"),
+                    },
+                    None => None,
+                };
+                // The kernel reads no residual through a null pointer.
+                let null = 0u64;
                 // SAFETY: one block per row writes every element of its row.
                 let dx = unsafe { dev.alloc::<$t>(n) }?;
                 let mut b = stream.launch_builder(&f);
-                b.arg(&x).arg(&w).arg(&g).arg(&dx).arg(&h32).arg(&eps);
-                // SAFETY: rows x h inputs and output, a weight of h, as the kernel indexes.
+                b.arg(&x).arg(&w).arg(&g);
+                match &r {
+                    Some(r) => b.arg(r),
+                    None => b.arg(&null),
+                };
+                b.arg(&dx).arg(&h32).arg(&eps);
+                // SAFETY: rows x h inputs (the residual too, checked above) and
+                // output, a weight of h, as the kernel indexes.
                 unsafe { b.launch(cfg) }.map_err(candle_core::Error::wrap)?;
                 CudaStorage::wrap_cuda_slice(dx, dev.clone())
             }};
@@ -344,18 +552,29 @@ impl CustomOp3 for RmsDwPartial {
 
 /// RMSNorm's `(dx, dw)` on CUDA in two passes, `None` for a row wider than
 /// the weight-gradient kernel takes (the caller then uses Candle ops).
+/// With `res`, `dx` has the residual branch's gradient added in the same pass.
 pub(crate) fn rms_norm_backward(
     x: &Tensor,
     w: &Tensor,
     grad: &Tensor,
+    res: Option<&Tensor>,
     eps: f64,
 ) -> Result<Option<(Tensor, Tensor)>> {
     let h = x.dim(candle_core::D::Minus1)?;
-    if h > MAX_HIDDEN || w.dtype() != x.dtype() || grad.dtype() != x.dtype() {
+    let res_ok = res.is_none_or(|r| r.dtype() == x.dtype() && r.shape() == x.shape());
+    if h > MAX_HIDDEN || w.dtype() != x.dtype() || grad.dtype() != x.dtype() || !res_ok {
         return Ok(None);
     }
     let (x, w, g) = (x.contiguous()?, w.contiguous()?, grad.contiguous()?);
-    let dx = x.apply_op3(&w, &g, RmsDx { eps: eps as f32 })?;
+    let res = res.map(|r| r.contiguous()).transpose()?;
+    let dx = x.apply_op3_no_bwd(
+        &w,
+        &g,
+        &RmsDx {
+            eps: eps as f32,
+            res,
+        },
+    )?;
     let rinv = x.apply_op1_no_bwd(&RmsRinv { eps: eps as f32 })?;
     let dw = x
         .apply_op3_no_bwd(&g, &rinv, &RmsDwPartial)?

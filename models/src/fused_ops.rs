@@ -28,6 +28,59 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     x.apply_op3(&w, &y, RmsNormGrad { eps })
 }
 
+/// `silu(gate) * up`, SwiGLU's product. On CUDA with untracked inputs one
+/// kernel (f32 arithmetic, one rounding: the two-op version rounds `silu`
+/// first); tracked inputs or another device take Candle ops, differentiable.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    check_alike("swiglu", [("gate", gate), ("up", up)])?;
+    #[cfg(feature = "cuda")]
+    if gate.device().is_cuda() && !gate.track_op() && !up.track_op() {
+        return crate::decoder_kernels::swiglu(gate, up);
+    }
+    gate.silu()? * up
+}
+
+/// `(s, rms_norm(s, w))` with `s = x + r`: a residual add and the RMSNorm
+/// after it. On CUDA with untracked inputs one pass over each row (`s` is
+/// rounded to the dtype before its statistics, as the two-op version does);
+/// otherwise `x + r` and `RmsNorm`'s forward, differentiable (any float dtype).
+pub fn add_rms_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    check_alike("add_rms_norm", [("x", x), ("residual", r)])?;
+    let h = x.dim(D::Minus1)?;
+    if w.dims() != [h] || w.dtype() != x.dtype() || !w.device().same_device(x.device()) {
+        bail!(
+            "add_rms_norm: weight {:?} {:?} for x {:?} {:?}: expected ({h},) in x's dtype and device",
+            w.dims(),
+            w.dtype(),
+            x.dims(),
+            x.dtype()
+        );
+    }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && !(x.track_op() || r.track_op() || w.track_op()) {
+        return crate::decoder_kernels::add_rms_norm(x, r, w, eps);
+    }
+    let s = (x + r)?;
+    let y = candle_core::Module::forward(&crate::RmsNorm::from_weight(w.clone(), eps), &s)?;
+    Ok((s, y))
+}
+
+/// Two operands of an element-wise fused op: same shape, dtype and device.
+fn check_alike(what: &str, [(na, a), (nb, b)]: [(&str, &Tensor); 2]) -> Result<()> {
+    if a.dims() != b.dims() || a.dtype() != b.dtype() || !a.device().same_device(b.device()) {
+        bail!(
+            "{what}: {na} {:?} {:?} on {:?} and {nb} {:?} {:?} on {:?} differ",
+            a.dims(),
+            a.dtype(),
+            a.device().location(),
+            b.dims(),
+            b.dtype(),
+            b.device().location()
+        );
+    }
+    Ok(())
+}
+
 /// Hugging Face's "rotate half" rotary embedding of `x` `(batch, heads, seq,
 /// head_dim)` with `cos`, `sin` `(seq, head_dim / 2)`; differentiable in `x`
 /// (the tables are constants).

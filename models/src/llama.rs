@@ -448,11 +448,14 @@ impl DecoderLayer {
         let o = o
             .transpose(1, 2)?
             .reshape((b, n, self.heads * self.head_dim))?;
-        let x = (x + proj(3, &self.o_proj, &o)?)?;
-        let h = self.post_attention_layernorm.forward(&x)?;
-        let g = proj(4, &self.gate_proj, &h)?.silu()?;
+        let attn = proj(3, &self.o_proj, &o)?;
+        // The residual add with the norm after it, and SwiGLU: one kernel each
+        // on CUDA when nothing is tracked (plain differentiable ops otherwise).
+        let n2 = &self.post_attention_layernorm;
+        let (x, h) = crate::fused_ops::add_rms_norm(x, &attn, n2.weight(), n2.eps)?;
+        let g = proj(4, &self.gate_proj, &h)?;
         let u = proj(5, &self.up_proj, &h)?;
-        let x = (&x + proj(6, &self.down_proj, &(g * u)?)?)?;
+        let x = (&x + proj(6, &self.down_proj, &crate::fused_ops::swiglu(&g, &u)?)?)?;
         Ok(vec![x])
     }
 }
