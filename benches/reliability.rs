@@ -103,10 +103,11 @@ fn main() -> Result<()> {
     let path = common::results_path(&format!("reliability-{tag}.json"));
     std::fs::write(&path, serde_json::to_string_pretty(&out)?)?;
     println!(
-        "faults survived {survived}/{injected}; bad inputs refused {}/{}; crash kills {}, recoveries {}; soak {} steps, growth host {} device {}",
+        "faults survived {survived}/{injected}; bad inputs refused {}/{}; crash kills {}, recoveries {}; soak {} steps, pass {}: growth host RSS {}, device live {} (criterion), driver's used device memory {} (reported)",
         out["bad_inputs"]["refused"], out["bad_inputs"]["tried"], out["crash"]["kills"],
         out["crash"]["recoveries_verified_bit_identical"], out["soak"]["steps"],
-        out["soak"]["host_rss_growth_frac"], out["soak"]["device_used_growth_frac"]
+        out["soak"]["pass"], out["soak"]["host_rss_growth_frac"],
+        out["soak"]["device_live_growth_frac"], out["soak"]["device_used_growth_frac"]
     );
     println!("wrote {}", path.display());
     if survived != injected

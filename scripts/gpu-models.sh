@@ -39,7 +39,9 @@ for stage in "$@"; do
       timeout "$limit" python3 scripts/generate_torch.py --model "$dir" --max-tokens "$n" \
         >"${OUT:-gpu-out}/generate-torch.log" 2>&1 || fail=1
       gen gen-resident --model "$dir" --max-tokens "$n" --temperature 0
-      gen gen-streamed --model "$dir" --max-tokens "$n" --temperature 0 --streamed ;;
+      # Streamed decoding moves every layer per token (16 GB at 8B): fewer
+      # tokens, as transformers' offloaded row.
+      gen gen-streamed --model "$dir" --max-tokens "${GEN_STREAMED_TOKENS:-16}" --temperature 0 --streamed ;;
     *) echo "unknown stage $stage (lora3b, lora8b, generate)" >&2; exit 2 ;;
   esac
 done
