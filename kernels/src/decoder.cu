@@ -8,6 +8,7 @@
 // - rms_dw: per block of rows, the partial sums over those rows of g x r
 //   (the weight gradient is their column sum), from rms_rinv's values.
 // - swiglu_fwd: act = silu(gate) * up in one pass (forward);
+// - gelu_bwd: the tanh GELU's derivative times the incoming gradient;
 // - add_rms: s = x + r and RMSNorm(s) w in one pass over the row (the residual
 //   add fused with the norm after it; forward);
 // - rms_dx with a residual: the norm's input gradient plus the residual
@@ -46,6 +47,21 @@ __device__ void swiglu_fwd(const T* __restrict__ g, const T* __restrict__ u, T* 
        i += (size_t)blockDim.x * gridDim.x) {
     const float z = to_f(g[i]);
     out[i] = from_f<T>(z / (1.f + __expf(-z)) * to_f(u[i]));
+  }
+}
+
+// dz = dh * gelu'(z) for the tanh GELU (cuBLASLt's): after a plain GEMM this
+// is cheaper than the GEMM's DGELU epilogue (measured on the H200).
+template <typename T>
+__device__ void gelu_bwd(const T* __restrict__ dh, const T* __restrict__ z, T* __restrict__ out,
+                         size_t n) {
+  const float c = 0.7978845608028654f, a = 0.044715f;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)blockDim.x * gridDim.x) {
+    const float x = to_f(z[i]), x2 = x * x;
+    const float t = tanhf(c * x * (1.f + a * x2));
+    const float d = 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * c * (1.f + 3.f * a * x2);
+    out[i] = from_f<T>(to_f(dh[i]) * d);
   }
 }
 
@@ -167,6 +183,9 @@ __device__ void rms_dw(const T* __restrict__ x, const T* __restrict__ g, float* 
   }                                                                                            \
   extern "C" __global__ void swiglu_fwd_##S(const T* g, const T* u, T* out, size_t n) {       \
     swiglu_fwd<T>(g, u, out, n);                                                               \
+  }                                                                                            \
+  extern "C" __global__ void gelu_bwd_##S(const T* dh, const T* z, T* out, size_t n) {         \
+    gelu_bwd<T>(dh, z, out, n);                                                                \
   }                                                                                            \
   extern "C" __global__ void add_rms_##S(const T* x, const T* r, const T* w, T* s, T* y,      \
                                          int h, float eps) {                                   \

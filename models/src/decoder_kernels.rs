@@ -118,12 +118,15 @@ pub(crate) fn swiglu_backward(
     Ok((both.get(0)?, both.get(1)?))
 }
 
-/// `(gate, up) -> silu(gate) * up`.
-struct SwiGluFwd;
+/// `(a, b) -> f(a, b)` element-wise, one kernel `{kernel}_{dtype}(a, b, out, n)`.
+struct Binary {
+    name: &'static str,
+    kernel: &'static str,
+}
 
-impl candle_core::CustomOp2 for SwiGluFwd {
+impl candle_core::CustomOp2 for Binary {
     fn name(&self) -> &'static str {
-        "swiglu-fwd"
+        self.name
     }
 
     fn cpu_fwd(
@@ -133,7 +136,7 @@ impl candle_core::CustomOp2 for SwiGluFwd {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        bail!("swiglu-fwd: CUDA only (the CPU uses Candle ops)")
+        bail!("{}: CUDA only (the CPU uses Candle ops)", self.name)
     }
 
     fn cuda_fwd(
@@ -143,10 +146,14 @@ impl candle_core::CustomOp2 for SwiGluFwd {
         su: &CudaStorage,
         lu: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let (og, ou) = (contiguous(lg, "gate")?, contiguous(lu, "up")?);
+        let (og, ou) = (
+            contiguous(lg, "first operand")?,
+            contiguous(lu, "second operand")?,
+        );
         if lg.shape() != lu.shape() || sg.dtype() != su.dtype() {
             bail!(
-                "swiglu-fwd: gate {:?} {:?}, up {:?} {:?}",
+                "{}: operands {:?} {:?} and {:?} {:?} differ",
+                self.name,
                 lg.shape(),
                 sg.dtype(),
                 lu.shape(),
@@ -155,7 +162,7 @@ impl candle_core::CustomOp2 for SwiGluFwd {
         }
         let n = lg.shape().elem_count();
         let dev = sg.device().clone();
-        let f = func(&dev, &format!("swiglu_fwd_{}", suffix(sg.dtype())?))?;
+        let f = func(&dev, &format!("{}_{}", self.kernel, suffix(sg.dtype())?))?;
         let stream = dev.cuda_stream();
         macro_rules! go {
             ($t:ty) => {{
@@ -176,7 +183,7 @@ impl candle_core::CustomOp2 for SwiGluFwd {
             DType::BF16 => go!(half::bf16),
             DType::F16 => go!(half::f16),
             DType::F32 => go!(f32),
-            dt => bail!("swiglu-fwd: unsupported dtype {dt:?}"),
+            dt => bail!("{}: unsupported dtype {dt:?}", self.name),
         };
         Ok((out, lg.shape().clone()))
     }
@@ -184,8 +191,20 @@ impl candle_core::CustomOp2 for SwiGluFwd {
 
 /// `silu(gate) * up` on CUDA in one pass (f32 arithmetic, one rounding).
 pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    gate.contiguous()?
-        .apply_op2_no_bwd(&up.contiguous()?, &SwiGluFwd)
+    let op = Binary {
+        name: "swiglu-fwd",
+        kernel: "swiglu_fwd",
+    };
+    gate.contiguous()?.apply_op2_no_bwd(&up.contiguous()?, &op)
+}
+
+/// `dh * gelu'(z)` (tanh GELU) on CUDA in one pass.
+pub(crate) fn gelu_backward(dh: &Tensor, z: &Tensor) -> Result<Tensor> {
+    let op = Binary {
+        name: "gelu-bwd",
+        kernel: "gelu_bwd",
+    };
+    dh.contiguous()?.apply_op2_no_bwd(&z.contiguous()?, &op)
 }
 
 /// `(x, r, w) -> [x + r; rms_norm(x + r) w]` stacked as `(2, ...)`.
