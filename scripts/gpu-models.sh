@@ -7,6 +7,7 @@
 #   bash scripts/gpu-models.sh lora3b     # benches/lora.rs: 3b preset, LoRA and full
 #   bash scripts/gpu-models.sh lora8b     # Llama 3.1 8B shapes: LoRA (LORA8B_MODES=lora,full for both)
 #   bash scripts/gpu-models.sh generate   # init_model (8B shapes, bf16), transformers' generate, then ours resident and streamed
+#                                         # (GEN_RUNS=torch,resident,streamed picks which)
 #
 # Outputs: run.sh's summaries and logs under $OUT (RUN_TAG per stage).
 set -uo pipefail
@@ -34,14 +35,19 @@ for stage in "$@"; do
           timeout "$limit" bash gpu-bundle/run.sh examples || fail=1
       fi
       n=${GEN_TOKENS:-256}
+      runs=" ${GEN_RUNS:-torch,resident,streamed} "
+      runs=${runs//,/ }
       # transformers' figures first: ours pack benches/results into their logs.
       mkdir -p "${OUT:-gpu-out}"
-      timeout "$limit" python3 scripts/generate_torch.py --model "$dir" --max-tokens "$n" \
-        >"${OUT:-gpu-out}/generate-torch.log" 2>&1 || fail=1
-      gen gen-resident --model "$dir" --max-tokens "$n" --temperature 0
+      if [[ $runs == *" torch "* ]]; then
+        timeout "$limit" python3 scripts/generate_torch.py --model "$dir" --max-tokens "$n" \
+          >"${OUT:-gpu-out}/generate-torch.log" 2>&1 || fail=1
+      fi
+      [[ $runs == *" resident "* ]] && gen gen-resident --model "$dir" --max-tokens "$n" --temperature 0
       # Streamed decoding moves every layer per token (16 GB at 8B): fewer
       # tokens, as transformers' offloaded row.
-      gen gen-streamed --model "$dir" --max-tokens "${GEN_STREAMED_TOKENS:-16}" --temperature 0 --streamed ;;
+      [[ $runs == *" streamed "* ]] && gen gen-streamed --model "$dir" \
+        --max-tokens "${GEN_STREAMED_TOKENS:-16}" --temperature 0 --streamed ;;
     *) echo "unknown stage $stage (lora3b, lora8b, generate)" >&2; exit 2 ;;
   esac
 done
