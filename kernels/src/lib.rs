@@ -11,6 +11,9 @@
 //! assert!(streamer_kernels::CAST.contains(".entry"));
 //! ```
 #![warn(missing_docs)]
+// PTX text only: nothing here needs unsafe.
+#![forbid(unsafe_code)]
+#![deny(unsafe_op_in_unsafe_fn)]
 
 /// Element-wise dtype conversions (f32 <-> bf16 / f16) between raw device
 /// buffers, used by the pool to convert streamed masters and gradients.

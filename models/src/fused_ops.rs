@@ -241,6 +241,17 @@ impl CustomOp3 for RmsNormGrad {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // On CUDA the decoder layers' fused kernels (two passes, no f32 copies
+        // of the activation); Candle ops elsewhere or past their widest row.
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            let g = grad.to_dtype(x.dtype())?;
+            if let Some((dx, dw)) =
+                crate::decoder_kernels::rms_norm_backward(x, w, &g, None, self.eps)?
+            {
+                return Ok((Some(dx), Some(dw), None));
+            }
+        }
         let (dx, dw) = rms_norm_backward(x, w, grad, self.eps)?;
         Ok((Some(dx), Some(dw), None))
     }
