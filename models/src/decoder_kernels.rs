@@ -36,6 +36,19 @@ fn func(dev: &candle_core::CudaDevice, name: &str) -> Result<cudarc::driver::Cud
 
 use streamer_core::grid_stride as grid;
 
+/// `$go!(T)` for the dtype's element type (bf16, f16 or f32), or an error
+/// naming `$what` for any other dtype: every op below launches this way.
+macro_rules! by_dtype {
+    ($dt:expr, $what:expr, $go:ident) => {
+        match $dt {
+            DType::BF16 => $go!(half::bf16),
+            DType::F16 => $go!(half::f16),
+            DType::F32 => $go!(f32),
+            dt => bail!("{}: unsupported dtype {dt:?}", $what),
+        }
+    };
+}
+
 /// `(d_act, gate, up) -> [d_gate; d_up]` stacked as `(2, ...)`.
 struct SwiGluBwd;
 
@@ -94,12 +107,7 @@ impl CustomOp3 for SwiGluBwd {
                 CudaStorage::wrap_cuda_slice(out, dev.clone())
             }};
         }
-        let out = match sa.dtype() {
-            DType::BF16 => go!(half::bf16),
-            DType::F16 => go!(half::f16),
-            DType::F32 => go!(f32),
-            dt => bail!("swiglu-bwd: unsupported dtype {dt:?}"),
-        };
+        let out = by_dtype!(sa.dtype(), "swiglu-bwd", go);
         let mut dims = vec![2];
         dims.extend_from_slice(la.dims());
         Ok((out, Shape::from(dims)))
@@ -179,12 +187,7 @@ impl candle_core::CustomOp2 for Binary {
                 CudaStorage::wrap_cuda_slice(out, dev.clone())
             }};
         }
-        let out = match sg.dtype() {
-            DType::BF16 => go!(half::bf16),
-            DType::F16 => go!(half::f16),
-            DType::F32 => go!(f32),
-            dt => bail!("{}: unsupported dtype {dt:?}", self.name),
-        };
+        let out = by_dtype!(sg.dtype(), self.name, go);
         Ok((out, lg.shape().clone()))
     }
 }
@@ -286,12 +289,7 @@ impl CustomOp3 for AddRms {
                 CudaStorage::wrap_cuda_slice(out, dev.clone())
             }};
         }
-        let out = match sx.dtype() {
-            DType::BF16 => go!(half::bf16),
-            DType::F16 => go!(half::f16),
-            DType::F32 => go!(f32),
-            dt => bail!("add-rms-norm: unsupported dtype {dt:?}"),
-        };
+        let out = by_dtype!(sx.dtype(), "add-rms-norm", go);
         let mut dims = vec![2];
         dims.extend_from_slice(lx.dims());
         Ok((out, Shape::from(dims)))
@@ -416,12 +414,7 @@ impl CustomOp3 for RmsDx {
                 CudaStorage::wrap_cuda_slice(dx, dev.clone())
             }};
         }
-        let dx = match sx.dtype() {
-            DType::BF16 => go!(half::bf16),
-            DType::F16 => go!(half::f16),
-            DType::F32 => go!(f32),
-            dt => bail!("rms-norm-dx: unsupported dtype {dt:?}"),
-        };
+        let dx = by_dtype!(sx.dtype(), "rms-norm-dx", go);
         Ok((dx, lx.shape().clone()))
     }
 }
@@ -462,12 +455,7 @@ impl candle_core::CustomOp1 for RmsRinv {
                 unsafe { b.launch(row_grid(rows)) }.map_err(candle_core::Error::wrap)?;
             }};
         }
-        match sx.dtype() {
-            DType::BF16 => go!(half::bf16),
-            DType::F16 => go!(half::f16),
-            DType::F32 => go!(f32),
-            dt => bail!("rms-norm-rinv: unsupported dtype {dt:?}"),
-        }
+        by_dtype!(sx.dtype(), "rms-norm-rinv", go);
         Ok((CudaStorage::wrap_cuda_slice(rinv, dev), Shape::from(rows)))
     }
 }
@@ -556,12 +544,7 @@ impl CustomOp3 for RmsDwPartial {
                 unsafe { b.launch(cfg) }.map_err(candle_core::Error::wrap)?;
             }};
         }
-        match sx.dtype() {
-            DType::BF16 => go!(half::bf16),
-            DType::F16 => go!(half::f16),
-            DType::F32 => go!(f32),
-            dt => bail!("rms-norm-dw: unsupported dtype {dt:?}"),
-        }
+        by_dtype!(sx.dtype(), "rms-norm-dw", go);
         Ok((
             CudaStorage::wrap_cuda_slice(part, dev),
             Shape::from((blocks, h)),
@@ -628,12 +611,7 @@ pub(crate) fn cross_entropy_fwd(
             unsafe { b.launch(row_grid(rows)) }.map_err(candle_core::Error::wrap)?;
         }};
     }
-    match sx.dtype() {
-        DType::BF16 => go!(half::bf16),
-        DType::F16 => go!(half::f16),
-        DType::F32 => go!(f32),
-        dt => bail!("cross_entropy: unsupported dtype {dt:?}"),
-    }
+    by_dtype!(sx.dtype(), "cross_entropy", go);
     Ok(CudaStorage::wrap_cuda_slice(loss, dev))
 }
 
@@ -679,12 +657,7 @@ pub(crate) fn cross_entropy_bwd(
             CudaStorage::wrap_cuda_slice(d, dev.clone())
         }};
     }
-    Ok(match sx.dtype() {
-        DType::BF16 => go!(half::bf16),
-        DType::F16 => go!(half::f16),
-        DType::F32 => go!(f32),
-        dt => bail!("cross_entropy backward: unsupported dtype {dt:?}"),
-    })
+    Ok(by_dtype!(sx.dtype(), "cross_entropy backward", go))
 }
 
 /// One 256-thread block per row.
@@ -733,12 +706,7 @@ pub(crate) fn embedding_bwd(
             unsafe { b.launch(row_grid(tokens)) }.map_err(candle_core::Error::wrap)?;
         }};
     }
-    match sg.dtype() {
-        DType::BF16 => go!(half::bf16),
-        DType::F16 => go!(half::f16),
-        DType::F32 => go!(f32),
-        dt => bail!("embedding backward: unsupported dtype {dt:?}"),
-    }
+    by_dtype!(sg.dtype(), "embedding backward", go);
     Ok(CudaStorage::wrap_cuda_slice(acc, dev))
 }
 
@@ -828,12 +796,7 @@ impl CustomOp3 for RopeMove {
                 CudaStorage::wrap_cuda_slice(out, dev.clone())
             }};
         }
-        let out = match sx.dtype() {
-            DType::BF16 => go!(half::bf16),
-            DType::F16 => go!(half::f16),
-            DType::F32 => go!(f32),
-            dt => bail!("rope-move: unsupported dtype {dt:?}"),
-        };
+        let out = by_dtype!(sx.dtype(), "rope-move", go);
         Ok((out, out_shape))
     }
 }
