@@ -28,13 +28,14 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     x.apply_op3(&w, &y, RmsNormGrad { eps })
 }
 
-/// `silu(gate) * up`, SwiGLU's product. On CUDA with untracked inputs one
-/// kernel (f32 arithmetic, one rounding: the two-op version rounds `silu`
-/// first); tracked inputs or another device take Candle ops, differentiable.
+/// `silu(gate) * up`, SwiGLU's product. On CUDA with untracked bf16/f16/f32
+/// inputs one kernel (f32 arithmetic, one rounding: the two-op version rounds
+/// `silu` first); tracked inputs, other dtypes or another device take Candle
+/// ops, differentiable.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     check_alike("swiglu", [("gate", gate), ("up", up)])?;
     #[cfg(feature = "cuda")]
-    if gate.device().is_cuda() && !gate.track_op() && !up.track_op() {
+    if gate.device().is_cuda() && kernel_dtype(gate.dtype()) && !gate.track_op() && !up.track_op() {
         return crate::decoder_kernels::swiglu(gate, up);
     }
     gate.silu()? * up
@@ -57,12 +58,21 @@ pub fn add_rms_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f64) -> Result<(Ten
         );
     }
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && !(x.track_op() || r.track_op() || w.track_op()) {
+    if x.device().is_cuda()
+        && kernel_dtype(x.dtype())
+        && !(x.track_op() || r.track_op() || w.track_op())
+    {
         return crate::decoder_kernels::add_rms_norm(x, r, w, eps);
     }
     let s = (x + r)?;
     let y = candle_core::Module::forward(&crate::RmsNorm::from_weight(w.clone(), eps), &s)?;
     Ok((s, y))
+}
+
+/// The dtypes our fused kernels take (others use Candle ops).
+#[cfg(feature = "cuda")]
+fn kernel_dtype(dt: DType) -> bool {
+    matches!(dt, DType::BF16 | DType::F16 | DType::F32)
 }
 
 /// Two operands of an element-wise fused op: same shape, dtype and device.
