@@ -83,6 +83,55 @@ fn decoder_manual_backward_matches_autograd(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(decoder_manual_backward_matches_autograd);
 
+/// A layer built from plain tensors (a frozen streamed layer's weights are
+/// plain views of a pool slot) gets no projection weight gradients from the
+/// hand-written backward (their GEMMs are skipped: nothing could consume
+/// them), and the same input gradient as the layer over variables (to 1e-6:
+/// the skipped products do not feed it, but the CUDA attention backward sums
+/// dq with atomics, in no fixed order).
+fn decoder_backward_skips_constant_weights(dev: &Device) -> Result<()> {
+    let cfg = LlamaConfig {
+        intermediate_size: 96,
+        ..LlamaConfig::bytes(64, 1, 4, 2)
+    };
+    let (b, n) = (2, 11);
+    let mut plain = HashMap::new();
+    let mut vars = HashMap::new();
+    for (name, t) in streamer_models::init_weights(&cfg, 5)? {
+        if let Some(local) = name.strip_prefix("model.layers.0.") {
+            let t = t.to_device(dev)?;
+            vars.insert(local.to_string(), Var::from_tensor(&t)?.as_tensor().clone());
+            plain.insert(local.to_string(), t);
+        }
+    }
+    let extras = Rope::new(&cfg, DType::F32, dev)?.extras(n)?;
+    let x = Tensor::randn(0f32, 1.0, (b, n, 64), dev)?;
+    let g = Tensor::randn(0f32, 1.0, (b, n, 64), dev)?;
+    let run = |ws: HashMap<String, Tensor>| -> Result<(Tensor, Vec<(Tensor, Tensor)>)> {
+        let layer = DecoderLayer::new(&cfg, VarBuilder::from_tensors(ws, DType::F32, dev))?;
+        let man = layer.manual().expect("hand-written backward");
+        let (_, saved) = man.forward_train(&x, &extras)?;
+        Ok(man.backward(saved, &g)?)
+    };
+    let (dx_var, grads_var) = run(vars)?;
+    let (dx_plain, grads_plain) = run(plain)?;
+    ensure!(
+        grads_var.len() == 9,
+        "{} gradients over variables",
+        grads_var.len()
+    );
+    // Only the two norms' weight gradients remain (cheap, computed with dx).
+    ensure!(
+        grads_plain.len() == 2,
+        "{} gradients for constant weights, expected the 2 norms'",
+        grads_plain.len()
+    );
+    let e = rel_err(&dx_plain, &dx_var)?;
+    ensure!(e <= 1e-6, "dx differs by {e:.2e}");
+    Ok(())
+}
+candle_streamer::test_device!(decoder_backward_skips_constant_weights);
+
 /// A resident 2-layer model over a `VarMap` (f32 or bf16) and a token batch.
 fn resident_model(dev: &Device, dt: DType) -> Result<(candle_nn::VarMap, Llama, Tensor, Tensor)> {
     let cfg = LlamaConfig {

@@ -22,7 +22,9 @@
 //! elsewhere Candle ops in f32.
 //!
 //! Sums of gradients from two branches (residuals, q/k/v into the norm) are
-//! single adds. Weight gradients are in the weights' dtype, as autograd gives.
+//! single adds. Weight gradients are in the weights' dtype, as autograd gives,
+//! and only for the projections' weights that are variables (or computed from
+//! one): a frozen base's are never consumed, so their GEMMs are skipped.
 //!
 //! Every family is covered: q/k/v/o biases (their gradients are the output
 //! gradients summed over rows, in f32) and Qwen3's per-head q/k RMSNorms
@@ -66,7 +68,9 @@ fn linear(x: &Tensor, l: &candle_nn::Linear) -> Result<Tensor> {
 /// `(bias, d bias)` for a layer's bias: the output gradient summed over rows
 /// (in f32, then the bias's dtype).
 fn bias_grad(l: &candle_nn::Linear, g: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
-    let Some(b) = l.bias() else { return Ok(None) };
+    let Some(b) = l.bias().filter(|b| wants_grad(b)) else {
+        return Ok(None);
+    };
     let db = g.to_dtype(DType::F32)?.sum(0)?.to_dtype(b.dtype())?;
     Ok(Some((b.clone(), db)))
 }
@@ -140,14 +144,14 @@ impl DecoderLayer {
     ) -> Result<Tensor> {
         // y = x_mid + act W_down^T
         let (d_act, gw) = linear_grads(&dy, &act, self.down_proj.weight())?;
-        grads.push(gw);
+        grads.extend(gw);
         let d_act = lora.add(6, &act, &dy, d_act, grads)?;
         let (d_gate, d_up) = swiglu_backward(&d_act, &gate, &up)?;
         let (dh2_g, gw) = linear_grads(&d_gate, &h2, self.gate_proj.weight())?;
-        grads.push(gw);
+        grads.extend(gw);
         let dh2_g = lora.add(4, &h2, &d_gate, dh2_g, grads)?;
         let (dh2_u, gw) = linear_grads(&d_up, &h2, self.up_proj.weight())?;
-        grads.push(gw);
+        grads.extend(gw);
         let dh2_u = lora.add(5, &h2, &d_up, dh2_u, grads)?;
         // d x_mid = dy (the residual) + the norm's input gradient, one pass.
         let n2 = &self.post_attention_layernorm;
@@ -292,7 +296,7 @@ impl ManualBackward for DecoderLayer {
         let (d_o2, gw) = linear_grads(&d_mid, &o2, self.o_proj.weight())?;
         let d_o2 = lora.add(3, &o2, &d_mid, d_o2, &mut grads)?;
         drop(o2);
-        grads.push(gw);
+        grads.extend(gw);
         grads.extend(bias_grad(&self.o_proj, &d_mid)?);
         let d_o = self.heads(d_o2, b, n, self.heads)?;
         let (dq, dk, dv) =
@@ -310,7 +314,7 @@ impl ManualBackward for DecoderLayer {
             (2, &dv, &self.v_proj),
         ] {
             let (dh, gw) = linear_grads(d, &h1, l.weight())?;
-            grads.push(gw);
+            grads.extend(gw);
             grads.extend(bias_grad(l, d)?);
             let dh = lora.add(t, &h1, d, dh, &mut grads)?;
             dh1 = Some(match dh1 {
@@ -436,11 +440,24 @@ fn norm_backward(
     })
 }
 
-/// For `y = a W^T`: `dL/da = g W` and `(W, dL/dW = g^T a)`.
-fn linear_grads(g: &Tensor, a: &Tensor, w: &Tensor) -> Result<(Tensor, (Tensor, Tensor))> {
+/// For `y = a W^T`: `dL/da = g W` and, when [`wants_grad`]`(W)`,
+/// `(W, dL/dW = g^T a)`.
+fn linear_grads(g: &Tensor, a: &Tensor, w: &Tensor) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
     let da = g.matmul(&w.detach())?;
+    if !wants_grad(w) {
+        return Ok((da, None));
+    }
     let dw = g.t()?.matmul(a)?;
-    Ok((da, (w.clone(), dw)))
+    Ok((da, Some((w.clone(), dw))))
+}
+
+/// Whether anything can use a gradient of weight `w`: a variable, or a
+/// tensor computed from one, as Candle autograd would give one to. A constant
+/// (a frozen streamed weight is a plain view of a pool slot) gets none, which
+/// skips its weight-gradient GEMM: a third of the layer's backward GEMMs on
+/// a LoRA fine-tune's frozen base.
+fn wants_grad(w: &Tensor) -> bool {
+    w.is_variable() || w.track_op()
 }
 
 /// For `act = silu(gate) * up`: `(d gate, d up)`, the derivative in f32:
