@@ -656,8 +656,9 @@ impl Llama {
     /// Puts LoRA adapters on the model (or, with `None`, takes them off):
     /// every layer adds `scale * dropout(x) A^T B^T` to its adapted
     /// projections, the adapters handed over as extra inputs. A trainable
-    /// streamed model's own weights are frozen while adapters are on (no
-    /// gradient transfer for them) and unfrozen when they come off;
+    /// streamed model's own weights (its layers', and the embedding, final norm
+    /// and head) are frozen while adapters are on (no gradient for them) and
+    /// unfrozen when they come off;
     /// [`Llama::backward`] then gives the adapters' gradients (keyed by
     /// [`LoraAdapters::vars`]). Adapters made for another shape of model are
     /// an error, and so is the resident hand-written backward
@@ -841,6 +842,15 @@ impl Llama {
         let (embed, norm, head) = match &self.outer {
             Outer::Host { .. } if kv => self.kv.outer_or(|| self.device_weights())?,
             _ => self.device_weights()?,
+        };
+        // A trainable model's own weights are frozen while adapters are on: the
+        // embedding, final norm and head too (PEFT's default), so no gradient is
+        // computed for them or copied back to their host masters.
+        let frozen = matches!(self.layers, Layers::Trainable(_)) && self.lora.adapters()?.is_some();
+        let (embed, norm, head) = if frozen {
+            (embed.detach(), norm.detach(), head.detach())
+        } else {
+            (embed, norm, head)
         };
         let x = crate::embedding(&embed, &tokens)?;
         let h = match &self.layers {
