@@ -1,8 +1,10 @@
 //! LoRA against full fine-tuning of the same streamed model: tokens/s, peak
 //! device memory and host memory. Both stream the decoder layers through a
-//! window of device slots from f32 host masters; full fine-tuning steps AdamW
-//! on the host over every weight (overlapped with backward, `LmTrainer`), LoRA
-//! freezes the base (no gradient transfer) and steps candle-nn AdamW on the
+//! window of device slots from host masters: f32 for full fine-tuning, which
+//! steps AdamW over every weight (`LmTrainer`; on the device by default on a
+//! GPU, `LORA_BENCH_OPTIMIZER=host` for `CpuAdamW` overlapped with
+//! backward), the compute dtype for LoRA, which freezes the base (no gradient
+//! for it, embedding and head included) and steps candle-nn AdamW on the
 //! device over the adapters only.
 //!
 //!     cargo bench --bench lora [--features cuda]
@@ -14,9 +16,10 @@
 //! `LORA_BENCH_TARGETS` (`q_proj,k_proj,v_proj,o_proj`), `LORA_BENCH_BATCH` /
 //! `LORA_BENCH_SEQ` (8 x 2048 on a GPU), `LORA_BENCH_STEPS` (3 timed after 1
 //! warm-up), `LORA_BENCH_WINDOW` (2 layers on the device). Full fine-tuning of
-//! `8b` holds about 16 bytes a parameter on the host (masters, AdamW moments,
-//! gradients): 128 GiB, more than a one-GPU machine of 128 GiB has; LoRA needs
-//! the masters only.
+//! `8b` with the host optimizer holds about 16 bytes a parameter on the host
+//! (masters, AdamW moments, gradients): 128 GiB, more than a one-GPU machine
+//! of 128 GiB has; with `DeviceAdamW` the moments (64 GB) are on the GPU. LoRA
+//! needs the bf16 masters only.
 //!
 //! Writes `benches/results/lora-<device>.json`.
 #[path = "common/mod.rs"]
@@ -99,7 +102,9 @@ fn run(
         device: dev.clone(),
         prefetch_ahead: env_or("LORA_BENCH_WINDOW", 2).max(1) - 1,
         dtype,
-        master_dtype: Some(DType::F32),
+        // LoRA's frozen base needs no f32 masters (train_lm uses the compute
+        // dtype for them too); full fine-tuning steps f32 masters.
+        master_dtype: Some(if mode == "lora" { dtype } else { DType::F32 }),
         ..Default::default()
     };
     let data = ByteCorpus::from_file("data/corpus.txt")

@@ -353,7 +353,10 @@ fn main() -> Result<()> {
         device: dev.clone(),
         prefetch_ahead: prefetch,
         dtype,
-        master_dtype: Some(DType::F32),
+        // A LoRA base is frozen: its masters need only the compute dtype (the
+        // same rounding, once on the host instead of at every copy), which
+        // halves their host memory and copies at bf16.
+        master_dtype: Some(if lora.is_some() { dtype } else { DType::F32 }),
         slot_budget_bytes: Some(slot_bytes(&cfg, dtype)),
         ..Default::default()
     };
