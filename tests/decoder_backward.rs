@@ -212,3 +212,66 @@ fn resident_fused_backward_matches_autograd(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(resident_fused_backward_matches_autograd);
+
+/// The trainer's recompute (`ManualBackward::recompute_ctx`, which skips the
+/// output's last GEMM) saves what the training forward saves, for a decoder
+/// layer and a `FusedMlp` block, in f32 and (on CUDA) bf16: to 1e-6 of each
+/// tensor's largest value (the same kernels on the same inputs). With LoRA on
+/// down_proj the recompute still runs it (its adapter part is saved):
+/// `lora_dropout_replays_in_streamed_backward` checks that path, recomputed
+/// against kept.
+fn recompute_saves_what_forward_saves(dev: &Device) -> Result<()> {
+    use streamer_core::{BlockCtx, ManualBackward};
+    let same =
+        |what: &str, man: &dyn ManualBackward, x: &Tensor, extras: &[Tensor]| -> Result<()> {
+            let (_, want) = man.forward_train(x, extras)?;
+            let ctx = BlockCtx::training(0, dev, 7, false);
+            let got = man.recompute_ctx(x, extras, &ctx)?;
+            ensure!(
+                got.0.len() == want.0.len(),
+                "{what}: {} saved tensors, forward saves {}",
+                got.0.len(),
+                want.0.len()
+            );
+            for (k, (a, b)) in got.0.iter().zip(&want.0).enumerate() {
+                ensure!(
+                    a.dims() == b.dims(),
+                    "{what}: saved {k} {:?} vs {:?}",
+                    a.dims(),
+                    b.dims()
+                );
+                let e = rel_err(a, b)?;
+                ensure!(e <= 1e-6, "{what}: saved {k} differs by {e:.2e}");
+            }
+            Ok(())
+        };
+    let cfg = LlamaConfig {
+        intermediate_size: 96,
+        ..LlamaConfig::bytes(64, 1, 4, 2)
+    };
+    let mut dts = vec![DType::F32];
+    if dev.is_cuda() {
+        dts.push(DType::BF16);
+    }
+    for dt in dts {
+        let mut ws = HashMap::new();
+        for (name, t) in streamer_models::init_weights(&cfg, 9)? {
+            if let Some(local) = name.strip_prefix("model.layers.0.") {
+                ws.insert(local.to_string(), t.to_dtype(dt)?.to_device(dev)?);
+            }
+        }
+        let layer = DecoderLayer::new(&cfg, VarBuilder::from_tensors(ws, dt, dev))?;
+        let extras = Rope::new(&cfg, dt, dev)?.extras(13)?;
+        let x = Tensor::randn(0f32, 1.0, (2, 13, 64), dev)?.to_dtype(dt)?;
+        let man = layer.manual().expect("hand-written backward");
+        same(&format!("decoder layer {dt:?}"), man, &x, &extras)?;
+        let mlp = {
+            let [w1, b1, w2, b2] = super::fused_mlp::mlp_weights(64, 96, dev, dt)?;
+            streamer_models::FusedMlp::new(w1, b1, w2, b2)?
+        };
+        let man = mlp.manual().expect("hand-written backward");
+        same(&format!("FusedMlp {dt:?}"), man, &x, &[])?;
+    }
+    Ok(())
+}
+candle_streamer::test_device!(recompute_saves_what_forward_saves);

@@ -36,7 +36,12 @@ pub(crate) fn rel_err(got: &Tensor, want: &Tensor) -> Result<f64> {
         / scale)
 }
 
-fn mlp_weights(dim: usize, hidden: usize, dev: &Device, dt: DType) -> Result<[Tensor; 4]> {
+pub(crate) fn mlp_weights(
+    dim: usize,
+    hidden: usize,
+    dev: &Device,
+    dt: DType,
+) -> Result<[Tensor; 4]> {
     let r = |s: &[usize], std: f32| -> Result<Tensor> {
         Ok(Tensor::randn(0f32, std, s, &Device::Cpu)?
             .to_dtype(dt)?

@@ -189,8 +189,15 @@ impl DecoderLayer {
     }
 }
 
-impl ManualBackward for DecoderLayer {
-    fn forward_train(&self, x: &Tensor, extras: &[Tensor]) -> Result<(Tensor, SavedActivations)> {
+impl DecoderLayer {
+    /// The training forward (see the module docs): the output when `output`,
+    /// and what backward needs.
+    fn train_forward(
+        &self,
+        x: &Tensor,
+        extras: &[Tensor],
+        output: bool,
+    ) -> Result<(Option<Tensor>, SavedActivations)> {
         let (own, lora) = self.split_lora(extras)?;
         let (cos, sin) = self.rope_tables(own)?;
         let (b, n, hidden) = x.dims3()?;
@@ -226,7 +233,14 @@ impl ManualBackward for DecoderLayer {
         let gate = proj(4, &h2, mm_t(&h2, self.gate_proj.weight())?)?;
         let up = proj(5, &h2, mm_t(&h2, self.up_proj.weight())?)?;
         let act = swiglu(&gate, &up)?;
-        let y = (&x_mid + proj(6, &act, mm_t(&act, self.down_proj.weight())?)?)?;
+        // The output (skipped for a recompute, unless down_proj's adapter must
+        // save its part).
+        let down_adapted = lora.as_ref().is_some_and(|(l, _)| l.targets.contains(&6));
+        let y = if output || down_adapted {
+            Some((&x_mid + proj(6, &act, mm_t(&act, self.down_proj.weight())?)?)?)
+        } else {
+            None
+        };
         let (cos, sin) = (cos.clone(), sin.clone());
         drop(o2);
         let mut saved = vec![x2, h1, q, k, v, o, lse, x_mid, h2, gate, up, act, cos, sin];
@@ -238,7 +252,28 @@ impl ManualBackward for DecoderLayer {
             saved.extend([k.a, k.b, k.u]);
             saved.extend(k.m);
         }
-        Ok((y.reshape((b, n, hidden))?, SavedActivations(saved)))
+        let y = y.map(|y| y.reshape((b, n, hidden))).transpose()?;
+        Ok((y, SavedActivations(saved)))
+    }
+}
+
+impl ManualBackward for DecoderLayer {
+    fn forward_train(&self, x: &Tensor, extras: &[Tensor]) -> Result<(Tensor, SavedActivations)> {
+        let (y, saved) = self.train_forward(x, extras, true)?;
+        let y = y.ok_or_else(|| candle_core::Error::Msg("decoder layer: no output".into()))?;
+        Ok((y, saved))
+    }
+
+    /// Backward never reads the layer's output: the recompute skips the down
+    /// projection (a seventh of the layer's GEMM FLOPs at Llama's shapes)
+    /// unless an adapter on it must save its part.
+    fn recompute_ctx(
+        &self,
+        x: &Tensor,
+        extras: &[Tensor],
+        _ctx: &streamer_core::BlockCtx,
+    ) -> Result<SavedActivations> {
+        Ok(self.train_forward(x, extras, false)?.1)
     }
 
     fn saved_bytes(&self, x: &Shape, dtype: DType) -> usize {

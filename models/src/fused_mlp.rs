@@ -125,26 +125,54 @@ impl Block for FusedMlp {
     }
 }
 
-impl ManualBackward for FusedMlp {
-    fn forward_train(&self, x: &Tensor, _extras: &[Tensor]) -> Result<(Tensor, SavedActivations)> {
-        let (x2, dims) = self.rows(x)?;
-        let (z, h, y) = if self.fused(x) {
+impl FusedMlp {
+    /// The saved activations `[x, z, h]` (`x` as rows): the up projection,
+    /// keeping its pre-activation.
+    fn up_saved(&self, x2: Tensor) -> Result<SavedActivations> {
+        let (z, h) = if self.fused(&x2) {
             #[cfg(feature = "cuda")]
             {
                 let (h, z) = crate::lt::linear(&x2, &self.up_w, &self.up_b, true, true)?;
-                let z = z.expect("asked for the pre-activation");
-                let (y, _) = crate::lt::linear(&h, &self.down_w, &self.down_b, false, false)?;
-                (z, h, y)
+                (z.expect("asked for the pre-activation"), h)
             }
             #[cfg(not(feature = "cuda"))]
             unreachable!("no CUDA tensors without the cuda feature")
         } else {
             let z = x2.matmul(&self.up_w.t()?)?.broadcast_add(&self.up_b)?;
             let h = z.gelu()?;
-            let y = h.matmul(&self.down_w.t()?)?.broadcast_add(&self.down_b)?;
-            (z, h, y)
+            (z, h)
         };
-        Ok((y.reshape(dims)?, SavedActivations(vec![x2, z, h])))
+        Ok(SavedActivations(vec![x2, z, h]))
+    }
+}
+
+impl ManualBackward for FusedMlp {
+    fn forward_train(&self, x: &Tensor, _extras: &[Tensor]) -> Result<(Tensor, SavedActivations)> {
+        let (x2, dims) = self.rows(x)?;
+        let saved = self.up_saved(x2)?;
+        let h = &saved.0[2];
+        let y = if self.fused(h) {
+            #[cfg(feature = "cuda")]
+            {
+                crate::lt::linear(h, &self.down_w, &self.down_b, false, false)?.0
+            }
+            #[cfg(not(feature = "cuda"))]
+            unreachable!("no CUDA tensors without the cuda feature")
+        } else {
+            h.matmul(&self.down_w.t()?)?.broadcast_add(&self.down_b)?
+        };
+        Ok((y.reshape(dims)?, saved))
+    }
+
+    /// Backward reads `x`, `z` and `h`, never the output: the recompute skips
+    /// the down projection (half of the block's forward FLOPs).
+    fn recompute_ctx(
+        &self,
+        x: &Tensor,
+        _extras: &[Tensor],
+        _ctx: &streamer_core::BlockCtx,
+    ) -> Result<SavedActivations> {
+        self.up_saved(self.rows(x)?.0)
     }
 
     fn saved_bytes(&self, x: &Shape, dtype: DType) -> usize {

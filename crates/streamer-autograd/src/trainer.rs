@@ -959,9 +959,8 @@ fn manual_step(
         None => {
             let ctx = BlockCtx::training(i, saved.inputs[i].device(), saved.seeds[i], false);
             with_seed(saved.seeds[i], || {
-                man.forward_train_ctx(&saved.inputs[i], &saved.extras_det, &ctx)
+                man.recompute_ctx(&saved.inputs[i], &saved.extras_det, &ctx)
             })?
-            .1
         }
     };
     let (g_x, list) = man.backward(acts, g)?;

@@ -139,6 +139,20 @@ pub trait ManualBackward {
         self.forward_train(x, extras)
     }
 
+    /// What [`Self::backward`] needs, recomputed for a block whose training
+    /// forward did not keep it (the trainer's recompute-and-refetch backward).
+    /// The default is [`Self::forward_train_ctx`] without its output; a block
+    /// whose output costs work `backward` never reads (a last projection)
+    /// skips that work here. Must save exactly what `forward_train_ctx` saves.
+    fn recompute_ctx(
+        &self,
+        x: &Tensor,
+        extras: &[Tensor],
+        ctx: &BlockCtx,
+    ) -> Result<SavedActivations> {
+        Ok(self.forward_train_ctx(x, extras, ctx)?.1)
+    }
+
     /// Device bytes [`Self::forward_train`] keeps for an input of shape `x`
     /// and dtype `dtype` (used to fit kept activations into a budget).
     fn saved_bytes(&self, x: &candle_core::Shape, dtype: candle_core::DType) -> usize;
