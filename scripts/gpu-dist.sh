@@ -11,20 +11,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-nccl_lib=$(python3 - <<'PY' 2>/dev/null || true
-import glob, os, site
-try:
-    import nvidia.nccl as m
-    d = os.path.join(list(m.__path__)[0], "lib")
-    if os.path.exists(os.path.join(d, "libnccl.so.2")):
-        print(d); raise SystemExit
-except ImportError:
-    pass
-for s in site.getsitepackages():
-    for f in sorted(glob.glob(s + "/nvidia/**/libnccl.so.2", recursive=True)):
-        print(os.path.dirname(f)); raise SystemExit
-PY
-)
+nccl_lib=$(bash scripts/nccl-lib.sh || true)
 if [ -z "$nccl_lib" ]; then
   echo "gpu-dist.sh: no libnccl.so.2 found (pip show nvidia-nccl-cu12 / nvidia-nccl-cu13)" >&2
   exit 1

@@ -21,20 +21,7 @@ mkdir -p "$BENCH_RESULTS_DIR"
 export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 # NCCL (streamer-dist links libnccl.so.2): on the GPU machine it exists only
 # inside the PyTorch wheels (nvidia-nccl-cu*); put its folder on the path.
-nccl_lib=$(python3 - <<'PY' 2>/dev/null || true
-import glob, os, site
-try:
-    import nvidia.nccl as m
-    d = os.path.join(list(m.__path__)[0], "lib")
-    if os.path.exists(os.path.join(d, "libnccl.so.2")):
-        print(d); raise SystemExit
-except ImportError:
-    pass
-for s in site.getsitepackages():
-    for f in sorted(glob.glob(s + "/nvidia/**/libnccl.so.2", recursive=True)):
-        print(os.path.dirname(f)); raise SystemExit
-PY
-)
+nccl_lib=$(bash "$here/nccl-lib.sh" || true)
 nccl_note=""
 if [ -n "$nccl_lib" ] && [ -e "$nccl_lib/libnccl.so.2" ]; then
   export LD_LIBRARY_PATH=$nccl_lib:$LD_LIBRARY_PATH

@@ -68,6 +68,7 @@ strip "$bundle"/bin/*
 tar -C "$bundle" -cf - bin | xz --lzma2=preset=6,dict=256MiB -T1 >"$bundle/bin.tar.xz"
 rm -rf "$bundle/bin" "$bundle/tests.list" "$bundle/release.list"
 cp scripts/gpu-run.sh "$bundle/run.sh"
+cp scripts/nccl-lib.sh "$bundle/nccl-lib.sh"
 # Benchmarks may read helper scripts (PyTorch references) from benches/.
 du -sh "$bundle"
 echo "bundle ready: $(cat "$bundle/manifest" | wc -l) binaries"

@@ -35,7 +35,7 @@
 //! dropout's scaled mask, drawn as the autograd forward draws it); forward
 //! keeps `A`, `B`, `u = (m x) A^T` and the mask, and backward returns the
 //! gradients of `A` and `B` keyed by the extras that carried them.
-use crate::fused_ops::{add_rms_norm, rms_norm_backward, swiglu};
+use crate::fused_ops::{add_rms_norm, norm_backward, swiglu};
 use crate::llama::DecoderLayer;
 use crate::lora::{LoraLayout, LoraSaved};
 use candle_core::{bail, DType, Result, Shape, Tensor};
@@ -450,29 +450,6 @@ impl DecoderLayer {
             saved,
         })
     }
-}
-
-/// RMSNorm's `(dx, dw)`, with `res` (a residual branch's gradient into the
-/// same input) added to `dx`: our fused kernels on CUDA (the add in the same
-/// pass), Candle ops elsewhere.
-fn norm_backward(
-    x: &Tensor,
-    w: &Tensor,
-    g: &Tensor,
-    res: Option<&Tensor>,
-    eps: f64,
-) -> Result<(Tensor, Tensor)> {
-    #[cfg(feature = "cuda")]
-    if x.device().is_cuda() {
-        if let Some(r) = crate::decoder_kernels::rms_norm_backward(x, w, g, res, eps)? {
-            return Ok(r);
-        }
-    }
-    let (dx, dw) = rms_norm_backward(x, w, g, eps)?;
-    Ok(match res {
-        Some(r) => ((dx + r)?, dw),
-        None => (dx, dw),
-    })
 }
 
 /// For `y = a W^T`: `dL/da = g W` and, when [`wants_grad`]`(W)`,

@@ -251,20 +251,33 @@ impl CustomOp3 for RmsNormGrad {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        // On CUDA the decoder layers' fused kernels (two passes, no f32 copies
-        // of the activation); Candle ops elsewhere or past their widest row.
-        #[cfg(feature = "cuda")]
-        if x.device().is_cuda() {
-            let g = grad.to_dtype(x.dtype())?;
-            if let Some((dx, dw)) =
-                crate::decoder_kernels::rms_norm_backward(x, w, &g, None, self.eps)?
-            {
-                return Ok((Some(dx), Some(dw), None));
-            }
-        }
-        let (dx, dw) = rms_norm_backward(x, w, grad, self.eps)?;
+        let (dx, dw) = norm_backward(x, w, grad, None, self.eps)?;
         Ok((Some(dx), Some(dw), None))
     }
+}
+
+/// RMSNorm's `(dx, dw)`, with `res` (a residual branch's gradient into the
+/// same input) added to `dx`: the fused CUDA kernels where they apply (two
+/// passes, the add in the first, no f32 copies of the activation), else
+/// [`rms_norm_backward`]'s Candle ops.
+pub(crate) fn norm_backward(
+    x: &Tensor,
+    w: &Tensor,
+    g: &Tensor,
+    res: Option<&Tensor>,
+    eps: f64,
+) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        if let Some(r) = crate::decoder_kernels::rms_norm_backward(x, w, g, res, eps)? {
+            return Ok(r);
+        }
+    }
+    let (dx, dw) = rms_norm_backward(x, w, g, eps)?;
+    Ok(match res {
+        Some(r) => ((dx + r)?, dw),
+        None => (dx, dw),
+    })
 }
 
 /// The RMSNorm gradients `(dx, dw)` for input `x` (`(..., hidden)`), weight

@@ -10,6 +10,16 @@ fn suffix(dt: DType) -> Result<&'static str> {
     streamer_core::kernel_suffix(dt, "device AdamW")
 }
 
+/// A kernel of `kernels/src/optim.cu`, loaded once per device.
+fn optim_func(dev: &CudaDevice, name: &str) -> Result<cudarc::driver::CudaFunction> {
+    dev.get_or_load_custom_func(
+        name,
+        streamer_kernels::module::OPTIM,
+        streamer_kernels::OPTIM,
+    )
+    .map(|f| f.into_cuda_function())
+}
+
 /// Sets the u32 at `flag` to 1 if any of the `n` elements at `g` is NaN or
 /// infinite (it is left alone otherwise; zero it first).
 ///
@@ -24,11 +34,7 @@ pub(crate) unsafe fn nonfinite(
     flag: u64,
 ) -> Result<()> {
     let name = format!("nonfinite_{}", suffix(dt)?);
-    let func = dev.get_or_load_custom_func(
-        &name,
-        streamer_kernels::module::OPTIM,
-        streamer_kernels::OPTIM,
-    )?;
+    let func = optim_func(dev, &name)?;
     let stream = dev.cuda_stream();
     let mut b = stream.launch_builder(&func);
     b.arg(&g).arg(&n).arg(&flag);
@@ -60,11 +66,7 @@ pub(crate) struct AdamBuffers {
 /// not read or written by anything else until then.
 pub(crate) unsafe fn adamw(dev: &CudaDevice, b: &AdamBuffers, k: &AdamConsts) -> Result<()> {
     let name = format!("adamw_{}_{}", suffix(b.p_dtype)?, suffix(b.g_dtype)?);
-    let func = dev.get_or_load_custom_func(
-        &name,
-        streamer_kernels::module::OPTIM,
-        streamer_kernels::OPTIM,
-    )?;
+    let func = optim_func(dev, &name)?;
     let stream = dev.cuda_stream();
     let mut l = stream.launch_builder(&func);
     l.arg(&b.p)
