@@ -192,7 +192,10 @@ fn main() -> Result<()> {
                     device: dev.clone(),
                     prefetch_ahead: 1,
                     dtype: DType::BF16,
-                    prefetch_across_calls: true,
+                    // SAFETY: the bench never changes the masters.
+                    prefetch_across_calls: Some(unsafe {
+                        streamer_core::AcrossCalls::promise_masters_unchanged()
+                    }),
                     retain_device_memory: retain,
                     ..Default::default()
                 };

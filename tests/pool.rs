@@ -6,7 +6,9 @@ use candle_nn::{linear, Linear, VarBuilder};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
-use streamer_core::{Block, BlockSpec, StreamConfig, StreamedSequential, TransitionKind};
+use streamer_core::{
+    AcrossCalls, Block, BlockSpec, StreamConfig, StreamedSequential, TransitionKind,
+};
 
 /// Asserts |a - b| <= atol + rtol * |b| element-wise, in f64 on the CPU.
 pub fn assert_close(a: &Tensor, b: &Tensor, atol: f64, rtol: f64, what: &str) -> Result<()> {
@@ -606,7 +608,8 @@ fn prefetch_across_calls_keeps_results_and_window(dev: &Device) -> Result<()> {
     let blocks = mlp_blocks(8, &hidden);
     for prefetch in 0..=3 {
         let mut c = cfg(dev, DType::F32, prefetch);
-        c.prefetch_across_calls = true;
+        // SAFETY: nothing changes the masters during this test.
+        c.prefetch_across_calls = Some(unsafe { AcrossCalls::promise_masters_unchanged() });
         let model = StreamedSequential::from_tensors(weights.clone(), blocks.clone(), c)?;
         let max_seen = Arc::new(AtomicUsize::new(0));
         let m = max_seen.clone();
@@ -636,6 +639,41 @@ fn prefetch_across_calls_keeps_results_and_window(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(prefetch_across_calls_keeps_results_and_window);
+
+/// Without the cross-call promise, a master changed between calls (here every
+/// weight of the first and last blocks, the ones a cross-call prefetch would
+/// have loaded early) is what the next call computes with.
+fn changed_masters_are_seen_by_the_next_call(dev: &Device) -> Result<()> {
+    let hidden = [16, 24, 8];
+    let mut weights = mlp_weights(8, &hidden)?;
+    let blocks = mlp_blocks(8, &hidden);
+    for prefetch in 0..=2 {
+        let model = StreamedSequential::from_tensors(
+            weights.clone(),
+            blocks.clone(),
+            cfg(dev, DType::F32, prefetch),
+        )?;
+        let x = Tensor::randn(0f32, 1.0, (3, 8), dev)?;
+        model.forward(&x)?;
+        for (name, var) in model.parameters() {
+            if name.starts_with("layers.0.") || name.starts_with("layers.2.") {
+                let new = (var.as_tensor() * -1.5)?;
+                var.set(&new)?;
+                weights.insert(name, new);
+            }
+        }
+        let want = resident_forward(&weights, &blocks, &x, &[], DType::F32, dev)?;
+        assert_close(
+            &model.forward(&x)?,
+            &want[0],
+            1e-5,
+            1e-5,
+            &format!("prefetch {prefetch}"),
+        )?;
+    }
+    Ok(())
+}
+candle_streamer::test_device!(changed_masters_are_seen_by_the_next_call);
 
 fn freed_device_memory_is_kept_then_trimmed(dev: &Device) -> Result<()> {
     use streamer_core::{pooled_idle_bytes, retain_freed_device_memory, trim_device_memory};

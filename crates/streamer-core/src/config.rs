@@ -34,10 +34,12 @@ pub struct StreamConfig {
     pub timeline_path: Option<PathBuf>,
     /// Repeated inference: after a call's last blocks, start loading the first
     /// blocks for the next call, so its first copies hide behind this call's tail.
-    /// The window still holds. Weights changed between calls (`Var::set`, an
-    /// optimizer step) would not be seen by those early copies, so this is off by
-    /// default; `StreamedSequential::evict_all` drops them.
-    pub prefetch_across_calls: bool,
+    /// The window still holds. Those copies read the host masters after the call
+    /// has returned, so a master changed before the next call (`Var::set`, an
+    /// optimizer step) would be computed with as it was: turning this on takes
+    /// the `unsafe` [`AcrossCalls::promise_masters_unchanged`]. `None` (the
+    /// default) loads every call's weights during that call.
+    pub prefetch_across_calls: Option<AcrossCalls>,
     /// Keep device memory freed between calls in CUDA's memory pool instead of
     /// handing it back to the driver at every synchronisation (see
     /// [`crate::retain_freed_device_memory`]); on by default, like PyTorch's
@@ -60,9 +62,32 @@ impl Default for StreamConfig {
             timeline: false,
             timeline_path: None,
             transfer_delay: None,
-            prefetch_across_calls: false,
+            prefetch_across_calls: None,
             retain_device_memory: true,
         }
+    }
+}
+
+/// Permission for [`StreamConfig::prefetch_across_calls`]: the caller's promise
+/// that the model's host masters do not change between its calls while blocks
+/// are loaded ahead. Only the `unsafe` constructor makes one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AcrossCalls(());
+
+impl AcrossCalls {
+    /// Lets a model load the next call's first blocks at the end of a call.
+    ///
+    /// # Safety
+    /// Between two calls of a model built with this, the caller must not change
+    /// any of its host masters (`Var::set` or `slice_set` on what
+    /// `StreamedSequential::parameters` returns, an optimizer step) without first
+    /// calling `StreamedSequential::evict_all`, and must not change one from
+    /// another thread while a call runs. Otherwise the early copies read the
+    /// masters while they are written (a data race on the host buffer, whose
+    /// pages the device reads by DMA) or the next call computes silently with
+    /// the weights from before the change.
+    pub unsafe fn promise_masters_unchanged() -> Self {
+        Self(())
     }
 }
 

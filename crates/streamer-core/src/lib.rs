@@ -55,7 +55,7 @@ pub use bandwidth::{measure_copy_gbps, measure_h2d_gbps, measure_pin_gbps, CopyD
 pub use block::{
     mix_seed, Block, BlockCtx, BlockSpec, ManualBackward, ModuleBlock, SavedActivations,
 };
-pub use config::StreamConfig;
+pub use config::{AcrossCalls, StreamConfig};
 pub use context::{cuda_event_tracking, disable_cuda_event_tracking};
 pub use convert::convert;
 #[cfg(feature = "cuda")]

@@ -135,7 +135,7 @@ impl StreamedSequential {
     /// for the CPU streams from pageable memory. An optimizer step on the
     /// masters is seen by every replica (prefetching across calls must be off).
     pub fn replica(&self, device: &Device) -> Result<Self> {
-        if self.cfg.prefetch_across_calls {
+        if self.cfg.prefetch_across_calls.is_some() {
             candle_core::bail!(
                 "replica: prefetch_across_calls is on, so a replica could compute with weights \
                  loaded before an optimizer step; turn it off for replicated training"
@@ -279,7 +279,7 @@ impl StreamedSequential {
             &self.blocks,
             x,
             extras,
-            (self.cfg.prefetch_across_calls, kv_cache),
+            (self.cfg.prefetch_across_calls.is_some(), kv_cache),
             |_, _| Ok(()),
         );
         if r.is_err() {
