@@ -86,7 +86,7 @@ fn measure(
     dev: &Device,
     host: &HashMap<String, Tensor>,
     (w, h, n): (usize, usize, usize),
-    (kind, opt): (Kind, Opt),
+    (kind, opt, master): (Kind, Opt, DType),
     policy: ActivationPolicy,
     x: &Tensor,
     target: &Tensor,
@@ -109,7 +109,7 @@ fn measure(
         device: dev.clone(),
         prefetch_ahead: 1,
         dtype: DType::BF16,
-        master_dtype: Some(DType::F32),
+        master_dtype: Some(master),
         timeline: timeline.is_some(),
         ..Default::default()
     };
@@ -140,8 +140,9 @@ fn measure(
     }
     let peak = sampler.map_or(0, |s| s.finish());
     if let Some(dir) = timeline {
-        let name = format!("training-timeline-w{w}x{n}-{kind:?}-{policy:?}-{opt:?}.json")
-            .replace([' ', '{', '}', ':', ','], "");
+        let name =
+            format!("training-timeline-w{w}x{n}-{kind:?}-{policy:?}-{opt:?}-{master:?}.json")
+                .replace([' ', '{', '}', ':', ','], "");
         model
             .inner()
             .write_timeline(Some(&std::path::Path::new(&dir).join(name)))?;
@@ -193,6 +194,18 @@ fn main() -> Result<()> {
             ),
         })
         .collect::<Result<Vec<_>>>()?;
+    // TRAINING_BENCH_MASTERS=f32,bf16: the host masters' dtype. bf16 masters
+    // (stepped by DeviceAdamW only) hold the weights in the precision PyTorch's
+    // bf16 model holds them, with f32 moments; f32 masters are more exact.
+    let masters = std::env::var("TRAINING_BENCH_MASTERS")
+        .unwrap_or_else(|_| "f32".into())
+        .split(',')
+        .map(|m| match m {
+            "f32" => Ok(DType::F32),
+            "bf16" => Ok(DType::BF16),
+            other => anyhow::bail!("TRAINING_BENCH_MASTERS: unknown dtype {other:?} (f32 or bf16)"),
+        })
+        .collect::<Result<Vec<_>>>()?;
     for (w, h, n, tokens) in configs {
         if let Some(only) = &only {
             if !only.split(',').any(|c| c == format!("w{w}x{n}")) {
@@ -209,28 +222,32 @@ fn main() -> Result<()> {
             .and_then(|r| r["step_ms"].as_f64());
         let keep = ActivationPolicy::Auto { fraction: 0.8 };
         let mut cases = Vec::new();
-        for opt in &opts {
-            cases.push((
-                Kind::FusedMlp,
-                *opt,
-                "recompute",
-                ActivationPolicy::Recompute,
-            ));
-            cases.push((Kind::FusedMlp, *opt, "keep", keep));
+        for &master in &masters {
+            for &opt in &opts {
+                // CpuAdamW steps f32 masters only.
+                if master != DType::F32 && opt == Opt::Host {
+                    continue;
+                }
+                let recompute = ActivationPolicy::Recompute;
+                cases.push((Kind::FusedMlp, opt, master, "recompute", recompute));
+                cases.push((Kind::FusedMlp, opt, master, "keep", keep));
+            }
         }
+        let recompute = ActivationPolicy::Recompute;
         cases.push((
             Kind::CandleLinear,
             Opt::Host,
+            DType::F32,
             "recompute",
-            ActivationPolicy::Recompute,
+            recompute,
         ));
         let mut bar = Vec::new();
-        for (k, (kind, opt, acts, policy)) in cases.into_iter().enumerate() {
+        for (k, (kind, opt, master, acts, policy)) in cases.into_iter().enumerate() {
             let r = measure(
                 &dev,
                 &host,
                 (w, h, n),
-                (kind, opt),
+                (kind, opt, master),
                 policy,
                 &x,
                 &target,
@@ -239,7 +256,7 @@ fn main() -> Result<()> {
             let vs = peer.map(|p| r.step_ms / p);
             let per = reps.1 as f64;
             println!(
-                "{blocks} {tokens} tokens {kind:?} {acts} optimizer {opt:?}: step {:.1} ms (forward {:.1}, host optimizer {:.1}), \
+                "{blocks} {tokens} tokens {kind:?} {acts} optimizer {opt:?} masters {master:?}: step {:.1} ms (forward {:.1}, host optimizer {:.1}), \
                  {} of {n} blocks kept, peak {:.1} GiB, stall {:.1} ms/step | PyTorch resident {} -> ratio {}",
                 r.step_ms,
                 r.forward_ms,
@@ -258,6 +275,7 @@ fn main() -> Result<()> {
                 "mode": "streamed", "block_kind": format!("{kind:?}"), "activations": acts,
                 "policy": format!("{policy:?}"), "kept_blocks": r.kept_blocks,
                 "optimizer": match opt { Opt::Host => "host", Opt::Device => "device" },
+                "master_dtype": format!("{master:?}").to_lowercase(),
                 "step_ms": r.step_ms, "forward_ms": r.forward_ms, "vs_pytorch_resident": vs,
                 "host_optimizer_ms": r.optimizer_ms,
                 "peak_device_gib": r.peak_device_gib,
@@ -274,7 +292,7 @@ fn main() -> Result<()> {
     let fallbacks = 0usize;
     let out = serde_json::json!({
         "device": tag, "compute_dtype": "bf16", "prefetch_ahead": 1,
-        "ours": "streamed: f32 host masters, bf16 compute; optimizer host = CpuAdamW (f32 state, host) overlapped with backward, device = DeviceAdamW (f32 moments on the GPU) stepping the staged masters in backward_step_device",
+        "ours": "streamed: f32 host masters (master_dtype bf16: bf16 masters, DeviceAdamW only), bf16 compute; optimizer host = CpuAdamW (f32 state, host) overlapped with backward, device = DeviceAdamW (f32 moments on the GPU) stepping the staged masters in backward_step_device",
         "pytorch": "resident bf16 weights, fused AdamW on the GPU (benches/training_torch.py, same session)",
         "statistic": format!("median of {} steps after {} warm-up", reps.1, reps.0),
         "cublaslt_epilogue_fallbacks": fallbacks,
