@@ -282,6 +282,8 @@ fn main() -> Result<()> {
                 "h2d_bytes_per_step": r.stats.h2d_bytes as f64 / per,
                 "d2h_bytes_per_step": r.stats.d2h_bytes as f64 / per,
                 "stall_ms_per_step": r.stats.stall_seconds * 1e3 / per,
+                "reused_loads_per_step": r.stats.reused_loads as f64 / per,
+                "stale_reuses": r.stats.stale_reuses,
             }));
         }
         bars.push((blocks, bar));

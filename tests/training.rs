@@ -828,6 +828,12 @@ fn device_step_equals_host_step(dev: &Device) -> Result<()> {
             b.zero_grad()?;
         }
         assert_eq!(opt_b.step_count(), 3);
+        // On CUDA the forwards after a step computed the last-stepped blocks
+        // (0 and 1: the window) from their stepped device copies, checked
+        // against the host masters, and found them equal.
+        let st = b.stats()?;
+        let lent = if dev.is_cuda() { 4 } else { 0 };
+        assert_eq!((st.reused_loads, st.stale_reuses), (lent, 0), "{compute:?}");
         for ((n, va), (_, vb)) in a.parameters().iter().zip(b.parameters().iter()) {
             assert_close(
                 vb.as_tensor(),
@@ -852,6 +858,70 @@ fn device_step_equals_host_step(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(device_step_equals_host_step);
+
+/// A master changed on the host after a device step (`Var::set`, as a
+/// checkpoint load into the parameters would) is what the next forward
+/// computes with: on CUDA the stepped copy lent to it is found stale and the
+/// forward runs again from fresh copies. Checked against a model built from
+/// the same parameters afterwards, with f32 and with f32 masters under bf16.
+fn stepped_copy_changed_on_host_is_not_used(dev: &Device) -> Result<()> {
+    let hidden = [16, 24, 16];
+    let (weights, x, pre, head) = setup(8, &hidden)?;
+    let blocks = mlp_blocks(8, &hidden);
+    let computes: &[DType] = if dev.is_cpu() {
+        &[DType::F32]
+    } else {
+        &[DType::F32, DType::BF16]
+    };
+    for &compute in computes {
+        let (xd, pred, headd) = (
+            x.to_device(dev)?.to_dtype(compute)?,
+            pre.to_device(dev)?.to_dtype(compute)?,
+            head.to_device(dev)?.to_dtype(compute)?,
+        );
+        let loss_of = |m: &TrainableSequential| -> Result<Tensor> {
+            let y = m.forward(&xd.matmul(&pred)?)?.matmul(&headd)?;
+            Ok(y.to_dtype(DType::F32)?.sqr()?.mean_all()?)
+        };
+        let cfg = cfg(dev, compute, DType::F32, 1);
+        let model =
+            StreamedSequential::from_tensors(weights.clone(), blocks.clone(), cfg.clone())?.train();
+        let params = ParamsAdamW {
+            lr: 1e-2,
+            ..Default::default()
+        };
+        let mut opt = streamer_autograd::DeviceAdamW::new(model.trainable_vars()?, params, dev)?;
+        model.backward_step_device(&loss_of(&model)?, &mut opt)?;
+        model.zero_grad()?;
+        // Block 0 was stepped last; change one of its masters on the host.
+        for (name, var) in model.parameters() {
+            if name == "layers.0.up.weight" {
+                var.set(&(var.as_tensor() * 0.5)?)?;
+            }
+        }
+        let got = loss_of(&model)?.to_scalar::<f32>()?;
+        let now: HashMap<String, Tensor> = model
+            .parameters()
+            .into_iter()
+            .map(|(n, v)| (n, v.as_tensor().copy().expect("copy")))
+            .collect();
+        let fresh = StreamedSequential::from_tensors(now, blocks.clone(), cfg)?.train();
+        let want = loss_of(&fresh)?.to_scalar::<f32>()?;
+        assert!(
+            (got - want).abs() <= 1e-6 * want.abs(),
+            "{compute:?}: loss {got} with the changed master, {want} from a fresh model"
+        );
+        let st = model.stats()?;
+        let (lent, stale) = if dev.is_cuda() { (2, 1) } else { (0, 0) };
+        assert_eq!(
+            (st.reused_loads, st.stale_reuses),
+            (lent, stale),
+            "{compute:?}"
+        );
+    }
+    Ok(())
+}
+candle_streamer::test_device!(stepped_copy_changed_on_host_is_not_used);
 
 /// A trainable streamed weight missing from the DeviceAdamW is an error naming
 /// it, before the backward starts: no master changes.

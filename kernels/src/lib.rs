@@ -16,7 +16,8 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 /// Element-wise dtype conversions (f32 <-> bf16 / f16) between raw device
-/// buffers, used by the pool to convert streamed masters and gradients.
+/// buffers, used by the pool to convert streamed masters and gradients, and
+/// the byte comparison that verifies a block kept on the device.
 #[cfg(feature = "cuda")]
 pub const CAST: &str = include_str!(concat!(env!("OUT_DIR"), "/cast.ptx"));
 

@@ -414,8 +414,16 @@ impl TrainableSequential {
                 self.model.blocks(),
                 &x_det,
                 &extras_det,
-                false,
+                (false, true),
                 |pool: &ResidencyPool, i, block: &dyn Block, h: &Tensor, extras: &[Tensor]| {
+                    if i == 0 {
+                        // A run again from fresh weights (a stepped block lent
+                        // to this forward was stale) starts the record over.
+                        inputs.clear();
+                        on_host.clear();
+                        kept.iter_mut().for_each(|k| *k = None);
+                        used = 0;
+                    }
                     // The first input is the caller's: it stays where it is.
                     let to_host = offload && i > 0;
                     inputs.push(if to_host {

@@ -45,6 +45,13 @@ pub struct StreamConfig {
     /// [`crate::retain_freed_device_memory`]); on by default, like PyTorch's
     /// caching allocator. It applies to the whole device, not only this model.
     pub retain_device_memory: bool,
+    /// Training on CUDA: when an optimizer stepped a block's masters on the
+    /// device and they were written back, the next training forward computes
+    /// with that copy at once instead of copying the block again, and checks it
+    /// against the host masters behind the call's other copies (running the
+    /// call again if they changed). Costs one block's masters of device memory
+    /// for the check. On by default; nothing it does is observable but time.
+    pub reuse_stepped_blocks: bool,
     /// Testing aid: make every block's transfer take at least this long (a
     /// sleep on the CPU, a waiting kernel on the transfer stream on CUDA).
     pub transfer_delay: Option<std::time::Duration>,
@@ -64,6 +71,7 @@ impl Default for StreamConfig {
             transfer_delay: None,
             prefetch_across_calls: None,
             retain_device_memory: true,
+            reuse_stepped_blocks: true,
         }
     }
 }

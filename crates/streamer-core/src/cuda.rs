@@ -156,6 +156,34 @@ pub(crate) unsafe fn cast(
     Ok(())
 }
 
+/// Enqueues a kernel on `stream` that sets the u32 at `flag` to 1 when the `n`
+/// bytes at `x` and `y` differ (it leaves it alone when they are equal).
+///
+/// # Safety
+/// `x` and `y` must be 16-byte aligned device buffers of at least `n` bytes and
+/// `flag` a device u32, all alive until the stream passes the kernel.
+pub(crate) unsafe fn bytes_differ(
+    dev: &CudaDevice,
+    stream: &CudaStream,
+    (x, y, n): (u64, u64, usize),
+    flag: u64,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let func = dev.get_or_load_custom_func(
+        "bytes_differ",
+        streamer_kernels::module::CAST,
+        streamer_kernels::CAST,
+    )?;
+    let mut l = stream.launch_builder(&func);
+    l.arg(&x).arg(&y).arg(&n).arg(&flag);
+    // SAFETY: the kernel reads n bytes at x and y and writes one u32 at flag,
+    // which the caller guarantees are live device memory.
+    unsafe { l.launch(grid_stride(n / 16)) }.map_err(candle_core::Error::wrap)?;
+    Ok(())
+}
+
 /// Allocates a flat device tensor of `elems` elements of `dtype` and returns it with
 /// its raw device address (stable for the tensor's life), for the pool's slots.
 pub(crate) fn alloc_flat(

@@ -46,6 +46,8 @@ mod host;
 mod offload;
 pub mod pages;
 mod pool;
+#[cfg(feature = "cuda")]
+mod reuse;
 mod sequential;
 mod source;
 mod stats;

@@ -114,6 +114,13 @@ struct Slot {
     /// address)` (empty when masters are copied into the slot directly).
     #[cfg(feature = "cuda")]
     staged: Vec<(usize, u64)>,
+    /// Masters of the acquired block written back after a device step.
+    #[cfg(feature = "cuda")]
+    written_back: Vec<usize>,
+    /// A free slot that still holds this block's device-stepped masters, every
+    /// one written back (see `crate::reuse`).
+    #[cfg(feature = "cuda")]
+    stepped_copy_of: Option<usize>,
 }
 
 #[cfg(feature = "cuda")]
@@ -138,6 +145,8 @@ struct CudaEngine {
     bounce: crate::Offloader,
     bounce_bufs: HashMap<usize, Tensor>,
     bounce_pending: Vec<(usize, usize, usize)>,
+    /// Checks blocks lent to the next forward as they are (`crate::reuse`).
+    verifier: crate::reuse::Verifier,
 }
 
 #[cfg(feature = "cuda")]
@@ -203,7 +212,7 @@ pub struct DeviceMaster {
 /// # fn f(pool: &mut streamer_core::ResidencyPool, blocks: &[streamer_core::BlockSpec], x: &Tensor) {
 /// let mut kept = Vec::new();
 /// // error[E0133]: `run_blocks_with` is unsafe (its closure could keep `block`'s weights)
-/// let _ = streamer_core::run_blocks_with(pool, blocks, x, &[], false, |_, _, block, h, e| {
+/// let _ = streamer_core::run_blocks_with(pool, blocks, x, &[], (false, false), |_, _, block, h, e| {
 ///     let out = block.forward(h, e)?;
 ///     kept.push(out[0].clone());
 ///     Ok(out)
@@ -239,6 +248,13 @@ pub struct ResidencyPool {
     timeline: Option<Timeline>,
     cpu_epoch: Instant,
     transfer_delay: Option<std::time::Duration>,
+    /// `StreamConfig::reuse_stepped_blocks`.
+    #[cfg(feature = "cuda")]
+    reuse_enabled: bool,
+    /// Loads may lend a stepped slot as it is (only inside a runner that asks
+    /// for the verdict before returning: `crate::run_blocks_with`).
+    #[cfg(feature = "cuda")]
+    reuse_open: bool,
 }
 
 impl ResidencyPool {
@@ -312,6 +328,10 @@ impl ResidencyPool {
             timeline: cfg.timeline.then(Timeline::default),
             cpu_epoch: Instant::now(),
             transfer_delay: cfg.transfer_delay,
+            #[cfg(feature = "cuda")]
+            reuse_enabled: cfg.reuse_stepped_blocks,
+            #[cfg(feature = "cuda")]
+            reuse_open: false,
         })
     }
 
@@ -388,7 +408,11 @@ impl ResidencyPool {
         crate::faults::check(crate::faults::FaultPoint::WeightLoad, || {
             format!("loading block {:?}", self.names[block])
         })?;
-        let Some(slot) = self.free.pop_front() else {
+        #[cfg(feature = "cuda")]
+        if let Some(pos) = self.reusable_slot(block) {
+            return self.lend_stepped(block, pos);
+        }
+        let Some(slot) = self.take_free_slot() else {
             let loaded: Vec<&str> = (0..self.layouts.len())
                 .filter(|&b| self.slot_of[b].is_some())
                 .map(|b| self.names[b].as_str())
@@ -429,6 +453,12 @@ impl ResidencyPool {
             #[cfg(feature = "cuda")]
             Engine::Cuda(e) => {
                 let s = &mut self.slots[slot];
+                s.stepped_copy_of = None;
+                s.written_back.clear();
+                // A comparison still to read this slot's lent copy goes first.
+                self.stats.verify_bytes +=
+                    e.verifier
+                        .issue(&e.dev, &e.transfer, &self.masters, Some(slot))?;
                 bytes = e
                     .load(
                         block,
@@ -441,6 +471,10 @@ impl ResidencyPool {
                     .map_err(|err| {
                         err.context(format!("copying block {:?}'s weights", self.names[block]))
                     })?;
+                // Comparisons of lent blocks queue behind this copy, which the
+                // next compute may be waiting for.
+                self.stats.verify_bytes +=
+                    e.verifier.issue(&e.dev, &e.transfer, &self.masters, None)?;
                 // Keep the queue of timing events bounded on long runs: fold in the
                 // ones that have completed (the old ones, in steady state).
                 if e.pending_len() > 1024 {
@@ -448,10 +482,17 @@ impl ResidencyPool {
                 }
             }
         }
-        self.slots[slot].block = Some(block);
-        self.slot_of[block] = Some(slot);
         self.stats.loads += 1;
         self.stats.h2d_bytes += bytes;
+        self.occupy(block, slot);
+        Ok(())
+    }
+
+    /// Records `block` as loaded in `slot`.
+    fn occupy(&mut self, block: usize, slot: usize) {
+        let layout = &self.layouts[block];
+        self.slots[slot].block = Some(block);
+        self.slot_of[block] = Some(slot);
         self.stats.resident_blocks += 1;
         self.stats.resident_bytes += layout.bytes(self.dtype);
         self.stats.peak_resident_blocks = self
@@ -463,7 +504,125 @@ impl ResidencyPool {
             .peak_resident_bytes
             .max(self.stats.resident_bytes);
         self.transition(block, slot, TransitionKind::LoadIssued);
+    }
+
+    /// A free slot, one that holds no stepped copy when there is one.
+    fn take_free_slot(&mut self) -> Option<usize> {
+        #[cfg(feature = "cuda")]
+        if let Some(pos) = self
+            .free
+            .iter()
+            .position(|&s| self.slots[s].stepped_copy_of.is_none())
+        {
+            return self.free.remove(pos);
+        }
+        self.free.pop_front()
+    }
+
+    /// Where in the free list a slot holding `block`'s stepped masters is, if
+    /// a runner that checks lent blocks is loading.
+    #[cfg(feature = "cuda")]
+    fn reusable_slot(&self, block: usize) -> Option<usize> {
+        if !(self.reuse_enabled && self.reuse_open) {
+            return None;
+        }
+        self.free
+            .iter()
+            .position(|&s| self.slots[s].stepped_copy_of == Some(block))
+    }
+
+    /// Lends the free slot at `pos` of the free list, which holds `block`'s
+    /// stepped and written-back masters, without copying, and queues the
+    /// comparison of those copies with the host masters (`crate::reuse`).
+    #[cfg(feature = "cuda")]
+    fn lend_stepped(&mut self, block: usize, pos: usize) -> Result<()> {
+        let slot = self.free.remove(pos).expect("a position in the free list");
+        let copies: crate::reuse::Copies = self.layouts[block]
+            .unique
+            .iter()
+            .map(|&(m, _)| {
+                let addr = self
+                    .copy_address(slot, block, m)
+                    .expect("a master of the block");
+                (m, addr, self.masters.get(m).bytes())
+            })
+            .collect();
+        let es = self.dtype.size_in_bytes() as u64;
+        let dtype = self.dtype;
+        let s = &mut self.slots[slot];
+        s.stepped_copy_of = None;
+        s.written_back.clear();
+        s.ready = None;
+        // With staging, the step changed the staged masters, not the slot's
+        // compute-dtype weights: acquire converts them again.
+        s.casts.clear();
+        for &(m, off) in &self.layouts[block].unique {
+            if let Some(&(_, at)) = s.staged.iter().find(|(k, _)| *k == m) {
+                let master = self.masters.get(m);
+                let dst = s.ptr + off as u64 * es;
+                s.casts
+                    .push((master.var.dtype(), at, dtype, dst, master.var.elem_count()));
+            }
+        }
+        if let Engine::Cuda(e) = &mut self.engine {
+            e.verifier.pending.push((slot, copies));
+        }
+        self.stats.reused_loads += 1;
+        self.occupy(block, slot);
         Ok(())
+    }
+
+    /// Where the device copy of master `m` of the block in `slot` is, in the
+    /// master's dtype: its staging piece, or its place in the slot.
+    #[cfg(feature = "cuda")]
+    fn copy_address(&self, slot: usize, block: usize, m: usize) -> Option<u64> {
+        let s = &self.slots[slot];
+        match s.stage {
+            Some(_) => s.staged.iter().find(|(k, _)| *k == m).map(|x| x.1),
+            None => self.layouts[block]
+                .unique
+                .iter()
+                .find(|(k, _)| *k == m)
+                .map(|&(_, off)| s.ptr + (off * self.dtype.size_in_bytes()) as u64),
+        }
+    }
+
+    /// Opens or closes lending stepped slots to loads (`crate::run_blocks_with`,
+    /// which asks for [`Self::lent_blocks_stale`] before it returns).
+    pub(crate) fn open_reuse(&mut self, open: bool) {
+        #[cfg(feature = "cuda")]
+        {
+            self.reuse_open = open;
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = open;
+    }
+
+    /// Whether any block lent since the last call differed from its host
+    /// masters (waits for the comparisons). When one did, no slot keeps a
+    /// stepped copy any more, so a second run copies every block.
+    pub(crate) fn lent_blocks_stale(&mut self) -> Result<bool> {
+        #[cfg(feature = "cuda")]
+        if let Engine::Cuda(e) = &mut self.engine {
+            self.stats.verify_bytes +=
+                e.verifier.issue(&e.dev, &e.transfer, &self.masters, None)?;
+            if e.verifier.verdict()? {
+                self.stats.stale_reuses += 1;
+                self.slots.iter_mut().for_each(|s| s.stepped_copy_of = None);
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Forgets the comparisons of a call that failed (its results are gone) and
+    /// every stepped copy.
+    pub(crate) fn drop_lent(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let Engine::Cuda(e) = &mut self.engine {
+            e.verifier.pending.clear();
+            self.slots.iter_mut().for_each(|s| s.stepped_copy_of = None);
+        }
     }
 
     /// Orders compute after `block`'s copy and returns its weights as device
@@ -594,7 +753,16 @@ impl ResidencyPool {
                 }
             }
             #[cfg(feature = "cuda")]
-            Engine::Cuda(e) => e.release(block, &mut self.slots[slot])?,
+            Engine::Cuda(e) => {
+                let s = &mut self.slots[slot];
+                e.release(block, s)?;
+                // Every master stepped and written back: the slot equals the
+                // host masters once that copy lands, and may be lent.
+                let all = !s.written_back.is_empty()
+                    && (self.layouts[block].unique.iter()).all(|(m, _)| s.written_back.contains(m));
+                s.stepped_copy_of = all.then_some(block);
+                s.written_back.clear();
+            }
         }
         self.slots[slot].block = None;
         self.slot_of[block] = None;
@@ -621,8 +789,11 @@ impl ResidencyPool {
                 s.ready = None;
                 s.compute = None;
                 s.casts.clear();
+                s.written_back.clear();
+                s.stepped_copy_of = None;
             }
         }
+        self.drop_lent();
         self.free = (0..self.slots.len()).collect();
         self.slot_of.iter_mut().for_each(|s| *s = None);
         self.stats.resident_blocks = 0;
@@ -677,19 +848,10 @@ impl ResidencyPool {
                         self.names[block]
                     );
                 }
-                let es = self.dtype.size_in_bytes() as u64;
                 which
                     .iter()
                     .map(|&m| {
-                        let address = match s.stage {
-                            Some(_) => s.staged.iter().find(|(k, _)| *k == m).map(|x| x.1),
-                            None => layout
-                                .unique
-                                .iter()
-                                .find(|(k, _)| *k == m)
-                                .map(|&(_, off)| s.ptr + off as u64 * es),
-                        };
-                        let Some(address) = address else {
+                        let Some(address) = self.copy_address(slot, block, m) else {
                             candle_core::bail!(
                                 "weight {m} is not one of block {:?}'s masters",
                                 self.names[block]
@@ -733,6 +895,9 @@ impl ResidencyPool {
                 // `synchronize` (this fn's contract), or a bounce buffer.
                 unsafe { e.write_back(t, host as *mut u8, n, master.is_pinned())? };
                 self.stats.d2h_bytes += n as u64;
+            }
+            if let Some(slot) = self.slot_of[block] {
+                self.slots[slot].written_back.extend_from_slice(which);
             }
         }
         let _ = targets;
@@ -860,13 +1025,17 @@ impl Slot {
             casts: Vec::new(),
             #[cfg(feature = "cuda")]
             staged: Vec::new(),
+            #[cfg(feature = "cuda")]
+            written_back: Vec::new(),
+            #[cfg(feature = "cuda")]
+            stepped_copy_of: None,
         })
     }
 }
 
 /// Bytes a master takes in a staging buffer (256-byte aligned for the casts).
 #[cfg(feature = "cuda")]
-fn stage_len(bytes: usize) -> usize {
+pub(crate) fn stage_len(bytes: usize) -> usize {
     bytes.div_ceil(256) * 256
 }
 
@@ -890,6 +1059,18 @@ impl CudaEngine {
             .new_stream()
             .map_err(candle_core::Error::wrap)?;
         let master_dt = cfg.master_dtype();
+        // The largest block's masters in their own dtype, 256-byte aligned pieces.
+        let largest = layouts
+            .iter()
+            .map(|l| {
+                l.unique
+                    .iter()
+                    .map(|&(m, _)| stage_len(masters.get(m).bytes()))
+                    .sum::<usize>()
+            })
+            .max()
+            .unwrap_or(0)
+            .max(1);
         let staging = if master_dt != cfg.dtype {
             if !crate::cuda::has_cast(master_dt, cfg.dtype) {
                 candle_core::bail!(
@@ -897,17 +1078,6 @@ impl CudaEngine {
                     cfg.dtype
                 );
             }
-            let largest = layouts
-                .iter()
-                .map(|l| {
-                    l.unique
-                        .iter()
-                        .map(|&(m, _)| stage_len(masters.get(m).bytes()))
-                        .sum::<usize>()
-                })
-                .max()
-                .unwrap_or(0)
-                .max(1);
             let mut bufs = Vec::with_capacity(cfg.window());
             for _ in 0..cfg.window() {
                 let s = dev.alloc_zeros::<u8>(largest)?;
@@ -925,6 +1095,7 @@ impl CudaEngine {
         let epoch = compute
             .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(candle_core::Error::wrap)?;
+        let verifier = crate::reuse::Verifier::new(&transfer, largest)?;
         Ok(Self {
             dev: dev.clone(),
             compute,
@@ -935,6 +1106,7 @@ impl CudaEngine {
             bounce: crate::Offloader::new(&Device::Cuda(dev.clone()))?,
             bounce_bufs: HashMap::new(),
             bounce_pending: Vec::new(),
+            verifier,
         })
     }
 

@@ -358,7 +358,7 @@ pub(crate) fn run_blocks(
             blocks,
             x,
             extras,
-            cyclic,
+            (cyclic, false),
             |pool, i, block, h, extras| {
                 on_input(i, h)?;
                 let ctx = BlockCtx::inference(i, pool.device()).with_kv_cache(kv_cache);
@@ -387,6 +387,12 @@ impl<F: FnMut(&ResidencyPool, usize, &dyn Block, &Tensor, &[Tensor]) -> Result<V
 /// call. For the training crate; `StreamedSequential::forward_with` is the safe
 /// way to run blocks.
 ///
+/// With `reuse`, blocks whose slots still hold their device-stepped masters
+/// are computed without a copy and checked against the host masters before
+/// this returns (`StreamConfig::reuse_stepped_blocks`); if one had changed,
+/// every block runs again from fresh copies, so `run` is then called a second
+/// time from block 0 and must start its record over when it sees block 0.
+///
 /// # Safety
 /// `run` gets a block bound to views of its slot, which the pool refills after
 /// `run` returns. Apart from its returned outputs (copied here when they share
@@ -400,8 +406,45 @@ pub unsafe fn run_blocks_with(
     blocks: &[BlockSpec],
     x: &Tensor,
     extras: &[Tensor],
-    cyclic: bool,
+    (cyclic, reuse): (bool, bool),
     mut run: impl RunBlock,
+) -> Result<Vec<Tensor>> {
+    if !reuse {
+        // SAFETY: forwarded from the caller.
+        return unsafe { run_blocks_once(pool, blocks, x, extras, cyclic, &mut run) };
+    }
+    pool.open_reuse(true);
+    // SAFETY: forwarded from the caller.
+    let r = unsafe { run_blocks_once(pool, blocks, x, extras, cyclic, &mut run) };
+    pool.open_reuse(false);
+    let out = match r {
+        Ok(out) => out,
+        Err(e) => {
+            pool.drop_lent();
+            return Err(e);
+        }
+    };
+    if !pool.lent_blocks_stale()? {
+        return Ok(out);
+    }
+    // A lent block's masters changed on the host after its step: nothing of
+    // this run is returned, and the verdict left no slot to lend.
+    drop(out);
+    // SAFETY: forwarded from the caller.
+    unsafe { run_blocks_once(pool, blocks, x, extras, cyclic, &mut run) }
+}
+
+/// One pass of [`run_blocks_with`] over the blocks.
+///
+/// # Safety
+/// As [`run_blocks_with`].
+unsafe fn run_blocks_once(
+    pool: &mut ResidencyPool,
+    blocks: &[BlockSpec],
+    x: &Tensor,
+    extras: &[Tensor],
+    cyclic: bool,
+    run: &mut impl RunBlock,
 ) -> Result<Vec<Tensor>> {
     let n = blocks.len();
     let window = pool.window();
@@ -420,7 +463,7 @@ pub unsafe fn run_blocks_with(
     let mut h = x.clone();
     let mut last = Vec::new();
     for (i, spec) in blocks.iter().enumerate() {
-        let mut out = run_block_with(pool, spec, i, &h, extras, &mut run)?;
+        let mut out = run_block_with(pool, spec, i, &h, extras, run)?;
         if i + window < n {
             pool.load(i + window)?;
         } else if cyclic && !pool.is_loaded((i + window) % n) {

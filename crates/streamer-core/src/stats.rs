@@ -40,6 +40,15 @@ pub type Observer = Arc<dyn Fn(&Transition) + Send + Sync>;
 pub struct StreamStats {
     /// Number of block loads (host to device copies of a whole block).
     pub loads: u64,
+    /// Loads served without a copy by a slot that still held the block's
+    /// device-stepped masters, each checked against the host masters
+    /// (`StreamConfig::reuse_stepped_blocks`).
+    pub reused_loads: u64,
+    /// Calls run again because a block lent that way differed from its host
+    /// masters (they had changed after the step).
+    pub stale_reuses: u64,
+    /// Host to device bytes copied to check lent blocks (not in `h2d_bytes`).
+    pub verify_bytes: u64,
     /// Bytes copied host to device.
     pub h2d_bytes: u64,
     /// Time the transfer stream spent copying (device time on CUDA), seconds.
@@ -122,6 +131,15 @@ impl fmt::Display for StreamStats {
                 "  d2h      {:.1} MiB in {:.3} ms",
                 mib(self.d2h_bytes as f64),
                 self.d2h_seconds * 1e3
+            )?;
+        }
+        if self.reused_loads > 0 {
+            writeln!(
+                f,
+                "  reused   {} stepped blocks without a copy ({} stale, run again), {:.1} MiB copied to check them",
+                self.reused_loads,
+                self.stale_reuses,
+                mib(self.verify_bytes as f64)
             )?;
         }
         writeln!(f, "  compute  {:.3} ms", self.compute_seconds * 1e3)?;

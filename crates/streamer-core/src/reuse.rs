@@ -1,0 +1,134 @@
+//! Verified reuse of a block's device-stepped weights by the next forward.
+//!
+//! When an optimizer has stepped every master of a block on the device and the
+//! pool has written them back ([`crate::ResidencyPool::write_back_masters`]),
+//! the slot holds what the host masters hold once that copy lands. The next
+//! training forward starts with that block, and copying it again is the one
+//! copy nothing can hide (its compute waits for it). So the runner lends the
+//! slot as it is and, behind the call's other copies, copies the host masters
+//! again into a scratch buffer and compares them byte for byte with the slot.
+//! [`crate::run_blocks_with`] asks for the verdict before it returns anything,
+//! and a mismatch (a master changed on the host after the step: `Var::set`, a
+//! checkpoint loaded into the parameters) makes it run the call again from
+//! fresh copies. A reuse is therefore never observable, whatever the caller
+//! did to the masters in between.
+use candle_core::Result;
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
+use std::sync::Arc;
+
+/// One reused block's device copies: `(master, device address, bytes)`.
+pub(crate) type Copies = Vec<(usize, u64, usize)>;
+
+/// The scratch buffer, the verdict flag and the comparisons in flight.
+pub(crate) struct Verifier {
+    /// Bytes of the largest block's masters (256-byte aligned pieces).
+    scratch_bytes: usize,
+    /// Allocated at the first comparison: a model never stepped on the device
+    /// pays nothing.
+    scratch: Option<(CudaSlice<u8>, u64)>,
+    /// Set to 1 by any comparison that found a difference since the last verdict.
+    flag: CudaSlice<u32>,
+    flag_ptr: u64,
+    /// Reads the flag without waiting for the transfer stream's later copies.
+    check: Arc<CudaStream>,
+    /// Reused blocks whose comparison is not issued yet: `(slot, copies)`.
+    pub(crate) pending: Vec<(usize, Copies)>,
+    /// Marks the end of the last comparison issued since the last verdict.
+    issued: Option<CudaEvent>,
+}
+
+impl Verifier {
+    /// Everything lives on the transfer stream, which copies and compares.
+    pub(crate) fn new(transfer: &Arc<CudaStream>, scratch_bytes: usize) -> Result<Self> {
+        let w = candle_core::Error::wrap;
+        let flag = transfer.alloc_zeros::<u32>(1).map_err(w)?;
+        let flag_ptr = address(&flag, transfer);
+        let check = transfer.context().new_stream().map_err(w)?;
+        // The flag is a stream-ordered allocation on the transfer stream.
+        check.join(transfer).map_err(w)?;
+        Ok(Self {
+            scratch_bytes: scratch_bytes.max(1),
+            scratch: None,
+            flag,
+            flag_ptr,
+            check,
+            pending: Vec::new(),
+            issued: None,
+        })
+    }
+
+    /// Issues, on `transfer`, the comparisons pending for `only` (every slot
+    /// when `None`): the host masters copied into the scratch buffer, compared
+    /// with the slot's copies. Returns the bytes copied.
+    pub(crate) fn issue(
+        &mut self,
+        dev: &candle_core::CudaDevice,
+        transfer: &Arc<CudaStream>,
+        masters: &crate::HostMasters,
+        only: Option<usize>,
+    ) -> Result<u64> {
+        let w = candle_core::Error::wrap;
+        let (now, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending)
+            .into_iter()
+            .partition(|(s, _)| only.is_none_or(|o| o == *s));
+        self.pending = later;
+        if now.is_empty() {
+            return Ok(0);
+        }
+        if self.scratch.is_none() {
+            let buf = transfer.alloc_zeros::<u8>(self.scratch_bytes).map_err(w)?;
+            let p = address(&buf, transfer);
+            self.scratch = Some((buf, p));
+        }
+        let scratch = self.scratch.as_ref().expect("allocated above").1;
+        if self.issued.is_none() {
+            transfer.memset_zeros(&mut self.flag).map_err(w)?;
+        }
+        let mut bytes = 0u64;
+        for (_, copies) in &now {
+            let mut at = scratch;
+            for &(m, addr, n) in copies {
+                let (src, len) = crate::host::host_bytes(masters.get(m).var.as_tensor())?;
+                debug_assert_eq!(len, n);
+                // SAFETY: the scratch holds the largest block's masters in
+                // 256-byte aligned pieces (sized like the staging buffers); the
+                // master is a live host tensor of `len` bytes. The comparison
+                // after it on this stream reads the scratch before the next
+                // block's comparison refills it.
+                unsafe { crate::cuda::htod_async(at, src, len, transfer)? };
+                // SAFETY: `addr` is the slot's copy of this master (n bytes,
+                // 256-byte aligned), which no copy overwrites before this stream
+                // passes the kernel (the slot's next load is issued on it later).
+                unsafe { crate::cuda::bytes_differ(dev, transfer, (at, addr, n), self.flag_ptr)? };
+                at += crate::pool::stage_len(n) as u64;
+                bytes += n as u64;
+            }
+        }
+        let event = transfer
+            .record_event(Some(
+                cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+            ))
+            .map_err(w)?;
+        self.issued = Some(event);
+        Ok(bytes)
+    }
+
+    /// Whether any comparison issued since the last verdict found a difference
+    /// (waits for them; nothing issued: `false` at once).
+    pub(crate) fn verdict(&mut self) -> Result<bool> {
+        let w = candle_core::Error::wrap;
+        let Some(done) = self.issued.take() else {
+            return Ok(false);
+        };
+        self.check.wait(&done).map_err(w)?;
+        let v = self.check.clone_dtoh(&self.flag).map_err(w)?;
+        self.check.synchronize().map_err(w)?;
+        Ok(v[0] != 0)
+    }
+}
+
+fn address<T: cudarc::driver::DeviceRepr>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
+    use cudarc::driver::DevicePtr;
+    let (p, _g) = s.device_ptr(stream);
+    p
+}
