@@ -776,6 +776,40 @@ fn block_ctx_carries_seeds_across_threads(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(block_ctx_carries_seeds_across_threads);
 
+/// The compute dtypes the device-step tests cover: f32, and on CUDA bf16 under
+/// f32 masters (stepped in the staging buffer).
+fn step_dtypes(dev: &Device) -> &'static [DType] {
+    if dev.is_cpu() {
+        &[DType::F32]
+    } else {
+        &[DType::F32, DType::BF16]
+    }
+}
+
+/// The mean square of `(x pre) model head`, with the three on the device in
+/// the compute dtype.
+struct MseOf {
+    x: Tensor,
+    pre: Tensor,
+    head: Tensor,
+}
+
+impl MseOf {
+    fn new((x, pre, head): (&Tensor, &Tensor, &Tensor), dev: &Device, dt: DType) -> Result<Self> {
+        let on = |t: &Tensor| -> Result<Tensor> { Ok(t.to_device(dev)?.to_dtype(dt)?) };
+        Ok(Self {
+            x: on(x)?,
+            pre: on(pre)?,
+            head: on(head)?,
+        })
+    }
+
+    fn of(&self, m: &TrainableSequential) -> Result<Tensor> {
+        let y = m.forward(&self.x.matmul(&self.pre)?)?.matmul(&self.head)?;
+        Ok(y.to_dtype(DType::F32)?.sqr()?.mean_all()?)
+    }
+}
+
 /// `backward_step_device` (DeviceAdamW stepping the staged masters on the
 /// device, or the host masters on the CPU) against a plain backward followed by
 /// `CpuAdamW`, over three steps, with a weight tied across blocks 0 and 2.
@@ -794,21 +828,9 @@ fn device_step_equals_host_step(dev: &Device) -> Result<()> {
         weight_decay: 0.01,
         ..Default::default()
     };
-    let computes: &[DType] = if dev.is_cpu() {
-        &[DType::F32]
-    } else {
-        &[DType::F32, DType::BF16]
-    };
-    for &compute in computes {
-        let (xd, pred, headd) = (
-            x.to_device(dev)?.to_dtype(compute)?,
-            pre.to_device(dev)?.to_dtype(compute)?,
-            head.to_device(dev)?.to_dtype(compute)?,
-        );
-        let loss_of = |m: &TrainableSequential| -> Result<Tensor> {
-            let y = m.forward(&xd.matmul(&pred)?)?.matmul(&headd)?;
-            Ok(y.to_dtype(DType::F32)?.sqr()?.mean_all()?)
-        };
+    for &compute in step_dtypes(dev) {
+        let mse = MseOf::new((&x, &pre, &head), dev, compute)?;
+        let loss_of = |m: &TrainableSequential| mse.of(m);
         let make = || -> Result<TrainableSequential> {
             Ok(StreamedSequential::from_tensors(
                 weights.clone(),
@@ -868,21 +890,9 @@ fn stepped_copy_changed_on_host_is_not_used(dev: &Device) -> Result<()> {
     let hidden = [16, 24, 16];
     let (weights, x, pre, head) = setup(8, &hidden)?;
     let blocks = mlp_blocks(8, &hidden);
-    let computes: &[DType] = if dev.is_cpu() {
-        &[DType::F32]
-    } else {
-        &[DType::F32, DType::BF16]
-    };
-    for &compute in computes {
-        let (xd, pred, headd) = (
-            x.to_device(dev)?.to_dtype(compute)?,
-            pre.to_device(dev)?.to_dtype(compute)?,
-            head.to_device(dev)?.to_dtype(compute)?,
-        );
-        let loss_of = |m: &TrainableSequential| -> Result<Tensor> {
-            let y = m.forward(&xd.matmul(&pred)?)?.matmul(&headd)?;
-            Ok(y.to_dtype(DType::F32)?.sqr()?.mean_all()?)
-        };
+    for &compute in step_dtypes(dev) {
+        let mse = MseOf::new((&x, &pre, &head), dev, compute)?;
+        let loss_of = |m: &TrainableSequential| mse.of(m);
         let cfg = cfg(dev, compute, DType::F32, 1);
         let model =
             StreamedSequential::from_tensors(weights.clone(), blocks.clone(), cfg.clone())?.train();

@@ -433,20 +433,8 @@ impl TrainableSequential {
                     });
                     on_host.push(to_host);
                     set_current_seed(seeds[i]);
-                    let plain = BlockCtx::training(i, pool.device(), seeds[i], false);
-                    let Some(man) = block.manual() else {
-                        return block.forward_ctx(h, extras, &plain);
-                    };
-                    let need = man.saved_bytes(h.shape(), h.dtype());
-                    if budget == 0 || used + need > budget {
-                        return block.forward_ctx(h, extras, &plain);
-                    }
-                    let keep = BlockCtx::training(i, pool.device(), seeds[i], true);
-                    let (y, acts) = man.forward_train_ctx(h, extras, &keep)?;
-                    check_saved(pool, &acts, i)?;
-                    used += need;
-                    kept[i] = Some(acts);
-                    Ok(vec![y])
+                    let room = (budget, &mut used);
+                    run_training_block(pool, (i, seeds[i]), block, (h, extras), room, &mut kept[i])
                 },
             )
         };
@@ -1008,6 +996,33 @@ fn fresh(pool: &ResidencyPool, t: &Tensor) -> Result<Tensor> {
     } else {
         Ok(t.clone())
     }
+}
+
+/// Runs block `i` of a training forward with its dropout `seed`: keeps its
+/// activations in `kept` when it has a hand-written backward and they fit the
+/// activation budget (`used` of `budget` bytes so far), else runs it plainly.
+fn run_training_block(
+    pool: &ResidencyPool,
+    (i, seed): (usize, u64),
+    block: &dyn Block,
+    (h, extras): (&Tensor, &[Tensor]),
+    (budget, used): (usize, &mut usize),
+    kept: &mut Option<SavedActivations>,
+) -> Result<Vec<Tensor>> {
+    let plain = BlockCtx::training(i, pool.device(), seed, false);
+    let Some(man) = block.manual() else {
+        return block.forward_ctx(h, extras, &plain);
+    };
+    let need = man.saved_bytes(h.shape(), h.dtype());
+    if budget == 0 || *used + need > budget {
+        return block.forward_ctx(h, extras, &plain);
+    }
+    let keep = BlockCtx::training(i, pool.device(), seed, true);
+    let (y, acts) = man.forward_train_ctx(h, extras, &keep)?;
+    check_saved(pool, &acts, i)?;
+    *used += need;
+    *kept = Some(acts);
+    Ok(vec![y])
 }
 
 /// Kept activations must not share memory with a pool slot: the slot is
