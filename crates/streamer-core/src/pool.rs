@@ -251,8 +251,8 @@ pub struct ResidencyPool {
     /// `StreamConfig::reuse_stepped_blocks`.
     #[cfg(feature = "cuda")]
     reuse_enabled: bool,
-    /// Loads may lend a stepped slot as it is (only inside a runner that asks
-    /// for the verdict before returning: `crate::run_blocks_with`).
+    /// The next load may lend a stepped slot as it is (only the first load of
+    /// a runner that asks for the verdict before returning: `crate::run_blocks_with`).
     #[cfg(feature = "cuda")]
     reuse_open: bool,
 }
@@ -409,8 +409,15 @@ impl ResidencyPool {
             format!("loading block {:?}", self.names[block])
         })?;
         #[cfg(feature = "cuda")]
-        if let Some(pos) = self.reusable_slot(block) {
-            return self.lend_stepped(block, pos);
+        {
+            let lend = self.reusable_slot(block);
+            // Only a runner's first load may lend: that block's copy is the one
+            // nothing hides, while lending a later one would only add its
+            // check's copy to the call's.
+            self.reuse_open = false;
+            if let Some(pos) = lend {
+                return self.lend_stepped(block, pos);
+            }
         }
         let Some(slot) = self.take_free_slot() else {
             let loaded: Vec<&str> = (0..self.layouts.len())
@@ -587,8 +594,8 @@ impl ResidencyPool {
         }
     }
 
-    /// Opens or closes lending stepped slots to loads (`crate::run_blocks_with`,
-    /// which asks for [`Self::lent_blocks_stale`] before it returns).
+    /// Lets the next load lend a stepped slot (`crate::run_blocks_with`, which
+    /// asks for [`Self::lent_blocks_stale`] before it returns), or not.
     pub(crate) fn open_reuse(&mut self, open: bool) {
         #[cfg(feature = "cuda")]
         {
@@ -1054,9 +1061,14 @@ impl CudaEngine {
         if cfg.retain_device_memory {
             crate::cuda::set_release_threshold(dev, u64::MAX)?;
         }
+        // The highest priority: the kernels on this stream (the checks of lent
+        // blocks, which the slot's next copy waits for) get the SMs as soon as
+        // a kernel of the compute stream frees some. Copies do not care.
+        let (_, highest) = cudarc::driver::result::stream::get_priority_range()
+            .map_err(candle_core::Error::wrap)?;
         let transfer = compute
             .context()
-            .new_stream()
+            .new_stream_with_priority(highest)
             .map_err(candle_core::Error::wrap)?;
         let master_dt = cfg.master_dtype();
         // The largest block's masters in their own dtype, 256-byte aligned pieces.
