@@ -1061,14 +1061,9 @@ impl CudaEngine {
         if cfg.retain_device_memory {
             crate::cuda::set_release_threshold(dev, u64::MAX)?;
         }
-        // The highest priority: the kernels on this stream (the checks of lent
-        // blocks, which the slot's next copy waits for) get the SMs as soon as
-        // a kernel of the compute stream frees some. Copies do not care.
-        let (_, highest) = cudarc::driver::result::stream::get_priority_range()
-            .map_err(candle_core::Error::wrap)?;
         let transfer = compute
             .context()
-            .new_stream_with_priority(highest)
+            .new_stream()
             .map_err(candle_core::Error::wrap)?;
         let master_dt = cfg.master_dtype();
         // The largest block's masters in their own dtype, 256-byte aligned pieces.
