@@ -41,6 +41,14 @@ logs=$work/logs
 mkdir -p "$logs"
 : >"$summary"
 fail=0
+pack_logs() {
+  mkdir -p benches/results
+  tar -czf "$out/logs${RUN_TAG:+-$RUN_TAG}.tar.gz" -C "$work" logs -C "$PWD" benches/results 2>/dev/null
+}
+# A stage cut by `timeout` (SIGTERM to the whole group) still leaves what its
+# binaries logged so far, and says where it stopped.
+current="(before any binary)"
+trap 'echo "STOPPED    $current: SIGTERM (a time limit); its log so far is in the logs tarball" | tee -a "$summary"; pack_logs; exit 124' TERM
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$summary" 2>&1 || true
 echo "$nccl_note" >>"$summary"
 # Test binaries run once per topic (GPU_TEST_TOPICS, default: every module of
@@ -65,6 +73,7 @@ if [[ " $want " == *" benches "* ]]; then
       for w in ${GPU_ONLY//,/ }; do [[ "$name" == *"$w"* ]] && keep=1; done
       [ $keep -eq 1 ] || continue
     fi
+    current=$name
     start=$(date +%s)
     pyvar="PY_ARGS_$name"
     # shellcheck disable=SC2086
@@ -86,6 +95,7 @@ for entry in "${entries[@]}"; do
     [ $keep -eq 1 ] || continue
   fi
   log=$logs/$bin${topic:+-$topic}.log
+  current="$bin${topic:+ $topic}"
   start=$(date +%s)
   case "$kind" in
     test) "$work/bin/$bin" --test-threads=2 "$topic::" >"$log" 2>&1 ;;
@@ -103,6 +113,5 @@ for entry in "${entries[@]}"; do
   if [ "$kind" = test ]; then grep -E -A2 '^test .* FAILED$|panicked' "$log" | grep -v -- '^--$' | head -n 40 | tee -a "$summary"; fi
 done
 echo "overall: $([ $fail -eq 0 ] && echo PASS || echo FAIL)" | tee -a "$summary"
-mkdir -p benches/results
-tar -czf "$out/logs${RUN_TAG:+-$RUN_TAG}.tar.gz" -C "$work" logs -C "$PWD" benches/results 2>/dev/null
+pack_logs
 exit $fail
