@@ -109,7 +109,17 @@ fn run(
     };
     let data = ByteCorpus::from_file("data/corpus.txt")
         .unwrap_or_else(|_| ByteCorpus::new((0..1 << 20).map(|i| (i * 31 % 251) as u8).collect()));
-    let model = Llama::from_tensors(init_weights(&cfg, 0)?, &cfg, stream)?.into_trainable()?;
+    // Each setup phase says how long it took: at 8B shapes they are most of a
+    // run, and a run cut by a time limit then still says where it was.
+    let t0 = std::time::Instant::now();
+    let weights = init_weights(&cfg, 0)?;
+    println!("  random init: {:.1} s", t0.elapsed().as_secs_f64());
+    let t0 = std::time::Instant::now();
+    let model = Llama::from_tensors(weights, &cfg, stream)?.into_trainable()?;
+    println!(
+        "  model built (masters page-locked): {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
     let lr = 1e-4;
     let (m, trainable) = match mode {
         "full" => {
@@ -123,6 +133,7 @@ fn run(
                 Ok(other) => bail!("LORA_BENCH_OPTIMIZER: unknown {other:?} (host or device)"),
             };
             println!("  full fine-tune optimizer: {place:?}");
+            let t0 = std::time::Instant::now();
             let mut t = LmTrainer::new_on(
                 model,
                 ParamsAdamW {
@@ -131,6 +142,10 @@ fn run(
                 },
                 place,
             )?;
+            println!(
+                "  optimizer state allocated: {:.1} s",
+                t0.elapsed().as_secs_f64()
+            );
             t.set_overlap(true);
             (
                 measure(dev, &data, shape, |x, y| Ok(t.step(x, y)?))?,
