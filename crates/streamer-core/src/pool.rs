@@ -1184,12 +1184,14 @@ impl CudaEngine {
         if let Some(ready) = &slot.ready {
             self.compute.wait(ready).map_err(candle_core::Error::wrap)?;
         }
+        // The block's compute starts here: converting its weights is work
+        // for it, not a wait for them (the stall statistic is the wait alone).
+        let start = Self::event(&self.compute)?;
         for (from, src, to, dst, n) in slot.casts.drain(..) {
             // SAFETY: src is this slot's staging, filled by the load that `ready`
             // marks (waited for above); dst lies in the slot; both sized by layout.
             unsafe { crate::cuda::cast(&self.dev, &self.compute, from, src, to, dst, n)? };
         }
-        let start = Self::event(&self.compute)?;
         slot.compute = Some((wait, start));
         Ok(())
     }
