@@ -387,11 +387,12 @@ impl<F: FnMut(&ResidencyPool, usize, &dyn Block, &Tensor, &[Tensor]) -> Result<V
 /// call. For the training crate; `StreamedSequential::forward_with` is the safe
 /// way to run blocks.
 ///
-/// With `reuse`, blocks whose slots still hold their device-stepped masters
-/// are computed without a copy and checked against the host masters before
-/// this returns (`StreamConfig::reuse_stepped_blocks`); if one had changed,
-/// every block runs again from fresh copies, so `run` is then called a second
-/// time from block 0 and must start its record over when it sees block 0.
+/// With `reuse`, the first block loaded, when its slot still holds its
+/// device-stepped masters, is computed without a copy and checked against the
+/// host masters before this returns (`StreamConfig::reuse_stepped_blocks`); if
+/// they had changed, every block runs again from fresh copies, so `run` is then
+/// called a second time from block 0 and must start its record over when it
+/// sees block 0.
 ///
 /// # Safety
 /// `run` gets a block bound to views of its slot, which the pool refills after
