@@ -18,10 +18,13 @@
 //! i0 - j0`; pairs that see nothing are skipped, pairs that see everything run
 //! unmasked (soft-capping, when on, applies to every pair).
 //!
-//! Results come back to host f32 buffers through the same `Feed`: the merged
+//! Results come back to host buffers through the same `Feed`: the merged
 //! output and log-sum-exp once per query chunk (forward), dq once per subproblem
 //! (added) and dk, dv once per key chunk (backward); the host writes or adds them
-//! in parallel over the (batch, head) row runs.
+//! in parallel over the (batch, head) row runs. Sums are kept in f32; the
+//! forward's output, written once per row, lands converted to its own dtype, so
+//! the host holds no f32 copy of it (a forward needs Q/K/V/O and the
+//! log-sum-exp, little more).
 //!
 //! On a CUDA compute device the host inputs are page-locked in place
 //! (`cuMemHostRegister`) and every subproblem's chunks are copied on a transfer
@@ -131,18 +134,66 @@ fn gather(s: &CpuStorage, l: &Layout, r0: usize, r1: usize, dev: &Device) -> Res
     }
 }
 
-/// A host f32 result laid out `(b, h, rows, w)` (`w` the head dim, or 1 for the
+/// A host result laid out `(b, h, rows, w)` (`w` the head dim, or 1 for the
 /// log-sum-exp), which result chunks of rows land in.
 struct Sink {
-    data: Vec<f32>,
+    data: SinkData,
     rows: usize,
+}
+
+/// A sink's elements: f32 where chunks add up (gradients, the log-sum-exp),
+/// or the output's own dtype where every row is written once (the forward's
+/// output). The latter never holds an f32 copy of the output on the host, whose
+/// memory bounds how long an out-of-core call can be.
+enum SinkData {
+    F32(Vec<f32>),
+    F16(Vec<half::f16>),
+    BF16(Vec<half::bf16>),
 }
 
 impl Sink {
     fn new(len: usize, rows: usize, fill: f32) -> Self {
         Self {
-            data: vec![fill; len],
+            data: SinkData::F32(vec![fill; len]),
             rows,
+        }
+    }
+
+    /// A zeroed sink in the dtype of `like` (f16, bf16 or f32), written once per row.
+    fn written_as(len: usize, rows: usize, like: &CpuStorage) -> Result<Self> {
+        let data = match like {
+            CpuStorage::F32(_) => SinkData::F32(vec![0.0; len]),
+            CpuStorage::F16(_) => SinkData::F16(vec![half::f16::ZERO; len]),
+            CpuStorage::BF16(_) => SinkData::BF16(vec![half::bf16::ZERO; len]),
+            other => bail!("cqsa: unsupported dtype {:?}", other.dtype()),
+        };
+        Ok(Self { data, rows })
+    }
+}
+
+impl SinkData {
+    fn len(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::F16(v) => v.len(),
+            Self::BF16(v) => v.len(),
+        }
+    }
+
+    /// The elements as a host storage of their dtype.
+    fn into_storage(self) -> CpuStorage {
+        match self {
+            Self::F32(v) => CpuStorage::F32(v),
+            Self::F16(v) => CpuStorage::F16(v),
+            Self::BF16(v) => CpuStorage::BF16(v),
+        }
+    }
+
+    /// The elements of an f32 sink.
+    fn into_f32(self) -> Result<Vec<f32>> {
+        match self {
+            Self::F32(v) => Ok(v),
+            _ => bail!("cqsa: an accumulating result sink must be f32"),
         }
     }
 }
@@ -172,21 +223,30 @@ fn land(
     if run == 0 {
         return Ok(());
     }
-    sink.data
-        .par_chunks_mut(stride)
-        .zip(chunk.par_chunks(run))
-        .flat_map(|(dst, src)| {
-            dst[r0 * w..r0 * w + run]
-                .par_chunks_mut(PIECE)
-                .zip(src.par_chunks(PIECE))
-        })
-        .for_each(|(dst, src)| {
-            if add {
-                dst.iter_mut().zip(src).for_each(|(a, b)| *a += b);
-            } else {
-                dst.copy_from_slice(src);
-            }
-        });
+    /// Applies `op` to each element of rows `r0..` of every run and its chunk value.
+    fn each<T: Send>(
+        data: &mut [T],
+        chunk: &[f32],
+        (stride, run, at): (usize, usize, usize),
+        op: impl Fn(&mut T, f32) + Sync,
+    ) {
+        data.par_chunks_mut(stride)
+            .zip(chunk.par_chunks(run))
+            .flat_map(|(dst, src)| {
+                dst[at..at + run]
+                    .par_chunks_mut(PIECE)
+                    .zip(src.par_chunks(PIECE))
+            })
+            .for_each(|(dst, src)| dst.iter_mut().zip(src).for_each(|(a, &b)| op(a, b)));
+    }
+    let geometry = (stride, run, r0 * w);
+    match &mut sink.data {
+        SinkData::F32(d) if add => each(d, chunk, geometry, |a, b| *a += b),
+        SinkData::F32(d) => each(d, chunk, geometry, |a, b| *a = b),
+        _ if add => bail!("cqsa: results can only add up in an f32 sink"),
+        SinkData::F16(d) => each(d, chunk, geometry, |a, b| *a = half::f16::from_f32(b)),
+        SinkData::BF16(d) => each(d, chunk, geometry, |a, b| *a = half::bf16::from_f32(b)),
+    }
     Ok(())
 }
 
@@ -480,7 +540,7 @@ impl<'a, const N: usize> Feed<'a, N> {
     /// before `pending` and the landings are dropped (here too: `pending` is
     /// declared before `feed`, so it is dropped after it).
     #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
-    fn finish(mut self) -> Result<[Vec<f32>; N]> {
+    fn finish(mut self) -> Result<[SinkData; N]> {
         #[cfg(feature = "cuda")]
         {
             let mut last = std::mem::take(&mut self.previous);
@@ -520,7 +580,7 @@ impl CustomOp3 for StreamOp {
         const OUT: usize = 0;
         const LSE: usize = 1;
         let sinks = [
-            Sink::new(b * hq * nq * d, nq, 0.0),
+            Sink::written_as(b * hq * nq * d, nq, sq)?,
             Sink::new(b * hq * nq, nq, f32::NEG_INFINITY),
         ];
         let mut feed = Feed::new(&self.exec, &[sq, sk, sv], sinks)?;
@@ -559,7 +619,8 @@ impl CustomOp3 for StreamOp {
             }
             feed.settle()?;
         }
-        let [out, mut lse_all] = feed.finish()?;
+        let [out, lse_all] = feed.finish()?;
+        let mut lse_all = lse_all.into_f32()?;
         progress.finish();
         // A row that saw no key keeps merge's finite floor: make it -inf again.
         for l in &mut lse_all {
@@ -568,7 +629,7 @@ impl CustomOp3 for StreamOp {
             }
         }
         *self.lse.lock().map_err(poisoned)? = Some(lse_all);
-        Ok((cpu::from_f32(out, sq)?, lq.shape().clone()))
+        Ok((out.into_storage(), lq.shape().clone()))
     }
 
     fn bwd(
@@ -705,8 +766,8 @@ impl StreamOp {
             }
             feed.settle()?;
         }
-        let out = feed.finish()?;
+        let [dq, dk, dv] = feed.finish()?;
         progress.finish();
-        Ok(out)
+        Ok([dq.into_f32()?, dk.into_f32()?, dv.into_f32()?])
     }
 }
