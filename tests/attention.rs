@@ -502,6 +502,61 @@ fn attention_streamed_equals_resident(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(attention_streamed_equals_resident);
 
+/// A host budget that holds a streamed forward but not the backward after it:
+/// inputs no gradient can reach run (and equal the resident call); inputs that
+/// are variables, and `estimate` (which counts a backward), are refused with
+/// both byte counts, before any work.
+fn attention_forward_only_needs_forward_host_memory(dev: &Device) -> Result<()> {
+    let shape = AttentionShape {
+        b: 1,
+        hq: 2,
+        hkv: 2,
+        nq: 128,
+        nk: 128,
+        d: 32,
+        dtype: DType::F32,
+        causal: true,
+    };
+    let device_bytes = shape.resident_bytes() / 3;
+    let roomy = estimate(
+        &shape,
+        &Budget {
+            device_bytes,
+            host_bytes: 1 << 40,
+        },
+    )?;
+    ensure!(
+        roomy.mode == Mode::Streamed && roomy.backward_host_bytes > 0,
+        "{roomy}"
+    );
+    let budget = Budget {
+        device_bytes,
+        host_bytes: roomy.host_bytes + roomy.backward_host_bytes / 2,
+    };
+    let err = estimate(&shape, &budget).unwrap_err().to_string();
+    ensure!(err.contains("more for the backward"), "{err}");
+    let q = rand_t((1, 2, 128, 32), DType::F32, dev, 41)?;
+    let k = rand_t((1, 2, 128, 32), DType::F32, dev, 42)?;
+    let v = rand_t((1, 2, 128, 32), DType::F32, dev, 43)?;
+    let opts = |mode, budget| AttentionOpts {
+        causal: true,
+        mode,
+        budget,
+        ..Default::default()
+    };
+    let resident = attention(&q, &k, &v, &opts(Mode::Resident, None))?;
+    let streamed = attention(&q, &k, &v, &opts(Mode::Auto, Some(budget)))?;
+    let e = rel_err_t(&streamed, &resident)?;
+    ensure!(e <= 1e-5, "forward-only streamed vs resident {e:e}");
+    let qv = Var::from_tensor(&q)?;
+    let err = attention(qv.as_tensor(), &k, &v, &opts(Mode::Auto, Some(budget)))
+        .unwrap_err()
+        .to_string();
+    ensure!(err.contains("host") && err.contains("backward"), "{err}");
+    Ok(())
+}
+candle_streamer::test_device!(attention_forward_only_needs_forward_host_memory);
+
 /// Host inputs computed on `dev` (streamed from host memory when forced): the
 /// output stays on the host.
 fn attention_host_inputs_on_device(dev: &Device) -> Result<()> {

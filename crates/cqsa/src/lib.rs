@@ -200,7 +200,15 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Re
                 b
             }
         };
-        Some(plan::plan(&shape, &scores, &budget, opts, &exec)?)
+        // Inputs no gradient can reach need no host memory for a backward.
+        let backward = [q, k, v].iter().any(|t| t.track_op());
+        Some(plan::plan(
+            &shape,
+            &scores,
+            &budget,
+            (opts, backward),
+            &exec,
+        )?)
     };
     let streamed = plan.as_ref().is_some_and(|p| p.mode == Mode::Streamed);
     let verbose = opts.verbose || std::env::var("CQSA_VERBOSE").is_ok_and(|v| v == "1");

@@ -154,10 +154,13 @@ pub struct Plan {
     pub device_bytes: usize,
     /// Device bytes a resident run would need.
     pub resident_bytes: usize,
-    /// Host bytes held in streamed mode (inputs, output, gradients, f32
-    /// accumulators and, on CUDA, page-locked staging for results); 0 when
-    /// resident.
+    /// Host bytes a streamed forward holds: Q/K/V, the output (in its own
+    /// dtype), the log-sum-exp and, on CUDA, page-locked staging for results;
+    /// 0 when resident.
     pub host_bytes: usize,
+    /// Host bytes a streamed backward adds: the output's gradient, dQ/dK/dV
+    /// and their f32 sums; 0 when resident.
+    pub backward_host_bytes: usize,
     /// Predicted forward seconds (see the module docs for the time model).
     pub forward_seconds: f64,
     /// Where the rates behind `forward_seconds` came from: a calibration file
@@ -170,7 +173,7 @@ impl fmt::Display for Plan {
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         write!(
             f,
-            "{:?}: q_chunk {} kv_chunk {}, {} subproblems, device {:.3} GiB (resident would need {:.3} GiB), host {:.3} GiB, forward ~{:.3} s (rates: {})",
+            "{:?}: q_chunk {} kv_chunk {}, {} subproblems, device {:.3} GiB (resident would need {:.3} GiB), host {:.3} GiB (+{:.3} GiB for a backward), forward ~{:.3} s (rates: {})",
             self.mode,
             self.q_chunk,
             self.kv_chunk,
@@ -178,6 +181,7 @@ impl fmt::Display for Plan {
             gib(self.device_bytes),
             gib(self.resident_bytes),
             gib(self.host_bytes),
+            gib(self.backward_host_bytes),
             self.forward_seconds,
             self.rates
         )
@@ -396,8 +400,9 @@ fn streamed_with(s: &AttentionShape, sc: &Scores, cq: usize, ck: usize, m: &Mode
         .filter_map(|(used, masked)| used.then_some(masked))
         .collect();
     let e = s.elem();
-    let io = s.b * s.d * (s.hq * s.nq * 3 + s.hkv * s.nk * 3) * e;
-    let acc = s.b * s.d * s.hq * s.nq * 8;
+    let (q_el, kv_el) = (s.b * s.d * s.hq * s.nq, s.b * s.d * s.hkv * s.nk);
+    let forward = (2 * q_el + 2 * kv_el) * e + s.b * s.hq * s.nq * 4;
+    let backward = (2 * q_el + 2 * kv_el) * e + (q_el + 2 * kv_el) * 4;
     // Page-locked staging for results on their way back: two of each kind.
     let staging = if m.cuda {
         2 * 4 * s.b * s.d * (s.hq * cq + 2 * s.hkv * ck)
@@ -411,7 +416,8 @@ fn streamed_with(s: &AttentionShape, sc: &Scores, cq: usize, ck: usize, m: &Mode
         subproblems: pairs.subproblems,
         device_bytes: s.chunk_bytes(cq, ck, true),
         resident_bytes: s.resident_bytes(),
-        host_bytes: 2 * io + acc + staging,
+        host_bytes: forward + staging,
+        backward_host_bytes: backward,
         forward_seconds: m.streamed_seconds(s, &pairs, cq, ck),
         rates: m.source(s, &kinds),
     }
@@ -420,13 +426,14 @@ fn streamed_with(s: &AttentionShape, sc: &Scores, cq: usize, ck: usize, m: &Mode
 /// Picks the mode and chunks of a call of shape `s` within `budget`. Resident when
 /// it fits; otherwise the largest chunks that fit, halving the larger of the two
 /// (keys first on ties) from the full sizes. Errors with the sizes when even
-/// 16-row chunks do not fit.
+/// 16-row chunks do not fit, or when the host cannot hold the streamed forward
+/// (and, with `backward`, the backward after it).
 fn choose(
     s: &AttentionShape,
     sc: &Scores,
     budget: &Budget,
     model: &Model,
-    opts: Option<&AttentionOpts>,
+    (opts, backward): (Option<&AttentionOpts>, bool),
 ) -> Result<Plan> {
     s.check()?;
     let forced = opts
@@ -442,6 +449,7 @@ fn choose(
             device_bytes: resident,
             resident_bytes: resident,
             host_bytes: 0,
+            backward_host_bytes: 0,
             forward_seconds: work_flops(s, sc) / model.kernel(s, masked).0,
             rates: model.source(s, &[masked]),
         });
@@ -488,10 +496,22 @@ fn choose(
     // Round chunks down to a multiple of 64 (a kernel tile) when large enough.
     let round = |c: usize| if c > 64 { c / 64 * 64 } else { c };
     let plan = streamed_with(s, sc, round(cq), round(ck), model);
-    if plan.host_bytes > budget.host_bytes {
+    let host = plan.host_bytes
+        + if backward {
+            plan.backward_host_bytes
+        } else {
+            0
+        };
+    if host > budget.host_bytes {
         bail!(
-            "cqsa: nothing fits: streamed mode holds {} host bytes, the host budget is {} bytes",
+            "cqsa: nothing fits: streamed mode holds {host} host bytes ({} for the forward{}), \
+             the host budget is {} bytes",
             plan.host_bytes,
+            if backward {
+                format!(", {} more for the backward", plan.backward_host_bytes)
+            } else {
+                String::new()
+            },
             budget.host_bytes
         )
     }
@@ -504,9 +524,16 @@ fn choose(
 /// crate is built with the `cuda` feature, of the CPU otherwise, with that
 /// device's calibration ([`crate::calibrate`]) when its cache file exists and
 /// is valid, and the built-in rates otherwise; [`Plan::rates`] says which and
-/// why.
+/// why. The host check counts a backward after the forward;
+/// [`crate::attention`] on inputs that need no gradient counts the forward alone.
 pub fn estimate(s: &AttentionShape, budget: &Budget) -> Result<Plan> {
-    choose(s, &shape_scores(s), budget, &Model::for_build(), None)
+    choose(
+        s,
+        &shape_scores(s),
+        budget,
+        &Model::for_build(),
+        (None, true),
+    )
 }
 
 /// [`estimate`] for a call with the options `opts` (masks, mode, chunk
@@ -516,16 +543,23 @@ pub fn estimate(s: &AttentionShape, budget: &Budget) -> Result<Plan> {
 pub fn estimate_with(s: &AttentionShape, opts: &AttentionOpts, budget: &Budget) -> Result<Plan> {
     s.check()?;
     let scores = Scores::of(opts, s)?;
-    choose(s, &scores, budget, &Model::for_build(), Some(opts))
+    choose(s, &scores, budget, &Model::for_build(), (Some(opts), true))
 }
 
-/// The plan [`crate::attention`] uses for `opts` on its compute device `exec`.
+/// The plan [`crate::attention`] uses for `opts` on its compute device `exec`;
+/// `backward`: whether a gradient of the inputs may be asked for.
 pub(crate) fn plan(
     s: &AttentionShape,
     sc: &Scores,
     budget: &Budget,
-    opts: &AttentionOpts,
+    (opts, backward): (&AttentionOpts, bool),
     exec: &Device,
 ) -> Result<Plan> {
-    choose(s, sc, budget, &Model::for_device(exec), Some(opts))
+    choose(
+        s,
+        sc,
+        budget,
+        &Model::for_device(exec),
+        (Some(opts), backward),
+    )
 }
