@@ -53,6 +53,9 @@ use std::time::Instant;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var, D};
+
+#[path = "common/mod.rs"]
+mod common;
 use cqsa::{
     attention, attention_backward, attention_backward_with, attention_forward,
     attention_forward_with, AttentionOpts, AttentionShape, Mode, Scores,
@@ -547,18 +550,31 @@ fn out_of_core(dev: &Device) -> Result<Value> {
         dtype,
         causal: true,
     };
-    let plan = cqsa::estimate_with(&shape, &opts, &budget)?;
+    // The prediction only: `estimate_with` counts a backward's host memory,
+    // which a forward on inputs without gradients never holds (the call checks
+    // its own, the forward's).
+    let unbounded = cqsa::Budget {
+        host_bytes: usize::MAX / 2,
+        ..budget
+    };
+    let plan = cqsa::estimate_with(&shape, &opts, &unbounded)?;
     println!("plan: {plan}");
+    let qkvo_bytes = 4 * q.elem_count() * dtype.size_in_bytes();
     dev.synchronize()?;
     let t = Instant::now();
     let (o, peak) = with_peak(dev, || Ok(attention(&q, &k, &v, &opts)?))?;
     dev.synchronize()?;
     let secs = t.elapsed().as_secs_f64();
+    // Peak resident host memory of the process (inputs made above included).
+    let peak_host = common::host_rss().1;
     let flops = 4.0 * (b * h) as f64 * (n as f64).powi(2) * d as f64 / 2.0;
+    let gib = |x: usize| x as f64 / (1u64 << 30) as f64;
     println!(
-        "out of core: {secs:.1} s ({:.1} TFLOP/s), peak device memory {:.2} GiB",
+        "out of core: {secs:.1} s ({:.1} TFLOP/s), peak device memory {:.2} GiB, peak host {:.2} GiB = {:.2}x q+k+v+o",
         flops / secs / 1e12,
-        peak as f64 / (1u64 << 30) as f64
+        gib(peak),
+        gib(peak_host),
+        peak_host as f64 / qkvo_bytes as f64
     );
     // Rows 0..slice see keys 0..slice; the last `slice` rows see every key.
     let rel = |a: &Tensor, r: &Tensor| -> Result<f64> {
@@ -597,6 +613,7 @@ fn out_of_core(dev: &Device) -> Result<Value> {
         "seconds": secs, "tflops": flops / secs / 1e12,
         "predicted_seconds": plan.forward_seconds, "rates": plan.rates.to_string(),
         "peak_device_gib": peak as f64 / (1u64 << 30) as f64,
+        "peak_host_gib": gib(peak_host), "host_over_qkvo": peak_host as f64 / qkvo_bytes as f64,
         "rel_err_first_rows": err_first, "rel_err_last_rows": err_last, "slice_rows": slice,
     }))
 }
