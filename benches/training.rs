@@ -157,6 +157,16 @@ fn measure(
     })
 }
 
+/// The comma-separated values of `key` (or `default`), each parsed by `parse`;
+/// an unknown value is an error naming the variable and the value.
+fn env_list<T>(key: &str, default: &str, parse: impl Fn(&str) -> Option<T>) -> Result<Vec<T>> {
+    std::env::var(key)
+        .unwrap_or_else(|_| default.into())
+        .split(',')
+        .map(|v| parse(v).ok_or_else(|| anyhow::anyhow!("{key}: unknown value {v:?}")))
+        .collect()
+}
+
 /// PyTorch's rows of this session, if its script ran (`training-torch-<tag>.json`).
 fn torch_rows(tag: &str) -> Vec<serde_json::Value> {
     let path = common::results_path(&format!("training-torch-{tag}.json"));
@@ -183,29 +193,19 @@ fn main() -> Result<()> {
     let mut bars = Vec::new();
     // TRAINING_BENCH_CONFIGS=w4096x8,... runs only those block shapes.
     let only = std::env::var("TRAINING_BENCH_CONFIGS").ok();
-    let opts = std::env::var("TRAINING_BENCH_OPTIMIZERS")
-        .unwrap_or_else(|_| "host,device".into())
-        .split(',')
-        .map(|o| match o {
-            "host" => Ok(Opt::Host),
-            "device" => Ok(Opt::Device),
-            other => anyhow::bail!(
-                "TRAINING_BENCH_OPTIMIZERS: unknown optimizer {other:?} (host or device)"
-            ),
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let opts = env_list("TRAINING_BENCH_OPTIMIZERS", "host,device", |o| match o {
+        "host" => Some(Opt::Host),
+        "device" => Some(Opt::Device),
+        _ => None,
+    })?;
     // TRAINING_BENCH_MASTERS=f32,bf16: the host masters' dtype. bf16 masters
     // (stepped by DeviceAdamW only) hold the weights in the precision PyTorch's
     // bf16 model holds them, with f32 moments; f32 masters are more exact.
-    let masters = std::env::var("TRAINING_BENCH_MASTERS")
-        .unwrap_or_else(|_| "f32".into())
-        .split(',')
-        .map(|m| match m {
-            "f32" => Ok(DType::F32),
-            "bf16" => Ok(DType::BF16),
-            other => anyhow::bail!("TRAINING_BENCH_MASTERS: unknown dtype {other:?} (f32 or bf16)"),
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let masters = env_list("TRAINING_BENCH_MASTERS", "f32", |m| match m {
+        "f32" => Some(DType::F32),
+        "bf16" => Some(DType::BF16),
+        _ => None,
+    })?;
     for (w, h, n, tokens) in configs {
         if let Some(only) = &only {
             if !only.split(',').any(|c| c == format!("w{w}x{n}")) {

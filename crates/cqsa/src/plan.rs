@@ -524,15 +524,16 @@ fn choose(
 /// crate is built with the `cuda` feature, of the CPU otherwise, with that
 /// device's calibration ([`crate::calibrate`]) when its cache file exists and
 /// is valid, and the built-in rates otherwise; [`Plan::rates`] says which and
-/// why. The host check counts a backward after the forward;
-/// [`crate::attention`] on inputs that need no gradient counts the forward alone.
+/// why. The host check is the forward's ([`Plan::host_bytes`]); a call whose
+/// inputs a gradient can reach also holds [`Plan::backward_host_bytes`], which
+/// [`crate::attention`] checks too.
 pub fn estimate(s: &AttentionShape, budget: &Budget) -> Result<Plan> {
     choose(
         s,
         &shape_scores(s),
         budget,
         &Model::for_build(),
-        (None, true),
+        (None, false),
     )
 }
 
@@ -543,7 +544,7 @@ pub fn estimate(s: &AttentionShape, budget: &Budget) -> Result<Plan> {
 pub fn estimate_with(s: &AttentionShape, opts: &AttentionOpts, budget: &Budget) -> Result<Plan> {
     s.check()?;
     let scores = Scores::of(opts, s)?;
-    choose(s, &scores, budget, &Model::for_build(), (Some(opts), true))
+    choose(s, &scores, budget, &Model::for_build(), (Some(opts), false))
 }
 
 /// The plan [`crate::attention`] uses for `opts` on its compute device `exec`;
