@@ -28,9 +28,11 @@
 //!   masked call: `4 B H D` per visible (query, key) pair, forward+backward 3.5x.
 //!
 //! - `CQSA_BENCH_OOC_BWD=1`: also the streamed backward (CUDA only): causal
-//!   forward+backward through autograd at `CQSA_OOC_BWD_N` tokens (default
-//!   131,072) from host memory under a budget of `CQSA_OOC_BWD_BUDGET_GIB`
-//!   (default 2), against the same call resident: times and gradient errors.
+//!   forward+backward at `CQSA_OOC_BWD_N` tokens (default 131,072) from host
+//!   memory under a budget of `CQSA_OOC_BWD_BUDGET_GIB` (default 2), through
+//!   autograd and through `cqsa::attention_saved`'s explicit backward, against
+//!   the same call resident (`CQSA_OOC_BWD_PATHS` picks among `resident`,
+//!   `autograd`, `saved`): times and gradient errors.
 //!
 //! - `CQSA_BENCH_PREDICT=1`: only the planner's check (nothing else runs):
 //!   causal streamed forwards from host memory at `CQSA_PREDICT_NS` tokens
@@ -382,102 +384,151 @@ fn plot(report: &Value, torch_json: &str, title: &str) -> String {
     candle_streamer::report::svg_plot(title, "N (tokens)", "TFLOP/s", &series)
 }
 
-/// Causal forward and backward through autograd, streamed from host memory under
-/// a small budget, against the same calls resident on the device: the times of
-/// both and the gradients' largest errors relative to the resident ones' largest
-/// value. The backward starts from `o.backward()` (upstream gradient all ones),
-/// so that no host-side loss arithmetic enters the streamed times.
+/// Causal forward and backward at `CQSA_OOC_BWD_N` tokens, by the paths of
+/// `CQSA_OOC_BWD_PATHS` (default `resident,autograd,saved`): resident on the
+/// device through autograd; streamed from host memory under a small budget
+/// through autograd (`o.backward()`, whose upstream gradient Candle makes all
+/// ones and whose accumulation zero-fills each input's gradient on the host);
+/// and streamed by `cqsa::attention_saved`, whose explicit backward takes an
+/// all-ones gradient made before the clock starts and returns the op's
+/// gradients as they are. Times of each, and the streamed gradients' largest
+/// errors relative to the resident ones' largest value (computed on the
+/// device, so a 1M-token run needs no f32 host copies).
 fn out_of_core_backward(dev: &Device) -> Result<Value> {
     let n: usize = std::env::var("CQSA_OOC_BWD_N").map_or(Ok(1 << 17), |s| s.parse())?;
     let budget_gib: f64 =
         std::env::var("CQSA_OOC_BWD_BUDGET_GIB").map_or(Ok(2.0), |s| s.parse())?;
+    let paths =
+        std::env::var("CQSA_OOC_BWD_PATHS").unwrap_or_else(|_| "resident,autograd,saved".into());
+    let paths: Vec<&str> = paths.split(',').collect();
+    if let Some(p) = paths
+        .iter()
+        .find(|p| !["resident", "autograd", "saved"].contains(p))
+    {
+        anyhow::bail!("CQSA_OOC_BWD_PATHS: unknown path {p:?} (resident, autograd, saved)");
+    }
     let (b, h, d, dtype) = (1, 16, 128, DType::BF16);
-    println!("out of core backward: N={n}, budget {budget_gib} GiB");
+    println!("out of core backward: N={n}, budget {budget_gib} GiB, paths {paths:?}");
     let make =
         || -> Result<Tensor> { Ok(Tensor::randn(0f32, 1.0, (b, h, n, d), dev)?.to_dtype(dtype)?) };
-    let (q, k, v) = (make()?, make()?, make()?);
+    let qkv = [make()?, make()?, make()?];
     let budget = cqsa::Budget::new((budget_gib * (1u64 << 30) as f64) as usize);
-    // (forward seconds, backward seconds, gradients on the host); `host` keeps
-    // inputs and gradients on the host and streams, otherwise all is resident.
-    let run = |host: bool| -> Result<(f64, f64, Vec<Tensor>)> {
-        let vars = [&q, &k, &v]
-            .into_iter()
-            .map(|t| {
-                let t = if host {
-                    t.to_device(&Device::Cpu)?
-                } else {
-                    t.clone()
-                };
-                Ok(Var::from_tensor(&t)?)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let opts = AttentionOpts {
-            causal: true,
-            mode: if host { Mode::Streamed } else { Mode::Resident },
-            device: Some(dev.clone()),
-            budget: host.then_some(budget),
-            verbose: host,
-            ..Default::default()
-        };
-        dev.synchronize()?;
-        let t0 = Instant::now();
-        let o = attention(
-            vars[0].as_tensor(),
-            vars[1].as_tensor(),
-            vars[2].as_tensor(),
-            &opts,
-        )?;
-        dev.synchronize()?;
-        let t1 = Instant::now();
-        let grads = o.backward()?;
-        dev.synchronize()?;
-        let (fwd, bwd) = ((t1 - t0).as_secs_f64(), t1.elapsed().as_secs_f64());
-        let grads = vars
-            .iter()
-            .map(|x| {
-                grads
-                    .get(x.as_tensor())
-                    .ok_or_else(|| anyhow::anyhow!("no gradient"))?
-                    .to_dtype(DType::F32)?
-                    .to_device(&Device::Cpu)
-                    .map_err(Into::into)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok((fwd, bwd, grads))
+    let opts = |host: bool| AttentionOpts {
+        causal: true,
+        mode: if host { Mode::Streamed } else { Mode::Resident },
+        device: Some(dev.clone()),
+        budget: host.then_some(budget),
+        verbose: host,
+        ..Default::default()
     };
-    let (res_fwd, res_bwd, res) = run(false)?;
-    let (str_fwd, str_bwd, streamed) = run(true)?;
-    let mut errs = Vec::new();
-    for (a, r) in streamed.iter().zip(&res) {
-        let err = (a - r)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        let scale = r.abs()?.max_all()?.to_scalar::<f32>()?;
-        errs.push((err / scale) as f64);
-    }
     let fwd_flops = 4.0 * (b * h) as f64 * (n as f64).powi(2) * d as f64 / 2.0;
     let bwd_flops = 2.5 * fwd_flops;
-    println!(
-        "out of core backward: streamed forward {str_fwd:.2} s ({:.1} TFLOP/s), backward {str_bwd:.2} s ({:.1}); \
-         resident forward {res_fwd:.2} s ({:.1}), backward {res_bwd:.2} s ({:.1}); rel err dq {:e} dk {:e} dv {:e}",
-        fwd_flops / str_fwd / 1e12,
-        bwd_flops / str_bwd / 1e12,
-        fwd_flops / res_fwd / 1e12,
-        bwd_flops / res_bwd / 1e12,
-        errs[0],
-        errs[1],
-        errs[2]
-    );
-    Ok(json!({
+    let mut row = json!({
         "n": n, "b": b, "h": h, "d": d, "dtype": "bf16", "causal": true,
         "budget_gib": budget_gib,
-        "timing": "one call each, wall clock to a device synchronise: attention() forward, then o.backward() (upstream gradient all ones); streamed times include page-locking the host inputs and all transfers",
-        "streamed_forward_seconds": str_fwd, "streamed_backward_seconds": str_bwd,
-        "streamed_forward_tflops": fwd_flops / str_fwd / 1e12,
-        "streamed_backward_tflops": bwd_flops / str_bwd / 1e12,
-        "resident_forward_seconds": res_fwd, "resident_backward_seconds": res_bwd,
-        "resident_forward_tflops": fwd_flops / res_fwd / 1e12,
-        "resident_backward_tflops": bwd_flops / res_bwd / 1e12,
-        "rel_err_dq": errs[0], "rel_err_dk": errs[1], "rel_err_dv": errs[2],
-    }))
+        "timing": "one call each, wall clock to a device synchronise: the forward, then the backward; streamed times include page-locking the host inputs and all transfers; the saved path's all-ones gradient is made before its clock starts, the autograd path's by Candle inside o.backward()",
+    });
+    let mut resident: Option<Vec<Tensor>> = None;
+    for path in paths {
+        let host = path != "resident";
+        let inputs = qkv
+            .iter()
+            .map(|t| {
+                if host {
+                    t.to_device(&Device::Cpu)
+                } else {
+                    Ok(t.clone())
+                }
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let (fwd, bwd, grads) = if path == "saved" {
+            saved_fwd_bwd(dev, &inputs, &opts(true))?
+        } else {
+            autograd_fwd_bwd(dev, &inputs, &opts(host))?
+        };
+        println!(
+            "out of core backward, {path}: forward {fwd:.2} s ({:.1} TFLOP/s), backward {bwd:.2} s ({:.1})",
+            fwd_flops / fwd / 1e12,
+            bwd_flops / bwd / 1e12
+        );
+        row[format!("{path}_forward_seconds")] = json!(fwd);
+        row[format!("{path}_backward_seconds")] = json!(bwd);
+        row[format!("{path}_forward_tflops")] = json!(fwd_flops / fwd / 1e12);
+        row[format!("{path}_backward_tflops")] = json!(bwd_flops / bwd / 1e12);
+        match &resident {
+            None if !host => resident = Some(grads),
+            Some(r) => {
+                for ((a, r), name) in grads.iter().zip(r).zip(["dq", "dk", "dv"]) {
+                    let a = a.to_device(dev)?.to_dtype(DType::F32)?;
+                    let r = r.to_dtype(DType::F32)?;
+                    let err = (&a - &r)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                    let scale = r.abs()?.max_all()?.to_scalar::<f32>()?;
+                    println!("  {path} {name}: rel err {:e}", err / scale);
+                    row[format!("{path}_rel_err_{name}")] = json!((err / scale) as f64);
+                }
+            }
+            None => {}
+        }
+    }
+    Ok(row)
+}
+
+/// `attention()` on `qkv` as variables, then `o.backward()`: (forward seconds,
+/// backward seconds, gradients where the inputs are).
+fn autograd_fwd_bwd(
+    dev: &Device,
+    qkv: &[Tensor],
+    opts: &AttentionOpts,
+) -> Result<(f64, f64, Vec<Tensor>)> {
+    let vars = qkv
+        .iter()
+        .map(Var::from_tensor)
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    dev.synchronize()?;
+    let t0 = Instant::now();
+    let o = attention(
+        vars[0].as_tensor(),
+        vars[1].as_tensor(),
+        vars[2].as_tensor(),
+        opts,
+    )?;
+    dev.synchronize()?;
+    let t1 = Instant::now();
+    let grads = o.backward()?;
+    dev.synchronize()?;
+    let times = ((t1 - t0).as_secs_f64(), t1.elapsed().as_secs_f64());
+    let grads = vars
+        .iter()
+        .map(|x| {
+            grads
+                .get(x.as_tensor())
+                .cloned()
+                .ok_or_else(|| anyhow::anyhow!("no gradient"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((times.0, times.1, grads))
+}
+
+/// `cqsa::attention_saved` on `qkv`, then its backward for an all-ones output
+/// gradient made beforehand: (forward seconds, backward seconds, gradients).
+fn saved_fwd_bwd(
+    dev: &Device,
+    qkv: &[Tensor],
+    opts: &AttentionOpts,
+) -> Result<(f64, f64, Vec<Tensor>)> {
+    let ones = qkv[0].ones_like()?;
+    dev.synchronize()?;
+    let t0 = Instant::now();
+    let (_o, saved) = cqsa::attention_saved(&qkv[0], &qkv[1], &qkv[2], opts)?;
+    dev.synchronize()?;
+    let t1 = Instant::now();
+    let (dq, dk, dv) = saved.backward(&ones)?;
+    dev.synchronize()?;
+    Ok((
+        (t1 - t0).as_secs_f64(),
+        t1.elapsed().as_secs_f64(),
+        vec![dq, dk, dv],
+    ))
 }
 
 /// Free device memory sampled every few milliseconds on another thread while `f`

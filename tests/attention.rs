@@ -587,6 +587,144 @@ fn attention_host_inputs_on_device(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(attention_host_inputs_on_device);
 
+/// `attention_saved` (forward outside autograd, explicit backward) against
+/// Candle's naive attention with autograd (independent) and against the same
+/// call through `attention()` and autograd: resident, streamed in small
+/// chunks, and host inputs computed on `dev`; causal GQA with seq_q > seq_k,
+/// and a sliding window. Bad `grad_o` and varlen options are refused.
+fn attention_saved_matches_autograd(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    let (q, k, v) = (
+        rand_t((1, 4, 50, 64), DType::F32, dev, 51)?,
+        rand_t((1, 2, 40, 64), DType::F32, dev, 52)?,
+        rand_t((1, 2, 40, 64), DType::F32, dev, 53)?,
+    );
+    let w = rand_t((1, 4, 50, 64), DType::F32, dev, 54)?;
+    let chunks = |mode| AttentionOpts {
+        causal: true,
+        mode,
+        q_chunk: Some(16),
+        kv_chunk: Some(24),
+        ..Default::default()
+    };
+    let grads_of = |o: &Tensor, vars: &[Var]| -> Result<Vec<Tensor>> {
+        let g = (o * &w)?.sum_all()?.backward()?;
+        let mut out = vec![o.clone()];
+        for x in vars {
+            out.push(
+                g.get(x.as_tensor())
+                    .ok_or_else(|| anyhow::anyhow!("no grad"))?
+                    .clone(),
+            );
+        }
+        Ok(out)
+    };
+    let vars = [
+        Var::from_tensor(&q)?,
+        Var::from_tensor(&k)?,
+        Var::from_tensor(&v)?,
+    ];
+    let on = naive(
+        vars[0].as_tensor(),
+        vars[1].as_tensor(),
+        vars[2].as_tensor(),
+        true,
+        0.125,
+    )?;
+    let naive_grads = grads_of(&on, &vars)?;
+    for (name, opts, host) in [
+        ("resident", chunks(Mode::Resident), false),
+        ("streamed", chunks(Mode::Streamed), false),
+        (
+            "host inputs, streamed",
+            AttentionOpts {
+                device: Some(dev.clone()),
+                ..chunks(Mode::Streamed)
+            },
+            true,
+        ),
+        (
+            "window",
+            AttentionOpts {
+                window_left: Some(7),
+                ..chunks(Mode::Streamed)
+            },
+            false,
+        ),
+    ] {
+        let place = |t: &Tensor| {
+            if host {
+                t.to_device(&cpu)
+            } else {
+                Ok(t.clone())
+            }
+        };
+        let (qi, ki, vi, wi) = (place(&q)?, place(&k)?, place(&v)?, place(&w)?);
+        let (o, saved) = cqsa::attention_saved(&qi, &ki, &vi, &opts)?;
+        ensure!(
+            !o.track_op(),
+            "{name}: the saved forward's output must be detached"
+        );
+        let (dq, dk, dv) = saved.backward(&wi)?;
+        let ours = [o, dq, dk, dv];
+        for (t, like) in ours.iter().zip([&qi, &qi, &ki, &vi]) {
+            ensure!(
+                t.device().same_device(like.device()) && t.dims() == like.dims(),
+                "{name}: placement"
+            );
+        }
+        // The same call through attention() and autograd.
+        let vars = [
+            Var::from_tensor(&qi)?,
+            Var::from_tensor(&ki)?,
+            Var::from_tensor(&vi)?,
+        ];
+        let oa = attention(
+            vars[0].as_tensor(),
+            vars[1].as_tensor(),
+            vars[2].as_tensor(),
+            &opts,
+        )?;
+        let g = (&oa * &wi)?.sum_all()?.backward()?;
+        let auto = [
+            oa.clone(),
+            g.get(vars[0].as_tensor()).unwrap().clone(),
+            g.get(vars[1].as_tensor()).unwrap().clone(),
+            g.get(vars[2].as_tensor()).unwrap().clone(),
+        ];
+        for (i, (a, b)) in ours.iter().zip(&auto).enumerate() {
+            let err = rel_err_t(a, b)?;
+            ensure!(err <= 1e-6, "{name}: result {i} vs autograd {err:e}");
+        }
+        if opts.window_left.is_none() {
+            for (i, (a, b)) in ours.iter().zip(&naive_grads).enumerate() {
+                let err = rel_err_t(a, b)?;
+                ensure!(err <= 1e-4, "{name}: result {i} vs naive autograd {err:e}");
+            }
+        }
+        let bad = |g: &Tensor, needle: &str| -> Result<()> {
+            match saved.backward(g) {
+                Ok(_) => anyhow::bail!("{name}: a bad grad_o was accepted"),
+                Err(e) => ensure!(e.to_string().contains(needle), "{name}: error {e}"),
+            }
+            Ok(())
+        };
+        bad(&wi.narrow(2, 0, 49)?, "grad_o")?;
+        bad(&wi.to_dtype(DType::F16)?, "F32")?;
+    }
+    let varlen = AttentionOpts {
+        cu_seqlens_q: Some(vec![0, 20, 50]),
+        cu_seqlens_k: Some(vec![0, 15, 40]),
+        ..chunks(Mode::Resident)
+    };
+    match cqsa::attention_saved(&q, &k, &v, &varlen) {
+        Ok(_) => anyhow::bail!("varlen options were accepted"),
+        Err(e) => ensure!(e.to_string().contains("cu_seqlens"), "error {e}"),
+    }
+    Ok(())
+}
+candle_streamer::test_device!(attention_saved_matches_autograd);
+
 fn expect_err(r: candle_core::Result<Tensor>, needles: &[&str]) -> Result<()> {
     match r {
         Ok(t) => anyhow::bail!("expected an error, got a tensor {:?}", t.dims()),

@@ -77,11 +77,12 @@ pub mod doctor;
 mod mask;
 mod op;
 mod plan;
+mod saved;
 mod shape;
 mod stream;
 mod varlen;
 
-use candle_core::{bail, Device, Result, Tensor};
+use candle_core::{Device, Result, Tensor};
 
 pub use calibrate::{calibrate, Calibration, RatesSource};
 pub use mask::Scores;
@@ -89,6 +90,7 @@ pub use op::{
     attention_backward, attention_backward_with, attention_forward, attention_forward_with,
 };
 pub use plan::{estimate, estimate_with, Budget, Mode, Plan};
+pub use saved::{attention_saved, SavedAttention};
 pub use shape::AttentionShape;
 
 /// The largest supported head dimension.
@@ -184,10 +186,49 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Re
         };
         return varlen::attention(q, k, v, &docs, |q, k, v| attention(q, k, v, &inner));
     }
-    let exec = opts.device.clone().unwrap_or_else(|| q.device().clone());
-    let plan = if opts.mode == Mode::Resident {
-        None
-    } else {
+    // Inputs no gradient can reach need no host memory for a backward.
+    let backward = [q, k, v].iter().any(|t| t.track_op());
+    let call = Call::plan(q, k, v, opts, (&shape, &scores), backward)?;
+    match call.plan {
+        Some(plan) if plan.mode == Mode::Streamed => {
+            stream::attention(q, k, v, &scores, &plan, &call.exec, call.verbose)
+        }
+        _ => {
+            let (qe, ke, ve) = call.on_exec(q, k, v)?;
+            let o = op::apply(&qe, &ke, &ve, &scores)?;
+            call.back(&o, q.device())
+        }
+    }
+}
+
+/// Where and how one call runs: its compute device, the planner's choice
+/// (`None` when the caller forced resident mode) and whether to print progress.
+pub(crate) struct Call {
+    exec: Device,
+    plan: Option<Plan>,
+    verbose: bool,
+}
+
+impl Call {
+    /// Plans a call of `shape` (with a backward when `backward`), printing the
+    /// plan of a streamed one when verbose.
+    fn plan(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        opts: &AttentionOpts,
+        (shape, scores): (&AttentionShape, &Scores),
+        backward: bool,
+    ) -> Result<Self> {
+        let exec = opts.device.clone().unwrap_or_else(|| q.device().clone());
+        let verbose = opts.verbose || std::env::var("CQSA_VERBOSE").is_ok_and(|v| v == "1");
+        if opts.mode == Mode::Resident {
+            return Ok(Self {
+                exec,
+                plan: None,
+                verbose,
+            });
+        }
         let budget = match opts.budget {
             Some(b) => b,
             None => {
@@ -200,38 +241,35 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Re
                 b
             }
         };
-        // Inputs no gradient can reach need no host memory for a backward.
-        let backward = [q, k, v].iter().any(|t| t.track_op());
-        Some(plan::plan(
-            &shape,
-            &scores,
-            &budget,
-            (opts, backward),
-            &exec,
-        )?)
-    };
-    let streamed = plan.as_ref().is_some_and(|p| p.mode == Mode::Streamed);
-    let verbose = opts.verbose || std::env::var("CQSA_VERBOSE").is_ok_and(|v| v == "1");
-    if !streamed {
-        let on_exec = q.device().same_device(&exec);
-        let (qe, ke, ve) = if on_exec {
-            (q.contiguous()?, k.contiguous()?, v.contiguous()?)
-        } else {
-            let to = |t: &Tensor| t.to_device(&exec)?.contiguous();
-            (to(q)?, to(k)?, to(v)?)
-        };
-        let o = op::apply(&qe, &ke, &ve, &scores)?;
-        return if on_exec {
-            Ok(o)
-        } else {
-            o.to_device(q.device())
-        };
+        let plan = plan::plan(shape, scores, &budget, (opts, backward), &exec)?;
+        if verbose && plan.mode == Mode::Streamed {
+            eprintln!("cqsa: {plan}");
+        }
+        Ok(Self {
+            exec,
+            plan: Some(plan),
+            verbose,
+        })
     }
-    let Some(plan) = plan else {
-        bail!("cqsa: internal error: streamed call without a plan")
-    };
-    if verbose {
-        eprintln!("cqsa: {plan}");
+
+    /// Contiguous copies of the inputs on the compute device.
+    fn on_exec(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let to = |t: &Tensor| {
+            if t.device().same_device(&self.exec) {
+                t.contiguous()
+            } else {
+                t.to_device(&self.exec)?.contiguous()
+            }
+        };
+        Ok((to(q)?, to(k)?, to(v)?))
     }
-    stream::attention(q, k, v, &scores, &plan, &exec, verbose)
+
+    /// A result of the compute device, moved to `dev` (the inputs' device).
+    fn back(&self, t: &Tensor, dev: &Device) -> Result<Tensor> {
+        if t.device().same_device(dev) {
+            Ok(t.clone())
+        } else {
+            t.to_device(dev)
+        }
+    }
 }

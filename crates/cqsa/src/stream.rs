@@ -63,29 +63,78 @@ pub(crate) fn attention(
     exec: &Device,
     verbose: bool,
 ) -> Result<Tensor> {
-    let dims = AttentionShape::of(q, k, v, scores.hi.is_some())?;
-    let op = StreamOp {
-        dims,
-        scores: *scores,
-        q_chunk: plan.q_chunk.max(1),
-        kv_chunk: plan.kv_chunk.max(1),
-        exec: exec.clone(),
-        verbose,
-        lse: Arc::new(Mutex::new(None)),
-    };
-    let host = |t: &Tensor| -> Result<Tensor> {
-        if t.device().is_cpu() {
-            t.contiguous()
-        } else {
-            t.to_device(&Device::Cpu)?.contiguous()
-        }
-    };
+    let op = StreamOp::new(q, k, v, scores, plan, exec, verbose)?;
     let (qh, kh, vh) = (host(q)?, host(k)?, host(v)?);
     let o = qh.apply_op3(&kh, &vh, op)?;
-    if q.device().is_cpu() {
-        Ok(o)
+    to_device_of(&o, q)
+}
+
+/// A contiguous host copy of `t` (itself when it already is one).
+fn host(t: &Tensor) -> Result<Tensor> {
+    if t.device().is_cpu() {
+        t.contiguous()
     } else {
-        o.to_device(q.device())
+        t.to_device(&Device::Cpu)?.contiguous()
+    }
+}
+
+/// Host result `t` on the device of `like`.
+fn to_device_of(t: &Tensor, like: &Tensor) -> Result<Tensor> {
+    if like.device().is_cpu() {
+        Ok(t.clone())
+    } else {
+        t.to_device(like.device())
+    }
+}
+
+/// A streamed forward run outside autograd, with what its backward needs: the
+/// host inputs and output, and the op holding the log-sum-exp.
+pub(crate) struct Saved {
+    op: StreamOp,
+    host: [Tensor; 4],
+    /// The inputs' device, where the gradients go.
+    device: Device,
+}
+
+/// The streamed forward of [`attention`] without a graph node: returns the
+/// output (on the inputs' device) and what [`Saved::backward`] needs.
+pub(crate) fn forward_saved(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scores: &Scores,
+    plan: &Plan,
+    exec: &Device,
+    verbose: bool,
+) -> Result<(Tensor, Saved)> {
+    let op = StreamOp::new(q, k, v, scores, plan, exec, verbose)?;
+    let (qh, kh, vh) = (host(q)?.detach(), host(k)?.detach(), host(v)?.detach());
+    let o = qh.apply_op3_no_bwd(&kh, &vh, &op)?;
+    let out = to_device_of(&o, q)?;
+    let device = q.device().clone();
+    Ok((
+        out,
+        Saved {
+            op,
+            host: [qh, kh, vh, o],
+            device,
+        },
+    ))
+}
+
+impl Saved {
+    /// `(dq, dk, dv)` on the inputs' device for the output's gradient `grad_o`.
+    pub(crate) fn backward(&self, grad_o: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let [q, k, v, o] = &self.host;
+        let (dq, dk, dv) = self.op.backward_host(q, k, v, o, grad_o)?;
+        let back = |t: Tensor| -> Result<Tensor> {
+            if self.device.is_cpu() {
+                Ok(t)
+            } else {
+                t.to_device(&self.device)
+            }
+        };
+        Ok((back(dq)?, back(dk)?, back(dv)?))
     }
 }
 
@@ -350,6 +399,26 @@ impl Progress {
 }
 
 impl StreamOp {
+    fn new(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scores: &Scores,
+        plan: &Plan,
+        exec: &Device,
+        verbose: bool,
+    ) -> Result<Self> {
+        Ok(Self {
+            dims: AttentionShape::of(q, k, v, scores.hi.is_some())?,
+            scores: *scores,
+            q_chunk: plan.q_chunk.max(1),
+            kv_chunk: plan.kv_chunk.max(1),
+            exec: exec.clone(),
+            verbose,
+            lse: Arc::new(Mutex::new(None)),
+        })
+    }
+
     fn chunks(n: usize, c: usize) -> Vec<(usize, usize)> {
         (0..n).step_by(c).map(|a| (a, (a + c).min(n))).collect()
     }
@@ -640,6 +709,22 @@ impl CustomOp3 for StreamOp {
         o: &Tensor,
         grad_o: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dq, dk, dv) = self.backward_host(q, k, v, o, grad_o)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    }
+}
+
+impl StreamOp {
+    /// The gradients of host inputs `q, k, v` (output `o`) for `grad_o`, as host
+    /// tensors in the inputs' dtype.
+    fn backward_host(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        grad_o: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let Some(lse) = self.lse.lock().map_err(poisoned)?.clone() else {
             bail!("cqsa: streamed backward called before its forward")
         };
@@ -689,9 +774,9 @@ impl CustomOp3 for StreamOp {
             ))
         };
         Ok((
-            Some(wrap(dq, q.shape())?),
-            Some(wrap(dk, k.shape())?),
-            Some(wrap(dv, v.shape())?),
+            wrap(dq, q.shape())?,
+            wrap(dk, k.shape())?,
+            wrap(dv, v.shape())?,
         ))
     }
 }

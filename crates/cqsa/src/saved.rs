@@ -1,0 +1,108 @@
+//! Attention with an explicit backward, outside Candle's autograd.
+//!
+//! Through autograd, `o.backward()` on a streamed call over host tensors pays
+//! Candle's host-side bookkeeping besides the op itself: an all-ones upstream
+//! gradient the size of the output, and for each of q, k, v a zero-filled
+//! tensor that the op's gradient is then added into (`GradStore`'s
+//! accumulation), each a single-threaded pass over gigabytes at long sequence
+//! lengths. [`attention_saved`] runs the same forward without a graph node and
+//! returns a [`SavedAttention`] whose [`SavedAttention::backward`] takes the
+//! output's gradient and returns the op's gradients as they are, as a
+//! hand-written backward (or a `torch.autograd.Function`) would use them.
+use candle_core::{bail, Device, Result, Tensor};
+
+use crate::{op, shape, stream, varlen, AttentionOpts, AttentionShape, Call, Mode, Scores};
+
+/// What the backward of one [`attention_saved`] call needs.
+pub struct SavedAttention {
+    kind: Kind,
+    /// Shape and dtype of the output, which `grad_o` must have.
+    out: (Vec<usize>, candle_core::DType),
+}
+
+enum Kind {
+    /// Inputs, output and log-sum-exp on the compute device; results go to
+    /// `device` (the inputs').
+    Resident {
+        qkvo: [Tensor; 4],
+        lse: Tensor,
+        scores: Scores,
+        device: Device,
+    },
+    Streamed(stream::Saved),
+}
+
+/// [`crate::attention`]'s forward outside autograd: the output (detached, on
+/// the inputs' device) and what [`SavedAttention::backward`] needs. Planned as
+/// a call with a backward (its host memory counted), resident or streamed as
+/// `opts` and the budget say. Varlen packing (`cu_seqlens_q`/`cu_seqlens_k`)
+/// is not supported here and is an error; use [`crate::attention`] for it.
+pub fn attention_saved(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    opts: &AttentionOpts,
+) -> Result<(Tensor, SavedAttention)> {
+    let shape = AttentionShape::of(q, k, v, opts.causal)?;
+    let scores = Scores::of(opts, &shape)?;
+    if varlen::documents(opts, shape.nq, shape.nk)?.is_some() {
+        bail!("cqsa: attention_saved does not take cu_seqlens_q/cu_seqlens_k; use attention()")
+    }
+    let call = Call::plan(q, k, v, opts, (&shape, &scores), true)?;
+    let out = (q.dims().to_vec(), q.dtype());
+    let (o, kind) = match &call.plan {
+        Some(plan) if plan.mode == Mode::Streamed => {
+            let (o, saved) =
+                stream::forward_saved(q, k, v, &scores, plan, &call.exec, call.verbose)?;
+            (o, Kind::Streamed(saved))
+        }
+        _ => {
+            let (qe, ke, ve) = call.on_exec(q, k, v)?;
+            let (o, lse) = op::attention_forward_with(&qe, &ke, &ve, &scores)?;
+            let back = call.back(&o, q.device())?;
+            let kind = Kind::Resident {
+                qkvo: [qe, ke, ve, o],
+                lse,
+                scores,
+                device: q.device().clone(),
+            };
+            (back, kind)
+        }
+    };
+    Ok((o, SavedAttention { kind, out }))
+}
+
+impl SavedAttention {
+    /// `(dq, dk, dv)`, shaped and typed like `(q, k, v)` and on their device,
+    /// for `grad_o`, the gradient of the output (its shape and dtype, on any
+    /// device). Can be called more than once (each call is a full backward).
+    pub fn backward(&self, grad_o: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (dims, dtype) = &self.out;
+        if grad_o.dims() != dims.as_slice() || grad_o.dtype() != *dtype {
+            bail!(
+                "cqsa: {} must have the output's shape {dims:?} and dtype {dtype:?}",
+                shape::describe("grad_o", grad_o)
+            )
+        }
+        match &self.kind {
+            Kind::Streamed(saved) => saved.backward(grad_o),
+            Kind::Resident {
+                qkvo: [q, k, v, o],
+                lse,
+                scores,
+                device,
+            } => {
+                let g = grad_o.to_device(q.device())?;
+                let (dq, dk, dv) = op::attention_backward_with(q, k, v, o, &g, lse, scores)?;
+                let back = |t: Tensor| -> Result<Tensor> {
+                    if t.device().same_device(device) {
+                        Ok(t)
+                    } else {
+                        t.to_device(device)
+                    }
+                };
+                Ok((back(dq)?, back(dk)?, back(dv)?))
+            }
+        }
+    }
+}
