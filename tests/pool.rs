@@ -457,13 +457,14 @@ fn timeline_and_stats_report(dev: &Device) -> Result<()> {
     let dir = tempdir("tl")?;
     let mut c = cfg(dev, DType::F32, 1);
     c.timeline = true;
-    c.timeline_path = Some(dir.join("trace.json"));
+    // A folder that does not exist yet is created.
+    let path = dir.join("new").join("trace.json");
+    c.timeline_path = Some(path.clone());
     let model = StreamedSequential::from_tensors(weights, mlp_blocks(16, &hidden), c)?;
     let x = Tensor::randn(0f32, 1.0, (4, 16), dev)?;
     model.forward(&x)?;
     model.write_timeline(None)?;
-    let trace: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("trace.json"))?)?;
+    let trace: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
     let events = trace["traceEvents"].as_array().unwrap();
     let count = |cat: &str| events.iter().filter(|e| e["cat"] == cat).count();
     assert_eq!(count("h2d"), 2);

@@ -100,9 +100,17 @@ impl Timeline {
             .map_err(candle_core::Error::wrap)
     }
 
-    /// Writes the trace to `path`.
+    /// Writes the trace to `path`, creating its folder if it does not exist.
     pub fn write(&self, path: impl AsRef<Path>) -> candle_core::Result<()> {
         let path = path.as_ref();
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                candle_core::Error::Msg(format!(
+                    "cannot create {} for a timeline: {e}",
+                    dir.display()
+                ))
+            })?;
+        }
         std::fs::write(path, self.to_json()?).map_err(|e| {
             candle_core::Error::Msg(format!("cannot write timeline {}: {e}", path.display()))
         })
