@@ -552,7 +552,8 @@ fn llama_resume_matches_uninterrupted(dev: &Device) -> Result<()> {
 candle_streamer::test_device!(llama_resume_matches_uninterrupted);
 
 /// `LmTrainer` with its AdamW on the device (`OptimizerPlace::Device`: the
-/// layers stepped during backward, the embedding, norm and head after) against
+/// layers stepped during backward, the embedding, norm and head after, their
+/// masters moved to the device on CUDA) against
 /// the overlapped host optimizer, over 4 steps with a save at step 2 that the
 /// host optimizer resumes from (the state file is the same). The arithmetic
 /// is the same: bit-identical on the CPU, 1e-5 on CUDA (attention's backward
@@ -588,6 +589,15 @@ fn llama_device_optimizer_matches_host(dev: &Device) -> Result<()> {
     let dir = temp_dir("device-opt")?;
     let mut device = LmTrainer::new_on(model()?, adam.clone(), OptimizerPlace::Device)?;
     ensure!(device.device_optimizer().is_some() && device.optimizer().is_none());
+    // On CUDA the embedding, norm and head masters live where their moments do.
+    for (name, v) in device.model().parameters() {
+        let outer = !name.starts_with("model.layers.");
+        ensure!(
+            v.device().is_cuda() == (outer && dev.is_cuda()),
+            "{name} is on {:?}",
+            v.device().location()
+        );
+    }
     let ld1 = train_loop(&mut device, &corpus, &opts(2, Some(dir.clone())), |_| {})?;
     drop(device);
     let mut resumed =

@@ -481,8 +481,10 @@ enum Outer {
         norm: Tensor,
         head: Tensor,
     },
-    /// Host masters (what a host optimizer updates), copied to the device and
-    /// converted to the compute dtype on every forward (differentiably).
+    /// Masters (what an optimizer updates), copied to the device when they are
+    /// on the host and converted to the compute dtype on every forward
+    /// (differentiably). On the host, except under a trainer whose optimizer
+    /// runs on the device ([`Llama::outer_masters_to_device`]).
     Host {
         embed: Var,
         norm: Var,
@@ -962,6 +964,31 @@ impl Llama {
         }
     }
 
+    /// Moves a streamed model's embedding, final norm and head masters (not the
+    /// layers') to the compute device, in their dtype, for an optimizer that
+    /// steps them there: with a large vocabulary they are gigabytes, and on the
+    /// host every step would copy them up, their gradients down (where Candle
+    /// accumulates them on one CPU thread) and the stepped weights both ways.
+    /// A resident model, or one already moved, is returned as it is.
+    pub fn outer_masters_to_device(self) -> Result<Self> {
+        let Outer::Host { embed, norm, head } = &self.outer else {
+            return Ok(self);
+        };
+        let to = |v: &Var| -> Result<Var> {
+            if v.device().same_device(&self.device) {
+                Ok(v.clone())
+            } else {
+                Var::from_tensor(&v.as_tensor().to_device(&self.device)?)
+            }
+        };
+        let outer = Outer::Host {
+            embed: to(embed)?,
+            norm: to(norm)?,
+            head: head.as_ref().map(to).transpose()?,
+        };
+        Ok(Self { outer, ..self })
+    }
+
     /// The trainable layers (for the overlapped optimizer step), if any.
     pub fn trainable_layers(&self) -> Option<&TrainableSequential> {
         match &self.layers {
@@ -970,9 +997,11 @@ impl Llama {
         }
     }
 
-    /// Every host master of a streamed model as `(name, variable)`: embedding,
-    /// final norm, head (unless tied), then the layers' weights in order. A
-    /// resident model has none (its variables are those of its `VarMap`).
+    /// Every master of a streamed model as `(name, variable)`: embedding,
+    /// final norm, head (unless tied), then the layers' weights in order. The
+    /// layers' are on the host; the first three too, unless
+    /// [`Llama::outer_masters_to_device`] moved them. A resident model has none
+    /// (its variables are those of its `VarMap`).
     pub fn parameters(&self) -> Vec<(String, Var)> {
         let mut out = Vec::new();
         if let Outer::Host { embed, norm, head } = &self.outer {
@@ -1015,7 +1044,13 @@ impl Llama {
             }
         }
         for (n, v) in self.parameters() {
-            map.insert(n, v.as_tensor().clone());
+            let t = v.as_tensor();
+            let t = if t.device().is_cpu() {
+                t.clone()
+            } else {
+                t.to_device(&Device::Cpu)?
+            };
+            map.insert(n, t);
         }
         Ok(map)
     }

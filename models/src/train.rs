@@ -170,7 +170,9 @@ pub fn write_atomic(path: &Path, text: &str) -> Result<()> {
 /// backward continues with earlier layers (`TrainableSequential::backward_step`);
 /// the embedding, norm and head are stepped after. Both give the same update.
 /// With [`OptimizerPlace::Device`] the layers are always stepped on the device
-/// during backward (`backward_step_device`), whatever `overlap` says.
+/// during backward (`backward_step_device`), whatever `overlap` says, and on
+/// CUDA the embedding, norm and head masters move to the device
+/// ([`Llama::outer_masters_to_device`]); checkpoints are the same either way.
 pub struct LmTrainer {
     model: Llama,
     opt: PlacedAdamW,
@@ -190,7 +192,11 @@ impl LmTrainer {
 
     /// A trainer whose optimizer runs where `place` says.
     pub fn new_on(model: Llama, params: ParamsAdamW, place: OptimizerPlace) -> Result<Self> {
-        let model = model.into_trainable()?;
+        let mut model = model.into_trainable()?;
+        if place == OptimizerPlace::Device && model.device().is_cuda() {
+            // Stepped where their moments are, with no host round trips.
+            model = model.outer_masters_to_device()?;
+        }
         let named = model.parameters();
         let names: Vec<String> = named.iter().map(|(n, _)| n.clone()).collect();
         let outer = names
