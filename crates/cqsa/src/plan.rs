@@ -164,7 +164,7 @@ pub struct Plan {
     /// Predicted forward seconds (see the module docs for the time model).
     pub forward_seconds: f64,
     /// Where the rates behind `forward_seconds` came from: a calibration file
-    /// ([`crate::calibrate`]) or the built-in defaults, with the reason.
+    /// ([`crate::calibrate()`]) or the built-in defaults, with the reason.
     pub rates: RatesSource,
 }
 
@@ -522,7 +522,7 @@ fn choose(
 /// device and host bytes and forward time. Allocates nothing. Errors with the
 /// sizes when nothing fits. The time model is that of CUDA device 0 when the
 /// crate is built with the `cuda` feature, of the CPU otherwise, with that
-/// device's calibration ([`crate::calibrate`]) when its cache file exists and
+/// device's calibration ([`crate::calibrate()`]) when its cache file exists and
 /// is valid, and the built-in rates otherwise; [`Plan::rates`] says which and
 /// why. The host check is the forward's ([`Plan::host_bytes`]); a call whose
 /// inputs a gradient can reach also holds [`Plan::backward_host_bytes`], which
