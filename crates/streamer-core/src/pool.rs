@@ -104,8 +104,10 @@ struct Slot {
     #[cfg(feature = "cuda")]
     alias_vars: HashMap<usize, Vec<(usize, candle_core::Var)>>,
     /// This slot's staging buffer for masters in another dtype than the
-    /// compute dtype (device pointer), and the conversions its last load left
-    /// for `acquire`: `(from, src, to, dst, elements)`.
+    /// compute dtype (device pointer), and the conversions left for `acquire`
+    /// (`(from, src, to, dst, elements)`): those of a block lent after a
+    /// device step, whose staged masters the step changed on the compute
+    /// stream (a load converts on the transfer stream itself).
     #[cfg(feature = "cuda")]
     stage: Option<u64>,
     #[cfg(feature = "cuda")]
@@ -1142,6 +1144,7 @@ impl CudaEngine {
         let mut bytes = 0u64;
         let es = dtype.size_in_bytes() as u64;
         let mut staged = 0u64;
+        let mut casts = Vec::new();
         slot.casts.clear();
         slot.staged.clear();
         for &(m, off) in &layout.unique {
@@ -1160,13 +1163,12 @@ impl CudaEngine {
                     let at = stage + staged;
                     staged += stage_len(n) as u64;
                     // SAFETY: the staging buffer holds the largest block's masters
-                    // (sized in `new` with the same `stage_len` rounding); the
-                    // conversions that read the previous load's data ran on the
-                    // compute stream before `slot.free`, which this stream waited for.
+                    // (sized in `new` with the same `stage_len` rounding); whatever
+                    // read the previous load's staged data (its conversions, on this
+                    // stream, and a device step, before `slot.free`) is ordered before.
                     unsafe { crate::cuda::htod_async(at, src, n, &self.transfer)? };
                     slot.staged.push((m, at));
-                    slot.casts
-                        .push((master.var.dtype(), at, dtype, dst, master.var.elem_count()));
+                    casts.push((master.var.dtype(), at, dtype, dst, master.var.elem_count()));
                 }
             }
         }
@@ -1174,7 +1176,21 @@ impl CudaEngine {
             crate::cuda::delay(&self.dev, &self.transfer, d.as_nanos() as u64)?;
         }
         let end = Arc::new(Self::event(&self.transfer)?);
-        slot.ready = Some(end.clone());
+        // The conversions run on this stream behind the copies, so that they
+        // overlap the previous block's compute instead of delaying this one's
+        // (the copy's timing above ends before them).
+        let converted = !casts.is_empty();
+        for (from, src, to, dst, n) in casts {
+            // SAFETY: src is this slot's staging, filled by the copies just
+            // enqueued on this stream; dst lies in the slot (sized by layout),
+            // whose previous block finished computing (`slot.free`, waited for).
+            unsafe { crate::cuda::cast(&self.dev, &self.transfer, from, src, to, dst, n)? };
+        }
+        slot.ready = Some(if converted {
+            Arc::new(Self::event(&self.transfer)?)
+        } else {
+            end.clone()
+        });
         self.pending.push(PendingTiming::Load { block, start, end });
         Ok(bytes)
     }
@@ -1184,12 +1200,13 @@ impl CudaEngine {
         if let Some(ready) = &slot.ready {
             self.compute.wait(ready).map_err(candle_core::Error::wrap)?;
         }
-        // The block's compute starts here: converting its weights is work
-        // for it, not a wait for them (the stall statistic is the wait alone).
+        // The block's compute starts here: converting a lent block's weights
+        // is work for it, not a wait for them (the stall statistic is the wait alone).
         let start = Self::event(&self.compute)?;
         for (from, src, to, dst, n) in slot.casts.drain(..) {
-            // SAFETY: src is this slot's staging, filled by the load that `ready`
-            // marks (waited for above); dst lies in the slot; both sized by layout.
+            // SAFETY: src is this slot's staging, whose masters a device step
+            // changed on this stream (before this point); dst lies in the slot;
+            // both sized by layout.
             unsafe { crate::cuda::cast(&self.dev, &self.compute, from, src, to, dst, n)? };
         }
         slot.compute = Some((wait, start));
