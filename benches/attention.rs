@@ -10,7 +10,8 @@
 //!   `benches/results/attention-h200.json` on CUDA, `attention-cpu.json` on CPU).
 //! - `CQSA_BENCH_NS`: comma-separated sequence lengths instead of the defaults.
 //! - `CQSA_BENCH_OOC=1`: also run the out-of-core case (CUDA only): causal bf16
-//!   B=1 H=16 D=128 at `CQSA_OOC_N` tokens (default 1,048,576) from host memory,
+//!   B=1 H=`CQSA_OOC_H` (default 16) D=128 at `CQSA_OOC_N` tokens (default
+//!   1,048,576) from host memory,
 //!   streamed under a device budget of `CQSA_OOC_BUDGET_GIB` (default 16), with
 //!   time, peak device memory and the error of the first and last 2048 rows against
 //!   resident runs.
@@ -569,7 +570,8 @@ fn with_peak<T>(_: &Device, f: impl FnOnce() -> Result<T>) -> Result<(T, usize)>
 fn out_of_core(dev: &Device) -> Result<Value> {
     let n: usize = std::env::var("CQSA_OOC_N").map_or(Ok(1 << 20), |s| s.parse())?;
     let budget_gib: f64 = std::env::var("CQSA_OOC_BUDGET_GIB").map_or(Ok(16.0), |s| s.parse())?;
-    let (b, h, d, dtype) = (1, 16, 128, DType::BF16);
+    let h: usize = std::env::var("CQSA_OOC_H").map_or(Ok(16), |s| s.parse())?;
+    let (b, d, dtype) = (1, 128, DType::BF16);
     let slice = 2048.min(n);
     println!("out of core: N={n}, budget {budget_gib} GiB; making host inputs");
     // Random inputs made on the device one head at a time, kept on the host.
@@ -621,35 +623,43 @@ fn out_of_core(dev: &Device) -> Result<Value> {
         peak_host as f64 / qkvo_bytes as f64
     );
     // Rows 0..slice see keys 0..slice; the last `slice` rows see every key.
-    let rel = |a: &Tensor, r: &Tensor| -> Result<f64> {
-        let a = a.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
-        let r = r.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
-        let err = (a - &r)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        let scale = r.abs()?.max_all()?.to_scalar::<f32>()?;
-        Ok((err / scale) as f64)
-    };
-    let on = |t: &Tensor, a: usize, len: usize| -> Result<Tensor> {
-        Ok(t.narrow(2, a, len)?.to_device(dev)?)
+    // Checked head by head on contiguous host slices: Candle's strided copies
+    // index in 32 bits, so a view of a tensor of more than 2^32 elements (q, k,
+    // v at 4M tokens) cannot go to the device as it is.
+    let on = |t: &Tensor, head: usize, a: usize, len: usize| -> Result<Tensor> {
+        Ok(t.narrow(1, head, 1)?
+            .narrow(2, a, len)?
+            .contiguous()?
+            .to_device(dev)?)
     };
     let res_opts = AttentionOpts {
         causal: true,
         mode: Mode::Resident,
         ..Default::default()
     };
-    let first = attention(
-        &on(&q, 0, slice)?,
-        &on(&k, 0, slice)?,
-        &on(&v, 0, slice)?,
-        &res_opts,
-    )?;
-    let err_first = rel(&o.narrow(2, 0, slice)?, &first)?;
-    let last = attention(
-        &on(&q, n - slice, slice)?,
-        &on(&k, 0, n)?,
-        &on(&v, 0, n)?,
-        &res_opts,
-    )?;
-    let err_last = rel(&o.narrow(2, n - slice, slice)?, &last)?;
+    // (largest |error|, largest |reference|) over the heads, first and last rows.
+    let (mut first, mut last) = ((0f32, 0f32), (0f32, 0f32));
+    for head in 0..h {
+        for (acc, a, keys) in [(&mut first, 0, slice), (&mut last, n - slice, n)] {
+            let r = attention(
+                &on(&q, head, a, slice)?,
+                &on(&k, head, 0, keys)?,
+                &on(&v, head, 0, keys)?,
+                &res_opts,
+            )?
+            .to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?;
+            let ours = o
+                .narrow(1, head, 1)?
+                .narrow(2, a, slice)?
+                .to_dtype(DType::F32)?;
+            acc.0 = acc
+                .0
+                .max((ours - &r)?.abs()?.max_all()?.to_scalar::<f32>()?);
+            acc.1 = acc.1.max(r.abs()?.max_all()?.to_scalar::<f32>()?);
+        }
+    }
+    let (err_first, err_last) = ((first.0 / first.1) as f64, (last.0 / last.1) as f64);
     println!("out of core: error vs resident, first {slice} rows {err_first:e}, last {slice} rows {err_last:e}");
     Ok(json!({
         "n": n, "b": b, "h": h, "d": d, "dtype": "bf16", "causal": true,
