@@ -159,7 +159,7 @@ pub struct Plan {
     /// 0 when resident.
     pub host_bytes: usize,
     /// Host bytes a streamed backward adds: the output's gradient, dQ/dK/dV
-    /// and their f32 sums; 0 when resident.
+    /// and dQ's f32 sum; 0 when resident.
     pub backward_host_bytes: usize,
     /// Predicted forward seconds (see the module docs for the time model).
     pub forward_seconds: f64,
@@ -402,7 +402,8 @@ fn streamed_with(s: &AttentionShape, sc: &Scores, cq: usize, ck: usize, m: &Mode
     let e = s.elem();
     let (q_el, kv_el) = (s.b * s.d * s.hq * s.nq, s.b * s.d * s.hkv * s.nk);
     let forward = (2 * q_el + 2 * kv_el) * e + s.b * s.hq * s.nq * 4;
-    let backward = (2 * q_el + 2 * kv_el) * e + (q_el + 2 * kv_el) * 4;
+    // The output's gradient, dq, dk, dv in the dtype, and dq's f32 sum.
+    let backward = (2 * q_el + 2 * kv_el) * e + q_el * 4;
     // Page-locked staging for results on their way back: two of each kind.
     let staging = if m.cuda {
         2 * 4 * s.b * s.d * (s.hq * cq + 2 * s.hkv * ck)

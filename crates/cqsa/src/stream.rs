@@ -10,8 +10,8 @@
 //! Backward, for each key chunk `(Kj, Vj)`: for each query chunk that sees it, the
 //! resident backward with the *global* log-sum-exp of the rows (and their global
 //! output, which gives the global `delta = do . o`) yields exact partial `dQi`,
-//! `dKj`, `dVj`; dK/dV accumulate on the device in f32 across query chunks, dQ in
-//! host f32 memory across key chunks.
+//! `dKj`, `dVj`; dK/dV accumulate on the device in f32 across query chunks and
+//! land once, in the inputs' dtype; dQ sums in host f32 memory across key chunks.
 //!
 //! A masked subproblem uses the band of its chunk pair (`Scores::shifted`): key
 //! `j0 + c` is visible from query `i0 + r` iff `r + lo + i0 - j0 <= c <= r + hi +
@@ -765,26 +765,22 @@ impl StreamOp {
             (5, sl, ll),
         ];
         let [dq, dk, dv] = self.backward_pairs(srcs)?;
-        let wrap = |x: Vec<f32>, shape: &Shape| -> Result<Tensor> {
-            Ok(Tensor::from_storage(
-                Storage::Cpu(cpu::from_f32(x, sq)?),
-                shape,
-                BackpropOp::none(),
-                false,
-            ))
+        let wrap = |x: CpuStorage, shape: &Shape| -> Tensor {
+            Tensor::from_storage(Storage::Cpu(x), shape, BackpropOp::none(), false)
         };
         Ok((
-            wrap(dq, q.shape())?,
-            wrap(dk, k.shape())?,
-            wrap(dv, v.shape())?,
+            wrap(cpu::from_f32(dq.into_f32()?, sq)?, q.shape()),
+            wrap(dk.into_storage(), k.shape()),
+            wrap(dv.into_storage(), v.shape()),
         ))
     }
 }
 
 impl StreamOp {
     /// The backward's loop over key-major chunk pairs: `srcs` are the host q, k,
-    /// v, o, grad_o and lse; returns the host f32 dq, dk, dv.
-    fn backward_pairs(&self, srcs: [Src<'_>; 6]) -> Result<[Vec<f32>; 3]> {
+    /// v, o, grad_o and lse; returns the host dq (f32: it sums over key chunks)
+    /// and dk, dv (in the inputs' dtype: each is written once, complete).
+    fn backward_pairs(&self, srcs: [Src<'_>; 6]) -> Result<[SinkData; 3]> {
         let AttentionShape {
             b,
             hq,
@@ -801,10 +797,11 @@ impl StreamOp {
         const DQ: usize = 0;
         const DK: usize = 1;
         const DV: usize = 2;
+        let like = qs.1;
         let sinks = [
             Sink::new(b * hq * nq * d, nq, 0.0),
-            Sink::new(b * hkv * nk * d, nk, 0.0),
-            Sink::new(b * hkv * nk * d, nk, 0.0),
+            Sink::written_as(b * hkv * nk * d, nk, like)?,
+            Sink::written_as(b * hkv * nk * d, nk, like)?,
         ];
         let mut feed = Feed::new(&self.exec, &srcs.map(|s| s.1), sinks)?;
         let mut kvc: Option<((usize, usize), Tensor, Tensor)> = None;
@@ -853,6 +850,6 @@ impl StreamOp {
         }
         let [dq, dk, dv] = feed.finish()?;
         progress.finish();
-        Ok([dq.into_f32()?, dk.into_f32()?, dv.into_f32()?])
+        Ok([dq, dk, dv])
     }
 }
