@@ -33,13 +33,14 @@
 //! the work is split into query and key chunks, every chunk pair runs resident, and
 //! partial outputs are merged by their log-sum-exp (exact up to rounding). The
 //! planner behind that choice is exposed by [`estimate`], which allocates nothing.
+//! Its time model uses this device's measured rates when [`calibrate()`] has
+//! stored them (see [`mod@calibrate`]), and built-in ones otherwise;
+//! [`Plan::rates`] says which.
+//!
 //! [`attention_saved`] runs the same call outside autograd and hands back its
 //! backward: a streamed call's gradients then skip Candle's host-side
 //! bookkeeping (an all-ones upstream gradient, zero-filled accumulators),
 //! seconds at a million tokens.
-//! Its time model uses this device's measured rates when [`calibrate()`] has
-//! stored them (see [`mod@calibrate`]), and built-in ones otherwise;
-//! [`Plan::rates`] says which.
 //!
 //! Speed on CUDA: the forward and backward kernels use tensor cores for f16/bf16
 //! at head dims 64 and 128 (other head dims and f32 take simpler kernels).

@@ -774,9 +774,7 @@ impl StreamOp {
             wrap(dv.into_storage(), v.shape()),
         ))
     }
-}
 
-impl StreamOp {
     /// The backward's loop over key-major chunk pairs: `srcs` are the host q, k,
     /// v, o, grad_o and lse; returns the host dq (f32: it sums over key chunks)
     /// and dk, dv (in the inputs' dtype: each is written once, complete).
