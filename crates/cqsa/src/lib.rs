@@ -196,7 +196,8 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Re
     let call = Call::plan(q, k, v, opts, (&shape, &scores), backward)?;
     match call.plan {
         Some(plan) if plan.mode == Mode::Streamed => {
-            stream::attention(q, k, v, &scores, &plan, &call.exec, call.verbose)
+            let op = stream::StreamOp::new(q, k, v, &scores, &plan, &call.exec, call.verbose)?;
+            stream::attention(q, k, v, op)
         }
         _ => {
             let (qe, ke, ve) = call.on_exec(q, k, v)?;

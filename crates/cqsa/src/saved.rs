@@ -52,8 +52,8 @@ pub fn attention_saved(
     let out = (q.dims().to_vec(), q.dtype());
     let (o, kind) = match &call.plan {
         Some(plan) if plan.mode == Mode::Streamed => {
-            let (o, saved) =
-                stream::forward_saved(q, k, v, &scores, plan, &call.exec, call.verbose)?;
+            let op = stream::StreamOp::new(q, k, v, &scores, plan, &call.exec, call.verbose)?;
+            let (o, saved) = stream::forward_saved(q, k, v, op)?;
             (o, Kind::Streamed(saved))
         }
         _ => {

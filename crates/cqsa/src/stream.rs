@@ -53,17 +53,8 @@ use crate::mask::Coverage;
 use crate::op::{attention_backward_with, attention_forward_with};
 use crate::{cpu, AttentionShape, Plan, Scores};
 
-/// Runs `attention` in streamed mode per `plan`, computing on `exec`.
-pub(crate) fn attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    scores: &Scores,
-    plan: &Plan,
-    exec: &Device,
-    verbose: bool,
-) -> Result<Tensor> {
-    let op = StreamOp::new(q, k, v, scores, plan, exec, verbose)?;
+/// Runs `attention` in streamed mode as `op` (see [`StreamOp::new`]) says.
+pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, op: StreamOp) -> Result<Tensor> {
     let (qh, kh, vh) = (host(q)?, host(k)?, host(v)?);
     let o = qh.apply_op3(&kh, &vh, op)?;
     to_device_of(&o, q)
@@ -102,12 +93,8 @@ pub(crate) fn forward_saved(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    scores: &Scores,
-    plan: &Plan,
-    exec: &Device,
-    verbose: bool,
+    op: StreamOp,
 ) -> Result<(Tensor, Saved)> {
-    let op = StreamOp::new(q, k, v, scores, plan, exec, verbose)?;
     let (qh, kh, vh) = (host(q)?.detach(), host(k)?.detach(), host(v)?.detach());
     let o = qh.apply_op3_no_bwd(&kh, &vh, &op)?;
     let out = to_device_of(&o, q)?;
@@ -139,7 +126,7 @@ impl Saved {
 }
 
 /// The streamed attention op over host tensors.
-struct StreamOp {
+pub(crate) struct StreamOp {
     dims: AttentionShape,
     scores: Scores,
     q_chunk: usize,
@@ -399,7 +386,8 @@ impl Progress {
 }
 
 impl StreamOp {
-    fn new(
+    /// The op of a streamed call of `q, k, v` per `plan`, computing on `exec`.
+    pub(crate) fn new(
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
