@@ -37,6 +37,23 @@ enum Kind {
 /// a call with a backward (its host memory counted), resident or streamed as
 /// `opts` and the budget say. Varlen packing (`cu_seqlens_q`/`cu_seqlens_k`)
 /// is not supported here and is an error; use [`crate::attention`] for it.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use cqsa::{attention_saved, AttentionOpts, Mode};
+///
+/// let dev = Device::Cpu;
+/// let q = Tensor::randn(0f32, 1.0, (1, 2, 64, 32), &dev)?;
+/// let k = Tensor::randn(0f32, 1.0, (1, 2, 64, 32), &dev)?;
+/// let v = Tensor::randn(0f32, 1.0, (1, 2, 64, 32), &dev)?;
+/// // Streamed in chunks of 16 rows, as a call from host memory would be.
+/// let opts = AttentionOpts { causal: true, mode: Mode::Streamed, q_chunk: Some(16), kv_chunk: Some(16), ..Default::default() };
+/// let (o, saved) = attention_saved(&q, &k, &v, &opts)?;
+/// let grad_o = o.ones_like()?; // the gradient of `o.sum_all()`
+/// let (dq, dk, dv) = saved.backward(&grad_o)?;
+/// assert_eq!((dq.dims(), dk.dims(), dv.dims()), (q.dims(), k.dims(), v.dims()));
+/// # Ok::<(), candle_core::Error>(())
+/// ```
 pub fn attention_saved(
     q: &Tensor,
     k: &Tensor,
