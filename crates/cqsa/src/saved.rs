@@ -16,8 +16,6 @@ use crate::{op, shape, stream, varlen, AttentionOpts, AttentionShape, Call, Mode
 /// What the backward of one [`attention_saved`] call needs.
 pub struct SavedAttention {
     kind: Kind,
-    /// Shape and dtype of the output, which `grad_o` must have.
-    out: (Vec<usize>, candle_core::DType),
 }
 
 enum Kind {
@@ -66,7 +64,6 @@ pub fn attention_saved(
         bail!("cqsa: attention_saved does not take cu_seqlens_q/cu_seqlens_k; use attention()")
     }
     let call = Call::plan(q, k, v, opts, (&shape, &scores), true)?;
-    let out = (q.dims().to_vec(), q.dtype());
     let (o, kind) = match &call.plan {
         Some(plan) if plan.mode == Mode::Streamed => {
             let op = stream::StreamOp::new(q, k, v, &scores, plan, &call.exec, call.verbose)?;
@@ -86,7 +83,7 @@ pub fn attention_saved(
             (back, kind)
         }
     };
-    Ok((o, SavedAttention { kind, out }))
+    Ok((o, SavedAttention { kind }))
 }
 
 impl SavedAttention {
@@ -94,11 +91,17 @@ impl SavedAttention {
     /// for `grad_o`, the gradient of the output (its shape and dtype, on any
     /// device). Can be called more than once (each call is a full backward).
     pub fn backward(&self, grad_o: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let (dims, dtype) = &self.out;
-        if grad_o.dims() != dims.as_slice() || grad_o.dtype() != *dtype {
+        // The saved output, whose shape and dtype `grad_o` must have.
+        let o = match &self.kind {
+            Kind::Streamed(saved) => saved.output(),
+            Kind::Resident { qkvo, .. } => &qkvo[3],
+        };
+        if grad_o.dims() != o.dims() || grad_o.dtype() != o.dtype() {
             bail!(
-                "cqsa: {} must have the output's shape {dims:?} and dtype {dtype:?}",
-                shape::describe("grad_o", grad_o)
+                "cqsa: {} must have the output's shape {:?} and dtype {:?}",
+                shape::describe("grad_o", grad_o),
+                o.dims(),
+                o.dtype()
             )
         }
         match &self.kind {

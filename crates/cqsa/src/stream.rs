@@ -110,6 +110,11 @@ pub(crate) fn forward_saved(
 }
 
 impl Saved {
+    /// The forward's output, on the host.
+    pub(crate) fn output(&self) -> &Tensor {
+        &self.host[3]
+    }
+
     /// `(dq, dk, dv)` on the inputs' device for the output's gradient `grad_o`.
     pub(crate) fn backward(&self, grad_o: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let [q, k, v, o] = &self.host;
