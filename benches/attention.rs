@@ -185,6 +185,11 @@ fn main() -> Result<()> {
     } else {
         (DType::F32, 1, 2, 64, 3)
     };
+    // CQSA_BENCH_D: another head dim (64, 256) for every row.
+    let d = match std::env::var("CQSA_BENCH_D") {
+        Ok(x) => x.trim().parse()?,
+        Err(_) => d,
+    };
     let ns: Vec<usize> = match std::env::var("CQSA_BENCH_NS") {
         Ok(s) => s
             .split(',')
@@ -204,8 +209,16 @@ fn main() -> Result<()> {
     let scale = 1.0 / (d as f64).sqrt();
     let mut rows = Vec::new();
     println!(
-        "{:>6} {:>6} | {:>10} {:>10} | {:>10} {:>10} | {:>10} {:>10}",
-        "N", "causal", "fwd TF/s", "f+b TF/s", "naive fwd", "naive f+b", "fwd ms", "f+b ms"
+        "{:>6} {:>6} | {:>10} {:>10} {:>10} | {:>10} {:>10} | {:>10} {:>10}",
+        "N",
+        "causal",
+        "fwd TF/s",
+        "portable",
+        "f+b TF/s",
+        "naive fwd",
+        "naive f+b",
+        "fwd ms",
+        "f+b ms"
     );
     for &n in &ns {
         let q = Tensor::randn(0f32, 1.0, (b, h, n, d), &dev)?.to_dtype(dtype)?;
@@ -226,6 +239,15 @@ fn main() -> Result<()> {
                 attention(&q, &k, &v, &opts)?;
                 Ok(())
             })?;
+            // The portable tensor-core forward on the same inputs: on a GPU of
+            // compute capability 9.0 the default above is the Hopper kernel.
+            cqsa::set_hopper_kernels(false);
+            let portable = median_ms(&dev, 2, reps, || {
+                attention(&q, &k, &v, &opts)?;
+                Ok(())
+            });
+            cqsa::set_hopper_kernels(true);
+            let portable = portable?;
             let fb = median_ms(&dev, 1, reps, || {
                 let (o, lse) = attention_forward(&q, &k, &v, scale as f32, off)?;
                 attention_backward(&q, &k, &v, &o, &g, &lse, scale as f32, off)?;
@@ -259,6 +281,8 @@ fn main() -> Result<()> {
                 "cqsa_fwd_ms": fwd.gpu, "cqsa_fwd_tflops": tflops(fwd_flops, Some(fwd.gpu)),
                 "cqsa_fwd_bwd_ms": fb.gpu, "cqsa_fwd_bwd_tflops": tflops(fb_flops, Some(fb.gpu)),
                 "cqsa_fwd_wall_ms": fwd.wall, "cqsa_fwd_bwd_wall_ms": fb.wall,
+                "cqsa_portable_fwd_ms": portable.gpu,
+                "cqsa_portable_fwd_tflops": tflops(fwd_flops, Some(portable.gpu)),
                 "naive_fwd_ms": naive_fwd.map(|t| t.gpu),
                 "naive_fwd_tflops": tflops(fwd_flops, naive_fwd.map(|t| t.gpu)),
                 "naive_fwd_bwd_ms": naive_fb.map(|t| t.gpu),
@@ -269,10 +293,11 @@ fn main() -> Result<()> {
                     .map_or("OOM/err".to_string(), |x| format!("{x:.3}"))
             };
             println!(
-                "{:>6} {:>6} | {:>10} {:>10} | {:>10} {:>10} | {:>10.2} {:>10.2}",
+                "{:>6} {:>6} | {:>10} {:>10} {:>10} | {:>10} {:>10} | {:>10.2} {:>10.2}",
                 n,
                 causal,
                 show(&row["cqsa_fwd_tflops"]),
+                show(&row["cqsa_portable_fwd_tflops"]),
                 show(&row["cqsa_fwd_bwd_tflops"]),
                 show(&row["naive_fwd_tflops"]),
                 show(&row["naive_fwd_bwd_tflops"]),

@@ -5,7 +5,7 @@ of torch.nn.functional.scaled_dot_product_attention; forward and forward+backwar
 TFLOP/s with the same convention (forward 4*B*H*N^2*D, halved when causal;
 forward+backward 3.5x forward). Median of CUDA-event timings after warm-up.
 
-    python benches/attention_torch.py [--out benches/results/attention-torch-h200.json] [--ns 1024,2048]
+    python benches/attention_torch.py [--out benches/results/attention-torch-h200.json] [--ns 1024,2048] [--d 64]
 """
 import argparse
 import json
@@ -36,8 +36,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="benches/results/attention-torch-h200.json")
     p.add_argument("--ns", default="1024,2048,4096,8192,16384")
+    p.add_argument("--d", type=int, default=128, help="head dim (benches/attention.rs: CQSA_BENCH_D)")
     args = p.parse_args()
-    B, H, D, dt = 1, 16, 128, torch.bfloat16
+    B, H, D, dt = 1, 16, args.d, torch.bfloat16
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
     rows = []
     print(f"{'N':>6} {'causal':>6} {'backend':>7} | {'fwd TF/s':>9} {'f+b TF/s':>9}")

@@ -1,6 +1,11 @@
 //! Compiles every `src/*.cu` to PTX with nvcc, only when the `cuda` feature is on.
 //! The target architecture comes from `CUDA_COMPUTE_CAP` (for example `90`), never
 //! from a constant here, so the same tree builds for any GPU.
+//!
+//! Files named `*_hopper.cu` use Hopper-only instructions (`wgmma`): they are
+//! compiled for `compute_90a` when `CUDA_COMPUTE_CAP` is 90 and left empty for
+//! any other GPU, whose PTX could not hold them; the launchers fall back to the
+//! portable kernels when such a constant is empty.
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -32,8 +37,16 @@ fn main() -> anyhow::Result<()> {
     for cu in &kernels {
         let stem = cu.file_stem().unwrap().to_string_lossy().to_string();
         let ptx = out.join(format!("{stem}.ptx"));
+        let arch = if !stem.ends_with("_hopper") {
+            format!("compute_{cap}")
+        } else if cap == 90 {
+            "compute_90a".to_string()
+        } else {
+            std::fs::write(&ptx, "")?;
+            continue;
+        };
         let status = Command::new(&nvcc)
-            .arg(format!("--gpu-architecture=compute_{cap}"))
+            .arg(format!("--gpu-architecture={arch}"))
             .args(["--ptx", "-O3", "-std=c++17", "--use_fast_math"])
             .arg("-I")
             .arg(&src)

@@ -5,6 +5,10 @@
 #   scripts/attention-harness.sh [KERNEL.cu ...]   # default: kernels/src/attention.cu
 #   # device tool: carry ["target/attn-harness"],
 #   #   command: target/attn-harness/attention 0   (correctness), ... 1 (benchmark)
+#   #            ... 3 (the Hopper forward's correctness), ... 4 (its benchmark)
+#
+# With CUDA_COMPUTE_CAP=90 (the default) the binary also holds the Hopper kernels
+# (kernels/src/attention_hopper.cu, or HOPPER_KERNEL=...), built for sm_90a.
 #
 # One binary per kernel source, named after it, in target/attn-harness/.
 set -euo pipefail
@@ -17,7 +21,14 @@ cap=${CUDA_COMPUTE_CAP:-90}
 for k in "$@"; do
   k=$(cd "$(dirname "$k")" && pwd)/$(basename "$k")
   name=$(basename "$k" .cu)
-  nvcc -arch=sm_$cap -O3 --use_fast_math -std=c++17 -DKFILE="\"$k\"" \
+  if [ "$cap" = 90 ]; then
+    h=${HOPPER_KERNEL:-$root/kernels/src/attention_hopper.cu}
+    h=$(cd "$(dirname "$h")" && pwd)/$(basename "$h")
+    flags=(-gencode arch=compute_90a,code=sm_90a -DHFILE="\"$h\"")
+  else
+    flags=(-arch=sm_$cap)
+  fi
+  nvcc "${flags[@]}" -O3 --use_fast_math -std=c++17 -DKFILE="\"$k\"" \
     "$root/kernels/harness/attention_harness.cu" -o "$out/$name"
   echo "built $out/$name"
 done

@@ -1185,6 +1185,90 @@ fn attention_softcap_matches_reference_and_naive(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(attention_softcap_matches_reference_and_naive);
 
+/// Turns the Hopper kernels back on when dropped (the switch is process-wide).
+struct HopperOn;
+impl Drop for HopperOn {
+    fn drop(&mut self) {
+        cqsa::set_hopper_kernels(true);
+    }
+}
+
+/// The Hopper forward (the default on a GPU of compute capability 9.0) and the
+/// portable one (`cqsa::set_hopper_kernels(false)`) on the same inputs: each
+/// against the f64 reference (lse included, via `check_masked_forward`) and
+/// against the other. Head dims 64, 128 and 256 (256 only on the Hopper and
+/// simple kernels), sizes that are not tile multiples, GQA, causal with
+/// bottom-right offsets, windows and soft-capping. On other devices both runs
+/// take the same kernels and only the reference checks bite.
+fn attention_hopper_and_portable_agree(dev: &Device) -> Result<()> {
+    let cases: &[Case] = &[
+        (1, 4, 2, 300, 300, 128, false),
+        (2, 2, 1, 129, 257, 64, false),
+        (1, 2, 2, 257, 130, 256, false),
+        (1, 8, 2, 1000, 1000, 128, false),
+    ];
+    let masks = [
+        Mask::default(),
+        Mask {
+            causal: true,
+            ..Default::default()
+        },
+        Mask {
+            causal: true,
+            wl: Some(17),
+            ..Default::default()
+        },
+        Mask {
+            wl: Some(100),
+            wr: Some(3),
+            ..Default::default()
+        },
+        Mask {
+            cap: Some(5.0),
+            causal: true,
+            ..Default::default()
+        },
+    ];
+    // On the CPU both runs are the CPU kernel: one case and dtype keep CI short.
+    let (cases, dtypes) = if dev.is_cuda() {
+        (cases, &[(DType::BF16, 2e-2), (DType::F16, 3e-3)][..])
+    } else {
+        (&cases[..1], &[(DType::BF16, 2e-2)][..])
+    };
+    for &case in cases {
+        let (b, hq, hkv, nq, nk, d, _) = case;
+        for &(dtype, tol) in dtypes {
+            let q = (rand_t((b, hq, nq, d), dtype, dev, 5)? * 2.0)?;
+            let k = (rand_t((b, hkv, nk, d), dtype, dev, 6)? * 2.0)?;
+            let v = rand_t((b, hkv, nk, d), dtype, dev, 7)?;
+            for mask in masks {
+                let mut outs = Vec::new();
+                for hopper in [true, false] {
+                    cqsa::set_hopper_kernels(hopper);
+                    let _restore = HopperOn;
+                    outs.push(host_f64(&attention(&q, &k, &v, &mask.opts())?)?);
+                    check_masked_forward(dev, case, &mask, dtype, tol)?;
+                }
+                let (want, _) = reference_masked(&q, &k, &v, &mask, 1.0 / (d as f64).sqrt())?;
+                for (o, name) in outs.iter().zip(["default", "portable"]) {
+                    let err = rel_err(o, &want);
+                    ensure!(
+                        err <= tol,
+                        "{dtype:?} {mask:?} {case:?} {name}: {err:e} > {tol:e}"
+                    );
+                }
+                let err = rel_err(&outs[0], &outs[1]);
+                ensure!(
+                    err <= tol,
+                    "{dtype:?} {mask:?} {case:?}: default vs portable {err:e} > {tol:e}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(attention_hopper_and_portable_agree);
+
 /// Gradients of q, k, v of `sum(o * w)` under `mask` through cqsa (with
 /// `extra` options: mode, budget, chunks) and through Candle's naive attention
 /// with autograd in f32; the max relative error over the three.

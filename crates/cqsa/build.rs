@@ -6,6 +6,8 @@ use std::path::Path;
 fn main() {
     let files = [
         "../../kernels/src/attention.cu",
+        "../../kernels/src/attention_common.cuh",
+        "../../kernels/src/attention_hopper.cu",
         "src/cuda.rs",
         "src/cpu.rs",
     ];

@@ -6,12 +6,18 @@
 //   harness 0: correctness (bf16/f16, D 64/128, odd sizes, causal offsets, GQA,
 //              sliding windows (a lower bound lo), soft-capping)
 //   harness 1: benchmark (bf16, B=1, H=16, N = 1k..16k, causal and not)
+//   harness 3: the Hopper forward (HFILE, sm_90a) against the same reference
+//   harness 4: benchmark of the Hopper forward beside the portable one
 // A gradient whose reference is zero up to rounding (nk = 1, a scale of 1e-30) is
 // judged by its absolute error and marked '*'.
 #ifndef KFILE
 #define KFILE "../src/attention.cu"
 #endif
 #include KFILE
+#ifdef HFILE
+#include HFILE
+#include <cudaTypedefs.h>
+#endif
 #include <cstdio>
 #include <cstdlib>
 #include <cmath>
@@ -34,6 +40,34 @@ template <typename T, int D> struct K;
   static BwdFn bwd(bool cap) { return cap ? (BwdFn)cqsa_bwd_mma_cap_##SUF##_d##D : (BwdFn)cqsa_bwd_mma_##SUF##_d##D; } \
   static int fsmem() { return FwdCfg<D>::SMEM; } static int bsmem() { return BwdCfg<D>::SMEM; } };
 KDEF(__half, f16, 64) KDEF(__half, f16, 128) KDEF(__nv_bfloat16, bf16, 64) KDEF(__nv_bfloat16, bf16, 128)
+// The Hopper forward (harness modes 3 and 4): Q, K, V as TMA tensor maps.
+static bool g_hopper = false;
+#ifdef HFILE
+typedef void (*HopFn)(CUtensorMap, CUtensorMap, CUtensorMap, void*, float*, int, int, int, int, float, int, int, float);
+template <typename T, int D> HopFn hopper_fwd(bool cap);
+#define HDEF(T, SUF, D) template <> HopFn hopper_fwd<T, D>(bool cap) { \
+  return cap ? (HopFn)cqsa_fwd_hopper_cap_##SUF##_d##D : (HopFn)cqsa_fwd_hopper_##SUF##_d##D; }
+HDEF(__half, f16, 64) HDEF(__half, f16, 128) HDEF(__half, f16, 256)
+HDEF(__nv_bfloat16, bf16, 64) HDEF(__nv_bfloat16, bf16, 128) HDEF(__nv_bfloat16, bf16, 256)
+typedef CUresult (*EncodeFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
+                             const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                             CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+// The tensor map the kernel expects: 3-D (d, n, slices), 128-byte swizzle, boxes of (64, rows, 1).
+template <typename T> CUtensorMap tensor_map(const void* base, int d, int n, int slices, int rows) {
+  static EncodeFn encode = nullptr;
+  if (!encode) { cudaDriverEntryPointQueryResult qr;
+    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", (void**)&encode, 12000, cudaEnableDefault, &qr)); }
+  CUtensorMap m;
+  cuuint64_t dims[3] = {(cuuint64_t)d, (cuuint64_t)n, (cuuint64_t)slices};
+  cuuint64_t strides[2] = {(cuuint64_t)d * 2, (cuuint64_t)n * d * 2};
+  cuuint32_t box[3] = {64, (cuuint32_t)rows, 1}, es[3] = {1, 1, 1};
+  CUresult r = encode(&m, std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                      3, (void*)base, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) { fprintf(stderr, "cuTensorMapEncodeTiled failed: %d\n", (int)r); exit(1); }
+  return m;
+}
+#endif
 template <typename T> void* delta_fn();
 template <> void* delta_fn<__half>() { return (void*)cqsa_bwd_delta_f16; }
 template <> void* delta_fn<__nv_bfloat16>() { return (void*)cqsa_bwd_delta_bf16; }
@@ -64,6 +98,22 @@ struct Run {
   int klo() const { long long a = -(long long)(nq + BAND_PAD), b = nk + BAND_PAD; return has_lo ? (int)std::max(a, std::min(b, lo)) : (int)a; }
   int khi() const { long long a = -(long long)(nq + BAND_PAD), b = nk + BAND_PAD; return causal ? (int)std::max(a, std::min(b, off)) : (int)b; }
   void fwd() {
+#ifdef HFILE
+    if (g_hopper || D == 256) {
+      using HC = hopper::FwdCfg<D>;
+      HopFn f = hopper_fwd<T, D>(cap > 0.f); int sm = HC::SMEM;
+      CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize, sm));
+      int kl = klo(), kh = khi();
+      CUtensorMap tq = tensor_map<T>(q, D, nq, b * hq, HC::BR), tk = tensor_map<T>(k, D, nk, b * hkv, HC::BC),
+                  tv = tensor_map<T>(v, D, nk, b * hkv, HC::BC);
+      void* args[] = {&tq, &tk, &tv, &o, &lse, &hq, &hkv, &nq, &nk, &scale, &kl, &kh, &cap};
+      CK(cudaLaunchKernel((const void*)f, dim3((nq + HC::BR - 1) / HC::BR, hq, b), dim3(HC::THREADS), args, sm, 0));
+      return;
+    }
+#endif
+    if constexpr (D != 256) fwd_portable();
+  }
+  void fwd_portable() {
     FwdFn f = K<T, D>::fwd(cap > 0.f); int sm = K<T, D>::fsmem();
     CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize, sm));
     dim3 grid((nq + fwd_rows<D>() - 1) / fwd_rows<D>(), hq, b);
@@ -72,6 +122,7 @@ struct Run {
     CK(cudaLaunchKernel((const void*)f, grid, dim3(128), args, sm, 0));
   }
   void bwd() {
+    if constexpr (D == 256) return; else {
     long long rows = (long long)b * hq * nq; int d = D;
     { void* args[] = {&o, &g, &delta, &rows, &d};
       CK(cudaLaunchKernel(delta_fn<T>(), dim3((rows + 3) / 4), dim3(128), args, 0, 0)); }
@@ -86,6 +137,7 @@ struct Run {
     { void* args[] = {&dqa, &dq, &n, &scale};
       long long gx = (n + 255) / 256; if (gx > 65536) gx = 65536;
       CK(cudaLaunchKernel(conv_fn<T>(), dim3(gx), dim3(256), args, 0, 0)); }
+    }
   }
   // Returns max rel err of o, lse (abs), and grads when check_bwd.
   void check(bool check_bwd, int row_stride) {
@@ -158,15 +210,33 @@ struct Run {
   }
 };
 
+// Forward time of the portable kernel and of the Hopper one on the same inputs.
+template <int D> void bench_hopper(int n, bool causal) {
+  Run<__nv_bfloat16, D> r{1, 16, 16, n, n, causal, 0, (float)(1.0 / sqrt((double)D))}; r.alloc(1);
+  cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+  double fl = 4.0 * 16 * (double)n * n * D * (causal ? 0.5 : 1.0);
+  float ms[2] = {0.f, 0.f};
+  for (int hop = 0; hop < 2; ++hop) {
+    if (D == 256 && hop == 0) continue;
+    g_hopper = hop; r.fwd(); CK(cudaDeviceSynchronize());
+    int it = n >= 8192 ? 10 : 30;
+    cudaEventRecord(e0); for (int i = 0; i < it; ++i) r.fwd(); cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
+    cudaEventElapsedTime(&ms[hop], e0, e1); ms[hop] /= it;
+  }
+  g_hopper = false;
+  printf("HBENCH D=%d N=%d causal=%d: portable %.3f ms %.1f TF/s | hopper %.3f ms %.1f TF/s\n", D, n, (int)causal,
+         ms[0], ms[0] > 0 ? fl / ms[0] * 1e-9 : 0.0, ms[1], fl / ms[1] * 1e-9);
+  r.release();
+}
 template <typename T, int D> void test(int b, int hq, int hkv, int nq, int nk, bool causal, long long off, bool bwd, float scale = 0.f, int stride = 1) {
   Run<T, D> r{b, hq, hkv, nq, nk, causal, off, scale == 0.f ? (float)(1.0 / sqrt((double)D)) : scale};
   r.alloc(nq * 7 + nk + D); r.check(bwd, stride); r.release();
 }
 // A sliding window (key j >= i + lo, and j <= i + off when causal) and/or a soft-cap.
-template <typename T, int D> void test_mask(int hq, int hkv, int nq, int nk, bool causal, long long off, bool has_lo, long long lo, float cap) {
+template <typename T, int D> void test_mask(int hq, int hkv, int nq, int nk, bool causal, long long off, bool has_lo, long long lo, float cap, bool bwd = true) {
   Run<T, D> r{1, hq, hkv, nq, nk, causal, off, (float)(1.0 / sqrt((double)D))};
   r.has_lo = has_lo; r.lo = lo; r.cap = cap;
-  r.alloc(nq * 5 + nk + D + (int)lo); r.check(true, 1); r.release();
+  r.alloc(nq * 5 + nk + D + (int)lo); r.check(bwd, 1); r.release();
 }
 int main(int argc, char** argv) {
   setvbuf(stdout, NULL, _IONBF, 0); fprintf(stderr, "start\n");
@@ -218,5 +288,40 @@ int main(int argc, char** argv) {
       Run<__nv_bfloat16, 128> r{1, 16, 16, n, n, (bool)c, 0, 0.0883883f}; r.alloc(1); r.bench(); r.release(); }
     for (int c = 0; c < 2; ++c) for (int n : {1024, 4096, 16384}) { Run<__nv_bfloat16, 64> r{1, 16, 16, n, n, (bool)c, 0, 0.125f}; r.alloc(1); r.bench(); r.release(); }
   }
+#ifdef HFILE
+  if (mode == 3) {
+    // The Hopper forward against the f64 reference: odd sizes, causal offsets, GQA,
+    // rows that see nothing, windows, soft-capping, head dims 64, 128 and 256.
+    g_hopper = true;
+    int sizes[][2] = {{1, 1}, {37, 100}, {200, 77}, {128, 128}, {129, 300}, {300, 129}, {64, 64}, {257, 257}, {700, 1100}};
+    for (auto& s : sizes) for (int c = 0; c < 2; ++c) {
+      long long off = c ? (long long)s[1] - s[0] : 0;
+      test<__nv_bfloat16, 128>(1, 4, 2, s[0], s[1], c, off, false);
+      test<__half, 64>(2, 2, 1, s[0], s[1], c, off, false);
+      test<__half, 128>(1, 2, 2, s[0], s[1], c, off, false);
+      test<__nv_bfloat16, 64>(1, 2, 2, s[0], s[1], c, off, false);
+      test<__nv_bfloat16, 256>(1, 2, 1, s[0], s[1], c, off, false);
+      test<__half, 256>(1, 2, 2, s[0], s[1], c, off, false);
+    }
+    test<__nv_bfloat16, 128>(1, 2, 1, 300, 200, true, -150, false);   // rows that see nothing
+    test<__nv_bfloat16, 128>(1, 2, 2, 200, 300, false, 0, false, -0.3f);  // negative scale
+    for (int w : {0, 16, 100, 400}) for (int c = 0; c < 2; ++c) {
+      test_mask<__nv_bfloat16, 128>(4, 2, 300, 300, c, 0, true, -w, 0.f, false);
+      test_mask<__half, 64>(2, 1, 200, 333, c, 133, true, 133 - w, 0.f, false);
+      test_mask<__nv_bfloat16, 256>(2, 1, 333, 200, c, -133, true, -133 - w, 0.f, false);
+    }
+    for (float cap : {5.f, 30.f}) {
+      test_mask<__nv_bfloat16, 128>(2, 1, 200, 300, false, 0, false, 0, cap, false);
+      test_mask<__half, 64>(2, 2, 200, 300, true, 100, false, 0, cap, false);
+      test_mask<__half, 256>(2, 2, 257, 257, true, 0, true, -17, cap, false);
+    }
+    test<__nv_bfloat16, 128>(2, 8, 2, 2000, 2000, true, 0, false, 0.f, 7);
+    test<__nv_bfloat16, 64>(1, 4, 4, 4100, 4100, false, 0, false, 0.f, 13);
+  }
+  if (mode == 4) {
+    for (int c = 0; c < 2; ++c) for (int n : {1024, 4096, 8192, 16384}) bench_hopper<128>(n, c);
+    for (int c = 0; c < 2; ++c) for (int n : {4096, 16384}) { bench_hopper<64>(n, c); bench_hopper<256>(n, c); }
+  }
+#endif
   return 0;
 }

@@ -20,70 +20,7 @@
 //   staged in shared memory, computes S = Q K^T and O += P V with
 //   mma.sync.m16n8k16 (f32 accumulate, operands by ldmatrix) and keeps the online
 //   softmax in registers.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
-
-#define NEG_INF (-__int_as_float(0x7f800000))
-
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
-    return __float2bfloat16_rn(x);
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
-
-// A missing band bound (see the top): lo = -(nq + BAND_PAD), hi = nk + BAND_PAD.
-#define BAND_PAD 256
-
-__device__ __forceinline__ int clampi(long long x, int n) { return (int)(x < 0 ? 0 : (x > n ? n : x)); }
-
-// Keys [*j0, *j1) that row i sees (*j0 == *j1: none).
-__device__ __forceinline__ void key_range(int i, int nk, int lo, int hi, int* j0, int* j1) {
-    const int a = clampi((long long)i + lo, nk);
-    const int b = clampi((long long)i + hi + 1, nk);
-    *j0 = a;
-    *j1 = b < a ? a : b;
-}
-
-// Query rows [*i0, *i1) that see key j (*i0 == *i1: none).
-__device__ __forceinline__ void row_range(int j, int nq, int lo, int hi, int* i0, int* i1) {
-    const int a = clampi((long long)j - hi, nq);
-    const int b = clampi((long long)j - lo + 1, nq);
-    *i0 = a;
-    *i1 = b < a ? a : b;
-}
-
-// tanh to a few ulp whatever --use_fast_math does to tanhf (tanh.approx has
-// 2^-11 relative error): expm1 keeps small arguments exact, |x| >= 9 is +-1 in f32.
-__device__ __forceinline__ float tanh_acc(float x) {
-    const float a = fminf(fabsf(x), 9.f);
-    const float e = expm1f(2.f * a);
-    return copysignf(e / (e + 2.f), x);
-}
-
-// The score of a raw dot product x = q.k: scale * x, soft-capped when cap > 0;
-// *dsdx gets d s / d (scale x) (1 - tanh^2, or 1).
-__device__ __forceinline__ float score(float x, float scale, float cap, float* dsdx) {
-    const float s = x * scale;
-    if (cap > 0.f) {
-        const float t = tanh_acc(s / cap);
-        *dsdx = 1.f - t * t;
-        return cap * t;
-    }
-    *dsdx = 1.f;
-    return s;
-}
+#include "attention_common.cuh"
 
 constexpr int SIMPLE_WARPS = 4;
 constexpr int MAXC = 8;  // 256 / 32 head-dim elements per lane
@@ -281,16 +218,6 @@ __device__ void bwd_dkdv_simple(const T* __restrict__ q, const T* __restrict__ k
 }
 
 // ---------------------------------------------------------------- tensor-core forward
-template <typename T> __device__ __forceinline__ uint32_t pack2(float a, float b);
-template <> __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
-    __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&h);
-}
-template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<uint32_t*>(&h);
-}
-
 // c += a * b for one m16n8k16 tile, f32 accumulators.
 template <typename T> __device__ __forceinline__ void mma16816(float* c, const uint32_t* a, const uint32_t* b);
 template <> __device__ __forceinline__ void mma16816<__half>(float* c, const uint32_t* a, const uint32_t* b) {
@@ -313,8 +240,6 @@ constexpr int MMA_BC = 64;    // keys per tile of the forward; keys per block of
 constexpr int MMA_PAD = 8;    // shared-memory row padding (elements): no bank conflicts
 constexpr int MMA_THREADS = 128;
 constexpr int MMA_WARPS = MMA_THREADS / 32;
-constexpr float LOG2E = 1.4426950408889634f;
-#define POS_INF (__int_as_float(0x7f800000))
 
 // Two consecutive 16-bit elements of shared memory as one register.
 template <typename T> __device__ __forceinline__ uint32_t lds2(const T* p) {
@@ -360,26 +285,6 @@ __device__ __forceinline__ void acc_to_a(const float* c0, const float* c1, uint3
     a[3] = pack2<T>(c1[2], c1[3]);
 }
 
-// 16-byte global -> shared copy that bypasses registers; `bytes` 0 fills zeros.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int bytes) {
-    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async16s(uint32_t smem, const void* gmem, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(bytes));
-}
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-// Bytes of dynamic shared memory the kernel was launched with.
-__device__ __forceinline__ uint32_t dynamic_smem_size() {
-    uint32_t x;
-    asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(x));
-    return x;
-}
-
 // ldmatrix x4 at a shared-memory address (per-lane row address, see callers).
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t* r) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -391,7 +296,6 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t* r) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
 // Lane offsets (elements) of ldmatrix x4 in a row-major tile with row stride ld:
 // - A layout (also B of [k][n] with .trans): rows lane&15, columns (lane>>4)*8,

@@ -31,6 +31,13 @@ pub const DELAY: &str = include_str!(concat!(env!("OUT_DIR"), "/delay.ptx"));
 #[cfg(feature = "cuda")]
 pub const ATTENTION: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
 
+/// The attention forward for Hopper GPUs (compute capability 9.0: `wgmma`
+/// from 128-byte-swizzled shared memory), same arguments as the portable
+/// tensor-core forward in [`ATTENTION`]. Empty when the crate was built for
+/// another `CUDA_COMPUTE_CAP`: callers then use the portable kernels.
+#[cfg(feature = "cuda")]
+pub const ATTENTION_HOPPER: &str = include_str!(concat!(env!("OUT_DIR"), "/attention_hopper.ptx"));
+
 /// The decoder layer's fused backward pieces (SwiGLU derivative, RMSNorm
 /// input and weight gradients), used by the models crate.
 #[cfg(feature = "cuda")]
@@ -47,6 +54,8 @@ pub mod module {
     pub const CAST: &str = "streamer_cast";
     /// Module name of [`super::ATTENTION`].
     pub const ATTENTION: &str = "cqsa_attention";
+    /// Module name of [`super::ATTENTION_HOPPER`].
+    pub const ATTENTION_HOPPER: &str = "cqsa_attention_hopper";
     /// Module name of [`super::DECODER`].
     pub const DECODER: &str = "streamer_decoder";
     /// Module name of [`super::OPTIM`].

@@ -2,10 +2,14 @@
 //! [`streamer_kernels::module::ATTENTION`]), on the compute stream of the inputs'
 //! Candle device.
 //!
-//! Forward: the tensor-core kernel `cqsa_fwd_mma_{f16,bf16}_d{64,128}` when the
-//! dtype is f16/bf16, the head dim 64 or 128 and every input 16-byte aligned; the
-//! simple kernel `cqsa_fwd_simple_*` (f32 arithmetic, any head dim up to 256)
-//! otherwise. Backward: `cqsa_bwd_delta_*`, then under the same conditions the
+//! Forward: on a GPU of compute capability 9.0 (H100, H200) with kernels built
+//! for it, the Hopper kernel `cqsa_fwd_hopper_{f16,bf16}_d{64,128,256}` (module
+//! [`streamer_kernels::module::ATTENTION_HOPPER`]: `wgmma`) when the dtype is
+//! f16/bf16, the head dim 64, 128 or 256 and every input 16-byte aligned, unless
+//! [`crate::set_hopper_kernels`] turned it off; else the portable tensor-core
+//! kernel `cqsa_fwd_mma_{f16,bf16}_d{64,128}` under the same conditions (head dim
+//! 64 or 128); the simple kernel `cqsa_fwd_simple_*` (f32 arithmetic, any head
+//! dim up to 256) otherwise. Backward: `cqsa_bwd_delta_*`, then under the same conditions the
 //! tensor-core `cqsa_bwd_mma_*` (dq accumulated in an f32 buffer with atomics, then
 //! `cqsa_bwd_dq_convert_*`), otherwise `cqsa_bwd_dq_simple_*` and
 //! `cqsa_bwd_dkdv_simple_*`. With soft-capping the tensor-core kernels are the
@@ -148,7 +152,7 @@ const BAND_PAD: i64 = 256;
 /// kernels' order: `hq, hkv, nq, nk, [d,] scale, lo, hi, cap` (the band clamped
 /// to its open ends `[-(nq + BAND_PAD), nk + BAND_PAD]`, which mean no bound;
 /// the soft-cap 0 for none).
-struct KernelArgs {
+pub(crate) struct KernelArgs {
     hq: i32,
     hkv: i32,
     nq: i32,
@@ -187,7 +191,7 @@ impl KernelArgs {
 
     /// The name infix of the tensor-core kernels: `cap_` for the soft-capping
     /// instances.
-    fn cap_infix(&self) -> &'static str {
+    pub(crate) fn cap_infix(&self) -> &'static str {
         if self.cap > 0.0 {
             "cap_"
         } else {
@@ -197,7 +201,7 @@ impl KernelArgs {
 
     /// Pushes the arguments; `with_d` for the simple kernels, which take the head
     /// dim at run time.
-    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>, with_d: bool) {
+    pub(crate) fn push<'a>(&'a self, b: &mut LaunchArgs<'a>, with_d: bool) {
         b.arg(&self.hq).arg(&self.hkv).arg(&self.nq).arg(&self.nk);
         if with_d {
             b.arg(&self.d);
@@ -207,6 +211,45 @@ impl KernelArgs {
             .arg(&self.hi)
             .arg(&self.cap);
     }
+}
+
+/// The portable forward kernels (see the module docs for when each applies).
+#[derive(Clone, Copy, PartialEq)]
+enum Forward {
+    Mma,
+    Simple,
+}
+
+/// The name of the portable forward kernel of `family` for this call, and its
+/// launch shape.
+fn forward_kernel(
+    dims: &AttentionShape,
+    args: &KernelArgs,
+    sfx: &str,
+    family: Forward,
+) -> Result<(String, LaunchConfig)> {
+    let AttentionShape { b, hq, nq, d, .. } = *dims;
+    let cap = args.cap_infix();
+    let (name, rows, threads, smem) = match family {
+        Forward::Mma => (
+            format!("cqsa_fwd_mma_{cap}{sfx}_d{d}"),
+            MMA_ROWS,
+            MMA_THREADS,
+            fwd_smem(d),
+        ),
+        Forward::Simple => (
+            format!("cqsa_fwd_simple_{sfx}"),
+            SIMPLE_WARPS as usize,
+            32 * SIMPLE_WARPS,
+            0,
+        ),
+    };
+    let cfg = LaunchConfig {
+        grid_dim: grid(nq.div_ceil(rows), hq, b)?,
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    Ok((name, cfg))
 }
 
 /// Forward: returns the output (dtype of q) and the f32 log-sum-exp `(b, hq, nq)`.
@@ -246,47 +289,53 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let mut out: CudaSlice<T> = unsafe { dev.alloc::<T>(b * hq * nq * d) }?;
     let mut lse: CudaSlice<f32> = unsafe { dev.alloc::<f32>(b * hq * nq) }?;
     let args = KernelArgs::new(dims, sc)?;
-    let mma = use_mma(dtype, d, &[qa, ka, va]);
-    let (name, cfg) = if mma {
-        let smem = fwd_smem(d);
-        let cfg = LaunchConfig {
-            grid_dim: grid(nq.div_ceil(MMA_ROWS), hq, b)?,
-            block_dim: (MMA_THREADS, 1, 1),
-            shared_mem_bytes: smem,
+    let outputs = (&mut out, &mut lse);
+    if crate::hopper::applies(dev, dtype, d, &[qa, ka, va])? {
+        let inputs = crate::hopper::Inputs {
+            q: &qv,
+            k: &kv,
+            v: &vv,
+            dtype,
         };
-        (format!("cqsa_fwd_mma_{}{sfx}_d{d}", args.cap_infix()), cfg)
+        crate::hopper::forward(dev, inputs, outputs, dims, &args, sfx)?;
     } else {
-        let cfg = LaunchConfig {
-            grid_dim: grid(nq.div_ceil(SIMPLE_WARPS as usize), hq, b)?,
-            block_dim: (32 * SIMPLE_WARPS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        (format!("cqsa_fwd_simple_{sfx}"), cfg)
-    };
-    let func = dev.get_or_load_custom_func(&name, module::ATTENTION, ATTENTION)?;
-    allow_smem(&func, cfg.shared_mem_bytes)?;
-    {
-        let mut builder = func.builder();
-        builder
-            .arg(&qv)
-            .arg(&kv)
-            .arg(&vv)
-            .arg(&mut out)
-            .arg(&mut lse);
-        args.push(&mut builder, !mma);
-        // SAFETY: the kernel reads b*hq*nq*d / b*hkv*nk*d elements of the views
-        // (their exact lengths), writes b*hq*nq*d of `out` and b*hq*nq of `lse`;
-        // argument types and order match the kernel's signature (`KernelArgs`);
-        // the tensor-core kernel gets FwdCfg::SMEM of dynamic shared memory and
-        // 16-byte aligned inputs (`use_mma`), the simple one d <= 256 (checked by
-        // `AttentionShape::check`: it keeps at most 8 elements per lane); every
-        // view lives past the launch.
-        unsafe { builder.launch(cfg) }.w()?;
+        let mma = use_mma(dtype, d, &[qa, ka, va]);
+        portable_forward(dev, (&qv, &kv, &vv), outputs, dims, &args, (sfx, mma))?;
     }
     Ok((
         CudaStorage::wrap_cuda_slice(out, dev.clone()),
         CudaStorage::wrap_cuda_slice(lse, dev.clone()),
     ))
+}
+
+/// Launches the portable forward: the tensor-core kernel when `mma`, else the
+/// simple one.
+fn portable_forward<T: DeviceRepr>(
+    dev: &CudaDevice,
+    (qv, kv, vv): (&CudaView<'_, T>, &CudaView<'_, T>, &CudaView<'_, T>),
+    (out, lse): (&mut CudaSlice<T>, &mut CudaSlice<f32>),
+    dims: &AttentionShape,
+    args: &KernelArgs,
+    (sfx, mma): (&str, bool),
+) -> Result<()> {
+    let family = if mma { Forward::Mma } else { Forward::Simple };
+    let (name, cfg) = forward_kernel(dims, args, sfx, family)?;
+    let func = dev.get_or_load_custom_func(&name, module::ATTENTION, ATTENTION)?;
+    allow_smem(&func, cfg.shared_mem_bytes)?;
+    {
+        let mut builder = func.builder();
+        builder.arg(qv).arg(kv).arg(vv).arg(out).arg(lse);
+        args.push(&mut builder, family == Forward::Simple);
+        // SAFETY: the kernel reads b*hq*nq*d / b*hkv*nk*d elements of the views
+        // (their exact lengths), writes b*hq*nq*d of `out` and b*hq*nq of `lse`;
+        // argument types and order match the kernel's signature (`KernelArgs`);
+        // the tensor-core kernel gets FwdCfg::SMEM of dynamic shared memory (it
+        // traps on less) and 16-byte aligned inputs (`use_mma`), the simple one
+        // d <= 256 (checked by `AttentionShape::check`: it keeps at most 8
+        // elements per lane); every view lives past the launch.
+        unsafe { builder.launch(cfg) }.w()?;
+    }
+    Ok(())
 }
 
 /// Backward: inputs `[q, k, v, o, grad_o, lse]`; returns `(dq, dk, dv)` in the

@@ -79,6 +79,8 @@ mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod doctor;
+#[cfg(feature = "cuda")]
+mod hopper;
 mod mask;
 mod op;
 mod plan;
@@ -160,6 +162,26 @@ pub struct AttentionOpts {
     /// Print the plan and progress of streamed calls to stderr (also enabled by
     /// the environment variable `CQSA_VERBOSE=1`).
     pub verbose: bool,
+}
+
+/// Whether CUDA calls may use the Hopper forward kernels (see
+/// [`set_hopper_kernels`]).
+static HOPPER_KERNELS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Lets CUDA attention use the Hopper forward kernels (`wgmma`; f16/bf16, head
+/// dims 64, 128 and 256) on GPUs of compute capability 9.0 (H100, H200), which is
+/// the default, or makes every call use the portable tensor-core kernels (like
+/// PyTorch's `torch.backends.cuda.enable_flash_sdp`). Both are exact attention
+/// and agree to rounding; the switch is process-wide and meant for comparing
+/// them or working around a problem. The backward always runs the portable
+/// kernels. Without the `cuda` feature it changes nothing.
+pub fn set_hopper_kernels(enabled: bool) {
+    HOPPER_KERNELS.store(enabled, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`set_hopper_kernels`] left the Hopper kernels on (the default).
+pub fn hopper_kernels_enabled() -> bool {
+    HOPPER_KERNELS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// The scale actually used: `opts.scale` or `1/sqrt(head_dim)`.
