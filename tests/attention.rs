@@ -1193,10 +1193,10 @@ impl Drop for HopperOn {
     }
 }
 
-/// The Hopper forward (the default on a GPU of compute capability 9.0) and the
-/// portable one (`cqsa::set_hopper_kernels(false)`) on the same inputs: each
-/// against the f64 reference (lse included, via `check_masked_forward`) and
-/// against the other. Head dims 64, 128 and 256 (256 only on the Hopper and
+/// The Hopper kernels (the default on a GPU of compute capability 9.0) and the
+/// portable ones (`cqsa::set_hopper_kernels(false)`) on the same inputs: each
+/// forward against the f64 reference (lse included, via `check_masked_forward`)
+/// and against the other; gradients of each against naive autograd. Head dims 64, 128 and 256 (256 only on the Hopper and
 /// simple kernels), sizes that are not tile multiples, GQA, causal with
 /// bottom-right offsets, windows and soft-capping. On other devices both runs
 /// take the same kernels and only the reference checks bite.
@@ -1262,6 +1262,20 @@ fn attention_hopper_and_portable_agree(dev: &Device) -> Result<()> {
                     err <= tol,
                     "{dtype:?} {mask:?} {case:?}: default vs portable {err:e} > {tol:e}"
                 );
+                // Gradients of q, k, v through each path against naive autograd
+                // (the Hopper backward covers head dims 64 and 128).
+                if case.5 != 256 && case.3 <= 300 && every_row_sees(&mask, case.3, case.4) {
+                    let gtol = if dtype == DType::BF16 { 5e-2 } else { 1e-2 };
+                    for hopper in [true, false] {
+                        cqsa::set_hopper_kernels(hopper);
+                        let _restore = HopperOn;
+                        let err = masked_grad_error(dev, case, dtype, &mask, Default::default())?;
+                        ensure!(
+                            err <= gtol,
+                            "{dtype:?} grads {mask:?} {case:?} hopper={hopper}: {err:e} > {gtol:e}"
+                        );
+                    }
+                }
             }
         }
     }

@@ -49,6 +49,14 @@ template <typename T, int D> HopFn hopper_fwd(bool cap);
   return cap ? (HopFn)cqsa_fwd_hopper_cap_##SUF##_d##D : (HopFn)cqsa_fwd_hopper_##SUF##_d##D; }
 HDEF(__half, f16, 64) HDEF(__half, f16, 128) HDEF(__half, f16, 256)
 HDEF(__nv_bfloat16, bf16, 64) HDEF(__nv_bfloat16, bf16, 128) HDEF(__nv_bfloat16, bf16, 256)
+typedef void (*HopBwdFn)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, const float*, const float*, void*, ...);
+template <typename T, int D> HopBwdFn hopper_bwd_dq(bool cap);
+template <typename T, int D> HopBwdFn hopper_bwd_dkdv(bool cap);
+#define HBDEF(T, SUF, D) template <> HopBwdFn hopper_bwd_dq<T, D>(bool cap) { \
+  return cap ? (HopBwdFn)cqsa_bwd_dq_hopper_cap_##SUF##_d##D : (HopBwdFn)cqsa_bwd_dq_hopper_##SUF##_d##D; } \
+  template <> HopBwdFn hopper_bwd_dkdv<T, D>(bool cap) { \
+  return cap ? (HopBwdFn)cqsa_bwd_dkdv_hopper_cap_##SUF##_d##D : (HopBwdFn)cqsa_bwd_dkdv_hopper_##SUF##_d##D; }
+HBDEF(__half, f16, 64) HBDEF(__half, f16, 128) HBDEF(__nv_bfloat16, bf16, 64) HBDEF(__nv_bfloat16, bf16, 128)
 typedef CUresult (*EncodeFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
                              const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
                              CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -126,6 +134,9 @@ struct Run {
     long long rows = (long long)b * hq * nq; int d = D;
     { void* args[] = {&o, &g, &delta, &rows, &d};
       CK(cudaLaunchKernel(delta_fn<T>(), dim3((rows + 3) / 4), dim3(128), args, 0, 0)); }
+#ifdef HFILE
+    if (g_hopper) { hopper_bwd(); return; }
+#endif
     CK(cudaMemsetAsync(dqa, 0, rows * D * 4));
     BwdFn f = K<T, D>::bwd(cap > 0.f); int sm = K<T, D>::bsmem();
     CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize, sm));
@@ -139,6 +150,26 @@ struct Run {
       CK(cudaLaunchKernel(conv_fn<T>(), dim3(gx), dim3(256), args, 0, 0)); }
     }
   }
+#ifdef HFILE
+  // The Hopper backward after the delta kernel: dq, then dk/dv (no f32 buffer).
+  void hopper_bwd() {
+    if constexpr (D != 256) {
+      using HC = hopper::BwdCfg<D>;
+      HopBwdFn fq = hopper_bwd_dq<T, D>(cap > 0.f), fk = hopper_bwd_dkdv<T, D>(cap > 0.f);
+      int sm = HC::SMEM, kl = klo(), kh = khi();
+      CK(cudaFuncSetAttribute((const void*)fq, cudaFuncAttributeMaxDynamicSharedMemorySize, sm));
+      CK(cudaFuncSetAttribute((const void*)fk, cudaFuncAttributeMaxDynamicSharedMemorySize, sm));
+      { CUtensorMap tq = tensor_map<T>(q, D, nq, b * hq, HC::BR), tg = tensor_map<T>(g, D, nq, b * hq, HC::BR),
+                    tk = tensor_map<T>(k, D, nk, b * hkv, HC::BS), tv = tensor_map<T>(v, D, nk, b * hkv, HC::BS);
+        void* args[] = {&tq, &tk, &tv, &tg, &lse, &delta, &dq, &hq, &hkv, &nq, &nk, &scale, &kl, &kh, &cap};
+        CK(cudaLaunchKernel((const void*)fq, dim3((nq + HC::BR - 1) / HC::BR, hq, b), dim3(HC::THREADS), args, sm, 0)); }
+      { CUtensorMap tq = tensor_map<T>(q, D, nq, b * hq, HC::BS), tg = tensor_map<T>(g, D, nq, b * hq, HC::BS),
+                    tk = tensor_map<T>(k, D, nk, b * hkv, HC::BR), tv = tensor_map<T>(v, D, nk, b * hkv, HC::BR);
+        void* args[] = {&tq, &tk, &tv, &tg, &lse, &delta, &dk, &dv, &hq, &hkv, &nq, &nk, &scale, &kl, &kh, &cap};
+        CK(cudaLaunchKernel((const void*)fk, dim3((nk + HC::BR - 1) / HC::BR, hkv, b), dim3(HC::THREADS), args, sm, 0)); }
+    }
+  }
+#endif
   // Returns max rel err of o, lse (abs), and grads when check_bwd.
   void check(bool check_bwd, int row_stride) {
     fwd(); if (check_bwd) bwd(); CK(cudaDeviceSynchronize());
@@ -296,27 +327,39 @@ int main(int argc, char** argv) {
     int sizes[][2] = {{1, 1}, {37, 100}, {200, 77}, {128, 128}, {129, 300}, {300, 129}, {64, 64}, {257, 257}, {700, 1100}};
     for (auto& s : sizes) for (int c = 0; c < 2; ++c) {
       long long off = c ? (long long)s[1] - s[0] : 0;
-      test<__nv_bfloat16, 128>(1, 4, 2, s[0], s[1], c, off, false);
-      test<__half, 64>(2, 2, 1, s[0], s[1], c, off, false);
-      test<__half, 128>(1, 2, 2, s[0], s[1], c, off, false);
-      test<__nv_bfloat16, 64>(1, 2, 2, s[0], s[1], c, off, false);
+      test<__nv_bfloat16, 128>(1, 4, 2, s[0], s[1], c, off, true);
+      test<__half, 64>(2, 2, 1, s[0], s[1], c, off, true);
+      test<__half, 128>(1, 2, 2, s[0], s[1], c, off, true);
+      test<__nv_bfloat16, 64>(1, 2, 2, s[0], s[1], c, off, true);
       test<__nv_bfloat16, 256>(1, 2, 1, s[0], s[1], c, off, false);
       test<__half, 256>(1, 2, 2, s[0], s[1], c, off, false);
     }
-    test<__nv_bfloat16, 128>(1, 2, 1, 300, 200, true, -150, false);   // rows that see nothing
-    test<__nv_bfloat16, 128>(1, 2, 2, 200, 300, false, 0, false, -0.3f);  // negative scale
+    test<__nv_bfloat16, 128>(1, 2, 1, 300, 200, true, -150, true);   // rows that see nothing
+    test<__nv_bfloat16, 128>(1, 2, 2, 200, 300, false, 0, true, -0.3f);  // negative scale
+    test<__half, 64>(1, 2, 2, 200, 300, true, 100, true, 0.f + 1e-30f);   // tiny scale
     for (int w : {0, 16, 100, 400}) for (int c = 0; c < 2; ++c) {
-      test_mask<__nv_bfloat16, 128>(4, 2, 300, 300, c, 0, true, -w, 0.f, false);
-      test_mask<__half, 64>(2, 1, 200, 333, c, 133, true, 133 - w, 0.f, false);
+      test_mask<__nv_bfloat16, 128>(4, 2, 300, 300, c, 0, true, -w, 0.f, true);
+      test_mask<__half, 64>(2, 1, 200, 333, c, 133, true, 133 - w, 0.f, true);
       test_mask<__nv_bfloat16, 256>(2, 1, 333, 200, c, -133, true, -133 - w, 0.f, false);
     }
     for (float cap : {5.f, 30.f}) {
-      test_mask<__nv_bfloat16, 128>(2, 1, 200, 300, false, 0, false, 0, cap, false);
-      test_mask<__half, 64>(2, 2, 200, 300, true, 100, false, 0, cap, false);
+      test_mask<__nv_bfloat16, 128>(2, 1, 200, 300, false, 0, false, 0, cap, true);
+      test_mask<__half, 64>(2, 2, 200, 300, true, 100, false, 0, cap, true);
       test_mask<__half, 256>(2, 2, 257, 257, true, 0, true, -17, cap, false);
     }
     test<__nv_bfloat16, 128>(2, 8, 2, 2000, 2000, true, 0, false, 0.f, 7);
+    test<__nv_bfloat16, 128>(1, 4, 1, 700, 1100, true, 400, true);  // GQA 4, longer, with gradients
     test<__nv_bfloat16, 64>(1, 4, 4, 4100, 4100, false, 0, false, 0.f, 13);
+  }
+  if (mode == 5) {
+    // Forward + backward, portable then Hopper (the bench() of modes 1).
+    for (int hop = 0; hop < 2; ++hop) {
+      g_hopper = hop; printf("== %s\n", hop ? "hopper" : "portable");
+      for (int c = 0; c < 2; ++c) for (int n : {4096, 8192, 16384}) {
+        Run<__nv_bfloat16, 128> r{1, 16, 16, n, n, (bool)c, 0, 0.0883883f}; r.alloc(1); r.bench(); r.release(); }
+      for (int c = 0; c < 2; ++c) { Run<__nv_bfloat16, 64> r{1, 16, 16, 8192, 8192, (bool)c, 0, 0.125f}; r.alloc(1); r.bench(); r.release(); }
+    }
+    g_hopper = false;
   }
   if (mode == 4) {
     for (int c = 0; c < 2; ++c) for (int n : {1024, 4096, 8192, 16384}) bench_hopper<128>(n, c);

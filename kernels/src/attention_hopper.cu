@@ -343,6 +343,362 @@ __device__ void fwd(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensor
     }
 }
 
+
+// ---------------------------------------------------------------- backward
+// Two kernels, neither with atomics (delta = rowsum(dO o O) comes first, from
+// attention.cu's cqsa_bwd_delta_*):
+// - dQ: per block of BR = 128 query rows (two consumer warpgroups of 64), over
+//   the key tiles the rows see: S = Q K^T, dP = dO V^T, P = exp(S scale - lse),
+//   dS = P (dP - delta), dQ += dS K; the dQ wgmma of tile j - 1 overlaps the
+//   softmax work of tile j.
+// - dK/dV: per block of 128 keys (64 per consumer warpgroup), over every query
+//   head of the GQA group and the query tiles that see the keys: S^T = K Q^T,
+//   dP^T = V dO^T, dV += P^T dO, dK += dS^T Q.
+// Recomputing S and dP in the dQ kernel (seven GEMMs instead of five) buys
+// the absence of dQ atomics and of a dS round trip through shared memory.
+// A producer warpgroup streams the tiles by TMA as in the forward: a fixed pair
+// (loaded once) and a ring of three stages of streamed pairs.
+template <int D> struct BwdCfg {
+    static constexpr int BR = 128;  // fixed rows per block (queries or keys)
+    static constexpr int BS = 64;   // streamed rows per tile (keys or queries)
+    static constexpr int STAGES = 3;
+    static constexpr int THREADS = 384;
+    static constexpr int FBYTES = BR * D * 2, SBYTES = BS * D * 2;
+    // fixed pair, STAGES streamed pairs, then 7 mbarriers: full_fixed,
+    // full[STAGES], empty[STAGES].
+    static constexpr int BAR_OFF = 2 * FBYTES + 2 * STAGES * SBYTES;
+    static constexpr int SMEM = 1024 + BAR_OFF + 128;
+};
+
+// The producer of both backward kernels: the fixed pair (fa, fb: rows frow0.. of
+// slice fslice), then streamed pair t = 0..n-1 (sa, sb: rows and slice from
+// `at(t)`) into stage t % STAGES once the consumers released its previous use.
+template <int D, typename At>
+__device__ void produce_pairs(const CUtensorMap* fa, const CUtensorMap* fb, int frow0, int fslice,
+                              const CUtensorMap* sa, const CUtensorMap* sb, uint32_t base, int n, At at) {
+    using C = BwdCfg<D>;
+    const uint32_t fb_s = base + C::FBYTES, s0 = base + 2 * C::FBYTES, bars = base + C::BAR_OFF;
+    bar_expect_tx(bars, 2 * C::FBYTES);
+    tma_tile<D>(base, fa, C::BR, frow0, fslice, bars);
+    tma_tile<D>(fb_s, fb, C::BR, frow0, fslice, bars);
+    for (int t = 0; t < n; ++t) {
+        const int s = t % C::STAGES;
+        const uint32_t full = bars + 8 * (1 + s), empty = bars + 8 * (1 + C::STAGES + s);
+        if (t >= C::STAGES) bar_wait(empty, ((t / C::STAGES) - 1) & 1);
+        int row0, slice;
+        at(t, &row0, &slice);
+        bar_expect_tx(full, 2 * C::SBYTES);
+        const uint32_t dst = s0 + s * 2 * C::SBYTES;
+        tma_tile<D>(dst, sa, C::BS, row0, slice, full);
+        tma_tile<D>(dst + C::SBYTES, sb, C::BS, row0, slice, full);
+    }
+}
+
+// Sets up the shared memory and barriers of a backward block and splits the
+// warpgroups: returns the tile base address; the caller branches on threadIdx.x.
+template <int D> __device__ __forceinline__ uint32_t bwd_setup() {
+    using C = BwdCfg<D>;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    if (dynamic_smem_size() < (uint32_t)C::SMEM) __trap();  // launcher bug
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u, bars = base + C::BAR_OFF;
+    if (threadIdx.x == 0) {
+        bar_init(bars, 1);
+        for (int s = 0; s < C::STAGES; ++s) {
+            bar_init(bars + 8 * (1 + s), 1);
+            bar_init(bars + 8 * (1 + C::STAGES + s), 8);  // one arrival per consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    return base;
+}
+
+// p = exp(x - lse) and dS = p (dp - delta) (soft-cap derivative included) for one
+// accumulator element whose (query, key) pair is visible when `ok`; L = lse in
+// log2 units (+inf for a row past nq or one that sees no key).
+template <bool SOFTCAP>
+__device__ __forceinline__ float2 p_ds(float s, float dp, bool ok, float L, float dl, float sl2, float cap_in,
+                                       float cap_out) {
+    float x, dsx = 1.f;
+    if (SOFTCAP) {
+        const float th = tanh_acc(s * cap_in);
+        dsx = 1.f - th * th;
+        x = cap_out * th;
+    } else {
+        x = s * sl2;
+    }
+    const float p = ok ? exp2f(x - L) : 0.f;
+    return make_float2(p, p * (dp - dl) * dsx);
+}
+
+// lse in log2 units as p_ds takes it.
+__device__ __forceinline__ float lse_l2(float lse, bool in) {
+    return (lse == NEG_INF || !in) ? POS_INF : lse * LOG2E;
+}
+
+template <typename T, int D, bool SOFTCAP>
+__device__ void bwd_dq_consume(uint32_t base, T* __restrict__ dq, const float* __restrict__ lse,
+                               const float* __restrict__ delta, const Work& w, int wg, int hq, int nq, int nk,
+                               float scale, int lo, int hi, float cap) {
+    using C = BwdCfg<D>;
+    constexpr int BS = C::BS, NS = BS / 2, NO = D / 2;
+    const uint32_t qs = base, gs = base + C::FBYTES, s0 = base + 2 * C::FBYTES, bars = base + C::BAR_OFF;
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int q0 = w.qblk * C::BR, wr0 = q0 + 64 * wg, wr1 = wr0 + 63, r0 = wr0 + 16 * warp + g;
+    const size_t rowbase = ((size_t)w.b * hq + w.h) * nq;
+    float L[2], dl[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = r0 + 8 * r;
+        const bool in = row < nq;
+        L[r] = lse_l2(in ? lse[rowbase + row] : 0.f, in);
+        dl[r] = in ? delta[rowbase + row] : 0.f;
+    }
+    const float sl2 = scale * LOG2E, cap_in = SOFTCAP ? scale / cap : 0.f, cap_out = SOFTCAP ? cap * LOG2E : 0.f;
+    float dqa[NO];
+#pragma unroll
+    for (int i = 0; i < NO; ++i) dqa[i] = 0.f;
+    uint32_t da[BS / 16][4];
+    auto stage = [&](int j) { return s0 + (j % C::STAGES) * 2 * C::SBYTES; };
+    auto release = [&](int j) {
+        __syncwarp();
+        if (lane == 0) bar_arrive(bars + 8 * (1 + C::STAGES + j % C::STAGES));
+    };
+    auto issue_s_dp = [&](float (&s)[NS], float (&dp)[NS], int j) {
+        const uint32_t kt = stage(j), vt = kt + C::SBYTES;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const uint32_t a_off = (kk >> 2) * C::BR * 128 + wg * 64 * 128 + (kk & 3) * 32;
+            const uint32_t b_off = (kk >> 2) * BS * 128 + (kk & 3) * 32;
+            mma_ss<T, BS>(s, desc128(qs + a_off, 16, 1024), desc128(kt + b_off, 16, 1024), kk > 0);
+            mma_ss<T, BS>(dp, desc128(gs + a_off, 16, 1024), desc128(vt + b_off, 16, 1024), kk > 0);
+        }
+    };
+    // dQ += dS K: K is [key][d], MN-major for this product (as V in the forward).
+    auto issue_dq = [&](int j) {
+        const uint32_t kt = stage(j);
+#pragma unroll
+        for (int kk = 0; kk < BS / 16; ++kk) mma_rs<T, D>(dqa, da[kk], desc128(kt + kk * 16 * 128, BS * 128, 1024));
+    };
+    // s <- dS of tile j (p and dS from the scores and dP).
+    auto grads = [&](float (&s)[NS], const float (&dp)[NS], int j) {
+        const int kv0 = w.kv_begin + j * BS;
+        const bool edge = kv0 + BS > nk || kv0 + BS - 1 > wr0 + hi || kv0 < wr1 + lo;
+#pragma unroll
+        for (int i = 0; i < NS; ++i) {
+            const int col = kv0 + (i >> 2) * 8 + 2 * t + (i & 1), r = (i >> 1) & 1, row = r0 + 8 * r;
+            const bool ok = !edge || (col < nk && col - row <= hi && col - row >= lo);
+            s[i] = p_ds<SOFTCAP>(s[i], dp[i], ok, L[r], dl[r], sl2, cap_in, cap_out).y;
+        }
+    };
+    auto pack = [&](const float (&s)[NS]) {
+#pragma unroll
+        for (int kk = 0; kk < BS / 16; ++kk)
+#pragma unroll
+            for (int x = 0; x < 4; ++x) da[kk][x] = pack2<T>(s[8 * kk + 2 * x], s[8 * kk + 2 * x + 1]);
+    };
+    const int n = w.ntiles;
+    bar_wait(bars, 0);
+    if (n > 0) {
+        {
+            bar_wait(bars + 8, 0);
+            float s[NS], dp[NS];
+            wg_fence();
+            issue_s_dp(s, dp, 0);
+            wg_commit();
+            wg_wait0();
+            reg_fence(s);
+            reg_fence(dp);
+            grads(s, dp, 0);
+            pack(s);
+        }
+        for (int j = 1; j < n; ++j) {
+            bar_wait(bars + 8 * (1 + j % C::STAGES), (j / C::STAGES) & 1);
+            float s[NS], dp[NS];
+            wg_fence();
+            issue_s_dp(s, dp, j);
+            wg_commit();
+            issue_dq(j - 1);
+            wg_commit();
+            wg_wait1();
+            reg_fence(s);
+            reg_fence(dp);
+            grads(s, dp, j);
+            wg_wait0();
+            reg_fence(dqa);
+            release(j - 1);
+            pack(s);
+        }
+        wg_fence();
+        issue_dq(n - 1);
+        wg_commit();
+        wg_wait0();
+        reg_fence(dqa);
+    }
+    T* out = dq + rowbase * D;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = r0 + 8 * r;
+        if (row < nq) {
+#pragma unroll
+            for (int n8 = 0; n8 < D / 8; ++n8)
+                *reinterpret_cast<uint32_t*>(out + (size_t)row * D + n8 * 8 + 2 * t) =
+                    pack2<T>(dqa[4 * n8 + 2 * r] * scale, dqa[4 * n8 + 2 * r + 1] * scale);
+        }
+    }
+}
+
+// The key block, kv head and batch of a dK/dV block, and its query tiles: every
+// query head of the group times the tiles [tile0, tile0 + ntq) that see the keys.
+struct KvWork {
+    int kblk, kh, b, tile0, ntq, grp;
+};
+template <int D> __device__ __forceinline__ KvWork kv_work(int hq, int hkv, int nq, int nk, int lo, int hi) {
+    using C = BwdCfg<D>;
+    KvWork w{(int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z, 0, 0, hq / hkv};
+    const int k0 = w.kblk * C::BR, k1 = min(k0 + C::BR, nk) - 1;
+    const int i0 = clampi((long long)k0 - hi, nq), i1 = clampi((long long)k1 - lo + 1, nq);
+    w.tile0 = i0 / C::BS;
+    w.ntq = i1 > i0 ? (i1 + C::BS - 1) / C::BS - w.tile0 : 0;
+    return w;
+}
+
+template <typename T, int D, bool SOFTCAP>
+__device__ void bwd_dkdv_consume(uint32_t base, T* __restrict__ dk, T* __restrict__ dv, const float* __restrict__ lse,
+                                 const float* __restrict__ delta, const KvWork& w, int wg, int hq, int hkv, int nq,
+                                 int nk, float scale, int lo, int hi, float cap) {
+    using C = BwdCfg<D>;
+    constexpr int BS = C::BS, NS = BS / 2, NO = D / 2;
+    const uint32_t ks = base, vs = base + C::FBYTES, s0 = base + 2 * C::FBYTES, bars = base + C::BAR_OFF;
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int k0 = w.kblk * C::BR + 64 * wg, kr0 = k0 + 16 * warp + g;
+    const float sl2 = scale * LOG2E, cap_in = SOFTCAP ? scale / cap : 0.f, cap_out = SOFTCAP ? cap * LOG2E : 0.f;
+    float dka[NO], dva[NO];
+#pragma unroll
+    for (int i = 0; i < NO; ++i) dka[i] = dva[i] = 0.f;
+    const int n = w.grp * w.ntq;
+    bar_wait(bars, 0);
+    for (int j = 0; j < n; ++j) {
+        const int h = w.kh * w.grp + j / w.ntq, q0 = (w.tile0 + j % w.ntq) * BS;
+        const size_t rowbase = ((size_t)w.b * hq + h) * nq;
+        // lse and delta of this thread's 16 query columns (8 pairs).
+        float L[BS / 8][2], dl[BS / 8][2];
+#pragma unroll
+        for (int n8 = 0; n8 < BS / 8; ++n8)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int col = q0 + n8 * 8 + 2 * t + e;
+                const bool in = col < nq;
+                L[n8][e] = lse_l2(in ? lse[rowbase + col] : 0.f, in);
+                dl[n8][e] = in ? delta[rowbase + col] : 0.f;
+            }
+        const uint32_t qt = s0 + (j % C::STAGES) * 2 * C::SBYTES, gt = qt + C::SBYTES;
+        bar_wait(bars + 8 * (1 + j % C::STAGES), (j / C::STAGES) & 1);
+        float st[NS], dpt[NS];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const uint32_t a_off = (kk >> 2) * C::BR * 128 + wg * 64 * 128 + (kk & 3) * 32;
+            const uint32_t b_off = (kk >> 2) * BS * 128 + (kk & 3) * 32;
+            mma_ss<T, BS>(st, desc128(ks + a_off, 16, 1024), desc128(qt + b_off, 16, 1024), kk > 0);
+            mma_ss<T, BS>(dpt, desc128(vs + a_off, 16, 1024), desc128(gt + b_off, 16, 1024), kk > 0);
+        }
+        wg_commit();
+        wg_wait0();
+        reg_fence(st);
+        reg_fence(dpt);
+        const bool edge = k0 + 63 >= nk || q0 + BS > nq || k0 + 63 - q0 > hi || k0 - (q0 + BS - 1) < lo;
+        uint32_t pa[BS / 16][4], da[BS / 16][4];
+#pragma unroll
+        for (int i = 0; i < NS; i += 2) {
+            float2 v[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int n8 = (i + e) >> 2, c = (i + e) & 1, key = kr0 + (((i + e) & 2) ? 8 : 0);
+                const int col = q0 + n8 * 8 + 2 * t + c;
+                const bool ok = !edge || (key < nk && col < nq && key - col <= hi && key - col >= lo);
+                v[e] = p_ds<SOFTCAP>(st[i + e], dpt[i + e], ok, L[n8][c], dl[n8][c], sl2, cap_in, cap_out);
+            }
+            pa[i >> 3][(i >> 1) & 3] = pack2<T>(v[0].x, v[1].x);
+            da[i >> 3][(i >> 1) & 3] = pack2<T>(v[0].y, v[1].y);
+        }
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BS / 16; ++kk) {
+            mma_rs<T, D>(dva, pa[kk], desc128(gt + kk * 16 * 128, BS * 128, 1024));
+            mma_rs<T, D>(dka, da[kk], desc128(qt + kk * 16 * 128, BS * 128, 1024));
+        }
+        wg_commit();
+        wg_wait0();
+        reg_fence(dka);
+        reg_fence(dva);
+        __syncwarp();
+        if (lane == 0) bar_arrive(bars + 8 * (1 + C::STAGES + j % C::STAGES));
+    }
+    const size_t kbase = ((size_t)w.b * hkv + w.kh) * nk;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = kr0 + 8 * r;
+        if (key < nk) {
+#pragma unroll
+            for (int n8 = 0; n8 < D / 8; ++n8) {
+                const size_t at = (kbase + key) * D + n8 * 8 + 2 * t;
+                *reinterpret_cast<uint32_t*>(dk + at) = pack2<T>(dka[4 * n8 + 2 * r] * scale, dka[4 * n8 + 2 * r + 1] * scale);
+                *reinterpret_cast<uint32_t*>(dv + at) = pack2<T>(dva[4 * n8 + 2 * r], dva[4 * n8 + 2 * r + 1]);
+            }
+        }
+    }
+}
+
+template <typename T, int D, bool SOFTCAP>
+__device__ void bwd_dq(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv, const CUtensorMap* tg,
+                       const float* lse, const float* delta, T* dq, int hq, int hkv, int nq, int nk, float scale,
+                       int lo, int hi, float cap) {
+    using C = BwdCfg<D>;
+    static_assert(FwdCfg<D>::BR == C::BR, "block_work's rows");
+    const uint32_t base = bwd_setup<D>();
+    // The forward's block order and key range, with tiles of BS keys.
+    Work w = block_work<D>(nq, nk, lo, hi);
+    const int q0 = w.qblk * C::BR;
+    w.kv_begin = clampi((long long)q0 + lo, nk) / C::BS * C::BS;
+    const int kv_end = clampi((long long)(q0 + C::BR - 1) + hi + 1, nk);
+    w.ntiles = kv_end > w.kv_begin ? (kv_end - w.kv_begin + C::BS - 1) / C::BS : 0;
+    const int kh = w.h / (hq / hkv), wg = threadIdx.x >> 7;
+    if (wg == 0) {
+        setmaxnreg_dec<24>();
+        if (threadIdx.x == 0)
+            produce_pairs<D>(tq, tg, q0, w.b * hq + w.h, tk, tv, base, w.ntiles, [&](int j, int* row0, int* slice) {
+                *row0 = w.kv_begin + j * C::BS;
+                *slice = w.b * hkv + kh;
+            });
+    } else {
+        setmaxnreg_inc<240>();
+        bwd_dq_consume<T, D, SOFTCAP>(base, dq, lse, delta, w, wg - 1, hq, nq, nk, scale, lo, hi, cap);
+    }
+}
+
+template <typename T, int D, bool SOFTCAP>
+__device__ void bwd_dkdv(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv, const CUtensorMap* tg,
+                         const float* lse, const float* delta, T* dk, T* dv, int hq, int hkv, int nq, int nk,
+                         float scale, int lo, int hi, float cap) {
+    using C = BwdCfg<D>;
+    const uint32_t base = bwd_setup<D>();
+    const KvWork w = kv_work<D>(hq, hkv, nq, nk, lo, hi);
+    const int wg = threadIdx.x >> 7;
+    if (wg == 0) {
+        setmaxnreg_dec<24>();
+        if (threadIdx.x == 0)
+            produce_pairs<D>(tk, tv, w.kblk * C::BR, w.b * hkv + w.kh, tq, tg, base, w.grp * w.ntq,
+                             [&](int j, int* row0, int* slice) {
+                                 *row0 = (w.tile0 + j % w.ntq) * C::BS;
+                                 *slice = w.b * hq + w.kh * w.grp + j / w.ntq;
+                             });
+    } else {
+        setmaxnreg_inc<240>();
+        bwd_dkdv_consume<T, D, SOFTCAP>(base, dk, dv, lse, delta, w, wg - 1, hq, hkv, nq, nk, scale, lo, hi, cap);
+    }
+}
+
 }  // namespace hopper
 
 // Entries: cqsa_fwd_hopper_{,cap_}{f16,bf16}_d{64,128,256}, launched with
@@ -363,3 +719,29 @@ HOPPER_ENTRIES(__half, f16, 256)
 HOPPER_ENTRIES(__nv_bfloat16, bf16, 64)
 HOPPER_ENTRIES(__nv_bfloat16, bf16, 128)
 HOPPER_ENTRIES(__nv_bfloat16, bf16, 256)
+
+// Backward entries: cqsa_bwd_{dq,dkdv}_hopper_{,cap_}{f16,bf16}_d{64,128}, launched
+// with hopper::BwdCfg<D>::THREADS threads and SMEM bytes, ceil(nq / BR) x hq x b
+// blocks (dq) or ceil(nk / BR) x hkv x b (dkdv), after cqsa_bwd_delta_*. Maps as
+// the forward's: q and do with boxes of BR rows for dq and BS rows for dkdv, k and
+// v the other way round.
+#define HOPPER_BWD_ENTRY(T, SUF, D, CAPNAME, CAP)                                                        \
+    extern "C" __global__ void __launch_bounds__(384, 1) cqsa_bwd_dq_hopper_##CAPNAME##SUF##_d##D(       \
+        const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,                 \
+        const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tg, const float* lse, \
+        const float* delta, T* dq, int hq, int hkv, int nq, int nk, float scale, int lo, int hi, float cap) { \
+        hopper::bwd_dq<T, D, CAP>(&tq, &tk, &tv, &tg, lse, delta, dq, hq, hkv, nq, nk, scale, lo, hi, cap); \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(384, 1) cqsa_bwd_dkdv_hopper_##CAPNAME##SUF##_d##D(     \
+        const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,                 \
+        const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tg, const float* lse, \
+        const float* delta, T* dk, T* dv, int hq, int hkv, int nq, int nk, float scale, int lo, int hi,    \
+        float cap) {                                                                                    \
+        hopper::bwd_dkdv<T, D, CAP>(&tq, &tk, &tv, &tg, lse, delta, dk, dv, hq, hkv, nq, nk, scale, lo, hi, \
+                                    cap);                                                               \
+    }
+#define HOPPER_BWD_ENTRIES(T, SUF, D) HOPPER_BWD_ENTRY(T, SUF, D, , false) HOPPER_BWD_ENTRY(T, SUF, D, cap_, true)
+HOPPER_BWD_ENTRIES(__half, f16, 64)
+HOPPER_BWD_ENTRIES(__half, f16, 128)
+HOPPER_BWD_ENTRIES(__nv_bfloat16, bf16, 64)
+HOPPER_BWD_ENTRIES(__nv_bfloat16, bf16, 128)

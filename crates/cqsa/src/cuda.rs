@@ -3,18 +3,20 @@
 //! Candle device.
 //!
 //! Forward: on a GPU of compute capability 9.0 (H100, H200) with kernels built
-//! for it, the Hopper kernel `cqsa_fwd_hopper_{f16,bf16}_d{64,128,256}` (module
-//! [`streamer_kernels::module::ATTENTION_HOPPER`]: `wgmma`) when the dtype is
-//! f16/bf16, the head dim 64, 128 or 256 and every input 16-byte aligned, unless
+//! for it, the Hopper kernel `cqsa_fwd_hopper_{f16,bf16}_d{64,128,256}`
+//! ([`crate::hopper`]: `wgmma` and TMA) when the dtype is f16/bf16, the head dim
+//! 64, 128 or 256 and every input 16-byte aligned, unless
 //! [`crate::set_hopper_kernels`] turned it off; else the portable tensor-core
 //! kernel `cqsa_fwd_mma_{f16,bf16}_d{64,128}` under the same conditions (head dim
 //! 64 or 128); the simple kernel `cqsa_fwd_simple_*` (f32 arithmetic, any head
-//! dim up to 256) otherwise. Backward: `cqsa_bwd_delta_*`, then under the same conditions the
-//! tensor-core `cqsa_bwd_mma_*` (dq accumulated in an f32 buffer with atomics, then
-//! `cqsa_bwd_dq_convert_*`), otherwise `cqsa_bwd_dq_simple_*` and
-//! `cqsa_bwd_dkdv_simple_*`. With soft-capping the tensor-core kernels are the
-//! `cqsa_{fwd,bwd}_mma_cap_*` instances (so the plain ones carry none of it);
-//! every kernel takes the band `(lo, hi)` of [`Scores`] (see `KernelArgs`).
+//! dim up to 256) otherwise. Backward: `cqsa_bwd_delta_*`, then the Hopper
+//! `cqsa_bwd_{dq,dkdv}_hopper_*` (head dims 64 and 128, no atomics) under the
+//! forward's Hopper conditions, else the tensor-core `cqsa_bwd_mma_*` (dq
+//! accumulated in an f32 buffer with atomics, then `cqsa_bwd_dq_convert_*`),
+//! otherwise `cqsa_bwd_dq_simple_*` and `cqsa_bwd_dkdv_simple_*`. With
+//! soft-capping the tensor-core kernels are the `*_cap_*` instances (so the plain
+//! ones carry none of it); every kernel takes the band `(lo, hi)` of [`Scores`]
+//! (see `KernelArgs`).
 //!
 //! The tensor-core kernels take dynamic shared memory, some of them more than the
 //! 48 KiB default: [`allow_smem`] raises the function's limit first. The byte counts
@@ -290,7 +292,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let mut lse: CudaSlice<f32> = unsafe { dev.alloc::<f32>(b * hq * nq) }?;
     let args = KernelArgs::new(dims, sc)?;
     let outputs = (&mut out, &mut lse);
-    if crate::hopper::applies(dev, dtype, d, &[qa, ka, va])? {
+    if crate::hopper::applies(dev, dtype, d, &[qa, ka, va], false)? {
         let inputs = crate::hopper::Inputs {
             q: &qv,
             k: &kv,
@@ -354,21 +356,21 @@ pub(crate) fn backward(
 }
 
 /// The inputs of one backward call as device views, and its outputs.
-struct Backward<'a, T> {
-    dev: &'a CudaDevice,
-    sfx: &'static str,
-    dims: AttentionShape,
-    args: KernelArgs,
-    q: CudaView<'a, T>,
-    k: CudaView<'a, T>,
-    v: CudaView<'a, T>,
-    g: CudaView<'a, T>,
-    lse: CudaView<'a, f32>,
+pub(crate) struct Backward<'a, T> {
+    pub(crate) dev: &'a CudaDevice,
+    pub(crate) sfx: &'static str,
+    pub(crate) dims: AttentionShape,
+    pub(crate) args: KernelArgs,
+    pub(crate) q: CudaView<'a, T>,
+    pub(crate) k: CudaView<'a, T>,
+    pub(crate) v: CudaView<'a, T>,
+    pub(crate) g: CudaView<'a, T>,
+    pub(crate) lse: CudaView<'a, f32>,
     /// `do . o` per row, written by the delta kernel.
-    delta: CudaSlice<f32>,
-    dq: CudaSlice<T>,
-    dk: CudaSlice<T>,
-    dv: CudaSlice<T>,
+    pub(crate) delta: CudaSlice<f32>,
+    pub(crate) dq: CudaSlice<T>,
+    pub(crate) dk: CudaSlice<T>,
+    pub(crate) dv: CudaSlice<T>,
 }
 
 fn backward_t<T: CudaDType + DeviceRepr>(
@@ -395,10 +397,10 @@ fn backward_t<T: CudaDType + DeviceRepr>(
     } = *dims;
     let rows = b * hq * nq;
     // SAFETY (uninitialised): every element is written before it is read: delta by
-    // the delta kernel (every row), dq by the conversion or the simple dq kernel
-    // (every row), dk and dv by the backward kernels (every key, a key no query
-    // sees included); sizes are > 0 (`AttentionShape::check`). Only the atomic dq
-    // accumulator of the tensor-core path needs zeros.
+    // the delta kernel (every row), dq by the Hopper dq kernel, the conversion or
+    // the simple dq kernel (every row), dk and dv by the backward kernels (every
+    // key, a key no query sees included); sizes are > 0 (`AttentionShape::check`).
+    // Only the atomic dq accumulator of the portable tensor-core path needs zeros.
     let mut bw = Backward {
         dev,
         sfx: suffix(dtype)?,
@@ -415,7 +417,9 @@ fn backward_t<T: CudaDType + DeviceRepr>(
         dv: unsafe { dev.alloc::<T>(b * hkv * nk * d) }?,
     };
     bw.delta(&ov)?;
-    if use_mma(dtype, d, &[qa, ka, va, ga]) {
+    if crate::hopper::applies(dev, dtype, d, &[qa, ka, va, ga], true)? {
+        crate::hopper::backward(&mut bw)?;
+    } else if use_mma(dtype, d, &[qa, ka, va, ga]) {
         bw.mma()?;
     } else {
         bw.simple()?;

@@ -1,7 +1,9 @@
-//! The Hopper forward (`kernels/src/attention_hopper.cu`, module
+//! The Hopper kernels (`kernels/src/attention_hopper.cu`, module
 //! [`streamer_kernels::module::ATTENTION_HOPPER`]): `wgmma` fed by the tensor
-//! memory accelerator. Its kernels read Q, K and V through TMA tensor maps, which
-//! this module builds (`cuTensorMapEncodeTiled`) and passes by value.
+//! memory accelerator, forward (head dims 64, 128, 256) and backward (64, 128:
+//! a dq kernel and a dk/dv kernel after the portable delta kernel, no atomics).
+//! They read Q, K, V and dO through TMA tensor maps, which this module builds
+//! (`cuTensorMapEncodeTiled`) and passes by value.
 //!
 //! A map describes one input as a 3-D tensor (head dim, sequence, batch * heads)
 //! with 128-byte swizzle and boxes of 64 x rows x 1: what one copy brings into
@@ -18,7 +20,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, DType, Result};
 use streamer_kernels::{module, ATTENTION_HOPPER};
 
-use crate::cuda::KernelArgs;
+use crate::cuda::{Backward, KernelArgs};
 use crate::AttentionShape;
 
 /// Query rows per block (`hopper::FwdCfg::BR`: two consumer warpgroups of 64).
@@ -42,16 +44,23 @@ fn smem(d: usize) -> u32 {
     (1024 + ROWS * d * 2 + 4 * keys(d) * d * 2 + 128) as u32
 }
 
-/// Whether the Hopper forward applies: built (the PTX is empty for GPUs other
+/// Whether the Hopper kernels apply: built (the PTX is empty for GPUs other
 /// than compute capability 9.0), enabled ([`crate::set_hopper_kernels`]),
-/// f16/bf16 at head dim 64, 128 or 256 with 16-byte aligned inputs (TMA needs
-/// them), and a device of compute capability exactly 9.0 (`sm_90a` code runs on
-/// no other).
-pub(crate) fn applies(dev: &CudaDevice, dtype: DType, d: usize, offsets: &[usize]) -> Result<bool> {
+/// f16/bf16 at head dim 64, 128 or (forward only) 256 with 16-byte aligned
+/// inputs (TMA needs them), and a device of compute capability exactly 9.0
+/// (`sm_90a` code runs on no other).
+pub(crate) fn applies(
+    dev: &CudaDevice,
+    dtype: DType,
+    d: usize,
+    offsets: &[usize],
+    backward: bool,
+) -> Result<bool> {
+    let dims_ok = matches!(d, 64 | 128) || (d == 256 && !backward);
     if ATTENTION_HOPPER.is_empty()
         || !crate::hopper_kernels_enabled()
         || !matches!(dtype, DType::F16 | DType::BF16)
-        || !matches!(d, 64 | 128 | 256)
+        || !dims_ok
         || offsets.iter().any(|a| a % 8 != 0)
     {
         return Ok(false);
@@ -176,5 +185,100 @@ pub(crate) fn forward<T: DeviceRepr>(
     // order match its signature; it gets its FwdCfg::SMEM (it traps on less) and
     // runs only on a 9.0 device (`applies`).
     unsafe { builder.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// Fixed rows per backward block (`hopper::BwdCfg::BR`: queries of the dq
+/// kernel, keys of the dk/dv kernel) and streamed rows per tile (`BS`).
+const BWD_FIXED: usize = 128;
+const BWD_STREAMED: usize = 64;
+
+/// Dynamic shared memory of the backward kernels (`hopper::BwdCfg::SMEM`):
+/// alignment, the fixed pair, three stages of streamed pairs, the mbarriers.
+fn bwd_smem(d: usize) -> u32 {
+    (1024 + 2 * BWD_FIXED * d * 2 + 2 * 3 * BWD_STREAMED * d * 2 + 128) as u32
+}
+
+/// The Hopper backward after `bw.delta`: `cqsa_bwd_dq_hopper_*` writes dq (a
+/// block per 128 query rows), then `cqsa_bwd_dkdv_hopper_*` dk and dv (a block
+/// per 128 keys), both on the device's compute stream.
+pub(crate) fn backward<T: DeviceRepr>(bw: &mut Backward<'_, T>) -> Result<()> {
+    let AttentionShape {
+        b,
+        hq,
+        hkv,
+        nq,
+        nk,
+        d,
+        dtype,
+        ..
+    } = bw.dims;
+    let stream = bw.dev.cuda_stream();
+    let smem = bwd_smem(d);
+    // The guards record the reads on the stream when dropped, after both launches.
+    let (qp, _gq) = bw.q.device_ptr(&stream);
+    let (kp, _gk) = bw.k.device_ptr(&stream);
+    let (vp, _gv) = bw.v.device_ptr(&stream);
+    let (gp, _gg) = bw.g.device_ptr(&stream);
+    let queries = (b * hq, nq, d);
+    let keys = (b * hkv, nk, d);
+    if hq > 65535 || b > 65535 {
+        bail!(
+            "cqsa: launch grid ({}, {hq}, {b}) too large",
+            nq.div_ceil(BWD_FIXED)
+        )
+    }
+    let cfg = |n: usize, h: usize| LaunchConfig {
+        grid_dim: (n.div_ceil(BWD_FIXED) as u32, h as u32, b as u32),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let kernel = |what: &str| -> Result<_> {
+        let name = format!(
+            "cqsa_bwd_{what}_hopper_{}{}_d{d}",
+            bw.args.cap_infix(),
+            bw.sfx
+        );
+        let func =
+            bw.dev
+                .get_or_load_custom_func(&name, module::ATTENTION_HOPPER, ATTENTION_HOPPER)?;
+        func.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .w()?;
+        Ok(func)
+    };
+    {
+        let func = kernel("dq")?;
+        let tq = tensor_map(qp, dtype, queries, BWD_FIXED)?;
+        let tg = tensor_map(gp, dtype, queries, BWD_FIXED)?;
+        let tk = tensor_map(kp, dtype, keys, BWD_STREAMED)?;
+        let tv = tensor_map(vp, dtype, keys, BWD_STREAMED)?;
+        let mut builder = func.builder();
+        builder.arg(&tq).arg(&tk).arg(&tv).arg(&tg);
+        builder.arg(&bw.lse).arg(&bw.delta).arg(&mut bw.dq);
+        bw.args.push(&mut builder, false);
+        // SAFETY: the maps describe exactly the views' elements (contiguous,
+        // 16-byte aligned, alive past the launch); the kernel reads b*hq*nq of lse
+        // and delta and writes b*hq*nq*d of dq; argument types and order match its
+        // signature; it gets BwdCfg::SMEM (it traps on less) on a 9.0 device.
+        unsafe { builder.launch(cfg(nq, hq)) }.w()?;
+    }
+    let func = kernel("dkdv")?;
+    let tq = tensor_map(qp, dtype, queries, BWD_STREAMED)?;
+    let tg = tensor_map(gp, dtype, queries, BWD_STREAMED)?;
+    let tk = tensor_map(kp, dtype, keys, BWD_FIXED)?;
+    let tv = tensor_map(vp, dtype, keys, BWD_FIXED)?;
+    let mut builder = func.builder();
+    builder.arg(&tq).arg(&tk).arg(&tv).arg(&tg);
+    builder
+        .arg(&bw.lse)
+        .arg(&bw.delta)
+        .arg(&mut bw.dk)
+        .arg(&mut bw.dv);
+    bw.args.push(&mut builder, false);
+    // SAFETY: as above; the kernel writes b*hkv*nk*d of dk and of dv.
+    unsafe { builder.launch(cfg(nk, hkv)) }.w()?;
     Ok(())
 }

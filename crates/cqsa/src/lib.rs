@@ -164,17 +164,17 @@ pub struct AttentionOpts {
     pub verbose: bool,
 }
 
-/// Whether CUDA calls may use the Hopper forward kernels (see
+/// Whether CUDA calls may use the Hopper kernels (see
 /// [`set_hopper_kernels`]).
 static HOPPER_KERNELS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
 
-/// Lets CUDA attention use the Hopper forward kernels (`wgmma`; f16/bf16, head
-/// dims 64, 128 and 256) on GPUs of compute capability 9.0 (H100, H200), which is
-/// the default, or makes every call use the portable tensor-core kernels (like
-/// PyTorch's `torch.backends.cuda.enable_flash_sdp`). Both are exact attention
-/// and agree to rounding; the switch is process-wide and meant for comparing
-/// them or working around a problem. The backward always runs the portable
-/// kernels. Without the `cuda` feature it changes nothing.
+/// Lets CUDA attention use the Hopper kernels (`wgmma` and TMA; f16/bf16, head
+/// dims 64 and 128, and 256 in the forward) on GPUs of compute capability 9.0
+/// (H100, H200), which is the default, or makes every call use the portable
+/// tensor-core kernels (like PyTorch's `torch.backends.cuda.enable_flash_sdp`).
+/// Both are exact attention and agree to rounding; the switch is process-wide
+/// and meant for comparing them or working around a problem. Without the `cuda`
+/// feature it changes nothing.
 pub fn set_hopper_kernels(enabled: bool) {
     HOPPER_KERNELS.store(enabled, std::sync::atomic::Ordering::Relaxed);
 }
