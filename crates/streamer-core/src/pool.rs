@@ -464,10 +464,12 @@ impl ResidencyPool {
                 let s = &mut self.slots[slot];
                 s.stepped_copy_of = None;
                 s.written_back.clear();
-                // A comparison still to read this slot's lent copy goes first.
+                // A comparison still to read this slot's lent copy goes first,
+                // and the copy into the slot waits for it.
                 self.stats.verify_bytes +=
                     e.verifier
                         .issue(&e.dev, &e.transfer, &self.masters, Some(slot))?;
+                e.verifier.before_refill(slot, &e.transfer)?;
                 bytes = e
                     .load(
                         block,
@@ -480,8 +482,9 @@ impl ResidencyPool {
                     .map_err(|err| {
                         err.context(format!("copying block {:?}'s weights", self.names[block]))
                     })?;
-                // Comparisons of lent blocks queue behind this copy, which the
-                // next compute may be waiting for.
+                // The host copies for comparisons of lent blocks queue behind
+                // this copy, which the next compute may be waiting for (the
+                // kernels run on the verifier's own stream: `crate::reuse`).
                 self.stats.verify_bytes +=
                     e.verifier.issue(&e.dev, &e.transfer, &self.masters, None)?;
                 // Keep the queue of timing events bounded on long runs: fold in the
@@ -920,6 +923,8 @@ impl ResidencyPool {
         if let Engine::Cuda(e) = &mut self.engine {
             e.transfer.synchronize().map_err(candle_core::Error::wrap)?;
             e.compute.synchronize().map_err(candle_core::Error::wrap)?;
+            // Comparisons of lent slots read slot and scratch memory.
+            e.verifier.synchronize()?;
             for (dst, src, len) in e.bounce_pending.drain(..) {
                 // SAFETY: `src` lies in a bounce buffer the engine owns, filled by
                 // a copy the transfer stream has passed (synchronised above);
