@@ -241,12 +241,13 @@ fn main() -> Result<()> {
             })?;
             // The portable tensor-core forward on the same inputs: on a GPU of
             // compute capability 9.0 the default above is the Hopper kernel.
+            let default = cqsa::hopper_kernels_enabled();
             cqsa::set_hopper_kernels(false);
             let portable = median_ms(&dev, 2, reps, || {
                 attention(&q, &k, &v, &opts)?;
                 Ok(())
             });
-            cqsa::set_hopper_kernels(true);
+            cqsa::set_hopper_kernels(default);
             let portable = portable?;
             let fb = median_ms(&dev, 1, reps, || {
                 let (o, lse) = attention_forward(&q, &k, &v, scale as f32, off)?;

@@ -1185,11 +1185,11 @@ fn attention_softcap_matches_reference_and_naive(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(attention_softcap_matches_reference_and_naive);
 
-/// Turns the Hopper kernels back on when dropped (the switch is process-wide).
-struct HopperOn;
-impl Drop for HopperOn {
+/// Puts the Hopper switch back as it was when dropped (it is process-wide).
+struct HopperRestore(bool);
+impl Drop for HopperRestore {
     fn drop(&mut self) {
-        cqsa::set_hopper_kernels(true);
+        cqsa::set_hopper_kernels(self.0);
     }
 }
 
@@ -1201,6 +1201,7 @@ impl Drop for HopperOn {
 /// bottom-right offsets, windows and soft-capping. On other devices both runs
 /// take the same kernels and only the reference checks bite.
 fn attention_hopper_and_portable_agree(dev: &Device) -> Result<()> {
+    let default = cqsa::hopper_kernels_enabled();
     let cases: &[Case] = &[
         (1, 4, 2, 300, 300, 128, false),
         (2, 2, 1, 129, 257, 64, false),
@@ -1245,7 +1246,7 @@ fn attention_hopper_and_portable_agree(dev: &Device) -> Result<()> {
                 let mut outs = Vec::new();
                 for hopper in [true, false] {
                     cqsa::set_hopper_kernels(hopper);
-                    let _restore = HopperOn;
+                    let _restore = HopperRestore(default);
                     outs.push(host_f64(&attention(&q, &k, &v, &mask.opts())?)?);
                     check_masked_forward(dev, case, &mask, dtype, tol)?;
                 }
@@ -1268,7 +1269,7 @@ fn attention_hopper_and_portable_agree(dev: &Device) -> Result<()> {
                     let gtol = if dtype == DType::BF16 { 5e-2 } else { 1e-2 };
                     for hopper in [true, false] {
                         cqsa::set_hopper_kernels(hopper);
-                        let _restore = HopperOn;
+                        let _restore = HopperRestore(default);
                         let err = masked_grad_error(dev, case, dtype, &mask, Default::default())?;
                         ensure!(
                             err <= gtol,

@@ -43,7 +43,12 @@
 //! seconds at a million tokens.
 //!
 //! Speed on CUDA: the forward and backward kernels use tensor cores for f16/bf16
-//! at head dims 64 and 128 (other head dims and f32 take simpler kernels).
+//! at head dims 64 and 128 (other head dims and f32 take simpler kernels). On
+//! Hopper GPUs (compute capability 9.0: H100, H200), with the crate built for
+//! them (`CUDA_COMPUTE_CAP=90`), those calls run kernels written for that chip
+//! (`wgmma` fed by the tensor memory accelerator, warp-specialised), and the
+//! forward covers head dim 256 as well; [`set_hopper_kernels`] switches back
+//! to the portable ones, which every other GPU runs.
 //! Candle allocates through CUDA's stream-ordered pool, which by default returns
 //! freed memory to the driver at every synchronisation, so a loop of short calls
 //! maps its buffers again each time. Keeping freed memory pooled, as PyTorch's
@@ -164,24 +169,37 @@ pub struct AttentionOpts {
     pub verbose: bool,
 }
 
-/// Whether CUDA calls may use the Hopper kernels (see
-/// [`set_hopper_kernels`]).
-static HOPPER_KERNELS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+/// Whether CUDA calls may use the Hopper kernels (see [`set_hopper_kernels`]):
+/// 0 not decided yet (the environment decides at the first call), 1 on, 2 off.
+static HOPPER_KERNELS: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// Lets CUDA attention use the Hopper kernels (`wgmma` and TMA; f16/bf16, head
 /// dims 64 and 128, and 256 in the forward) on GPUs of compute capability 9.0
-/// (H100, H200), which is the default, or makes every call use the portable
-/// tensor-core kernels (like PyTorch's `torch.backends.cuda.enable_flash_sdp`).
-/// Both are exact attention and agree to rounding; the switch is process-wide
-/// and meant for comparing them or working around a problem. Without the `cuda`
-/// feature it changes nothing.
+/// (H100, H200), or makes every call use the portable tensor-core kernels (like
+/// PyTorch's `torch.backends.cuda.enable_flash_sdp`). The default is on, unless
+/// the environment variable `CQSA_HOPPER_KERNELS` is `0` when the first call
+/// asks. Both are exact attention and agree to rounding; the switch is
+/// process-wide and meant for comparing them or working around a problem.
+/// Without the `cuda` feature it changes nothing.
 pub fn set_hopper_kernels(enabled: bool) {
-    HOPPER_KERNELS.store(enabled, std::sync::atomic::Ordering::Relaxed);
+    HOPPER_KERNELS.store(
+        if enabled { 1 } else { 2 },
+        std::sync::atomic::Ordering::Relaxed,
+    );
 }
 
-/// Whether [`set_hopper_kernels`] left the Hopper kernels on (the default).
+/// Whether the Hopper kernels are on ([`set_hopper_kernels`]).
 pub fn hopper_kernels_enabled() -> bool {
-    HOPPER_KERNELS.load(std::sync::atomic::Ordering::Relaxed)
+    use std::sync::atomic::Ordering::Relaxed;
+    match HOPPER_KERNELS.load(Relaxed) {
+        0 => {
+            let on = std::env::var("CQSA_HOPPER_KERNELS").map_or(true, |v| v.trim() != "0");
+            // A concurrent set_hopper_kernels wins over the environment.
+            let _ = HOPPER_KERNELS.compare_exchange(0, if on { 1 } else { 2 }, Relaxed, Relaxed);
+            HOPPER_KERNELS.load(Relaxed) == 1
+        }
+        x => x == 1,
+    }
 }
 
 /// The scale actually used: `opts.scale` or `1/sqrt(head_dim)`.
