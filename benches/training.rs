@@ -131,6 +131,7 @@ fn measure(
         dev.synchronize()?;
         let t0 = Instant::now();
         let y = model.forward(x)?;
+        let t_loss = model.inner().timeline_on().then(Instant::now);
         // The mean in two stages: Candle 0.11 reduces `mean_all` of a large
         // tensor with one thread block (grid = one output element), which
         // for these 134M f32 squares is milliseconds of one SM on the compute
@@ -142,13 +143,24 @@ fn measure(
             .sqr()?
             .mean(candle_core::D::Minus1)?
             .mean_all()?;
+        if let Some(t) = t_loss {
+            model
+                .inner()
+                .record_host_span("loss (issue)", t, Instant::now())?;
+        }
         if !timed {
             dev.synchronize()?;
             fwd.push((t0.elapsed()).as_secs_f64() * 1e3);
         }
         stepper.backward(&model, &loss)?;
         model.zero_grad()?;
+        let t_sync = model.inner().timeline_on().then(Instant::now);
         dev.synchronize()?;
+        if let Some(t) = t_sync {
+            model
+                .inner()
+                .record_host_span("step end synchronize", t, Instant::now())?;
+        }
         if timed {
             total.push(t0.elapsed().as_secs_f64() * 1e3);
             opt_s.push(model.last_optimizer_seconds()? * 1e3);

@@ -933,6 +933,79 @@ fn stepped_copy_changed_on_host_is_not_used(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(stepped_copy_changed_on_host_is_not_used);
 
+/// With the timeline on, a training step leaves host spans on the timeline's
+/// host lane (the forward call, each block's issue, `loss.backward`, the
+/// backward's setup and end, and the caller's own span), in the order the
+/// host ran them.
+fn host_spans_on_the_timeline(dev: &Device) -> Result<()> {
+    let hidden = [16, 24];
+    let (weights, x, _, _) = setup(8, &hidden)?;
+    let x = x.to_device(dev)?;
+    let mut c = cfg(dev, DType::F32, DType::F32, 1);
+    c.timeline = true;
+    let model = StreamedSequential::from_tensors(weights, mlp_blocks(8, &hidden), c)?.train();
+    assert!(model.inner().timeline_on());
+    let params = ParamsAdamW::default();
+    let mut opt = streamer_autograd::DeviceAdamW::new(model.trainable_vars()?, params, dev)?;
+    let y = model.forward(&x)?;
+    let t = std::time::Instant::now();
+    let loss = y.sqr()?.mean_all()?;
+    model
+        .inner()
+        .record_host_span("loss", t, std::time::Instant::now())?;
+    model.backward_step_device(&loss, &mut opt)?;
+    let path = tempdir("host-spans")?.join("trace.json");
+    model.inner().write_timeline(Some(&path))?;
+    let trace: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+    let host: Vec<(String, f64, f64)> = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["cat"] == "host")
+        .map(|e| {
+            let f = |k: &str| e[k].as_f64().unwrap();
+            (e["name"].as_str().unwrap().to_string(), f("ts"), f("dur"))
+        })
+        .collect();
+    let names: Vec<&str> = host.iter().map(|h| h.0.as_str()).collect();
+    let at = |n: &str| {
+        names
+            .iter()
+            .position(|&m| m == n)
+            .unwrap_or_else(|| panic!("no host span {n:?} in {names:?}"))
+    };
+    // Spans are pushed when they end: each block's issue ends inside the
+    // forward call, the caller's span between the forward and the backward.
+    let order = [
+        "layers.0 forward issued",
+        "layers.1 forward issued",
+        "forward call",
+        "loss",
+        "loss.backward",
+        "backward checks",
+        "backward setup",
+        "layers.1 backward issued",
+        "layers.0 backward issued",
+        "backward end (waits for the copies)",
+        "optimizer finish (reads the flags)",
+    ];
+    let pos: Vec<usize> = order.iter().map(|n| at(n)).collect();
+    assert!(pos.windows(2).all(|w| w[0] < w[1]), "{names:?}");
+    assert!(host.iter().all(|h| h.2 >= 0.0), "{host:?}");
+    // The forward call spans its blocks' issue.
+    let (fwd, b0) = (
+        &host[at("forward call")],
+        &host[at("layers.0 forward issued")],
+    );
+    assert!(
+        fwd.1 <= b0.1 && b0.1 + b0.2 <= fwd.1 + fwd.2 + 1.0,
+        "{host:?}"
+    );
+    std::fs::remove_dir_all(path.parent().unwrap())?;
+    Ok(())
+}
+candle_streamer::test_device!(host_spans_on_the_timeline);
+
 /// A trainable streamed weight missing from the DeviceAdamW is an error naming
 /// it, before the backward starts: no master changes.
 fn device_step_needs_every_trainable_weight(dev: &Device) -> Result<()> {

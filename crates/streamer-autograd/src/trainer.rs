@@ -385,6 +385,7 @@ impl TrainableSequential {
             return self.model.forward_with(x, extras);
         }
         self.model.check_inputs(x, extras)?;
+        let t0 = self.span_start();
         let mut st = self.lock()?;
         let mut pool = self.model.lock_pool()?;
         let n = self.model.blocks().len();
@@ -472,7 +473,34 @@ impl TrainableSequential {
             kept,
         });
         st.saved_training = training;
+        if let Some(t0) = t0 {
+            pool.host_span("forward call", t0, std::time::Instant::now());
+        }
         Ok(ret)
+    }
+
+    /// The start of a host span, when the timeline is on (else nothing is
+    /// measured: see `StreamedSequential::record_host_span`).
+    fn span_start(&self) -> Option<std::time::Instant> {
+        self.model.timeline_on().then(std::time::Instant::now)
+    }
+
+    /// Records the host span `name` from `t0` to now, if one was started.
+    fn span_end(&self, name: &str, t0: Option<std::time::Instant>) -> Result<()> {
+        match t0 {
+            Some(t0) => self
+                .model
+                .record_host_span(name, t0, std::time::Instant::now()),
+            None => Ok(()),
+        }
+    }
+
+    /// Candle's backward of `loss` (a host span on the timeline).
+    fn loss_backward(&self, loss: &Tensor) -> Result<GradStore> {
+        let t0 = self.span_start();
+        let grads = loss.backward()?;
+        self.span_end("loss.backward", t0)?;
+        Ok(grads)
     }
 
     fn fingerprints(&self) -> Result<Vec<u64>> {
@@ -490,7 +518,7 @@ impl TrainableSequential {
     /// are those buffers, so the next backward rewrites them in place (by DMA on
     /// CUDA). Read or step them between backward calls, never during one.
     pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
-        let mut grads = loss.backward()?;
+        let mut grads = self.loss_backward(loss)?;
         self.backward_into(&mut grads)?;
         Ok(grads)
     }
@@ -504,7 +532,7 @@ impl TrainableSequential {
     /// zeroed between steps (nothing accumulates across calls in this mode). If
     /// backward fails midway, some weights may have been stepped already.
     pub fn backward_step<O: OverlapStep>(&self, loss: &Tensor, opt: &mut O) -> Result<GradStore> {
-        let mut grads = loss.backward()?;
+        let mut grads = self.loss_backward(loss)?;
         opt.begin_step();
         std::thread::scope(|scope| -> Result<()> {
             let (tx, rx) = std::sync::mpsc::channel::<StepJob>();
@@ -592,15 +620,18 @@ impl TrainableSequential {
                 device.location()
             );
         }
-        let mut grads = loss.backward()?;
+        let mut grads = self.loss_backward(loss)?;
         let trainable = self.lock()?.trainable.clone();
         let mut step = crate::device_step::DeviceStep::new(opt, self.model.masters(), &trainable)?;
         self.backward_impl(&mut grads, Stepper::Device(&mut step))?;
+        let t0 = self.span_start();
         step.finish(self.model.masters())?;
+        self.span_end("optimizer finish (reads the flags)", t0)?;
         Ok(grads)
     }
 
     fn backward_impl(&self, grads: &mut GradStore, mut stepper: Stepper<'_, '_>) -> Result<()> {
+        let t0 = self.span_start();
         let mut st = self.lock()?;
         let Some(mut saved) = st.saved.take() else {
             candle_core::bail!(
@@ -618,6 +649,9 @@ impl TrainableSequential {
             return Ok(());
         }
         let mut pool = self.model.lock_pool()?;
+        if let Some(t0) = t0 {
+            pool.host_span("backward checks", t0, std::time::Instant::now());
+        }
         let trainable = st.trainable.clone();
         let mut host_inputs = std::mem::take(&mut st.host_inputs);
         let r = self.streamed_backward(
@@ -710,6 +744,7 @@ impl TrainableSequential {
         g_outs: Vec<Option<Tensor>>,
         stepper: &mut Stepper<'_, '_>,
     ) -> Result<(Option<Tensor>, Vec<Option<Tensor>>, Vec<bool>)> {
+        let t0 = pool.timeline_on().then(std::time::Instant::now);
         let blocks = self.model.blocks();
         let n = blocks.len();
         let window = pool.window();
@@ -741,7 +776,9 @@ impl TrainableSequential {
         if n > 0 {
             saved.bring_input(n - 1, inputs, pool.device())?;
         }
+        span(pool, "backward setup", t0);
         for i in (0..n).rev() {
+            let t0 = pool.timeline_on().then(std::time::Instant::now);
             let flow = self.backward_block(
                 pool,
                 host,
@@ -760,6 +797,10 @@ impl TrainableSequential {
             if i >= window {
                 pool.load(i - window)?;
             }
+            if let Some(t0) = t0 {
+                let name = format!("{} backward issued", blocks[i].name());
+                pool.host_span(&name, t0, std::time::Instant::now());
+            }
             let Some((g_x, g_ex)) = flow else {
                 // Nothing flows back through this block (or anything before it).
                 g_next = vec![None];
@@ -775,6 +816,7 @@ impl TrainableSequential {
             }
             g_next = vec![g_x];
         }
+        let t0 = pool.timeline_on().then(std::time::Instant::now);
         host.finish()?;
         inputs.finish()?;
         if matches!(stepper, Stepper::Device(_)) {
@@ -782,6 +824,7 @@ impl TrainableSequential {
             // copies of their pageable ends done) only after this.
             pool.synchronize()?;
         }
+        span(pool, "backward end (waits for the copies)", t0);
         Ok((g_next.swap_remove(0), g_extras, stepped))
     }
 
@@ -878,6 +921,13 @@ impl TrainableSequential {
                 .map_err(|_| candle_core::Error::Msg("optimizer thread stopped".into()))?;
         }
         Ok(())
+    }
+}
+
+/// Records the host span `name` from `t0` (taken only with the timeline on) to now.
+fn span(pool: &mut ResidencyPool, name: &str, t0: Option<std::time::Instant>) {
+    if let Some(t0) = t0 {
+        pool.host_span(name, t0, std::time::Instant::now());
     }
 }
 

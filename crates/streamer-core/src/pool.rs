@@ -249,6 +249,10 @@ pub struct ResidencyPool {
     observer: Option<Observer>,
     timeline: Option<Timeline>,
     cpu_epoch: Instant,
+    /// A host instant and the timeline time (µs) it corresponds to, for host
+    /// spans (`host_span`): on CUDA, taken when an event on the compute stream
+    /// completes (at creation and at `reset_stats`, with the timeline on).
+    host_ref: (Instant, f64),
     transfer_delay: Option<std::time::Duration>,
     /// `StreamConfig::reuse_stepped_blocks`.
     #[cfg(feature = "cuda")]
@@ -315,7 +319,8 @@ impl ResidencyPool {
             slot_bytes: window * slot_elems * dtype.size_in_bytes(),
             ..Default::default()
         };
-        Ok(Self {
+        let cpu_epoch = Instant::now();
+        let mut pool = Self {
             device: cfg.device.clone(),
             dtype,
             masters,
@@ -328,13 +333,55 @@ impl ResidencyPool {
             stats,
             observer: None,
             timeline: cfg.timeline.then(Timeline::default),
-            cpu_epoch: Instant::now(),
+            cpu_epoch,
+            host_ref: (cpu_epoch, 0.0),
             transfer_delay: cfg.transfer_delay,
             #[cfg(feature = "cuda")]
             reuse_enabled: cfg.reuse_stepped_blocks,
             #[cfg(feature = "cuda")]
             reuse_open: false,
-        })
+        };
+        pool.calibrate_host_clock()?;
+        Ok(pool)
+    }
+
+    /// With the timeline on (CUDA): maps the host clock onto the timeline's,
+    /// which counts from an event on the compute stream. Waits for the
+    /// compute stream.
+    fn calibrate_host_clock(&mut self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let (Engine::Cuda(e), Some(_)) = (&self.engine, &self.timeline) {
+            let w = candle_core::Error::wrap;
+            let now = CudaEngine::event(&e.compute)?;
+            now.synchronize().map_err(w)?;
+            let host = Instant::now();
+            let us = e.epoch.elapsed_ms(&now).map_err(w)? as f64 * 1e3;
+            self.host_ref = (host, us);
+        }
+        Ok(())
+    }
+
+    /// Whether a timeline is being recorded (host spans cost nothing when not:
+    /// callers take their instants only when this is true).
+    pub fn timeline_on(&self) -> bool {
+        self.timeline.is_some()
+    }
+
+    /// Records a span of host time (`start..end`, on the calling thread) on
+    /// the timeline's host lane, on the same time axis as the copies and
+    /// compute (within tens of microseconds on CUDA). Does nothing when the
+    /// timeline is off.
+    pub fn host_span(&mut self, name: &str, start: Instant, end: Instant) {
+        let Some(tl) = &mut self.timeline else {
+            return;
+        };
+        let (at, us) = self.host_ref;
+        let rel = |t: Instant| match t.checked_duration_since(at) {
+            Some(d) => us + d.as_secs_f64() * 1e6,
+            None => us - at.duration_since(t).as_secs_f64() * 1e6,
+        };
+        let ts = rel(start);
+        tl.push(TraceKind::Host, name, ts, (rel(end) - ts).max(0.0));
     }
 
     /// Number of blocks.
@@ -464,8 +511,7 @@ impl ResidencyPool {
                 let s = &mut self.slots[slot];
                 s.stepped_copy_of = None;
                 s.written_back.clear();
-                // A comparison still to read this slot's lent copy goes first,
-                // and the copy into the slot waits for it.
+                // A comparison of this slot's lent copy goes first (the copy waits).
                 self.stats.verify_bytes +=
                     e.verifier
                         .issue(&e.dev, &e.transfer, &self.masters, Some(slot))?;
@@ -482,9 +528,8 @@ impl ResidencyPool {
                     .map_err(|err| {
                         err.context(format!("copying block {:?}'s weights", self.names[block]))
                     })?;
-                // The host copies for comparisons of lent blocks queue behind
-                // this copy, which the next compute may be waiting for (the
-                // kernels run on the verifier's own stream: `crate::reuse`).
+                // Comparisons' host copies queue behind this copy, which the
+                // next compute may be waiting for (kernels: `crate::reuse`).
                 self.stats.verify_bytes +=
                     e.verifier.issue(&e.dev, &e.transfer, &self.masters, None)?;
                 // Keep the queue of timing events bounded on long runs: fold in the
@@ -949,7 +994,7 @@ impl ResidencyPool {
         if let Some(tl) = &mut self.timeline {
             tl.clear();
         }
-        Ok(())
+        self.calibrate_host_clock()
     }
 
     /// The recorded timeline, if enabled (on CUDA this waits for its events).

@@ -312,6 +312,29 @@ impl StreamedSequential {
         Ok(())
     }
 
+    /// Records `start..end` of host time as a span named `name` on the
+    /// timeline's host lane (beside the pool's own spans: each block's
+    /// forward and backward issue, the reuse verdict, `loss.backward`), to
+    /// see where the host thread's time goes between GPU work. Does nothing
+    /// without `StreamConfig::timeline`; take the instants only when
+    /// [`Self::timeline_on`] says so.
+    pub fn record_host_span(
+        &self,
+        name: &str,
+        start: std::time::Instant,
+        end: std::time::Instant,
+    ) -> Result<()> {
+        if self.cfg.timeline {
+            self.lock_pool()?.host_span(name, start, end);
+        }
+        Ok(())
+    }
+
+    /// Whether a timeline is being recorded (`StreamConfig::timeline`).
+    pub fn timeline_on(&self) -> bool {
+        self.cfg.timeline
+    }
+
     /// Writes the recorded timeline (needs `StreamConfig::timeline`) as Chrome-trace
     /// JSON to `path`, or to `StreamConfig::timeline_path` when `None`.
     pub fn write_timeline(&self, path: Option<&Path>) -> Result<()> {
@@ -425,7 +448,12 @@ pub unsafe fn run_blocks_with(
             return Err(e);
         }
     };
-    if !pool.lent_blocks_stale()? {
+    let t0 = pool.timeline_on().then(std::time::Instant::now);
+    let stale = pool.lent_blocks_stale()?;
+    if let Some(t0) = t0 {
+        pool.host_span("reuse verdict", t0, std::time::Instant::now());
+    }
+    if !stale {
         return Ok(out);
     }
     // A lent block's masters changed on the host after its step: nothing of
@@ -464,11 +492,16 @@ unsafe fn run_blocks_once(
     let mut h = x.clone();
     let mut last = Vec::new();
     for (i, spec) in blocks.iter().enumerate() {
+        let t0 = pool.timeline_on().then(std::time::Instant::now);
         let mut out = run_block_with(pool, spec, i, &h, extras, run)?;
         if i + window < n {
             pool.load(i + window)?;
         } else if cyclic && !pool.is_loaded((i + window) % n) {
             pool.load((i + window) % n)?;
+        }
+        if let Some(t0) = t0 {
+            let name = format!("{} forward issued", spec.name);
+            pool.host_span(&name, t0, std::time::Instant::now());
         }
         if i + 1 < n {
             out.truncate(1);

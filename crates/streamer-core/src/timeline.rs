@@ -14,6 +14,8 @@ pub enum TraceKind {
     Stall,
     /// A gradient's device-to-host copy.
     Offload,
+    /// Host time of the thread issuing the work (`ResidencyPool::host_span`).
+    Host,
 }
 
 /// One interval, in microseconds from the pool's creation.
@@ -21,7 +23,7 @@ pub enum TraceKind {
 pub struct TraceEvent {
     /// What ran (the block's name).
     pub name: String,
-    /// Lane: "h2d", "compute", "stall" or "d2h".
+    /// Lane: "h2d", "compute", "stall", "d2h" or "host".
     pub cat: &'static str,
     /// Chrome-trace phase: complete event.
     pub ph: &'static str,
@@ -31,7 +33,7 @@ pub struct TraceEvent {
     pub dur: f64,
     /// Process id (always 0).
     pub pid: u32,
-    /// Thread id: the lane (0 transfers, 1 compute, 2 offload).
+    /// Thread id: the lane (0 transfers, 1 compute, 2 offload, 3 host).
     pub tid: u32,
 }
 
@@ -49,6 +51,7 @@ impl Timeline {
             TraceKind::Compute => ("compute", 1),
             TraceKind::Stall => ("stall", 1),
             TraceKind::Offload => ("d2h", 2),
+            TraceKind::Host => ("host", 3),
         };
         self.events.push(TraceEvent {
             name: name.to_string(),
@@ -79,6 +82,7 @@ impl Timeline {
             (0, "h2d (transfer stream)"),
             (1, "compute"),
             (2, "d2h (gradients)"),
+            (3, "host (issuing thread)"),
         ];
         let mut all: Vec<serde_json::Value> = lanes
             .iter()
