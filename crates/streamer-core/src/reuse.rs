@@ -54,7 +54,8 @@ pub(crate) struct Verifier {
 }
 
 impl Verifier {
-    /// Everything lives on the transfer stream, which copies and compares.
+    /// The flag and scratch live on the transfer stream, which copies into
+    /// the scratch; the comparisons run on a stream of their own.
     pub(crate) fn new(transfer: &Arc<CudaStream>, scratch_bytes: usize) -> Result<Self> {
         let w = candle_core::Error::wrap;
         let flag = transfer.alloc_zeros::<u32>(1).map_err(w)?;
