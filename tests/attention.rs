@@ -1878,10 +1878,15 @@ candle_streamer::test_device!(attention_varlen_rejects_bad_offsets);
 
 /// The doctor's kernel checks (every family the device runs, plain, causal,
 /// windowed and soft-capped, forward and backward, against its f64 reference)
-/// pass, and on CUDA cover the tensor-core, soft-capping and simple kernels.
+/// pass, and on CUDA cover the tensor-core, soft-capping and simple kernels,
+/// and the Hopper kernels too (every case twice) where the GPU has them.
 fn doctor_kernel_checks_pass(dev: &Device) -> Result<()> {
     let checks = cqsa::doctor::check_kernels(dev)?;
-    ensure!(checks.len() == 20, "{} checks", checks.len());
+    let hopper = cqsa::hopper_kernels_available(dev)?;
+    // 6 cases x 4 masks; with Hopper kernels, each of the 20 half-precision
+    // checks runs twice.
+    let want = if hopper { 24 + 20 } else { 24 };
+    ensure!(checks.len() == want, "{} checks, want {want}", checks.len());
     for c in &checks {
         ensure!(c.ok(), "{}: error {:e} > {:e}", c.name, c.error, c.tol);
     }
@@ -1896,6 +1901,14 @@ fn doctor_kernel_checks_pass(dev: &Device) -> Result<()> {
                 "no {family} check"
             );
         }
+        ensure!(
+            checks
+                .iter()
+                .any(|c| c.name.starts_with("cuda hopper softcap"))
+                == hopper,
+            "Hopper checks present: {}, kernels available: {hopper}",
+            !hopper
+        );
     }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! Installation checks of the attention kernels, for the `doctor` example: every
-//! kernel family the device would pick (on CUDA: the tensor-core kernels, with
-//! and without soft-capping, and the simple kernels; on the CPU: the CPU path),
+//! kernel family the device would pick (on CUDA: the Hopper kernels where the
+//! GPU has them, the portable tensor-core kernels, with and without
+//! soft-capping, and the simple kernels; on the CPU: the CPU path),
 //! plain, causal, windowed and soft-capped, forward and backward, on a small
 //! case against an f64 reference computed here on the host.
 use candle_core::{DType, Device, Result, Tensor};
@@ -37,32 +38,47 @@ const MASKS: [MaskCase; 4] = [
     ("window+softcap", Some(-17), Some(5), Some(5.0)),
 ];
 
-/// The cases: (dtype, head dim) pairs covering every CUDA family.
+/// The cases: (dtype, head dim) pairs covering every CUDA family (head dim 256:
+/// the Hopper forward with the simple backward, or the simple kernels).
 const CASES: &[(DType, usize)] = &[
     (DType::BF16, 64),
     (DType::F16, 128),
     (DType::BF16, 128),
     (DType::F16, 64),
     (DType::F32, 40),
+    (DType::BF16, 256),
 ];
 
-/// The family of kernels `dev` runs for `dtype`, head dim `d` and `scores`.
-fn family(dev: &Device, dtype: DType, d: usize, scores: &Scores) -> String {
+/// The family of kernels `dev` runs for `dtype`, head dim `d` and `scores`,
+/// with the Hopper kernels on or off.
+fn family(dev: &Device, dtype: DType, d: usize, scores: &Scores, hopper: bool) -> String {
     if dev.is_cpu() {
         return "cpu".into();
     }
-    let tc = matches!(dtype, DType::F16 | DType::BF16) && matches!(d, 64 | 128);
-    match (tc, scores.softcap.is_some()) {
-        (true, false) => "cuda tensor-core".into(),
-        (true, true) => "cuda tensor-core softcap".into(),
-        (false, _) => "cuda simple".into(),
+    let half = matches!(dtype, DType::F16 | DType::BF16);
+    let cap = if scores.softcap.is_some() {
+        " softcap"
+    } else {
+        ""
+    };
+    if hopper && half && matches!(d, 64 | 128 | 256) {
+        format!("cuda hopper{cap}")
+    } else if half && matches!(d, 64 | 128) {
+        format!("cuda tensor-core{cap}")
+    } else {
+        "cuda simple".into()
     }
 }
 
 /// Runs every check on `dev` and returns them all (failures included); errors
 /// only when a kernel call itself fails, with the case in the message.
+///
+/// Where the GPU has the Hopper kernels, each case runs with them and with the
+/// portable ones ([`crate::set_hopper_kernels`], put back as found after each).
 pub fn check_kernels(dev: &Device) -> Result<Vec<KernelCheck>> {
     let (nq, nk) = (150, 150);
+    let hopper_too = crate::hopper_kernels_available(dev)?;
+    let default = crate::hopper_kernels_enabled();
     let mut out = Vec::new();
     for &(dtype, d) in CASES {
         for &(mask, lo, hi, softcap) in &MASKS {
@@ -72,15 +88,27 @@ pub fn check_kernels(dev: &Device) -> Result<Vec<KernelCheck>> {
                 softcap,
                 ..Scores::dense(1.0 / (d as f32).sqrt())
             };
-            let name = format!("{} {dtype:?} d{d} {mask}", family(dev, dtype, d, &scores));
-            let error = run_case(dev, dtype, (nq, nk, d), &scores)
-                .map_err(|e| candle_core::Error::Msg(format!("cqsa doctor: {name}: {e}")))?;
-            let tol = match dtype {
-                DType::F32 => 1e-4,
-                DType::F16 => 1e-2,
-                _ => 5e-2,
-            };
-            out.push(KernelCheck { name, error, tol });
+            for hopper in if hopper_too {
+                &[true, false][..]
+            } else {
+                &[false][..]
+            } {
+                let name = format!(
+                    "{} {dtype:?} d{d} {mask}",
+                    family(dev, dtype, d, &scores, *hopper)
+                );
+                crate::set_hopper_kernels(*hopper);
+                let error = run_case(dev, dtype, (nq, nk, d), &scores);
+                crate::set_hopper_kernels(default);
+                let error = error
+                    .map_err(|e| candle_core::Error::Msg(format!("cqsa doctor: {name}: {e}")))?;
+                let tol = match dtype {
+                    DType::F32 => 1e-4,
+                    DType::F16 => 1e-2,
+                    _ => 5e-2,
+                };
+                out.push(KernelCheck { name, error, tol });
+            }
         }
     }
     Ok(out)

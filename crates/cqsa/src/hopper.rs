@@ -57,12 +57,20 @@ pub(crate) fn applies(
     backward: bool,
 ) -> Result<bool> {
     let dims_ok = matches!(d, 64 | 128) || (d == 256 && !backward);
-    if ATTENTION_HOPPER.is_empty()
-        || !crate::hopper_kernels_enabled()
+    if !crate::hopper_kernels_enabled()
         || !matches!(dtype, DType::F16 | DType::BF16)
         || !dims_ok
         || offsets.iter().any(|a| a % 8 != 0)
     {
+        return Ok(false);
+    }
+    available(dev)
+}
+
+/// Whether `dev` can run the Hopper kernels: built for compute capability 9.0
+/// and a device of exactly that capability.
+pub(crate) fn available(dev: &CudaDevice) -> Result<bool> {
+    if ATTENTION_HOPPER.is_empty() {
         return Ok(false);
     }
     Ok(dev.cuda_stream().context().compute_capability().w()? == (9, 0))

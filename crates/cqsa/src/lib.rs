@@ -202,6 +202,19 @@ pub fn hopper_kernels_enabled() -> bool {
     }
 }
 
+/// Whether calls on `dev` can run the Hopper kernels (see
+/// [`set_hopper_kernels`], which this ignores): the crate built for compute
+/// capability 9.0 and `dev` a GPU of that capability. False on the CPU and
+/// without the `cuda` feature.
+pub fn hopper_kernels_available(dev: &Device) -> Result<bool> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = dev {
+        return hopper::available(d);
+    }
+    let _ = dev;
+    Ok(false)
+}
+
 /// The scale actually used: `opts.scale` or `1/sqrt(head_dim)`.
 pub(crate) fn resolve_scale(scale: Option<f64>, d: usize) -> f32 {
     scale.unwrap_or(1.0 / (d as f64).sqrt()) as f32
