@@ -69,9 +69,12 @@ impl Handle {
 /// default stream is null in every context); the entry holds an `Arc` of that
 /// stream, so neither pointer can be reused by another while the entry exists. Entries whose stream nobody else holds are dropped
 /// (the handle destroyed, the workspace freed) on the next lookup.
-static HANDLES: OnceLock<Mutex<HashMap<(usize, usize), Arc<Handle>>>> = OnceLock::new();
+static HANDLES: OnceLock<Mutex<HandleMap>> = OnceLock::new();
 
-fn handles() -> Result<std::sync::MutexGuard<'static, HashMap<(usize, usize), Arc<Handle>>>> {
+/// (context, stream) pointers -> that stream's handle.
+type HandleMap = HashMap<(usize, usize), Arc<Handle>>;
+
+fn handles() -> Result<std::sync::MutexGuard<'static, HandleMap>> {
     HANDLES
         .get_or_init(Default::default)
         .lock()
@@ -452,6 +455,7 @@ fn call(
 /// `x (n, k)`, `w (m, k)`, `b (m,)` as (storage, offset); with `keep_z` (GELU
 /// only) also the pre-activation. Falls back to a second GEMM for `z` when the
 /// aux epilogue is missing.
+#[allow(clippy::too_many_arguments)] // the GEMM's operands, shape and epilogue flags
 pub(crate) fn linear_raw(
     dev: &CudaDevice,
     dt: DType,
