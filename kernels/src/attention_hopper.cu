@@ -142,6 +142,9 @@ __device__ void produce(const CUtensorMap* tq, const CUtensorMap* tk, const CUte
     using C = FwdCfg<D>;
     const uint32_t full_q = bars, full_k = bars + 8, full_v = bars + 24, empty_k = bars + 40, empty_v = bars + 56;
     const int kh = w.h / (hq / hkv);
+    // A block with no key tile writes zeros without waiting for Q, so Q must not
+    // be in flight when it exits.
+    if (w.ntiles == 0) return;
     bar_expect_tx(full_q, C::QBYTES);
     tma_tile<D>(qs, tq, C::BR, w.qblk * C::BR, w.b * hq + w.h, full_q);
     for (int j = 0; j < w.ntiles; ++j) {
