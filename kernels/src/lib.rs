@@ -31,10 +31,10 @@ pub const DELAY: &str = include_str!(concat!(env!("OUT_DIR"), "/delay.ptx"));
 #[cfg(feature = "cuda")]
 pub const ATTENTION: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
 
-/// The attention forward for Hopper GPUs (compute capability 9.0: `wgmma`
-/// from 128-byte-swizzled shared memory), same arguments as the portable
-/// tensor-core forward in [`ATTENTION`]. Empty when the crate was built for
-/// another `CUDA_COMPUTE_CAP`: callers then use the portable kernels.
+/// The attention kernels for Hopper GPUs (compute capability 9.0): forward and
+/// backward with `wgmma` fed by TMA copies, taking Q, K, V (and dO) as tensor
+/// maps (crate `cqsa` builds them). Empty when the crate was built for another
+/// `CUDA_COMPUTE_CAP`: callers then use the portable kernels in [`ATTENTION`].
 #[cfg(feature = "cuda")]
 pub const ATTENTION_HOPPER: &str = include_str!(concat!(env!("OUT_DIR"), "/attention_hopper.ptx"));
 
