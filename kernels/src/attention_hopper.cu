@@ -416,6 +416,22 @@ template <int D> __device__ __forceinline__ uint32_t bwd_setup() {
     return base;
 }
 
+// The two products every backward tile starts with, both over the head dim:
+// x = A1 B1^T and y = A2 B2^T, where A1 and A2 are this warpgroup's 64 rows of the
+// fixed tiles at a1, a2 (BR rows) and B1, B2 the streamed tiles at b1, b2 (BS rows).
+template <typename T, int D>
+__device__ __forceinline__ void mma_pair(float (&x)[BwdCfg<D>::BS / 2], float (&y)[BwdCfg<D>::BS / 2], uint32_t a1,
+                                         uint32_t b1, uint32_t a2, uint32_t b2, int wg) {
+    using C = BwdCfg<D>;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t a_off = (kk >> 2) * C::BR * 128 + wg * 64 * 128 + (kk & 3) * 32;
+        const uint32_t b_off = (kk >> 2) * C::BS * 128 + (kk & 3) * 32;
+        mma_ss<T, C::BS>(x, desc128(a1 + a_off, 16, 1024), desc128(b1 + b_off, 16, 1024), kk > 0);
+        mma_ss<T, C::BS>(y, desc128(a2 + a_off, 16, 1024), desc128(b2 + b_off, 16, 1024), kk > 0);
+    }
+}
+
 // p = exp(x - lse) and dS = p (dp - delta) (soft-cap derivative included) for one
 // accumulator element whose (query, key) pair is visible when `ok`; L = lse in
 // log2 units (+inf for a row past nq or one that sees no key).
@@ -468,14 +484,8 @@ __device__ void bwd_dq_consume(uint32_t base, T* __restrict__ dq, const float* _
         if (lane == 0) bar_arrive(bars + 8 * (1 + C::STAGES + j % C::STAGES));
     };
     auto issue_s_dp = [&](float (&s)[NS], float (&dp)[NS], int j) {
-        const uint32_t kt = stage(j), vt = kt + C::SBYTES;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const uint32_t a_off = (kk >> 2) * C::BR * 128 + wg * 64 * 128 + (kk & 3) * 32;
-            const uint32_t b_off = (kk >> 2) * BS * 128 + (kk & 3) * 32;
-            mma_ss<T, BS>(s, desc128(qs + a_off, 16, 1024), desc128(kt + b_off, 16, 1024), kk > 0);
-            mma_ss<T, BS>(dp, desc128(gs + a_off, 16, 1024), desc128(vt + b_off, 16, 1024), kk > 0);
-        }
+        const uint32_t kt = stage(j);
+        mma_pair<T, D>(s, dp, qs, kt, gs, kt + C::SBYTES, wg);
     };
     // dQ += dS K: K is [key][d], MN-major for this product (as V in the forward).
     auto issue_dq = [&](int j) {
@@ -599,13 +609,7 @@ __device__ void bwd_dkdv_consume(uint32_t base, T* __restrict__ dk, T* __restric
         bar_wait(bars + 8 * (1 + j % C::STAGES), (j / C::STAGES) & 1);
         float st[NS], dpt[NS];
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const uint32_t a_off = (kk >> 2) * C::BR * 128 + wg * 64 * 128 + (kk & 3) * 32;
-            const uint32_t b_off = (kk >> 2) * BS * 128 + (kk & 3) * 32;
-            mma_ss<T, BS>(st, desc128(ks + a_off, 16, 1024), desc128(qt + b_off, 16, 1024), kk > 0);
-            mma_ss<T, BS>(dpt, desc128(vs + a_off, 16, 1024), desc128(gt + b_off, 16, 1024), kk > 0);
-        }
+        mma_pair<T, D>(st, dpt, ks, qt, vs, gt, wg);
         wg_commit();
         wg_wait0();
         reg_fence(st);
