@@ -103,7 +103,7 @@ fn bwd_smem(d: usize) -> u32 {
 
 /// Lets `func` use `smem` bytes of dynamic shared memory (raising the 48 KiB
 /// default when needed; the H200 allows up to 227 KiB per block).
-fn allow_smem(func: &CudaFunction, smem: u32) -> Result<()> {
+pub(crate) fn allow_smem(func: &CudaFunction, smem: u32) -> Result<()> {
     if smem > 48 * 1024 {
         func.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -134,7 +134,7 @@ fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<(CudaView<'a
     Ok((s.as_cuda_slice::<T>()?.slice(a..b), a))
 }
 
-fn grid(x: usize, y: usize, z: usize) -> Result<(u32, u32, u32)> {
+pub(crate) fn grid(x: usize, y: usize, z: usize) -> Result<(u32, u32, u32)> {
     if y > 65535 || z > 65535 || x > i32::MAX as usize {
         bail!("cqsa: launch grid ({x}, {y}, {z}) too large")
     }
@@ -293,13 +293,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let args = KernelArgs::new(dims, sc)?;
     let outputs = (&mut out, &mut lse);
     if crate::hopper::applies(dev, dtype, d, &[qa, ka, va], false)? {
-        let inputs = crate::hopper::Inputs {
-            q: &qv,
-            k: &kv,
-            v: &vv,
-            dtype,
-        };
-        crate::hopper::forward(dev, inputs, outputs, dims, &args, sfx)?;
+        crate::hopper::forward(dev, (&qv, &kv, &vv), outputs, dims, &args, sfx)?;
     } else {
         let mma = use_mma(dtype, d, &[qa, ka, va]);
         portable_forward(dev, (&qv, &kv, &vv), outputs, dims, &args, (sfx, mma))?;

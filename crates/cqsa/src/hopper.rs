@@ -20,7 +20,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, DType, Result};
 use streamer_kernels::{module, ATTENTION_HOPPER};
 
-use crate::cuda::{Backward, KernelArgs};
+use crate::cuda::{allow_smem, grid, Backward, KernelArgs};
 use crate::AttentionShape;
 
 /// Query rows per block (`hopper::FwdCfg::BR`: two consumer warpgroups of 64).
@@ -129,19 +129,11 @@ fn tensor_map(
     Ok(TensorMap(unsafe { map.assume_init() }))
 }
 
-/// The inputs of one Hopper forward launch (contiguous device views).
-pub(crate) struct Inputs<'a, T> {
-    pub(crate) q: &'a CudaView<'a, T>,
-    pub(crate) k: &'a CudaView<'a, T>,
-    pub(crate) v: &'a CudaView<'a, T>,
-    pub(crate) dtype: DType,
-}
-
 /// Launches `cqsa_fwd_hopper_{cap_}{sfx}_d{d}` on the device's compute stream:
 /// `out` and `lse` get the output and the log-sum-exp.
 pub(crate) fn forward<T: DeviceRepr>(
     dev: &CudaDevice,
-    inputs: Inputs<'_, T>,
+    (q, k, v): (&CudaView<'_, T>, &CudaView<'_, T>, &CudaView<'_, T>),
     (out, lse): (&mut CudaSlice<T>, &mut CudaSlice<f32>),
     dims: &AttentionShape,
     args: &KernelArgs,
@@ -154,36 +146,26 @@ pub(crate) fn forward<T: DeviceRepr>(
         nq,
         nk,
         d,
+        dtype,
         ..
     } = *dims;
+    let cfg = LaunchConfig {
+        grid_dim: grid(nq.div_ceil(ROWS), hq, b)?,
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: smem(d),
+    };
     let name = format!("cqsa_fwd_hopper_{}{sfx}_d{d}", args.cap_infix());
     let func = dev.get_or_load_custom_func(&name, module::ATTENTION_HOPPER, ATTENTION_HOPPER)?;
-    let smem = smem(d);
-    func.set_attribute(
-        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        smem as i32,
-    )
-    .w()?;
+    allow_smem(&func, cfg.shared_mem_bytes)?;
     let stream = dev.cuda_stream();
     // The guards record the reads on the stream when dropped, after the launch
     // (as passing the views to the launch builder would).
-    let (qp, _gq) = inputs.q.device_ptr(&stream);
-    let (kp, _gk) = inputs.k.device_ptr(&stream);
-    let (vp, _gv) = inputs.v.device_ptr(&stream);
-    let tq = tensor_map(qp, inputs.dtype, (b * hq, nq, d), ROWS)?;
-    let tk = tensor_map(kp, inputs.dtype, (b * hkv, nk, d), keys(d))?;
-    let tv = tensor_map(vp, inputs.dtype, (b * hkv, nk, d), keys(d))?;
-    if hq > 65535 || b > 65535 {
-        bail!(
-            "cqsa: launch grid ({}, {hq}, {b}) too large",
-            nq.div_ceil(ROWS)
-        )
-    }
-    let cfg = LaunchConfig {
-        grid_dim: (nq.div_ceil(ROWS) as u32, hq as u32, b as u32),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: smem,
-    };
+    let (qp, _gq) = q.device_ptr(&stream);
+    let (kp, _gk) = k.device_ptr(&stream);
+    let (vp, _gv) = v.device_ptr(&stream);
+    let tq = tensor_map(qp, dtype, (b * hq, nq, d), ROWS)?;
+    let tk = tensor_map(kp, dtype, (b * hkv, nk, d), keys(d))?;
+    let tv = tensor_map(vp, dtype, (b * hkv, nk, d), keys(d))?;
     let mut builder = func.builder();
     builder.arg(&tq).arg(&tk).arg(&tv).arg(out).arg(lse);
     args.push(&mut builder, false);
@@ -230,17 +212,14 @@ pub(crate) fn backward<T: DeviceRepr>(bw: &mut Backward<'_, T>) -> Result<()> {
     let (gp, _gg) = bw.g.device_ptr(&stream);
     let queries = (b * hq, nq, d);
     let keys = (b * hkv, nk, d);
-    if hq > 65535 || b > 65535 {
-        bail!(
-            "cqsa: launch grid ({}, {hq}, {b}) too large",
-            nq.div_ceil(BWD_FIXED)
-        )
-    }
-    let cfg = |n: usize, h: usize| LaunchConfig {
-        grid_dim: (n.div_ceil(BWD_FIXED) as u32, h as u32, b as u32),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: smem,
+    let cfg = |n: usize, h: usize| -> Result<LaunchConfig> {
+        Ok(LaunchConfig {
+            grid_dim: grid(n.div_ceil(BWD_FIXED), h, b)?,
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: smem,
+        })
     };
+    let (cfg_dq, cfg_dkdv) = (cfg(nq, hq)?, cfg(nk, hkv)?);
     let kernel = |what: &str| -> Result<_> {
         let name = format!(
             "cqsa_bwd_{what}_hopper_{}{}_d{d}",
@@ -250,11 +229,7 @@ pub(crate) fn backward<T: DeviceRepr>(bw: &mut Backward<'_, T>) -> Result<()> {
         let func =
             bw.dev
                 .get_or_load_custom_func(&name, module::ATTENTION_HOPPER, ATTENTION_HOPPER)?;
-        func.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .w()?;
+        allow_smem(&func, smem)?;
         Ok(func)
     };
     {
@@ -271,7 +246,7 @@ pub(crate) fn backward<T: DeviceRepr>(bw: &mut Backward<'_, T>) -> Result<()> {
         // 16-byte aligned, alive past the launch); the kernel reads b*hq*nq of lse
         // and delta and writes b*hq*nq*d of dq; argument types and order match its
         // signature; it gets BwdCfg::SMEM (it traps on less) on a 9.0 device.
-        unsafe { builder.launch(cfg(nq, hq)) }.w()?;
+        unsafe { builder.launch(cfg_dq) }.w()?;
     }
     let func = kernel("dkdv")?;
     let tq = tensor_map(qp, dtype, queries, BWD_STREAMED)?;
@@ -287,6 +262,6 @@ pub(crate) fn backward<T: DeviceRepr>(bw: &mut Backward<'_, T>) -> Result<()> {
         .arg(&mut bw.dv);
     bw.args.push(&mut builder, false);
     // SAFETY: as above; the kernel writes b*hkv*nk*d of dk and of dv.
-    unsafe { builder.launch(cfg(nk, hkv)) }.w()?;
+    unsafe { builder.launch(cfg_dkdv) }.w()?;
     Ok(())
 }

@@ -473,9 +473,7 @@ impl TrainableSequential {
             kept,
         });
         st.saved_training = training;
-        if let Some(t0) = t0 {
-            pool.host_span("forward call", t0, std::time::Instant::now());
-        }
+        pool.span_end(t0, || "forward call".into());
         Ok(ret)
     }
 
@@ -649,9 +647,7 @@ impl TrainableSequential {
             return Ok(());
         }
         let mut pool = self.model.lock_pool()?;
-        if let Some(t0) = t0 {
-            pool.host_span("backward checks", t0, std::time::Instant::now());
-        }
+        pool.span_end(t0, || "backward checks".into());
         let trainable = st.trainable.clone();
         let mut host_inputs = std::mem::take(&mut st.host_inputs);
         let r = self.streamed_backward(
@@ -744,7 +740,7 @@ impl TrainableSequential {
         g_outs: Vec<Option<Tensor>>,
         stepper: &mut Stepper<'_, '_>,
     ) -> Result<(Option<Tensor>, Vec<Option<Tensor>>, Vec<bool>)> {
-        let t0 = pool.timeline_on().then(std::time::Instant::now);
+        let t0 = pool.span_start();
         let blocks = self.model.blocks();
         let n = blocks.len();
         let window = pool.window();
@@ -776,9 +772,9 @@ impl TrainableSequential {
         if n > 0 {
             saved.bring_input(n - 1, inputs, pool.device())?;
         }
-        span(pool, "backward setup", t0);
+        pool.span_end(t0, || "backward setup".into());
         for i in (0..n).rev() {
-            let t0 = pool.timeline_on().then(std::time::Instant::now);
+            let t0 = pool.span_start();
             let flow = self.backward_block(
                 pool,
                 host,
@@ -797,10 +793,7 @@ impl TrainableSequential {
             if i >= window {
                 pool.load(i - window)?;
             }
-            if let Some(t0) = t0 {
-                let name = format!("{} backward issued", blocks[i].name());
-                pool.host_span(&name, t0, std::time::Instant::now());
-            }
+            pool.span_end(t0, || format!("{} backward issued", blocks[i].name()));
             let Some((g_x, g_ex)) = flow else {
                 // Nothing flows back through this block (or anything before it).
                 g_next = vec![None];
@@ -816,7 +809,7 @@ impl TrainableSequential {
             }
             g_next = vec![g_x];
         }
-        let t0 = pool.timeline_on().then(std::time::Instant::now);
+        let t0 = pool.span_start();
         host.finish()?;
         inputs.finish()?;
         if matches!(stepper, Stepper::Device(_)) {
@@ -824,7 +817,7 @@ impl TrainableSequential {
             // copies of their pageable ends done) only after this.
             pool.synchronize()?;
         }
-        span(pool, "backward end (waits for the copies)", t0);
+        pool.span_end(t0, || "backward end (waits for the copies)".into());
         Ok((g_next.swap_remove(0), g_extras, stepped))
     }
 
@@ -921,13 +914,6 @@ impl TrainableSequential {
                 .map_err(|_| candle_core::Error::Msg("optimizer thread stopped".into()))?;
         }
         Ok(())
-    }
-}
-
-/// Records the host span `name` from `t0` (taken only with the timeline on) to now.
-fn span(pool: &mut ResidencyPool, name: &str, t0: Option<std::time::Instant>) {
-    if let Some(t0) = t0 {
-        pool.host_span(name, t0, std::time::Instant::now());
     }
 }
 

@@ -367,6 +367,20 @@ impl ResidencyPool {
         self.timeline.is_some()
     }
 
+    /// Now, when a timeline is recorded: the start of a host span for
+    /// [`Self::span_end`]. `None` otherwise, so that nothing is measured.
+    pub fn span_start(&self) -> Option<Instant> {
+        self.timeline.is_some().then(Instant::now)
+    }
+
+    /// Records the host span from `start` ([`Self::span_start`]) to now,
+    /// naming it by `name` (called only then); nothing for `None`.
+    pub fn span_end(&mut self, start: Option<Instant>, name: impl FnOnce() -> String) {
+        if let Some(t0) = start {
+            self.host_span(&name(), t0, Instant::now());
+        }
+    }
+
     /// Records a span of host time (`start..end`, on the calling thread) on
     /// the timeline's host lane, on the same time axis as the copies and
     /// compute (within tens of microseconds on CUDA). Does nothing when the

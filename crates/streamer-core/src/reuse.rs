@@ -47,10 +47,10 @@ pub(crate) struct Verifier {
     /// Reused blocks whose comparison is not issued yet: `(slot, copies)`.
     pub(crate) pending: Vec<(usize, Copies)>,
     /// Marks the end of the last comparison issued since the last verdict.
-    issued: Option<CudaEvent>,
+    issued: Option<Arc<CudaEvent>>,
     /// Slots whose comparison (ending at the event) may still read them: their
     /// next load waits for it ([`Self::before_refill`]).
-    guards: Vec<(usize, CudaEvent)>,
+    guards: Vec<(usize, Arc<CudaEvent>)>,
 }
 
 impl Verifier {
@@ -143,8 +143,8 @@ impl Verifier {
                 };
                 at += crate::pool::stage_len(n) as u64;
             }
-            let done = event(&self.check)?;
-            self.guards.push((*slot, event(&self.check)?));
+            let done = Arc::new(event(&self.check)?);
+            self.guards.push((*slot, done.clone()));
             self.issued = Some(done);
         }
         Ok(bytes)

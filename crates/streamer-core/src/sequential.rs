@@ -448,11 +448,9 @@ pub unsafe fn run_blocks_with(
             return Err(e);
         }
     };
-    let t0 = pool.timeline_on().then(std::time::Instant::now);
+    let t0 = pool.span_start();
     let stale = pool.lent_blocks_stale()?;
-    if let Some(t0) = t0 {
-        pool.host_span("reuse verdict", t0, std::time::Instant::now());
-    }
+    pool.span_end(t0, || "reuse verdict".into());
     if !stale {
         return Ok(out);
     }
@@ -492,17 +490,14 @@ unsafe fn run_blocks_once(
     let mut h = x.clone();
     let mut last = Vec::new();
     for (i, spec) in blocks.iter().enumerate() {
-        let t0 = pool.timeline_on().then(std::time::Instant::now);
+        let t0 = pool.span_start();
         let mut out = run_block_with(pool, spec, i, &h, extras, run)?;
         if i + window < n {
             pool.load(i + window)?;
         } else if cyclic && !pool.is_loaded((i + window) % n) {
             pool.load((i + window) % n)?;
         }
-        if let Some(t0) = t0 {
-            let name = format!("{} forward issued", spec.name);
-            pool.host_span(&name, t0, std::time::Instant::now());
-        }
+        pool.span_end(t0, || format!("{} forward issued", spec.name));
         if i + 1 < n {
             out.truncate(1);
             h = out.swap_remove(0);
