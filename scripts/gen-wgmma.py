@@ -16,11 +16,13 @@ def wrapper(n: int, kind: str, ty: str, suffix: str) -> str:
     outs = ",\n          ".join(
         ", ".join(f'"+f"(d[{i}])' for i in range(j, min(j + 8, nr))) for j in range(0, nr, 8)
     )
-    if kind == "ss":
-        # A and B from shared memory, both K-major (no transpose).
+    if kind in ("ss", "tt"):
+        # A and B from shared memory, both K-major (ss) or both MN-major (tt:
+        # imm-trans-a = imm-trans-b = 1).
         sig = f"float (&d)[{nr}], uint64_t da, uint64_t db, int acc"
         pred = nr + 2
-        operands = f"%{nr}, %{nr + 1}, p, 1, 1, 0, 0"
+        tr = 1 if kind == "tt" else 0
+        operands = f"%{nr}, %{nr + 1}, p, 1, 1, {tr}, {tr}"
         ins = '"l"(da), "l"(db), "r"(acc)'
     else:
         # A from registers (the m16n8k16 A layout per warp), B from shared memory
@@ -44,6 +46,7 @@ def main() -> None:
     print("// wgmma_{ss,rs}_n{N}_{f16,bf16}: D (m64 x N, f32) = A (m64 x k16) * B (k16 x N)")
     print("// (+ D when acc != 0), issued by one warpgroup. ss: A and B by shared-memory")
     print("// descriptors, both K-major. rs: A from registers, B MN-major (transposed).")
+    print("// tt (N = 64 only): A and B by descriptors, both MN-major.")
     print("#pragma once")
     print("#include <stdint.h>")
     print()
@@ -51,6 +54,7 @@ def main() -> None:
         for n in SHAPES:
             for kind in ("ss", "rs"):
                 print(wrapper(n, kind, ty, suffix))
+        print(wrapper(64, "tt", ty, suffix))
 
 
 if __name__ == "__main__":

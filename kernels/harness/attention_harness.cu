@@ -8,6 +8,8 @@
 //   harness 1: benchmark (bf16, B=1, H=16, N = 1k..16k, causal and not)
 //   harness 3: the Hopper forward (HFILE, sm_90a) against the same reference
 //   harness 4: benchmark of the Hopper forward beside the portable one
+//   harness 5: forward + backward: portable, Hopper with the split backward,
+//              Hopper with the fused one ("harness 3 0": mode 3, split backward)
 // A gradient whose reference is zero up to rounding (nk = 1, a scale of 1e-30) is
 // judged by its absolute error and marked '*'.
 #ifndef KFILE
@@ -57,6 +59,11 @@ template <typename T, int D> HopBwdFn hopper_bwd_dkdv(bool cap);
   template <> HopBwdFn hopper_bwd_dkdv<T, D>(bool cap) { \
   return cap ? (HopBwdFn)cqsa_bwd_dkdv_hopper_cap_##SUF##_d##D : (HopBwdFn)cqsa_bwd_dkdv_hopper_##SUF##_d##D; }
 HBDEF(__half, f16, 64) HBDEF(__half, f16, 128) HBDEF(__nv_bfloat16, bf16, 64) HBDEF(__nv_bfloat16, bf16, 128)
+template <typename T, int D> HopBwdFn hopper_bwd_fused(bool cap);
+#define HFDEF(T, SUF, D) template <> HopBwdFn hopper_bwd_fused<T, D>(bool cap) { \
+  return cap ? (HopBwdFn)cqsa_bwd_fused_hopper_cap_##SUF##_d##D : (HopBwdFn)cqsa_bwd_fused_hopper_##SUF##_d##D; }
+HFDEF(__half, f16, 64) HFDEF(__half, f16, 128) HFDEF(__nv_bfloat16, bf16, 64) HFDEF(__nv_bfloat16, bf16, 128)
+static bool g_fused = true;  // the Hopper backward: fused (dQ by reduce-add) or split
 typedef CUresult (*EncodeFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
                              const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
                              CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -87,7 +94,8 @@ template <typename T, int D>
 struct Run {
   int b, hq, hkv, nq, nk; bool causal; long long off; float scale;
   bool has_lo = false; long long lo = 0; float cap = 0.f;  // window: key j >= i + lo; soft-cap
-  T *q, *k, *v, *o, *g, *dq, *dk, *dv; float *lse, *delta, *dqa;
+  T *q, *k, *v, *o, *g, *dq, *dk, *dv; float *lse, *delta, *dqa, *fqa = nullptr; float2* stats = nullptr;
+  int nqp() const { return (nq + 63) / 64 * 64; }
   std::vector<T> hq_, hk_, hv_, hg_;
   void alloc(unsigned seed) {
     size_t nqe = (size_t)b * hq * nq * D, nke = (size_t)b * hkv * nk * D;
@@ -98,10 +106,13 @@ struct Run {
     CK(cudaMalloc(&q, nqe * 2)); CK(cudaMalloc(&o, nqe * 2)); CK(cudaMalloc(&g, nqe * 2)); CK(cudaMalloc(&dq, nqe * 2));
     CK(cudaMalloc(&k, nke * 2)); CK(cudaMalloc(&v, nke * 2)); CK(cudaMalloc(&dk, nke * 2)); CK(cudaMalloc(&dv, nke * 2));
     CK(cudaMalloc(&lse, (size_t)b * hq * nq * 4)); CK(cudaMalloc(&delta, (size_t)b * hq * nq * 4)); CK(cudaMalloc(&dqa, nqe * 4));
+#ifdef HFILE
+    CK(cudaMalloc(&fqa, (size_t)b * hq * nqp() * D * 4)); CK(cudaMalloc(&stats, (size_t)b * hq * nqp() * 8));
+#endif
     CK(cudaMemcpy(q, hq_.data(), nqe * 2, cudaMemcpyHostToDevice)); CK(cudaMemcpy(g, hg_.data(), nqe * 2, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(k, hk_.data(), nke * 2, cudaMemcpyHostToDevice)); CK(cudaMemcpy(v, hv_.data(), nke * 2, cudaMemcpyHostToDevice));
   }
-  void release() { cudaFree(q); cudaFree(k); cudaFree(v); cudaFree(o); cudaFree(g); cudaFree(dq); cudaFree(dk); cudaFree(dv); cudaFree(lse); cudaFree(delta); cudaFree(dqa); }
+  void release() { cudaFree(q); cudaFree(k); cudaFree(v); cudaFree(o); cudaFree(g); cudaFree(dq); cudaFree(dk); cudaFree(dv); cudaFree(lse); cudaFree(delta); cudaFree(dqa); cudaFree(fqa); cudaFree(stats); }
   // The band as the kernels take it (see BAND_PAD).
   int klo() const { long long a = -(long long)(nq + BAND_PAD), b = nk + BAND_PAD; return has_lo ? (int)std::max(a, std::min(b, lo)) : (int)a; }
   int khi() const { long long a = -(long long)(nq + BAND_PAD), b = nk + BAND_PAD; return causal ? (int)std::max(a, std::min(b, off)) : (int)b; }
@@ -153,6 +164,7 @@ struct Run {
 #ifdef HFILE
   // The Hopper backward after the delta kernel: dq, then dk/dv (no f32 buffer).
   void hopper_bwd() {
+    if (g_fused) { fused_bwd(); return; }
     if constexpr (D != 256) {
       using HC = hopper::BwdCfg<D>;
       HopBwdFn fq = hopper_bwd_dq<T, D>(cap > 0.f), fk = hopper_bwd_dkdv<T, D>(cap > 0.f);
@@ -170,6 +182,26 @@ struct Run {
     }
   }
 #endif
+  // The fused Hopper backward: statistics, dK/dV with dQ summed into fqa, dq.
+  void fused_bwd() {
+    if constexpr (D != 256) {
+      using FC = hopper::FusedCfg<D>;
+      HopBwdFn f = hopper_bwd_fused<T, D>(cap > 0.f);
+      int sm = FC::SMEM, kl = klo(), kh = khi(), np = nqp(), d = D;
+      long long slices = (long long)b * hq;
+      CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize, sm));
+      { void* args[] = {&lse, &delta, &stats, &slices, &nq, &np};
+        CK(cudaLaunchKernel((const void*)cqsa_bwd_stats_hopper, dim3((slices * np + 255) / 256), dim3(256), args, 0, 0)); }
+      CK(cudaMemsetAsync(fqa, 0, (size_t)slices * np * D * 4));
+      { CUtensorMap tq = tensor_map<T>(q, D, nq, b * hq, FC::BS), tg = tensor_map<T>(g, D, nq, b * hq, FC::BS),
+                    tk = tensor_map<T>(k, D, nk, b * hkv, FC::BR), tv = tensor_map<T>(v, D, nk, b * hkv, FC::BR);
+        void* args[] = {&tq, &tk, &tv, &tg, &stats, &fqa, &dk, &dv, &hq, &hkv, &nq, &nk, &scale, &kl, &kh, &cap};
+        CK(cudaLaunchKernel((const void*)f, dim3((nk + FC::BR - 1) / FC::BR, hkv, b), dim3(FC::THREADS), args, sm, 0)); }
+      { void* args[] = {&fqa, &dq, &slices, &nq, &d, &scale};
+        const void* cf = std::is_same<T, __half>::value ? (const void*)cqsa_bwd_dq_convert_hopper_f16 : (const void*)cqsa_bwd_dq_convert_hopper_bf16;
+        CK(cudaLaunchKernel(cf, dim3((slices * nq * D / 2 + 255) / 256), dim3(256), args, 0, 0)); }
+    }
+  }
   // Returns max rel err of o, lse (abs), and grads when check_bwd.
   void check(bool check_bwd, int row_stride) {
     fwd(); if (check_bwd) bwd(); CK(cudaDeviceSynchronize());
@@ -324,6 +356,8 @@ int main(int argc, char** argv) {
     // The Hopper forward against the f64 reference: odd sizes, causal offsets, GQA,
     // rows that see nothing, windows, soft-capping, head dims 64, 128 and 256.
     g_hopper = true;
+    g_fused = argc > 2 ? atoi(argv[2]) != 0 : true;
+    printf("== hopper, %s backward\n", g_fused ? "fused" : "split");
     int sizes[][2] = {{1, 1}, {37, 100}, {200, 77}, {128, 128}, {129, 300}, {300, 129}, {64, 64}, {257, 257}, {700, 1100}};
     for (auto& s : sizes) for (int c = 0; c < 2; ++c) {
       long long off = c ? (long long)s[1] - s[0] : 0;
@@ -353,8 +387,9 @@ int main(int argc, char** argv) {
   }
   if (mode == 5) {
     // Forward + backward, portable then Hopper (the bench() of modes 1).
-    for (int hop = 0; hop < 2; ++hop) {
-      g_hopper = hop; printf("== %s\n", hop ? "hopper" : "portable");
+    for (int hop = 0; hop < 3; ++hop) {
+      g_hopper = hop > 0; g_fused = hop == 2;
+      printf("== %s\n", hop == 0 ? "portable" : hop == 1 ? "hopper split backward" : "hopper fused backward");
       for (int c = 0; c < 2; ++c) for (int n : {4096, 8192, 16384}) {
         Run<__nv_bfloat16, 128> r{1, 16, 16, n, n, (bool)c, 0, 0.0883883f}; r.alloc(1); r.bench(); r.release(); }
       for (int c = 0; c < 2; ++c) { Run<__nv_bfloat16, 64> r{1, 16, 16, 8192, 8192, (bool)c, 0, 0.125f}; r.alloc(1); r.bench(); r.release(); }

@@ -706,6 +706,281 @@ __device__ void bwd_dkdv(const CUtensorMap* tq, const CUtensorMap* tk, const CUt
     }
 }
 
+
+// ---------------------------------------------------------------- fused backward
+// One kernel for dK, dV and dQ (five GEMMs): per block of BR = 128 keys (64 per
+// consumer warpgroup), over every query head of the GQA group and the query
+// tiles of BS = 64 that see the keys:
+//   S^T = K Q^T, dP^T = V dO^T      (both K-major from shared memory)
+//   P, dS from S, dP and the row statistics
+//   dV += P^T dO, dK += dS^T Q       (P^T, dS^T from registers)
+//   dQ_tile = dS K                   (dS^T through shared memory, both MN-major)
+// dQ_tile is summed into an f32 accumulator in global memory by a bulk
+// reduce-add (cp.reduce.async.bulk, done in L2), which a last kernel converts.
+// At D = 128 each warpgroup computes 64 of dQ's columns; at D = 64 the
+// warpgroups take turns computing the whole tile (both as m64n64).
+// The row statistics (lse in log2 units, delta) come padded to tiles of 64 from
+// cqsa_bwd_stats_hopper and reach shared memory with the tile (one bulk copy).
+template <int D> struct FusedCfg {
+    static constexpr int BR = 128, BS = 64, STAGES = 3, THREADS = 384;
+    static constexpr int FBYTES = BR * D * 2, SBYTES = BS * D * 2;
+    static constexpr int DS_BYTES = BR * BS * 2;   // dS^T [128 keys][64 queries], 128-byte swizzle
+    static constexpr int DQ_BYTES = 64 * 64 * 4;   // one warpgroup's dQ block, f32
+    static constexpr int ST_BYTES = BS * 8;        // (lse, delta) of the tile's queries
+    static constexpr int S_OFF = 2 * FBYTES;       // stages of (Q, dO)
+    static constexpr int DS_OFF = S_OFF + STAGES * 2 * SBYTES;  // two dS buffers
+    static constexpr int DQ_OFF = DS_OFF + 2 * DS_BYTES;        // a dQ block per warpgroup
+    static constexpr int ST_OFF = DQ_OFF + 2 * DQ_BYTES;        // statistics per stage
+    // 7 mbarriers: full_fixed, full[STAGES], empty[STAGES].
+    static constexpr int BAR_OFF = ST_OFF + STAGES * ST_BYTES;
+    static constexpr int SMEM = 1024 + BAR_OFF + 8 * (1 + 2 * STAGES);
+    static_assert(SMEM <= 232448, "the H100/H200 shared-memory limit per block");
+};
+
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Plain bulk copy global -> shared completing on `bar` (bytes: a multiple of 16).
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+// dst[i] += src[i] (f32) in global memory, asynchronously; then commit the group.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, uint32_t bytes) {
+    asm volatile(
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+        "cp.async.bulk.commit_group;\n" ::"l"(dst),
+        "r"(src), "r"(bytes)
+        : "memory");
+}
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+template <typename T>
+__device__ __forceinline__ void mma_tt64(float (&d)[32], uint64_t da, uint64_t db, int acc) {
+    if constexpr (std::is_same<T, __half>::value) wgmma_tt_n64_f16(d, da, db, acc);
+    else wgmma_tt_n64_bf16(d, da, db, acc);
+}
+
+// The producer: K and V once, then (Q, dO, statistics) of tile t into stage
+// t % STAGES once the consumers released its previous use.
+template <int D>
+__device__ void produce_fused(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv,
+                              const CUtensorMap* tg, const float2* stats, const KvWork& w, int hq, int hkv, int nqp,
+                              uint32_t base) {
+    using C = FusedCfg<D>;
+    const uint32_t bars = base + C::BAR_OFF;
+    bar_expect_tx(bars, 2 * C::FBYTES);
+    tma_tile<D>(base, tk, C::BR, w.kblk * C::BR, w.b * hkv + w.kh, bars);
+    tma_tile<D>(base + C::FBYTES, tv, C::BR, w.kblk * C::BR, w.b * hkv + w.kh, bars);
+    const int n = w.grp * w.ntq;
+    for (int t = 0; t < n; ++t) {
+        const int s = t % C::STAGES;
+        const uint32_t full = bars + 8 * (1 + s), empty = bars + 8 * (1 + C::STAGES + s);
+        if (t >= C::STAGES) bar_wait(empty, ((t / C::STAGES) - 1) & 1);
+        const int row0 = (w.tile0 + t % w.ntq) * C::BS, slice = w.b * hq + w.kh * w.grp + t / w.ntq;
+        bar_expect_tx(full, 2 * C::SBYTES + C::ST_BYTES);
+        const uint32_t dst = base + C::S_OFF + s * 2 * C::SBYTES;
+        tma_tile<D>(dst, tq, C::BS, row0, slice, full);
+        tma_tile<D>(dst + C::SBYTES, tg, C::BS, row0, slice, full);
+        bulk_load(base + C::ST_OFF + s * C::ST_BYTES, stats + (size_t)slice * nqp + row0, C::ST_BYTES, full);
+    }
+}
+
+// P and dS of one tile from S^T and dP^T (this warpgroup's 64 keys x 64 queries):
+// P^T and dS^T as A fragments (pa, da), and dS^T into shared memory at `dst`.
+template <typename T, bool SOFTCAP>
+__device__ __forceinline__ void fused_grads(const float (&st)[32], const float (&dpt)[32], uint32_t (&pa)[4][4],
+                                            uint32_t (&da)[4][4], uint32_t stt, uint32_t dst, int krow0, int kr0,
+                                            int q0, bool edge, int nq, int nk, int lo, int hi, float sl2, float cap_in,
+                                            float cap_out) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int n8 = 0; n8 < 8; ++n8) {
+        float4 s4;  // (L, delta) of columns 2t and 2t + 1 of this n8
+        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=f"(s4.x), "=f"(s4.y), "=f"(s4.z), "=f"(s4.w)
+                     : "r"(stt + (n8 * 8 + 2 * t) * 8));
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            const int i = 4 * n8 + 2 * rr, key = kr0 + 8 * rr, col = q0 + n8 * 8 + 2 * t;
+            float2 v[2];
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const bool ok =
+                    !edge || (key < nk && col + c < nq && key - (col + c) <= hi && key - (col + c) >= lo);
+                v[c] = p_ds<SOFTCAP>(st[i + c], dpt[i + c], ok, c ? s4.z : s4.x, c ? s4.w : s4.y, sl2, cap_in,
+                                     cap_out);
+            }
+            const uint32_t p2 = pack2<T>(v[0].x, v[1].x), d2 = pack2<T>(v[0].y, v[1].y);
+            pa[n8 >> 1][2 * (n8 & 1) + rr] = p2;
+            da[n8 >> 1][2 * (n8 & 1) + rr] = d2;
+            // dS^T row krow (a multiple of 8 plus g), 16-byte chunk n8 swizzled.
+            const int krow = krow0 + 8 * rr;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(dst + krow * 128 + ((n8 ^ (krow & 7)) << 4) + 4 * t),
+                         "r"(d2)
+                         : "memory");
+        }
+    }
+}
+
+// dQ_tile block `cb` (64 columns) = dS K: dS^T [128 keys][64 queries] and K
+// [128 keys][D], both MN-major for this product; then through this warpgroup's
+// shared block into the f32 accumulator at `acc` (layout: [chunk of 4][thread][4]).
+template <typename T, int D>
+__device__ __forceinline__ void fused_dq(uint32_t dst, uint32_t ks, int cb, uint32_t dqs, float* acc, int wg) {
+    using C = FusedCfg<D>;
+    const int tid = threadIdx.x & 127;
+    float dqa[32];
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < C::BR / 16; ++kk)
+        mma_tt64<T>(dqa, desc128(dst + kk * 16 * 128, C::DS_BYTES, 1024),
+                    desc128(ks + cb * C::BR * 128 + kk * 16 * 128, C::BR * 128, 1024), kk > 0);
+    wg_commit();
+    wg_wait0();
+    reg_fence(dqa);
+    if (tid == 0) bulk_wait_read();  // the previous reduce has read the block
+    named_sync(2 + wg, 128);
+#pragma unroll
+    for (int c4 = 0; c4 < 8; ++c4)
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dqs + (c4 * 128 + tid) * 16),
+                     "f"(dqa[4 * c4]), "f"(dqa[4 * c4 + 1]), "f"(dqa[4 * c4 + 2]), "f"(dqa[4 * c4 + 3])
+                     : "memory");
+    fence_async_smem();
+    named_sync(2 + wg, 128);
+    if (tid == 0) bulk_reduce_add(acc + cb * 64 * 64, dqs, C::DQ_BYTES);
+}
+
+template <typename T, int D, bool SOFTCAP>
+__device__ void bwd_fused_consume(uint32_t base, float* __restrict__ dqacc, T* __restrict__ dk, T* __restrict__ dv,
+                                  const KvWork& w, int wg, int hq, int hkv, int nq, int nk, float scale, int lo,
+                                  int hi, float cap) {
+    using C = FusedCfg<D>;
+    constexpr int BS = C::BS, NS = BS / 2, NO = D / 2;
+    const uint32_t ks = base, vs = base + C::FBYTES, bars = base + C::BAR_OFF;
+    const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
+    const int krow0 = 64 * wg + 16 * warp + g, k0 = w.kblk * C::BR + 64 * wg, kr0 = w.kblk * C::BR + krow0;
+    const int nqt = (nq + BS - 1) / BS;
+    const float sl2 = scale * LOG2E, cap_in = SOFTCAP ? scale / cap : 0.f, cap_out = SOFTCAP ? cap * LOG2E : 0.f;
+    float dka[NO], dva[NO];
+#pragma unroll
+    for (int i = 0; i < NO; ++i) dka[i] = dva[i] = 0.f;
+    const int n = w.grp * w.ntq;
+    bar_wait(bars, 0);
+    for (int j = 0; j < n; ++j) {
+        const int s = j % C::STAGES, h = w.kh * w.grp + j / w.ntq, qtile = w.tile0 + j % w.ntq, q0 = qtile * BS;
+        const uint32_t qt = base + C::S_OFF + s * 2 * C::SBYTES, gt = qt + C::SBYTES;
+        const uint32_t dst = base + C::DS_OFF + (j & 1) * C::DS_BYTES;
+        bar_wait(bars + 8 * (1 + s), (j / C::STAGES) & 1);
+        float st[NS], dpt[NS];
+        wg_fence();
+        mma_pair<T, D>(st, dpt, ks, qt, vs, gt, wg);
+        wg_commit();
+        wg_wait0();
+        reg_fence(st);
+        reg_fence(dpt);
+        const bool edge = k0 + 63 >= nk || q0 + BS > nq || k0 + 63 - q0 > hi || k0 - (q0 + BS - 1) < lo;
+        uint32_t pa[BS / 16][4], da[BS / 16][4];
+        fused_grads<T, SOFTCAP>(st, dpt, pa, da, base + C::ST_OFF + s * C::ST_BYTES, dst, krow0, kr0, q0, edge, nq,
+                                nk, lo, hi, sl2, cap_in, cap_out);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BS / 16; ++kk) {
+            mma_rs<T, D>(dva, pa[kk], desc128(gt + kk * 16 * 128, BS * 128, 1024));
+            mma_rs<T, D>(dka, da[kk], desc128(qt + kk * 16 * 128, BS * 128, 1024));
+        }
+        wg_commit();
+        // Both warpgroups' halves of dS^T are in shared memory (and their dQ
+        // products of tile j - 1, which read the other buffer, are done).
+        fence_async_smem();
+        named_sync(1, 256);
+        float* acc = dqacc + (((size_t)w.b * hq + h) * nqt + qtile) * BS * D;
+        if (D == 128) fused_dq<T, D>(dst, ks, wg, base + C::DQ_OFF + wg * C::DQ_BYTES, acc, wg);
+        else if ((j & 1) == wg) fused_dq<T, D>(dst, ks, 0, base + C::DQ_OFF + wg * C::DQ_BYTES, acc, wg);
+        wg_wait0();
+        reg_fence(dka);
+        reg_fence(dva);
+        __syncwarp();
+        if (lane == 0) bar_arrive(bars + 8 * (1 + C::STAGES + s));
+    }
+    if (tid == 0) bulk_wait_all();
+    const size_t kbase = ((size_t)w.b * hkv + w.kh) * nk;
+    const int t = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = kr0 + 8 * r;
+        if (key < nk) {
+#pragma unroll
+            for (int n8 = 0; n8 < D / 8; ++n8) {
+                const size_t at = (kbase + key) * D + n8 * 8 + 2 * t;
+                *reinterpret_cast<uint32_t*>(dk + at) = pack2<T>(dka[4 * n8 + 2 * r] * scale, dka[4 * n8 + 2 * r + 1] * scale);
+                *reinterpret_cast<uint32_t*>(dv + at) = pack2<T>(dva[4 * n8 + 2 * r], dva[4 * n8 + 2 * r + 1]);
+            }
+        }
+    }
+}
+
+template <typename T, int D, bool SOFTCAP>
+__device__ void bwd_fused(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv, const CUtensorMap* tg,
+                          const float2* stats, float* dqacc, T* dk, T* dv, int hq, int hkv, int nq, int nk,
+                          float scale, int lo, int hi, float cap) {
+    using C = FusedCfg<D>;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    if (dynamic_smem_size() < (uint32_t)C::SMEM) __trap();  // launcher bug
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u, bars = base + C::BAR_OFF;
+    if (threadIdx.x == 0) {
+        bar_init(bars, 1);
+        for (int s = 0; s < C::STAGES; ++s) {
+            bar_init(bars + 8 * (1 + s), 1);
+            bar_init(bars + 8 * (1 + C::STAGES + s), 8);  // one arrival per consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    static_assert(FusedCfg<D>::BR == BwdCfg<D>::BR && FusedCfg<D>::BS == BwdCfg<D>::BS, "kv_work's tiles");
+    const KvWork w = kv_work<D>(hq, hkv, nq, nk, lo, hi);
+    const int wg = threadIdx.x >> 7, nqp = (nq + C::BS - 1) / C::BS * C::BS;
+    if (wg == 0) {
+        setmaxnreg_dec<24>();
+        if (threadIdx.x == 0) produce_fused<D>(tq, tk, tv, tg, stats, w, hq, hkv, nqp, base);
+    } else {
+        setmaxnreg_inc<240>();
+        bwd_fused_consume<T, D, SOFTCAP>(base, dqacc, dk, dv, w, wg - 1, hq, hkv, nq, nk, scale, lo, hi, cap);
+    }
+}
+
+// (lse in log2 units, delta) per query row, padded with (+inf, 0) to tiles of 64.
+__device__ void bwd_stats(const float* lse, const float* delta, float2* stats, long long slices, int nq, int nqp) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= slices * nqp) return;
+    const long long bh = i / nqp;
+    const int r = (int)(i % nqp);
+    const bool in = r < nq;
+    const long long at = bh * nq + (in ? r : 0);
+    stats[i] = make_float2(lse_l2(lse[at], in), in ? delta[at] : 0.f);
+}
+
+// dq = acc * scale in the dtype, from the fused kernel's accumulator: tiles of
+// 64 rows x d, blocks of 64 columns, each [chunk][thread][4] in the wgmma
+// accumulator order (thread = 32 warp + 4 g + t; element i of a thread is row
+// 16 warp + g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 t + (i & 1)).
+template <typename T>
+__device__ void bwd_dq_convert(const float* acc, T* dq, long long slices, int nq, int d, float scale) {
+    const long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x, half = d / 2;
+    if (p >= slices * nq * half) return;
+    const long long row = p / half;
+    const int col = 2 * (int)(p % half), bh_r = (int)(row % nq);
+    const long long bh = row / nq;
+    const int nqt = (nq + 63) / 64, tile = bh_r / 64, rl = bh_r % 64, cb = col / 64, cc = col % 64;
+    const int tid = (rl / 16) * 32 + (rl % 8) * 4 + (cc % 8) / 2, i = 4 * (cc / 8) + 2 * ((rl % 16) / 8);
+    const float2 a = *reinterpret_cast<const float2*>(
+        acc + ((bh * nqt + tile) * 64 * d) + cb * 4096 + (i / 4) * 512 + tid * 4 + (i % 4));
+    *reinterpret_cast<uint32_t*>(dq + row * d + col) = pack2<T>(a.x * scale, a.y * scale);
+}
+
 }  // namespace hopper
 
 // Entries: cqsa_fwd_hopper_{,cap_}{f16,bf16}_d{64,128,256}, launched with
@@ -747,8 +1022,36 @@ HOPPER_ENTRIES(__nv_bfloat16, bf16, 256)
         hopper::bwd_dkdv<T, D, CAP>(&tq, &tk, &tv, &tg, lse, delta, dk, dv, hq, hkv, nq, nk, scale, lo, hi, \
                                     cap);                                                               \
     }
+#define HOPPER_FUSED_ENTRY(T, SUF, D, CAPNAME, CAP)                                                      \
+    extern "C" __global__ void __launch_bounds__(384, 1) cqsa_bwd_fused_hopper_##CAPNAME##SUF##_d##D(    \
+        const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,                 \
+        const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tg, const float2* stats, \
+        float* dqacc, T* dk, T* dv, int hq, int hkv, int nq, int nk, float scale, int lo, int hi, float cap) { \
+        hopper::bwd_fused<T, D, CAP>(&tq, &tk, &tv, &tg, stats, dqacc, dk, dv, hq, hkv, nq, nk, scale, lo, hi, cap); \
+    }
 #define HOPPER_BWD_ENTRIES(T, SUF, D) HOPPER_BWD_ENTRY(T, SUF, D, , false) HOPPER_BWD_ENTRY(T, SUF, D, cap_, true)
 HOPPER_BWD_ENTRIES(__half, f16, 64)
 HOPPER_BWD_ENTRIES(__half, f16, 128)
 HOPPER_BWD_ENTRIES(__nv_bfloat16, bf16, 64)
 HOPPER_BWD_ENTRIES(__nv_bfloat16, bf16, 128)
+#define HOPPER_FUSED_ENTRIES(T, SUF, D) HOPPER_FUSED_ENTRY(T, SUF, D, , false) HOPPER_FUSED_ENTRY(T, SUF, D, cap_, true)
+HOPPER_FUSED_ENTRIES(__half, f16, 64)
+HOPPER_FUSED_ENTRIES(__half, f16, 128)
+HOPPER_FUSED_ENTRIES(__nv_bfloat16, bf16, 64)
+HOPPER_FUSED_ENTRIES(__nv_bfloat16, bf16, 128)
+
+// Before and after the fused kernel: cqsa_bwd_stats_hopper (one thread per padded
+// row, after cqsa_bwd_delta_*) and cqsa_bwd_dq_convert_hopper_{f16,bf16} (one
+// thread per pair of dq elements).
+extern "C" __global__ void cqsa_bwd_stats_hopper(const float* lse, const float* delta, float2* stats,
+                                                 long long slices, int nq, int nqp) {
+    hopper::bwd_stats(lse, delta, stats, slices, nq, nqp);
+}
+extern "C" __global__ void cqsa_bwd_dq_convert_hopper_f16(const float* acc, __half* dq, long long slices, int nq,
+                                                          int d, float scale) {
+    hopper::bwd_dq_convert<__half>(acc, dq, slices, nq, d, scale);
+}
+extern "C" __global__ void cqsa_bwd_dq_convert_hopper_bf16(const float* acc, __nv_bfloat16* dq, long long slices,
+                                                           int nq, int d, float scale) {
+    hopper::bwd_dq_convert<__nv_bfloat16>(acc, dq, slices, nq, d, scale);
+}
