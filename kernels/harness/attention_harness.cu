@@ -8,8 +8,7 @@
 //   harness 1: benchmark (bf16, B=1, H=16, N = 1k..16k, causal and not)
 //   harness 3: the Hopper forward (HFILE, sm_90a) against the same reference
 //   harness 4: benchmark of the Hopper forward beside the portable one
-//   harness 5: forward + backward: portable, Hopper with the split backward,
-//              Hopper with the fused one ("harness 3 0": mode 3, split backward)
+//   harness 5: forward + backward, portable then Hopper
 // A gradient whose reference is zero up to rounding (nk = 1, a scale of 1e-30) is
 // judged by its absolute error and marked '*'.
 #ifndef KFILE
@@ -52,18 +51,10 @@ template <typename T, int D> HopFn hopper_fwd(bool cap);
 HDEF(__half, f16, 64) HDEF(__half, f16, 128) HDEF(__half, f16, 256)
 HDEF(__nv_bfloat16, bf16, 64) HDEF(__nv_bfloat16, bf16, 128) HDEF(__nv_bfloat16, bf16, 256)
 typedef void (*HopBwdFn)(CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap, const float*, const float*, void*, ...);
-template <typename T, int D> HopBwdFn hopper_bwd_dq(bool cap);
-template <typename T, int D> HopBwdFn hopper_bwd_dkdv(bool cap);
-#define HBDEF(T, SUF, D) template <> HopBwdFn hopper_bwd_dq<T, D>(bool cap) { \
-  return cap ? (HopBwdFn)cqsa_bwd_dq_hopper_cap_##SUF##_d##D : (HopBwdFn)cqsa_bwd_dq_hopper_##SUF##_d##D; } \
-  template <> HopBwdFn hopper_bwd_dkdv<T, D>(bool cap) { \
-  return cap ? (HopBwdFn)cqsa_bwd_dkdv_hopper_cap_##SUF##_d##D : (HopBwdFn)cqsa_bwd_dkdv_hopper_##SUF##_d##D; }
+template <typename T, int D> HopBwdFn hopper_bwd_fn(bool cap);
+#define HBDEF(T, SUF, D) template <> HopBwdFn hopper_bwd_fn<T, D>(bool cap) { \
+  return cap ? (HopBwdFn)cqsa_bwd_hopper_cap_##SUF##_d##D : (HopBwdFn)cqsa_bwd_hopper_##SUF##_d##D; }
 HBDEF(__half, f16, 64) HBDEF(__half, f16, 128) HBDEF(__nv_bfloat16, bf16, 64) HBDEF(__nv_bfloat16, bf16, 128)
-template <typename T, int D> HopBwdFn hopper_bwd_fused(bool cap);
-#define HFDEF(T, SUF, D) template <> HopBwdFn hopper_bwd_fused<T, D>(bool cap) { \
-  return cap ? (HopBwdFn)cqsa_bwd_fused_hopper_cap_##SUF##_d##D : (HopBwdFn)cqsa_bwd_fused_hopper_##SUF##_d##D; }
-HFDEF(__half, f16, 64) HFDEF(__half, f16, 128) HFDEF(__nv_bfloat16, bf16, 64) HFDEF(__nv_bfloat16, bf16, 128)
-static bool g_fused = true;  // the Hopper backward: fused (dQ by reduce-add) or split
 typedef CUresult (*EncodeFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
                              const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
                              CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -162,31 +153,12 @@ struct Run {
     }
   }
 #ifdef HFILE
-  // The Hopper backward after the delta kernel: dq, then dk/dv (no f32 buffer).
+  // The Hopper backward after the delta kernel: statistics, dK/dV with dQ summed
+  // into fqa, dq.
   void hopper_bwd() {
-    if (g_fused) { fused_bwd(); return; }
     if constexpr (D != 256) {
-      using HC = hopper::BwdCfg<D>;
-      HopBwdFn fq = hopper_bwd_dq<T, D>(cap > 0.f), fk = hopper_bwd_dkdv<T, D>(cap > 0.f);
-      int sm = HC::SMEM, kl = klo(), kh = khi();
-      CK(cudaFuncSetAttribute((const void*)fq, cudaFuncAttributeMaxDynamicSharedMemorySize, sm));
-      CK(cudaFuncSetAttribute((const void*)fk, cudaFuncAttributeMaxDynamicSharedMemorySize, sm));
-      { CUtensorMap tq = tensor_map<T>(q, D, nq, b * hq, HC::BR), tg = tensor_map<T>(g, D, nq, b * hq, HC::BR),
-                    tk = tensor_map<T>(k, D, nk, b * hkv, HC::BS), tv = tensor_map<T>(v, D, nk, b * hkv, HC::BS);
-        void* args[] = {&tq, &tk, &tv, &tg, &lse, &delta, &dq, &hq, &hkv, &nq, &nk, &scale, &kl, &kh, &cap};
-        CK(cudaLaunchKernel((const void*)fq, dim3((nq + HC::BR - 1) / HC::BR, hq, b), dim3(HC::THREADS), args, sm, 0)); }
-      { CUtensorMap tq = tensor_map<T>(q, D, nq, b * hq, HC::BS), tg = tensor_map<T>(g, D, nq, b * hq, HC::BS),
-                    tk = tensor_map<T>(k, D, nk, b * hkv, HC::BR), tv = tensor_map<T>(v, D, nk, b * hkv, HC::BR);
-        void* args[] = {&tq, &tk, &tv, &tg, &lse, &delta, &dk, &dv, &hq, &hkv, &nq, &nk, &scale, &kl, &kh, &cap};
-        CK(cudaLaunchKernel((const void*)fk, dim3((nk + HC::BR - 1) / HC::BR, hkv, b), dim3(HC::THREADS), args, sm, 0)); }
-    }
-  }
-#endif
-  // The fused Hopper backward: statistics, dK/dV with dQ summed into fqa, dq.
-  void fused_bwd() {
-    if constexpr (D != 256) {
-      using FC = hopper::FusedCfg<D>;
-      HopBwdFn f = hopper_bwd_fused<T, D>(cap > 0.f);
+      using FC = hopper::BwdCfg<D>;
+      HopBwdFn f = hopper_bwd_fn<T, D>(cap > 0.f);
       int sm = FC::SMEM, kl = klo(), kh = khi(), np = nqp(), d = D;
       long long slices = (long long)b * hq;
       CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize, sm));
@@ -202,6 +174,7 @@ struct Run {
         CK(cudaLaunchKernel(cf, dim3((slices * nq * D / 2 + 255) / 256), dim3(256), args, 0, 0)); }
     }
   }
+#endif
   // Returns max rel err of o, lse (abs), and grads when check_bwd.
   void check(bool check_bwd, int row_stride) {
     fwd(); if (check_bwd) bwd(); CK(cudaDeviceSynchronize());
@@ -356,8 +329,6 @@ int main(int argc, char** argv) {
     // The Hopper forward against the f64 reference: odd sizes, causal offsets, GQA,
     // rows that see nothing, windows, soft-capping, head dims 64, 128 and 256.
     g_hopper = true;
-    g_fused = argc > 2 ? atoi(argv[2]) != 0 : true;
-    printf("== hopper, %s backward\n", g_fused ? "fused" : "split");
     int sizes[][2] = {{1, 1}, {37, 100}, {200, 77}, {128, 128}, {129, 300}, {300, 129}, {64, 64}, {257, 257}, {700, 1100}};
     for (auto& s : sizes) for (int c = 0; c < 2; ++c) {
       long long off = c ? (long long)s[1] - s[0] : 0;
@@ -387,9 +358,8 @@ int main(int argc, char** argv) {
   }
   if (mode == 5) {
     // Forward + backward, portable then Hopper (the bench() of modes 1).
-    for (int hop = 0; hop < 3; ++hop) {
-      g_hopper = hop > 0; g_fused = hop == 2;
-      printf("== %s\n", hop == 0 ? "portable" : hop == 1 ? "hopper split backward" : "hopper fused backward");
+    for (int hop = 0; hop < 2; ++hop) {
+      g_hopper = hop; printf("== %s\n", hop ? "hopper" : "portable");
       for (int c = 0; c < 2; ++c) for (int n : {4096, 8192, 16384}) {
         Run<__nv_bfloat16, 128> r{1, 16, 16, n, n, (bool)c, 0, 0.0883883f}; r.alloc(1); r.bench(); r.release(); }
       for (int c = 0; c < 2; ++c) { Run<__nv_bfloat16, 64> r{1, 16, 16, 8192, 8192, (bool)c, 0, 0.125f}; r.alloc(1); r.bench(); r.release(); }

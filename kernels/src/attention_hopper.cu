@@ -348,73 +348,34 @@ __device__ void fwd(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensor
 
 
 // ---------------------------------------------------------------- backward
-// Two kernels, neither with atomics (delta = rowsum(dO o O) comes first, from
-// attention.cu's cqsa_bwd_delta_*):
-// - dQ: per block of BR = 128 query rows (two consumer warpgroups of 64), over
-//   the key tiles the rows see: S = Q K^T, dP = dO V^T, P = exp(S scale - lse),
-//   dS = P (dP - delta), dQ += dS K; the dQ wgmma of tile j - 1 overlaps the
-//   softmax work of tile j.
-// - dK/dV: per block of 128 keys (64 per consumer warpgroup), over every query
-//   head of the GQA group and the query tiles that see the keys: S^T = K Q^T,
-//   dP^T = V dO^T, dV += P^T dO, dK += dS^T Q.
-// Recomputing S and dP in the dQ kernel (seven GEMMs instead of five) buys
-// the absence of dQ atomics and of a dS round trip through shared memory.
-// A producer warpgroup streams the tiles by TMA as in the forward: a fixed pair
-// (loaded once) and a ring of three stages of streamed pairs.
+// One kernel for dK, dV and dQ (five GEMMs): per block of BR = 128 keys (64 per
+// consumer warpgroup), over every query head of the GQA group and the query
+// tiles of BS = 64 that see the keys:
+//   S^T = K Q^T, dP^T = V dO^T      (both K-major from shared memory)
+//   P, dS from S, dP and the row statistics
+//   dV += P^T dO, dK += dS^T Q       (P^T, dS^T from registers)
+//   dQ_tile = dS K                   (dS^T through shared memory, both MN-major)
+// dQ_tile is summed into an f32 accumulator in global memory by a bulk
+// reduce-add (cp.reduce.async.bulk, done in L2), which a last kernel converts.
+// At D = 128 each warpgroup computes 64 of dQ's columns; at D = 64 the
+// warpgroups take turns computing the whole tile (both as m64n64).
+// The row statistics (lse in log2 units, delta) come padded to tiles of 64 from
+// cqsa_bwd_stats_hopper and reach shared memory with the tile (one bulk copy).
 template <int D> struct BwdCfg {
-    static constexpr int BR = 128;  // fixed rows per block (queries or keys)
-    static constexpr int BS = 64;   // streamed rows per tile (keys or queries)
-    static constexpr int STAGES = 3;
-    static constexpr int THREADS = 384;
+    static constexpr int BR = 128, BS = 64, STAGES = 3, THREADS = 384;
     static constexpr int FBYTES = BR * D * 2, SBYTES = BS * D * 2;
-    // fixed pair, STAGES streamed pairs, then 7 mbarriers: full_fixed,
-    // full[STAGES], empty[STAGES].
-    static constexpr int BAR_OFF = 2 * FBYTES + 2 * STAGES * SBYTES;
-    static constexpr int SMEM = 1024 + BAR_OFF + 128;
+    static constexpr int DS_BYTES = BR * BS * 2;   // dS^T [128 keys][64 queries], 128-byte swizzle
+    static constexpr int DQ_BYTES = 64 * 64 * 4;   // one warpgroup's dQ block, f32
+    static constexpr int ST_BYTES = BS * 8;        // (lse, delta) of the tile's queries
+    static constexpr int S_OFF = 2 * FBYTES;       // stages of (Q, dO)
+    static constexpr int DS_OFF = S_OFF + STAGES * 2 * SBYTES;  // two dS buffers
+    static constexpr int DQ_OFF = DS_OFF + 2 * DS_BYTES;        // a dQ block per warpgroup
+    static constexpr int ST_OFF = DQ_OFF + 2 * DQ_BYTES;        // statistics per stage
+    // 7 mbarriers: full_fixed, full[STAGES], empty[STAGES].
+    static constexpr int BAR_OFF = ST_OFF + STAGES * ST_BYTES;
+    static constexpr int SMEM = 1024 + BAR_OFF + 8 * (1 + 2 * STAGES);
+    static_assert(SMEM <= 232448, "the H100/H200 shared-memory limit per block");
 };
-
-// The producer of both backward kernels: the fixed pair (fa, fb: rows frow0.. of
-// slice fslice), then streamed pair t = 0..n-1 (sa, sb: rows and slice from
-// `at(t)`) into stage t % STAGES once the consumers released its previous use.
-template <int D, typename At>
-__device__ void produce_pairs(const CUtensorMap* fa, const CUtensorMap* fb, int frow0, int fslice,
-                              const CUtensorMap* sa, const CUtensorMap* sb, uint32_t base, int n, At at) {
-    using C = BwdCfg<D>;
-    const uint32_t fb_s = base + C::FBYTES, s0 = base + 2 * C::FBYTES, bars = base + C::BAR_OFF;
-    bar_expect_tx(bars, 2 * C::FBYTES);
-    tma_tile<D>(base, fa, C::BR, frow0, fslice, bars);
-    tma_tile<D>(fb_s, fb, C::BR, frow0, fslice, bars);
-    for (int t = 0; t < n; ++t) {
-        const int s = t % C::STAGES;
-        const uint32_t full = bars + 8 * (1 + s), empty = bars + 8 * (1 + C::STAGES + s);
-        if (t >= C::STAGES) bar_wait(empty, ((t / C::STAGES) - 1) & 1);
-        int row0, slice;
-        at(t, &row0, &slice);
-        bar_expect_tx(full, 2 * C::SBYTES);
-        const uint32_t dst = s0 + s * 2 * C::SBYTES;
-        tma_tile<D>(dst, sa, C::BS, row0, slice, full);
-        tma_tile<D>(dst + C::SBYTES, sb, C::BS, row0, slice, full);
-    }
-}
-
-// Sets up the shared memory and barriers of a backward block and splits the
-// warpgroups: returns the tile base address; the caller branches on threadIdx.x.
-template <int D> __device__ __forceinline__ uint32_t bwd_setup() {
-    using C = BwdCfg<D>;
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
-    if (dynamic_smem_size() < (uint32_t)C::SMEM) __trap();  // launcher bug
-    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u, bars = base + C::BAR_OFF;
-    if (threadIdx.x == 0) {
-        bar_init(bars, 1);
-        for (int s = 0; s < C::STAGES; ++s) {
-            bar_init(bars + 8 * (1 + s), 1);
-            bar_init(bars + 8 * (1 + C::STAGES + s), 8);  // one arrival per consumer warp
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-    return base;
-}
 
 // The two products every backward tile starts with, both over the head dim:
 // x = A1 B1^T and y = A2 B2^T, where A1 and A2 are this warpgroup's 64 rows of the
@@ -455,112 +416,6 @@ __device__ __forceinline__ float lse_l2(float lse, bool in) {
     return (lse == NEG_INF || !in) ? POS_INF : lse * LOG2E;
 }
 
-template <typename T, int D, bool SOFTCAP>
-__device__ void bwd_dq_consume(uint32_t base, T* __restrict__ dq, const float* __restrict__ lse,
-                               const float* __restrict__ delta, const Work& w, int wg, int hq, int nq, int nk,
-                               float scale, int lo, int hi, float cap) {
-    using C = BwdCfg<D>;
-    constexpr int BS = C::BS, NS = BS / 2, NO = D / 2;
-    const uint32_t qs = base, gs = base + C::FBYTES, s0 = base + 2 * C::FBYTES, bars = base + C::BAR_OFF;
-    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int q0 = w.qblk * C::BR, wr0 = q0 + 64 * wg, wr1 = wr0 + 63, r0 = wr0 + 16 * warp + g;
-    const size_t rowbase = ((size_t)w.b * hq + w.h) * nq;
-    float L[2], dl[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = r0 + 8 * r;
-        const bool in = row < nq;
-        L[r] = lse_l2(in ? lse[rowbase + row] : 0.f, in);
-        dl[r] = in ? delta[rowbase + row] : 0.f;
-    }
-    const float sl2 = scale * LOG2E, cap_in = SOFTCAP ? scale / cap : 0.f, cap_out = SOFTCAP ? cap * LOG2E : 0.f;
-    float dqa[NO];
-#pragma unroll
-    for (int i = 0; i < NO; ++i) dqa[i] = 0.f;
-    uint32_t da[BS / 16][4];
-    auto stage = [&](int j) { return s0 + (j % C::STAGES) * 2 * C::SBYTES; };
-    auto release = [&](int j) {
-        __syncwarp();
-        if (lane == 0) bar_arrive(bars + 8 * (1 + C::STAGES + j % C::STAGES));
-    };
-    auto issue_s_dp = [&](float (&s)[NS], float (&dp)[NS], int j) {
-        const uint32_t kt = stage(j);
-        mma_pair<T, D>(s, dp, qs, kt, gs, kt + C::SBYTES, wg);
-    };
-    // dQ += dS K: K is [key][d], MN-major for this product (as V in the forward).
-    auto issue_dq = [&](int j) {
-        const uint32_t kt = stage(j);
-#pragma unroll
-        for (int kk = 0; kk < BS / 16; ++kk) mma_rs<T, D>(dqa, da[kk], desc128(kt + kk * 16 * 128, BS * 128, 1024));
-    };
-    // s <- dS of tile j (p and dS from the scores and dP).
-    auto grads = [&](float (&s)[NS], const float (&dp)[NS], int j) {
-        const int kv0 = w.kv_begin + j * BS;
-        const bool edge = kv0 + BS > nk || kv0 + BS - 1 > wr0 + hi || kv0 < wr1 + lo;
-#pragma unroll
-        for (int i = 0; i < NS; ++i) {
-            const int col = kv0 + (i >> 2) * 8 + 2 * t + (i & 1), r = (i >> 1) & 1, row = r0 + 8 * r;
-            const bool ok = !edge || (col < nk && col - row <= hi && col - row >= lo);
-            s[i] = p_ds<SOFTCAP>(s[i], dp[i], ok, L[r], dl[r], sl2, cap_in, cap_out).y;
-        }
-    };
-    auto pack = [&](const float (&s)[NS]) {
-#pragma unroll
-        for (int kk = 0; kk < BS / 16; ++kk)
-#pragma unroll
-            for (int x = 0; x < 4; ++x) da[kk][x] = pack2<T>(s[8 * kk + 2 * x], s[8 * kk + 2 * x + 1]);
-    };
-    const int n = w.ntiles;
-    bar_wait(bars, 0);
-    if (n > 0) {
-        {
-            bar_wait(bars + 8, 0);
-            float s[NS], dp[NS];
-            wg_fence();
-            issue_s_dp(s, dp, 0);
-            wg_commit();
-            wg_wait0();
-            reg_fence(s);
-            reg_fence(dp);
-            grads(s, dp, 0);
-            pack(s);
-        }
-        for (int j = 1; j < n; ++j) {
-            bar_wait(bars + 8 * (1 + j % C::STAGES), (j / C::STAGES) & 1);
-            float s[NS], dp[NS];
-            wg_fence();
-            issue_s_dp(s, dp, j);
-            wg_commit();
-            issue_dq(j - 1);
-            wg_commit();
-            wg_wait1();
-            reg_fence(s);
-            reg_fence(dp);
-            grads(s, dp, j);
-            wg_wait0();
-            reg_fence(dqa);
-            release(j - 1);
-            pack(s);
-        }
-        wg_fence();
-        issue_dq(n - 1);
-        wg_commit();
-        wg_wait0();
-        reg_fence(dqa);
-    }
-    T* out = dq + rowbase * D;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = r0 + 8 * r;
-        if (row < nq) {
-#pragma unroll
-            for (int n8 = 0; n8 < D / 8; ++n8)
-                *reinterpret_cast<uint32_t*>(out + (size_t)row * D + n8 * 8 + 2 * t) =
-                    pack2<T>(dqa[4 * n8 + 2 * r] * scale, dqa[4 * n8 + 2 * r + 1] * scale);
-        }
-    }
-}
-
 // The key block, kv head and batch of a dK/dV block, and its query tiles: every
 // query head of the group times the tiles [tile0, tile0 + ntq) that see the keys.
 struct KvWork {
@@ -575,167 +430,6 @@ template <int D> __device__ __forceinline__ KvWork kv_work(int hq, int hkv, int 
     w.ntq = i1 > i0 ? (i1 + C::BS - 1) / C::BS - w.tile0 : 0;
     return w;
 }
-
-template <typename T, int D, bool SOFTCAP>
-__device__ void bwd_dkdv_consume(uint32_t base, T* __restrict__ dk, T* __restrict__ dv, const float* __restrict__ lse,
-                                 const float* __restrict__ delta, const KvWork& w, int wg, int hq, int hkv, int nq,
-                                 int nk, float scale, int lo, int hi, float cap) {
-    using C = BwdCfg<D>;
-    constexpr int BS = C::BS, NS = BS / 2, NO = D / 2;
-    const uint32_t ks = base, vs = base + C::FBYTES, s0 = base + 2 * C::FBYTES, bars = base + C::BAR_OFF;
-    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int k0 = w.kblk * C::BR + 64 * wg, kr0 = k0 + 16 * warp + g;
-    const float sl2 = scale * LOG2E, cap_in = SOFTCAP ? scale / cap : 0.f, cap_out = SOFTCAP ? cap * LOG2E : 0.f;
-    float dka[NO], dva[NO];
-#pragma unroll
-    for (int i = 0; i < NO; ++i) dka[i] = dva[i] = 0.f;
-    const int n = w.grp * w.ntq;
-    bar_wait(bars, 0);
-    for (int j = 0; j < n; ++j) {
-        const int h = w.kh * w.grp + j / w.ntq, q0 = (w.tile0 + j % w.ntq) * BS;
-        const size_t rowbase = ((size_t)w.b * hq + h) * nq;
-        // lse and delta of this thread's 16 query columns (8 pairs).
-        float L[BS / 8][2], dl[BS / 8][2];
-#pragma unroll
-        for (int n8 = 0; n8 < BS / 8; ++n8)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int col = q0 + n8 * 8 + 2 * t + e;
-                const bool in = col < nq;
-                L[n8][e] = lse_l2(in ? lse[rowbase + col] : 0.f, in);
-                dl[n8][e] = in ? delta[rowbase + col] : 0.f;
-            }
-        const uint32_t qt = s0 + (j % C::STAGES) * 2 * C::SBYTES, gt = qt + C::SBYTES;
-        bar_wait(bars + 8 * (1 + j % C::STAGES), (j / C::STAGES) & 1);
-        float st[NS], dpt[NS];
-        wg_fence();
-        mma_pair<T, D>(st, dpt, ks, qt, vs, gt, wg);
-        wg_commit();
-        wg_wait0();
-        reg_fence(st);
-        reg_fence(dpt);
-        const bool edge = k0 + 63 >= nk || q0 + BS > nq || k0 + 63 - q0 > hi || k0 - (q0 + BS - 1) < lo;
-        uint32_t pa[BS / 16][4], da[BS / 16][4];
-#pragma unroll
-        for (int i = 0; i < NS; i += 2) {
-            float2 v[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int n8 = (i + e) >> 2, c = (i + e) & 1, key = kr0 + (((i + e) & 2) ? 8 : 0);
-                const int col = q0 + n8 * 8 + 2 * t + c;
-                const bool ok = !edge || (key < nk && col < nq && key - col <= hi && key - col >= lo);
-                v[e] = p_ds<SOFTCAP>(st[i + e], dpt[i + e], ok, L[n8][c], dl[n8][c], sl2, cap_in, cap_out);
-            }
-            pa[i >> 3][(i >> 1) & 3] = pack2<T>(v[0].x, v[1].x);
-            da[i >> 3][(i >> 1) & 3] = pack2<T>(v[0].y, v[1].y);
-        }
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < BS / 16; ++kk) {
-            mma_rs<T, D>(dva, pa[kk], desc128(gt + kk * 16 * 128, BS * 128, 1024));
-            mma_rs<T, D>(dka, da[kk], desc128(qt + kk * 16 * 128, BS * 128, 1024));
-        }
-        wg_commit();
-        wg_wait0();
-        reg_fence(dka);
-        reg_fence(dva);
-        __syncwarp();
-        if (lane == 0) bar_arrive(bars + 8 * (1 + C::STAGES + j % C::STAGES));
-    }
-    const size_t kbase = ((size_t)w.b * hkv + w.kh) * nk;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int key = kr0 + 8 * r;
-        if (key < nk) {
-#pragma unroll
-            for (int n8 = 0; n8 < D / 8; ++n8) {
-                const size_t at = (kbase + key) * D + n8 * 8 + 2 * t;
-                *reinterpret_cast<uint32_t*>(dk + at) = pack2<T>(dka[4 * n8 + 2 * r] * scale, dka[4 * n8 + 2 * r + 1] * scale);
-                *reinterpret_cast<uint32_t*>(dv + at) = pack2<T>(dva[4 * n8 + 2 * r], dva[4 * n8 + 2 * r + 1]);
-            }
-        }
-    }
-}
-
-template <typename T, int D, bool SOFTCAP>
-__device__ void bwd_dq(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv, const CUtensorMap* tg,
-                       const float* lse, const float* delta, T* dq, int hq, int hkv, int nq, int nk, float scale,
-                       int lo, int hi, float cap) {
-    using C = BwdCfg<D>;
-    static_assert(FwdCfg<D>::BR == C::BR, "block_work's rows");
-    const uint32_t base = bwd_setup<D>();
-    // The forward's block order and key range, with tiles of BS keys.
-    Work w = block_work<D>(nq, nk, lo, hi);
-    const int q0 = w.qblk * C::BR;
-    w.kv_begin = clampi((long long)q0 + lo, nk) / C::BS * C::BS;
-    const int kv_end = clampi((long long)(q0 + C::BR - 1) + hi + 1, nk);
-    w.ntiles = kv_end > w.kv_begin ? (kv_end - w.kv_begin + C::BS - 1) / C::BS : 0;
-    const int kh = w.h / (hq / hkv), wg = threadIdx.x >> 7;
-    if (wg == 0) {
-        setmaxnreg_dec<24>();
-        if (threadIdx.x == 0)
-            produce_pairs<D>(tq, tg, q0, w.b * hq + w.h, tk, tv, base, w.ntiles, [&](int j, int* row0, int* slice) {
-                *row0 = w.kv_begin + j * C::BS;
-                *slice = w.b * hkv + kh;
-            });
-    } else {
-        setmaxnreg_inc<240>();
-        bwd_dq_consume<T, D, SOFTCAP>(base, dq, lse, delta, w, wg - 1, hq, nq, nk, scale, lo, hi, cap);
-    }
-}
-
-template <typename T, int D, bool SOFTCAP>
-__device__ void bwd_dkdv(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv, const CUtensorMap* tg,
-                         const float* lse, const float* delta, T* dk, T* dv, int hq, int hkv, int nq, int nk,
-                         float scale, int lo, int hi, float cap) {
-    using C = BwdCfg<D>;
-    const uint32_t base = bwd_setup<D>();
-    const KvWork w = kv_work<D>(hq, hkv, nq, nk, lo, hi);
-    const int wg = threadIdx.x >> 7;
-    if (wg == 0) {
-        setmaxnreg_dec<24>();
-        if (threadIdx.x == 0)
-            produce_pairs<D>(tk, tv, w.kblk * C::BR, w.b * hkv + w.kh, tq, tg, base, w.grp * w.ntq,
-                             [&](int j, int* row0, int* slice) {
-                                 *row0 = (w.tile0 + j % w.ntq) * C::BS;
-                                 *slice = w.b * hq + w.kh * w.grp + j / w.ntq;
-                             });
-    } else {
-        setmaxnreg_inc<240>();
-        bwd_dkdv_consume<T, D, SOFTCAP>(base, dk, dv, lse, delta, w, wg - 1, hq, hkv, nq, nk, scale, lo, hi, cap);
-    }
-}
-
-
-// ---------------------------------------------------------------- fused backward
-// One kernel for dK, dV and dQ (five GEMMs): per block of BR = 128 keys (64 per
-// consumer warpgroup), over every query head of the GQA group and the query
-// tiles of BS = 64 that see the keys:
-//   S^T = K Q^T, dP^T = V dO^T      (both K-major from shared memory)
-//   P, dS from S, dP and the row statistics
-//   dV += P^T dO, dK += dS^T Q       (P^T, dS^T from registers)
-//   dQ_tile = dS K                   (dS^T through shared memory, both MN-major)
-// dQ_tile is summed into an f32 accumulator in global memory by a bulk
-// reduce-add (cp.reduce.async.bulk, done in L2), which a last kernel converts.
-// At D = 128 each warpgroup computes 64 of dQ's columns; at D = 64 the
-// warpgroups take turns computing the whole tile (both as m64n64).
-// The row statistics (lse in log2 units, delta) come padded to tiles of 64 from
-// cqsa_bwd_stats_hopper and reach shared memory with the tile (one bulk copy).
-template <int D> struct FusedCfg {
-    static constexpr int BR = 128, BS = 64, STAGES = 3, THREADS = 384;
-    static constexpr int FBYTES = BR * D * 2, SBYTES = BS * D * 2;
-    static constexpr int DS_BYTES = BR * BS * 2;   // dS^T [128 keys][64 queries], 128-byte swizzle
-    static constexpr int DQ_BYTES = 64 * 64 * 4;   // one warpgroup's dQ block, f32
-    static constexpr int ST_BYTES = BS * 8;        // (lse, delta) of the tile's queries
-    static constexpr int S_OFF = 2 * FBYTES;       // stages of (Q, dO)
-    static constexpr int DS_OFF = S_OFF + STAGES * 2 * SBYTES;  // two dS buffers
-    static constexpr int DQ_OFF = DS_OFF + 2 * DS_BYTES;        // a dQ block per warpgroup
-    static constexpr int ST_OFF = DQ_OFF + 2 * DQ_BYTES;        // statistics per stage
-    // 7 mbarriers: full_fixed, full[STAGES], empty[STAGES].
-    static constexpr int BAR_OFF = ST_OFF + STAGES * ST_BYTES;
-    static constexpr int SMEM = 1024 + BAR_OFF + 8 * (1 + 2 * STAGES);
-    static_assert(SMEM <= 232448, "the H100/H200 shared-memory limit per block");
-};
 
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void named_sync(int id, int threads) {
@@ -767,10 +461,10 @@ __device__ __forceinline__ void mma_tt64(float (&d)[32], uint64_t da, uint64_t d
 // The producer: K and V once, then (Q, dO, statistics) of tile t into stage
 // t % STAGES once the consumers released its previous use.
 template <int D>
-__device__ void produce_fused(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv,
+__device__ void produce_bwd(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv,
                               const CUtensorMap* tg, const float2* stats, const KvWork& w, int hq, int hkv, int nqp,
                               uint32_t base) {
-    using C = FusedCfg<D>;
+    using C = BwdCfg<D>;
     const uint32_t bars = base + C::BAR_OFF;
     bar_expect_tx(bars, 2 * C::FBYTES);
     tma_tile<D>(base, tk, C::BR, w.kblk * C::BR, w.b * hkv + w.kh, bars);
@@ -792,7 +486,7 @@ __device__ void produce_fused(const CUtensorMap* tq, const CUtensorMap* tk, cons
 // P and dS of one tile from S^T and dP^T (this warpgroup's 64 keys x 64 queries):
 // P^T and dS^T as A fragments (pa, da), and dS^T into shared memory at `dst`.
 template <typename T, bool SOFTCAP>
-__device__ __forceinline__ void fused_grads(const float (&st)[32], const float (&dpt)[32], uint32_t (&pa)[4][4],
+__device__ __forceinline__ void bwd_grads(const float (&st)[32], const float (&dpt)[32], uint32_t (&pa)[4][4],
                                             uint32_t (&da)[4][4], uint32_t stt, uint32_t dst, int krow0, int kr0,
                                             int q0, bool edge, int nq, int nk, int lo, int hi, float sl2, float cap_in,
                                             float cap_out) {
@@ -830,8 +524,8 @@ __device__ __forceinline__ void fused_grads(const float (&st)[32], const float (
 // [128 keys][D], both MN-major for this product; then through this warpgroup's
 // shared block into the f32 accumulator at `acc` (layout: [chunk of 4][thread][4]).
 template <typename T, int D>
-__device__ __forceinline__ void fused_dq(uint32_t dst, uint32_t ks, int cb, uint32_t dqs, float* acc, int wg) {
-    using C = FusedCfg<D>;
+__device__ __forceinline__ void bwd_dq(uint32_t dst, uint32_t ks, int cb, uint32_t dqs, float* acc, int wg) {
+    using C = BwdCfg<D>;
     const int tid = threadIdx.x & 127;
     float dqa[32];
     wg_fence();
@@ -855,10 +549,10 @@ __device__ __forceinline__ void fused_dq(uint32_t dst, uint32_t ks, int cb, uint
 }
 
 template <typename T, int D, bool SOFTCAP>
-__device__ void bwd_fused_consume(uint32_t base, float* __restrict__ dqacc, T* __restrict__ dk, T* __restrict__ dv,
+__device__ void bwd_consume(uint32_t base, float* __restrict__ dqacc, T* __restrict__ dk, T* __restrict__ dv,
                                   const KvWork& w, int wg, int hq, int hkv, int nq, int nk, float scale, int lo,
                                   int hi, float cap) {
-    using C = FusedCfg<D>;
+    using C = BwdCfg<D>;
     constexpr int BS = C::BS, NS = BS / 2, NO = D / 2;
     const uint32_t ks = base, vs = base + C::FBYTES, bars = base + C::BAR_OFF;
     const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
@@ -884,7 +578,7 @@ __device__ void bwd_fused_consume(uint32_t base, float* __restrict__ dqacc, T* _
         reg_fence(dpt);
         const bool edge = k0 + 63 >= nk || q0 + BS > nq || k0 + 63 - q0 > hi || k0 - (q0 + BS - 1) < lo;
         uint32_t pa[BS / 16][4], da[BS / 16][4];
-        fused_grads<T, SOFTCAP>(st, dpt, pa, da, base + C::ST_OFF + s * C::ST_BYTES, dst, krow0, kr0, q0, edge, nq,
+        bwd_grads<T, SOFTCAP>(st, dpt, pa, da, base + C::ST_OFF + s * C::ST_BYTES, dst, krow0, kr0, q0, edge, nq,
                                 nk, lo, hi, sl2, cap_in, cap_out);
         wg_fence();
 #pragma unroll
@@ -898,8 +592,8 @@ __device__ void bwd_fused_consume(uint32_t base, float* __restrict__ dqacc, T* _
         fence_async_smem();
         named_sync(1, 256);
         float* acc = dqacc + (((size_t)w.b * hq + h) * nqt + qtile) * BS * D;
-        if (D == 128) fused_dq<T, D>(dst, ks, wg, base + C::DQ_OFF + wg * C::DQ_BYTES, acc, wg);
-        else if ((j & 1) == wg) fused_dq<T, D>(dst, ks, 0, base + C::DQ_OFF + wg * C::DQ_BYTES, acc, wg);
+        if (D == 128) bwd_dq<T, D>(dst, ks, wg, base + C::DQ_OFF + wg * C::DQ_BYTES, acc, wg);
+        else if ((j & 1) == wg) bwd_dq<T, D>(dst, ks, 0, base + C::DQ_OFF + wg * C::DQ_BYTES, acc, wg);
         wg_wait0();
         reg_fence(dka);
         reg_fence(dva);
@@ -924,10 +618,10 @@ __device__ void bwd_fused_consume(uint32_t base, float* __restrict__ dqacc, T* _
 }
 
 template <typename T, int D, bool SOFTCAP>
-__device__ void bwd_fused(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv, const CUtensorMap* tg,
+__device__ void bwd(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv, const CUtensorMap* tg,
                           const float2* stats, float* dqacc, T* dk, T* dv, int hq, int hkv, int nq, int nk,
                           float scale, int lo, int hi, float cap) {
-    using C = FusedCfg<D>;
+    using C = BwdCfg<D>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     if (dynamic_smem_size() < (uint32_t)C::SMEM) __trap();  // launcher bug
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u, bars = base + C::BAR_OFF;
@@ -940,15 +634,14 @@ __device__ void bwd_fused(const CUtensorMap* tq, const CUtensorMap* tk, const CU
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    static_assert(FusedCfg<D>::BR == BwdCfg<D>::BR && FusedCfg<D>::BS == BwdCfg<D>::BS, "kv_work's tiles");
     const KvWork w = kv_work<D>(hq, hkv, nq, nk, lo, hi);
     const int wg = threadIdx.x >> 7, nqp = (nq + C::BS - 1) / C::BS * C::BS;
     if (wg == 0) {
         setmaxnreg_dec<24>();
-        if (threadIdx.x == 0) produce_fused<D>(tq, tk, tv, tg, stats, w, hq, hkv, nqp, base);
+        if (threadIdx.x == 0) produce_bwd<D>(tq, tk, tv, tg, stats, w, hq, hkv, nqp, base);
     } else {
         setmaxnreg_inc<240>();
-        bwd_fused_consume<T, D, SOFTCAP>(base, dqacc, dk, dv, w, wg - 1, hq, hkv, nq, nk, scale, lo, hi, cap);
+        bwd_consume<T, D, SOFTCAP>(base, dqacc, dk, dv, w, wg - 1, hq, hkv, nq, nk, scale, lo, hi, cap);
     }
 }
 
@@ -1002,45 +695,25 @@ HOPPER_ENTRIES(__nv_bfloat16, bf16, 64)
 HOPPER_ENTRIES(__nv_bfloat16, bf16, 128)
 HOPPER_ENTRIES(__nv_bfloat16, bf16, 256)
 
-// Backward entries: cqsa_bwd_{dq,dkdv}_hopper_{,cap_}{f16,bf16}_d{64,128}, launched
-// with hopper::BwdCfg<D>::THREADS threads and SMEM bytes, ceil(nq / BR) x hq x b
-// blocks (dq) or ceil(nk / BR) x hkv x b (dkdv), after cqsa_bwd_delta_*. Maps as
-// the forward's: q and do with boxes of BR rows for dq and BS rows for dkdv, k and
-// v the other way round.
-#define HOPPER_BWD_ENTRY(T, SUF, D, CAPNAME, CAP)                                                        \
-    extern "C" __global__ void __launch_bounds__(384, 1) cqsa_bwd_dq_hopper_##CAPNAME##SUF##_d##D(       \
-        const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,                 \
-        const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tg, const float* lse, \
-        const float* delta, T* dq, int hq, int hkv, int nq, int nk, float scale, int lo, int hi, float cap) { \
-        hopper::bwd_dq<T, D, CAP>(&tq, &tk, &tv, &tg, lse, delta, dq, hq, hkv, nq, nk, scale, lo, hi, cap); \
-    }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(384, 1) cqsa_bwd_dkdv_hopper_##CAPNAME##SUF##_d##D(     \
-        const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,                 \
-        const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tg, const float* lse, \
-        const float* delta, T* dk, T* dv, int hq, int hkv, int nq, int nk, float scale, int lo, int hi,    \
-        float cap) {                                                                                    \
-        hopper::bwd_dkdv<T, D, CAP>(&tq, &tk, &tv, &tg, lse, delta, dk, dv, hq, hkv, nq, nk, scale, lo, hi, \
-                                    cap);                                                               \
-    }
-#define HOPPER_FUSED_ENTRY(T, SUF, D, CAPNAME, CAP)                                                      \
-    extern "C" __global__ void __launch_bounds__(384, 1) cqsa_bwd_fused_hopper_##CAPNAME##SUF##_d##D(    \
+// Backward entries: cqsa_bwd_hopper_{,cap_}{f16,bf16}_d{64,128}, launched with
+// hopper::BwdCfg<D>::THREADS threads and SMEM bytes, ceil(nk / BR) x hkv x b
+// blocks, after cqsa_bwd_delta_* and cqsa_bwd_stats_hopper, onto a zeroed f32 dq
+// accumulator of ceil(nq / 64) * 64 * d per query head. Maps as the forward's:
+// q and do with boxes of BS rows, k and v of BR rows.
+#define HOPPER_BWD_ENTRY(T, SUF, D, CAPNAME, CAP)                                                      \
+    extern "C" __global__ void __launch_bounds__(384, 1) cqsa_bwd_hopper_##CAPNAME##SUF##_d##D(    \
         const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,                 \
         const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tg, const float2* stats, \
         float* dqacc, T* dk, T* dv, int hq, int hkv, int nq, int nk, float scale, int lo, int hi, float cap) { \
-        hopper::bwd_fused<T, D, CAP>(&tq, &tk, &tv, &tg, stats, dqacc, dk, dv, hq, hkv, nq, nk, scale, lo, hi, cap); \
+        hopper::bwd<T, D, CAP>(&tq, &tk, &tv, &tg, stats, dqacc, dk, dv, hq, hkv, nq, nk, scale, lo, hi, cap); \
     }
 #define HOPPER_BWD_ENTRIES(T, SUF, D) HOPPER_BWD_ENTRY(T, SUF, D, , false) HOPPER_BWD_ENTRY(T, SUF, D, cap_, true)
 HOPPER_BWD_ENTRIES(__half, f16, 64)
 HOPPER_BWD_ENTRIES(__half, f16, 128)
 HOPPER_BWD_ENTRIES(__nv_bfloat16, bf16, 64)
 HOPPER_BWD_ENTRIES(__nv_bfloat16, bf16, 128)
-#define HOPPER_FUSED_ENTRIES(T, SUF, D) HOPPER_FUSED_ENTRY(T, SUF, D, , false) HOPPER_FUSED_ENTRY(T, SUF, D, cap_, true)
-HOPPER_FUSED_ENTRIES(__half, f16, 64)
-HOPPER_FUSED_ENTRIES(__half, f16, 128)
-HOPPER_FUSED_ENTRIES(__nv_bfloat16, bf16, 64)
-HOPPER_FUSED_ENTRIES(__nv_bfloat16, bf16, 128)
 
-// Before and after the fused kernel: cqsa_bwd_stats_hopper (one thread per padded
+// Before and after the backward kernel: cqsa_bwd_stats_hopper (one thread per padded
 // row, after cqsa_bwd_delta_*) and cqsa_bwd_dq_convert_hopper_{f16,bf16} (one
 // thread per pair of dq elements).
 extern "C" __global__ void cqsa_bwd_stats_hopper(const float* lse, const float* delta, float2* stats,

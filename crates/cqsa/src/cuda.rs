@@ -10,8 +10,8 @@
 //! kernel `cqsa_fwd_mma_{f16,bf16}_d{64,128}` under the same conditions (head dim
 //! 64 or 128); the simple kernel `cqsa_fwd_simple_*` (f32 arithmetic, any head
 //! dim up to 256) otherwise. Backward: `cqsa_bwd_delta_*`, then the Hopper
-//! `cqsa_bwd_{dq,dkdv}_hopper_*` (head dims 64 and 128, no atomics) under the
-//! forward's Hopper conditions, else the tensor-core `cqsa_bwd_mma_*` (dq
+//! `cqsa_bwd_hopper_*` (head dims 64 and 128; dq summed in f32 by bulk
+//! reduce-adds) under the forward's Hopper conditions, else the tensor-core `cqsa_bwd_mma_*` (dq
 //! accumulated in an f32 buffer with atomics, then `cqsa_bwd_dq_convert_*`),
 //! otherwise `cqsa_bwd_dq_simple_*` and `cqsa_bwd_dkdv_simple_*`. With
 //! soft-capping the tensor-core kernels are the `*_cap_*` instances (so the plain
@@ -199,6 +199,11 @@ impl KernelArgs {
         } else {
             ""
         }
+    }
+
+    /// The score scale.
+    pub(crate) fn scale(&self) -> f32 {
+        self.scale
     }
 
     /// Pushes the arguments; `with_d` for the simple kernels, which take the head
@@ -391,10 +396,10 @@ fn backward_t<T: CudaDType + DeviceRepr>(
     } = *dims;
     let rows = b * hq * nq;
     // SAFETY (uninitialised): every element is written before it is read: delta by
-    // the delta kernel (every row), dq by the Hopper dq kernel, the conversion or
-    // the simple dq kernel (every row), dk and dv by the backward kernels (every
-    // key, a key no query sees included); sizes are > 0 (`AttentionShape::check`).
-    // Only the atomic dq accumulator of the portable tensor-core path needs zeros.
+    // the delta kernel (every row), dq by a conversion or the simple dq kernel
+    // (every row), dk and dv by the backward kernels (every key, a key no query
+    // sees included); sizes are > 0 (`AttentionShape::check`). Only the f32 dq
+    // accumulators (allocated where used) need zeros.
     let mut bw = Backward {
         dev,
         sfx: suffix(dtype)?,

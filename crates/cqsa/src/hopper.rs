@@ -1,7 +1,8 @@
 //! The Hopper kernels (`kernels/src/attention_hopper.cu`, module
 //! [`streamer_kernels::module::ATTENTION_HOPPER`]): `wgmma` fed by the tensor
 //! memory accelerator, forward (head dims 64, 128, 256) and backward (64, 128:
-//! a dq kernel and a dk/dv kernel after the portable delta kernel, no atomics).
+//! one kernel for dk, dv and dq after the portable delta kernel, dq summed in f32
+//! by bulk reduce-adds).
 //! They read Q, K, V and dO through TMA tensor maps, which this module builds
 //! (`cuTensorMapEncodeTiled`) and passes by value.
 //!
@@ -178,20 +179,30 @@ pub(crate) fn forward<T: DeviceRepr>(
     Ok(())
 }
 
-/// Fixed rows per backward block (`hopper::BwdCfg::BR`: queries of the dq
-/// kernel, keys of the dk/dv kernel) and streamed rows per tile (`BS`).
-const BWD_FIXED: usize = 128;
-const BWD_STREAMED: usize = 64;
+/// Keys per backward block (`hopper::BwdCfg::BR`: two consumer warpgroups of 64)
+/// and query rows per streamed tile (`BS`), the granule of the statistics and of
+/// the dq accumulator.
+const BWD_KEYS: usize = 128;
+const BWD_QUERIES: usize = 64;
 
-/// Dynamic shared memory of the backward kernels (`hopper::BwdCfg::SMEM`):
-/// alignment, the fixed pair, three stages of streamed pairs, the mbarriers.
+/// Dynamic shared memory of the backward kernel (`hopper::BwdCfg::SMEM`):
+/// alignment, K and V, three stages of (Q, dO), two dS tiles, a dQ block per
+/// warpgroup, three stages of statistics, the mbarriers.
 fn bwd_smem(d: usize) -> u32 {
-    (1024 + 2 * BWD_FIXED * d * 2 + 2 * 3 * BWD_STREAMED * d * 2 + 128) as u32
+    let kv = 2 * BWD_KEYS * d * 2;
+    let stages = 3 * 2 * BWD_QUERIES * d * 2;
+    let ds = 2 * BWD_KEYS * BWD_QUERIES * 2;
+    let dq = 2 * 64 * 64 * 4;
+    let stats = 3 * BWD_QUERIES * 8;
+    (1024 + kv + stages + ds + dq + stats + 8 * 7) as u32
 }
 
-/// The Hopper backward after `bw.delta`: `cqsa_bwd_dq_hopper_*` writes dq (a
-/// block per 128 query rows), then `cqsa_bwd_dkdv_hopper_*` dk and dv (a block
-/// per 128 keys), both on the device's compute stream.
+/// The Hopper backward after `bw.delta`, on the device's compute stream:
+/// `cqsa_bwd_stats_hopper` pads (lse, delta) to tiles of 64 queries, then
+/// `cqsa_bwd_hopper_*` (a block per 128 keys) writes dk and dv and sums dq into
+/// a zeroed f32 accumulator by bulk reduce-adds, which
+/// `cqsa_bwd_dq_convert_hopper_*` turns into dq. The sums land in an order that
+/// varies from run to run, so dq is exact to f32 rounding, not bit-reproducible.
 pub(crate) fn backward<T: DeviceRepr>(bw: &mut Backward<'_, T>) -> Result<()> {
     let AttentionShape {
         b,
@@ -203,65 +214,70 @@ pub(crate) fn backward<T: DeviceRepr>(bw: &mut Backward<'_, T>) -> Result<()> {
         dtype,
         ..
     } = bw.dims;
-    let stream = bw.dev.cuda_stream();
+    let (slices, nqp) = (b * hq, nq.div_ceil(BWD_QUERIES) * BWD_QUERIES);
+    // SAFETY (uninitialised): cqsa_bwd_stats_hopper writes every padded row.
+    let mut stats = unsafe { bw.dev.alloc::<f32>(2 * slices * nqp) }?;
+    let mut acc = bw.dev.alloc_zeros::<f32>(slices * nqp * d)?;
+    let load = |name: &str| -> Result<_> {
+        bw.dev
+            .get_or_load_custom_func(name, module::ATTENTION_HOPPER, ATTENTION_HOPPER)
+    };
+    let flat = |n: usize| -> Result<LaunchConfig> {
+        Ok(LaunchConfig {
+            grid_dim: grid(n.div_ceil(256), 1, 1)?,
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    };
+    let (slices_, nq_, nqp_) = (slices as i64, nq as i32, nqp as i32);
+    {
+        let func = load("cqsa_bwd_stats_hopper")?;
+        let mut builder = func.builder();
+        builder.arg(&bw.lse).arg(&bw.delta).arg(&mut stats);
+        builder.arg(&slices_).arg(&nq_).arg(&nqp_);
+        // SAFETY: reads slices*nq of lse and delta, writes slices*nqp float2
+        // (2*slices*nqp f32) of stats; argument types match the signature.
+        unsafe { builder.launch(flat(slices * nqp)?) }.w()?;
+    }
+    let name = format!("cqsa_bwd_hopper_{}{}_d{d}", bw.args.cap_infix(), bw.sfx);
+    let func = load(&name)?;
     let smem = bwd_smem(d);
-    // The guards record the reads on the stream when dropped, after both launches.
+    allow_smem(&func, smem)?;
+    let cfg = LaunchConfig {
+        grid_dim: grid(nk.div_ceil(BWD_KEYS), hkv, b)?,
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let stream = bw.dev.cuda_stream();
+    // The guards record the reads on the stream when dropped, after the launch.
     let (qp, _gq) = bw.q.device_ptr(&stream);
     let (kp, _gk) = bw.k.device_ptr(&stream);
     let (vp, _gv) = bw.v.device_ptr(&stream);
     let (gp, _gg) = bw.g.device_ptr(&stream);
-    let queries = (b * hq, nq, d);
-    let keys = (b * hkv, nk, d);
-    let cfg = |n: usize, h: usize| -> Result<LaunchConfig> {
-        Ok(LaunchConfig {
-            grid_dim: grid(n.div_ceil(BWD_FIXED), h, b)?,
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: smem,
-        })
-    };
-    let (cfg_dq, cfg_dkdv) = (cfg(nq, hq)?, cfg(nk, hkv)?);
-    let kernel = |what: &str| -> Result<_> {
-        let name = format!(
-            "cqsa_bwd_{what}_hopper_{}{}_d{d}",
-            bw.args.cap_infix(),
-            bw.sfx
-        );
-        let func =
-            bw.dev
-                .get_or_load_custom_func(&name, module::ATTENTION_HOPPER, ATTENTION_HOPPER)?;
-        allow_smem(&func, smem)?;
-        Ok(func)
-    };
-    {
-        let func = kernel("dq")?;
-        let tq = tensor_map(qp, dtype, queries, BWD_FIXED)?;
-        let tg = tensor_map(gp, dtype, queries, BWD_FIXED)?;
-        let tk = tensor_map(kp, dtype, keys, BWD_STREAMED)?;
-        let tv = tensor_map(vp, dtype, keys, BWD_STREAMED)?;
-        let mut builder = func.builder();
-        builder.arg(&tq).arg(&tk).arg(&tv).arg(&tg);
-        builder.arg(&bw.lse).arg(&bw.delta).arg(&mut bw.dq);
-        bw.args.push(&mut builder, false);
-        // SAFETY: the maps describe exactly the views' elements (contiguous,
-        // 16-byte aligned, alive past the launch); the kernel reads b*hq*nq of lse
-        // and delta and writes b*hq*nq*d of dq; argument types and order match its
-        // signature; it gets BwdCfg::SMEM (it traps on less) on a 9.0 device.
-        unsafe { builder.launch(cfg_dq) }.w()?;
-    }
-    let func = kernel("dkdv")?;
-    let tq = tensor_map(qp, dtype, queries, BWD_STREAMED)?;
-    let tg = tensor_map(gp, dtype, queries, BWD_STREAMED)?;
-    let tk = tensor_map(kp, dtype, keys, BWD_FIXED)?;
-    let tv = tensor_map(vp, dtype, keys, BWD_FIXED)?;
+    let tq = tensor_map(qp, dtype, (slices, nq, d), BWD_QUERIES)?;
+    let tg = tensor_map(gp, dtype, (slices, nq, d), BWD_QUERIES)?;
+    let tk = tensor_map(kp, dtype, (b * hkv, nk, d), BWD_KEYS)?;
+    let tv = tensor_map(vp, dtype, (b * hkv, nk, d), BWD_KEYS)?;
     let mut builder = func.builder();
     builder.arg(&tq).arg(&tk).arg(&tv).arg(&tg);
     builder
-        .arg(&bw.lse)
-        .arg(&bw.delta)
+        .arg(&stats)
+        .arg(&mut acc)
         .arg(&mut bw.dk)
         .arg(&mut bw.dv);
     bw.args.push(&mut builder, false);
-    // SAFETY: as above; the kernel writes b*hkv*nk*d of dk and of dv.
-    unsafe { builder.launch(cfg_dkdv) }.w()?;
+    // SAFETY: the maps describe exactly the views' elements (contiguous, 16-byte
+    // aligned, alive past the launch); the kernel reads slices*nqp float2 of stats,
+    // adds into the slices*nqp*d f32 of acc and writes b*hkv*nk*d of dk and of dv;
+    // argument types and order match its signature; it gets BwdCfg::SMEM (it traps
+    // on less) on a 9.0 device.
+    unsafe { builder.launch(cfg) }.w()?;
+    let func = load(&format!("cqsa_bwd_dq_convert_hopper_{}", bw.sfx))?;
+    let (d_, scale) = (d as i32, bw.args.scale());
+    let mut builder = func.builder();
+    builder.arg(&acc).arg(&mut bw.dq);
+    builder.arg(&slices_).arg(&nq_).arg(&d_).arg(&scale);
+    // SAFETY: reads slices*nqp*d f32 of acc, writes slices*nq*d of dq (d even).
+    unsafe { builder.launch(flat(slices * nq * d / 2)?) }.w()?;
     Ok(())
 }
