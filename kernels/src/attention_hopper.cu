@@ -520,54 +520,93 @@ __device__ __forceinline__ void bwd_grads(const float (&st)[32], const float (&d
     }
 }
 
-// dQ_tile block `cb` (64 columns) = dS K: dS^T [128 keys][64 queries] and K
-// [128 keys][D], both MN-major for this product; then through this warpgroup's
-// shared block into the f32 accumulator at `acc` (layout: [chunk of 4][thread][4]).
+// Named barriers between the consumer warpgroups (0 is __syncthreads):
+// READY(w, b): warpgroup w's half of dS^T is in buffer b (w arrives, the other
+// waits); FREE(u, b): warpgroup u's dQ product has read buffer b (u arrives, the
+// other waits before writing b again); OWN(w): warpgroup w's own 128 threads.
+__device__ __forceinline__ int bar_ready(int w, int b) { return 1 + 2 * w + b; }
+__device__ __forceinline__ int bar_free(int u, int b) { return 5 + 2 * u + b; }
+__device__ __forceinline__ int bar_own(int w) { return 9 + w; }
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Whether warpgroup u computes (columns of) dQ of tile j: both at D = 128 (64
+// columns each), in turns at D = 64.
+template <int D> __device__ __forceinline__ bool dq_mine(int u, int j) { return D == 128 || (j & 1) == u; }
+
+// Issues dQ_tile block `cb` (64 columns) = dS K of tile j: dS^T [128 keys][64
+// queries] in buffer j & 1 and K [128 keys][D], both MN-major for this product,
+// once the other warpgroup's half of dS^T is there (its own half is: bar_own).
 template <typename T, int D>
-__device__ __forceinline__ void bwd_dq(uint32_t dst, uint32_t ks, int cb, uint32_t dqs, float* acc, int wg) {
+__device__ __forceinline__ void bwd_dq_issue(float (&dqa)[32], uint32_t base, int j, int wg) {
     using C = BwdCfg<D>;
-    const int tid = threadIdx.x & 127;
-    float dqa[32];
+    const uint32_t dst = base + C::DS_OFF + (j & 1) * C::DS_BYTES, kb = base + (D == 128 ? wg : 0) * C::BR * 128;
+    named_sync(bar_ready(1 - wg, j & 1), 256);
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < C::BR / 16; ++kk)
-        mma_tt64<T>(dqa, desc128(dst + kk * 16 * 128, C::DS_BYTES, 1024),
-                    desc128(ks + cb * C::BR * 128 + kk * 16 * 128, C::BR * 128, 1024), kk > 0);
+        mma_tt64<T>(dqa, desc128(dst + kk * 16 * 128, C::DS_BYTES, 1024), desc128(kb + kk * 16 * 128, C::BR * 128, 1024),
+                    kk > 0);
     wg_commit();
-    wg_wait0();
-    reg_fence(dqa);
+}
+
+// After dQ of tile j completed: tells the other warpgroup that buffer j & 1 is
+// read (when it will write it again, tile j + 2), then sums the block through
+// this warpgroup's shared block into the f32 accumulator at `acc` (layout:
+// [chunk of 4][thread][4]).
+template <int D>
+__device__ __forceinline__ void bwd_dq_store(const float (&dqa)[32], uint32_t base, float* acc, int j, int n, int wg) {
+    using C = BwdCfg<D>;
+    const int tid = threadIdx.x & 127;
+    const uint32_t dqs = base + C::DQ_OFF + wg * C::DQ_BYTES;
+    if (j + 2 < n) named_arrive(bar_free(wg, j & 1), 256);
     if (tid == 0) bulk_wait_read();  // the previous reduce has read the block
-    named_sync(2 + wg, 128);
+    named_sync(bar_own(wg), 128);
 #pragma unroll
     for (int c4 = 0; c4 < 8; ++c4)
         asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dqs + (c4 * 128 + tid) * 16),
                      "f"(dqa[4 * c4]), "f"(dqa[4 * c4 + 1]), "f"(dqa[4 * c4 + 2]), "f"(dqa[4 * c4 + 3])
                      : "memory");
     fence_async_smem();
-    named_sync(2 + wg, 128);
-    if (tid == 0) bulk_reduce_add(acc + cb * 64 * 64, dqs, C::DQ_BYTES);
+    named_sync(bar_own(wg), 128);
+    if (tid == 0) bulk_reduce_add(acc + (D == 128 ? wg : 0) * 64 * 64, dqs, C::DQ_BYTES);
 }
 
+// One consumer warpgroup, per tile j: S^T and dP^T, the element-wise work, then
+// dQ of tile j - 1 (deferred by a tile, so that the two warpgroups never wait
+// for each other in lockstep) after dV/dK of tile j, and dQ's store.
 template <typename T, int D, bool SOFTCAP>
 __device__ void bwd_consume(uint32_t base, float* __restrict__ dqacc, T* __restrict__ dk, T* __restrict__ dv,
-                                  const KvWork& w, int wg, int hq, int hkv, int nq, int nk, float scale, int lo,
-                                  int hi, float cap) {
+                            const KvWork& w, int wg, int hq, int hkv, int nq, int nk, float scale, int lo, int hi,
+                            float cap) {
     using C = BwdCfg<D>;
     constexpr int BS = C::BS, NS = BS / 2, NO = D / 2;
     const uint32_t ks = base, vs = base + C::FBYTES, bars = base + C::BAR_OFF;
-    const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, g = lane >> 2;
     const int krow0 = 64 * wg + 16 * warp + g, k0 = w.kblk * C::BR + 64 * wg, kr0 = w.kblk * C::BR + krow0;
     const int nqt = (nq + BS - 1) / BS;
     const float sl2 = scale * LOG2E, cap_in = SOFTCAP ? scale / cap : 0.f, cap_out = SOFTCAP ? cap * LOG2E : 0.f;
+    // Tile j's slice of the f32 dQ accumulator.
+    auto acc_of = [&](int j) {
+        const int h = w.kh * w.grp + j / w.ntq, qtile = w.tile0 + j % w.ntq;
+        return dqacc + (((size_t)w.b * hq + h) * nqt + qtile) * BS * D;
+    };
     float dka[NO], dva[NO];
 #pragma unroll
     for (int i = 0; i < NO; ++i) dka[i] = dva[i] = 0.f;
     const int n = w.grp * w.ntq;
     bar_wait(bars, 0);
     for (int j = 0; j < n; ++j) {
-        const int s = j % C::STAGES, h = w.kh * w.grp + j / w.ntq, qtile = w.tile0 + j % w.ntq, q0 = qtile * BS;
+        const int s = j % C::STAGES, q0 = (w.tile0 + j % w.ntq) * BS;
         const uint32_t qt = base + C::S_OFF + s * 2 * C::SBYTES, gt = qt + C::SBYTES;
-        const uint32_t dst = base + C::DS_OFF + (j & 1) * C::DS_BYTES;
+        if (j > 0 && dq_mine<D>(wg, j - 1)) {
+            float dqa[32];
+            bwd_dq_issue<T, D>(dqa, base, j - 1, wg);
+            wg_wait0();
+            reg_fence(dqa);
+            bwd_dq_store<D>(dqa, base, acc_of(j - 1), j - 1, n, wg);
+        }
         bar_wait(bars + 8 * (1 + s), (j / C::STAGES) & 1);
         float st[NS], dpt[NS];
         wg_fence();
@@ -576,10 +615,16 @@ __device__ void bwd_consume(uint32_t base, float* __restrict__ dqacc, T* __restr
         wg_wait0();
         reg_fence(st);
         reg_fence(dpt);
+        // The other warpgroup's dQ of tile j - 2 has read the buffer.
+        if (j >= 2 && dq_mine<D>(1 - wg, j - 2)) named_sync(bar_free(1 - wg, j & 1), 256);
         const bool edge = k0 + 63 >= nk || q0 + BS > nq || k0 + 63 - q0 > hi || k0 - (q0 + BS - 1) < lo;
         uint32_t pa[BS / 16][4], da[BS / 16][4];
-        bwd_grads<T, SOFTCAP>(st, dpt, pa, da, base + C::ST_OFF + s * C::ST_BYTES, dst, krow0, kr0, q0, edge, nq,
-                                nk, lo, hi, sl2, cap_in, cap_out);
+        bwd_grads<T, SOFTCAP>(st, dpt, pa, da, base + C::ST_OFF + s * C::ST_BYTES,
+                              base + C::DS_OFF + (j & 1) * C::DS_BYTES, krow0, kr0, q0, edge, nq, nk, lo, hi, sl2,
+                              cap_in, cap_out);
+        fence_async_smem();
+        if (dq_mine<D>(1 - wg, j)) named_arrive(bar_ready(wg, j & 1), 256);
+        named_sync(bar_own(wg), 128);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < BS / 16; ++kk) {
@@ -587,20 +632,20 @@ __device__ void bwd_consume(uint32_t base, float* __restrict__ dqacc, T* __restr
             mma_rs<T, D>(dka, da[kk], desc128(qt + kk * 16 * 128, BS * 128, 1024));
         }
         wg_commit();
-        // Both warpgroups' halves of dS^T are in shared memory (and their dQ
-        // products of tile j - 1, which read the other buffer, are done).
-        fence_async_smem();
-        named_sync(1, 256);
-        float* acc = dqacc + (((size_t)w.b * hq + h) * nqt + qtile) * BS * D;
-        if (D == 128) bwd_dq<T, D>(dst, ks, wg, base + C::DQ_OFF + wg * C::DQ_BYTES, acc, wg);
-        else if ((j & 1) == wg) bwd_dq<T, D>(dst, ks, 0, base + C::DQ_OFF + wg * C::DQ_BYTES, acc, wg);
         wg_wait0();
         reg_fence(dka);
         reg_fence(dva);
         __syncwarp();
         if (lane == 0) bar_arrive(bars + 8 * (1 + C::STAGES + s));
     }
-    if (tid == 0) bulk_wait_all();
+    if (n > 0 && dq_mine<D>(wg, n - 1)) {
+        float dqa[32];
+        bwd_dq_issue<T, D>(dqa, base, n - 1, wg);
+        wg_wait0();
+        reg_fence(dqa);
+        bwd_dq_store<D>(dqa, base, acc_of(n - 1), n - 1, n, wg);
+    }
+    if ((threadIdx.x & 127) == 0) bulk_wait_all();
     const size_t kbase = ((size_t)w.b * hkv + w.kh) * nk;
     const int t = lane & 3;
 #pragma unroll

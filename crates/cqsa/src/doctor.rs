@@ -73,8 +73,8 @@ fn family(dev: &Device, dtype: DType, d: usize, scores: &Scores, hopper: bool) -
 /// Runs every check on `dev` and returns them all (failures included); errors
 /// only when a kernel call itself fails, with the case in the message.
 ///
-/// Where the GPU has the Hopper kernels, each case runs with them and with the
-/// portable ones ([`crate::set_hopper_kernels`], put back as found after each).
+/// Where the GPU has the Hopper kernels, each f16/bf16 case runs with them and
+/// with the portable ones ([`crate::set_hopper_kernels`], put back as found after each).
 pub fn check_kernels(dev: &Device) -> Result<Vec<KernelCheck>> {
     let (nq, nk) = (150, 150);
     let hopper_too = crate::hopper_kernels_available(dev)?;
@@ -88,7 +88,9 @@ pub fn check_kernels(dev: &Device) -> Result<Vec<KernelCheck>> {
                 softcap,
                 ..Scores::dense(1.0 / (d as f32).sqrt())
             };
-            for hopper in if hopper_too {
+            // Only f16/bf16 have Hopper kernels: the other dtypes run once.
+            let half = matches!(dtype, DType::F16 | DType::BF16);
+            for hopper in if hopper_too && half {
                 &[true, false][..]
             } else {
                 &[false][..]
