@@ -8,7 +8,9 @@ fn main() {
         "../../kernels/src/attention.cu",
         "../../kernels/src/attention_common.cuh",
         "../../kernels/src/attention_hopper.cu",
+        "../../kernels/src/wgmma.cuh",
         "src/cuda.rs",
+        "src/hopper.rs",
         "src/cpu.rs",
     ];
     // FNV-1a, 64 bits: stable across Rust versions, unlike std's hasher.
