@@ -612,7 +612,10 @@ fn out_of_core(dev: &Device) -> Result<Value> {
     };
     let t_inputs = Instant::now();
     let (q, k, v) = (host(1.0)?, host(1.0)?, host(1.0)?);
-    println!("out of core: host inputs made in {:.1} s", t_inputs.elapsed().as_secs_f64());
+    println!(
+        "out of core: host inputs made in {:.1} s",
+        t_inputs.elapsed().as_secs_f64()
+    );
     let budget = cqsa::Budget::new((budget_gib * (1u64 << 30) as f64) as usize);
     let opts = AttentionOpts {
         causal: true,
