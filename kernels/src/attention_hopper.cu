@@ -1,9 +1,9 @@
-// Exact attention forward for Hopper (sm_90a): warpgroup MMA (wgmma) fed by the
-// tensor memory accelerator (TMA), warp-specialised. Compiled only for compute
-// capability 9.0 (kernels/build.rs); the mma.sync kernels of attention.cu stay the
-// portable path.
+// Exact attention forward and backward for Hopper (sm_90a): warpgroup MMA (wgmma)
+// fed by the tensor memory accelerator (TMA), warp-specialised. Compiled only for
+// compute capability 9.0 (kernels/build.rs); the mma.sync kernels of attention.cu
+// stay the portable path. The backward is described at its own section below.
 //
-// Same results as attention.cu's cqsa_fwd_mma_* (band (lo, hi), soft-cap, lse,
+// Forward: same results as attention.cu's cqsa_fwd_mma_* (band (lo, hi), soft-cap, lse,
 // GQA, layouts), but Q, K and V arrive as TMA tensor maps (3-D: head dim, sequence,
 // batch * heads; 128-byte swizzle; boxes of 64 x rows x 1, zero-filled past the
 // sequence), so the launcher builds those maps (cuTensorMapEncodeTiled).
@@ -462,8 +462,8 @@ __device__ __forceinline__ void mma_tt64(float (&d)[32], uint64_t da, uint64_t d
 // t % STAGES once the consumers released its previous use.
 template <int D>
 __device__ void produce_bwd(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv,
-                              const CUtensorMap* tg, const float2* stats, const KvWork& w, int hq, int hkv, int nqp,
-                              uint32_t base) {
+                            const CUtensorMap* tg, const float2* stats, const KvWork& w, int hq, int hkv, int nqp,
+                            uint32_t base) {
     using C = BwdCfg<D>;
     const uint32_t bars = base + C::BAR_OFF;
     bar_expect_tx(bars, 2 * C::FBYTES);
@@ -487,9 +487,9 @@ __device__ void produce_bwd(const CUtensorMap* tq, const CUtensorMap* tk, const 
 // P^T and dS^T as A fragments (pa, da), and dS^T into shared memory at `dst`.
 template <typename T, bool SOFTCAP>
 __device__ __forceinline__ void bwd_grads(const float (&st)[32], const float (&dpt)[32], uint32_t (&pa)[4][4],
-                                            uint32_t (&da)[4][4], uint32_t stt, uint32_t dst, int krow0, int kr0,
-                                            int q0, bool edge, int nq, int nk, int lo, int hi, float sl2, float cap_in,
-                                            float cap_out) {
+                                          uint32_t (&da)[4][4], uint32_t stt, uint32_t dst, int krow0, int kr0, int q0,
+                                          bool edge, int nq, int nk, int lo, int hi, float sl2, float cap_in,
+                                          float cap_out) {
     const int t = threadIdx.x & 3;
 #pragma unroll
     for (int n8 = 0; n8 < 8; ++n8) {
