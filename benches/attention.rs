@@ -16,6 +16,8 @@
 //!   time, peak device memory and the error of the first and last 2048 rows of
 //!   the first, middle and last heads against resident runs.
 //!
+//! - `CQSA_BENCH_RETABLE=1`: measure nothing; rebuild the long-format `table` of
+//!   the report at `CQSA_BENCH_OUT` (see `attention_table.rs`).
 //! - `CQSA_BENCH_TORCH_JSON`: results of `benches/attention_torch.py` from the
 //!   same run to draw beside ours (default
 //!   `benches/results/attention-torch-h200.json`; skipped when missing).
@@ -67,6 +69,8 @@ use serde_json::{json, Value};
 
 #[path = "attention_predict.rs"]
 mod predict;
+#[path = "attention_table.rs"]
+mod table;
 
 /// One call's time, median over the repeats: by device events where there are
 /// some (`gpu`), and by the host's clock up to a device synchronise (`wall`).
@@ -206,6 +210,11 @@ fn main() -> Result<()> {
         };
         format!("benches/results/{name}")
     });
+    let torch = std::env::var("CQSA_BENCH_TORCH_JSON")
+        .unwrap_or_else(|_| "benches/results/attention-torch-h200.json".into());
+    if std::env::var("CQSA_BENCH_RETABLE").is_ok_and(|v| v == "1") {
+        return table::retable(&out, &torch);
+    }
     let scale = 1.0 / (d as f64).sqrt();
     let mut rows = Vec::new();
     println!(
@@ -331,14 +340,13 @@ fn main() -> Result<()> {
         streamer_core::trim_device_memory(&dev)?;
         report["out_of_core"] = out_of_core(&dev)?;
     }
+    report["table"] = table::table(&report, table::read(&torch)?.as_ref());
     if let Some(dir) = std::path::Path::new(&out).parent() {
         std::fs::create_dir_all(dir)?;
     }
     std::fs::write(&out, serde_json::to_string_pretty(&report)?)?;
     println!("wrote {out}");
     let svg = std::path::Path::new(&out).with_extension("svg");
-    let torch = std::env::var("CQSA_BENCH_TORCH_JSON")
-        .unwrap_or_else(|_| "benches/results/attention-torch-h200.json".into());
     std::fs::write(
         &svg,
         plot(
