@@ -6,7 +6,7 @@
 //   harness 0: correctness (bf16/f16, D 64/128, odd sizes, causal offsets, GQA,
 //              sliding windows (a lower bound lo), soft-capping)
 //   harness 1: benchmark (bf16, B=1, H=16, N = 1k..16k, causal and not)
-//   harness 3: the Hopper forward (HFILE, sm_90a) against the same reference
+//   harness 3: the Hopper forward and backward (HFILE, sm_90a) against the same reference
 //   harness 4: benchmark of the Hopper forward beside the portable one
 //   harness 5: forward + backward, portable then Hopper
 // A gradient whose reference is zero up to rounding (nk = 1, a scale of 1e-30) is
