@@ -48,9 +48,10 @@
 //! them (`CUDA_COMPUTE_CAP=90`), those calls run kernels written for that chip
 //! (`wgmma` fed by the tensor memory accelerator, warp-specialised), and the
 //! forward covers head dim 256 as well; [`set_hopper_kernels`] switches back
-//! to the portable ones, which every other GPU runs. The Hopper backward sums dq
-//! in f32 in an order that varies from run to run (as FlashAttention 3 and
-//! cuDNN do), so dq repeats only to f32 rounding; dk and dv repeat exactly.
+//! to the portable ones, which every other GPU runs. Both tensor-core backwards
+//! sum dq in f32 across key blocks (atomics, or bulk reduce-adds on Hopper) in
+//! an order that varies from run to run, as FlashAttention and cuDNN do, so dq
+//! repeats only to f32 rounding; dk and dv repeat exactly.
 //! Candle allocates through CUDA's stream-ordered pool, which by default returns
 //! freed memory to the driver at every synchronisation, so a loop of short calls
 //! maps its buffers again each time. Keeping freed memory pooled, as PyTorch's
