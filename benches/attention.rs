@@ -662,14 +662,13 @@ fn out_of_core(dev: &Device) -> Result<Value> {
         peak_host as f64 / qkvo_bytes as f64
     );
     // Rows 0..slice see keys 0..slice; the last `slice` rows see every key.
-    // Checked head by head on contiguous host slices: Candle's strided copies
-    // index in 32 bits, so a view of a tensor of more than 2^32 elements (q, k,
-    // v at 4M tokens) cannot go to the device as it is.
+    // Checked head by head, each slice moved on its own: Candle's `to_device`
+    // would move a view's whole storage (all of q, k or v) every time.
     let on = |t: &Tensor, head: usize, a: usize, len: usize| -> Result<Tensor> {
-        Ok(t.narrow(1, head, 1)?
-            .narrow(2, a, len)?
-            .contiguous()?
-            .to_device(dev)?)
+        Ok(streamer_core::to_device_compact(
+            &t.narrow(1, head, 1)?.narrow(2, a, len)?,
+            dev,
+        )?)
     };
     let res_opts = AttentionOpts {
         causal: true,

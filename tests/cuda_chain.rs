@@ -57,3 +57,56 @@ fn matmul_matches_f64(dev: &Device) -> anyhow::Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(matmul_matches_f64);
+
+/// `streamer_core::to_device_compact` moves a view's own elements: one head
+/// narrowed out of a larger host tensor arrives on `dev` with its values, as a
+/// tensor that is its whole storage (Candle's `to_device` would move all four
+/// heads), and comes back the same way; `covers_storage` tells a view from a
+/// whole tensor.
+fn compact_transfer_moves_only_the_view(dev: &Device) -> anyhow::Result<()> {
+    use streamer_core::{covers_storage, to_device_compact};
+    let host = Tensor::arange(0f32, 192.0, &Device::Cpu)?.reshape((1, 4, 6, 8))?;
+    anyhow::ensure!(covers_storage(&host), "a fresh tensor is its whole storage");
+    let view = host.narrow(1, 2, 1)?.narrow(2, 1, 3)?;
+    anyhow::ensure!(!covers_storage(&view), "a narrowed view is not");
+    anyhow::ensure!(
+        !covers_storage(&host.transpose(2, 3)?),
+        "a transposed view is not"
+    );
+    let moved = to_device_compact(&view, dev)?;
+    let want = view.flatten_all()?.to_vec1::<f32>()?;
+    let got = moved
+        .to_device(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    anyhow::ensure!(got == want, "moved values {got:?}, want {want:?}");
+    anyhow::ensure!(
+        moved.dims() == [1, 1, 3, 8],
+        "moved shape {:?}",
+        moved.dims()
+    );
+    // A strided view moves as it is (the test checks the values only).
+    let t = to_device_compact(&view.transpose(2, 3)?, dev)?;
+    anyhow::ensure!(
+        t.transpose(2, 3)?.flatten_all()?.to_vec1::<f32>()? == want,
+        "a transposed view moved with other values"
+    );
+    let part = moved.narrow(2, 1, 2)?;
+    let back = to_device_compact(&part, &Device::Cpu)?;
+    anyhow::ensure!(
+        back.flatten_all()?.to_vec1::<f32>()? == want[8..],
+        "the slice came back with other values"
+    );
+    if !dev.is_cpu() {
+        anyhow::ensure!(
+            covers_storage(&moved),
+            "the device copy holds more than the view"
+        );
+        anyhow::ensure!(
+            covers_storage(&back),
+            "the host copy holds more than the slice"
+        );
+    }
+    Ok(())
+}
+candle_streamer::test_device!(compact_transfer_moves_only_the_view);

@@ -314,13 +314,14 @@ impl Call {
         })
     }
 
-    /// Contiguous copies of the inputs on the compute device.
+    /// Contiguous copies of the inputs on the compute device (a view moves only
+    /// its own elements).
     fn on_exec(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let to = |t: &Tensor| {
             if t.device().same_device(&self.exec) {
                 t.contiguous()
             } else {
-                t.to_device(&self.exec)?.contiguous()
+                streamer_core::to_device_compact(t, &self.exec)?.contiguous()
             }
         };
         Ok((to(q)?, to(k)?, to(v)?))

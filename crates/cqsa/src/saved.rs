@@ -112,7 +112,7 @@ impl SavedAttention {
                 scores,
                 device,
             } => {
-                let g = grad_o.to_device(q.device())?;
+                let g = streamer_core::to_device_compact(grad_o, q.device())?;
                 let (dq, dk, dv) = op::attention_backward_with(q, k, v, o, &g, lse, scores)?;
                 let back = |t: Tensor| -> Result<Tensor> {
                     if t.device().same_device(device) {

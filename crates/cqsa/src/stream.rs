@@ -65,7 +65,7 @@ fn host(t: &Tensor) -> Result<Tensor> {
     if t.device().is_cpu() {
         t.contiguous()
     } else {
-        t.to_device(&Device::Cpu)?.contiguous()
+        streamer_core::to_device_compact(t, &Device::Cpu)?.contiguous()
     }
 }
 

@@ -52,6 +52,7 @@ mod sequential;
 mod source;
 mod stats;
 mod timeline;
+mod transfer;
 
 pub use bandwidth::{measure_copy_gbps, measure_h2d_gbps, measure_pin_gbps, CopyDirection};
 pub use block::{
@@ -74,3 +75,4 @@ pub use source::{expand_paths, replace_atomic, save_atomic, WeightSource};
 pub use source::{sibling_file, sync_dir, temp_path};
 pub use stats::{Observer, StreamStats, Transition, TransitionKind, TRANSITION_LOG_LEN};
 pub use timeline::{Timeline, TraceEvent, TraceKind};
+pub use transfer::{covers_storage, to_device_compact};

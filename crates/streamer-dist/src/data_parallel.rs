@@ -264,8 +264,9 @@ impl DataParallel {
         let model = &self.replicas[r];
         let coll = &self.collectives[r];
         let dev = coll.device();
-        let x = inputs.narrow(0, r * b, b)?.to_device(dev)?;
-        let t = targets.narrow(0, r * b, b)?.to_device(dev)?;
+        // This rank's rows only (to_device would move the whole batch's storage).
+        let x = streamer_core::to_device_compact(&inputs.narrow(0, r * b, b)?, dev)?;
+        let t = streamer_core::to_device_compact(&targets.narrow(0, r * b, b)?, dev)?;
         model.zero_grad()?;
         let out = model.forward(&x)?;
         let l = loss(r, &out, &t)?;
