@@ -573,9 +573,10 @@ __device__ __forceinline__ void bwd_dq_store(const float (&dqa)[32], uint32_t ba
     if (tid == 0) bulk_reduce_add(acc + (D == 128 ? wg : 0) * 64 * 64, dqs, C::DQ_BYTES);
 }
 
-// One consumer warpgroup, per tile j: S^T and dP^T, the element-wise work, then
-// dQ of tile j - 1 (deferred by a tile, so that the two warpgroups never wait
-// for each other in lockstep) after dV/dK of tile j, and dQ's store.
+// One consumer warpgroup, per tile j: first dQ of tile j - 1 and its store
+// (deferred by a tile, so that the other warpgroup has had a whole tile to write
+// its half of dS^T and the two never wait for each other in lockstep), then S^T
+// and dP^T of tile j, the element-wise work, and dV/dK of tile j.
 template <typename T, int D, bool SOFTCAP>
 __device__ void bwd_consume(uint32_t base, float* __restrict__ dqacc, T* __restrict__ dk, T* __restrict__ dv,
                             const KvWork& w, int wg, int hq, int hkv, int nq, int nk, float scale, int lo, int hi,
