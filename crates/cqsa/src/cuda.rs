@@ -11,9 +11,10 @@
 //! 64 or 128); the simple kernel `cqsa_fwd_simple_*` (f32 arithmetic, any head
 //! dim up to 256) otherwise. Backward: `cqsa_bwd_delta_*`, then the Hopper
 //! `cqsa_bwd_hopper_*` (head dims 64 and 128; dq summed in f32 by bulk
-//! reduce-adds) under the forward's Hopper conditions, else the tensor-core `cqsa_bwd_mma_*` (dq
-//! accumulated in an f32 buffer with atomics, then `cqsa_bwd_dq_convert_*`),
-//! otherwise `cqsa_bwd_dq_simple_*` and `cqsa_bwd_dkdv_simple_*`. With
+//! reduce-adds) under the forward's Hopper conditions, else the tensor-core
+//! `cqsa_bwd_mma_*` (dq accumulated in an f32 buffer with atomics, then
+//! `cqsa_bwd_dq_convert_*`), otherwise `cqsa_bwd_dq_simple_*` and
+//! `cqsa_bwd_dkdv_simple_*`. With
 //! soft-capping the tensor-core kernels are the `*_cap_*` instances (so the plain
 //! ones carry none of it); every kernel takes the band `(lo, hi)` of [`Scores`]
 //! (see `KernelArgs`).

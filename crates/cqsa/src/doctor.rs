@@ -74,7 +74,8 @@ fn family(dev: &Device, dtype: DType, d: usize, scores: &Scores, hopper: bool) -
 /// only when a kernel call itself fails, with the case in the message.
 ///
 /// Where the GPU has the Hopper kernels, each f16/bf16 case runs with them and
-/// with the portable ones ([`crate::set_hopper_kernels`], put back as found after each).
+/// with the portable ones ([`crate::set_hopper_kernels`], put back as found
+/// after each).
 pub fn check_kernels(dev: &Device) -> Result<Vec<KernelCheck>> {
     let (nq, nk) = (150, 150);
     let hopper_too = crate::hopper_kernels_available(dev)?;

@@ -317,13 +317,7 @@ impl Call {
     /// Contiguous copies of the inputs on the compute device (a view moves only
     /// its own elements).
     fn on_exec(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let to = |t: &Tensor| {
-            if t.device().same_device(&self.exec) {
-                t.contiguous()
-            } else {
-                streamer_core::to_device_compact(t, &self.exec)?.contiguous()
-            }
-        };
+        let to = |t: &Tensor| streamer_core::to_device_compact(t, &self.exec)?.contiguous();
         Ok((to(q)?, to(k)?, to(v)?))
     }
 

@@ -62,11 +62,7 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, op: StreamOp) -> Res
 
 /// A contiguous host copy of `t` (itself when it already is one).
 fn host(t: &Tensor) -> Result<Tensor> {
-    if t.device().is_cpu() {
-        t.contiguous()
-    } else {
-        streamer_core::to_device_compact(t, &Device::Cpu)?.contiguous()
-    }
+    streamer_core::to_device_compact(t, &Device::Cpu)?.contiguous()
 }
 
 /// Host result `t` on the device of `like`.
