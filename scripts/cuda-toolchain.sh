@@ -56,7 +56,8 @@ fi
 # library is loaded (on the GPU machine: from the PyTorch wheels, see
 # scripts/gpu-dist.sh). Built from cudarc's sources (fetched if needed).
 if [ ! -e "$stub/libnccl.so" ]; then
-  find_nccl_sys() { ls "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.*/src/nccl/sys/mod.rs 2>/dev/null | sort | tail -n 1; }
+  # `|| true`: on a fresh machine nothing matches yet, which must not end the script (pipefail).
+  find_nccl_sys() { ls "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19.*/src/nccl/sys/mod.rs 2>/dev/null | sort | tail -n 1 || true; }
   sys=$(find_nccl_sys)
   if [ -z "$sys" ]; then
     (cd "$root" && cargo fetch --quiet >&2) || true
