@@ -197,11 +197,15 @@ impl Sink {
     }
 
     /// A zeroed sink in the dtype of `like` (f16, bf16 or f32), written once per row.
+    /// Zeroed by the allocator (zero bits as `u16`): `vec![bf16::ZERO; len]` would
+    /// write every element up front, 16 GiB before the first subproblem of a 4M-token
+    /// call; this way each page is first touched when its rows land.
     fn written_as(len: usize, rows: usize, like: &CpuStorage) -> Result<Self> {
+        use half::vec::HalfBitsVecExt;
         let data = match like {
             CpuStorage::F32(_) => SinkData::F32(vec![0.0; len]),
-            CpuStorage::F16(_) => SinkData::F16(vec![half::f16::ZERO; len]),
-            CpuStorage::BF16(_) => SinkData::BF16(vec![half::bf16::ZERO; len]),
+            CpuStorage::F16(_) => SinkData::F16(vec![0u16; len].reinterpret_into()),
+            CpuStorage::BF16(_) => SinkData::BF16(vec![0u16; len].reinterpret_into()),
             other => bail!("cqsa: unsupported dtype {:?}", other.dtype()),
         };
         Ok(Self { data, rows })
