@@ -9,6 +9,8 @@
 //! - `CQSA_BENCH_OUT`: JSON file to write (default
 //!   `benches/results/attention-h200.json` on CUDA, `attention-cpu.json` on CPU).
 //! - `CQSA_BENCH_NS`: comma-separated sequence lengths instead of the defaults.
+//! - `CQSA_BENCH_REPS`: timed calls per figure (default 5 on a GPU, as the
+//!   PyTorch script's `--reps`); each figure is their median.
 //! - `CQSA_BENCH_OOC=1`: also run the out-of-core case (CUDA only): causal bf16
 //!   B=1 H=`CQSA_OOC_H` (default 16) D=128 at `CQSA_OOC_N` tokens (default
 //!   1,048,576) from host memory,
@@ -189,6 +191,11 @@ fn main() -> Result<()> {
     } else {
         (DType::F32, 1, 2, 64, 3)
     };
+    // CQSA_BENCH_REPS: timed calls per figure (the PyTorch script's --reps).
+    let reps = match std::env::var("CQSA_BENCH_REPS") {
+        Ok(x) => x.trim().parse()?,
+        Err(_) => reps,
+    };
     // CQSA_BENCH_D: another head dim (64, 256) for every row.
     let d = match std::env::var("CQSA_BENCH_D") {
         Ok(x) => x.trim().parse()?,
@@ -263,6 +270,13 @@ fn main() -> Result<()> {
                 attention_backward(&q, &k, &v, &o, &g, &lse, scale as f32, off)?;
                 Ok(())
             })?;
+            // The backward alone, on one forward's results.
+            let (o, lse) = attention_forward(&q, &k, &v, scale as f32, off)?;
+            let bwd = median_ms(&dev, 1, reps, || {
+                attention_backward(&q, &k, &v, &o, &g, &lse, scale as f32, off)?;
+                Ok(())
+            })?;
+            drop((o, lse));
             // Candle's naive attention runs out of memory at large N: record null.
             let naive_fwd = median_ms(&dev, 1, reps, || {
                 naive(&q, &k, &v, causal, scale)?;
@@ -291,6 +305,7 @@ fn main() -> Result<()> {
                 "cqsa_fwd_ms": fwd.gpu, "cqsa_fwd_tflops": tflops(fwd_flops, Some(fwd.gpu)),
                 "cqsa_fwd_bwd_ms": fb.gpu, "cqsa_fwd_bwd_tflops": tflops(fb_flops, Some(fb.gpu)),
                 "cqsa_fwd_wall_ms": fwd.wall, "cqsa_fwd_bwd_wall_ms": fb.wall,
+                "cqsa_bwd_ms": bwd.gpu, "cqsa_bwd_tflops": tflops(2.5 * fwd_flops, Some(bwd.gpu)),
                 "cqsa_portable_fwd_ms": portable.gpu,
                 "cqsa_portable_fwd_tflops": tflops(fwd_flops, Some(portable.gpu)),
                 "naive_fwd_ms": naive_fwd.map(|t| t.gpu),

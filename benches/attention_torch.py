@@ -5,7 +5,7 @@ of torch.nn.functional.scaled_dot_product_attention; forward and forward+backwar
 TFLOP/s with the same convention (forward 4*B*H*N^2*D, halved when causal;
 forward+backward 3.5x forward). Median of CUDA-event timings after warm-up.
 
-    python benches/attention_torch.py [--out benches/results/attention-torch-h200.json] [--ns 1024,2048] [--d 64]
+    python benches/attention_torch.py [--out benches/results/attention-torch-h200.json] [--ns 1024,2048] [--d 64] [--reps 5]
 """
 import argparse
 import json
@@ -16,7 +16,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
-def median_ms(fn, warmup=2, reps=5):
+REPS = 5
+
+
+def median_ms(fn, warmup=2, reps=None):
+    reps = reps or REPS
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -37,7 +41,10 @@ def main():
     p.add_argument("--out", default="benches/results/attention-torch-h200.json")
     p.add_argument("--ns", default="1024,2048,4096,8192,16384")
     p.add_argument("--d", type=int, default=128, help="head dim (benches/attention.rs: CQSA_BENCH_D)")
+    p.add_argument("--reps", type=int, default=5, help="timed calls per figure (benches/attention.rs: CQSA_BENCH_REPS)")
     args = p.parse_args()
+    global REPS
+    REPS = args.reps
     B, H, D, dt = 1, 16, args.d, torch.bfloat16
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
     rows = []
@@ -55,6 +62,8 @@ def main():
                             f = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
 
                         def fb():
+                            # Fresh gradients each call (as cqsa's bench): no accumulation kernels.
+                            q.grad = k.grad = v.grad = None
                             o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                             o.backward(g)
 
