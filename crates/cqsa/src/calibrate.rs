@@ -2,8 +2,8 @@
 //! cache file that the planner ([`crate::estimate`]) reads.
 //!
 //! Measured, in about a minute on a GPU (seconds on the CPU): the resident
-//! forward kernel's FLOP/s per dtype, head dim and causality; host-to-device
-//! and device-to-host bandwidth from page-locked memory; the rate of
+//! forward kernel's sustained FLOP/s per dtype, head dim and causality;
+//! host-to-device and device-to-host bandwidth from page-locked memory; the rate of
 //! page-locking host memory in place (what a streamed call pays first); the
 //! device-side merge of partial outputs by their log-sum-exp; and the host's
 //! landing of f32 results into fresh buffers and its conversion of the output
@@ -195,6 +195,11 @@ pub struct CalibrateOptions {
     pub max_tokens: usize,
     /// Target seconds of one timed kernel call (see `max_tokens`).
     pub call_seconds: f64,
+    /// Seconds each kernel runs back to back before it is timed. A GPU under
+    /// sustained load lowers its clock to its power limit (the H200 by 3-8 %
+    /// within half a second), so a long out-of-core call runs at the sustained
+    /// rate, not at a cold burst's.
+    pub sustain_seconds: f64,
     /// Bytes of each timed copy, page-locking, merge and landing.
     pub bytes: usize,
     /// Timed repeats of each measurement (the median counts), after one warm-up.
@@ -205,9 +210,10 @@ pub struct CalibrateOptions {
 
 impl CalibrateOptions {
     /// The full calibration for `dev`: on CUDA bf16, f16 and f32 at head dims
-    /// 64, 128 and 256, 16 heads, up to 16,384 tokens, 256 MiB copies, 5
-    /// repeats (about a minute, most of it compiling the kernels the first
-    /// time); on the CPU f32 and bf16 at head dims 64 and 128, 2 heads.
+    /// 64, 128 and 256, 16 heads, up to 16,384 tokens, each kernel timed after
+    /// half a second of load, 256 MiB copies, 5 repeats (about a minute, most
+    /// of it compiling the kernels the first time); on the CPU f32 and bf16 at
+    /// head dims 64 and 128, 2 heads.
     pub fn for_device(dev: &Device) -> Self {
         if dev.is_cuda() {
             Self {
@@ -216,6 +222,7 @@ impl CalibrateOptions {
                 heads: 16,
                 max_tokens: 16384,
                 call_seconds: 0.02,
+                sustain_seconds: 0.5,
                 bytes: 256 << 20,
                 reps: 5,
                 verbose: false,
@@ -227,6 +234,7 @@ impl CalibrateOptions {
                 heads: 2,
                 max_tokens: 4096,
                 call_seconds: 0.05,
+                sustain_seconds: 0.0,
                 bytes: 64 << 20,
                 reps: 3,
                 verbose: false,
@@ -243,6 +251,7 @@ impl CalibrateOptions {
             heads: 1,
             max_tokens: 64,
             call_seconds: 0.0,
+            sustain_seconds: 0.0,
             bytes: 1 << 20,
             reps: 1,
             verbose: false,
@@ -556,7 +565,8 @@ pub(crate) fn time_median(
 }
 
 /// The resident forward kernel's rate for one kind of call, at the length
-/// whose call takes about `opts.call_seconds` at the default rate.
+/// whose call takes about `opts.call_seconds` at the default rate, after
+/// `opts.sustain_seconds` of the same calls.
 fn kernel_rate(
     dev: &Device,
     opts: &CalibrateOptions,
@@ -587,9 +597,13 @@ fn kernel_rate(
         hi: causal.then_some(0),
         ..Scores::dense(crate::resolve_scale(None, d))
     };
-    let secs = time_median(dev, opts.reps, || {
-        attention_forward_with(&q, &k, &v, &scores).map(|_| ())
-    })?;
+    let call = || attention_forward_with(&q, &k, &v, &scores).map(|_| ());
+    let t = Instant::now();
+    while t.elapsed().as_secs_f64() < opts.sustain_seconds {
+        call()?;
+        dev.synchronize()?;
+    }
+    let secs = time_median(dev, opts.reps, call)?;
     Ok(KernelRate {
         dtype: dtype.as_str().to_string(),
         head_dim: d,
