@@ -10,8 +10,9 @@
 //! The cache goes to `$CQSA_CALIBRATION_DIR`, else
 //! `$XDG_CACHE_HOME/candle-streamer`, else `~/.cache/candle-streamer`, in a file
 //! named by the device and the kernel version. Afterwards the example prints the
-//! plan of a large causal call (N = 1M, bf16, 16 GiB budget) with its rates'
-//! source, as `cqsa::estimate` now sees it.
+//! plan of large causal calls (`--estimate-n`, default N = 1M; bf16, H = 16,
+//! D = 128, 16 GiB budget) with its rates' source, as `cqsa::estimate` now
+//! sees it (with `--show`, from the cached rates).
 use anyhow::Result;
 use candle_core::{DType, Device};
 use clap::Parser;
@@ -30,6 +31,9 @@ struct Args {
     /// Calibrate the CPU even in a CUDA build.
     #[arg(long)]
     cpu: bool,
+    /// Sequence lengths whose causal plan is printed afterwards.
+    #[arg(long, value_delimiter = ',', default_value = "1048576")]
+    estimate_n: Vec<usize>,
 }
 
 fn device(cpu: bool) -> Result<Device> {
@@ -92,7 +96,7 @@ fn main() -> Result<()> {
         let cal = Calibration::load(&path, &name)?;
         println!("{}", path.display());
         print(&cal);
-        return Ok(());
+        return estimates(&args.estimate_n);
     }
     let mut opts = if args.quick {
         CalibrateOptions::quick()
@@ -105,22 +109,30 @@ fn main() -> Result<()> {
     let path = cal.store()?;
     print(&cal);
     println!("wrote {}", path.display());
-    let shape = AttentionShape {
-        b: 1,
-        hq: 16,
-        hkv: 16,
-        nq: 1 << 20,
-        nk: 1 << 20,
-        d: 128,
-        dtype: DType::BF16,
-        causal: true,
-    };
+    estimates(&args.estimate_n)
+}
+
+/// Prints the planner's causal bf16 H=16 D=128 plan at each of `ns` tokens
+/// under 16 GiB of device memory.
+fn estimates(ns: &[usize]) -> Result<()> {
     // Host memory unbounded: this is the plan, whether or not this host could hold it.
     let budget = Budget {
         device_bytes: 16 << 30,
         host_bytes: usize::MAX,
     };
-    let plan = cqsa::estimate(&shape, &budget)?;
-    println!("estimate, causal bf16 N=1M H=16 D=128 under 16 GiB of device memory: {plan}");
+    for &n in ns {
+        let shape = AttentionShape {
+            b: 1,
+            hq: 16,
+            hkv: 16,
+            nq: n,
+            nk: n,
+            d: 128,
+            dtype: DType::BF16,
+            causal: true,
+        };
+        let plan = cqsa::estimate(&shape, &budget)?;
+        println!("estimate, causal bf16 N={n} H=16 D=128 under 16 GiB of device memory: {plan}");
+    }
     Ok(())
 }
