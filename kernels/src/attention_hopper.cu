@@ -50,6 +50,11 @@ __device__ __forceinline__ uint64_t desc128(uint32_t addr, uint32_t lbo, uint32_
            ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
 
+// desc128(addr + bytes, ...) from d = desc128(addr, ...) in one add: the address
+// field holds (addr & 0x3FFFF) >> 4, and shared-memory addresses plus the offsets
+// used here stay below 0x40000, so the add never carries out of it.
+__device__ __forceinline__ uint64_t desc_at(uint64_t d, uint32_t bytes) { return d + (bytes >> 4); }
+
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
@@ -384,12 +389,13 @@ template <typename T, int D>
 __device__ __forceinline__ void mma_pair(float (&x)[BwdCfg<D>::BS / 2], float (&y)[BwdCfg<D>::BS / 2], uint32_t a1,
                                          uint32_t b1, uint32_t a2, uint32_t b2, int wg) {
     using C = BwdCfg<D>;
+    const uint64_t xa = desc128(a1 + wg * 64 * 128, 16, 1024), xb = desc128(b1, 16, 1024);
+    const uint64_t ya = desc128(a2 + wg * 64 * 128, 16, 1024), yb = desc128(b2, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t a_off = (kk >> 2) * C::BR * 128 + wg * 64 * 128 + (kk & 3) * 32;
-        const uint32_t b_off = (kk >> 2) * C::BS * 128 + (kk & 3) * 32;
-        mma_ss<T, C::BS>(x, desc128(a1 + a_off, 16, 1024), desc128(b1 + b_off, 16, 1024), kk > 0);
-        mma_ss<T, C::BS>(y, desc128(a2 + a_off, 16, 1024), desc128(b2 + b_off, 16, 1024), kk > 0);
+        const uint32_t a_off = (kk >> 2) * C::BR * 128 + (kk & 3) * 32, b_off = (kk >> 2) * C::BS * 128 + (kk & 3) * 32;
+        mma_ss<T, C::BS>(x, desc_at(xa, a_off), desc_at(xb, b_off), kk > 0);
+        mma_ss<T, C::BS>(y, desc_at(ya, a_off), desc_at(yb, b_off), kk > 0);
     }
 }
 
@@ -485,11 +491,12 @@ __device__ void produce_bwd(const CUtensorMap* tq, const CUtensorMap* tk, const 
 
 // P and dS of one tile from S^T and dP^T (this warpgroup's 64 keys x 64 queries):
 // P^T and dS^T as A fragments (pa, da), and dS^T into shared memory at `dst`.
-template <typename T, bool SOFTCAP>
+// EDGE: the tile has pairs outside the band or the sequences, checked per element
+// (instantiated apart so that the inner tiles carry no per-element checks).
+template <typename T, bool SOFTCAP, bool EDGE>
 __device__ __forceinline__ void bwd_grads(const float (&st)[32], const float (&dpt)[32], uint32_t (&pa)[4][4],
                                           uint32_t (&da)[4][4], uint32_t stt, uint32_t dst, int krow0, int kr0, int q0,
-                                          bool edge, int nq, int nk, int lo, int hi, float sl2, float cap_in,
-                                          float cap_out) {
+                                          int nq, int nk, int lo, int hi, float sl2, float cap_in, float cap_out) {
     const int t = threadIdx.x & 3;
 #pragma unroll
     for (int n8 = 0; n8 < 8; ++n8) {
@@ -504,7 +511,7 @@ __device__ __forceinline__ void bwd_grads(const float (&st)[32], const float (&d
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const bool ok =
-                    !edge || (key < nk && col + c < nq && key - (col + c) <= hi && key - (col + c) >= lo);
+                    !EDGE || (key < nk && col + c < nq && key - (col + c) <= hi && key - (col + c) >= lo);
                 v[c] = p_ds<SOFTCAP>(st[i + c], dpt[i + c], ok, c ? s4.z : s4.x, c ? s4.w : s4.y, sl2, cap_in,
                                      cap_out);
             }
@@ -544,10 +551,9 @@ __device__ __forceinline__ void bwd_dq_issue(float (&dqa)[32], uint32_t base, in
     const uint32_t dst = base + C::DS_OFF + (j & 1) * C::DS_BYTES, kb = base + (D == 128 ? wg : 0) * C::BR * 128;
     named_sync(bar_ready(1 - wg, j & 1), 256);
     wg_fence();
+    const uint64_t sa = desc128(dst, C::DS_BYTES, 1024), kd = desc128(kb, C::BR * 128, 1024);
 #pragma unroll
-    for (int kk = 0; kk < C::BR / 16; ++kk)
-        mma_tt64<T>(dqa, desc128(dst + kk * 16 * 128, C::DS_BYTES, 1024), desc128(kb + kk * 16 * 128, C::BR * 128, 1024),
-                    kk > 0);
+    for (int kk = 0; kk < C::BR / 16; ++kk) mma_tt64<T>(dqa, desc_at(sa, kk * 16 * 128), desc_at(kd, kk * 16 * 128), kk > 0);
     wg_commit();
 }
 
@@ -588,25 +594,26 @@ __device__ void bwd_consume(uint32_t base, float* __restrict__ dqacc, T* __restr
     const int krow0 = 64 * wg + 16 * warp + g, k0 = w.kblk * C::BR + 64 * wg, kr0 = w.kblk * C::BR + krow0;
     const int nqt = (nq + BS - 1) / BS;
     const float sl2 = scale * LOG2E, cap_in = SOFTCAP ? scale / cap : 0.f, cap_out = SOFTCAP ? cap * LOG2E : 0.f;
-    // Tile j's slice of the f32 dQ accumulator.
-    auto acc_of = [&](int j) {
-        const int h = w.kh * w.grp + j / w.ntq, qtile = w.tile0 + j % w.ntq;
-        return dqacc + (((size_t)w.b * hq + h) * nqt + qtile) * BS * D;
+    // The f32 dQ accumulator's slice of query tile `qtile` (from tile0) of head `h`
+    // (in the group). Tile j is (j % ntq, j / ntq), counted along rather than divided.
+    auto acc_of = [&](int h, int qtile) {
+        return dqacc + (((size_t)w.b * hq + w.kh * w.grp + h) * nqt + w.tile0 + qtile) * BS * D;
     };
+    int jq = 0, jh = 0, pq = 0, ph = 0;  // tile j's (query tile, head) and tile j - 1's
     float dka[NO], dva[NO];
 #pragma unroll
     for (int i = 0; i < NO; ++i) dka[i] = dva[i] = 0.f;
     const int n = w.grp * w.ntq;
     bar_wait(bars, 0);
     for (int j = 0; j < n; ++j) {
-        const int s = j % C::STAGES, q0 = (w.tile0 + j % w.ntq) * BS;
+        const int s = j % C::STAGES, q0 = (w.tile0 + jq) * BS;
         const uint32_t qt = base + C::S_OFF + s * 2 * C::SBYTES, gt = qt + C::SBYTES;
         if (j > 0 && dq_mine<D>(wg, j - 1)) {
             float dqa[32];
             bwd_dq_issue<T, D>(dqa, base, j - 1, wg);
             wg_wait0();
             reg_fence(dqa);
-            bwd_dq_store<D>(dqa, base, acc_of(j - 1), j - 1, n, wg);
+            bwd_dq_store<D>(dqa, base, acc_of(ph, pq), j - 1, n, wg);
         }
         bar_wait(bars + 8 * (1 + s), (j / C::STAGES) & 1);
         float st[NS], dpt[NS];
@@ -620,17 +627,20 @@ __device__ void bwd_consume(uint32_t base, float* __restrict__ dqacc, T* __restr
         if (j >= 2 && dq_mine<D>(1 - wg, j - 2)) named_sync(bar_free(1 - wg, j & 1), 256);
         const bool edge = k0 + 63 >= nk || q0 + BS > nq || k0 + 63 - q0 > hi || k0 - (q0 + BS - 1) < lo;
         uint32_t pa[BS / 16][4], da[BS / 16][4];
-        bwd_grads<T, SOFTCAP>(st, dpt, pa, da, base + C::ST_OFF + s * C::ST_BYTES,
-                              base + C::DS_OFF + (j & 1) * C::DS_BYTES, krow0, kr0, q0, edge, nq, nk, lo, hi, sl2,
-                              cap_in, cap_out);
+        const uint32_t stt = base + C::ST_OFF + s * C::ST_BYTES, dst = base + C::DS_OFF + (j & 1) * C::DS_BYTES;
+        if (edge)
+            bwd_grads<T, SOFTCAP, true>(st, dpt, pa, da, stt, dst, krow0, kr0, q0, nq, nk, lo, hi, sl2, cap_in, cap_out);
+        else
+            bwd_grads<T, SOFTCAP, false>(st, dpt, pa, da, stt, dst, krow0, kr0, q0, nq, nk, lo, hi, sl2, cap_in, cap_out);
         fence_async_smem();
         if (dq_mine<D>(1 - wg, j)) named_arrive(bar_ready(wg, j & 1), 256);
         named_sync(bar_own(wg), 128);
+        const uint64_t gd = desc128(gt, BS * 128, 1024), qd = desc128(qt, BS * 128, 1024);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < BS / 16; ++kk) {
-            mma_rs<T, D>(dva, pa[kk], desc128(gt + kk * 16 * 128, BS * 128, 1024));
-            mma_rs<T, D>(dka, da[kk], desc128(qt + kk * 16 * 128, BS * 128, 1024));
+            mma_rs<T, D>(dva, pa[kk], desc_at(gd, kk * 16 * 128));
+            mma_rs<T, D>(dka, da[kk], desc_at(qd, kk * 16 * 128));
         }
         wg_commit();
         wg_wait0();
@@ -638,13 +648,16 @@ __device__ void bwd_consume(uint32_t base, float* __restrict__ dqacc, T* __restr
         reg_fence(dva);
         __syncwarp();
         if (lane == 0) bar_arrive(bars + 8 * (1 + C::STAGES + s));
+        pq = jq;
+        ph = jh;
+        if (++jq == w.ntq) jq = 0, ++jh;
     }
     if (n > 0 && dq_mine<D>(wg, n - 1)) {
         float dqa[32];
         bwd_dq_issue<T, D>(dqa, base, n - 1, wg);
         wg_wait0();
         reg_fence(dqa);
-        bwd_dq_store<D>(dqa, base, acc_of(n - 1), n - 1, n, wg);
+        bwd_dq_store<D>(dqa, base, acc_of(ph, pq), n - 1, n, wg);
     }
     if ((threadIdx.x & 127) == 0) bulk_wait_all();
     const size_t kbase = ((size_t)w.b * hkv + w.kh) * nk;
