@@ -187,21 +187,20 @@ __device__ void consume(T* __restrict__ o, float* __restrict__ lse, uint32_t qs,
     const int r0 = wr0 + 16 * warp + g;
     uint32_t pa[BC / 16][4];
 
+    const uint64_t qd = desc128(qs + wg * 64 * 128, 16, 1024);
     auto issue_s = [&](float (&s)[NS], int j) {
-        const uint32_t kt = ks + (j & 1) * C::KVBYTES;
+        const uint64_t kd = desc128(ks + (j & 1) * C::KVBYTES, 16, 1024);
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const uint64_t da = desc128(qs + (kk >> 2) * BR * 128 + wg * 64 * 128 + (kk & 3) * 32, 16, 1024);
-            const uint64_t db = desc128(kt + (kk >> 2) * BC * 128 + (kk & 3) * 32, 16, 1024);
-            mma_ss<T, BC>(s, da, db, kk > 0);
-        }
+        for (int kk = 0; kk < D / 16; ++kk)
+            mma_ss<T, BC>(s, desc_at(qd, (kk >> 2) * BR * 128 + (kk & 3) * 32),
+                          desc_at(kd, (kk >> 2) * BC * 128 + (kk & 3) * 32), kk > 0);
     };
     // V's descriptor: 8-key groups 1024 B apart (SBO), 64-dim column blocks
     // BC * 128 B apart (LBO).
     auto issue_pv = [&](int j) {
-        const uint32_t vt = vs + (j & 1) * C::KVBYTES;
+        const uint64_t vd = desc128(vs + (j & 1) * C::KVBYTES, BC * 128, 1024);
 #pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk) mma_rs<T, D>(oacc, pa[kk], desc128(vt + kk * 16 * 128, BC * 128, 1024));
+        for (int kk = 0; kk < BC / 16; ++kk) mma_rs<T, D>(oacc, pa[kk], desc_at(vd, kk * 16 * 128));
     };
     // One elected lane per warp releases a stage (the barriers count 8 arrivals).
     auto release = [&](uint32_t bar) {
