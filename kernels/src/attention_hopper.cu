@@ -366,16 +366,16 @@ __device__ void fwd(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensor
 // The row statistics (lse in log2 units, delta) come padded to tiles of 64 from
 // cqsa_bwd_stats_hopper and reach shared memory with the tile (one bulk copy).
 template <int D> struct BwdCfg {
-    static constexpr int BR = 128, BS = 64, STAGES = 3, THREADS = 384;
+    static constexpr int BR = 128, BS = 64, STAGES = 2, THREADS = 384;
     static constexpr int FBYTES = BR * D * 2, SBYTES = BS * D * 2;
     static constexpr int DS_BYTES = BR * BS * 2;   // dS^T [128 keys][64 queries], 128-byte swizzle
-    static constexpr int DQ_BYTES = 64 * 64 * 4;   // one warpgroup's dQ block, f32
+    static constexpr int DQ_BYTES = 64 * 64 * 4;   // a dQ block of a warpgroup, f32
     static constexpr int ST_BYTES = BS * 8;        // (lse, delta) of the tile's queries
     static constexpr int S_OFF = 2 * FBYTES;       // stages of (Q, dO)
     static constexpr int DS_OFF = S_OFF + STAGES * 2 * SBYTES;  // two dS buffers
-    static constexpr int DQ_OFF = DS_OFF + 2 * DS_BYTES;        // a dQ block per warpgroup
-    static constexpr int ST_OFF = DQ_OFF + 2 * DQ_BYTES;        // statistics per stage
-    // 7 mbarriers: full_fixed, full[STAGES], empty[STAGES].
+    static constexpr int DQ_OFF = DS_OFF + 2 * DS_BYTES;        // two dQ blocks per warpgroup
+    static constexpr int ST_OFF = DQ_OFF + 4 * DQ_BYTES;        // statistics per stage
+    // 1 + 2 * STAGES mbarriers: full_fixed, full[STAGES], empty[STAGES].
     static constexpr int BAR_OFF = ST_OFF + STAGES * ST_BYTES;
     static constexpr int SMEM = 1024 + BAR_OFF + 8 * (1 + 2 * STAGES);
     static_assert(SMEM <= 232448, "the H100/H200 shared-memory limit per block");
@@ -558,22 +558,24 @@ __device__ __forceinline__ void bwd_dq_issue(float (&dqa)[32], uint32_t base, in
 
 // After dQ of tile j completed: tells the other warpgroup that buffer j & 1 is
 // read (when it will write it again, tile j + 2), then sums the block through
-// this warpgroup's shared block into the f32 accumulator at `acc` (layout:
-// [chunk of 4][thread][4]).
+// one of this warpgroup's two shared blocks (they alternate from one store to
+// the next) into the f32 accumulator at `acc` (layout: [chunk of 4][thread][4]).
+// Before the barrier, thread 0 waits until the previous store's reduce has read
+// its block, which the next store writes: a reduce gets a whole tile to finish,
+// and one barrier per store suffices.
 template <int D>
 __device__ __forceinline__ void bwd_dq_store(const float (&dqa)[32], uint32_t base, float* acc, int j, int n, int wg) {
     using C = BwdCfg<D>;
     const int tid = threadIdx.x & 127;
-    const uint32_t dqs = base + C::DQ_OFF + wg * C::DQ_BYTES;
+    const uint32_t dqs = base + C::DQ_OFF + (2 * wg + ((D == 128 ? j : j >> 1) & 1)) * C::DQ_BYTES;
     if (j + 2 < n) named_arrive(bar_free(wg, j & 1), 256);
-    if (tid == 0) bulk_wait_read();  // the previous reduce has read the block
-    named_sync(bar_own(wg), 128);
 #pragma unroll
     for (int c4 = 0; c4 < 8; ++c4)
         asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dqs + (c4 * 128 + tid) * 16),
                      "f"(dqa[4 * c4]), "f"(dqa[4 * c4 + 1]), "f"(dqa[4 * c4 + 2]), "f"(dqa[4 * c4 + 3])
                      : "memory");
     fence_async_smem();
+    if (tid == 0) bulk_wait_read();
     named_sync(bar_own(wg), 128);
     if (tid == 0) bulk_reduce_add(acc + (D == 128 ? wg : 0) * 64 * 64, dqs, C::DQ_BYTES);
 }

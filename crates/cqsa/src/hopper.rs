@@ -186,15 +186,16 @@ const BWD_KEYS: usize = 128;
 const BWD_QUERIES: usize = 64;
 
 /// Dynamic shared memory of the backward kernel (`hopper::BwdCfg::SMEM`):
-/// alignment, K and V, three stages of (Q, dO), two dS tiles, a dQ block per
-/// warpgroup, three stages of statistics, the mbarriers.
+/// alignment, K and V, two stages of (Q, dO), two dS tiles, two dQ blocks per
+/// warpgroup, two stages of statistics, the mbarriers.
 fn bwd_smem(d: usize) -> u32 {
+    const STAGES: usize = 2;
     let kv = 2 * BWD_KEYS * d * 2;
-    let stages = 3 * 2 * BWD_QUERIES * d * 2;
+    let stages = STAGES * 2 * BWD_QUERIES * d * 2;
     let ds = 2 * BWD_KEYS * BWD_QUERIES * 2;
-    let dq = 2 * 64 * 64 * 4;
-    let stats = 3 * BWD_QUERIES * 8;
-    (1024 + kv + stages + ds + dq + stats + 8 * 7) as u32
+    let dq = 2 * 2 * 64 * 64 * 4;
+    let stats = STAGES * BWD_QUERIES * 8;
+    (1024 + kv + stages + ds + dq + stats + 8 * (1 + 2 * STAGES)) as u32
 }
 
 /// The Hopper backward after `bw.delta`, on the device's compute stream:
