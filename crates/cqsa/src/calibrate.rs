@@ -551,12 +551,24 @@ pub(crate) fn time_median(
     reps: usize,
     mut f: impl FnMut() -> Result<()>,
 ) -> Result<f64> {
-    f()?;
+    time_median_prepared(dev, reps, || Ok(()), |()| f())
+}
+
+/// As [`time_median`], with `prepare` run untimed before each run to make the
+/// input that `f` consumes.
+pub(crate) fn time_median_prepared<I>(
+    dev: &Device,
+    reps: usize,
+    mut prepare: impl FnMut() -> Result<I>,
+    mut f: impl FnMut(I) -> Result<()>,
+) -> Result<f64> {
+    f(prepare()?)?;
     dev.synchronize()?;
     let mut t = Vec::with_capacity(reps.max(1));
     for _ in 0..reps.max(1) {
+        let input = prepare()?;
         let s = Instant::now();
-        f()?;
+        f(input)?;
         dev.synchronize()?;
         t.push(s.elapsed().as_secs_f64());
     }

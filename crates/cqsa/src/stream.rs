@@ -332,28 +332,21 @@ pub(crate) fn measure_merges(dev: &Device, bytes: usize, reps: usize) -> Result<
         std::hint::black_box(&sink.data);
         Ok(())
     })?;
-    let convert = time_conversion(&chunk, reps)?;
-    Ok((bytes / device, bytes / host, bytes / convert))
-}
-
-/// Median seconds of converting `chunk` (f32) to the output's bf16, after one
-/// warm-up. Each conversion consumes its input, so a copy is made before each
-/// and kept out of the timing (as it is out of a real call). Until session 19
-/// the copy was timed apart and subtracted: a difference of two noisy medians,
-/// which gave 5.35 and 12.24 GB/s on two H200 machines of the same kind.
-fn time_conversion(chunk: &[f32], reps: usize) -> Result<f64> {
+    // Each conversion consumes its input: its copy is made untimed, as it is
+    // not in a real call. (Until session 19 the copy was timed apart and
+    // subtracted, a difference of two noisy medians: 5.35 and 12.24 GB/s on two
+    // H200 machines of the same kind.)
     let like = CpuStorage::BF16(Vec::new());
-    let mut t = Vec::with_capacity(reps.max(1) + 1);
-    for _ in 0..=reps.max(1) {
-        let input = chunk.to_vec();
-        let start = Instant::now();
-        let out = cpu::from_f32(input, &like)?;
-        t.push(start.elapsed().as_secs_f64());
-        std::hint::black_box(&out);
-    }
-    let mut t = t.split_off(1);
-    t.sort_by(f64::total_cmp);
-    Ok(t[t.len() / 2].max(1e-9))
+    let convert = crate::calibrate::time_median_prepared(
+        &cpu,
+        reps,
+        || Ok(chunk.clone()),
+        |input| {
+            std::hint::black_box(cpu::from_f32(input, &like)?);
+            Ok(())
+        },
+    )?;
+    Ok((bytes / device, bytes / host, bytes / convert))
 }
 
 struct Progress {
