@@ -86,6 +86,45 @@ fn made_up(device: &str) -> Calibration {
     }
 }
 
+/// The kernel rate at a length: the measured one at a measured length, linear
+/// in the logarithm of the length between two, the nearest one's outside
+/// them, whatever the entries' order; other kinds of call do not mix in.
+#[test]
+fn kernel_rate_interpolates_in_log_length() -> Result<()> {
+    let mut r = made_up("GPU A").rates;
+    let at = |tokens: usize, causal: bool, rate: f64| KernelRate {
+        dtype: "bf16".into(),
+        head_dim: 64,
+        causal,
+        tokens,
+        forward_flops_per_s: rate,
+    };
+    // Dense at 16384 (3e12) before 1024 (2e12, from made_up); causal at 1024 only.
+    r.kernels.insert(0, at(16384, false, 3e12));
+    r.kernels.push(KernelRate {
+        head_dim: 128,
+        ..at(4096, false, 9e12)
+    });
+    let dense = |t: f64| r.kernel(DType::BF16, 64, false, t);
+    for (tokens, want) in [
+        (1.0, 2e12),
+        (512.0, 2e12),
+        (1024.0, 2e12),
+        (2048.0, 2.25e12),
+        (4096.0, 2.5e12),
+        (16384.0, 3e12),
+        (1e7, 3e12),
+    ] {
+        let got = dense(tokens).unwrap_or(f64::NAN);
+        ensure!(close(got, want), "{tokens} tokens: {got} != {want}");
+    }
+    ensure!(r.kernel(DType::BF16, 64, true, 8192.0) == Some(1e12));
+    ensure!(r.kernel(DType::BF16, 128, false, 1024.0) == Some(9e12));
+    ensure!(r.kernel(DType::F16, 64, false, 1024.0).is_none());
+    ensure!(r.kernel(DType::BF16, 32, true, 1024.0).is_none());
+    Ok(())
+}
+
 fn expect_refused(path: &std::path::Path, device: &str, words: &[&str]) -> Result<()> {
     match Calibration::load(path, device) {
         Ok(c) => anyhow::bail!("accepted {c:?}"),
@@ -207,6 +246,19 @@ fn planner_checks(dir: &std::path::Path) -> Result<()> {
         ensure!(close(p.forward_seconds, s.forward_flops() / rate), "{p}");
     }
     streamed_check(&name, &path, &budget)?;
+    // Rates at two lengths: a call between them at the rate interpolated in
+    // the logarithm of its length (2048 is halfway from 1024 to 4096).
+    let mut two = made_up(&name);
+    two.rates.kernels.push(KernelRate {
+        tokens: 4096,
+        forward_flops_per_s: 4e12,
+        ..two.rates.kernels[0].clone()
+    });
+    two.store()?;
+    let s = shape(2048, false);
+    let p = estimate(&s, &budget)?;
+    ensure!(close(p.forward_seconds, s.forward_flops() / 3e12), "{p}");
+    made_up(&name).store()?;
     // A head dim the file has no rate for: its other rates, the built-in kernel rate.
     let p = estimate(
         &AttentionShape {

@@ -90,12 +90,31 @@ pub struct Rates {
 }
 
 impl Rates {
-    /// The measured forward FLOP/s for `dtype`, head dim `d` and causality.
-    pub fn kernel(&self, dtype: DType, d: usize, causal: bool) -> Option<f64> {
-        self.kernels
+    /// The forward FLOP/s of the kernel for `dtype`, head dim `d` and causality
+    /// at calls of about `tokens` queries and keys: the measured rate at the
+    /// nearest measured length, interpolated linearly in the logarithm of the
+    /// length between two (a kernel runs faster on longer calls, whose blocks
+    /// amortise their start and end over more tiles), the nearest one's outside
+    /// them. `None` when no length of that kind was measured.
+    pub fn kernel(&self, dtype: DType, d: usize, causal: bool, tokens: f64) -> Option<f64> {
+        let mut at: Vec<(f64, f64)> = self
+            .kernels
             .iter()
-            .find(|k| k.dtype == dtype.as_str() && k.head_dim == d && k.causal == causal)
-            .map(|k| k.forward_flops_per_s)
+            .filter(|k| k.dtype == dtype.as_str() && k.head_dim == d && k.causal == causal)
+            .map(|k| ((k.tokens.max(1) as f64).ln(), k.forward_flops_per_s))
+            .collect();
+        at.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let x = tokens.max(1.0).ln();
+        let (first, last) = (at.first()?, at.last()?);
+        if x <= first.0 {
+            return Some(first.1);
+        }
+        if x >= last.0 {
+            return Some(last.1);
+        }
+        let i = at.partition_point(|p| p.0 <= x);
+        let ((x0, r0), (x1, r1)) = (at[i - 1], at[i]);
+        Some(r0 + (r1 - r0) * (x - x0) / (x1 - x0))
     }
 
     /// Every rate, named, for validation and display.
@@ -121,10 +140,11 @@ impl Rates {
         }
         for k in &self.kernels {
             let name = format!(
-                "kernel {} d={} {}",
+                "kernel {} d={} {} N={}",
                 k.dtype,
                 k.head_dim,
-                if k.causal { "causal" } else { "dense" }
+                if k.causal { "causal" } else { "dense" },
+                k.tokens
             );
             v.push((name, k.forward_flops_per_s));
         }
@@ -190,11 +210,13 @@ pub struct CalibrateOptions {
     /// Heads (batch 1) of the kernel calls.
     pub heads: usize,
     /// The longest sequence a kernel is measured at; each kind of call runs at
-    /// the length whose call takes about `call_seconds` at the default rate,
-    /// up to this, rounded down to a multiple of 64 (at least 64).
+    /// the length whose call takes about each of `call_seconds` at the default
+    /// rate, up to this, rounded down to a multiple of 64 (at least 64).
     pub max_tokens: usize,
-    /// Target seconds of one timed kernel call (see `max_tokens`).
-    pub call_seconds: f64,
+    /// Target seconds of the timed kernel calls (see `max_tokens`): one length
+    /// per entry, so that the planner knows the rate of short calls and of the
+    /// long subproblems of a streamed call (see [`Rates::kernel`]).
+    pub call_seconds: Vec<f64>,
     /// Seconds each kernel runs back to back before it is timed. A GPU under
     /// sustained load lowers its clock to its power limit (the H200 by 3-8 %
     /// within half a second), so a long out-of-core call runs at the sustained
@@ -210,18 +232,19 @@ pub struct CalibrateOptions {
 
 impl CalibrateOptions {
     /// The full calibration for `dev`: on CUDA bf16, f16 and f32 at head dims
-    /// 64, 128 and 256, 16 heads, up to 16,384 tokens, each kernel timed after
-    /// half a second of load, 256 MiB copies, 5 repeats (about a minute, most
-    /// of it compiling the kernels the first time); on the CPU f32 and bf16 at
-    /// head dims 64 and 128, 2 heads.
+    /// 64, 128 and 256, 16 heads, each kernel at two lengths (calls of about
+    /// 0.02 s and 0.5 s at the default rate, up to 131,072 tokens: the 4M-token
+    /// plan's subproblems are 131,072 x 131,072), timed after half a second of
+    /// load, 256 MiB copies, 5 repeats (about a minute); on the CPU f32 and
+    /// bf16 at head dims 64 and 128, 2 heads.
     pub fn for_device(dev: &Device) -> Self {
         if dev.is_cuda() {
             Self {
                 dtypes: vec![DType::BF16, DType::F16, DType::F32],
                 head_dims: vec![64, 128, 256],
                 heads: 16,
-                max_tokens: 16384,
-                call_seconds: 0.02,
+                max_tokens: 131072,
+                call_seconds: vec![0.02, 0.5],
                 sustain_seconds: 0.5,
                 bytes: 256 << 20,
                 reps: 5,
@@ -233,7 +256,7 @@ impl CalibrateOptions {
                 head_dims: vec![64, 128],
                 heads: 2,
                 max_tokens: 4096,
-                call_seconds: 0.05,
+                call_seconds: vec![0.05],
                 sustain_seconds: 0.0,
                 bytes: 64 << 20,
                 reps: 3,
@@ -250,7 +273,7 @@ impl CalibrateOptions {
             head_dims: vec![16],
             heads: 1,
             max_tokens: 64,
-            call_seconds: 0.0,
+            call_seconds: vec![0.0],
             sustain_seconds: 0.0,
             bytes: 1 << 20,
             reps: 1,
@@ -492,6 +515,17 @@ pub fn calibrate(dev: &Device, opts: &CalibrateOptions) -> Result<Calibration> {
     if opts.heads == 0 || opts.max_tokens == 0 || opts.bytes < 4096 {
         bail!("cqsa: calibrate needs heads, max_tokens > 0 and bytes >= 4096, got {opts:?}")
     }
+    if opts.call_seconds.is_empty()
+        || opts
+            .call_seconds
+            .iter()
+            .any(|s| !(s.is_finite() && *s >= 0.0))
+    {
+        bail!(
+            "cqsa: calibrate needs call_seconds, each a finite number >= 0, got {:?}",
+            opts.call_seconds
+        )
+    }
     let t0 = Instant::now();
     let device = device_name(dev)?;
     let say = |what: &str, v: f64, unit: &str| {
@@ -503,10 +537,11 @@ pub fn calibrate(dev: &Device, opts: &CalibrateOptions) -> Result<Calibration> {
     for &dtype in &opts.dtypes {
         for &d in &opts.head_dims {
             for causal in [false, true] {
-                let k = kernel_rate(dev, opts, dtype, d, causal)?;
-                let what = format!("kernel {dtype:?} d={d} causal={causal} N={}", k.tokens);
-                say(&what, k.forward_flops_per_s / 1e9, "GFLOP/s");
-                kernels.push(k);
+                for k in kernel_rates(dev, opts, dtype, d, causal)? {
+                    let what = format!("kernel {dtype:?} d={d} causal={causal} N={}", k.tokens);
+                    say(&what, k.forward_flops_per_s / 1e9, "GFLOP/s");
+                    kernels.push(k);
+                }
             }
         }
     }
@@ -576,18 +611,36 @@ pub(crate) fn time_median_prepared<I>(
     Ok(t[t.len() / 2].max(1e-9))
 }
 
-/// The resident forward kernel's rate for one kind of call, at the length
-/// whose call takes about `opts.call_seconds` at the default rate, after
-/// `opts.sustain_seconds` of the same calls.
-fn kernel_rate(
+/// The lengths one kind of call is measured at: those whose call takes about
+/// each of `opts.call_seconds` at the default rate, multiples of 64 from 64 to
+/// `opts.max_tokens`, each once.
+fn kernel_lengths(dev: &Device, opts: &CalibrateOptions, shape: &AttentionShape) -> Vec<usize> {
+    let nominal = crate::plan::nominal_flops(shape, dev.is_cuda());
+    let per_token2 = 4.0 * (shape.hq * shape.d) as f64 / if shape.causal { 2.0 } else { 1.0 };
+    let mut ns: Vec<usize> = opts
+        .call_seconds
+        .iter()
+        .map(|s| {
+            let n = (nominal * s / per_token2).sqrt() as usize;
+            (n / 64 * 64).clamp(64, opts.max_tokens.max(64))
+        })
+        .collect();
+    ns.sort_unstable();
+    ns.dedup();
+    ns
+}
+
+/// The resident forward kernel's rates for one kind of call, at each of its
+/// [`kernel_lengths`], each after `opts.sustain_seconds` of the same calls.
+fn kernel_rates(
     dev: &Device,
     opts: &CalibrateOptions,
     dtype: DType,
     d: usize,
     causal: bool,
-) -> Result<KernelRate> {
+) -> Result<Vec<KernelRate>> {
     let h = opts.heads;
-    let mut shape = AttentionShape {
+    let shape = AttentionShape {
         b: 1,
         hq: h,
         hkv: h,
@@ -597,16 +650,34 @@ fn kernel_rate(
         dtype,
         causal,
     };
-    let nominal = crate::plan::nominal_flops(&shape, dev.is_cuda());
-    let per_token2 = 4.0 * (h * d) as f64 / if causal { 2.0 } else { 1.0 };
-    let n = (nominal * opts.call_seconds / per_token2).sqrt() as usize;
-    let n = (n / 64 * 64).clamp(64, opts.max_tokens.max(64));
-    shape.nq = n;
-    shape.nk = n;
-    let rnd = || -> Result<Tensor> { Tensor::randn(0f32, 1.0, (1, h, n, d), dev)?.to_dtype(dtype) };
+    let mut rates = Vec::new();
+    for n in kernel_lengths(dev, opts, &shape) {
+        let shape = AttentionShape {
+            nq: n,
+            nk: n,
+            ..shape
+        };
+        let secs = time_kernel(dev, opts, &shape)?;
+        rates.push(KernelRate {
+            dtype: dtype.as_str().to_string(),
+            head_dim: d,
+            causal,
+            tokens: n,
+            forward_flops_per_s: shape.forward_flops() / secs,
+        });
+    }
+    Ok(rates)
+}
+
+/// Median seconds of one resident forward of `shape` (batch 1, as many key as
+/// query heads), after `opts.sustain_seconds` of the same calls.
+fn time_kernel(dev: &Device, opts: &CalibrateOptions, shape: &AttentionShape) -> Result<f64> {
+    let (h, n, d) = (shape.hq, shape.nq, shape.d);
+    let rnd =
+        || -> Result<Tensor> { Tensor::randn(0f32, 1.0, (1, h, n, d), dev)?.to_dtype(shape.dtype) };
     let (q, k, v) = (rnd()?, rnd()?, rnd()?);
     let scores = Scores {
-        hi: causal.then_some(0),
+        hi: shape.causal.then_some(0),
         ..Scores::dense(crate::resolve_scale(None, d))
     };
     let call = || attention_forward_with(&q, &k, &v, &scores).map(|_| ());
@@ -615,12 +686,5 @@ fn kernel_rate(
         call()?;
         dev.synchronize()?;
     }
-    let secs = time_median(dev, opts.reps, call)?;
-    Ok(KernelRate {
-        dtype: dtype.as_str().to_string(),
-        head_dim: d,
-        causal,
-        tokens: n,
-        forward_flops_per_s: shape.forward_flops() / secs,
-    })
+    time_median(dev, opts.reps, call)
 }

@@ -14,9 +14,10 @@
 //! Predicted time, from this device's calibration ([`crate::calibrate`]) or,
 //! without one, from built-in rates ([`Plan::rates`] says which). Resident:
 //! forward FLOPs (`4 b hq nq nk d`, halved when causal; `4 b hq d` per visible
-//! pair with a window) at the kernel's rate for the dtype, head dim and
-//! masking. Streamed: the dense subproblems at the dense kernel's rate and the
-//! masked ones (a causal diagonal, a window's edge) at the masked kernel's,
+//! pair with a window) at the kernel's rate for the dtype, head dim, masking
+//! and call length ([`Rates::kernel`]). Streamed: the dense subproblems at the
+//! dense kernel's rate and the masked ones (a causal diagonal, a window's edge)
+//! at the masked kernel's, both at the subproblems' length,
 //! plus the device-side merges of partial outputs; on CUDA that compute, the
 //! host-to-device copies, the device-to-host copies of the f32 results and the
 //! host's landing of them overlap (the slowest sets the pace), and the
@@ -325,9 +326,11 @@ impl Model {
     }
 
     /// Forward FLOP/s of the kernel for shape `s` (`masked`: with a causal or
-    /// window band), and whether it was calibrated.
-    fn kernel(&self, s: &AttentionShape, masked: bool) -> (f64, bool) {
-        match self.rates.kernel(s.dtype, s.d, masked) {
+    /// window band) on calls of `nq` queries and `nk` keys, and whether it was
+    /// calibrated.
+    fn kernel(&self, s: &AttentionShape, masked: bool, nq: usize, nk: usize) -> (f64, bool) {
+        let tokens = ((nq * nk) as f64).sqrt();
+        match self.rates.kernel(s.dtype, s.d, masked, tokens) {
             Some(r) => (r, true),
             None => (nominal_flops(s, self.cuda), false),
         }
@@ -336,7 +339,7 @@ impl Model {
     /// Where the rates of a plan for shape `s` come from, when it runs the
     /// kernels for the maskings in `kinds` (`true`: masked).
     fn source(&self, s: &AttentionShape, kinds: &[bool]) -> RatesSource {
-        let missing = kinds.iter().find(|&&m| !self.kernel(s, m).1);
+        let missing = kinds.iter().find(|&&m| !self.kernel(s, m, s.nq, s.nk).1);
         match (&self.file, missing) {
             (Some(p), None) => RatesSource::Calibrated(p.clone()),
             (Some(p), Some(&masked)) => RatesSource::CalibratedExceptKernel {
@@ -358,8 +361,10 @@ impl Model {
         let r = &self.rates;
         let (e, b, d) = (s.elem() as f64, s.b as f64, s.d as f64);
         let per_pair = 4.0 * b * s.hq as f64 * d;
-        let compute = p.dense as f64 * per_pair / self.kernel(s, false).0
-            + p.masked as f64 * per_pair / self.kernel(s, true).0
+        // Each subproblem is a kernel call of (up to) cq queries and ck keys.
+        let (cq, ck) = (cq.min(s.nq), ck.min(s.nk));
+        let compute = p.dense as f64 * per_pair / self.kernel(s, false, cq, ck).0
+            + p.masked as f64 * per_pair / self.kernel(s, true, cq, ck).0
             + p.merged_rows as f64 * b * s.hq as f64 * d * 4.0 / r.device_merge_bytes_per_s;
         // Every subproblem moves its key chunk; every query chunk moves once.
         let h2d = (p.subproblems * ck * s.b * s.hkv * s.d * 2) as f64 * e
@@ -451,7 +456,7 @@ fn choose(
             resident_bytes: resident,
             host_bytes: 0,
             backward_host_bytes: 0,
-            forward_seconds: work_flops(s, sc) / model.kernel(s, masked).0,
+            forward_seconds: work_flops(s, sc) / model.kernel(s, masked, s.nq, s.nk).0,
             rates: model.source(s, &[masked]),
         });
     }
