@@ -73,6 +73,10 @@ fn print(cal: &Calibration) {
         Some(p) => println!("  page-locking in place     {}", gbs(p)),
         None => println!("  page-locking in place     (not used on this device)"),
     }
+    match r.pinned_alloc_bytes_per_s {
+        Some(p) => println!("  page-locked allocation    {}", gbs(p)),
+        None => println!("  page-locked allocation    (not used on this device)"),
+    }
     println!(
         "  device merge (f32 out)    {}",
         gbs(r.device_merge_bytes_per_s)

@@ -50,6 +50,12 @@ fn calibration_round_trips(dev: &Device) -> Result<()> {
         ensure!(v.is_finite() && v > 0.0, "{r:?}");
     }
     ensure!(r.pin_bytes_per_s.is_some() == dev.is_cuda(), "{r:?}");
+    ensure!(
+        r.pinned_alloc_bytes_per_s.is_some() == dev.is_cuda()
+            && r.pinned_alloc_bytes_per_s
+                .is_none_or(|v| v.is_finite() && v > 0.0),
+        "{r:?}"
+    );
     let path = temp_dir("round")?.join("cal.json");
     cal.save(&path)?;
     let back = Calibration::load(&path, &cal.device)?;
@@ -79,6 +85,7 @@ fn made_up(device: &str) -> Calibration {
             h2d_bytes_per_s: 1e9,
             d2h_bytes_per_s: 2e9,
             pin_bytes_per_s: Some(4e9),
+            pinned_alloc_bytes_per_s: Some(3e9),
             device_merge_bytes_per_s: 8e9,
             host_merge_bytes_per_s: 5e8,
             host_convert_bytes_per_s: 2.5e8,
@@ -174,6 +181,10 @@ fn calibration_refuses_bad_and_stale_files() -> Result<()> {
     bad.rates.h2d_bytes_per_s = -1.0;
     bad.save(&path)?;
     expect_refused(&path, "GPU A", &["h2d_bytes_per_s", "-1"])?;
+    let mut bad = good.clone();
+    bad.rates.pinned_alloc_bytes_per_s = Some(0.0);
+    bad.save(&path)?;
+    expect_refused(&path, "GPU A", &["pinned_alloc_bytes_per_s", "0"])?;
     let mut bad = good.clone();
     bad.rates.kernels[0].dtype = "u8".into();
     bad.save(&path)?;
@@ -319,7 +330,9 @@ fn streamed_check(name: &str, path: &std::path::Path, budget: &Budget) -> Result
         let inputs = 3.0 * n * h * d * e;
         let first = (n * h + 2.0 * 512.0 * h) * d * e;
         let steady = compute.max(h2d).max(results / 2e9).max(results / 5e8);
-        inputs / 4e9 + steady + first / 1e9 + results / 2e9 + results / 5e8 + convert
+        // One query chunk with two subproblems: one chunk's results staged.
+        let staging = results / 3e9;
+        inputs / 4e9 + staging + steady + first / 1e9 + results / 2e9 + results / 5e8 + convert
     } else {
         compute + 2.0 * h2d + results / 2e9 + results / 5e8 + convert
     };

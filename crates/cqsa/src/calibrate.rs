@@ -43,7 +43,7 @@ use serde::{Deserialize, Serialize};
 use crate::{attention_forward_with, AttentionShape, Scores};
 
 /// The cache file format this build reads and writes.
-pub const FORMAT: u32 = 1;
+pub const FORMAT: u32 = 2;
 
 /// The crate version and a hash of the sources that decide the kernels' speed
 /// (set by `build.rs`); a calibration made with other kernels is refused.
@@ -79,6 +79,10 @@ pub struct Rates {
     /// Bytes per second of host memory page-locked in place (and unlocked);
     /// `None` where nothing is page-locked (the CPU).
     pub pin_bytes_per_s: Option<f64>,
+    /// Bytes per second of allocating (and freeing) page-locked staging memory,
+    /// which a streamed call's results come back through; `None` where nothing
+    /// is page-locked (the CPU). New in format 2.
+    pub pinned_alloc_bytes_per_s: Option<f64>,
     /// Output bytes (f32) per second of merging two partial results by their
     /// log-sum-exp on the compute device, the partial's conversion included.
     pub device_merge_bytes_per_s: f64,
@@ -137,6 +141,9 @@ impl Rates {
         ];
         if let Some(p) = self.pin_bytes_per_s {
             v.push(("pin_bytes_per_s".to_string(), p));
+        }
+        if let Some(p) = self.pinned_alloc_bytes_per_s {
+            v.push(("pinned_alloc_bytes_per_s".to_string(), p));
         }
         for k in &self.kernels {
             let name = format!(
@@ -210,8 +217,9 @@ pub struct CalibrateOptions {
     /// Heads (batch 1) of the kernel calls.
     pub heads: usize,
     /// The longest sequence a kernel is measured at; each kind of call runs at
-    /// the length whose call takes about each of `call_seconds` at the default
-    /// rate, up to this, rounded down to a multiple of 64 (at least 64).
+    /// the lengths whose calls take about each of `call_seconds` (the first at
+    /// the default rate, the others at the rate measured before), up to this,
+    /// rounded down to a multiple of 64 (at least 64).
     pub max_tokens: usize,
     /// Target seconds of the timed kernel calls (see `max_tokens`): one length
     /// per entry, so that the planner knows the rate of short calls and of the
@@ -233,10 +241,10 @@ pub struct CalibrateOptions {
 impl CalibrateOptions {
     /// The full calibration for `dev`: on CUDA bf16, f16 and f32 at head dims
     /// 64, 128 and 256, 16 heads, each kernel at two lengths (calls of about
-    /// 0.02 s and 0.5 s at the default rate, up to 131,072 tokens: the 4M-token
-    /// plan's subproblems are 131,072 x 131,072), timed after half a second of
-    /// load, 256 MiB copies, 5 repeats (about a minute); on the CPU f32 and
-    /// bf16 at head dims 64 and 128, 2 heads.
+    /// 0.02 s and 0.25 s, up to 131,072 tokens: the 4M-token plan's
+    /// subproblems are 131,072 x 131,072), timed after half a second of load,
+    /// 256 MiB copies, 5 repeats (about a minute); on the CPU f32 and bf16 at
+    /// head dims 64 and 128, 2 heads.
     pub fn for_device(dev: &Device) -> Self {
         if dev.is_cuda() {
             Self {
@@ -244,7 +252,7 @@ impl CalibrateOptions {
                 head_dims: vec![64, 128, 256],
                 heads: 16,
                 max_tokens: 131072,
-                call_seconds: vec![0.02, 0.5],
+                call_seconds: vec![0.02, 0.25],
                 sustain_seconds: 0.5,
                 bytes: 256 << 20,
                 reps: 5,
@@ -555,6 +563,10 @@ pub fn calibrate(dev: &Device, opts: &CalibrateOptions) -> Result<Calibration> {
     if let Some(p) = pin {
         say("page-locking in place", p / 1e9, "GB/s");
     }
+    let alloc = streamer_core::measure_pinned_alloc_gbps(dev, opts.bytes, reps)?.map(|g| g * 1e9);
+    if let Some(a) = alloc {
+        say("page-locked allocation", a / 1e9, "GB/s");
+    }
     let (dm, hm, hc) = crate::stream::measure_merges(dev, opts.bytes, reps)?;
     say("device merge (f32 output)", dm / 1e9, "GB/s");
     say("host landing (fresh f32 buffers)", hm / 1e9, "GB/s");
@@ -572,6 +584,7 @@ pub fn calibrate(dev: &Device, opts: &CalibrateOptions) -> Result<Calibration> {
             h2d_bytes_per_s: h2d,
             d2h_bytes_per_s: d2h,
             pin_bytes_per_s: pin,
+            pinned_alloc_bytes_per_s: alloc,
             device_merge_bytes_per_s: dm,
             host_merge_bytes_per_s: hm,
             host_convert_bytes_per_s: hc,
@@ -611,27 +624,19 @@ pub(crate) fn time_median_prepared<I>(
     Ok(t[t.len() / 2].max(1e-9))
 }
 
-/// The lengths one kind of call is measured at: those whose call takes about
-/// each of `opts.call_seconds` at the default rate, multiples of 64 from 64 to
-/// `opts.max_tokens`, each once.
-fn kernel_lengths(dev: &Device, opts: &CalibrateOptions, shape: &AttentionShape) -> Vec<usize> {
-    let nominal = crate::plan::nominal_flops(shape, dev.is_cuda());
+/// The length (a multiple of 64 from 64 to `max_tokens`) whose call of `shape`
+/// takes about `seconds` at `flops_per_s`.
+fn call_length(shape: &AttentionShape, flops_per_s: f64, seconds: f64, max_tokens: usize) -> usize {
     let per_token2 = 4.0 * (shape.hq * shape.d) as f64 / if shape.causal { 2.0 } else { 1.0 };
-    let mut ns: Vec<usize> = opts
-        .call_seconds
-        .iter()
-        .map(|s| {
-            let n = (nominal * s / per_token2).sqrt() as usize;
-            (n / 64 * 64).clamp(64, opts.max_tokens.max(64))
-        })
-        .collect();
-    ns.sort_unstable();
-    ns.dedup();
-    ns
+    let n = (flops_per_s * seconds / per_token2).sqrt() as usize;
+    (n / 64 * 64).clamp(64, max_tokens.max(64))
 }
 
-/// The resident forward kernel's rates for one kind of call, at each of its
-/// [`kernel_lengths`], each after `opts.sustain_seconds` of the same calls.
+/// The resident forward kernel's rates for one kind of call, at the lengths
+/// whose calls take about each of `opts.call_seconds` (shortest first; the
+/// first length from the default rate, each later one from the rate just
+/// measured, so that a slow kernel does not run for minutes), each measured
+/// once, after `opts.sustain_seconds` of the same calls.
 fn kernel_rates(
     dev: &Device,
     opts: &CalibrateOptions,
@@ -650,20 +655,27 @@ fn kernel_rates(
         dtype,
         causal,
     };
-    let mut rates = Vec::new();
-    for n in kernel_lengths(dev, opts, &shape) {
+    let mut rate = crate::plan::nominal_flops(&shape, dev.is_cuda());
+    let mut seconds = opts.call_seconds.clone();
+    seconds.sort_by(f64::total_cmp);
+    let mut rates: Vec<KernelRate> = Vec::new();
+    for s in seconds {
+        let n = call_length(&shape, rate, s, opts.max_tokens);
+        if rates.iter().any(|r| r.tokens == n) {
+            continue;
+        }
         let shape = AttentionShape {
             nq: n,
             nk: n,
             ..shape
         };
-        let secs = time_kernel(dev, opts, &shape)?;
+        rate = shape.forward_flops() / time_kernel(dev, opts, &shape)?;
         rates.push(KernelRate {
             dtype: dtype.as_str().to_string(),
             head_dim: d,
             causal,
             tokens: n,
-            forward_flops_per_s: shape.forward_flops() / secs,
+            forward_flops_per_s: rate,
         });
     }
     Ok(rates)

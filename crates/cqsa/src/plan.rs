@@ -21,13 +21,14 @@
 //! plus the device-side merges of partial outputs; on CUDA that compute, the
 //! host-to-device copies, the device-to-host copies of the f32 results and the
 //! host's landing of them overlap (the slowest sets the pace), and the
-//! page-locking of the inputs, the first subproblem's copies, the last results'
-//! return and the conversion of the output to the inputs' dtype add to it; on
-//! the CPU nothing overlaps. The built-in rates: the tensor-core kernels at the
-//! H200's measured 300 TFLOP/s (forward at D=128), the other kernels rough
-//! guesses, 25 GB/s each way, 10 GB/s page-locking, 5 GB/s host landing and
-//! conversion; uncalibrated figures rank plans and warn of long calls, they
-//! are not exact.
+//! page-locking of the inputs, the allocation of page-locked staging for the
+//! results, the first subproblem's copies, the last results' return and the
+//! conversion of the output to the inputs' dtype add to it; on the CPU nothing
+//! overlaps. The built-in rates: the tensor-core kernels at the H200's
+//! measured 300 TFLOP/s (forward at D=128), the other kernels rough guesses,
+//! 25 GB/s each way, 10 GB/s page-locking and page-locked allocation, 5 GB/s
+//! host landing and conversion; uncalibrated figures rank plans and warn of
+//! long calls, they are not exact.
 use std::fmt;
 use std::path::PathBuf;
 
@@ -202,6 +203,10 @@ struct Pairs {
     masked: u64,
     /// Query rows merged with an earlier partial result, summed over subproblems.
     merged_rows: u64,
+    /// Whether a query chunk after the first has a single subproblem: its result
+    /// is then copied back before the previous chunk's has landed, and a streamed
+    /// call stages two chunks' results at once instead of one.
+    double_staged: bool,
 }
 
 /// The subproblems of chunks `cq` x `ck` and their work.
@@ -221,6 +226,7 @@ fn count_pairs(s: &AttentionShape, sc: &Scores, cq: usize, ck: usize) -> Pairs {
             p.subproblems += 1;
             seen += 1;
         }
+        p.double_staged |= i0 > 0 && seen == 1;
         p.merged_rows += seen.saturating_sub(1) * (i1 - i0) as u64;
     }
     p
@@ -274,6 +280,7 @@ impl Model {
             h2d_bytes_per_s: 25e9,
             d2h_bytes_per_s: 25e9,
             pin_bytes_per_s: cuda.then_some(10e9),
+            pinned_alloc_bytes_per_s: cuda.then_some(10e9),
             device_merge_bytes_per_s: if cuda { 500e9 } else { 2e9 },
             host_merge_bytes_per_s: 5e9,
             host_convert_bytes_per_s: 5e9,
@@ -384,6 +391,11 @@ impl Model {
         }
         let inputs = ((s.nq * s.hq + 2 * s.nk * s.hkv) * s.b * s.d) as f64 * e;
         let pin = r.pin_bytes_per_s.map_or(0.0, |rate| inputs / rate);
+        // Page-locked staging for a query chunk's f32 output and log-sum-exp
+        // (two chunks' when `double_staged`), allocated when the first results
+        // come back and freed at the end; the host thread waits meanwhile.
+        let staged = (cq * s.b * s.hq * (s.d + 1) * 4 * (1 + p.double_staged as usize)) as f64;
+        let staging = r.pinned_alloc_bytes_per_s.map_or(0.0, |rate| staged / rate);
         // Copies, compute and the host's landing overlap one subproblem apart:
         // the slowest sets the pace; the first inputs and the last results
         // are not hidden.
@@ -392,7 +404,7 @@ impl Model {
         let last = (cq.min(s.nq) * s.b * s.hq * (s.d + 1) * 4) as f64;
         let ends =
             first / r.h2d_bytes_per_s + last / r.d2h_bytes_per_s + last / r.host_merge_bytes_per_s;
-        pin + steady + ends + convert
+        pin + staging + steady + ends + convert
     }
 }
 

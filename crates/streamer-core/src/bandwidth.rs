@@ -128,6 +128,40 @@ pub fn measure_pin_gbps(device: &Device, bytes: usize, iters: usize) -> Result<O
     }
 }
 
+/// Median rate in GB/s of allocating `bytes` of page-locked host memory
+/// (`cuMemHostAlloc`, flags 0) and freeing it, both timed, over `iters` tries:
+/// what a streamed attention call pays for the staging buffers its results
+/// come back through. `None` on the CPU device: nothing is page-locked there.
+pub fn measure_pinned_alloc_gbps(
+    device: &Device,
+    bytes: usize,
+    iters: usize,
+) -> Result<Option<f64>> {
+    if bytes < 4 {
+        candle_core::bail!("measure_pinned_alloc_gbps: cannot time an allocation of {bytes} bytes")
+    }
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(dev) => {
+            let ctx = dev.cuda_stream().context().clone();
+            let mut times = Vec::with_capacity(iters.max(1));
+            for _ in 0..iters.max(1) {
+                let t = std::time::Instant::now();
+                // SAFETY: the buffer is never read; it is freed at once.
+                let buf = unsafe { ctx.alloc_pinned_with_flags::<f32>(bytes / 4, 0) }
+                    .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+                drop(buf);
+                times.push(t.elapsed().as_secs_f64());
+            }
+            Ok(Some(bytes as f64 / median(times) / 1e9))
+        }
+        _ => {
+            let _ = iters;
+            Ok(None)
+        }
+    }
+}
+
 fn median(mut times: Vec<f64>) -> f64 {
     times.sort_by(f64::total_cmp);
     times[times.len() / 2].max(1e-12)

@@ -54,7 +54,9 @@ mod stats;
 mod timeline;
 mod transfer;
 
-pub use bandwidth::{measure_copy_gbps, measure_h2d_gbps, measure_pin_gbps, CopyDirection};
+pub use bandwidth::{
+    measure_copy_gbps, measure_h2d_gbps, measure_pin_gbps, measure_pinned_alloc_gbps, CopyDirection,
+};
 pub use block::{
     mix_seed, Block, BlockCtx, BlockSpec, ManualBackward, ModuleBlock, SavedActivations,
 };
