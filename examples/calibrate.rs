@@ -86,8 +86,8 @@ fn print(cal: &Calibration) {
         gbs(r.host_merge_bytes_per_s)
     );
     println!(
-        "  host output conversion    {}",
-        gbs(r.host_convert_bytes_per_s)
+        "  host landing (to bf16)    {}",
+        gbs(r.host_land_converted_bytes_per_s)
     );
 }
 

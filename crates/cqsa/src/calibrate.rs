@@ -2,12 +2,14 @@
 //! cache file that the planner ([`crate::estimate`]) reads.
 //!
 //! Measured, in about a minute on a GPU (seconds on the CPU): the resident
-//! forward kernel's sustained FLOP/s per dtype, head dim and causality;
-//! host-to-device and device-to-host bandwidth from page-locked memory; the rate of
-//! page-locking host memory in place (what a streamed call pays first); the
-//! device-side merge of partial outputs by their log-sum-exp; and the host's
-//! landing of f32 results into fresh buffers and its conversion of the output
-//! to the inputs' dtype.
+//! forward kernel's sustained FLOP/s per dtype, head dim and causality, at a
+//! short and a long call ([`Rates::kernel`] interpolates between them);
+//! host-to-device and device-to-host bandwidth from page-locked memory; the
+//! rates of page-locking host memory in place (what a streamed call pays
+//! first) and of allocating page-locked staging (what its first results pay);
+//! the device-side merge of partial outputs by their log-sum-exp; and the
+//! host's landing of f32 results into fresh buffers, as they are and converted
+//! to bf16.
 //!
 //! The cache file is JSON, one per device and kernel version:
 //! `<dir>/cqsa-<device>-<kernel version>.json`, `<dir>` being
@@ -86,11 +88,15 @@ pub struct Rates {
     /// Output bytes (f32) per second of merging two partial results by their
     /// log-sum-exp on the compute device, the partial's conversion included.
     pub device_merge_bytes_per_s: f64,
-    /// Bytes (f32) per second of landing results in fresh host buffers (first
-    /// touch of their pages included), as a streamed forward lands its output.
+    /// Bytes (f32) per second of landing results in fresh f32 host buffers
+    /// (first touch of their pages included), as a streamed call lands its
+    /// log-sum-exp and gradients.
     pub host_merge_bytes_per_s: f64,
-    /// f32 bytes per second of converting the host output to the inputs' dtype.
-    pub host_convert_bytes_per_s: f64,
+    /// f32 bytes per second of landing results converted to bf16 in fresh host
+    /// buffers, as a streamed forward lands its f16 or bf16 output. New in
+    /// format 2 (format 1 timed a separate conversion pass, which the forward
+    /// has not made since its output lands converted).
+    pub host_land_converted_bytes_per_s: f64,
 }
 
 impl Rates {
@@ -135,8 +141,8 @@ impl Rates {
                 self.host_merge_bytes_per_s,
             ),
             (
-                "host_convert_bytes_per_s".to_string(),
-                self.host_convert_bytes_per_s,
+                "host_land_converted_bytes_per_s".to_string(),
+                self.host_land_converted_bytes_per_s,
             ),
         ];
         if let Some(p) = self.pin_bytes_per_s {
@@ -570,7 +576,7 @@ pub fn calibrate(dev: &Device, opts: &CalibrateOptions) -> Result<Calibration> {
     let (dm, hm, hc) = crate::stream::measure_merges(dev, opts.bytes, reps)?;
     say("device merge (f32 output)", dm / 1e9, "GB/s");
     say("host landing (fresh f32 buffers)", hm / 1e9, "GB/s");
-    say("host conversion of the output", hc / 1e9, "GB/s");
+    say("host landing converted to bf16", hc / 1e9, "GB/s");
     Ok(Calibration {
         format: FORMAT,
         device,
@@ -587,7 +593,7 @@ pub fn calibrate(dev: &Device, opts: &CalibrateOptions) -> Result<Calibration> {
             pinned_alloc_bytes_per_s: alloc,
             device_merge_bytes_per_s: dm,
             host_merge_bytes_per_s: hm,
-            host_convert_bytes_per_s: hc,
+            host_land_converted_bytes_per_s: hc,
         },
     })
 }

@@ -613,8 +613,43 @@ pub(crate) struct ChunkFeed<'a> {
     registered: Vec<PinnedRegion>,
     /// Whether `release` already ran.
     released: bool,
+    /// Where the host thread's time went (`CQSA_VERBOSE` prints it).
+    pub(crate) times: HostTimes,
     /// The host memory read by copies in flight lives at least as long as `'a`.
     _host: std::marker::PhantomData<&'a CpuStorage>,
+}
+
+/// Seconds the host thread of a streamed call spent on each kind of work
+/// outside issuing kernels (what the planner's time model must account for).
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct HostTimes {
+    /// Page-locking the inputs in place.
+    pub register: f64,
+    /// Allocating page-locked staging buffers, and their bytes.
+    pub staging: f64,
+    pub staged_bytes: usize,
+    /// Waiting for results' copies (the device's compute included).
+    pub wait: f64,
+    /// Landing results in the host's buffers.
+    pub land: f64,
+    /// Waiting for the last copies, unlocking the inputs, freeing the staging.
+    pub release: f64,
+}
+
+impl std::fmt::Display for HostTimes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "page-locking {:.3} s, staging {:.3} s ({:.2} GiB), waiting for results {:.3} s, \
+             landing {:.3} s, release {:.3} s",
+            self.register,
+            self.staging,
+            self.staged_bytes as f64 / (1u64 << 30) as f64,
+            self.wait,
+            self.land,
+            self.release
+        )
+    }
 }
 
 /// A chunk whose copy was issued: the tensor and the event that marks the end of
@@ -648,8 +683,10 @@ impl<'a> ChunkFeed<'a> {
             staging: Vec::new(),
             registered: Vec::new(),
             released: false,
+            times: HostTimes::default(),
             _host: std::marker::PhantomData,
         };
+        let t = std::time::Instant::now();
         for s in sources {
             let (ptr, bytes) = host_span(s)?;
             // Only the whole pages inside the storage are registered (OS page
@@ -661,6 +698,7 @@ impl<'a> ChunkFeed<'a> {
                 unsafe { PinnedRegion::register(feed.compute.context(), ptr as *mut u8, bytes)? };
             feed.registered.extend(pin);
         }
+        feed.times.register = t.elapsed().as_secs_f64();
         Ok(feed)
     }
 
@@ -806,12 +844,16 @@ impl<'a> ChunkFeed<'a> {
         mut drained: Drained,
         use_data: impl FnOnce(&[f32]) -> Result<()>,
     ) -> Result<()> {
+        let t = std::time::Instant::now();
         drained.done.synchronize().w()?;
+        self.times.wait += t.elapsed().as_secs_f64();
         let Some(staging) = drained.staging.take() else {
             bail!("cqsa: drained chunk without a staging buffer")
         };
         let data = staging.as_slice().w()?;
+        let t = std::time::Instant::now();
         use_data(&data[..drained.len])?;
+        self.times.land += t.elapsed().as_secs_f64();
         self.staging.push(staging);
         Ok(())
     }
@@ -826,21 +868,29 @@ impl<'a> ChunkFeed<'a> {
         if let Some(i) = fit {
             return Ok(self.staging.swap_remove(i));
         }
+        let t = std::time::Instant::now();
         // SAFETY: the buffer is uninitialized, but it is read only up to the
         // length of a drain's copy, after that copy is done (`receive`). Flags 0,
         // not cudarc's default write-combined: the host reads these buffers, and
         // reading write-combined memory is uncached (very slow).
-        unsafe {
+        let buf = unsafe {
             self.compute
                 .context()
                 .alloc_pinned_with_flags::<f32>(len, 0)
         }
-        .w()
+        .w();
+        self.times.staging += t.elapsed().as_secs_f64();
+        self.times.staged_bytes += len * 4;
+        buf
     }
 
-    /// Waits for every copy and unregisters the host memory, surfacing errors.
-    pub(crate) fn finish(mut self) -> Result<()> {
-        self.release().w()
+    /// Waits for every copy and unregisters the host memory, surfacing errors;
+    /// returns where the host's time went.
+    pub(crate) fn finish(mut self) -> Result<HostTimes> {
+        let t = std::time::Instant::now();
+        self.release().w()?;
+        self.times.release = t.elapsed().as_secs_f64();
+        Ok(self.times)
     }
 
     /// Synchronizes the transfer and drain streams, then unregisters what this

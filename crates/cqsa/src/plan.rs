@@ -22,12 +22,12 @@
 //! host-to-device copies, the device-to-host copies of the f32 results and the
 //! host's landing of them overlap (the slowest sets the pace), and the
 //! page-locking of the inputs, the allocation of page-locked staging for the
-//! results, the first subproblem's copies, the last results' return and the
-//! conversion of the output to the inputs' dtype add to it; on the CPU nothing
-//! overlaps. The built-in rates: the tensor-core kernels at the H200's
+//! results, the first subproblem's copies and the last results' return and
+//! landing add to it; on the CPU nothing overlaps. Results land in f32 (the
+//! log-sum-exp) or converted to the inputs' f16/bf16 (the output). The built-in rates: the tensor-core kernels at the H200's
 //! measured 300 TFLOP/s (forward at D=128), the other kernels rough guesses,
 //! 25 GB/s each way, 10 GB/s page-locking and page-locked allocation, 5 GB/s
-//! host landing and conversion; uncalibrated figures rank plans and warn of
+//! host landing; uncalibrated figures rank plans and warn of
 //! long calls, they are not exact.
 use std::fmt;
 use std::path::PathBuf;
@@ -283,7 +283,7 @@ impl Model {
             pinned_alloc_bytes_per_s: cuda.then_some(10e9),
             device_merge_bytes_per_s: if cuda { 500e9 } else { 2e9 },
             host_merge_bytes_per_s: 5e9,
-            host_convert_bytes_per_s: 5e9,
+            host_land_converted_bytes_per_s: 5e9,
         };
         Self {
             cuda,
@@ -376,18 +376,30 @@ impl Model {
         // Every subproblem moves its key chunk; every query chunk moves once.
         let h2d = (p.subproblems * ck * s.b * s.hkv * s.d * 2) as f64 * e
             + (s.nq * s.b * s.hq * s.d) as f64 * e;
-        // The merged output and log-sum-exp come back once, in f32.
+        // The merged output and log-sum-exp come back once, in f32; the output
+        // lands converted to the dtype (f16, bf16), the log-sum-exp as it is.
         let results = (s.nq * s.b * s.hq * (s.d + 1) * 4) as f64;
-        let convert = (s.nq * s.b * s.hq * s.d * 4) as f64 / r.host_convert_bytes_per_s;
+        let land = |rows: usize| {
+            let (out, lse) = (
+                (rows * s.b * s.hq * s.d * 4) as f64,
+                (rows * s.b * s.hq * 4) as f64,
+            );
+            let out_rate = if s.dtype == DType::F32 {
+                r.host_merge_bytes_per_s
+            } else {
+                r.host_land_converted_bytes_per_s
+            };
+            out / out_rate + lse / r.host_merge_bytes_per_s
+        };
         let (t_h2d, t_d2h, t_land) = (
             h2d / r.h2d_bytes_per_s,
             results / r.d2h_bytes_per_s,
-            results / r.host_merge_bytes_per_s,
+            land(s.nq),
         );
         if !self.cuda {
             // Nothing overlaps on the CPU; each input chunk is copied twice
             // (gathered, then made a tensor).
-            return compute + 2.0 * t_h2d + t_d2h + t_land + convert;
+            return compute + 2.0 * t_h2d + t_d2h + t_land;
         }
         let inputs = ((s.nq * s.hq + 2 * s.nk * s.hkv) * s.b * s.d) as f64 * e;
         let pin = r.pin_bytes_per_s.map_or(0.0, |rate| inputs / rate);
@@ -400,11 +412,10 @@ impl Model {
         // the slowest sets the pace; the first inputs and the last results
         // are not hidden.
         let steady = compute.max(t_h2d).max(t_d2h).max(t_land);
-        let first = ((cq.min(s.nq) * s.hq + 2 * ck.min(s.nk) * s.hkv) * s.b * s.d) as f64 * e;
-        let last = (cq.min(s.nq) * s.b * s.hq * (s.d + 1) * 4) as f64;
-        let ends =
-            first / r.h2d_bytes_per_s + last / r.d2h_bytes_per_s + last / r.host_merge_bytes_per_s;
-        pin + staging + steady + ends + convert
+        let first = ((cq * s.hq + 2 * ck * s.hkv) * s.b * s.d) as f64 * e;
+        let last = (cq * s.b * s.hq * (s.d + 1) * 4) as f64;
+        let ends = first / r.h2d_bytes_per_s + last / r.d2h_bytes_per_s + land(cq);
+        pin + staging + steady + ends
     }
 }
 

@@ -332,21 +332,15 @@ pub(crate) fn measure_merges(dev: &Device, bytes: usize, reps: usize) -> Result<
         std::hint::black_box(&sink.data);
         Ok(())
     })?;
-    // Each conversion consumes its input: its copy is made untimed, as it is
-    // not in a real call. (Until session 19 the copy was timed apart and
-    // subtracted, a difference of two noisy medians: 5.35 and 12.24 GB/s on two
-    // H200 machines of the same kind.)
+    // The forward's output lands converted to the inputs' dtype (bf16 here).
     let like = CpuStorage::BF16(Vec::new());
-    let convert = crate::calibrate::time_median_prepared(
-        &cpu,
-        reps,
-        || Ok(chunk.clone()),
-        |input| {
-            std::hint::black_box(cpu::from_f32(input, &like)?);
-            Ok(())
-        },
-    )?;
-    Ok((bytes / device, bytes / host, bytes / convert))
+    let converted = crate::calibrate::time_median(&cpu, reps, || {
+        let mut sink = Sink::written_as(chunk.len(), n, &like)?;
+        land(&mut sink, &chunk, (h, n, d), 0, false)?;
+        std::hint::black_box(&sink.data);
+        Ok(())
+    })?;
+    Ok((bytes / device, bytes / host, bytes / converted))
 }
 
 struct Progress {
@@ -480,6 +474,9 @@ struct Pair {
 struct Feed<'a, const N: usize> {
     exec: Device,
     sinks: [Sink; N],
+    /// Print where the host's time went at `finish` (CUDA only).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    verbose: bool,
     /// Declared before `pending` and the landings: on drop it synchronizes its
     /// streams before the pending chunks' buffers are freed (the landings also
     /// wait for their own copies when dropped).
@@ -512,11 +509,17 @@ struct Landing {
 type Src<'a> = (usize, &'a CpuStorage, &'a Layout);
 
 impl<'a, const N: usize> Feed<'a, N> {
-    fn new(exec: &Device, sources: &[&'a CpuStorage], sinks: [Sink; N]) -> Result<Self> {
+    fn new(
+        exec: &Device,
+        sources: &[&'a CpuStorage],
+        sinks: [Sink; N],
+        verbose: bool,
+    ) -> Result<Self> {
         let _ = sources;
         Ok(Self {
             exec: exec.clone(),
             sinks,
+            verbose,
             #[cfg(feature = "cuda")]
             cuda: match exec {
                 Device::Cuda(dev) => Some(crate::cuda::ChunkFeed::new(dev, sources)?),
@@ -628,7 +631,10 @@ impl<'a, const N: usize> Feed<'a, N> {
                 while let Some((_, fetched)) = pending.pop() {
                     drop(fetched.ready(&feed)?);
                 }
-                feed.finish()?;
+                let times = feed.finish()?;
+                if self.verbose {
+                    eprintln!("cqsa: host side: {times}");
+                }
             }
         }
         Ok(self.sinks.map(|s| s.data))
@@ -660,7 +666,7 @@ impl CustomOp3 for StreamOp {
             Sink::written_as(b * hq * nq * d, nq, sq)?,
             Sink::new(b * hq * nq, nq, f32::NEG_INFINITY),
         ];
-        let mut feed = Feed::new(&self.exec, &[sq, sk, sv], sinks)?;
+        let mut feed = Feed::new(&self.exec, &[sq, sk, sv], sinks, self.verbose)?;
         progress.set_up();
         let mut qc: Option<((usize, usize), Tensor)> = None;
         let mut acc: Option<(Tensor, Tensor)> = None;
@@ -810,7 +816,7 @@ impl StreamOp {
             Sink::written_as(b * hkv * nk * d, nk, like)?,
             Sink::written_as(b * hkv * nk * d, nk, like)?,
         ];
-        let mut feed = Feed::new(&self.exec, &srcs.map(|s| s.1), sinks)?;
+        let mut feed = Feed::new(&self.exec, &srcs.map(|s| s.1), sinks, self.verbose)?;
         progress.set_up();
         let mut kvc: Option<((usize, usize), Tensor, Tensor)> = None;
         let mut acc: Option<(Tensor, Tensor)> = None;
