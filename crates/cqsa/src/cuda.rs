@@ -604,10 +604,10 @@ pub(crate) struct ChunkFeed<'a> {
     transfer: std::sync::Arc<CudaStream>,
     /// Device-to-host copies of results.
     drain_stream: std::sync::Arc<CudaStream>,
-    /// Idle page-locked staging buffers for results. Allocating page-locked memory
-    /// is slow (~0.1 s per GiB), so they are reused: each kind of result (one
-    /// size) ends up with as many as it had in flight at once, two when each
-    /// result is received one subproblem after its drain.
+    /// Idle page-locked staging buffers for results, reused within the call
+    /// (each kind of result, one size, ends up with as many as it had in flight
+    /// at once, two when each result is received one subproblem after its
+    /// drain) and given to the cache ([`crate::staging`]) at its end.
     staging: Vec<PinnedHostSlice<f32>>,
     /// Host pages this feed page-locked (unregistered at the end).
     registered: Vec<PinnedRegion>,
@@ -632,7 +632,8 @@ pub(crate) struct HostTimes {
     pub wait: f64,
     /// Landing results in the host's buffers.
     pub land: f64,
-    /// Waiting for the last copies, unlocking the inputs, freeing the staging.
+    /// Waiting for the last copies, unlocking the inputs, caching (or freeing)
+    /// the staging.
     pub release: f64,
 }
 
@@ -672,6 +673,7 @@ impl<'a> ChunkFeed<'a> {
     /// storages that outlive the feed). A storage that cannot be registered (or is
     /// already registered elsewhere) is still copied correctly, only without overlap.
     pub(crate) fn new(dev: &CudaDevice, sources: &[&'a CpuStorage]) -> Result<Self> {
+        crate::staging::cap_bytes()?; // a bad cap is an error before any work
         let compute = dev.cuda_stream();
         let transfer = compute.context().new_stream().w()?;
         let drain_stream = compute.context().new_stream().w()?;
@@ -858,8 +860,9 @@ impl<'a> ChunkFeed<'a> {
         Ok(())
     }
 
-    /// A staging buffer for at least `len` f32s: the smallest idle one that fits
-    /// (so each kind of result keeps reusing its own), else a new one.
+    /// A staging buffer for at least `len` f32s: the smallest idle one of this
+    /// call that fits (so each kind of result keeps reusing its own), else the
+    /// smallest fitting one of earlier calls ([`crate::staging`]), else a new one.
     fn take_staging(&mut self, len: usize) -> Result<PinnedHostSlice<f32>> {
         let len = len.max(1); // cudarc cannot allocate an empty one
         let fit = (0..self.staging.len())
@@ -867,6 +870,9 @@ impl<'a> ChunkFeed<'a> {
             .min_by_key(|&i| self.staging[i].len());
         if let Some(i) = fit {
             return Ok(self.staging.swap_remove(i));
+        }
+        if let Some(buf) = crate::staging::take(self.compute.context(), len) {
+            return Ok(buf);
         }
         let t = std::time::Instant::now();
         // SAFETY: the buffer is uninitialized, but it is read only up to the
@@ -894,8 +900,8 @@ impl<'a> ChunkFeed<'a> {
     }
 
     /// Synchronizes the transfer and drain streams, then unregisters what this
-    /// feed registered and frees the idle staging buffers. Idempotent; returns the
-    /// first error.
+    /// feed registered and gives its idle staging buffers to the cache.
+    /// Idempotent; returns the first error.
     fn release(&mut self) -> std::result::Result<(), DriverError> {
         if self.released {
             return Ok(());
@@ -907,7 +913,9 @@ impl<'a> ChunkFeed<'a> {
             first = drained;
         }
         // Idle buffers: no copy targets them (those in flight belong to a `Drained`).
-        self.staging.clear();
+        for buf in self.staging.drain(..) {
+            crate::staging::give(buf);
+        }
         // Every copy reading the registered pages has completed (the transfer
         // stream was synchronized just above): unregister them (a failure is
         // recorded on the context).

@@ -94,6 +94,7 @@ mod op;
 mod plan;
 mod saved;
 mod shape;
+pub mod staging;
 mod stream;
 mod varlen;
 

@@ -203,6 +203,10 @@ struct Pairs {
     masked: u64,
     /// Query rows merged with an earlier partial result, summed over subproblems.
     merged_rows: u64,
+    /// Visible pairs of the first query chunk's dense and masked subproblems:
+    /// the device's work queued when its results need their staging.
+    first_dense: u64,
+    first_masked: u64,
     /// Whether a query chunk after the first has a single subproblem: its result
     /// is then copied back before the previous chunk's has landed, and a streamed
     /// call stages two chunks' results at once instead of one.
@@ -225,6 +229,9 @@ fn count_pairs(s: &AttentionShape, sc: &Scores, cq: usize, ck: usize) -> Pairs {
             }
             p.subproblems += 1;
             seen += 1;
+        }
+        if i0 == 0 {
+            (p.first_dense, p.first_masked) = (p.dense, p.masked);
         }
         p.double_staged |= i0 > 0 && seen == 1;
         p.merged_rows += seen.saturating_sub(1) * (i1 - i0) as u64;
@@ -265,6 +272,9 @@ pub(crate) fn nominal_flops(s: &AttentionShape, cuda: bool) -> f64 {
 /// The rates of one plan's time model: a calibration's, or the defaults.
 pub(crate) struct Model {
     cuda: bool,
+    /// The CUDA device's ordinal, whose cached staging ([`crate::staging`]) a
+    /// streamed call would reuse.
+    ordinal: usize,
     rates: Rates,
     /// The calibration file, when the rates are from one.
     file: Option<PathBuf>,
@@ -287,6 +297,7 @@ impl Model {
         };
         Self {
             cuda,
+            ordinal: 0,
             rates,
             file: None,
             reason,
@@ -299,6 +310,7 @@ impl Model {
         match device.and_then(|d| crate::calibrate::cached(&d)) {
             Ok((cal, path)) => Self {
                 cuda,
+                ordinal: 0,
                 rates: cal.rates,
                 file: Some(path),
                 reason: String::new(),
@@ -310,7 +322,14 @@ impl Model {
     /// The rates of the compute device `dev`.
     pub(crate) fn for_device(dev: &Device) -> Self {
         let name = crate::calibrate::device_name(dev).map_err(|e| e.to_string());
-        Self::named(name, dev.is_cuda())
+        let ordinal = match dev.location() {
+            candle_core::DeviceLocation::Cuda { gpu_id } => gpu_id,
+            _ => 0,
+        };
+        Self {
+            ordinal,
+            ..Self::named(name, dev.is_cuda())
+        }
     }
 
     /// The rates [`estimate`] assumes: CUDA device 0 when built with the `cuda`
@@ -403,11 +422,7 @@ impl Model {
         }
         let inputs = ((s.nq * s.hq + 2 * s.nk * s.hkv) * s.b * s.d) as f64 * e;
         let pin = r.pin_bytes_per_s.map_or(0.0, |rate| inputs / rate);
-        // Page-locked staging for a query chunk's f32 output and log-sum-exp
-        // (two chunks' when `double_staged`), allocated when the first results
-        // come back and freed at the end; the host thread waits meanwhile.
-        let staged = (cq * s.b * s.hq * (s.d + 1) * 4 * (1 + p.double_staged as usize)) as f64;
-        let staging = r.pinned_alloc_bytes_per_s.map_or(0.0, |rate| staged / rate);
+        let staging = self.staging_seconds(s, p, (cq, ck));
         // Copies, compute and the host's landing overlap one subproblem apart:
         // the slowest sets the pace; the first inputs and the last results
         // are not hidden.
@@ -416,6 +431,24 @@ impl Model {
         let last = (cq * s.b * s.hq * (s.d + 1) * 4) as f64;
         let ends = first / r.h2d_bytes_per_s + last / r.d2h_bytes_per_s + land(cq);
         pin + staging + steady + ends
+    }
+
+    /// Seconds a streamed forward waits for page-locked staging: a query
+    /// chunk's f32 output and log-sum-exp (two chunks' when `double_staged`)
+    /// that the cache ([`crate::staging`]) cannot serve, allocated when the first
+    /// results come back while the device computes the first query chunk,
+    /// whose time hides as much.
+    fn staging_seconds(&self, s: &AttentionShape, p: &Pairs, (cq, ck): (usize, usize)) -> f64 {
+        let Some(rate) = self.rates.pinned_alloc_bytes_per_s else {
+            return 0.0;
+        };
+        let (out, lse) = (cq * s.b * s.hq * s.d, cq * s.b * s.hq);
+        let lens: Vec<usize> = [out, lse].repeat(1 + p.double_staged as usize);
+        let alloc = crate::staging::unserved_bytes(self.ordinal, &lens) as f64 / rate;
+        let per_pair = 4.0 * (s.b * s.hq * s.d) as f64;
+        let first = p.first_dense as f64 * per_pair / self.kernel(s, false, cq, ck).0
+            + p.first_masked as f64 * per_pair / self.kernel(s, true, cq, ck).0;
+        (alloc - first).max(0.0)
     }
 }
 

@@ -30,7 +30,8 @@
 //! (`cuMemHostRegister`) and every subproblem's chunks are copied on a transfer
 //! stream of their own while the previous subproblem computes (one subproblem
 //! ahead), ordered by explicit events (see `ChunkFeed` in `cuda.rs`). Results go
-//! back on a third stream into reused page-locked staging buffers, and the host
+//! back on a third stream into page-locked staging buffers, reused within the
+//! call and kept for later calls ([`crate::staging`]), and the host
 //! applies them one subproblem late: after the next subproblem's kernels are
 //! issued, so that both the copy and the host's add overlap that compute. On the
 //! CPU they are applied at once. Either way every chunk lands in the order it was
