@@ -81,9 +81,10 @@ pub struct Rates {
     /// Bytes per second of host memory page-locked in place (and unlocked);
     /// `None` where nothing is page-locked (the CPU).
     pub pin_bytes_per_s: Option<f64>,
-    /// Bytes per second of allocating (and freeing) page-locked staging memory,
-    /// which a streamed call's results come back through; `None` where nothing
-    /// is page-locked (the CPU). New in format 2.
+    /// Bytes per second of allocating page-locked staging memory, which a
+    /// streamed call's results come back through (the free is not timed: the
+    /// buffers are kept between calls, see [`crate::staging`]); `None` where
+    /// nothing is page-locked (the CPU). New in format 2.
     pub pinned_alloc_bytes_per_s: Option<f64>,
     /// Output bytes (f32) per second of merging two partial results by their
     /// log-sum-exp on the compute device, the partial's conversion included.

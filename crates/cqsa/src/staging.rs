@@ -1,13 +1,14 @@
 //! The page-locked staging buffers that a streamed call's results come back
 //! through, kept between calls.
 //!
-//! Allocating page-locked memory is slow: 2.4 GB/s on the H200 machine,
-//! counting the free (`calibrate` measures it), and a streamed call with
-//! 131,072-row chunks stages about 1 GiB, so each call paid 0.4-1 s before
-//! this cache. PyTorch's caching host allocator keeps such buffers for the same
-//! reason. Idle buffers are kept per device, up to `CQSA_STAGING_CACHE_GIB`
-//! (default 8; 0 keeps none) of them, until [`release`] frees them. The planner
-//! counts what the cache already holds as free ([`crate::estimate`]).
+//! Allocating page-locked memory is slow: a streamed call with 131,072-row
+//! chunks stages about 1 GiB, and allocating it took 0.36-0.5 s on the H200
+//! machine (1.05 s with the host's memory nearly full), freeing it 0.1-0.2 s
+//! more, in every call before this cache. PyTorch's caching host allocator
+//! keeps such buffers for the same reason. Idle buffers are kept per device,
+//! up to `CQSA_STAGING_CACHE_GIB` (default 8; 0 keeps none) of them, until
+//! [`release`] frees them. The planner counts what the cache already holds as
+//! free ([`crate::estimate`]).
 //!
 //! A buffer is in the cache only while no copy targets it: a call takes it out
 //! before issuing a copy into it and gives it back after that copy is over.

@@ -129,9 +129,10 @@ pub fn measure_pin_gbps(device: &Device, bytes: usize, iters: usize) -> Result<O
 }
 
 /// Median rate in GB/s of allocating `bytes` of page-locked host memory
-/// (`cuMemHostAlloc`, flags 0) and freeing it, both timed, over `iters` tries:
-/// what a streamed attention call pays for the staging buffers its results
-/// come back through. `None` on the CPU device: nothing is page-locked there.
+/// (`cuMemHostAlloc`, flags 0; the free is not timed), over `iters` tries: what
+/// a streamed attention call pays for the staging buffers its results come
+/// back through, which are kept between calls rather than freed. `None` on the
+/// CPU device: nothing is page-locked there.
 pub fn measure_pinned_alloc_gbps(
     device: &Device,
     bytes: usize,
@@ -150,8 +151,8 @@ pub fn measure_pinned_alloc_gbps(
                 // SAFETY: the buffer is never read; it is freed at once.
                 let buf = unsafe { ctx.alloc_pinned_with_flags::<f32>(bytes / 4, 0) }
                     .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
-                drop(buf);
                 times.push(t.elapsed().as_secs_f64());
+                drop(buf);
             }
             Ok(Some(bytes as f64 / median(times) / 1e9))
         }
