@@ -24,11 +24,12 @@
 //! page-locking of the inputs, the allocation of page-locked staging for the
 //! results, the first subproblem's copies and the last results' return and
 //! landing add to it; on the CPU nothing overlaps. Results land in f32 (the
-//! log-sum-exp) or converted to the inputs' f16/bf16 (the output). The built-in rates: the tensor-core kernels at the H200's
-//! measured 300 TFLOP/s (forward at D=128), the other kernels rough guesses,
-//! 25 GB/s each way, 10 GB/s page-locking and page-locked allocation, 5 GB/s
-//! host landing; uncalibrated figures rank plans and warn of
-//! long calls, they are not exact.
+//! log-sum-exp) or converted to the inputs' f16/bf16 (the output). Staging
+//! already kept from earlier calls ([`crate::staging`]) costs nothing. The
+//! built-in rates: the tensor-core kernels at the H200's measured 300 TFLOP/s
+//! (forward at D=128), the other kernels rough guesses, 25 GB/s each way,
+//! 10 GB/s page-locking and page-locked allocation, 5 GB/s host landing;
+//! uncalibrated figures rank plans and warn of long calls, they are not exact.
 use std::fmt;
 use std::path::PathBuf;
 
