@@ -367,22 +367,35 @@ fn calibrate_child_mode() -> Result<()> {
 #[test]
 fn estimate_uses_the_calibration_cache() -> Result<()> {
     let dir = temp_dir("planner")?;
-    let out = std::process::Command::new(std::env::current_exe()?)
-        .args([
-            "calibrate::calibrate_child_mode",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-            "-q",
-        ])
-        .env(CHILD, "1")
-        .env(CACHE_DIR_ENV, &dir)
-        .output()?;
-    let text = String::from_utf8_lossy(&out.stdout);
+    let done = run_child(
+        "calibrate::calibrate_child_mode",
+        &[
+            (CHILD, Some("1".as_ref())),
+            (CACHE_DIR_ENV, Some(dir.as_os_str())),
+        ],
+        "CALIBRATE-CHILD-OK",
+    );
     std::fs::remove_dir_all(&dir)?;
+    done
+}
+
+/// Runs test `name` of this binary alone in a child process with the
+/// environment changes `env` (`None` removes the variable), and checks that it
+/// passed and printed `marker`.
+fn run_child(name: &str, env: &[(&str, Option<&std::ffi::OsStr>)], marker: &str) -> Result<()> {
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    cmd.args([name, "--exact", "--nocapture", "--test-threads=1", "-q"]);
+    for (k, v) in env {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    let out = cmd.output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
     ensure!(
-        out.status.success() && text.contains("CALIBRATE-CHILD-OK"),
-        "the child failed (status {}): {text}{}",
+        out.status.success() && text.contains(marker),
+        "the child {name} failed (status {}): {text}{}",
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
@@ -497,23 +510,12 @@ fn staging_child_mode() -> Result<()> {
 #[cfg(feature = "cuda")]
 #[test]
 fn streamed_calls_reuse_their_staging() -> Result<()> {
-    let out = std::process::Command::new(std::env::current_exe()?)
-        .args([
-            "calibrate::staging_child_mode",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-            "-q",
-        ])
-        .env(STAGING_CHILD, "1")
-        .env_remove(cqsa::staging::CACHE_ENV)
-        .output()?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    ensure!(
-        out.status.success() && text.contains("STAGING-CHILD-OK"),
-        "the child failed (status {}): {text}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(())
+    run_child(
+        "calibrate::staging_child_mode",
+        &[
+            (STAGING_CHILD, Some("1".as_ref())),
+            (cqsa::staging::CACHE_ENV, None),
+        ],
+        "STAGING-CHILD-OK",
+    )
 }

@@ -43,7 +43,7 @@ use candle_core::{
     bail, CpuStorage, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor,
 };
 use half::{bf16, f16};
-use streamer_core::pages::{page_pieces, PinnedRegion};
+use streamer_core::pages::{alloc_readable_f32, page_pieces, PinnedRegion};
 use streamer_kernels::{module, ATTENTION};
 
 use crate::{AttentionShape, Scores};
@@ -876,15 +876,8 @@ impl<'a> ChunkFeed<'a> {
         }
         let t = std::time::Instant::now();
         // SAFETY: the buffer is uninitialized, but it is read only up to the
-        // length of a drain's copy, after that copy is done (`receive`). Flags 0,
-        // not cudarc's default write-combined: the host reads these buffers, and
-        // reading write-combined memory is uncached (very slow).
-        let buf = unsafe {
-            self.compute
-                .context()
-                .alloc_pinned_with_flags::<f32>(len, 0)
-        }
-        .w();
+        // length of a drain's copy, after that copy is done (`receive`).
+        let buf = unsafe { alloc_readable_f32(self.compute.context(), len) };
         self.times.staging += t.elapsed().as_secs_f64();
         self.times.staged_bytes += len * 4;
         buf

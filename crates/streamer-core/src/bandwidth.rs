@@ -105,8 +105,7 @@ pub fn measure_pin_gbps(device: &Device, bytes: usize, iters: usize) -> Result<O
         #[cfg(feature = "cuda")]
         Device::Cuda(dev) => {
             let ctx = dev.cuda_stream().context().clone();
-            let mut times = Vec::with_capacity(iters.max(1));
-            for _ in 0..iters.max(1) {
+            median_rate(bytes, iters, || {
                 // Touched first, as a real input is: registration then only locks.
                 let mut host = vec![1u8; bytes];
                 let t = std::time::Instant::now();
@@ -116,10 +115,10 @@ pub fn measure_pin_gbps(device: &Device, bytes: usize, iters: usize) -> Result<O
                 };
                 let Some(pin) = pin else { return Ok(None) };
                 drop(pin);
-                times.push(t.elapsed().as_secs_f64());
+                let secs = t.elapsed().as_secs_f64();
                 std::hint::black_box(&mut host);
-            }
-            Ok(Some(bytes as f64 / median(times) / 1e9))
+                Ok(Some(secs))
+            })
         }
         _ => {
             let _ = iters;
@@ -129,7 +128,8 @@ pub fn measure_pin_gbps(device: &Device, bytes: usize, iters: usize) -> Result<O
 }
 
 /// Median rate in GB/s of allocating `bytes` of page-locked host memory
-/// (`cuMemHostAlloc`, flags 0; the free is not timed), over `iters` tries: what
+/// (`cuMemHostAlloc` as [`crate::pages::alloc_readable_f32`] makes it; the free
+/// is not timed), over `iters` tries: what
 /// a streamed attention call pays for the staging buffers its results come
 /// back through, which are kept between calls rather than freed. `None` on the
 /// CPU device: nothing is page-locked there.
@@ -145,22 +145,37 @@ pub fn measure_pinned_alloc_gbps(
         #[cfg(feature = "cuda")]
         Device::Cuda(dev) => {
             let ctx = dev.cuda_stream().context().clone();
-            let mut times = Vec::with_capacity(iters.max(1));
-            for _ in 0..iters.max(1) {
+            median_rate(bytes, iters, || {
                 let t = std::time::Instant::now();
                 // SAFETY: the buffer is never read; it is freed at once.
-                let buf = unsafe { ctx.alloc_pinned_with_flags::<f32>(bytes / 4, 0) }
-                    .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
-                times.push(t.elapsed().as_secs_f64());
+                let buf = unsafe { crate::pages::alloc_readable_f32(&ctx, bytes / 4)? };
+                let secs = t.elapsed().as_secs_f64();
                 drop(buf);
-            }
-            Ok(Some(bytes as f64 / median(times) / 1e9))
+                Ok(Some(secs))
+            })
         }
         _ => {
             let _ = iters;
             Ok(None)
         }
     }
+}
+
+/// GB/s of `bytes` at the median of `iters` (at least one) timings by
+/// `once`, which returns its seconds, or `None` when the operation is not
+/// available (then so is the rate).
+#[cfg(feature = "cuda")]
+fn median_rate(
+    bytes: usize,
+    iters: usize,
+    mut once: impl FnMut() -> Result<Option<f64>>,
+) -> Result<Option<f64>> {
+    let mut times = Vec::with_capacity(iters.max(1));
+    for _ in 0..iters.max(1) {
+        let Some(secs) = once()? else { return Ok(None) };
+        times.push(secs);
+    }
+    Ok(Some(bytes as f64 / median(times) / 1e9))
 }
 
 fn median(mut times: Vec<f64>) -> f64 {

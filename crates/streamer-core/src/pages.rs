@@ -71,13 +71,28 @@ pub fn page_pieces(host: usize, bytes: usize) -> impl Iterator<Item = (usize, us
 }
 
 #[cfg(feature = "cuda")]
-pub use pinned::PinnedRegion;
+pub use pinned::{alloc_readable_f32, PinnedRegion};
 
 #[cfg(feature = "cuda")]
 mod pinned {
     use candle_core::Result;
-    use cudarc::driver::{sys, CudaContext};
+    use cudarc::driver::{sys, CudaContext, PinnedHostSlice};
     use std::sync::Arc;
+
+    /// Page-locked host memory for `len` f32s that the host reads back (copies'
+    /// destinations), with flags 0: cudarc's default, write-combined memory, is
+    /// uncached for the host's reads (very slow).
+    ///
+    /// # Safety
+    /// The memory is uninitialised: read none of it before something wrote it.
+    pub unsafe fn alloc_readable_f32(
+        ctx: &Arc<CudaContext>,
+        len: usize,
+    ) -> Result<PinnedHostSlice<f32>> {
+        // SAFETY: forwarded to the caller (uninitialised memory).
+        unsafe { ctx.alloc_pinned_with_flags::<f32>(len, 0) }
+            .map_err(|e| candle_core::Error::Cuda(Box::new(e)))
+    }
 
     /// Host pages registered with the driver (page-locked in place); unregistered
     /// on drop.
