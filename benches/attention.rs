@@ -31,6 +31,8 @@
 //!   calls of `W` tokens, causal and not, repeated `N / W` times, which bracket
 //!   the window's work (CUDA: W = 4096, N = 32768; CPU: 64 and 512). FLOPs of a
 //!   masked call: `4 B H D` per visible (query, key) pair, forward+backward 3.5x.
+//!   The PyTorch script runs the same rows through `flex_attention` (SDPA has no
+//!   window); its ratios land in `masked.peer`, its rows in the table as `flex`.
 //!
 //! - `CQSA_BENCH_OOC_BWD=1`: also the streamed backward (CUDA only): causal
 //!   forward+backward at `CQSA_OOC_BWD_N` tokens (default 131,072) from host
@@ -355,7 +357,15 @@ fn main() -> Result<()> {
         streamer_core::trim_device_memory(&dev)?;
         report["out_of_core"] = out_of_core(&dev)?;
     }
-    report["table"] = table::table(&report, table::read(&torch)?.as_ref());
+    let peer = table::read(&torch)?;
+    if let (Some(masked), Some(window)) = (
+        report.get_mut("masked"),
+        peer.as_ref().and_then(|t| t.get("window")),
+    ) {
+        // PyTorch flex_attention's ratios on the same masked rows, same run.
+        masked["peer"] = window.clone();
+    }
+    report["table"] = table::table(&report, peer.as_ref());
     if let Some(dir) = std::path::Path::new(&out).parent() {
         std::fs::create_dir_all(dir)?;
     }

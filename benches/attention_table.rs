@@ -53,10 +53,11 @@ pub fn table(report: &Value, torch: Option<&Value>) -> Value {
     }
     for r in torch.map(|t| list(&t["rows"])).unwrap_or_default() {
         let system = r["backend"].as_str().unwrap_or("torch");
+        let mask = r["mask"].as_str().unwrap_or("none");
         rows.push(row(
             system,
             &r,
-            "none",
+            mask,
             &r["fwd_tflops"],
             &r["fwd_bwd_tflops"],
         ));

@@ -5,7 +5,15 @@ of torch.nn.functional.scaled_dot_product_attention; forward and forward+backwar
 TFLOP/s with the same convention (forward 4*B*H*N^2*D, halved when causal;
 forward+backward 3.5x forward). Median of CUDA-event timings after warm-up.
 
-    python benches/attention_torch.py [--out benches/results/attention-torch-h200.json] [--ns 1024,2048] [--d 64] [--reps 5]
+The masked peer (`--window N:W`, default 32768:4096; `--window none` skips it):
+SDPA has no sliding window, so PyTorch's `flex_attention` (compiled, with a
+block mask, which skips fully masked tiles) runs the bench's masked rows: a
+causal window of W keys behind each query (W + 1 visible keys, as cqsa's
+`window_left`) at N tokens, and dense calls of W tokens, causal and not. FLOPs
+are 4*B*H*D per visible (query, key) pair, forward+backward 3.5x; `window`
+holds the window's time over N / W dense calls, as the bench's `masked`.
+
+    python benches/attention_torch.py [--out benches/results/attention-torch-h200.json] [--ns 1024,2048] [--d 64] [--reps 5] [--window 32768:4096]
 """
 import argparse
 import json
@@ -36,12 +44,72 @@ def median_ms(fn, warmup=2, reps=None):
     return times[len(times) // 2]
 
 
+def visible_pairs(n, window, causal):
+    """(query, key) pairs that a call of n tokens sees: all n^2, the causal
+    triangle, or a causal window of `window` keys behind each query."""
+    if window is not None:
+        w = min(window, n - 1)
+        return w * (w + 1) // 2 + (n - w) * (w + 1)
+    return n * (n + 1) // 2 if causal else n * n
+
+
+def timed_pair(call, q, k, v, g):
+    """(forward ms, forward+backward ms) of `call(q, k, v)`."""
+    with torch.no_grad():
+        f = median_ms(lambda: call(q, k, v))
+
+    def fb():
+        q.grad = k.grad = v.grad = None
+        call(q, k, v).backward(g)
+
+    fbm = median_ms(fb)
+    q.grad = k.grad = v.grad = None
+    return f, fbm
+
+
+def window_rows(spec, B, H, D, dt):
+    """flex_attention on the bench's masked rows: (rows, ratios)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    n, w = (int(x) for x in spec.split(":"))
+    flex = torch.compile(flex_attention, dynamic=False)
+    rows, runs = [], []
+    for mask, size, window, causal in ((f"window:{w}", n, w, True), ("none", w, None, True), ("none", w, None, False)):
+        def keep(b, h, qi, ki, window=window, causal=causal):
+            ok = qi >= ki
+            return ok & (qi - ki <= window) if window is not None else ok
+
+        block = create_block_mask(keep, None, None, size, size) if causal else None
+        q, k, v = (torch.randn(B, H, size, D, device="cuda", dtype=dt, requires_grad=True) for _ in range(3))
+        g = torch.randn(B, H, size, D, device="cuda", dtype=dt)
+        f, fbm = timed_pair(lambda q, k, v: flex(q, k, v, block_mask=block), q, k, v, g)
+        pairs = visible_pairs(size, window, causal)
+        flops = 4 * B * H * D * pairs
+        rows.append({"n": size, "b": B, "h": H, "d": D, "dtype": "bf16", "causal": causal, "backend": "flex",
+                     "mask": mask, "visible_pairs": pairs, "fwd_ms": f, "fwd_tflops": flops / f / 1e9,
+                     "fwd_bwd_ms": fbm, "fwd_bwd_tflops": 3.5 * flops / fbm / 1e9})
+        runs.append((f, fbm, pairs))
+        print(f"{size:>6} {str(causal):>6} {'flex':>7} | {rows[-1]['fwd_tflops']:>9.1f} {rows[-1]['fwd_bwd_tflops']:>9.1f}  mask {mask}")
+    blocks = n // w
+
+    def versus(dense):
+        return {"fwd": runs[0][0] / (blocks * dense[0]), "fwdbwd": runs[0][1] / (blocks * dense[1]),
+                "work": runs[0][2] / (blocks * dense[2])}
+
+    ratios = {"system": "flex", "blocks": blocks, "window_over_blocks_of_dense_causal": versus(runs[1]),
+              "window_over_blocks_of_dense": versus(runs[2])}
+    print(f"flex: window / ({blocks} x dense {w}): causal {ratios['window_over_blocks_of_dense_causal']}, "
+          f"non-causal {ratios['window_over_blocks_of_dense']}")
+    return rows, ratios
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="benches/results/attention-torch-h200.json")
     p.add_argument("--ns", default="1024,2048,4096,8192,16384")
     p.add_argument("--d", type=int, default=128, help="head dim (benches/attention.rs: CQSA_BENCH_D)")
     p.add_argument("--reps", type=int, default=5, help="timed calls per figure (benches/attention.rs: CQSA_BENCH_REPS)")
+    p.add_argument("--window", default="32768:4096", help="masked peer N:W through flex_attention ('none' skips it)")
     args = p.parse_args()
     global REPS
     REPS = args.reps
@@ -76,9 +144,13 @@ def main():
                     print(f"{n:>6} {str(causal):>6} {name:>7} | error: {row['error'][:60]}")
                 rows.append(row)
                 q.grad = k.grad = v.grad = None
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    if args.window not in ("", "none"):
+        masked, report["window"] = window_rows(args.window, B, H, D, dt)
+        rows.extend(masked)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=2)
+        json.dump(report, f, indent=2)
     print(f"wrote {args.out}")
 
 
