@@ -33,6 +33,11 @@
 //!   masked call: `4 B H D` per visible (query, key) pair, forward+backward 3.5x.
 //!   The PyTorch script runs the same rows through `flex_attention` (SDPA has no
 //!   window); its ratios land in `masked.peer`, its rows in the table as `flex`.
+//! - `CQSA_BENCH_VARLEN=0`: skip the varlen row (on by default): documents
+//!   packed into one row with `cu_seqlens` (`varlen:8x2048` on CUDA) against
+//!   the same documents as one batched causal call (see `attention_varlen.rs`);
+//!   PyTorch's figures (cuDNN batched, flex with a document mask) in
+//!   `varlen.peer`.
 //!
 //! - `CQSA_BENCH_OOC_BWD=1`: also the streamed backward (CUDA only): causal
 //!   forward+backward at `CQSA_OOC_BWD_N` tokens (default 131,072) from host
@@ -75,6 +80,8 @@ use serde_json::{json, Value};
 mod predict;
 #[path = "attention_table.rs"]
 mod table;
+#[path = "attention_varlen.rs"]
+mod varlen;
 
 /// One call's time, median over the repeats: by device events where there are
 /// some (`gpu`), and by the host's clock up to a device synchronise (`wall`).
@@ -347,6 +354,9 @@ fn main() -> Result<()> {
     if std::env::var("CQSA_BENCH_MASKED").map_or(true, |v| v != "0") {
         report["masked"] = masked_rows(&dev, dtype, (b, h, d), reps)?;
     }
+    if std::env::var("CQSA_BENCH_VARLEN").map_or(true, |v| v != "0") {
+        report["varlen"] = varlen::rows(&dev, dtype, (h, d), reps)?;
+    }
     if gpu && on("CQSA_BENCH_OOC_BWD") {
         streamer_core::trim_device_memory(&dev)?;
         report["out_of_core_backward"] = out_of_core_backward(&dev)?;
@@ -358,12 +368,14 @@ fn main() -> Result<()> {
         report["out_of_core"] = out_of_core(&dev)?;
     }
     let peer = table::read(&torch)?;
-    if let (Some(masked), Some(window)) = (
-        report.get_mut("masked"),
-        peer.as_ref().and_then(|t| t.get("window")),
-    ) {
-        // PyTorch flex_attention's ratios on the same masked rows, same run.
-        masked["peer"] = window.clone();
+    // PyTorch's figures on the same masked and packed rows, same run.
+    for (ours, theirs) in [("masked", "window"), ("varlen", "varlen")] {
+        if let (Some(section), Some(p)) = (
+            report.get_mut(ours),
+            peer.as_ref().and_then(|t| t.get(theirs)),
+        ) {
+            section["peer"] = p.clone();
+        }
     }
     report["table"] = table::table(&report, peer.as_ref());
     if let Some(dir) = std::path::Path::new(&out).parent() {

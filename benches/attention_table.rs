@@ -15,14 +15,16 @@ use serde_json::{json, Value};
 /// One row of the table.
 fn row(system: &str, r: &Value, mask: &str, fwd: &Value, fwdbwd: &Value) -> Value {
     json!({
-        "system": system, "n": r["n"], "causal": r["causal"], "d": r["d"], "mask": mask,
+        "system": system, "n": r["n"], "b": r["b"], "causal": r["causal"], "d": r["d"], "mask": mask,
         "fwd_tflops": fwd, "fwdbwd_tflops": fwdbwd,
     })
 }
 
 /// Whether two rows describe the same case.
 fn same_case(a: &Value, b: &Value) -> bool {
-    ["n", "causal", "d", "mask"].iter().all(|k| a[*k] == b[*k])
+    ["n", "b", "causal", "d", "mask"]
+        .iter()
+        .all(|k| a[*k] == b[*k])
 }
 
 /// The table of `report`, with PyTorch's rows from `torch` (its `rows`, each with
@@ -47,7 +49,10 @@ pub fn table(report: &Value, torch: Option<&Value>) -> Value {
             &r["naive_fwd_bwd_tflops"],
         ));
     }
-    for r in list(&report["masked"]["rows"]) {
+    for r in list(&report["masked"]["rows"])
+        .into_iter()
+        .chain(list(&report["varlen"]["rows"]))
+    {
         let mask = r["mask"].as_str().unwrap_or("none");
         rows.push(row("cqsa", &r, mask, &r["fwd_tflops"], &r["fwdbwd_tflops"]));
     }

@@ -13,7 +13,13 @@ causal window of W keys behind each query (W + 1 visible keys, as cqsa's
 are 4*B*H*D per visible (query, key) pair, forward+backward 3.5x; `window`
 holds the window's time over N / W dense calls, as the bench's `masked`.
 
-    python benches/attention_torch.py [--out benches/results/attention-torch-h200.json] [--ns 1024,2048] [--d 64] [--reps 5] [--window 32768:4096]
+The varlen peer (`--varlen DOCS:LEN`, default 8:2048; `none` skips it): the
+bench's packed row (DOCS causal documents of LEN tokens in one row) as
+cuDNN SDPA on the documents along the batch axis (no packing, the bound), and
+as `flex_attention` on the packed row with a document mask; `varlen` holds
+flex's time over cuDNN's.
+
+    python benches/attention_torch.py [--out benches/results/attention-torch-h200.json] [--ns 1024,2048] [--d 64] [--reps 5] [--window 32768:4096] [--varlen 8:2048]
 """
 import argparse
 import json
@@ -103,6 +109,43 @@ def window_rows(spec, B, H, D, dt):
     return rows, ratios
 
 
+def varlen_rows(spec, H, D, dt):
+    """The bench's packed row: cuDNN batched and flex with a document mask."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    docs, n = (int(x) for x in spec.split(":"))
+    pairs = docs * visible_pairs(n, None, True)
+    flops = 4 * H * D * pairs
+    doc = torch.arange(docs * n, device="cuda") // n
+
+    def same_doc(b, h, qi, ki):
+        return (doc[qi] == doc[ki]) & (qi >= ki)
+
+    block = create_block_mask(same_doc, None, None, docs * n, docs * n)
+    flex = torch.compile(flex_attention, dynamic=False)
+
+    def sdpa(q, k, v):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    rows, times = [], {}
+    for backend, b, size, call, mask in (("cudnn", docs, n, sdpa, "none"),
+                                          ("flex", 1, docs * n, lambda q, k, v: flex(q, k, v, block_mask=block),
+                                           f"varlen:{docs}x{n}")):
+        q, k, v = (torch.randn(b, H, size, D, device="cuda", dtype=dt, requires_grad=True) for _ in range(3))
+        g = torch.randn(b, H, size, D, device="cuda", dtype=dt)
+        f, fbm = timed_pair(call, q, k, v, g)
+        times[backend] = (f, fbm)
+        rows.append({"n": size, "b": b, "h": H, "d": D, "dtype": "bf16", "causal": True, "backend": backend,
+                     "mask": mask, "visible_pairs": pairs, "fwd_ms": f, "fwd_tflops": flops / f / 1e9,
+                     "fwd_bwd_ms": fbm, "fwd_bwd_tflops": 3.5 * flops / fbm / 1e9})
+        print(f"{size:>6} {'True':>6} {backend:>7} | {rows[-1]['fwd_tflops']:>9.1f} {rows[-1]['fwd_bwd_tflops']:>9.1f}  "
+              f"B={b} mask {mask}")
+    ratio = {"fwd": times["flex"][0] / times["cudnn"][0], "fwdbwd": times["flex"][1] / times["cudnn"][1]}
+    print(f"flex packed / cudnn batched: {ratio}")
+    return rows, {"docs": docs, "len": n, "flex_packed_over_cudnn_batched": ratio}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="benches/results/attention-torch-h200.json")
@@ -110,6 +153,7 @@ def main():
     p.add_argument("--d", type=int, default=128, help="head dim (benches/attention.rs: CQSA_BENCH_D)")
     p.add_argument("--reps", type=int, default=5, help="timed calls per figure (benches/attention.rs: CQSA_BENCH_REPS)")
     p.add_argument("--window", default="32768:4096", help="masked peer N:W through flex_attention ('none' skips it)")
+    p.add_argument("--varlen", default="8:2048", help="packed peer DOCS:LEN, cuDNN batched and flex ('none' skips it)")
     args = p.parse_args()
     global REPS
     REPS = args.reps
@@ -152,6 +196,13 @@ def main():
         except Exception as e:  # noqa: BLE001  (keep the SDPA rows when flex cannot run)
             report["window_error"] = str(e)[:500]
             print(f"flex window peer: error: {report['window_error']}")
+    if args.varlen not in ("", "none"):
+        try:
+            packed, report["varlen"] = varlen_rows(args.varlen, H, D, dt)
+            rows.extend(packed)
+        except Exception as e:  # noqa: BLE001  (as above)
+            report["varlen_error"] = str(e)[:500]
+            print(f"varlen peer: error: {report['varlen_error']}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
