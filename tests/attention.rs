@@ -591,7 +591,7 @@ candle_streamer::test_device!(attention_host_inputs_on_device);
 /// Candle's naive attention with autograd (independent) and against the same
 /// call through `attention()` and autograd: resident, streamed in small
 /// chunks, and host inputs computed on `dev`; causal GQA with seq_q > seq_k,
-/// and a sliding window. Bad `grad_o` and varlen options are refused.
+/// and a sliding window. A bad `grad_o` is refused.
 fn attention_saved_matches_autograd(dev: &Device) -> Result<()> {
     let cpu = Device::Cpu;
     let (q, k, v) = (
@@ -712,18 +712,124 @@ fn attention_saved_matches_autograd(dev: &Device) -> Result<()> {
         bad(&wi.narrow(2, 0, 49)?, "grad_o")?;
         bad(&wi.to_dtype(DType::F16)?, "F32")?;
     }
-    let varlen = AttentionOpts {
-        cu_seqlens_q: Some(vec![0, 20, 50]),
-        cu_seqlens_k: Some(vec![0, 15, 40]),
-        ..chunks(Mode::Resident)
-    };
-    match cqsa::attention_saved(&q, &k, &v, &varlen) {
-        Ok(_) => anyhow::bail!("varlen options were accepted"),
-        Err(e) => ensure!(e.to_string().contains("cu_seqlens"), "error {e}"),
-    }
     Ok(())
 }
 candle_streamer::test_device!(attention_saved_matches_autograd);
+
+/// A packed call's gradients, through autograd and through `attention_saved`,
+/// against each document run alone through autograd on copies of its slices.
+/// Documents: 37 queries / 50 keys; 64 queries that see no key (output and dq
+/// 0); 10 keys that no query sees (dk, dv 0); 1 query / 10 keys. Streamed
+/// documents too (chunks of 16 x 24).
+fn attention_varlen_saved_matches_documents(dev: &Device) -> Result<()> {
+    let (cq, ck) = (vec![0, 37, 101, 101, 102], vec![0, 50, 50, 60, 70]);
+    let q = rand_t((1, 4, 102, 32), DType::F32, dev, 61)?;
+    let k = rand_t((1, 2, 70, 32), DType::F32, dev, 62)?;
+    let v = rand_t((1, 2, 70, 32), DType::F32, dev, 63)?;
+    let w = rand_t((1, 4, 102, 32), DType::F32, dev, 64)?;
+    for mode in [Mode::Resident, Mode::Streamed] {
+        let opts = AttentionOpts {
+            causal: true,
+            mode,
+            q_chunk: Some(16),
+            kv_chunk: Some(24),
+            cu_seqlens_q: Some(cq.clone()),
+            cu_seqlens_k: Some(ck.clone()),
+            ..Default::default()
+        };
+        let vars = [
+            Var::from_tensor(&q)?,
+            Var::from_tensor(&k)?,
+            Var::from_tensor(&v)?,
+        ];
+        let o = attention(
+            vars[0].as_tensor(),
+            vars[1].as_tensor(),
+            vars[2].as_tensor(),
+            &opts,
+        )?;
+        let g = (&o * &w)?.sum_all()?.backward()?;
+        let auto: Vec<Tensor> = vars
+            .iter()
+            .map(|x| {
+                g.get(x.as_tensor())
+                    .cloned()
+                    .ok_or_else(|| anyhow::anyhow!("no grad"))
+            })
+            .collect::<Result<_>>()?;
+        let (os, saved) = cqsa::attention_saved(&q, &k, &v, &opts)?;
+        let (dq, dk, dv) = saved.backward(&w)?;
+        ensure!(
+            rel_err_t(&os, &o)? <= 1e-6,
+            "{mode:?}: saved output differs"
+        );
+        for (name, a, b) in [
+            ("dq", &dq, &auto[0]),
+            ("dk", &dk, &auto[1]),
+            ("dv", &dv, &auto[2]),
+        ] {
+            ensure!(
+                a.dims() == b.dims(),
+                "{mode:?} {name}: shape {:?}",
+                a.dims()
+            );
+            ensure!(
+                rel_err_t(a, b)? <= 1e-6,
+                "{mode:?}: saved {name} differs from autograd"
+            );
+        }
+        // Rows without keys, keys without rows: exactly 0.
+        let abs_sum = |t: &Tensor, at: usize, len: usize| -> Result<f32> {
+            Ok(t.narrow(2, at, len)?.abs()?.sum_all()?.to_scalar::<f32>()?)
+        };
+        ensure!(
+            abs_sum(&o, 37, 64)? == 0.0 && abs_sum(&auto[0], 37, 64)? == 0.0,
+            "{mode:?}: keyless rows"
+        );
+        ensure!(
+            abs_sum(&auto[1], 50, 10)? == 0.0 && abs_sum(&auto[2], 50, 10)? == 0.0,
+            "{mode:?}: unseen keys"
+        );
+        // Each document with queries and keys, alone.
+        for ((q0, q1), (k0, k1)) in [((0, 37), (0, 50)), ((101, 102), (60, 70))] {
+            let one = |t: &Tensor, a: usize, b: usize| -> Result<Var> {
+                Ok(Var::from_tensor(&t.narrow(2, a, b - a)?.contiguous()?)?)
+            };
+            let (dq_, dk_, dv_) = (one(&q, q0, q1)?, one(&k, k0, k1)?, one(&v, k0, k1)?);
+            let alone = AttentionOpts {
+                causal: true,
+                ..Default::default()
+            };
+            let od = attention(dq_.as_tensor(), dk_.as_tensor(), dv_.as_tensor(), &alone)?;
+            let gd = (&od * &w.narrow(2, q0, q1 - q0)?)?.sum_all()?.backward()?;
+            ensure!(
+                rel_err_t(&o.narrow(2, q0, q1 - q0)?, &od)? <= 1e-5,
+                "{mode:?}: output of {q0}..{q1}"
+            );
+            for (name, packed, var, (a, b)) in [
+                ("dq", &auto[0], &dq_, (q0, q1)),
+                ("dk", &auto[1], &dk_, (k0, k1)),
+                ("dv", &auto[2], &dv_, (k0, k1)),
+            ] {
+                let want = gd
+                    .get(var.as_tensor())
+                    .ok_or_else(|| anyhow::anyhow!("no {name}"))?;
+                let err = rel_err_t(&packed.narrow(2, a, b - a)?, want)?;
+                ensure!(
+                    err <= 1e-5,
+                    "{mode:?}: {name} of document {q0}..{q1}: {err:e}"
+                );
+            }
+        }
+        let bad = saved.backward(&w.narrow(2, 0, 101)?);
+        ensure!(
+            bad.is_err_and(|e| e.to_string().contains("grad_o")),
+            "{mode:?}: a bad grad_o was accepted"
+        );
+    }
+    Ok(())
+}
+candle_streamer::test_device!(attention_varlen_saved_matches_documents);
 
 fn expect_err(r: candle_core::Result<Tensor>, needles: &[&str]) -> Result<()> {
     match r {

@@ -241,12 +241,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Re
     let shape = AttentionShape::of(q, k, v, opts.causal)?;
     let scores = Scores::of(opts, &shape)?;
     if let Some(docs) = varlen::documents(opts, shape.nq, shape.nk)? {
-        let inner = AttentionOpts {
-            cu_seqlens_q: None,
-            cu_seqlens_k: None,
-            ..opts.clone()
-        };
-        return varlen::attention(q, k, v, &docs, |q, k, v| attention(q, k, v, &inner));
+        return varlen::attention(q, k, v, docs, &varlen::per_document(opts));
     }
     // Inputs no gradient can reach need no host memory for a backward.
     let backward = [q, k, v].iter().any(|t| t.track_op());

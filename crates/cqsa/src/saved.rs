@@ -28,13 +28,15 @@ enum Kind {
         device: Device,
     },
     Streamed(stream::Saved),
+    /// A varlen call: each document's own saved call.
+    Packed(varlen::Packed),
 }
 
 /// [`crate::attention`]'s forward outside autograd: the output (detached, on
 /// the inputs' device) and what [`SavedAttention::backward`] needs. Planned as
 /// a call with a backward (its host memory counted), resident or streamed as
-/// `opts` and the budget say. Varlen packing (`cu_seqlens_q`/`cu_seqlens_k`)
-/// is not supported here and is an error; use [`crate::attention`] for it.
+/// `opts` and the budget say. A varlen call (`cu_seqlens_q`/`cu_seqlens_k`)
+/// saves each document's call.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -60,8 +62,10 @@ pub fn attention_saved(
 ) -> Result<(Tensor, SavedAttention)> {
     let shape = AttentionShape::of(q, k, v, opts.causal)?;
     let scores = Scores::of(opts, &shape)?;
-    if varlen::documents(opts, shape.nq, shape.nk)?.is_some() {
-        bail!("cqsa: attention_saved does not take cu_seqlens_q/cu_seqlens_k; use attention()")
+    if let Some(docs) = varlen::documents(opts, shape.nq, shape.nk)? {
+        let (o, packed) = varlen::forward_saved((q, k, v), docs, &varlen::per_document(opts))?;
+        let kind = Kind::Packed(packed);
+        return Ok((o, SavedAttention { kind }));
     }
     let call = Call::plan(q, k, v, opts, (&shape, &scores), true)?;
     let (o, kind) = match &call.plan {
@@ -91,21 +95,21 @@ impl SavedAttention {
     /// for `grad_o`, the gradient of the output (its shape and dtype, on any
     /// device). Can be called more than once (each call is a full backward).
     pub fn backward(&self, grad_o: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        // The saved output, whose shape and dtype `grad_o` must have.
-        let o = match &self.kind {
-            Kind::Streamed(saved) => saved.output(),
-            Kind::Resident { qkvo, .. } => &qkvo[3],
+        // The saved output's shape and dtype, which `grad_o` must have.
+        let (dims, dtype) = match &self.kind {
+            Kind::Streamed(saved) => (saved.output().dims(), saved.output().dtype()),
+            Kind::Resident { qkvo, .. } => (qkvo[3].dims(), qkvo[3].dtype()),
+            Kind::Packed(packed) => packed.output_like(),
         };
-        if grad_o.dims() != o.dims() || grad_o.dtype() != o.dtype() {
+        if grad_o.dims() != dims || grad_o.dtype() != dtype {
             bail!(
-                "cqsa: {} must have the output's shape {:?} and dtype {:?}",
+                "cqsa: {} must have the output's shape {dims:?} and dtype {dtype:?}",
                 shape::describe("grad_o", grad_o),
-                o.dims(),
-                o.dtype()
             )
         }
         match &self.kind {
             Kind::Streamed(saved) => saved.backward(grad_o),
+            Kind::Packed(packed) => packed.backward(grad_o),
             Kind::Resident {
                 qkvo: [q, k, v, o],
                 lse,

@@ -4,16 +4,21 @@
 //!
 //! Document `i` holds query rows `cu_seqlens_q[i]..cu_seqlens_q[i + 1]` and keys
 //! `cu_seqlens_k[i]..cu_seqlens_k[i + 1]` of every (batch, head) row. Each
-//! document is its own attention call (forward and backward through Candle's
-//! autograd of `narrow` and `cat`), with the call's masks applied inside the
-//! document and aligned bottom-right to it, as flash-attn does. A document with
-//! no keys gives output 0 (its rows see nothing); an empty one nothing. The cost
-//! is one call per document: right for documents of hundreds of tokens or
-//! more; thousands of tiny documents pay a launch each (a fused varlen kernel is
-//! not written yet).
-use candle_core::{bail, Result, Tensor};
+//! document is its own call of [`crate::attention_saved`] (resident or streamed
+//! as the planner says), with the call's masks applied inside the document and
+//! aligned bottom-right to it, as flash-attn does. A document with no keys gives
+//! output 0 (its rows see nothing); an empty one nothing. The backward runs
+//! each document's saved backward and joins the gradients, so each input's
+//! gradient is built once: through Candle's autograd of `narrow` it would be a
+//! zero-padded whole-size tensor per document, added up (3 x documents passes
+//! over the inputs). The cost is one call per document: right for documents of
+//! hundreds of tokens or more; thousands of tiny documents pay a launch each (a
+//! fused varlen kernel is not written yet).
+use std::sync::Arc;
 
-use crate::AttentionOpts;
+use candle_core::{bail, DType, Device, Result, Tensor};
+
+use crate::{attention_saved, AttentionOpts, SavedAttention};
 
 /// One document: its query rows `q0..q1` and keys `k0..k1`.
 pub(crate) type Document = ((usize, usize), (usize, usize));
@@ -74,31 +79,133 @@ pub(crate) fn documents(
     ))
 }
 
-/// Runs `attend` (one attention call with the varlen fields cleared) on every
-/// document and concatenates the outputs along the sequence axis.
-pub(crate) fn attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+/// The options of each document's call: `opts` without the varlen fields.
+pub(crate) fn per_document(opts: &AttentionOpts) -> AttentionOpts {
+    AttentionOpts {
+        cu_seqlens_q: None,
+        cu_seqlens_k: None,
+        ..opts.clone()
+    }
+}
+
+/// The documents' forwards, kept for one backward of a packed call.
+pub(crate) struct Packed {
+    docs: Vec<Document>,
+    /// Each document's saved call; `None` when it has no queries or no keys.
+    parts: Vec<Option<SavedAttention>>,
+    /// The shapes of q and k, and their dtype and device (for zero gradients).
+    like: (Vec<usize>, Vec<usize>, DType, Device),
+}
+
+/// The packed output of `call` on each document (`None` in `parts` where a
+/// document has no queries or no keys: its rows are 0).
+fn forward<S>(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
     docs: &[Document],
-    attend: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
-) -> Result<Tensor> {
+    call: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<(Tensor, S)>,
+) -> Result<(Tensor, Vec<Option<S>>)> {
     let mut outs = Vec::with_capacity(docs.len());
+    let mut parts = Vec::with_capacity(docs.len());
     for &((q0, q1), (k0, k1)) in docs {
         if q1 == q0 {
+            parts.push(None);
             continue;
         }
         let qd = q.narrow(2, q0, q1 - q0)?;
         if k1 == k0 {
             // Rows that see no key: output 0, gradient 0.
             outs.push(qd.zeros_like()?);
+            parts.push(None);
             continue;
         }
-        outs.push(attend(
-            &qd,
-            &k.narrow(2, k0, k1 - k0)?,
-            &v.narrow(2, k0, k1 - k0)?,
-        )?);
+        let (o, saved) = call(&qd, &k.narrow(2, k0, k1 - k0)?, &v.narrow(2, k0, k1 - k0)?)?;
+        outs.push(o);
+        parts.push(Some(saved));
     }
-    Tensor::cat(&outs, 2)
+    let out = match outs.is_empty() {
+        true => q.zeros_like()?,
+        false => Tensor::cat(&outs, 2)?,
+    };
+    Ok((out, parts))
+}
+
+/// The packed call's output (outside autograd) and what its backward needs:
+/// each document through [`attention_saved`] with `inner` (the call's options
+/// without the varlen fields).
+pub(crate) fn forward_saved(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    docs: Vec<Document>,
+    inner: &AttentionOpts,
+) -> Result<(Tensor, Packed)> {
+    let (q, k, v) = (q.detach(), k.detach(), v.detach());
+    let (out, parts) = forward((&q, &k, &v), &docs, |q, k, v| {
+        attention_saved(q, k, v, inner)
+    })?;
+    let like = (
+        q.dims().to_vec(),
+        k.dims().to_vec(),
+        q.dtype(),
+        q.device().clone(),
+    );
+    Ok((out, Packed { docs, parts, like }))
+}
+
+impl Packed {
+    /// The output's shape and dtype (those of q).
+    pub(crate) fn output_like(&self) -> (&[usize], DType) {
+        (&self.like.0, self.like.2)
+    }
+
+    /// `(dq, dk, dv)` for `grad_o`, the gradient of the packed output.
+    pub(crate) fn backward(&self, grad_o: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (qdims, kdims, dtype, device) = &self.like;
+        let zeros = |dims: &[usize], rows: usize| -> Result<Tensor> {
+            let mut dims = dims.to_vec();
+            dims[2] = rows;
+            Tensor::zeros(dims, *dtype, device)
+        };
+        let (mut dq, mut dk, mut dv) = (Vec::new(), Vec::new(), Vec::new());
+        for (&((q0, q1), (k0, k1)), part) in self.docs.iter().zip(&self.parts) {
+            let (a, b, c) = match part {
+                Some(saved) => saved.backward(&grad_o.narrow(2, q0, q1 - q0)?.contiguous()?)?,
+                None => {
+                    let dk0 = zeros(kdims, k1 - k0)?;
+                    (zeros(qdims, q1 - q0)?, dk0.clone(), dk0)
+                }
+            };
+            // Empty documents add no rows.
+            for (list, t) in [(&mut dq, a), (&mut dk, b), (&mut dv, c)] {
+                if t.dim(2)? > 0 {
+                    list.push(t);
+                }
+            }
+        }
+        let join = |list: Vec<Tensor>, dims: &[usize]| match list.is_empty() {
+            true => zeros(dims, 0),
+            false => Tensor::cat(&list, 2),
+        };
+        Ok((join(dq, qdims)?, join(dk, kdims)?, join(dv, kdims)?))
+    }
+}
+
+/// The packed call, as a node of Candle's graph when a gradient can reach an
+/// input (its backward is [`Packed::backward`]).
+pub(crate) fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    docs: Vec<Document>,
+    inner: &AttentionOpts,
+) -> Result<Tensor> {
+    if ![q, k, v].iter().any(|t| t.track_op()) {
+        // Nothing to save: plain calls, planned without a backward.
+        let call = |q: &Tensor, k: &Tensor, v: &Tensor| Ok((crate::attention(q, k, v, inner)?, ()));
+        return Ok(forward((q, k, v), &docs, call)?.0);
+    }
+    let (out, packed) = forward_saved((q, k, v), docs, inner)?;
+    let packed = Arc::new(packed);
+    streamer_core::with_backward3("cqsa-attention-varlen", q, k, v, out, move |g| {
+        let (dq, dk, dv) = packed.backward(g)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    })
 }

@@ -46,6 +46,7 @@ mod host;
 mod offload;
 pub mod pages;
 mod pool;
+mod precomputed;
 #[cfg(feature = "cuda")]
 mod reuse;
 mod sequential;
@@ -72,6 +73,7 @@ pub use device_memory::{
 pub use host::{HostMasters, Master};
 pub use offload::{OffloadMarker, Offloader};
 pub use pool::{BlockLayout, DeviceMaster, Entry, ResidencyPool};
+pub use precomputed::{with_backward3, Backward3};
 pub use sequential::{release_all, run_blocks_with, RunBlock, StreamedSequential};
 pub use source::{expand_paths, replace_atomic, save_atomic, WeightSource};
 pub use source::{sibling_file, sync_dir, temp_path};
