@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::linear;
 use candle_streamer::streamer_autograd::{CpuSgd, ParamsSgd, Train};
@@ -360,6 +360,35 @@ fn ring_attention_refuses_a_local_length_that_does_not_split() -> Result<()> {
         .unwrap_err()
         .to_string();
     assert!(e.contains("3 rows") && e.contains("ZigZag"), "{e}");
+    Ok(())
+}
+
+/// A second backward through one ring call is refused (every rank would have
+/// to repeat it), with the rank named; the first one gives gradients.
+#[test]
+fn ring_attention_refuses_a_second_backward() -> Result<()> {
+    let c: Arc<dyn Collective> =
+        Arc::new(HostCollective::group(1, Duration::from_secs(5))?.remove(0));
+    let q = Var::from_tensor(&Tensor::randn(0f32, 1.0, (1, 2, 8, 4), &Device::Cpu)?)?;
+    let o = ring_attention(
+        q.as_tensor(),
+        q.as_tensor(),
+        q.as_tensor(),
+        c,
+        &RingOpts::default(),
+    )?;
+    let loss = o.sum_all()?;
+    let g = loss.backward()?;
+    let dq = g.get(q.as_tensor()).expect("a gradient of q");
+    ensure!(
+        dq.abs()?.sum_all()?.to_scalar::<f32>()? > 0.0,
+        "zero gradient"
+    );
+    let e = loss.backward().unwrap_err().to_string();
+    ensure!(
+        e.contains("backward ran twice") && e.contains("rank 0"),
+        "{e}"
+    );
     Ok(())
 }
 

@@ -21,8 +21,7 @@
 //! step's shift runs after that step's attention calls.
 use std::sync::{Arc, Mutex};
 
-use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, DType, Result, Tensor};
 use cqsa::Scores;
 
 use crate::Collective;
@@ -349,88 +348,6 @@ pub fn ring_attention_backward(
     ))
 }
 
-/// The differentiable op: the forward ran before `apply_op3` (it needs the
-/// collective and whole tensors), the op hands its output to Candle and runs
-/// the ring backward when Candle's backprop reaches it.
-struct RingOp {
-    out: Tensor,
-    lse: Tensor,
-    coll: Arc<dyn Collective>,
-    opts: RingOpts,
-    /// Set once the backward ran: a second backward through the same call
-    /// would need every rank to repeat it too, so it is refused.
-    done: Mutex<bool>,
-}
-
-impl CustomOp3 for RingOp {
-    fn name(&self) -> &'static str {
-        "ring-attention"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (s, l) = self.out.storage_and_layout();
-        match &*s {
-            candle_core::Storage::Cpu(c) => Ok((c.try_clone(l)?, self.out.shape().clone())),
-            _ => bail!("ring attention: internal error: the output is not on the CPU"),
-        }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (s, l) = self.out.storage_and_layout();
-        match &*s {
-            candle_core::Storage::Cuda(c) => Ok((c.try_clone(l)?, self.out.shape().clone())),
-            _ => bail!("ring attention: internal error: the output is not on a CUDA device"),
-        }
-    }
-
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        o: &Tensor,
-        grad_o: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
-        if *done {
-            bail!(
-                "ring attention: backward ran twice through one call on rank {}; every rank must \
-                 backpropagate each call exactly once",
-                self.coll.rank()
-            )
-        }
-        *done = true;
-        let (dq, dk, dv) = ring_attention_backward(
-            q,
-            k,
-            v,
-            o,
-            grad_o,
-            &self.lse,
-            self.coll.as_ref(),
-            &self.opts,
-        )?;
-        Ok((Some(dq), Some(dk), Some(dv)))
-    }
-}
-
 /// Exact sequence-parallel attention, differentiable: this rank's output
 /// `(batch, heads_q, local_seq, head_dim)` for its shards `q` `(batch,
 /// heads_q, local_seq, head_dim)` and `k`, `v` `(batch, heads_kv, local_seq,
@@ -448,13 +365,24 @@ pub fn ring_attention(
     opts: &RingOpts,
 ) -> Result<Tensor> {
     let (out, lse) = ring_attention_forward(q, k, v, coll.as_ref(), opts)?;
-    let op = RingOp {
-        out,
-        lse,
-        coll,
-        opts: opts.clone(),
-        done: Mutex::new(false),
-    };
-    q.contiguous()?
-        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    // The forward ran first (it needs the collective and whole tensors); the
+    // graph node hands its output to Candle and runs the ring backward once.
+    let saved = [q.detach(), k.detach(), v.detach(), out.clone()];
+    let (opts, done) = (opts.clone(), Mutex::new(false));
+    streamer_core::with_backward3("ring attention", &q, &k, &v, out, move |grad_o| {
+        let mut done = done.lock().unwrap_or_else(|p| p.into_inner());
+        if *done {
+            // A second backward would need every rank to repeat it too.
+            bail!(
+                "ring attention: backward ran twice through one call on rank {}; every rank must \
+                 backpropagate each call exactly once",
+                coll.rank()
+            )
+        }
+        *done = true;
+        let [q, k, v, o] = &saved;
+        let (dq, dk, dv) = ring_attention_backward(q, k, v, o, grad_o, &lse, coll.as_ref(), &opts)?;
+        Ok((Some(dq), Some(dk), Some(dv)))
+    })
 }
