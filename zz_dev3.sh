@@ -3,7 +3,7 @@
 REAL=$OUT; export OUT=/tmp/p; mkdir -p $OUT
 export CQSA_CALIBRATION_DIR=$PWD/benches/results/calib; rm -rf "$CQSA_CALIBRATION_DIR"
 t0=$(date +%s)
-RUN_TAG=tests GPU_TEST_TOPICS="attention" bash gpu-bundle/run.sh tests; echo "tests $(( $(date +%s)-t0 ))s"
+RUN_TAG=tests GPU_TEST_TOPICS="attention dist" bash gpu-bundle/run.sh tests; echo "tests $(( $(date +%s)-t0 ))s"
 tar -C /tmp/p -czf $REAL/dev3.tgz .
 RUN_TAG=cal GPU_ONLY=example-calibrate GPU_ARGS_calibrate="--estimate-n 4194304" bash gpu-bundle/run.sh examples; echo "cal $(( $(date +%s)-t0 ))s"
 tar -C /tmp/p -czf $REAL/dev3.tgz .

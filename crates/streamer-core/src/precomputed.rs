@@ -6,7 +6,7 @@
 //! `narrow` and `cat` on the way, and Candle's backward of `narrow` builds a
 //! zero-padded gradient of the whole input for each piece and adds them up.
 //! Here the backward returns each input's whole gradient once.
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
@@ -18,8 +18,18 @@ pub type Backward3 =
 
 struct Precomputed {
     name: &'static str,
-    out: Tensor,
+    /// The result until the forward copies it out (then dropped, so that the
+    /// graph does not keep a second copy alive).
+    out: Mutex<Option<Tensor>>,
     backward: Box<Backward3>,
+}
+
+impl Precomputed {
+    /// The stored result, taken: a forward runs once per node.
+    fn take(&self) -> Result<Tensor> {
+        let out = self.out.lock().unwrap_or_else(|p| p.into_inner()).take();
+        out.ok_or_else(|| candle_core::Error::Msg(format!("{}: forward ran twice", self.name)))
+    }
 }
 
 impl CustomOp3 for Precomputed {
@@ -36,7 +46,8 @@ impl CustomOp3 for Precomputed {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (s, l) = self.out.storage_and_layout();
+        let out = self.take()?;
+        let (s, l) = out.storage_and_layout();
         match &*s {
             Storage::Cpu(c) => Ok((c.try_clone(l)?, l.shape().clone())),
             _ => bail!(
@@ -56,7 +67,8 @@ impl CustomOp3 for Precomputed {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (s, l) = self.out.storage_and_layout();
+        let out = self.take()?;
+        let (s, l) = out.storage_and_layout();
         match &*s {
             Storage::Cuda(c) => Ok((c.try_clone(l)?, l.shape().clone())),
             _ => bail!(
@@ -118,7 +130,7 @@ pub fn with_backward3(
     }
     let op = Precomputed {
         name,
-        out,
+        out: Mutex::new(Some(out)),
         backward: Box::new(backward),
     };
     a.apply_op3_arc(b, c, Arc::new(Box::new(op)))
