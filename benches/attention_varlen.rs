@@ -2,19 +2,22 @@
 //! tokens packed into one row (`cu_seqlens_q = cu_seqlens_k = [0, len, 2 len,
 //! ...]`, mask `varlen:{docs}x{len}`), beside the same work as one dense causal
 //! call with the documents along the batch axis (`b = docs`, `n = len`), which
-//! no packing overhead can beat. Both go through `cqsa::attention` and Candle's
-//! autograd (`sum(o * g)`), so both carry the same bookkeeping. FLOPs are `4 B H
-//! D` per visible pair, `docs * len (len + 1) / 2` pairs, forward+backward 3.5x.
+//! no packing overhead can beat. Both go through `cqsa::attention` (forward)
+//! and `cqsa::attention_saved` with its backward (forward+backward). FLOPs are
+//! `4 B H D` per visible pair, `docs * len (len + 1) / 2` pairs,
+//! forward+backward 3.5x.
 //! CUDA: 8 x 2048, bf16, H = 16, D = 128; CPU: 4 x 128 in f32.
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor, Var};
-use cqsa::{attention, AttentionOpts};
+use candle_core::{DType, Device, Tensor};
+use cqsa::{attention, attention_saved, AttentionOpts};
 use serde_json::{json, Value};
 
 use super::{median_ms, tflops};
 
-/// (forward ms, forward+backward ms) of `attention(q, k, v, opts)`, the
-/// backward through autograd of `sum(o * g)`.
+/// (forward ms, forward+backward ms) of `attention(q, k, v, opts)`; the
+/// forward+backward through `attention_saved` and its backward for `g`, as
+/// the bench's dense rows time theirs (no autograd graph: Candle's `sum_all`,
+/// a single-block reduction on CUDA, took milliseconds in session 21 call 2).
 fn timed(
     dev: &Device,
     reps: usize,
@@ -27,13 +30,8 @@ fn timed(
         Ok(())
     })?;
     let fb = median_ms(dev, 1, reps, || {
-        let (vq, vk, vv) = (
-            Var::from_tensor(q)?,
-            Var::from_tensor(k)?,
-            Var::from_tensor(v)?,
-        );
-        let o = attention(vq.as_tensor(), vk.as_tensor(), vv.as_tensor(), opts)?;
-        (o * g)?.sum_all()?.backward()?;
+        let (_, saved) = attention_saved(q, k, v, opts)?;
+        saved.backward(g)?;
         Ok(())
     })?;
     Ok((fwd.gpu, fb.gpu))
@@ -88,7 +86,7 @@ pub fn rows(dev: &Device, dtype: DType, (h, d): (usize, usize), reps: usize) -> 
         times[0].1 / times[1].1
     );
     Ok(json!({
-        "what": "documents packed into one row with cu_seqlens, against the same documents as one batched dense causal call; both through cqsa::attention and autograd of sum(o * g)",
+        "what": "documents packed into one row with cu_seqlens, against the same documents as one batched dense causal call; forward through cqsa::attention, forward+backward through cqsa::attention_saved and its backward",
         "flops_convention": "4*B*H*D per visible (query, key) pair, forward+backward 3.5x forward",
         "docs": docs, "len": len,
         "rows": rows,

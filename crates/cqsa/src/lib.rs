@@ -240,12 +240,14 @@ pub(crate) fn resolve_scale(scale: Option<f64>, d: usize) -> f32 {
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Result<Tensor> {
     let shape = AttentionShape::of(q, k, v, opts.causal)?;
     let scores = Scores::of(opts, &shape)?;
-    if let Some(docs) = varlen::documents(opts, shape.nq, shape.nk)? {
-        return varlen::attention(q, k, v, docs, &varlen::per_document(opts));
-    }
+    let docs = varlen::documents(opts, shape.nq, shape.nk)?;
     // Inputs no gradient can reach need no host memory for a backward.
     let backward = [q, k, v].iter().any(|t| t.track_op());
     let call = Call::plan(q, k, v, opts, (&shape, &scores), backward)?;
+    if let Some(docs) = docs {
+        let inner = varlen::per_document(opts, call.resident());
+        return varlen::attention(q, k, v, docs, &inner);
+    }
     match call.plan {
         Some(plan) if plan.mode == Mode::Streamed => {
             let op = stream::StreamOp::new(q, k, v, &scores, &plan, &call.exec, call.verbose)?;
@@ -308,6 +310,11 @@ impl Call {
             plan: Some(plan),
             verbose,
         })
+    }
+
+    /// Whether the call runs resident (forced, or the planner's choice).
+    fn resident(&self) -> bool {
+        self.plan.as_ref().is_none_or(|p| p.mode == Mode::Resident)
     }
 
     /// Contiguous copies of the inputs on the compute device (a view moves only

@@ -62,12 +62,18 @@ pub fn attention_saved(
 ) -> Result<(Tensor, SavedAttention)> {
     let shape = AttentionShape::of(q, k, v, opts.causal)?;
     let scores = Scores::of(opts, &shape)?;
-    if let Some(docs) = varlen::documents(opts, shape.nq, shape.nk)? {
-        let (o, packed) = varlen::forward_saved((q, k, v), docs, &varlen::per_document(opts))?;
-        let kind = Kind::Packed(packed);
-        return Ok((o, SavedAttention { kind }));
-    }
+    let docs = varlen::documents(opts, shape.nq, shape.nk)?;
     let call = Call::plan(q, k, v, opts, (&shape, &scores), true)?;
+    if let Some(docs) = docs {
+        let inner = varlen::per_document(opts, call.resident());
+        let (o, packed) = varlen::forward_saved((q, k, v), docs, &inner)?;
+        return Ok((
+            o,
+            SavedAttention {
+                kind: Kind::Packed(packed),
+            },
+        ));
+    }
     let (o, kind) = match &call.plan {
         Some(plan) if plan.mode == Mode::Streamed => {
             let op = stream::StreamOp::new(q, k, v, &scores, plan, &call.exec, call.verbose)?;

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use candle_core::{bail, DType, Device, Result, Tensor};
 
-use crate::{attention_saved, AttentionOpts, SavedAttention};
+use crate::{attention_saved, AttentionOpts, Mode, SavedAttention};
 
 /// One document: its query rows `q0..q1` and keys `k0..k1`.
 pub(crate) type Document = ((usize, usize), (usize, usize));
@@ -79,11 +79,16 @@ pub(crate) fn documents(
     ))
 }
 
-/// The options of each document's call: `opts` without the varlen fields.
-pub(crate) fn per_document(opts: &AttentionOpts) -> AttentionOpts {
+/// The options of each document's call: `opts` without the varlen fields,
+/// resident when `resident` (the planner chose that for the whole packed call,
+/// which bounds every document's memory), so that a document's call does not
+/// plan again: with short documents, planning each one cost more host time
+/// than its kernels took.
+pub(crate) fn per_document(opts: &AttentionOpts, resident: bool) -> AttentionOpts {
     AttentionOpts {
         cu_seqlens_q: None,
         cu_seqlens_k: None,
+        mode: if resident { Mode::Resident } else { opts.mode },
         ..opts.clone()
     }
 }
