@@ -1801,16 +1801,16 @@ fn doc_of(cu: &[usize], x: usize) -> usize {
         .unwrap_or(0)
 }
 
-/// Packed attention with documents `cq` / `ck` and `mask` inside each.
+/// Packed attention with documents `cq` / `ck` and `mask` inside each, at head
+/// dim `d`.
 fn check_varlen(
     dev: &Device,
-    cq: &[usize],
-    ck: &[usize],
+    (cq, ck): (&[usize], &[usize]),
     mask: &Mask,
-    dtype: DType,
+    (dtype, d): (DType, usize),
     tol: f64,
 ) -> Result<()> {
-    let (nq, nk, d) = (cq[cq.len() - 1], ck[ck.len() - 1], 64);
+    let (nq, nk) = (cq[cq.len() - 1], ck[ck.len() - 1]);
     let q = rand_t((1, 4, nq, d), dtype, dev, 91)?;
     let k = (rand_t((1, 2, nk, d), dtype, dev, 92)? * 2.0)?;
     let v = rand_t((1, 2, nk, d), dtype, dev, 93)?;
@@ -1928,19 +1928,88 @@ fn attention_varlen_matches_reference_and_naive(dev: &Device) -> Result<()> {
         },
     ];
     for (m, mask) in masks.iter().enumerate() {
-        check_varlen(dev, &same, &same, mask, DType::F32, 1e-5)?;
+        check_varlen(dev, (&same, &same), mask, (DType::F32, 64), 1e-5)?;
         if m % 2 == 1 {
-            check_varlen(dev, &same, &same, mask, DType::BF16, 2e-2)?;
+            check_varlen(dev, (&same, &same), mask, (DType::BF16, 64), 2e-2)?;
         }
     }
     // Queries 37, 64, 1; keys 50, 0 (rows that see nothing), 20.
     let (cq, ck) = ([0, 37, 101, 102], [0, 50, 50, 70]);
     for mask in &masks[..2] {
-        check_varlen(dev, &cq, &ck, mask, DType::F32, 1e-5)?;
+        check_varlen(dev, (&cq, &ck), mask, (DType::F32, 64), 1e-5)?;
     }
     Ok(())
 }
 candle_streamer::test_device!(attention_varlen_matches_reference_and_naive);
+
+/// Longer documents in bf16 at head dim 128, each several query and key blocks
+/// with boundaries off the tiles, where a GPU of compute capability 9.0 runs the
+/// packed call in one launch (forward and backward): against the f64 reference
+/// and naive attention, plain, causal, windowed and soft-capped, and a
+/// cross-attention layout with a document without keys; then
+/// `attention_saved`'s backward against autograd on the same call.
+fn attention_varlen_one_launch_matches_reference(dev: &Device) -> Result<()> {
+    let same = [0, 300, 1000, 1000, 1129, 1700];
+    let masks = [
+        Mask::default(),
+        Mask {
+            causal: true,
+            ..Default::default()
+        },
+        Mask {
+            causal: true,
+            wl: Some(200),
+            cap: Some(20.0),
+            ..Default::default()
+        },
+    ];
+    for mask in &masks {
+        check_varlen(dev, (&same, &same), mask, (DType::BF16, 128), 2e-2)?;
+    }
+    let (cq, ck) = ([0, 200, 456, 457], [0, 333, 333, 600]);
+    check_varlen(dev, (&cq, &ck), &masks[1], (DType::BF16, 128), 2e-2)?;
+    // attention_saved: the same launch, its backward outside autograd.
+    let q = rand_t((1, 4, 1700, 128), DType::BF16, dev, 71)?;
+    let k = rand_t((1, 2, 1700, 128), DType::BF16, dev, 72)?;
+    let v = rand_t((1, 2, 1700, 128), DType::BF16, dev, 73)?;
+    let w = rand_t((1, 4, 1700, 128), DType::BF16, dev, 74)?;
+    let opts = AttentionOpts {
+        causal: true,
+        cu_seqlens_q: Some(same.to_vec()),
+        cu_seqlens_k: Some(same.to_vec()),
+        ..Default::default()
+    };
+    let vars = [
+        Var::from_tensor(&q)?,
+        Var::from_tensor(&k)?,
+        Var::from_tensor(&v)?,
+    ];
+    let o = attention(
+        vars[0].as_tensor(),
+        vars[1].as_tensor(),
+        vars[2].as_tensor(),
+        &opts,
+    )?;
+    let g = (o.to_dtype(DType::F32)? * w.to_dtype(DType::F32)?)?
+        .sum_all()?
+        .backward()?;
+    let (os, saved) = cqsa::attention_saved(&q, &k, &v, &opts)?;
+    let grads = saved.backward(&w)?;
+    ensure!(rel_err_t(&os, &o)? <= 1e-2, "saved output differs");
+    for (name, a, var) in [
+        ("dq", &grads.0, &vars[0]),
+        ("dk", &grads.1, &vars[1]),
+        ("dv", &grads.2, &vars[2]),
+    ] {
+        let b = g
+            .get(var.as_tensor())
+            .ok_or_else(|| anyhow::anyhow!("no {name}"))?;
+        let err = rel_err_t(a, b)?;
+        ensure!(err <= 1e-2, "saved {name} differs from autograd: {err:e}");
+    }
+    Ok(())
+}
+candle_streamer::test_device!(attention_varlen_one_launch_matches_reference);
 
 /// Bad `cu_seqlens`: errors name the field and the value.
 fn attention_varlen_rejects_bad_offsets(dev: &Device) -> Result<()> {

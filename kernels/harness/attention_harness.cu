@@ -44,7 +44,8 @@ KDEF(__half, f16, 64) KDEF(__half, f16, 128) KDEF(__nv_bfloat16, bf16, 64) KDEF(
 // The Hopper forward (harness modes 3 and 4): Q, K, V as TMA tensor maps.
 static bool g_hopper = false;
 #ifdef HFILE
-typedef void (*HopFn)(CUtensorMap, CUtensorMap, CUtensorMap, void*, float*, int, int, int, int, float, int, int, float);
+typedef void (*HopFn)(CUtensorMap, CUtensorMap, CUtensorMap, void*, float*, int, int, int, int, float, int, int, float,
+                      const hopper::Seg*);
 template <typename T, int D> HopFn hopper_fwd(bool cap);
 #define HDEF(T, SUF, D) template <> HopFn hopper_fwd<T, D>(bool cap) { \
   return cap ? (HopFn)cqsa_fwd_hopper_cap_##SUF##_d##D : (HopFn)cqsa_fwd_hopper_##SUF##_d##D; }
@@ -120,7 +121,8 @@ struct Run {
       int kl = klo(), kh = khi();
       CUtensorMap tq = tensor_map<T>(q, D, nq, b * hq, HC::BR), tk = tensor_map<T>(k, D, nk, b * hkv, HC::BC),
                   tv = tensor_map<T>(v, D, nk, b * hkv, HC::BC);
-      void* args[] = {&tq, &tk, &tv, &o, &lse, &hq, &hkv, &nq, &nk, &scale, &kl, &kh, &cap};
+      const hopper::Seg* segs = nullptr;  // a plain call
+      void* args[] = {&tq, &tk, &tv, &o, &lse, &hq, &hkv, &nq, &nk, &scale, &kl, &kh, &cap, &segs};
       CK(cudaLaunchKernel((const void*)f, dim3((nq + HC::BR - 1) / HC::BR, hq, b), dim3(HC::THREADS), args, sm, 0));
       return;
     }
@@ -163,19 +165,21 @@ struct Run {
     if constexpr (D != 256) {
       using FC = hopper::BwdCfg<D>;
       HopBwdFn f = hopper_bwd_fn<T, D>(cap > 0.f);
-      int sm = FC::SMEM, kl = klo(), kh = khi(), np = nqp(), d = D;
+      int sm = FC::SMEM, kl = klo(), kh = khi(), np = nqp(), nqt = np / 64, d = D;
+      const hopper::Seg* segs = nullptr;  // a plain call: no Segs, no tile table
+      const int2* tiles = nullptr;
       long long slices = (long long)b * hq;
       CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize, sm));
-      { void* args[] = {&lse, &delta, &stats, &slices, &nq, &np};
+      { void* args[] = {&lse, &delta, &stats, &slices, &nq, &nqt, &tiles};
         CK(cudaLaunchKernel((const void*)cqsa_bwd_stats_hopper, dim3((slices * np + 255) / 256), dim3(256), args, 0, 0)); }
       CK(cudaMemsetAsync(fqa, 0, (size_t)slices * np * D * 4));
       { CUtensorMap tq = tensor_map<T>(q, D, nq, b * hq, FC::BS), tg = tensor_map<T>(g, D, nq, b * hq, FC::BS),
                     tk = tensor_map<T>(k, D, nk, b * hkv, FC::BR), tv = tensor_map<T>(v, D, nk, b * hkv, FC::BR);
-        void* args[] = {&tq, &tk, &tv, &tg, &stats, &fqa, &dk, &dv, &hq, &hkv, &nq, &nk, &scale, &kl, &kh, &cap};
+        void* args[] = {&tq, &tk, &tv, &tg, &stats, &fqa, &dk, &dv, &hq, &hkv, &nq, &nk, &scale, &kl, &kh, &cap, &segs, &nqt};
         CK(cudaLaunchKernel((const void*)f, dim3((nk + FC::BR - 1) / FC::BR, hkv, b), dim3(FC::THREADS), args, sm, 0)); }
-      { void* args[] = {&fqa, &dq, &slices, &nq, &d, &scale};
+      { void* args[] = {&fqa, &dq, &slices, &nq, &nqt, &d, &scale, &tiles};
         const void* cf = std::is_same<T, __half>::value ? (const void*)cqsa_bwd_dq_convert_hopper_f16 : (const void*)cqsa_bwd_dq_convert_hopper_bf16;
-        CK(cudaLaunchKernel(cf, dim3((slices * nq * D / 2 + 255) / 256), dim3(256), args, 0, 0)); }
+        CK(cudaLaunchKernel(cf, dim3((slices * np * D / 2 + 255) / 256), dim3(256), args, 0, 0)); }
     }
   }
 #endif

@@ -114,17 +114,48 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 2], const uint32_t (&a)[4]
     else { if constexpr (H) wgmma_rs_n256_f16(d, a, db, 1); else wgmma_rs_n256_bf16(d, a, db, 1); }
 }
 
+// The part of a call one block works on: a document of a packed (varlen) call,
+// or the whole call. Its query rows are q_off.. (nq of them) and its keys k_off..
+// (nk), with its own band (lo, hi) relative to them; `blk` is the block's query
+// block (forward) or key block (backward) in it, and `tile0` its first tile of 64
+// queries in the statistics and the dq accumulator (backward). The launcher of a
+// packed call passes one Seg per block, heaviest first; a plain call passes none.
+struct Seg {
+    int q_off, nq, k_off, nk, lo, hi, blk, tile0;
+};
+
+// This block's Seg and its (head, batch): from `segs` (one per linear block index
+// over the heads, heaviest first) or the whole call (blockIdx.x the block, -1 in
+// blk: block_work and kv_work decide).
+__device__ __forceinline__ Seg block_seg(const Seg* segs, int nq, int nk, int lo, int hi, int* h, int* b) {
+    if (segs == nullptr) {
+        *h = blockIdx.y;
+        *b = blockIdx.z;
+        return Seg{0, nq, 0, nk, lo, hi, -1, 0};
+    }
+    const int heads = gridDim.y * gridDim.z;
+    const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    *h = lin % heads % gridDim.y;
+    *b = lin % heads / gridDim.y;
+    return segs[lin / heads];
+}
+
 // Which query block, head and batch this block computes, and the key tiles it
 // visits: [kv_begin, kv_begin + ntiles * BC), a sliding window's O(window) only.
+// Rows and keys are the Seg's (q_off and k_off added where they are read).
 struct Work {
-    int qblk, h, b, kv_begin, ntiles;
+    int qblk, h, b, kv_begin, ntiles, q_off, k_off;
 };
 template <int D>
-__device__ __forceinline__ Work block_work(int nq, int nk, int lo, int hi) {
+__device__ __forceinline__ Work block_work(const Seg* segs, int nq_all, int nk_all, int lo_all, int hi_all, Seg* sg) {
     using C = FwdCfg<D>;
-    Work w{(int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z, 0, 0};
+    Work w{(int)blockIdx.x, 0, 0, 0, 0, 0, 0};
+    *sg = block_seg(segs, nq_all, nk_all, lo_all, hi_all, &w.h, &w.b);
+    const int nq = sg->nq, nk = sg->nk, lo = sg->lo, hi = sg->hi;
     const bool has_lo = lo > -(nq + BAND_PAD), has_hi = hi < nk + BAND_PAD;
-    if (has_hi && !has_lo) {
+    if (sg->blk >= 0) {
+        w.qblk = sg->blk;
+    } else if (has_hi && !has_lo) {
         // Causal-like: heaviest query blocks first across every (batch, head).
         const int heads = gridDim.y * gridDim.z;
         const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
@@ -132,6 +163,8 @@ __device__ __forceinline__ Work block_work(int nq, int nk, int lo, int hi) {
         w.h = lin % heads % gridDim.y;
         w.b = lin % heads / gridDim.y;
     }
+    w.q_off = sg->q_off;
+    w.k_off = sg->k_off;
     const int q0 = w.qblk * C::BR;
     w.kv_begin = clampi((long long)q0 + lo, nk) / C::BC * C::BC;
     const int kv_end = clampi((long long)(q0 + C::BR - 1) + hi + 1, nk);
@@ -151,9 +184,9 @@ __device__ void produce(const CUtensorMap* tq, const CUtensorMap* tk, const CUte
     // be in flight when it exits.
     if (w.ntiles == 0) return;
     bar_expect_tx(full_q, C::QBYTES);
-    tma_tile<D>(qs, tq, C::BR, w.qblk * C::BR, w.b * hq + w.h, full_q);
+    tma_tile<D>(qs, tq, C::BR, w.q_off + w.qblk * C::BR, w.b * hq + w.h, full_q);
     for (int j = 0; j < w.ntiles; ++j) {
-        const int s = j & 1, kv0 = w.kv_begin + j * C::BC;
+        const int s = j & 1, kv0 = w.k_off + w.kv_begin + j * C::BC;
         if (j >= 2) bar_wait(empty_k + 8 * s, ((j >> 1) - 1) & 1);
         bar_expect_tx(full_k + 8 * s, C::KVBYTES);
         tma_tile<D>(ks + s * C::KVBYTES, tk, C::BC, kv0, w.b * hkv + kh, full_k + 8 * s);
@@ -166,8 +199,9 @@ __device__ void produce(const CUtensorMap* tq, const CUtensorMap* tk, const CUte
 // One consumer warpgroup (`wg` 0 or 1: rows 64 * wg.. of the block).
 template <typename T, int D, bool SOFTCAP>
 __device__ void consume(T* __restrict__ o, float* __restrict__ lse, uint32_t qs, uint32_t ks, uint32_t vs,
-                        uint32_t bars, const Work& w, int wg, int hq, int nq, int nk, float scale, int lo,
-                        int hi, float cap) {
+                        uint32_t bars, const Work& w, int wg, int hq, int nq_all, const Seg& sg, float scale,
+                        float cap) {
+    const int nq = sg.nq, nk = sg.nk, lo = sg.lo, hi = sg.hi;
     using C = FwdCfg<D>;
     constexpr int BR = C::BR, BC = C::BC, NS = BC / 2, NO = D / 2;
     const uint32_t full_q = bars, full_k = bars + 8, full_v = bars + 24, empty_k = bars + 40, empty_v = bars + 56;
@@ -302,8 +336,9 @@ __device__ void consume(T* __restrict__ o, float* __restrict__ lse, uint32_t qs,
         reg_fence(oacc);
     }
 
-    T* ob = o + ((size_t)w.b * hq + w.h) * (size_t)nq * D;
-    float* lb = lse + ((size_t)w.b * hq + w.h) * nq;
+    // Rows of the Seg (q_off of them before it in the sequence of nq_all).
+    T* ob = o + (((size_t)w.b * hq + w.h) * (size_t)nq_all + w.q_off) * D;
+    float* lb = lse + ((size_t)w.b * hq + w.h) * nq_all + w.q_off;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float lt = l[r];
@@ -324,14 +359,15 @@ __device__ void consume(T* __restrict__ o, float* __restrict__ lse, uint32_t qs,
 template <typename T, int D, bool SOFTCAP>
 __device__ void fwd(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv, T* __restrict__ o,
                     float* __restrict__ lse, int hq, int hkv, int nq, int nk, float scale, int lo, int hi,
-                    float cap) {
+                    float cap, const Seg* segs) {
     using C = FwdCfg<D>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     if (dynamic_smem_size() < (uint32_t)C::SMEM) __trap();  // launcher bug
     const uint32_t qs = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const uint32_t ks = qs + C::QBYTES, vs = ks + 2 * C::KVBYTES, bars = qs + C::BAR_OFF;
     const int wg = threadIdx.x >> 7;
-    const Work w = block_work<D>(nq, nk, lo, hi);
+    Seg sg;
+    const Work w = block_work<D>(segs, nq, nk, lo, hi, &sg);
     if (threadIdx.x == 0) {
         // full_q; full_k[2], full_v[2] (the producer's expect_tx arrival plus the
         // copies' bytes); empty_k[2], empty_v[2] (one arrival per consumer warp).
@@ -346,7 +382,7 @@ __device__ void fwd(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensor
         if (threadIdx.x == 0) produce<D>(tq, tk, tv, qs, ks, vs, bars, w, hq, hkv);
     } else {
         setmaxnreg_inc<240>();
-        consume<T, D, SOFTCAP>(o, lse, qs, ks, vs, bars, w, wg - 1, hq, nq, nk, scale, lo, hi, cap);
+        consume<T, D, SOFTCAP>(o, lse, qs, ks, vs, bars, w, wg - 1, hq, nq, sg, scale, cap);
     }
 }
 
@@ -422,13 +458,15 @@ __device__ __forceinline__ float lse_l2(float lse, bool in) {
 }
 
 // The key block, kv head and batch of a dK/dV block, and its query tiles: every
-// query head of the group times the tiles [tile0, tile0 + ntq) that see the keys.
+// query head of the group times the tiles [tile0, tile0 + ntq) of its Seg that
+// see the keys.
 struct KvWork {
     int kblk, kh, b, tile0, ntq, grp;
 };
-template <int D> __device__ __forceinline__ KvWork kv_work(int hq, int hkv, int nq, int nk, int lo, int hi) {
+template <int D> __device__ __forceinline__ KvWork kv_work(const Seg& sg, int kh, int b, int hq, int hkv) {
     using C = BwdCfg<D>;
-    KvWork w{(int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z, 0, 0, hq / hkv};
+    const int nq = sg.nq, nk = sg.nk, lo = sg.lo, hi = sg.hi;
+    KvWork w{sg.blk >= 0 ? sg.blk : (int)blockIdx.x, kh, b, 0, 0, hq / hkv};
     const int k0 = w.kblk * C::BR, k1 = min(k0 + C::BR, nk) - 1;
     const int i0 = clampi((long long)k0 - hi, nq), i1 = clampi((long long)k1 - lo + 1, nq);
     w.tile0 = i0 / C::BS;
@@ -467,24 +505,28 @@ __device__ __forceinline__ void mma_tt64(float (&d)[32], uint64_t da, uint64_t d
 // t % STAGES once the consumers released its previous use.
 template <int D>
 __device__ void produce_bwd(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv,
-                            const CUtensorMap* tg, const float2* stats, const KvWork& w, int hq, int hkv, int nqp,
-                            uint32_t base) {
+                            const CUtensorMap* tg, const float2* stats, const KvWork& w, const Seg& sg, int hq,
+                            int hkv, int nqp, uint32_t base) {
     using C = BwdCfg<D>;
     const uint32_t bars = base + C::BAR_OFF;
     bar_expect_tx(bars, 2 * C::FBYTES);
-    tma_tile<D>(base, tk, C::BR, w.kblk * C::BR, w.b * hkv + w.kh, bars);
-    tma_tile<D>(base + C::FBYTES, tv, C::BR, w.kblk * C::BR, w.b * hkv + w.kh, bars);
+    const int krow = sg.k_off + w.kblk * C::BR;
+    tma_tile<D>(base, tk, C::BR, krow, w.b * hkv + w.kh, bars);
+    tma_tile<D>(base + C::FBYTES, tv, C::BR, krow, w.b * hkv + w.kh, bars);
     const int n = w.grp * w.ntq;
     for (int t = 0; t < n; ++t) {
         const int s = t % C::STAGES;
         const uint32_t full = bars + 8 * (1 + s), empty = bars + 8 * (1 + C::STAGES + s);
         if (t >= C::STAGES) bar_wait(empty, ((t / C::STAGES) - 1) & 1);
+        // Tile (w.tile0 + t % ntq) of the Seg: rows q_off + row0.. of the sequence,
+        // statistics at the Seg's own tiles (sg.tile0 on).
         const int row0 = (w.tile0 + t % w.ntq) * C::BS, slice = w.b * hq + w.kh * w.grp + t / w.ntq;
         bar_expect_tx(full, 2 * C::SBYTES + C::ST_BYTES);
         const uint32_t dst = base + C::S_OFF + s * 2 * C::SBYTES;
-        tma_tile<D>(dst, tq, C::BS, row0, slice, full);
-        tma_tile<D>(dst + C::SBYTES, tg, C::BS, row0, slice, full);
-        bulk_load(base + C::ST_OFF + s * C::ST_BYTES, stats + (size_t)slice * nqp + row0, C::ST_BYTES, full);
+        tma_tile<D>(dst, tq, C::BS, sg.q_off + row0, slice, full);
+        tma_tile<D>(dst + C::SBYTES, tg, C::BS, sg.q_off + row0, slice, full);
+        bulk_load(base + C::ST_OFF + s * C::ST_BYTES, stats + (size_t)slice * nqp + sg.tile0 * C::BS + row0,
+                  C::ST_BYTES, full);
     }
 }
 
@@ -586,19 +628,20 @@ __device__ __forceinline__ void bwd_dq_store(const float (&dqa)[32], uint32_t ba
 // and dP^T of tile j, the element-wise work, and dV/dK of tile j.
 template <typename T, int D, bool SOFTCAP>
 __device__ void bwd_consume(uint32_t base, float* __restrict__ dqacc, T* __restrict__ dk, T* __restrict__ dv,
-                            const KvWork& w, int wg, int hq, int hkv, int nq, int nk, float scale, int lo, int hi,
-                            float cap) {
+                            const KvWork& w, const Seg& sg, int wg, int hq, int hkv, int nk_all, int nqt,
+                            float scale, float cap) {
     using C = BwdCfg<D>;
+    const int nq = sg.nq, nk = sg.nk, lo = sg.lo, hi = sg.hi;
     constexpr int BS = C::BS, NS = BS / 2, NO = D / 2;
     const uint32_t ks = base, vs = base + C::FBYTES, bars = base + C::BAR_OFF;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, g = lane >> 2;
     const int krow0 = 64 * wg + 16 * warp + g, k0 = w.kblk * C::BR + 64 * wg, kr0 = w.kblk * C::BR + krow0;
-    const int nqt = (nq + BS - 1) / BS;
     const float sl2 = scale * LOG2E, cap_in = SOFTCAP ? scale / cap : 0.f, cap_out = SOFTCAP ? cap * LOG2E : 0.f;
     // The f32 dQ accumulator's slice of query tile `qtile` (from tile0) of head `h`
-    // (in the group). Tile j is (j % ntq, j / ntq), counted along rather than divided.
+    // (in the group), nqt tiles per head, the Seg's from sg.tile0. Tile j is
+    // (j % ntq, j / ntq), counted along rather than divided.
     auto acc_of = [&](int h, int qtile) {
-        return dqacc + (((size_t)w.b * hq + w.kh * w.grp + h) * nqt + w.tile0 + qtile) * BS * D;
+        return dqacc + (((size_t)w.b * hq + w.kh * w.grp + h) * nqt + sg.tile0 + w.tile0 + qtile) * BS * D;
     };
     int jq = 0, jh = 0, pq = 0, ph = 0;  // tile j's (query tile, head) and tile j - 1's
     float dka[NO], dva[NO];
@@ -661,7 +704,7 @@ __device__ void bwd_consume(uint32_t base, float* __restrict__ dqacc, T* __restr
         bwd_dq_store<D>(dqa, base, acc_of(ph, pq), n - 1, n, wg);
     }
     if ((threadIdx.x & 127) == 0) bulk_wait_all();
-    const size_t kbase = ((size_t)w.b * hkv + w.kh) * nk;
+    const size_t kbase = ((size_t)w.b * hkv + w.kh) * nk_all + sg.k_off;
     const int t = lane & 3;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -680,7 +723,7 @@ __device__ void bwd_consume(uint32_t base, float* __restrict__ dqacc, T* __restr
 template <typename T, int D, bool SOFTCAP>
 __device__ void bwd(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv, const CUtensorMap* tg,
                           const float2* stats, float* dqacc, T* dk, T* dv, int hq, int hkv, int nq, int nk,
-                          float scale, int lo, int hi, float cap) {
+                          float scale, int lo, int hi, float cap, const Seg* segs, int nqt) {
     using C = BwdCfg<D>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     if (dynamic_smem_size() < (uint32_t)C::SMEM) __trap();  // launcher bug
@@ -694,58 +737,76 @@ __device__ void bwd(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensor
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    const KvWork w = kv_work<D>(hq, hkv, nq, nk, lo, hi);
-    const int wg = threadIdx.x >> 7, nqp = (nq + C::BS - 1) / C::BS * C::BS;
+    int kh, b;
+    const Seg sg = block_seg(segs, nq, nk, lo, hi, &kh, &b);
+    const KvWork w = kv_work<D>(sg, kh, b, hq, hkv);
+    const int wg = threadIdx.x >> 7;
     if (wg == 0) {
         setmaxnreg_dec<24>();
-        if (threadIdx.x == 0) produce_bwd<D>(tq, tk, tv, tg, stats, w, hq, hkv, nqp, base);
+        if (threadIdx.x == 0) produce_bwd<D>(tq, tk, tv, tg, stats, w, sg, hq, hkv, nqt * C::BS, base);
     } else {
         setmaxnreg_inc<240>();
-        bwd_consume<T, D, SOFTCAP>(base, dqacc, dk, dv, w, wg - 1, hq, hkv, nq, nk, scale, lo, hi, cap);
+        bwd_consume<T, D, SOFTCAP>(base, dqacc, dk, dv, w, sg, wg - 1, hq, hkv, nk, nqt, scale, cap);
     }
 }
 
-// (lse in log2 units, delta) per query row, padded with (+inf, 0) to tiles of 64.
-__device__ void bwd_stats(const float* lse, const float* delta, float2* stats, long long slices, int nq, int nqp) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+// Tile `tile` of 64 queries of the statistics and the dq accumulator: its first
+// row in the sequence and how many of its rows are real. A packed call's tiles
+// (`tiles`, one int2 each) pad each document apart; a plain call's are the
+// sequence cut every 64 rows.
+__device__ __forceinline__ int2 tile_rows(const int2* tiles, int tile, int nq) {
+    if (tiles != nullptr) return tiles[tile];
+    return make_int2(tile * 64, min(64, nq - tile * 64));
+}
+
+// (lse in log2 units, delta) per query row, padded with (+inf, 0) to tiles of
+// 64 (nqt per (batch, head) slice).
+__device__ void bwd_stats(const float* lse, const float* delta, float2* stats, long long slices, int nq, int nqt,
+                          const int2* tiles) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x, nqp = 64ll * nqt;
     if (i >= slices * nqp) return;
     const long long bh = i / nqp;
-    const int r = (int)(i % nqp);
-    const bool in = r < nq;
-    const long long at = bh * nq + (in ? r : 0);
+    const int r = (int)(i % nqp), rl = r % 64;
+    const int2 tr = tile_rows(tiles, r / 64, nq);
+    const bool in = rl < tr.y;
+    const long long at = bh * nq + (in ? tr.x + rl : 0);
     stats[i] = make_float2(lse_l2(lse[at], in), in ? delta[at] : 0.f);
 }
 
 // dq = acc * scale in the dtype, from the fused kernel's accumulator: tiles of
-// 64 rows x d, blocks of 64 columns, each [chunk][thread][4] in the wgmma
-// accumulator order (thread = 32 warp + 4 g + t; element i of a thread is row
-// 16 warp + g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 t + (i & 1)).
+// 64 rows x d (nqt per slice), blocks of 64 columns, each [chunk][thread][4] in
+// the wgmma accumulator order (thread = 32 warp + 4 g + t; element i of a thread
+// is row 16 warp + g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 t + (i & 1)).
+// One thread per pair of columns of a padded row; padding rows write nothing.
 template <typename T>
-__device__ void bwd_dq_convert(const float* acc, T* dq, long long slices, int nq, int d, float scale) {
-    const long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x, half = d / 2;
-    if (p >= slices * nq * half) return;
-    const long long row = p / half;
-    const int col = 2 * (int)(p % half), bh_r = (int)(row % nq);
-    const long long bh = row / nq;
-    const int nqt = (nq + 63) / 64, tile = bh_r / 64, rl = bh_r % 64, cb = col / 64, cc = col % 64;
+__device__ void bwd_dq_convert(const float* acc, T* dq, long long slices, int nq, int nqt, int d, float scale,
+                               const int2* tiles) {
+    const long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x, half = d / 2, nqp = 64ll * nqt;
+    if (p >= slices * nqp * half) return;
+    const long long prow = p / half, bh = prow / nqp;
+    const int col = 2 * (int)(p % half), r = (int)(prow % nqp), tile = r / 64, rl = r % 64;
+    const int2 tr = tile_rows(tiles, tile, nq);
+    if (rl >= tr.y) return;
+    const int cb = col / 64, cc = col % 64;
     const int tid = (rl / 16) * 32 + (rl % 8) * 4 + (cc % 8) / 2, i = 4 * (cc / 8) + 2 * ((rl % 16) / 8);
     const float2 a = *reinterpret_cast<const float2*>(
         acc + ((bh * nqt + tile) * 64 * d) + cb * 4096 + (i / 4) * 512 + tid * 4 + (i % 4));
-    *reinterpret_cast<uint32_t*>(dq + row * d + col) = pack2<T>(a.x * scale, a.y * scale);
+    *reinterpret_cast<uint32_t*>(dq + (bh * nq + tr.x + rl) * d + col) = pack2<T>(a.x * scale, a.y * scale);
 }
 
 }  // namespace hopper
 
 // Entries: cqsa_fwd_hopper_{,cap_}{f16,bf16}_d{64,128,256}, launched with
-// hopper::FwdCfg<D>::THREADS threads, SMEM bytes and ceil(nq / BR) blocks in x.
+// hopper::FwdCfg<D>::THREADS threads, SMEM bytes and ceil(nq / BR) blocks in x,
+// or for a packed call one block in x per Seg of `segs` (null: a plain call).
 // The tensor maps: 3-D (D, n, b * heads) over q, k, v, 128-byte swizzle, boxes
 // of (64, BR or BC, 1), zero fill.
 #define HOPPER_ENTRY(T, SUF, D, CAPNAME, CAP)                                                            \
     extern "C" __global__ void __launch_bounds__(384, 1) cqsa_fwd_hopper_##CAPNAME##SUF##_d##D(          \
         const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,                 \
         const __grid_constant__ CUtensorMap tv, T* o, float* lse, int hq, int hkv, int nq, int nk,      \
-        float scale, int lo, int hi, float cap) {                                                       \
-        hopper::fwd<T, D, CAP>(&tq, &tk, &tv, o, lse, hq, hkv, nq, nk, scale, lo, hi, cap);             \
+        float scale, int lo, int hi, float cap, const hopper::Seg* segs) {                              \
+        hopper::fwd<T, D, CAP>(&tq, &tk, &tv, o, lse, hq, hkv, nq, nk, scale, lo, hi, cap, segs);       \
     }
 #define HOPPER_ENTRIES(T, SUF, D) HOPPER_ENTRY(T, SUF, D, , false) HOPPER_ENTRY(T, SUF, D, cap_, true)
 HOPPER_ENTRIES(__half, f16, 64)
@@ -757,15 +818,18 @@ HOPPER_ENTRIES(__nv_bfloat16, bf16, 256)
 
 // Backward entries: cqsa_bwd_hopper_{,cap_}{f16,bf16}_d{64,128}, launched with
 // hopper::BwdCfg<D>::THREADS threads and SMEM bytes, ceil(nk / BR) x hkv x b
-// blocks, after cqsa_bwd_delta_* and cqsa_bwd_stats_hopper, onto a zeroed f32 dq
-// accumulator of ceil(nq / 64) * 64 * d per query head. Maps as the forward's:
-// q and do with boxes of BS rows, k and v of BR rows.
+// blocks (a packed call: one block in x per Seg of `segs`), after
+// cqsa_bwd_delta_* and cqsa_bwd_stats_hopper, onto a zeroed f32 dq accumulator
+// of nqt tiles of 64 x d per query head. Maps as the forward's: q and do with
+// boxes of BS rows, k and v of BR rows.
 #define HOPPER_BWD_ENTRY(T, SUF, D, CAPNAME, CAP)                                                      \
     extern "C" __global__ void __launch_bounds__(384, 1) cqsa_bwd_hopper_##CAPNAME##SUF##_d##D(    \
         const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,                 \
         const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tg, const float2* stats, \
-        float* dqacc, T* dk, T* dv, int hq, int hkv, int nq, int nk, float scale, int lo, int hi, float cap) { \
-        hopper::bwd<T, D, CAP>(&tq, &tk, &tv, &tg, stats, dqacc, dk, dv, hq, hkv, nq, nk, scale, lo, hi, cap); \
+        float* dqacc, T* dk, T* dv, int hq, int hkv, int nq, int nk, float scale, int lo, int hi, float cap, \
+        const hopper::Seg* segs, int nqt) {                                                             \
+        hopper::bwd<T, D, CAP>(&tq, &tk, &tv, &tg, stats, dqacc, dk, dv, hq, hkv, nq, nk, scale, lo, hi, cap, \
+                               segs, nqt);                                                              \
     }
 #define HOPPER_BWD_ENTRIES(T, SUF, D) HOPPER_BWD_ENTRY(T, SUF, D, , false) HOPPER_BWD_ENTRY(T, SUF, D, cap_, true)
 HOPPER_BWD_ENTRIES(__half, f16, 64)
@@ -775,16 +839,17 @@ HOPPER_BWD_ENTRIES(__nv_bfloat16, bf16, 128)
 
 // Before and after the backward kernel: cqsa_bwd_stats_hopper (one thread per padded
 // row, after cqsa_bwd_delta_*) and cqsa_bwd_dq_convert_hopper_{f16,bf16} (one
-// thread per pair of dq elements).
+// thread per pair of columns of a padded row); `tiles`: a packed call's tiles
+// (hopper::tile_rows), null for a plain call.
 extern "C" __global__ void cqsa_bwd_stats_hopper(const float* lse, const float* delta, float2* stats,
-                                                 long long slices, int nq, int nqp) {
-    hopper::bwd_stats(lse, delta, stats, slices, nq, nqp);
+                                                 long long slices, int nq, int nqt, const int2* tiles) {
+    hopper::bwd_stats(lse, delta, stats, slices, nq, nqt, tiles);
 }
 extern "C" __global__ void cqsa_bwd_dq_convert_hopper_f16(const float* acc, __half* dq, long long slices, int nq,
-                                                          int d, float scale) {
-    hopper::bwd_dq_convert<__half>(acc, dq, slices, nq, d, scale);
+                                                          int nqt, int d, float scale, const int2* tiles) {
+    hopper::bwd_dq_convert<__half>(acc, dq, slices, nq, nqt, d, scale, tiles);
 }
 extern "C" __global__ void cqsa_bwd_dq_convert_hopper_bf16(const float* acc, __nv_bfloat16* dq, long long slices,
-                                                           int nq, int d, float scale) {
-    hopper::bwd_dq_convert<__nv_bfloat16>(acc, dq, slices, nq, d, scale);
+                                                           int nq, int nqt, int d, float scale, const int2* tiles) {
+    hopper::bwd_dq_convert<__nv_bfloat16>(acc, dq, slices, nq, nqt, d, scale, tiles);
 }

@@ -46,6 +46,7 @@ use half::{bf16, f16};
 use streamer_core::pages::{alloc_readable_f32, page_pieces, PinnedRegion};
 use streamer_kernels::{module, ATTENTION};
 
+use crate::varlen::Fused;
 use crate::{AttentionShape, Scores};
 
 /// Rows handled by one block of the simple kernels (one warp per row).
@@ -167,18 +168,24 @@ pub(crate) struct KernelArgs {
     cap: f32,
 }
 
+/// The band `(lo, hi)` as the kernels take it for a block of `nq` queries and
+/// `nk` keys: a missing bound at its open end, a given one clamped to
+/// `[-(nq + BAND_PAD), nk + BAND_PAD]` (beyond, it hides nothing more, or
+/// everything already), which keeps the kernels' int sums of a row or key and a
+/// bound in range. The caller has checked that `nq + nk + 4 BAND_PAD` fits an i32.
+pub(crate) fn kernel_band(nq: usize, nk: usize, lo: Option<i64>, hi: Option<i64>) -> (i32, i32) {
+    let (open_lo, open_hi) = (-(nq as i64 + BAND_PAD), nk as i64 + BAND_PAD);
+    let bound = |b: Option<i64>, open: i64| b.map_or(open, |x| x.clamp(open_lo, open_hi)) as i32;
+    (bound(lo, open_lo), bound(hi, open_hi))
+}
+
 impl KernelArgs {
     fn new(dims: &AttentionShape, sc: &Scores) -> Result<Self> {
-        // Bounds beyond the open ends hide nothing more (or everything already);
-        // clamping keeps the kernels' int sums of a row or key and a bound in range.
-        let (open_lo, open_hi) = (-(dims.nq as i64 + BAND_PAD), dims.nk as i64 + BAND_PAD);
         to_i32(
             dims.nq + dims.nk + 4 * BAND_PAD as usize,
             "seq_q + seq_k + 1024",
         )?;
-        let bound = |b: Option<i64>, open: i64| {
-            b.map_or(open, |x| x.clamp(open_lo, open_hi)) as i32 // in i32: checked above
-        };
+        let (lo, hi) = kernel_band(dims.nq, dims.nk, sc.lo, sc.hi);
         Ok(Self {
             hq: to_i32(dims.hq, "heads_q")?,
             hkv: to_i32(dims.hkv, "heads_kv")?,
@@ -186,8 +193,8 @@ impl KernelArgs {
             nk: to_i32(dims.nk, "seq_k")?,
             d: to_i32(dims.d, "head_dim")?,
             scale: sc.scale,
-            lo: bound(sc.lo, open_lo),
-            hi: bound(sc.hi, open_hi),
+            lo,
+            hi,
             cap: sc.softcap.unwrap_or(0.0),
         })
     }
@@ -261,17 +268,20 @@ fn forward_kernel(
 }
 
 /// Forward: returns the output (dtype of q) and the f32 log-sum-exp `(b, hq, nq)`.
+/// A packed call (`packed`, whose bands replace `sc`'s) runs on the Hopper
+/// kernels only (the caller chose it where they apply, `varlen::fused`).
 pub(crate) fn forward(
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
     dims: &AttentionShape,
-    sc: &Scores,
+    (sc, packed): (&Scores, Option<&Fused>),
 ) -> Result<(CudaStorage, CudaStorage)> {
+    let p = (sc, packed);
     match q.0.dtype() {
-        DType::F32 => forward_t::<f32>(q, k, v, dims, sc),
-        DType::F16 => forward_t::<f16>(q, k, v, dims, sc),
-        DType::BF16 => forward_t::<bf16>(q, k, v, dims, sc),
+        DType::F32 => forward_t::<f32>(q, k, v, dims, p),
+        DType::F16 => forward_t::<f16>(q, k, v, dims, p),
+        DType::BF16 => forward_t::<bf16>(q, k, v, dims, p),
         other => bail!("cqsa: no CUDA attention kernel for dtype {other:?}"),
     }
 }
@@ -281,7 +291,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
     dims: &AttentionShape,
-    sc: &Scores,
+    (sc, packed): (&Scores, Option<&Fused>),
 ) -> Result<(CudaStorage, CudaStorage)> {
     let dev: &CudaDevice = q.0.device();
     let dtype = q.0.dtype();
@@ -299,7 +309,9 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let args = KernelArgs::new(dims, sc)?;
     let outputs = (&mut out, &mut lse);
     if crate::hopper::applies(dev, dtype, d, &[qa, ka, va], false)? {
-        crate::hopper::forward(dev, (&qv, &kv, &vv), outputs, dims, &args, sfx)?;
+        crate::hopper::forward(dev, (&qv, &kv, &vv), outputs, dims, &args, (sfx, packed))?;
+    } else if packed.is_some() {
+        bail!("cqsa: a packed (varlen) call in one launch needs the Hopper kernels, which do not serve this one")
     } else {
         let mma = use_mma(dtype, d, &[qa, ka, va]);
         portable_forward(dev, (&qv, &kv, &vv), outputs, dims, &args, (sfx, mma))?;
@@ -342,15 +354,17 @@ fn portable_forward<T: DeviceRepr>(
 
 /// Backward: inputs `[q, k, v, o, grad_o, lse]`; returns `(dq, dk, dv)` in the
 /// dtype of q.
+/// A packed call (`packed`) runs on the Hopper kernels only, as in [`forward`].
 pub(crate) fn backward(
     t: [(&CudaStorage, &Layout); 6],
     dims: &AttentionShape,
-    sc: &Scores,
+    (sc, packed): (&Scores, Option<&Fused>),
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    let p = (sc, packed);
     match t[0].0.dtype() {
-        DType::F32 => backward_t::<f32>(t, dims, sc),
-        DType::F16 => backward_t::<f16>(t, dims, sc),
-        DType::BF16 => backward_t::<bf16>(t, dims, sc),
+        DType::F32 => backward_t::<f32>(t, dims, p),
+        DType::F16 => backward_t::<f16>(t, dims, p),
+        DType::BF16 => backward_t::<bf16>(t, dims, p),
         other => bail!("cqsa: no CUDA attention kernel for dtype {other:?}"),
     }
 }
@@ -361,6 +375,8 @@ pub(crate) struct Backward<'a, T> {
     pub(crate) sfx: &'static str,
     pub(crate) dims: AttentionShape,
     pub(crate) args: KernelArgs,
+    /// A packed call's documents (Hopper kernels only).
+    pub(crate) packed: Option<&'a Fused>,
     pub(crate) q: CudaView<'a, T>,
     pub(crate) k: CudaView<'a, T>,
     pub(crate) v: CudaView<'a, T>,
@@ -373,10 +389,10 @@ pub(crate) struct Backward<'a, T> {
     pub(crate) dv: CudaSlice<T>,
 }
 
-fn backward_t<T: CudaDType + DeviceRepr>(
-    t: [(&CudaStorage, &Layout); 6],
+fn backward_t<'a, T: CudaDType + DeviceRepr>(
+    t: [(&'a CudaStorage, &Layout); 6],
     dims: &AttentionShape,
-    sc: &Scores,
+    (sc, packed): (&Scores, Option<&'a Fused>),
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
     let dev: &CudaDevice = t[0].0.device();
     let dtype = t[0].0.dtype();
@@ -406,6 +422,7 @@ fn backward_t<T: CudaDType + DeviceRepr>(
         sfx: suffix(dtype)?,
         dims: *dims,
         args: KernelArgs::new(dims, sc)?,
+        packed,
         q: qv,
         k: kv,
         v: vv,
@@ -419,6 +436,8 @@ fn backward_t<T: CudaDType + DeviceRepr>(
     bw.delta(&ov)?;
     if crate::hopper::applies(dev, dtype, d, &[qa, ka, va, ga], true)? {
         crate::hopper::backward(&mut bw)?;
+    } else if packed.is_some() {
+        bail!("cqsa: a packed (varlen) call in one launch needs the Hopper kernels, which do not serve this one")
     } else if use_mma(dtype, d, &[qa, ka, va, ga]) {
         bw.mma()?;
     } else {

@@ -21,7 +21,8 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, DType, Result};
 use streamer_kernels::{module, ATTENTION_HOPPER};
 
-use crate::cuda::{allow_smem, grid, Backward, KernelArgs};
+use crate::cuda::{allow_smem, grid, kernel_band, Backward, KernelArgs};
+use crate::varlen::Fused;
 use crate::AttentionShape;
 
 /// Query rows per block (`hopper::FwdCfg::BR`: two consumer warpgroups of 64).
@@ -131,14 +132,15 @@ fn tensor_map(
 }
 
 /// Launches `cqsa_fwd_hopper_{cap_}{sfx}_d{d}` on the device's compute stream:
-/// `out` and `lse` get the output and the log-sum-exp.
+/// `out` and `lse` get the output and the log-sum-exp. A packed call (`packed`)
+/// is one launch: a block per query block of each document.
 pub(crate) fn forward<T: DeviceRepr>(
     dev: &CudaDevice,
     (q, k, v): (&CudaView<'_, T>, &CudaView<'_, T>, &CudaView<'_, T>),
     (out, lse): (&mut CudaSlice<T>, &mut CudaSlice<f32>),
     dims: &AttentionShape,
     args: &KernelArgs,
-    sfx: &str,
+    (sfx, packed): (&str, Option<&Fused>),
 ) -> Result<()> {
     let AttentionShape {
         b,
@@ -150,8 +152,10 @@ pub(crate) fn forward<T: DeviceRepr>(
         dtype,
         ..
     } = *dims;
+    let segs = packed.map(|f| Segs::forward(dev, f, d)).transpose()?;
+    let blocks = segs.as_ref().map_or(nq.div_ceil(ROWS), |s| s.blocks);
     let cfg = LaunchConfig {
-        grid_dim: grid(nq.div_ceil(ROWS), hq, b)?,
+        grid_dim: grid(blocks, hq, b)?,
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: smem(d),
     };
@@ -170,11 +174,21 @@ pub(crate) fn forward<T: DeviceRepr>(
     let mut builder = func.builder();
     builder.arg(&tq).arg(&tk).arg(&tv).arg(out).arg(lse);
     args.push(&mut builder, false);
+    let null = 0u64;
+    match &segs {
+        Some(s) => builder.arg(&s.table),
+        None => builder.arg(&null),
+    };
+    if blocks == 0 {
+        return Ok(());
+    }
     // SAFETY: the maps describe exactly the views' elements (b*hq*nq*d and
     // b*hkv*nk*d, contiguous, 16-byte aligned), which live past the launch; the
-    // kernel writes b*hq*nq*d of `out` and b*hq*nq of `lse`; argument types and
-    // order match its signature; it gets its FwdCfg::SMEM (it traps on less) and
-    // runs only on a 9.0 device (`applies`).
+    // kernel writes b*hq*nq*d of `out` and b*hq*nq of `lse` (a packed call's
+    // Segs cover every row once, `Segs::forward`); argument types and order
+    // match its signature (`segs`: a null pointer or `blocks` Segs); it gets
+    // its FwdCfg::SMEM (it traps on less) and runs only on a 9.0 device
+    // (`applies`).
     unsafe { builder.launch(cfg) }.w()?;
     Ok(())
 }
@@ -204,7 +218,95 @@ fn bwd_smem(d: usize) -> u32 {
 /// a zeroed f32 accumulator by bulk reduce-adds, which
 /// `cqsa_bwd_dq_convert_hopper_*` turns into dq. The sums land in an order that
 /// varies from run to run, so dq is exact to f32 rounding, not bit-reproducible.
+/// A packed call pads each document to its own tiles.
 pub(crate) fn backward<T: DeviceRepr>(bw: &mut Backward<'_, T>) -> Result<()> {
+    let AttentionShape { b, hq, nq, d, .. } = bw.dims;
+    let tables = bw.packed.map(|f| Segs::backward(bw.dev, f)).transpose()?;
+    let (segs, tiles) = match &tables {
+        Some((s, t)) => (Some(s), Some(t)),
+        None => (None, None),
+    };
+    let nqt = tiles.map_or(nq.div_ceil(BWD_QUERIES), |t| t.len);
+    let nqp = nqt * BWD_QUERIES;
+    // SAFETY (uninitialised): cqsa_bwd_stats_hopper writes every padded row.
+    let mut stats = unsafe { bw.dev.alloc::<f32>(2 * b * hq * nqp) }?;
+    let mut acc = bw.dev.alloc_zeros::<f32>(b * hq * nqp * d)?;
+    let tiles = (tiles.map(|t| &t.table), nqt);
+    stats_kernel(bw, &mut stats, tiles)?;
+    bwd_kernel(bw, (&stats, &mut acc), (segs, nqt))?;
+    convert_kernel(bw, &acc, tiles)
+}
+
+/// `cqsa_bwd_stats_hopper`: (lse, delta) padded to `nqt` tiles per slice
+/// (`tiles`: a packed call's, `None` for a plain call).
+fn stats_kernel<T: DeviceRepr>(
+    bw: &Backward<'_, T>,
+    stats: &mut CudaSlice<f32>,
+    (tiles, nqt): (Option<&CudaSlice<i32>>, usize),
+) -> Result<()> {
+    let AttentionShape { b, hq, nq, .. } = bw.dims;
+    let (slices, nq_, nqt_, null) = ((b * hq) as i64, nq as i32, nqt as i32, 0u64);
+    let func = bw.dev.get_or_load_custom_func(
+        "cqsa_bwd_stats_hopper",
+        module::ATTENTION_HOPPER,
+        ATTENTION_HOPPER,
+    )?;
+    let mut builder = func.builder();
+    builder.arg(&bw.lse).arg(&bw.delta).arg(stats);
+    builder.arg(&slices).arg(&nq_).arg(&nqt_);
+    match tiles {
+        Some(t) => builder.arg(t),
+        None => builder.arg(&null),
+    };
+    // SAFETY: reads slices*nq of lse and delta (the tiles' rows lie in 0..nq),
+    // writes slices*nqt*64 float2 (twice that in f32) of stats; argument types
+    // match the signature (tiles: null or nqt int2).
+    unsafe { builder.launch(flat(b * hq * nqt * BWD_QUERIES)?) }.w()?;
+    Ok(())
+}
+
+/// `cqsa_bwd_dq_convert_hopper_*`: dq from the f32 accumulator of `nqt` tiles
+/// per slice (`tiles` as in [`stats_kernel`]).
+fn convert_kernel<T: DeviceRepr>(
+    bw: &mut Backward<'_, T>,
+    acc: &CudaSlice<f32>,
+    (tiles, nqt): (Option<&CudaSlice<i32>>, usize),
+) -> Result<()> {
+    let AttentionShape { b, hq, nq, d, .. } = bw.dims;
+    let (slices, nq_, nqt_, null) = ((b * hq) as i64, nq as i32, nqt as i32, 0u64);
+    let (d_, scale) = (d as i32, bw.args.scale());
+    let func = bw.dev.get_or_load_custom_func(
+        &format!("cqsa_bwd_dq_convert_hopper_{}", bw.sfx),
+        module::ATTENTION_HOPPER,
+        ATTENTION_HOPPER,
+    )?;
+    let mut builder = func.builder();
+    builder.arg(acc).arg(&mut bw.dq);
+    builder
+        .arg(&slices)
+        .arg(&nq_)
+        .arg(&nqt_)
+        .arg(&d_)
+        .arg(&scale);
+    match tiles {
+        Some(t) => builder.arg(t),
+        None => builder.arg(&null),
+    };
+    // SAFETY: reads slices*nqt*64*d f32 of acc, writes the slices*nq*d of dq that
+    // the tiles cover (all of it: every row is in one tile; d even); argument
+    // types match the signature (tiles: null or nqt int2).
+    unsafe { builder.launch(flat(b * hq * nqt * BWD_QUERIES * d / 2)?) }.w()?;
+    Ok(())
+}
+
+/// `cqsa_bwd_hopper_*`: a block per key block (of each document, `segs`),
+/// reading the padded statistics, summing dq into `acc` (nqt tiles per slice),
+/// writing dk and dv.
+fn bwd_kernel<T: DeviceRepr>(
+    bw: &mut Backward<'_, T>,
+    (stats, acc): (&CudaSlice<f32>, &mut CudaSlice<f32>),
+    (segs, nqt): (Option<&Segs>, usize),
+) -> Result<()> {
     let AttentionShape {
         b,
         hq,
@@ -215,37 +317,18 @@ pub(crate) fn backward<T: DeviceRepr>(bw: &mut Backward<'_, T>) -> Result<()> {
         dtype,
         ..
     } = bw.dims;
-    let (slices, nqp) = (b * hq, nq.div_ceil(BWD_QUERIES) * BWD_QUERIES);
-    // SAFETY (uninitialised): cqsa_bwd_stats_hopper writes every padded row.
-    let mut stats = unsafe { bw.dev.alloc::<f32>(2 * slices * nqp) }?;
-    let mut acc = bw.dev.alloc_zeros::<f32>(slices * nqp * d)?;
-    let load = |name: &str| -> Result<_> {
-        bw.dev
-            .get_or_load_custom_func(name, module::ATTENTION_HOPPER, ATTENTION_HOPPER)
-    };
-    let flat = |n: usize| -> Result<LaunchConfig> {
-        Ok(LaunchConfig {
-            grid_dim: grid(n.div_ceil(256), 1, 1)?,
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        })
-    };
-    let (slices_, nq_, nqp_) = (slices as i64, nq as i32, nqp as i32);
-    {
-        let func = load("cqsa_bwd_stats_hopper")?;
-        let mut builder = func.builder();
-        builder.arg(&bw.lse).arg(&bw.delta).arg(&mut stats);
-        builder.arg(&slices_).arg(&nq_).arg(&nqp_);
-        // SAFETY: reads slices*nq of lse and delta, writes slices*nqp float2
-        // (2*slices*nqp f32) of stats; argument types match the signature.
-        unsafe { builder.launch(flat(slices * nqp)?) }.w()?;
-    }
     let name = format!("cqsa_bwd_hopper_{}{}_d{d}", bw.args.cap_infix(), bw.sfx);
-    let func = load(&name)?;
+    let func = bw
+        .dev
+        .get_or_load_custom_func(&name, module::ATTENTION_HOPPER, ATTENTION_HOPPER)?;
     let smem = bwd_smem(d);
     allow_smem(&func, smem)?;
+    let blocks = segs.map_or(nk.div_ceil(BWD_KEYS), |s| s.blocks);
+    if blocks == 0 {
+        return Ok(());
+    }
     let cfg = LaunchConfig {
-        grid_dim: grid(nk.div_ceil(BWD_KEYS), hkv, b)?,
+        grid_dim: grid(blocks, hkv, b)?,
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: smem,
     };
@@ -255,30 +338,146 @@ pub(crate) fn backward<T: DeviceRepr>(bw: &mut Backward<'_, T>) -> Result<()> {
     let (kp, _gk) = bw.k.device_ptr(&stream);
     let (vp, _gv) = bw.v.device_ptr(&stream);
     let (gp, _gg) = bw.g.device_ptr(&stream);
-    let tq = tensor_map(qp, dtype, (slices, nq, d), BWD_QUERIES)?;
-    let tg = tensor_map(gp, dtype, (slices, nq, d), BWD_QUERIES)?;
+    let tq = tensor_map(qp, dtype, (b * hq, nq, d), BWD_QUERIES)?;
+    let tg = tensor_map(gp, dtype, (b * hq, nq, d), BWD_QUERIES)?;
     let tk = tensor_map(kp, dtype, (b * hkv, nk, d), BWD_KEYS)?;
     let tv = tensor_map(vp, dtype, (b * hkv, nk, d), BWD_KEYS)?;
     let mut builder = func.builder();
     builder.arg(&tq).arg(&tk).arg(&tv).arg(&tg);
-    builder
-        .arg(&stats)
-        .arg(&mut acc)
-        .arg(&mut bw.dk)
-        .arg(&mut bw.dv);
+    builder.arg(stats).arg(acc).arg(&mut bw.dk).arg(&mut bw.dv);
     bw.args.push(&mut builder, false);
+    let (null, nqt) = (0u64, nqt as i32);
+    match segs {
+        Some(s) => builder.arg(&s.table),
+        None => builder.arg(&null),
+    };
+    builder.arg(&nqt);
     // SAFETY: the maps describe exactly the views' elements (contiguous, 16-byte
-    // aligned, alive past the launch); the kernel reads slices*nqp float2 of stats,
-    // adds into the slices*nqp*d f32 of acc and writes b*hkv*nk*d of dk and of dv;
-    // argument types and order match its signature; it gets BwdCfg::SMEM (it traps
-    // on less) on a 9.0 device.
+    // aligned, alive past the launch); the kernel reads slices*nqp float2 of
+    // stats, adds into the slices*nqp*d f32 of acc and writes b*hkv*nk*d of dk
+    // and of dv (a packed call's Segs cover every key once, `Segs::backward`);
+    // argument types and order match its signature (segs: null or `blocks`
+    // Segs); it gets BwdCfg::SMEM (it traps on less) on a 9.0 device.
     unsafe { builder.launch(cfg) }.w()?;
-    let func = load(&format!("cqsa_bwd_dq_convert_hopper_{}", bw.sfx))?;
-    let (d_, scale) = (d as i32, bw.args.scale());
-    let mut builder = func.builder();
-    builder.arg(&acc).arg(&mut bw.dq);
-    builder.arg(&slices_).arg(&nq_).arg(&d_).arg(&scale);
-    // SAFETY: reads slices*nqp*d f32 of acc, writes slices*nq*d of dq (d even).
-    unsafe { builder.launch(flat(slices * nq * d / 2)?) }.w()?;
     Ok(())
+}
+
+/// A launch of one thread per element of `n`, in blocks of 256.
+fn flat(n: usize) -> Result<LaunchConfig> {
+    Ok(LaunchConfig {
+        grid_dim: grid(n.div_ceil(256), 1, 1)?,
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// A table the kernels read on the device: `len` entries of `width` i32 each
+/// (`width` 2: the backward's tiles, `hopper::tile_rows`).
+struct Table {
+    table: CudaSlice<i32>,
+    len: usize,
+}
+
+/// A packed call's work (`hopper::Seg` in the kernel): one Seg per block, the
+/// heaviest first, and for the backward the tiles of 64 queries of its
+/// statistics and dq accumulator (`hopper::tile_rows`), each document's own.
+struct Segs {
+    table: CudaSlice<i32>,
+    blocks: usize,
+}
+
+impl Table {
+    fn upload(dev: &CudaDevice, data: Vec<i32>, width: usize) -> Result<Self> {
+        let len = data.len() / width;
+        // An empty table still needs an allocation to pass; no kernel reads it.
+        let data = if data.is_empty() { vec![0] } else { data };
+        let table = dev.cuda_stream().clone_htod(&data).w()?;
+        Ok(Self { table, len })
+    }
+}
+
+/// Document `i`'s band as the kernels take it.
+fn band(f: &Fused, i: usize) -> (i32, i32) {
+    let ((q0, q1), (k0, k1)) = f.docs[i];
+    kernel_band(q1 - q0, k1 - k0, f.bands[i].0, f.bands[i].1)
+}
+
+/// One Seg: document `i`'s rows, keys and band, the block, its first tile (all
+/// below the call's sizes, which `KernelArgs::new` checked fit an i32).
+fn seg(f: &Fused, i: usize, blk: usize, tile0: usize) -> [i32; 8] {
+    let ((q0, q1), (k0, k1)) = f.docs[i];
+    let (lo, hi) = band(f, i);
+    let [q0, nq, k0, nk, blk, tile0] = [q0, q1 - q0, k0, k1 - k0, blk, tile0].map(|x| x as i32);
+    [q0, nq, k0, nk, lo, hi, blk, tile0]
+}
+
+/// How many of `tiles` tiles of `step` positions from `start` (clamped to
+/// `0..n`) a band reaches: the host's copy of the kernels' block_work/kv_work,
+/// only used to put the heaviest blocks first.
+fn reach(start: i64, end: i64, n: usize, step: usize) -> usize {
+    let (a, b) = (
+        start.clamp(0, n as i64) as usize,
+        end.clamp(0, n as i64) as usize,
+    );
+    let a = a / step * step;
+    if b > a {
+        (b - a).div_ceil(step)
+    } else {
+        0
+    }
+}
+
+impl Segs {
+    /// The forward's: a block per query block of every document with rows (a
+    /// document without keys too: its block writes zeros).
+    fn forward(dev: &CudaDevice, f: &Fused, d: usize) -> Result<Self> {
+        let mut work = Vec::new();
+        for (i, &((q0, q1), (k0, k1))) in f.docs.iter().enumerate() {
+            let (nq, nk) = (q1 - q0, k1 - k0);
+            let (lo, hi) = band(f, i);
+            for blk in 0..nq.div_ceil(ROWS) {
+                let r0 = (blk * ROWS) as i64;
+                let cost = reach(r0 + lo as i64, r0 + ROWS as i64 + hi as i64, nk, keys(d));
+                work.push((cost, seg(f, i, blk, 0)));
+            }
+        }
+        Self::sorted(dev, work)
+    }
+
+    /// The backward's Segs (a block per key block of every document with keys;
+    /// one whose keys no row sees writes zeros) and the tiles of 64 queries of
+    /// every document with rows.
+    fn backward(dev: &CudaDevice, f: &Fused) -> Result<(Self, Table)> {
+        let (mut work, mut tiles) = (Vec::new(), Vec::new());
+        for (i, &((q0, q1), (k0, k1))) in f.docs.iter().enumerate() {
+            let (nq, nk) = (q1 - q0, k1 - k0);
+            let (lo, hi) = band(f, i);
+            let tile0 = tiles.len() / 2;
+            for t in 0..nq.div_ceil(BWD_QUERIES) {
+                let r0 = t * BWD_QUERIES;
+                tiles.extend([(q0 + r0) as i32, (nq - r0).min(BWD_QUERIES) as i32]);
+            }
+            for blk in 0..nk.div_ceil(BWD_KEYS) {
+                let c0 = (blk * BWD_KEYS) as i64;
+                let cost = reach(
+                    c0 - hi as i64,
+                    c0 + BWD_KEYS as i64 - lo as i64,
+                    nq,
+                    BWD_QUERIES,
+                );
+                work.push((cost, seg(f, i, blk, tile0)));
+            }
+        }
+        Ok((Self::sorted(dev, work)?, Table::upload(dev, tiles, 2)?))
+    }
+
+    fn sorted(dev: &CudaDevice, mut work: Vec<(usize, [i32; 8])>) -> Result<Self> {
+        work.sort_by_key(|w| std::cmp::Reverse(w.0));
+        let blocks = work.len();
+        let t = Table::upload(dev, work.into_iter().flat_map(|w| w.1).collect(), 8)?;
+        Ok(Self {
+            table: t.table,
+            blocks,
+        })
+    }
 }

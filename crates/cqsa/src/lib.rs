@@ -148,7 +148,12 @@ pub struct AttentionOpts {
     /// neighbours are an empty document). No query attends across documents,
     /// the masks above apply inside each document (aligned bottom-right to it),
     /// and a document without keys gives output 0. Set with `cu_seqlens_k`.
-    /// Each document runs as its own call (one launch per document).
+    /// A resident call on a GPU that runs the Hopper kernels (compute capability
+    /// 9.0, f16/bf16, head dim 64 or 128) is one launch over every document (a
+    /// block per document's tile, as flash-attn's varlen kernels); otherwise each
+    /// document runs as its own call. In the one launch a tile past the end of
+    /// a document reads its neighbour's keys and values, masked to weight 0, so
+    /// a non-finite value there (inf, NaN) reaches this document as NaN.
     pub cu_seqlens_q: Option<Vec<usize>>,
     /// The documents' offsets along the key axis (`[0, ..., seq_k]`), as many as
     /// in `cu_seqlens_q`.
@@ -245,8 +250,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Re
     let backward = [q, k, v].iter().any(|t| t.track_op());
     let call = Call::plan(q, k, v, opts, (&shape, &scores), backward)?;
     if let Some(docs) = docs {
-        let inner = varlen::per_document(opts, call.resident());
-        return varlen::attention(q, k, v, docs, &inner);
+        return varlen::attention((q, k, v), docs, opts, (&shape, &scores), &call);
     }
     match call.plan {
         Some(plan) if plan.mode == Mode::Streamed => {
@@ -255,7 +259,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOpts) -> Re
         }
         _ => {
             let (qe, ke, ve) = call.on_exec(q, k, v)?;
-            let o = op::apply(&qe, &ke, &ve, &scores)?;
+            let o = op::apply(&qe, &ke, &ve, &scores, None)?;
             call.back(&o, q.device())
         }
     }

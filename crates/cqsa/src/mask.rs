@@ -101,6 +101,16 @@ impl Scores {
         Ok(())
     }
 
+    /// These scores without a band: the scale and soft-cap of a packed call,
+    /// whose documents carry their own bands.
+    pub(crate) fn unbanded(&self) -> Self {
+        Self {
+            lo: None,
+            hi: None,
+            ..*self
+        }
+    }
+
     /// Whether any key is hidden from some query by the band (before clipping to
     /// the sequence lengths).
     pub fn masked(&self) -> bool {

@@ -12,22 +12,38 @@ use candle_core::{
     bail, CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor,
 };
 
+use crate::varlen::Fused;
 use crate::{cpu, AttentionShape, Scores};
 
-/// The attention custom op for one call: its scores and mask, and the cell that
-/// carries the log-sum-exp from forward to backward.
+/// The attention custom op for one call: its scores and mask (a packed call's
+/// documents and their bands), and the cell that carries the log-sum-exp from
+/// forward to backward.
 pub(crate) struct AttnOp {
     scores: Scores,
+    packed: Option<Arc<Fused>>,
     lse: Arc<Mutex<Option<Tensor>>>,
 }
 
-/// Applies the differentiable resident op to contiguous `(q, k, v)`.
-pub(crate) fn apply(q: &Tensor, k: &Tensor, v: &Tensor, scores: &Scores) -> Result<Tensor> {
+/// Applies the differentiable resident op to contiguous `(q, k, v)`; `packed`:
+/// a packed call in one launch (CUDA, `varlen::fused`).
+pub(crate) fn apply(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scores: &Scores,
+    packed: Option<Arc<Fused>>,
+) -> Result<Tensor> {
     let op = AttnOp {
         scores: *scores,
+        packed,
         lse: Arc::new(Mutex::new(None)),
     };
     q.apply_op3(k, v, op)
+}
+
+/// The error of a packed op reaching the CPU (`varlen::fused` sends it to CUDA only).
+fn packed_on_cpu() -> candle_core::Error {
+    candle_core::Error::Msg("cqsa: a packed call in one launch runs on CUDA only".into())
 }
 
 /// The shape of a call from the layouts of q and k (already validated by
@@ -87,6 +103,9 @@ impl CustomOp3 for AttnOp {
         sv: &CpuStorage,
         lv: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        if self.packed.is_some() {
+            return Err(packed_on_cpu());
+        }
         let (o, lse, dims) = cpu_forward((sq, lq), (sk, lk), (sv, lv), &self.scores)?;
         let lse = Tensor::from_vec(lse, lse_shape(&dims), &Device::Cpu)?;
         *self.lse.lock().map_err(poisoned)? = Some(lse);
@@ -104,7 +123,13 @@ impl CustomOp3 for AttnOp {
         lv: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = dims_of(lq, lk, sq.dtype())?;
-        let (o, lse) = crate::cuda::forward((sq, lq), (sk, lk), (sv, lv), &dims, &self.scores)?;
+        let (o, lse) = crate::cuda::forward(
+            (sq, lq),
+            (sk, lk),
+            (sv, lv),
+            &dims,
+            (&self.scores, self.packed.as_deref()),
+        )?;
         let lse = Tensor::from_storage(
             Storage::Cuda(lse),
             lse_shape(&dims),
@@ -127,7 +152,11 @@ impl CustomOp3 for AttnOp {
         let Some(lse) = lse else {
             bail!("cqsa: backward called before forward kept its log-sum-exp")
         };
-        let (dq, dk, dv) = attention_backward_with(q, k, v, o, grad_o, &lse, &self.scores)?;
+        let (dq, dk, dv) = backward_packed(
+            [q, k, v, o, grad_o, &lse],
+            &self.scores,
+            self.packed.as_deref(),
+        )?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
 }
@@ -163,6 +192,17 @@ pub fn attention_forward_with(
     v: &Tensor,
     scores: &Scores,
 ) -> Result<(Tensor, Tensor)> {
+    forward_packed(q, k, v, scores, None)
+}
+
+/// [`attention_forward_with`] of a packed call in one launch when `packed`.
+pub(crate) fn forward_packed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scores: &Scores,
+    packed: Option<&Fused>,
+) -> Result<(Tensor, Tensor)> {
     let dims = AttentionShape::of(q, k, v, scores.hi.is_some())?;
     scores.check()?;
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
@@ -170,6 +210,7 @@ pub fn attention_forward_with(
     let (sk, lk) = k.storage_and_layout();
     let (sv, lv) = v.storage_and_layout();
     match (&*sq, &*sk, &*sv) {
+        (Storage::Cpu(_), _, _) if packed.is_some() => Err(packed_on_cpu()),
         (Storage::Cpu(a), Storage::Cpu(b), Storage::Cpu(c)) => {
             let (o, lse, _) = cpu_forward((a, lq), (b, lk), (c, lv), scores)?;
             let o = Tensor::from_storage(Storage::Cpu(o), q.shape(), BackpropOp::none(), false);
@@ -177,7 +218,8 @@ pub fn attention_forward_with(
         }
         #[cfg(feature = "cuda")]
         (Storage::Cuda(a), Storage::Cuda(b), Storage::Cuda(c)) => {
-            let (o, lse) = crate::cuda::forward((a, lq), (b, lk), (c, lv), &dims, scores)?;
+            let (o, lse) =
+                crate::cuda::forward((a, lq), (b, lk), (c, lv), &dims, (scores, packed))?;
             let o = Tensor::from_storage(Storage::Cuda(o), q.shape(), BackpropOp::none(), false);
             let lse = Tensor::from_storage(
                 Storage::Cuda(lse),
@@ -228,6 +270,15 @@ pub fn attention_backward_with(
     lse: &Tensor,
     scores: &Scores,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    backward_packed([q, k, v, o, grad_o, lse], scores, None)
+}
+
+/// [`attention_backward_with`] of a packed call in one launch when `packed`.
+pub(crate) fn backward_packed(
+    [q, k, v, o, grad_o, lse]: [&Tensor; 6],
+    scores: &Scores,
+    packed: Option<&Fused>,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let dims = AttentionShape::of(q, k, v, scores.hi.is_some())?;
     scores.check()?;
     if o.dims() != q.dims() || grad_o.dims() != q.dims() {
@@ -261,6 +312,7 @@ pub fn attention_backward_with(
     let (sl, ll) = lse.storage_and_layout();
     let none = BackpropOp::none;
     match (&*sq, &*sk, &*sv, &*so, &*sg, &*sl) {
+        (Storage::Cpu(_), ..) if packed.is_some() => Err(packed_on_cpu()),
         (
             Storage::Cpu(cq),
             Storage::Cpu(ck),
@@ -302,7 +354,7 @@ pub fn attention_backward_with(
             let (dq, dk, dv) = crate::cuda::backward(
                 [(cq, lq), (ck, lk), (cv, lv), (co, lo), (cg, lg), (cl, ll)],
                 &dims,
-                scores,
+                (scores, packed),
             )?;
             Ok((
                 Tensor::from_storage(Storage::Cuda(dq), q.shape(), none(), false),

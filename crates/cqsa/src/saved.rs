@@ -11,6 +11,9 @@
 //! hand-written backward (or a `torch.autograd.Function`) would use them.
 use candle_core::{bail, Device, Result, Tensor};
 
+use std::sync::Arc;
+
+use crate::varlen::Fused;
 use crate::{op, shape, stream, varlen, AttentionOpts, AttentionShape, Call, Mode, Scores};
 
 /// What the backward of one [`attention_saved`] call needs.
@@ -25,6 +28,8 @@ enum Kind {
         qkvo: [Tensor; 4],
         lse: Tensor,
         scores: Scores,
+        /// A packed call's documents, run in one launch.
+        packed: Option<Arc<Fused>>,
         device: Device,
     },
     Streamed(stream::Saved),
@@ -65,6 +70,12 @@ pub fn attention_saved(
     let docs = varlen::documents(opts, shape.nq, shape.nk)?;
     let call = Call::plan(q, k, v, opts, (&shape, &scores), true)?;
     if let Some(docs) = docs {
+        if let Some(fused) = varlen::fused(&shape, &docs, opts, &call)? {
+            let exec = varlen::on_exec(&call, q, k, v)?;
+            let packed = Some(Arc::new(fused));
+            let kind = resident(exec, (&call, q.device()), &scores.unbanded(), packed)?;
+            return Ok((kind.0, SavedAttention { kind: kind.1 }));
+        }
         let inner = varlen::per_document(opts, call.resident());
         let (o, packed) = varlen::forward_saved((q, k, v), docs, &inner)?;
         return Ok((
@@ -80,20 +91,29 @@ pub fn attention_saved(
             let (o, saved) = stream::forward_saved(q, k, v, op)?;
             (o, Kind::Streamed(saved))
         }
-        _ => {
-            let (qe, ke, ve) = call.on_exec(q, k, v)?;
-            let (o, lse) = op::attention_forward_with(&qe, &ke, &ve, &scores)?;
-            let back = call.back(&o, q.device())?;
-            let kind = Kind::Resident {
-                qkvo: [qe, ke, ve, o],
-                lse,
-                scores,
-                device: q.device().clone(),
-            };
-            (back, kind)
-        }
+        _ => resident(call.on_exec(q, k, v)?, (&call, q.device()), &scores, None)?,
     };
     Ok((o, SavedAttention { kind }))
+}
+
+/// The resident forward of `(qe, ke, ve)` (on the compute device), its output
+/// moved back to the inputs' device `device` and what its backward needs.
+fn resident(
+    (qe, ke, ve): (Tensor, Tensor, Tensor),
+    (call, device): (&Call, &Device),
+    scores: &Scores,
+    packed: Option<Arc<Fused>>,
+) -> Result<(Tensor, Kind)> {
+    let (o, lse) = op::forward_packed(&qe, &ke, &ve, scores, packed.as_deref())?;
+    let back = call.back(&o, device)?;
+    let kind = Kind::Resident {
+        qkvo: [qe, ke, ve, o],
+        lse,
+        scores: *scores,
+        packed,
+        device: device.clone(),
+    };
+    Ok((back, kind))
 }
 
 impl SavedAttention {
@@ -120,10 +140,12 @@ impl SavedAttention {
                 qkvo: [q, k, v, o],
                 lse,
                 scores,
+                packed,
                 device,
             } => {
                 let g = streamer_core::to_device_compact(grad_o, q.device())?;
-                let (dq, dk, dv) = op::attention_backward_with(q, k, v, o, &g, lse, scores)?;
+                let (dq, dk, dv) =
+                    op::backward_packed([q, k, v, o, &g, lse], scores, packed.as_deref())?;
                 let back = |t: Tensor| -> Result<Tensor> {
                     if t.device().same_device(device) {
                         Ok(t)

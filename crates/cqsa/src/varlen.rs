@@ -3,25 +3,98 @@
 //! no attention across documents, no compute on padding.
 //!
 //! Document `i` holds query rows `cu_seqlens_q[i]..cu_seqlens_q[i + 1]` and keys
-//! `cu_seqlens_k[i]..cu_seqlens_k[i + 1]` of every (batch, head) row. Each
-//! document is its own call of [`crate::attention_saved`] (resident or streamed
-//! as the planner says), with the call's masks applied inside the document and
-//! aligned bottom-right to it, as flash-attn does. A document with no keys gives
-//! output 0 (its rows see nothing); an empty one nothing. The backward runs
-//! each document's saved backward and joins the gradients, so each input's
-//! gradient is built once: through Candle's autograd of `narrow` it would be a
-//! zero-padded whole-size tensor per document, added up (3 x documents passes
-//! over the inputs). The cost is one call per document: right for documents of
-//! hundreds of tokens or more; thousands of tiny documents pay a launch each (a
-//! fused varlen kernel is not written yet).
+//! `cu_seqlens_k[i]..cu_seqlens_k[i + 1]` of every (batch, head) row, with the
+//! call's masks applied inside the document and aligned bottom-right to it, as
+//! flash-attn does. A document with no keys gives output 0 (its rows see
+//! nothing); an empty one nothing.
+//!
+//! Two ways to run it:
+//! - [`Fused`]: one launch of the Hopper kernels over every document, a block
+//!   per query block (forward) or key block (backward) of each, when the call is
+//!   resident on a GPU they serve ([`fused`]). As flash-attn's varlen kernels.
+//! - Otherwise each document is its own call of [`crate::attention_saved`]
+//!   (resident or streamed as the planner says). The backward runs each
+//!   document's saved backward and joins the gradients, so each input's gradient
+//!   is built once: through Candle's autograd of `narrow` it would be a
+//!   zero-padded whole-size tensor per document, added up (3 x documents passes
+//!   over the inputs). Each document pays a launch (and its host work).
 use std::sync::Arc;
 
 use candle_core::{bail, DType, Device, Result, Tensor};
 
-use crate::{attention_saved, AttentionOpts, Mode, SavedAttention};
+use crate::{
+    attention_saved, op, AttentionOpts, AttentionShape, Call, Mode, SavedAttention, Scores,
+};
 
 /// One document: its query rows `q0..q1` and keys `k0..k1`.
 pub(crate) type Document = ((usize, usize), (usize, usize));
+
+/// A packed call that one launch of the Hopper kernels serves: the documents
+/// and each one's band `(lo, hi)` (as in [`Scores`]) relative to its own rows
+/// and keys, the call's masks aligned bottom-right to it.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the CUDA launches
+pub(crate) struct Fused {
+    pub(crate) docs: Vec<Document>,
+    pub(crate) bands: Vec<(Option<i64>, Option<i64>)>,
+}
+
+/// The packed call as one launch, when it runs resident (`call`) on a GPU whose
+/// Hopper kernels serve it forward and backward (f16/bf16, head dim 64 or
+/// 128); `None`: each document runs as its own call.
+pub(crate) fn fused(
+    shape: &AttentionShape,
+    docs: &[Document],
+    opts: &AttentionOpts,
+    call: &Call,
+) -> Result<Option<Fused>> {
+    if !call.resident() || !hopper_serves(&call.exec, shape)? {
+        return Ok(None);
+    }
+    let inner = per_document(opts, true);
+    let bands = docs
+        .iter()
+        .map(|&((q0, q1), (k0, k1))| {
+            let doc = AttentionShape {
+                nq: q1 - q0,
+                nk: k1 - k0,
+                ..*shape
+            };
+            let s = Scores::of(&inner, &doc)?;
+            Ok((s.lo, s.hi))
+        })
+        .collect::<Result<_>>()?;
+    Ok(Some(Fused {
+        docs: docs.to_vec(),
+        bands,
+    }))
+}
+
+/// Whether the Hopper kernels serve calls of `shape` on `exec`, both ways
+/// (their input alignment aside: [`on_exec`] sees to it).
+fn hopper_serves(exec: &Device, shape: &AttentionShape) -> Result<bool> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = exec {
+        return crate::hopper::applies(dev, shape.dtype, shape.d, &[], true);
+    }
+    let _ = (exec, shape);
+    Ok(false)
+}
+
+/// The inputs on the compute device for the one launch: contiguous, and each
+/// starting 16-byte aligned as TMA needs (a view that does not is copied).
+pub(crate) fn on_exec(
+    call: &Call,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (q, k, v) = call.on_exec(q, k, v)?;
+    let aligned = |t: Tensor| match t.layout().start_offset() % 8 {
+        0 => Ok(t),
+        _ => t.copy(),
+    };
+    Ok((aligned(q)?, aligned(k)?, aligned(v)?))
+}
 
 /// Checks one `cu_seqlens` array against the sequence length `n`: starts at 0,
 /// never decreases (equal neighbours are an empty document), ends at `n`.
@@ -194,14 +267,21 @@ impl Packed {
 }
 
 /// The packed call, as a node of Candle's graph when a gradient can reach an
-/// input (its backward is [`Packed::backward`]).
+/// input: in one launch ([`fused`]; the op's backward is one launch too), or
+/// document by document (its backward is [`Packed::backward`]).
 pub(crate) fn attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
     docs: Vec<Document>,
-    inner: &AttentionOpts,
+    opts: &AttentionOpts,
+    (shape, scores): (&AttentionShape, &Scores),
+    call: &Call,
 ) -> Result<Tensor> {
+    if let Some(f) = fused(shape, &docs, opts, call)? {
+        let (qe, ke, ve) = on_exec(call, q, k, v)?;
+        let o = op::apply(&qe, &ke, &ve, &scores.unbanded(), Some(Arc::new(f)))?;
+        return call.back(&o, q.device());
+    }
+    let inner = &per_document(opts, call.resident());
     if ![q, k, v].iter().any(|t| t.track_op()) {
         // Nothing to save: plain calls, planned without a backward.
         let call = |q: &Tensor, k: &Tensor, v: &Tensor| Ok((crate::attention(q, k, v, inner)?, ()));
