@@ -1291,6 +1291,14 @@ fn attention_softcap_matches_reference_and_naive(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(attention_softcap_matches_reference_and_naive);
 
+/// Held by the test that flips the Hopper switch (it is process-wide) and by
+/// tests that must run under its default, so that the flips never reach them.
+static HOPPER_SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn hold_hopper_switch() -> std::sync::MutexGuard<'static, ()> {
+    HOPPER_SWITCH.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Puts the Hopper switch back as it was when dropped (it is process-wide).
 struct HopperRestore(bool);
 impl Drop for HopperRestore {
@@ -1307,6 +1315,7 @@ impl Drop for HopperRestore {
 /// bottom-right offsets, windows and soft-capping. On other devices both runs
 /// take the same kernels and only the reference checks bite.
 fn attention_hopper_and_portable_agree(dev: &Device) -> Result<()> {
+    let _switch = hold_hopper_switch();
     let default = cqsa::hopper_kernels_enabled();
     let cases: &[Case] = &[
         (1, 4, 2, 300, 300, 128, false),
@@ -1947,8 +1956,11 @@ candle_streamer::test_device!(attention_varlen_matches_reference_and_naive);
 /// packed call in one launch (forward and backward): against the f64 reference
 /// and naive attention, plain, causal, windowed and soft-capped, and a
 /// cross-attention layout with a document without keys; then
-/// `attention_saved`'s backward against autograd on the same call.
+/// `attention_saved`'s backward against autograd on the same call. Holds the
+/// Hopper switch at its default (on), so that on such a GPU the one launch is
+/// what runs.
 fn attention_varlen_one_launch_matches_reference(dev: &Device) -> Result<()> {
+    let _switch = hold_hopper_switch();
     let same = [0, 300, 1000, 1000, 1129, 1700];
     let masks = [
         Mask::default(),

@@ -9,6 +9,7 @@
 //   harness 3: the Hopper forward and backward (HFILE, sm_90a) against the same reference
 //   harness 4: benchmark of the Hopper forward beside the portable one
 //   harness 5: forward + backward, portable then Hopper
+//   harness 8, 9: the sliding-window target's shapes on the Hopper kernels (8 times, 9 runs once for ncu)
 // A gradient whose reference is zero up to rounding (nk = 1, a scale of 1e-30) is
 // judged by its absolute error and marked '*'.
 #ifndef KFILE
@@ -390,6 +391,23 @@ int main(int argc, char** argv) {
     for (int c = 0; c < 2; ++c) for (int n : {8192, 16384}) {
       { Run<__nv_bfloat16, 128> r{1, 16, 16, n, n, (bool)c, 0, 0.0883883f}; r.alloc(1); r.warm(sustain); r.bench(); r.release(); }
       { Run<__nv_bfloat16, 64> r{1, 16, 16, n, n, (bool)c, 0, 0.125f}; r.alloc(1); r.warm(sustain); r.bench(); r.release(); } }
+    g_hopper = false;
+  }
+  if (mode == 8 || mode == 9) {
+    // The sliding-window target's shapes on the Hopper kernels (bf16, D = 128,
+    // H = 16): a window of 4096 at N = 32768 (causal), a dense causal call of
+    // 4096 and a non-causal one of 8192. Mode 8 times each (bench); mode 9 runs
+    // each forward and backward once, for a profiler (ncu --kernel-name
+    // regex:'cqsa_(fwd|bwd)_hopper').
+    g_hopper = true;
+    struct Case { int n; bool causal; long long lo; } cases[] = {{32768, true, -4096}, {4096, true, 0}, {8192, false, 0}};
+    for (auto& c : cases) {
+      Run<__nv_bfloat16, 128> r{1, 16, 16, c.n, c.n, c.causal, 0, 0.0883883f};
+      r.has_lo = c.lo != 0; r.lo = c.lo; r.alloc(1);
+      printf("== N=%d causal=%d window=%lld\n", c.n, (int)c.causal, -c.lo);
+      if (mode == 8) r.bench(); else { r.fwd(); r.bwd(); CK(cudaDeviceSynchronize()); }
+      r.release();
+    }
     g_hopper = false;
   }
   if (mode == 4) {

@@ -119,19 +119,24 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 2], const uint32_t (&a)[4]
 // (nk), with its own band (lo, hi) relative to them; `blk` is the block's query
 // block (forward) or key block (backward) in it, and `tile0` its first tile of 64
 // queries in the statistics and the dq accumulator (backward). The launcher of a
-// packed call passes one Seg per block, heaviest first; a plain call passes none.
+// packed call passes one Seg per block (the forward's heaviest first, the
+// backward's document by document); a plain call passes none.
 struct Seg {
     int q_off, nq, k_off, nk, lo, hi, blk, tile0;
 };
 
-// This block's Seg and its (head, batch): from `segs` (one per linear block index
-// over the heads, heaviest first) or the whole call (blockIdx.x the block, -1 in
-// blk: block_work and kv_work decide).
-__device__ __forceinline__ Seg block_seg(const Seg* segs, int nq, int nk, int lo, int hi, int* h, int* b) {
-    if (segs == nullptr) {
+// This block's Seg and its (head, batch): from `segs` or the whole call
+// (blockIdx.x the block, -1 in blk: block_work and kv_work decide). `spread`
+// (the forward): Seg blockIdx.x... in the order of one linear block index over
+// every (batch, head) first, so that the heaviest Segs (first) start everywhere
+// before the rest; else (the backward) Seg blockIdx.x of head blockIdx.y, so that
+// the blocks running at once share a document's queries in L2, as a plain call's.
+__device__ __forceinline__ Seg block_seg(const Seg* segs, int nq, int nk, int lo, int hi, bool spread, int* h,
+                                         int* b) {
+    if (segs == nullptr || !spread) {
         *h = blockIdx.y;
         *b = blockIdx.z;
-        return Seg{0, nq, 0, nk, lo, hi, -1, 0};
+        return segs == nullptr ? Seg{0, nq, 0, nk, lo, hi, -1, 0} : segs[blockIdx.x];
     }
     const int heads = gridDim.y * gridDim.z;
     const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
@@ -150,7 +155,7 @@ template <int D>
 __device__ __forceinline__ Work block_work(const Seg* segs, int nq_all, int nk_all, int lo_all, int hi_all, Seg* sg) {
     using C = FwdCfg<D>;
     Work w{(int)blockIdx.x, 0, 0, 0, 0, 0, 0};
-    *sg = block_seg(segs, nq_all, nk_all, lo_all, hi_all, &w.h, &w.b);
+    *sg = block_seg(segs, nq_all, nk_all, lo_all, hi_all, true, &w.h, &w.b);
     const int nq = sg->nq, nk = sg->nk, lo = sg->lo, hi = sg->hi;
     const bool has_lo = lo > -(nq + BAND_PAD), has_hi = hi < nk + BAND_PAD;
     if (sg->blk >= 0) {
@@ -738,7 +743,7 @@ __device__ void bwd(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensor
     }
     __syncthreads();
     int kh, b;
-    const Seg sg = block_seg(segs, nq, nk, lo, hi, &kh, &b);
+    const Seg sg = block_seg(segs, nq, nk, lo, hi, false, &kh, &b);
     const KvWork w = kv_work<D>(sg, kh, b, hq, hkv);
     const int wg = threadIdx.x >> 7;
     if (wg == 0) {

@@ -308,7 +308,11 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let mut lse: CudaSlice<f32> = unsafe { dev.alloc::<f32>(b * hq * nq) }?;
     let args = KernelArgs::new(dims, sc)?;
     let outputs = (&mut out, &mut lse);
-    if crate::hopper::applies(dev, dtype, d, &[qa, ka, va], false)? {
+    let hopper = match packed {
+        Some(_) => crate::hopper::serves(dev, dtype, d, &[qa, ka, va], false)?,
+        None => crate::hopper::applies(dev, dtype, d, &[qa, ka, va], false)?,
+    };
+    if hopper {
         crate::hopper::forward(dev, (&qv, &kv, &vv), outputs, dims, &args, (sfx, packed))?;
     } else if packed.is_some() {
         bail!("cqsa: a packed (varlen) call in one launch needs the Hopper kernels, which do not serve this one")
@@ -434,7 +438,11 @@ fn backward_t<'a, T: CudaDType + DeviceRepr>(
         dv: unsafe { dev.alloc::<T>(b * hkv * nk * d) }?,
     };
     bw.delta(&ov)?;
-    if crate::hopper::applies(dev, dtype, d, &[qa, ka, va, ga], true)? {
+    let hopper = match packed {
+        Some(_) => crate::hopper::serves(dev, dtype, d, &[qa, ka, va, ga], true)?,
+        None => crate::hopper::applies(dev, dtype, d, &[qa, ka, va, ga], true)?,
+    };
+    if hopper {
         crate::hopper::backward(&mut bw)?;
     } else if packed.is_some() {
         bail!("cqsa: a packed (varlen) call in one launch needs the Hopper kernels, which do not serve this one")

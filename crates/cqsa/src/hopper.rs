@@ -58,11 +58,22 @@ pub(crate) fn applies(
     offsets: &[usize],
     backward: bool,
 ) -> Result<bool> {
+    Ok(crate::hopper_kernels_enabled() && serves(dev, dtype, d, offsets, backward)?)
+}
+
+/// [`applies`] whatever the switch says: for a packed call, which chose the
+/// Hopper kernels when it was planned (`varlen::fused`, under the switch) and
+/// has no other one-launch path, so a later change of the switch (it is
+/// process-wide) must not strand its forward or backward.
+pub(crate) fn serves(
+    dev: &CudaDevice,
+    dtype: DType,
+    d: usize,
+    offsets: &[usize],
+    backward: bool,
+) -> Result<bool> {
     let dims_ok = matches!(d, 64 | 128) || (d == 256 && !backward);
-    if !crate::hopper_kernels_enabled()
-        || !matches!(dtype, DType::F16 | DType::BF16)
-        || !dims_ok
-        || offsets.iter().any(|a| a % 8 != 0)
+    if !matches!(dtype, DType::F16 | DType::BF16) || !dims_ok || offsets.iter().any(|a| a % 8 != 0)
     {
         return Ok(false);
     }
@@ -378,8 +389,8 @@ struct Table {
     len: usize,
 }
 
-/// A packed call's work (`hopper::Seg` in the kernel): one Seg per block, the
-/// heaviest first, and for the backward the tiles of 64 queries of its
+/// A packed call's work (`hopper::Seg` in the kernel): one Seg per block, and
+/// for the backward the tiles of 64 queries of its
 /// statistics and dq accumulator (`hopper::tile_rows`), each document's own.
 struct Segs {
     table: CudaSlice<i32>,
@@ -411,9 +422,9 @@ fn seg(f: &Fused, i: usize, blk: usize, tile0: usize) -> [i32; 8] {
     [q0, nq, k0, nk, lo, hi, blk, tile0]
 }
 
-/// How many of `tiles` tiles of `step` positions from `start` (clamped to
-/// `0..n`) a band reaches: the host's copy of the kernels' block_work/kv_work,
-/// only used to put the heaviest blocks first.
+/// How many tiles of `step` positions the range `start..end` (clamped to
+/// `0..n`, its start rounded down to a tile) touches: the host's copy of the
+/// kernels' block_work count, used only to put the heaviest blocks first.
 fn reach(start: i64, end: i64, n: usize, step: usize) -> usize {
     let (a, b) = (
         start.clamp(0, n as i64) as usize,
@@ -429,7 +440,7 @@ fn reach(start: i64, end: i64, n: usize, step: usize) -> usize {
 
 impl Segs {
     /// The forward's: a block per query block of every document with rows (a
-    /// document without keys too: its block writes zeros).
+    /// document without keys too: its block writes zeros), the heaviest first.
     fn forward(dev: &CudaDevice, f: &Fused, d: usize) -> Result<Self> {
         let mut work = Vec::new();
         for (i, &((q0, q1), (k0, k1))) in f.docs.iter().enumerate() {
@@ -441,40 +452,32 @@ impl Segs {
                 work.push((cost, seg(f, i, blk, 0)));
             }
         }
-        Self::sorted(dev, work)
+        work.sort_by_key(|w| std::cmp::Reverse(w.0));
+        Self::upload(dev, work.into_iter().map(|w| w.1).collect())
     }
 
-    /// The backward's Segs (a block per key block of every document with keys;
-    /// one whose keys no row sees writes zeros) and the tiles of 64 queries of
-    /// every document with rows.
+    /// The backward's Segs (a block per key block of every document with keys,
+    /// in order: the blocks that run at once then share their documents'
+    /// queries in L2; one whose keys no row sees writes zeros) and the tiles of
+    /// 64 queries of every document with rows.
     fn backward(dev: &CudaDevice, f: &Fused) -> Result<(Self, Table)> {
-        let (mut work, mut tiles) = (Vec::new(), Vec::new());
+        let (mut segs, mut tiles) = (Vec::new(), Vec::new());
         for (i, &((q0, q1), (k0, k1))) in f.docs.iter().enumerate() {
-            let (nq, nk) = (q1 - q0, k1 - k0);
-            let (lo, hi) = band(f, i);
             let tile0 = tiles.len() / 2;
-            for t in 0..nq.div_ceil(BWD_QUERIES) {
-                let r0 = t * BWD_QUERIES;
-                tiles.extend([(q0 + r0) as i32, (nq - r0).min(BWD_QUERIES) as i32]);
+            for r0 in (0..q1 - q0).step_by(BWD_QUERIES) {
+                let rows = (q1 - q0 - r0).min(BWD_QUERIES);
+                tiles.extend([(q0 + r0) as i32, rows as i32]);
             }
-            for blk in 0..nk.div_ceil(BWD_KEYS) {
-                let c0 = (blk * BWD_KEYS) as i64;
-                let cost = reach(
-                    c0 - hi as i64,
-                    c0 + BWD_KEYS as i64 - lo as i64,
-                    nq,
-                    BWD_QUERIES,
-                );
-                work.push((cost, seg(f, i, blk, tile0)));
+            for blk in 0..(k1 - k0).div_ceil(BWD_KEYS) {
+                segs.push(seg(f, i, blk, tile0));
             }
         }
-        Ok((Self::sorted(dev, work)?, Table::upload(dev, tiles, 2)?))
+        Ok((Self::upload(dev, segs)?, Table::upload(dev, tiles, 2)?))
     }
 
-    fn sorted(dev: &CudaDevice, mut work: Vec<(usize, [i32; 8])>) -> Result<Self> {
-        work.sort_by_key(|w| std::cmp::Reverse(w.0));
-        let blocks = work.len();
-        let t = Table::upload(dev, work.into_iter().flat_map(|w| w.1).collect(), 8)?;
+    fn upload(dev: &CudaDevice, segs: Vec<[i32; 8]>) -> Result<Self> {
+        let blocks = segs.len();
+        let t = Table::upload(dev, segs.into_iter().flatten().collect(), 8)?;
         Ok(Self {
             table: t.table,
             blocks,

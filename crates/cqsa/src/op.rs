@@ -41,6 +41,16 @@ pub(crate) fn apply(
     q.apply_op3(k, v, op)
 }
 
+/// `t`, copied when its first element is not 16-byte aligned (8 elements of
+/// 2 bytes), as TMA needs for a packed call's one launch (which has no other
+/// kernel to fall back on).
+pub(crate) fn aligned(t: Tensor) -> Result<Tensor> {
+    match t.layout().start_offset() % 8 {
+        0 => Ok(t),
+        _ => t.copy(),
+    }
+}
+
 /// The error of a packed op reaching the CPU (`varlen::fused` sends it to CUDA only).
 fn packed_on_cpu() -> candle_core::Error {
     candle_core::Error::Msg("cqsa: a packed call in one launch runs on CUDA only".into())
@@ -296,8 +306,11 @@ pub(crate) fn backward_packed(
             crate::shape::describe("lse", lse)
         )
     }
-    let o = o.to_dtype(q.dtype())?.contiguous()?;
-    let g = grad_o.to_dtype(q.dtype())?.contiguous()?;
+    let mut o = o.to_dtype(q.dtype())?.contiguous()?;
+    let mut g = grad_o.to_dtype(q.dtype())?.contiguous()?;
+    if packed.is_some() {
+        (o, g) = (aligned(o)?, aligned(g)?);
+    }
     let (q, k, v, lse) = (
         q.contiguous()?,
         k.contiguous()?,

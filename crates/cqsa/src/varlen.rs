@@ -89,11 +89,7 @@ pub(crate) fn on_exec(
     v: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let (q, k, v) = call.on_exec(q, k, v)?;
-    let aligned = |t: Tensor| match t.layout().start_offset() % 8 {
-        0 => Ok(t),
-        _ => t.copy(),
-    };
-    Ok((aligned(q)?, aligned(k)?, aligned(v)?))
+    Ok((op::aligned(q)?, op::aligned(k)?, op::aligned(v)?))
 }
 
 /// Checks one `cu_seqlens` array against the sequence length `n`: starts at 0,
