@@ -257,6 +257,14 @@ struct Run {
       float a, c; cudaEventElapsedTime(&a, e0, e1); cudaEventElapsedTime(&c, e1, e2); tf += a; tb += c; }
     tf /= it; tb /= it;
     double fl = 4.0 * b * hq * (double)nq * nk * D * (causal ? 0.5 : 1.0);
+    if (has_lo) {  // a window: 4 D per visible (query, key) pair
+      double pairs = 0;
+      for (long long i = 0; i < nq; ++i) {
+        const long long j0 = std::max(0LL, i + lo), j1 = causal ? std::min((long long)nk, i + off + 1) : nk;
+        pairs += (double)std::max(0LL, j1 - j0);
+      }
+      fl = 4.0 * b * hq * pairs * D;
+    }
     printf("BENCH D=%d N=%d causal=%d: fwd %.3f ms %.1f TF/s | bwd %.3f ms %.1f TF/s | fwd+bwd %.1f TF/s\n", D, nq, (int)causal, tf,
            fl / tf * 1e-9, tb, 2.5 * fl / tb * 1e-9, 3.5 * fl / (tf + tb) * 1e-9);
   }
