@@ -1952,15 +1952,31 @@ fn attention_varlen_matches_reference_and_naive(dev: &Device) -> Result<()> {
 candle_streamer::test_device!(attention_varlen_matches_reference_and_naive);
 
 /// Longer documents in bf16 at head dim 128, each several query and key blocks
-/// with boundaries off the tiles, where a GPU of compute capability 9.0 runs the
-/// packed call in one launch (forward and backward): against the f64 reference
+/// with boundaries off the tiles, which CUDA runs as one launch of the
+/// tensor-core kernels forward and backward: on a GPU of compute capability 9.0
+/// once with the Hopper kernels and once with the portable ones (the switch
+/// held, so that no other test flips it meanwhile). Against the f64 reference
 /// and naive attention, plain, causal, windowed and soft-capped, and a
 /// cross-attention layout with a document without keys; then
-/// `attention_saved`'s backward against autograd on the same call. Holds the
-/// Hopper switch at its default (on), so that on such a GPU the one launch is
-/// what runs.
+/// `attention_saved`'s backward against autograd on the same call.
 fn attention_varlen_one_launch_matches_reference(dev: &Device) -> Result<()> {
     let _switch = hold_hopper_switch();
+    let default = cqsa::hopper_kernels_enabled();
+    let kernels: &[bool] = if dev.is_cuda() {
+        &[true, false]
+    } else {
+        &[true]
+    };
+    for &hopper in kernels {
+        cqsa::set_hopper_kernels(hopper);
+        let _restore = HopperRestore(default);
+        one_launch_checks(dev).map_err(|e| anyhow::anyhow!("hopper kernels {hopper}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// The checks of [`attention_varlen_one_launch_matches_reference`].
+fn one_launch_checks(dev: &Device) -> Result<()> {
     let same = [0, 300, 1000, 1000, 1129, 1700];
     let masks = [
         Mask::default(),

@@ -10,6 +10,7 @@
 //   harness 4: benchmark of the Hopper forward beside the portable one
 //   harness 5: forward + backward, portable then Hopper
 //   harness 8, 9: the sliding-window target's shapes on the Hopper kernels (8 times, 9 runs once for ncu)
+//   harness 10: whether a small pageable host-to-device copy waits for the stream's earlier work
 // A gradient whose reference is zero up to rounding (nk = 1, a scale of 1e-30) is
 // judged by its absolute error and marked '*'.
 #ifndef KFILE
@@ -26,6 +27,7 @@
 #include <vector>
 #include <random>
 #include <cuda_runtime.h>
+#include <chrono>
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { fprintf(stderr, "cuda error %d at line %d\n", (int)e, __LINE__); exit(1);} } while (0)
 template <int D> constexpr int fwd_rows() { return FwdCfg<D>::BR; }
 typedef void (*FwdFn)(const void*, const void*, const void*, void*, float*, int, int, int, int, float, int, int, float);
@@ -46,7 +48,7 @@ KDEF(__half, f16, 64) KDEF(__half, f16, 128) KDEF(__nv_bfloat16, bf16, 64) KDEF(
 static bool g_hopper = false;
 #ifdef HFILE
 typedef void (*HopFn)(CUtensorMap, CUtensorMap, CUtensorMap, void*, float*, int, int, int, int, float, int, int, float,
-                      const hopper::Seg*);
+                      const Seg*);
 template <typename T, int D> HopFn hopper_fwd(bool cap);
 #define HDEF(T, SUF, D) template <> HopFn hopper_fwd<T, D>(bool cap) { \
   return cap ? (HopFn)cqsa_fwd_hopper_cap_##SUF##_d##D : (HopFn)cqsa_fwd_hopper_##SUF##_d##D; }
@@ -122,7 +124,7 @@ struct Run {
       int kl = klo(), kh = khi();
       CUtensorMap tq = tensor_map<T>(q, D, nq, b * hq, HC::BR), tk = tensor_map<T>(k, D, nk, b * hkv, HC::BC),
                   tv = tensor_map<T>(v, D, nk, b * hkv, HC::BC);
-      const hopper::Seg* segs = nullptr;  // a plain call
+      const Seg* segs = nullptr;  // a plain call
       void* args[] = {&tq, &tk, &tv, &o, &lse, &hq, &hkv, &nq, &nk, &scale, &kl, &kh, &cap, &segs};
       CK(cudaLaunchKernel((const void*)f, dim3((nq + HC::BR - 1) / HC::BR, hq, b), dim3(HC::THREADS), args, sm, 0));
       return;
@@ -167,7 +169,7 @@ struct Run {
       using FC = hopper::BwdCfg<D>;
       HopBwdFn f = hopper_bwd_fn<T, D>(cap > 0.f);
       int sm = FC::SMEM, kl = klo(), kh = khi(), np = nqp(), nqt = np / 64, d = D;
-      const hopper::Seg* segs = nullptr;  // a plain call: no Segs, no tile table
+      const Seg* segs = nullptr;  // a plain call: no Segs, no tile table
       const int2* tiles = nullptr;
       long long slices = (long long)b * hq;
       CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize, sm));
@@ -298,6 +300,30 @@ template <typename T, int D> void test_mask(int hq, int hkv, int nq, int nk, boo
   r.has_lo = has_lo; r.lo = lo; r.cap = cap;
   r.alloc(nq * 5 + nk + D + (int)lo); r.check(bwd, 1); r.release();
 }
+// Spins for about `ns` nanoseconds (harness mode 10).
+__global__ void spin(long long ns) {
+  long long t0; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  for (long long t = t0; t - t0 < ns;) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+}
+// Whether a small copy from pageable host memory waits for the stream's earlier
+// work (as cqsa's packed calls upload their block tables that way): host time
+// of cudaMemcpyAsync of `bytes` queued behind a 20 ms kernel.
+static void pageable_copy_wait(size_t bytes) {
+  std::vector<char> host(bytes, 1); void* dev; CK(cudaMalloc(&dev, bytes));
+  cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  for (int rep = 0; rep < 3; ++rep) {
+    spin<<<1, 1, 0, st>>>(20000000LL);
+    auto t0 = std::chrono::steady_clock::now();
+    CK(cudaMemcpyAsync(dev, host.data(), bytes, cudaMemcpyHostToDevice, st));
+    auto t1 = std::chrono::steady_clock::now();
+    CK(cudaStreamSynchronize(st));
+    auto t2 = std::chrono::steady_clock::now();
+    printf("PAGEABLE %zu bytes behind a 20 ms kernel: cudaMemcpyAsync returned after %.3f ms, stream done after %.3f ms\n",
+           bytes, std::chrono::duration<double, std::milli>(t1 - t0).count(),
+           std::chrono::duration<double, std::milli>(t2 - t0).count());
+  }
+  CK(cudaStreamDestroy(st)); CK(cudaFree(dev));
+}
 int main(int argc, char** argv) {
   setvbuf(stdout, NULL, _IONBF, 0); fprintf(stderr, "start\n");
   int mode = argc > 1 ? atoi(argv[1]) : 0;
@@ -401,6 +427,7 @@ int main(int argc, char** argv) {
       { Run<__nv_bfloat16, 64> r{1, 16, 16, n, n, (bool)c, 0, 0.125f}; r.alloc(1); r.warm(sustain); r.bench(); r.release(); } }
     g_hopper = false;
   }
+  if (mode == 10) for (size_t bytes : {256, 4096, 65536, 1 << 20}) pageable_copy_wait(bytes);
   if (mode == 8 || mode == 9) {
     // The sliding-window target's shapes on the Hopper kernels (bf16, D = 128,
     // H = 16): a window of 4096 at N = 32768 (causal), a dense causal call of

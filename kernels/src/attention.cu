@@ -323,11 +323,12 @@ template <int D> struct FwdCfg {
 // tile i+1 (cp.async) overlaps the math on tile i.
 // SOFTCAP is a template argument so that the plain instance carries none of it;
 // the band (lo, hi) is tested once per tile and warp, per element only on the
-// tiles it cuts.
+// tiles it cuts. A packed call (`segs`, see Seg) runs a block per query block
+// of each document, its sizes and band the document's.
 template <typename T, int D, bool SOFTCAP>
 __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                        T* __restrict__ o, float* __restrict__ lse, int hq, int hkv, int nq, int nk,
-                        float scale, int lo, int hi, float cap) {
+                        T* __restrict__ o, float* __restrict__ lse, int hq, int hkv, int nq_all,
+                        int nk_all, float scale, int lo_all, int hi_all, float cap, const Seg* segs) {
     using C = FwdCfg<D>;
     constexpr int MT = FWD_MT, BR = C::BR, LD = C::LD;
     constexpr int TILE = MMA_BC * LD;  // elements of one K (or V) tile
@@ -339,9 +340,12 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
+    int h, b;
+    const Seg sg = block_seg(segs, nq_all, nk_all, lo_all, hi_all, true, &h, &b);
+    const int nq = sg.nq, nk = sg.nk, lo = sg.lo, hi = sg.hi;
     const bool has_lo = lo > -(nq + BAND_PAD), has_hi = hi < nk + BAND_PAD;
-    int qblk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    if (has_hi && !has_lo) {
+    int qblk = sg.blk >= 0 ? sg.blk : (int)blockIdx.x;
+    if (sg.blk < 0 && has_hi && !has_lo) {
         // Causal-like: the last query blocks see the most keys. Blocks start in launch order, so
         // hand out work heaviest first across every (batch, head), not only within
         // one head: the light blocks then fill the tail of the grid.
@@ -353,9 +357,9 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     }
     const int kh = h / (hq / hkv);
     const int q0 = qblk * BR;
-    const T* qb = q + ((size_t)b * hq + h) * (size_t)nq * D;
-    const T* kb = k + ((size_t)b * hkv + kh) * (size_t)nk * D;
-    const T* vb = v + ((size_t)b * hkv + kh) * (size_t)nk * D;
+    const T* qb = q + (((size_t)b * hq + h) * (size_t)nq_all + sg.q_off) * D;
+    const T* kb = k + (((size_t)b * hkv + kh) * (size_t)nk_all + sg.k_off) * D;
+    const T* vb = v + (((size_t)b * hkv + kh) * (size_t)nk_all + sg.k_off) * D;
     const int wrow = warp * 16 * MT;  // this warp's first row in the block
 
     // Keys any row of this block can see: from the first row's lower bound
@@ -553,8 +557,8 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     cp_async_wait<0>();  // no copy may be in flight when the block exits
 
     // Normalise and write O and the log-sum-exp.
-    T* ob = o + ((size_t)b * hq + h) * (size_t)nq * D;
-    float* lb = lse + ((size_t)b * hq + h) * nq;
+    T* ob = o + (((size_t)b * hq + h) * (size_t)nq_all + sg.q_off) * D;
+    float* lb = lse + ((size_t)b * hq + h) * (size_t)nq_all + sg.q_off;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -622,8 +626,8 @@ template <typename T, int D, bool BANDED, bool SOFTCAP>
 __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         const T* __restrict__ g, const float* __restrict__ lse,
                         const float* __restrict__ delta, float* __restrict__ dq_acc, T* __restrict__ dk,
-                        T* __restrict__ dv, int hq, int hkv, int nq, int nk, float scale, int lo,
-                        int hi, float cap) {
+                        T* __restrict__ dv, int hq, int hkv, int nq_all, int nk_all, float scale,
+                        int lo_all, int hi_all, float cap, const Seg* segs) {
     constexpr bool banded = BANDED;
     using C = BwdCfg<D>;
     constexpr int BQ = C::BQ, LD = C::LD, LDS = C::LDS, BC = C::BC, WARPS = C::WARPS;
@@ -647,8 +651,11 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g8 = lane >> 2, t = lane & 3;
-    int kblk = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
-    if (banded) {
+    int kh, b;
+    const Seg sg = block_seg(segs, nq_all, nk_all, lo_all, hi_all, false, &kh, &b);
+    const int nq = sg.nq, nk = sg.nk, lo = sg.lo, hi = sg.hi;
+    int kblk = sg.blk >= 0 ? sg.blk : (int)blockIdx.x;
+    if (banded && sg.blk < 0) {
         // Causal: the first key blocks are seen by the most query rows: heaviest first
         // across every (batch, kv head), as in the forward.
         const int heads = gridDim.y * gridDim.z;
@@ -659,7 +666,7 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     }
     const int j0 = kblk * BC;
     const int group = hq / hkv;
-    const size_t kvbase = ((size_t)b * hkv + kh) * (size_t)nk;
+    const size_t kvbase = ((size_t)b * hkv + kh) * (size_t)nk_all + sg.k_off;
     const T* kb = k + kvbase * D;
     const T* vb = v + kvbase * D;
 
@@ -696,7 +703,7 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     auto load_tile = [&](int tau, int stage) {
         const int hh = kh * group + tau / tiles_h;
         const int i0 = istart + (tau % tiles_h) * BQ;
-        const size_t rowbase = ((size_t)b * hq + hh) * (size_t)nq;
+        const size_t rowbase = ((size_t)b * hq + hh) * (size_t)nq_all + sg.q_off;
         const T* qb = q + rowbase * D;
         const T* gb = g + rowbase * D;
 #pragma unroll
@@ -743,7 +750,7 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
 
         const int h = kh * group + tau / tiles_h;
         const int i0 = istart + (tau % tiles_h) * BQ;
-        const size_t rowbase = ((size_t)b * hq + h) * (size_t)nq;
+        const size_t rowbase = ((size_t)b * hq + h) * (size_t)nq_all + sg.q_off;
         const T* qt = qs + stage * QTILE;
         const T* gt = gs + stage * QTILE;
         const float* lt = ls + stage * BQ;
@@ -955,19 +962,19 @@ SIMPLE_ENTRIES(__nv_bfloat16, bf16)
     extern "C" __global__ void __launch_bounds__(MMA_THREADS, 2)                                     \
         cqsa_fwd_mma_##CAPNAME##SUF##_d##D(const T* q, const T* k, const T* v, T* o, float* lse,      \
                                            int hq, int hkv, int nq, int nk, float scale, int lo,     \
-                                           int hi, float cap) {                                 \
-        fwd_mma<T, D, CAP>(q, k, v, o, lse, hq, hkv, nq, nk, scale, lo, hi, cap);                    \
+                                           int hi, float cap, const Seg* segs) {                     \
+        fwd_mma<T, D, CAP>(q, k, v, o, lse, hq, hkv, nq, nk, scale, lo, hi, cap, segs);              \
     }                                                                                                \
     extern "C" __global__ void BWD_BOUNDS_##D cqsa_bwd_mma_##CAPNAME##SUF##_d##D(                    \
         const T* q, const T* k, const T* v, const T* g, const float* lse, const float* delta,        \
         float* dq_acc, T* dk, T* dv, int hq, int hkv, int nq, int nk, float scale, int lo, int hi,    \
-        float cap) {                                                                   \
-        if (lo > -(nq + BAND_PAD) || hi < nk + BAND_PAD)                                             \
+        float cap, const Seg* segs) {                                                                \
+        if (segs != nullptr || lo > -(nq + BAND_PAD) || hi < nk + BAND_PAD)                          \
             bwd_mma<T, D, true, CAP>(q, k, v, g, lse, delta, dq_acc, dk, dv, hq, hkv, nq, nk, scale, \
-                                     lo, hi, cap);                                                   \
+                                     lo, hi, cap, segs);                                             \
         else                                                                                         \
             bwd_mma<T, D, false, CAP>(q, k, v, g, lse, delta, dq_acc, dk, dv, hq, hkv, nq, nk,       \
-                                      scale, lo, hi, cap);                                           \
+                                      scale, lo, hi, cap, segs);                                     \
     }
 
 MMA_ENTRY(__half, f16, 64, , false)

@@ -104,3 +104,36 @@ __device__ __forceinline__ uint32_t dynamic_smem_size() {
 
 // The shared-memory address of a generic pointer into shared memory.
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// The part of a call one block works on (the tensor-core kernels, Hopper and
+// portable): a document of a packed (varlen) call, or the whole call. Its query
+// rows are q_off.. (nq of them) and its keys k_off.. (nk), with its own band
+// (lo, hi) relative to them; `blk` is the block's query block (forward) or key
+// block (backward) in it, and `tile0` (Hopper backward) its first tile of 64
+// queries in the statistics and the dq accumulator. The launcher of a packed
+// call passes one Seg per block (the forward's heaviest first, the backward's
+// document by document); a plain call passes none. Sizes and bands in a
+// kernel are the Seg's; the sequence lengths of the whole call only stride.
+struct Seg {
+    int q_off, nq, k_off, nk, lo, hi, blk, tile0;
+};
+
+// This block's Seg and its (head, batch): from `segs` or the whole call
+// (blockIdx.x the block, -1 in blk: block_work and kv_work decide). `spread`
+// (the forward): Seg blockIdx.x... in the order of one linear block index over
+// every (batch, head) first, so that the heaviest Segs (first) start everywhere
+// before the rest; else (the backward) Seg blockIdx.x of head blockIdx.y, so that
+// the blocks running at once share a document's queries in L2, as a plain call's.
+__device__ __forceinline__ Seg block_seg(const Seg* segs, int nq, int nk, int lo, int hi, bool spread, int* h,
+                                         int* b) {
+    if (segs == nullptr || !spread) {
+        *h = blockIdx.y;
+        *b = blockIdx.z;
+        return segs == nullptr ? Seg{0, nq, 0, nk, lo, hi, -1, 0} : segs[blockIdx.x];
+    }
+    const int heads = gridDim.y * gridDim.z;
+    const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    *h = lin % heads % gridDim.y;
+    *b = lin % heads / gridDim.y;
+    return segs[lin / heads];
+}

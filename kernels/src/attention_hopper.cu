@@ -114,37 +114,6 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 2], const uint32_t (&a)[4]
     else { if constexpr (H) wgmma_rs_n256_f16(d, a, db, 1); else wgmma_rs_n256_bf16(d, a, db, 1); }
 }
 
-// The part of a call one block works on: a document of a packed (varlen) call,
-// or the whole call. Its query rows are q_off.. (nq of them) and its keys k_off..
-// (nk), with its own band (lo, hi) relative to them; `blk` is the block's query
-// block (forward) or key block (backward) in it, and `tile0` its first tile of 64
-// queries in the statistics and the dq accumulator (backward). The launcher of a
-// packed call passes one Seg per block (the forward's heaviest first, the
-// backward's document by document); a plain call passes none.
-struct Seg {
-    int q_off, nq, k_off, nk, lo, hi, blk, tile0;
-};
-
-// This block's Seg and its (head, batch): from `segs` or the whole call
-// (blockIdx.x the block, -1 in blk: block_work and kv_work decide). `spread`
-// (the forward): Seg blockIdx.x... in the order of one linear block index over
-// every (batch, head) first, so that the heaviest Segs (first) start everywhere
-// before the rest; else (the backward) Seg blockIdx.x of head blockIdx.y, so that
-// the blocks running at once share a document's queries in L2, as a plain call's.
-__device__ __forceinline__ Seg block_seg(const Seg* segs, int nq, int nk, int lo, int hi, bool spread, int* h,
-                                         int* b) {
-    if (segs == nullptr || !spread) {
-        *h = blockIdx.y;
-        *b = blockIdx.z;
-        return segs == nullptr ? Seg{0, nq, 0, nk, lo, hi, -1, 0} : segs[blockIdx.x];
-    }
-    const int heads = gridDim.y * gridDim.z;
-    const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    *h = lin % heads % gridDim.y;
-    *b = lin % heads / gridDim.y;
-    return segs[lin / heads];
-}
-
 // Which query block, head and batch this block computes, and the key tiles it
 // visits: [kv_begin, kv_begin + ntiles * BC), a sliding window's O(window) only.
 // Rows and keys are the Seg's (q_off and k_off added where they are read).
@@ -810,7 +779,7 @@ __device__ void bwd_dq_convert(const float* acc, T* dq, long long slices, int nq
     extern "C" __global__ void __launch_bounds__(384, 1) cqsa_fwd_hopper_##CAPNAME##SUF##_d##D(          \
         const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,                 \
         const __grid_constant__ CUtensorMap tv, T* o, float* lse, int hq, int hkv, int nq, int nk,      \
-        float scale, int lo, int hi, float cap, const hopper::Seg* segs) {                              \
+        float scale, int lo, int hi, float cap, const Seg* segs) {                              \
         hopper::fwd<T, D, CAP>(&tq, &tk, &tv, o, lse, hq, hkv, nq, nk, scale, lo, hi, cap, segs);       \
     }
 #define HOPPER_ENTRIES(T, SUF, D) HOPPER_ENTRY(T, SUF, D, , false) HOPPER_ENTRY(T, SUF, D, cap_, true)
@@ -832,7 +801,7 @@ HOPPER_ENTRIES(__nv_bfloat16, bf16, 256)
         const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,                 \
         const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tg, const float2* stats, \
         float* dqacc, T* dk, T* dv, int hq, int hkv, int nq, int nk, float scale, int lo, int hi, float cap, \
-        const hopper::Seg* segs, int nqt) {                                                             \
+        const Seg* segs, int nqt) {                                                             \
         hopper::bwd<T, D, CAP>(&tq, &tk, &tv, &tg, stats, dqacc, dk, dv, hq, hkv, nq, nk, scale, lo, hi, cap, \
                                segs, nqt);                                                              \
     }

@@ -46,6 +46,7 @@ use half::{bf16, f16};
 use streamer_core::pages::{alloc_readable_f32, page_pieces, PinnedRegion};
 use streamer_kernels::{module, ATTENTION};
 
+use crate::segs::Segs;
 use crate::varlen::Fused;
 use crate::{AttentionShape, Scores};
 
@@ -308,17 +309,12 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let mut lse: CudaSlice<f32> = unsafe { dev.alloc::<f32>(b * hq * nq) }?;
     let args = KernelArgs::new(dims, sc)?;
     let outputs = (&mut out, &mut lse);
-    let hopper = match packed {
-        Some(_) => crate::hopper::serves(dev, dtype, d, &[qa, ka, va], false)?,
-        None => crate::hopper::applies(dev, dtype, d, &[qa, ka, va], false)?,
-    };
-    if hopper {
+    if crate::hopper::applies(dev, dtype, d, &[qa, ka, va], false)? {
         crate::hopper::forward(dev, (&qv, &kv, &vv), outputs, dims, &args, (sfx, packed))?;
-    } else if packed.is_some() {
-        bail!("cqsa: a packed (varlen) call in one launch needs the Hopper kernels, which do not serve this one")
     } else {
         let mma = use_mma(dtype, d, &[qa, ka, va]);
-        portable_forward(dev, (&qv, &kv, &vv), outputs, dims, &args, (sfx, mma))?;
+        let kernel = Portable { sfx, mma, packed };
+        portable_forward(dev, (&qv, &kv, &vv), outputs, dims, &args, kernel)?;
     }
     Ok((
         CudaStorage::wrap_cuda_slice(out, dev.clone()),
@@ -326,27 +322,64 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     ))
 }
 
-/// Launches the portable forward: the tensor-core kernel when `mma`, else the
-/// simple one.
+/// Which portable forward runs: the tensor-core kernel when `mma`, else the
+/// simple one; a packed call (`packed`) needs the tensor-core kernel.
+struct Portable<'a> {
+    sfx: &'a str,
+    mma: bool,
+    packed: Option<&'a Fused>,
+}
+
+/// The error of a packed call that no one-launch kernel serves (`varlen::fused`
+/// chooses one launch for f16/bf16 at head dims 64 and 128 only).
+fn packed_unserved() -> candle_core::Error {
+    candle_core::Error::Msg(
+        "cqsa: a packed (varlen) call in one launch needs the tensor-core kernels (f16/bf16, head dim 64 or 128)".into(),
+    )
+}
+
+/// Launches the portable forward (see [`Portable`]); a packed call is one
+/// launch of the tensor-core kernel, a block per query block of each document.
 fn portable_forward<T: DeviceRepr>(
     dev: &CudaDevice,
     (qv, kv, vv): (&CudaView<'_, T>, &CudaView<'_, T>, &CudaView<'_, T>),
     (out, lse): (&mut CudaSlice<T>, &mut CudaSlice<f32>),
     dims: &AttentionShape,
     args: &KernelArgs,
-    (sfx, mma): (&str, bool),
+    Portable { sfx, mma, packed }: Portable<'_>,
 ) -> Result<()> {
+    if packed.is_some() && !mma {
+        return Err(packed_unserved());
+    }
     let family = if mma { Forward::Mma } else { Forward::Simple };
-    let (name, cfg) = forward_kernel(dims, args, sfx, family)?;
+    let (name, mut cfg) = forward_kernel(dims, args, sfx, family)?;
+    let segs = packed
+        .map(|f| Segs::forward(dev, f, (MMA_ROWS, MMA_KEYS)))
+        .transpose()?;
+    if let Some(s) = &segs {
+        cfg.grid_dim = grid(s.blocks, dims.hq, dims.b)?;
+    }
     let func = dev.get_or_load_custom_func(&name, module::ATTENTION, ATTENTION)?;
     allow_smem(&func, cfg.shared_mem_bytes)?;
+    if cfg.grid_dim.0 == 0 {
+        return Ok(());
+    }
+    let null = 0u64;
     {
         let mut builder = func.builder();
         builder.arg(qv).arg(kv).arg(vv).arg(out).arg(lse);
         args.push(&mut builder, family == Forward::Simple);
+        if family == Forward::Mma {
+            match &segs {
+                Some(s) => builder.arg(&s.table),
+                None => builder.arg(&null),
+            };
+        }
         // SAFETY: the kernel reads b*hq*nq*d / b*hkv*nk*d elements of the views
         // (their exact lengths), writes b*hq*nq*d of `out` and b*hq*nq of `lse`;
-        // argument types and order match the kernel's signature (`KernelArgs`);
+        // argument types and order match the kernel's signature (`KernelArgs`,
+        // then for the tensor-core kernel its Segs: null, or a packed call's,
+        // which cover every row once);
         // the tensor-core kernel gets FwdCfg::SMEM of dynamic shared memory (it
         // traps on less) and 16-byte aligned inputs (`use_mma`), the simple one
         // d <= 256 (checked by `AttentionShape::check`: it keeps at most 8
@@ -438,16 +471,12 @@ fn backward_t<'a, T: CudaDType + DeviceRepr>(
         dv: unsafe { dev.alloc::<T>(b * hkv * nk * d) }?,
     };
     bw.delta(&ov)?;
-    let hopper = match packed {
-        Some(_) => crate::hopper::serves(dev, dtype, d, &[qa, ka, va, ga], true)?,
-        None => crate::hopper::applies(dev, dtype, d, &[qa, ka, va, ga], true)?,
-    };
-    if hopper {
+    if crate::hopper::applies(dev, dtype, d, &[qa, ka, va, ga], true)? {
         crate::hopper::backward(&mut bw)?;
-    } else if packed.is_some() {
-        bail!("cqsa: a packed (varlen) call in one launch needs the Hopper kernels, which do not serve this one")
     } else if use_mma(dtype, d, &[qa, ka, va, ga]) {
         bw.mma()?;
+    } else if packed.is_some() {
+        return Err(packed_unserved());
     } else {
         bw.simple()?;
     }
@@ -498,12 +527,19 @@ impl<T: CudaDType + DeviceRepr> Backward<'_, T> {
             ATTENTION,
         )?;
         allow_smem(&func, smem)?;
+        let segs = self
+            .packed
+            .map(|f| Segs::backward(self.dev, f, bwd_keys(d), None))
+            .transpose()?
+            .map(|s| s.0);
+        let blocks = segs.as_ref().map_or(nk.div_ceil(bwd_keys(d)), |s| s.blocks);
         let cfg = LaunchConfig {
-            grid_dim: grid(nk.div_ceil(bwd_keys(d)), hkv, b)?,
+            grid_dim: grid(blocks, hkv, b)?,
             block_dim: (bwd_threads(d), 1, 1),
             shared_mem_bytes: smem,
         };
-        {
+        let null = 0u64;
+        if blocks > 0 {
             let mut builder = func.builder();
             builder
                 .arg(&self.q)
@@ -516,11 +552,16 @@ impl<T: CudaDType + DeviceRepr> Backward<'_, T> {
                 .arg(&mut self.dk)
                 .arg(&mut self.dv);
             self.args.push(&mut builder, false);
+            match &segs {
+                Some(s) => builder.arg(&s.table),
+                None => builder.arg(&null),
+            };
             // SAFETY: reads b*hq*nq*d of q and grad_o, b*hkv*nk*d of k and v, rows of
             // lse and delta (the views' lengths); adds into rows*d f32 of dq_acc and
-            // writes b*hkv*nk*d of dk and dv; every offset is a multiple of 8 elements
-            // (checked by `use_mma`); the dynamic shared memory is BwdCfg::SMEM; the
-            // argument types match the kernel; every view lives past the launch.
+            // writes b*hkv*nk*d of dk and dv (a packed call's Segs cover every key
+            // once); every offset is a multiple of 8 elements (checked by `use_mma`);
+            // the dynamic shared memory is BwdCfg::SMEM; the argument types match
+            // the kernel (segs: null or `blocks` Segs); every view lives past the launch.
             unsafe { builder.launch(cfg) }.w()?;
         }
         let func = self.dev.get_or_load_custom_func(

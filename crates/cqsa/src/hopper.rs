@@ -21,7 +21,8 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, DType, Result};
 use streamer_kernels::{module, ATTENTION_HOPPER};
 
-use crate::cuda::{allow_smem, grid, kernel_band, Backward, KernelArgs};
+use crate::cuda::{allow_smem, grid, Backward, KernelArgs};
+use crate::segs::Segs;
 use crate::varlen::Fused;
 use crate::AttentionShape;
 
@@ -58,22 +59,11 @@ pub(crate) fn applies(
     offsets: &[usize],
     backward: bool,
 ) -> Result<bool> {
-    Ok(crate::hopper_kernels_enabled() && serves(dev, dtype, d, offsets, backward)?)
-}
-
-/// [`applies`] whatever the switch says: for a packed call, which chose the
-/// Hopper kernels when it was planned (`varlen::fused`, under the switch) and
-/// has no other one-launch path, so a later change of the switch (it is
-/// process-wide) must not strand its forward or backward.
-pub(crate) fn serves(
-    dev: &CudaDevice,
-    dtype: DType,
-    d: usize,
-    offsets: &[usize],
-    backward: bool,
-) -> Result<bool> {
     let dims_ok = matches!(d, 64 | 128) || (d == 256 && !backward);
-    if !matches!(dtype, DType::F16 | DType::BF16) || !dims_ok || offsets.iter().any(|a| a % 8 != 0)
+    if !crate::hopper_kernels_enabled()
+        || !matches!(dtype, DType::F16 | DType::BF16)
+        || !dims_ok
+        || offsets.iter().any(|a| a % 8 != 0)
     {
         return Ok(false);
     }
@@ -163,7 +153,9 @@ pub(crate) fn forward<T: DeviceRepr>(
         dtype,
         ..
     } = *dims;
-    let segs = packed.map(|f| Segs::forward(dev, f, d)).transpose()?;
+    let segs = packed
+        .map(|f| Segs::forward(dev, f, (ROWS, keys(d))))
+        .transpose()?;
     let blocks = segs.as_ref().map_or(nq.div_ceil(ROWS), |s| s.blocks);
     let cfg = LaunchConfig {
         grid_dim: grid(blocks, hq, b)?,
@@ -232,9 +224,12 @@ fn bwd_smem(d: usize) -> u32 {
 /// A packed call pads each document to its own tiles.
 pub(crate) fn backward<T: DeviceRepr>(bw: &mut Backward<'_, T>) -> Result<()> {
     let AttentionShape { b, hq, nq, d, .. } = bw.dims;
-    let tables = bw.packed.map(|f| Segs::backward(bw.dev, f)).transpose()?;
+    let tables = bw
+        .packed
+        .map(|f| Segs::backward(bw.dev, f, BWD_KEYS, Some(BWD_QUERIES)))
+        .transpose()?;
     let (segs, tiles) = match &tables {
-        Some((s, t)) => (Some(s), Some(t)),
+        Some((s, t)) => (Some(s), t.as_ref()),
         None => (None, None),
     };
     let nqt = tiles.map_or(nq.div_ceil(BWD_QUERIES), |t| t.len);
@@ -380,107 +375,4 @@ fn flat(n: usize) -> Result<LaunchConfig> {
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     })
-}
-
-/// A table the kernels read on the device: `len` entries of `width` i32 each
-/// (`width` 2: the backward's tiles, `hopper::tile_rows`).
-struct Table {
-    table: CudaSlice<i32>,
-    len: usize,
-}
-
-/// A packed call's work (`hopper::Seg` in the kernel): one Seg per block, and
-/// for the backward the tiles of 64 queries of its
-/// statistics and dq accumulator (`hopper::tile_rows`), each document's own.
-struct Segs {
-    table: CudaSlice<i32>,
-    blocks: usize,
-}
-
-impl Table {
-    fn upload(dev: &CudaDevice, data: Vec<i32>, width: usize) -> Result<Self> {
-        let len = data.len() / width;
-        // An empty table still needs an allocation to pass; no kernel reads it.
-        let data = if data.is_empty() { vec![0] } else { data };
-        let table = dev.cuda_stream().clone_htod(&data).w()?;
-        Ok(Self { table, len })
-    }
-}
-
-/// Document `i`'s band as the kernels take it.
-fn band(f: &Fused, i: usize) -> (i32, i32) {
-    let ((q0, q1), (k0, k1)) = f.docs[i];
-    kernel_band(q1 - q0, k1 - k0, f.bands[i].0, f.bands[i].1)
-}
-
-/// One Seg: document `i`'s rows, keys and band, the block, its first tile (all
-/// below the call's sizes, which `KernelArgs::new` checked fit an i32).
-fn seg(f: &Fused, i: usize, blk: usize, tile0: usize) -> [i32; 8] {
-    let ((q0, q1), (k0, k1)) = f.docs[i];
-    let (lo, hi) = band(f, i);
-    let [q0, nq, k0, nk, blk, tile0] = [q0, q1 - q0, k0, k1 - k0, blk, tile0].map(|x| x as i32);
-    [q0, nq, k0, nk, lo, hi, blk, tile0]
-}
-
-/// How many tiles of `step` positions the range `start..end` (clamped to
-/// `0..n`, its start rounded down to a tile) touches: the host's copy of the
-/// kernels' block_work count, used only to put the heaviest blocks first.
-fn reach(start: i64, end: i64, n: usize, step: usize) -> usize {
-    let (a, b) = (
-        start.clamp(0, n as i64) as usize,
-        end.clamp(0, n as i64) as usize,
-    );
-    let a = a / step * step;
-    if b > a {
-        (b - a).div_ceil(step)
-    } else {
-        0
-    }
-}
-
-impl Segs {
-    /// The forward's: a block per query block of every document with rows (a
-    /// document without keys too: its block writes zeros), the heaviest first.
-    fn forward(dev: &CudaDevice, f: &Fused, d: usize) -> Result<Self> {
-        let mut work = Vec::new();
-        for (i, &((q0, q1), (k0, k1))) in f.docs.iter().enumerate() {
-            let (nq, nk) = (q1 - q0, k1 - k0);
-            let (lo, hi) = band(f, i);
-            for blk in 0..nq.div_ceil(ROWS) {
-                let r0 = (blk * ROWS) as i64;
-                let cost = reach(r0 + lo as i64, r0 + ROWS as i64 + hi as i64, nk, keys(d));
-                work.push((cost, seg(f, i, blk, 0)));
-            }
-        }
-        work.sort_by_key(|w| std::cmp::Reverse(w.0));
-        Self::upload(dev, work.into_iter().map(|w| w.1).collect())
-    }
-
-    /// The backward's Segs (a block per key block of every document with keys,
-    /// in order: the blocks that run at once then share their documents'
-    /// queries in L2; one whose keys no row sees writes zeros) and the tiles of
-    /// 64 queries of every document with rows.
-    fn backward(dev: &CudaDevice, f: &Fused) -> Result<(Self, Table)> {
-        let (mut segs, mut tiles) = (Vec::new(), Vec::new());
-        for (i, &((q0, q1), (k0, k1))) in f.docs.iter().enumerate() {
-            let tile0 = tiles.len() / 2;
-            for r0 in (0..q1 - q0).step_by(BWD_QUERIES) {
-                let rows = (q1 - q0 - r0).min(BWD_QUERIES);
-                tiles.extend([(q0 + r0) as i32, rows as i32]);
-            }
-            for blk in 0..(k1 - k0).div_ceil(BWD_KEYS) {
-                segs.push(seg(f, i, blk, tile0));
-            }
-        }
-        Ok((Self::upload(dev, segs)?, Table::upload(dev, tiles, 2)?))
-    }
-
-    fn upload(dev: &CudaDevice, segs: Vec<[i32; 8]>) -> Result<Self> {
-        let blocks = segs.len();
-        let t = Table::upload(dev, segs.into_iter().flatten().collect(), 8)?;
-        Ok(Self {
-            table: t.table,
-            blocks,
-        })
-    }
 }

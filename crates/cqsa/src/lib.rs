@@ -93,6 +93,8 @@ mod mask;
 mod op;
 mod plan;
 mod saved;
+#[cfg(feature = "cuda")]
+mod segs;
 mod shape;
 pub mod staging;
 mod stream;
@@ -148,12 +150,13 @@ pub struct AttentionOpts {
     /// neighbours are an empty document). No query attends across documents,
     /// the masks above apply inside each document (aligned bottom-right to it),
     /// and a document without keys gives output 0. Set with `cu_seqlens_k`.
-    /// A resident call on a GPU that runs the Hopper kernels (compute capability
-    /// 9.0, f16/bf16, head dim 64 or 128) is one launch over every document (a
-    /// block per document's tile, as flash-attn's varlen kernels); otherwise each
-    /// document runs as its own call. In the one launch a tile past the end of
-    /// a document reads its neighbour's keys and values, masked to weight 0, so
-    /// a non-finite value there (inf, NaN) reaches this document as NaN.
+    /// A resident call on CUDA in f16/bf16 at head dim 64 or 128 is one launch of
+    /// the tensor-core kernels over every document (a block per document's
+    /// tile, as flash-attn's varlen kernels); otherwise (f32, other head dims,
+    /// the CPU, streamed) each document runs as its own call. On Hopper a tile
+    /// past the end of a document reads its neighbour's keys and values (TMA
+    /// loads whole tiles), masked to weight 0, so a non-finite value there (inf,
+    /// NaN) reaches this document as NaN.
     pub cu_seqlens_q: Option<Vec<usize>>,
     /// The documents' offsets along the key axis (`[0, ..., seq_k]`), as many as
     /// in `cu_seqlens_q`.

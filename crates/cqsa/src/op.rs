@@ -42,8 +42,8 @@ pub(crate) fn apply(
 }
 
 /// `t`, copied when its first element is not 16-byte aligned (8 elements of
-/// 2 bytes), as TMA needs for a packed call's one launch (which has no other
-/// kernel to fall back on).
+/// 2 bytes), as the tensor-core kernels need for a packed call's one launch
+/// (which has no other kernel to fall back on).
 pub(crate) fn aligned(t: Tensor) -> Result<Tensor> {
     match t.layout().start_offset() % 8 {
         0 => Ok(t),

@@ -9,9 +9,10 @@
 //! nothing); an empty one nothing.
 //!
 //! Two ways to run it:
-//! - [`Fused`]: one launch of the Hopper kernels over every document, a block
-//!   per query block (forward) or key block (backward) of each, when the call is
-//!   resident on a GPU they serve ([`fused`]). As flash-attn's varlen kernels.
+//! - [`Fused`]: one launch of the tensor-core kernels (Hopper, or the portable
+//!   ones) over every document, a block per query block (forward) or key block
+//!   (backward) of each, when the call is resident on CUDA in f16/bf16 at head
+//!   dim 64 or 128 ([`fused`]). As flash-attn's varlen kernels.
 //! - Otherwise each document is its own call of [`crate::attention_saved`]
 //!   (resident or streamed as the planner says). The backward runs each
 //!   document's saved backward and joins the gradients, so each input's gradient
@@ -29,7 +30,7 @@ use crate::{
 /// One document: its query rows `q0..q1` and keys `k0..k1`.
 pub(crate) type Document = ((usize, usize), (usize, usize));
 
-/// A packed call that one launch of the Hopper kernels serves: the documents
+/// A packed call that one launch of the tensor-core kernels serves: the documents
 /// and each one's band `(lo, hi)` (as in [`Scores`]) relative to its own rows
 /// and keys, the call's masks aligned bottom-right to it.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the CUDA launches
@@ -38,16 +39,19 @@ pub(crate) struct Fused {
     pub(crate) bands: Vec<(Option<i64>, Option<i64>)>,
 }
 
-/// The packed call as one launch, when it runs resident (`call`) on a GPU whose
-/// Hopper kernels serve it forward and backward (f16/bf16, head dim 64 or
-/// 128); `None`: each document runs as its own call.
+/// The packed call as one launch, when it runs resident (`call`) on CUDA where
+/// the tensor-core kernels serve it forward and backward (f16/bf16, head dim
+/// 64 or 128; the Hopper ones where they apply, else the portable ones);
+/// `None`: each document runs as its own call.
 pub(crate) fn fused(
     shape: &AttentionShape,
     docs: &[Document],
     opts: &AttentionOpts,
     call: &Call,
 ) -> Result<Option<Fused>> {
-    if !call.resident() || !hopper_serves(&call.exec, shape)? {
+    let tensor_cores =
+        matches!(shape.dtype, DType::F16 | DType::BF16) && matches!(shape.d, 64 | 128);
+    if !call.resident() || !call.exec.is_cuda() || !tensor_cores {
         return Ok(None);
     }
     let inner = per_document(opts, true);
@@ -69,19 +73,9 @@ pub(crate) fn fused(
     }))
 }
 
-/// Whether the Hopper kernels serve calls of `shape` on `exec`, both ways
-/// (their input alignment aside: [`on_exec`] sees to it).
-fn hopper_serves(exec: &Device, shape: &AttentionShape) -> Result<bool> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(dev) = exec {
-        return crate::hopper::applies(dev, shape.dtype, shape.d, &[], true);
-    }
-    let _ = (exec, shape);
-    Ok(false)
-}
-
 /// The inputs on the compute device for the one launch: contiguous, and each
-/// starting 16-byte aligned as TMA needs (a view that does not is copied).
+/// starting 16-byte aligned as the tensor-core kernels need (a view that does
+/// not is copied).
 pub(crate) fn on_exec(
     call: &Call,
     q: &Tensor,
