@@ -30,8 +30,10 @@
 #include <chrono>
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { fprintf(stderr, "cuda error %d at line %d\n", (int)e, __LINE__); exit(1);} } while (0)
 template <int D> constexpr int fwd_rows() { return FwdCfg<D>::BR; }
-typedef void (*FwdFn)(const void*, const void*, const void*, void*, float*, int, int, int, int, float, int, int, float);
-typedef void (*BwdFn)(const void*, const void*, const void*, const void*, const float*, const float*, float*, void*, void*, int, int, int, int, float, int, int, float);
+typedef void (*FwdFn)(const void*, const void*, const void*, void*, float*, int, int, int, int, float, int, int, float,
+                      const Seg*);
+typedef void (*BwdFn)(const void*, const void*, const void*, const void*, const float*, const float*, float*, void*, void*, int, int, int, int, float, int, int, float,
+                      const Seg*);
 float tof(__half x) { return __half2float(x); }
 float tof(__nv_bfloat16 x) { return __bfloat162float(x); }
 template <typename T> T fromf_h(float x);
@@ -137,7 +139,8 @@ struct Run {
     CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize, sm));
     dim3 grid((nq + fwd_rows<D>() - 1) / fwd_rows<D>(), hq, b);
     int kl = klo(), kh = khi();
-    void* args[] = {&q, &k, &v, &o, &lse, &hq, &hkv, &nq, &nk, &scale, &kl, &kh, &cap};
+    const Seg* segs = nullptr;  // a plain call
+    void* args[] = {&q, &k, &v, &o, &lse, &hq, &hkv, &nq, &nk, &scale, &kl, &kh, &cap, &segs};
     CK(cudaLaunchKernel((const void*)f, grid, dim3(128), args, sm, 0));
   }
   void bwd() {
@@ -152,7 +155,8 @@ struct Run {
     BwdFn f = K<T, D>::bwd(cap > 0.f); int sm = K<T, D>::bsmem();
     CK(cudaFuncSetAttribute((const void*)f, cudaFuncAttributeMaxDynamicSharedMemorySize, sm));
     int kl = klo(), kh = khi();
-    { void* args[] = {&q, &k, &v, &g, &lse, &delta, &dqa, &dk, &dv, &hq, &hkv, &nq, &nk, &scale, &kl, &kh, &cap};
+    const Seg* segs = nullptr;  // a plain call
+    { void* args[] = {&q, &k, &v, &g, &lse, &delta, &dqa, &dk, &dv, &hq, &hkv, &nq, &nk, &scale, &kl, &kh, &cap, &segs};
       const int bc = BwdCfg<D>::BC, bt = BwdCfg<D>::THREADS;
       CK(cudaLaunchKernel((const void*)f, dim3((nk + bc - 1) / bc, hkv, b), dim3(bt), args, sm, 0)); }
     long long n = rows * D;
