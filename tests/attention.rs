@@ -6,7 +6,7 @@
 //! (forward) and 1e-4 (gradients, which sum over the sequence); f16 3e-3 and bf16
 //! 2e-2 (the output is rounded to the dtype, and the tensor-core path rounds the
 //! probabilities before multiplying by v).
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use cqsa::{attention, estimate, AttentionOpts, AttentionShape, Budget, Mode};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -716,6 +716,56 @@ fn attention_saved_matches_autograd(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(attention_saved_matches_autograd);
 
+/// The call `opts` on `(q, k, v)` through autograd (of `sum(o * w)`) and through
+/// `attention_saved` and its backward (with `w` as the output's gradient): the
+/// outputs and the gradients must agree within `tol` (relative) and have the
+/// inputs' shapes. Returns autograd's output and gradients of q, k, v.
+fn saved_matches_autograd(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    w: &Tensor,
+    opts: &AttentionOpts,
+    tol: f64,
+) -> Result<(Tensor, Vec<Tensor>)> {
+    let vars = [
+        Var::from_tensor(q)?,
+        Var::from_tensor(k)?,
+        Var::from_tensor(v)?,
+    ];
+    let o = attention(
+        vars[0].as_tensor(),
+        vars[1].as_tensor(),
+        vars[2].as_tensor(),
+        opts,
+    )?;
+    let g = (o.to_dtype(DType::F32)? * w.to_dtype(DType::F32)?)?
+        .sum_all()?
+        .backward()?;
+    let auto: Vec<Tensor> = vars
+        .iter()
+        .map(|x| {
+            g.get(x.as_tensor())
+                .cloned()
+                .ok_or_else(|| anyhow::anyhow!("no grad"))
+        })
+        .collect::<Result<_>>()?;
+    let (os, saved) = cqsa::attention_saved(q, k, v, opts)?;
+    let (dq, dk, dv) = saved.backward(w)?;
+    ensure!(rel_err_t(&os, &o)? <= tol, "saved output differs");
+    for (name, a, b) in [
+        ("dq", &dq, &auto[0]),
+        ("dk", &dk, &auto[1]),
+        ("dv", &dv, &auto[2]),
+    ] {
+        ensure!(a.dims() == b.dims(), "{name}: shape {:?}", a.dims());
+        let err = rel_err_t(a, b)?;
+        ensure!(
+            err <= tol,
+            "saved {name} differs from autograd: {err:e} > {tol:e}"
+        );
+    }
+    Ok((o, auto))
+}
+
 /// A packed call's gradients, through autograd and through `attention_saved`,
 /// against each document run alone through autograd on copies of its slices.
 /// Documents: 37 queries / 50 keys; 64 queries that see no key (output and dq
@@ -737,47 +787,8 @@ fn attention_varlen_saved_matches_documents(dev: &Device) -> Result<()> {
             cu_seqlens_k: Some(ck.clone()),
             ..Default::default()
         };
-        let vars = [
-            Var::from_tensor(&q)?,
-            Var::from_tensor(&k)?,
-            Var::from_tensor(&v)?,
-        ];
-        let o = attention(
-            vars[0].as_tensor(),
-            vars[1].as_tensor(),
-            vars[2].as_tensor(),
-            &opts,
-        )?;
-        let g = (&o * &w)?.sum_all()?.backward()?;
-        let auto: Vec<Tensor> = vars
-            .iter()
-            .map(|x| {
-                g.get(x.as_tensor())
-                    .cloned()
-                    .ok_or_else(|| anyhow::anyhow!("no grad"))
-            })
-            .collect::<Result<_>>()?;
-        let (os, saved) = cqsa::attention_saved(&q, &k, &v, &opts)?;
-        let (dq, dk, dv) = saved.backward(&w)?;
-        ensure!(
-            rel_err_t(&os, &o)? <= 1e-6,
-            "{mode:?}: saved output differs"
-        );
-        for (name, a, b) in [
-            ("dq", &dq, &auto[0]),
-            ("dk", &dk, &auto[1]),
-            ("dv", &dv, &auto[2]),
-        ] {
-            ensure!(
-                a.dims() == b.dims(),
-                "{mode:?} {name}: shape {:?}",
-                a.dims()
-            );
-            ensure!(
-                rel_err_t(a, b)? <= 1e-6,
-                "{mode:?}: saved {name} differs from autograd"
-            );
-        }
+        let (o, auto) =
+            saved_matches_autograd((&q, &k, &v), &w, &opts, 1e-6).context(format!("{mode:?}"))?;
         // Rows without keys, keys without rows: exactly 0.
         let abs_sum = |t: &Tensor, at: usize, len: usize| -> Result<f32> {
             Ok(t.narrow(2, at, len)?.abs()?.sum_all()?.to_scalar::<f32>()?)
@@ -821,6 +832,7 @@ fn attention_varlen_saved_matches_documents(dev: &Device) -> Result<()> {
                 );
             }
         }
+        let (_, saved) = cqsa::attention_saved(&q, &k, &v, &opts)?;
         let bad = saved.backward(&w.narrow(2, 0, 101)?);
         ensure!(
             bad.is_err_and(|e| e.to_string().contains("grad_o")),
@@ -2007,34 +2019,7 @@ fn one_launch_checks(dev: &Device) -> Result<()> {
         cu_seqlens_k: Some(same.to_vec()),
         ..Default::default()
     };
-    let vars = [
-        Var::from_tensor(&q)?,
-        Var::from_tensor(&k)?,
-        Var::from_tensor(&v)?,
-    ];
-    let o = attention(
-        vars[0].as_tensor(),
-        vars[1].as_tensor(),
-        vars[2].as_tensor(),
-        &opts,
-    )?;
-    let g = (o.to_dtype(DType::F32)? * w.to_dtype(DType::F32)?)?
-        .sum_all()?
-        .backward()?;
-    let (os, saved) = cqsa::attention_saved(&q, &k, &v, &opts)?;
-    let grads = saved.backward(&w)?;
-    ensure!(rel_err_t(&os, &o)? <= 1e-2, "saved output differs");
-    for (name, a, var) in [
-        ("dq", &grads.0, &vars[0]),
-        ("dk", &grads.1, &vars[1]),
-        ("dv", &grads.2, &vars[2]),
-    ] {
-        let b = g
-            .get(var.as_tensor())
-            .ok_or_else(|| anyhow::anyhow!("no {name}"))?;
-        let err = rel_err_t(a, b)?;
-        ensure!(err <= 1e-2, "saved {name} differs from autograd: {err:e}");
-    }
+    saved_matches_autograd((&q, &k, &v), &w, &opts, 1e-2)?;
     Ok(())
 }
 candle_streamer::test_device!(attention_varlen_one_launch_matches_reference);
