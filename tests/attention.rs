@@ -2003,11 +2003,20 @@ fn one_launch_checks(dev: &Device) -> Result<()> {
             ..Default::default()
         },
     ];
-    for mask in &masks {
+    // The CPU runs these documents one by one, as the other varlen tests
+    // check: one mask there keeps CI's two cores quick.
+    let masks = if dev.is_cuda() {
+        &masks[..]
+    } else {
+        &masks[1..2]
+    };
+    for mask in masks {
         check_varlen(dev, (&same, &same), mask, (DType::BF16, 128), 2e-2)?;
     }
-    let (cq, ck) = ([0, 200, 456, 457], [0, 333, 333, 600]);
-    check_varlen(dev, (&cq, &ck), &masks[1], (DType::BF16, 128), 2e-2)?;
+    if dev.is_cuda() {
+        let (cq, ck) = ([0, 200, 456, 457], [0, 333, 333, 600]);
+        check_varlen(dev, (&cq, &ck), &masks[1], (DType::BF16, 128), 2e-2)?;
+    }
     // attention_saved: the same launch, its backward outside autograd.
     let q = rand_t((1, 4, 1700, 128), DType::BF16, dev, 71)?;
     let k = rand_t((1, 2, 1700, 128), DType::BF16, dev, 72)?;
