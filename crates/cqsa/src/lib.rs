@@ -48,7 +48,9 @@
 //! them (`CUDA_COMPUTE_CAP=90`), those calls run kernels written for that chip
 //! (`wgmma` fed by the tensor memory accelerator, warp-specialised), and the
 //! forward covers head dim 256 as well; [`set_hopper_kernels`] switches back
-//! to the portable ones, which every other GPU runs. Both tensor-core backwards
+//! to the portable ones, which every other GPU runs. A packed (varlen) call on
+//! those kernels is one launch over every document, as flash-attn's varlen
+//! kernels. Both tensor-core backwards
 //! sum dq in f32 across key blocks (atomics, or bulk reduce-adds on Hopper) in
 //! an order that varies from run to run, as FlashAttention and cuDNN do, so dq
 //! repeats only to f32 rounding; dk and dv repeat exactly.
