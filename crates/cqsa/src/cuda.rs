@@ -269,8 +269,9 @@ fn forward_kernel(
 }
 
 /// Forward: returns the output (dtype of q) and the f32 log-sum-exp `(b, hq, nq)`.
-/// A packed call (`packed`, whose bands replace `sc`'s) runs on the Hopper
-/// kernels only (the caller chose it where they apply, `varlen::fused`).
+/// A packed call (`packed`, whose bands replace `sc`'s) is one launch of the
+/// tensor-core kernels, Hopper or portable (`varlen::fused` chose it where
+/// they serve: f16/bf16 at head dims 64 and 128).
 pub(crate) fn forward(
     q: (&CudaStorage, &Layout),
     k: (&CudaStorage, &Layout),
@@ -391,7 +392,8 @@ fn portable_forward<T: DeviceRepr>(
 
 /// Backward: inputs `[q, k, v, o, grad_o, lse]`; returns `(dq, dk, dv)` in the
 /// dtype of q.
-/// A packed call (`packed`) runs on the Hopper kernels only, as in [`forward`].
+/// A packed call (`packed`) is one launch of the tensor-core kernels, as in
+/// [`forward`].
 pub(crate) fn backward(
     t: [(&CudaStorage, &Layout); 6],
     dims: &AttentionShape,
@@ -412,7 +414,7 @@ pub(crate) struct Backward<'a, T> {
     pub(crate) sfx: &'static str,
     pub(crate) dims: AttentionShape,
     pub(crate) args: KernelArgs,
-    /// A packed call's documents (Hopper kernels only).
+    /// A packed call's documents (tensor-core kernels only).
     pub(crate) packed: Option<&'a Fused>,
     pub(crate) q: CudaView<'a, T>,
     pub(crate) k: CudaView<'a, T>,
