@@ -1970,7 +1970,8 @@ candle_streamer::test_device!(attention_varlen_matches_reference_and_naive);
 /// held, so that no other test flips it meanwhile). Against the f64 reference
 /// and naive attention, plain, causal, windowed and soft-capped, and a
 /// cross-attention layout with a document without keys; then
-/// `attention_saved`'s backward against autograd on the same call.
+/// `attention_saved`'s backward against autograd on the same call, and a
+/// batch of 2 against each of its rows alone.
 fn attention_varlen_one_launch_matches_reference(dev: &Device) -> Result<()> {
     let _switch = hold_hopper_switch();
     let default = cqsa::hopper_kernels_enabled();
@@ -2029,6 +2030,38 @@ fn one_launch_checks(dev: &Device) -> Result<()> {
         ..Default::default()
     };
     saved_matches_autograd((&q, &k, &v), &w, &opts, 1e-2)?;
+    one_launch_batches_match_rows(dev, &opts)
+}
+
+/// A packed call of batch 2 against the same call on each batch row alone
+/// (output and the saved backward's gradients): the one launch's batch
+/// indexing, which the checks at batch 1 do not reach.
+fn one_launch_batches_match_rows(dev: &Device, opts: &AttentionOpts) -> Result<()> {
+    let n = opts.cu_seqlens_q.as_ref().map_or(0, |c| c[c.len() - 1]);
+    let q = rand_t((2, 4, n, 128), DType::BF16, dev, 81)?;
+    let k = rand_t((2, 2, n, 128), DType::BF16, dev, 82)?;
+    let v = rand_t((2, 2, n, 128), DType::BF16, dev, 83)?;
+    let w = rand_t((2, 4, n, 128), DType::BF16, dev, 84)?;
+    let (o, saved) = cqsa::attention_saved(&q, &k, &v, opts)?;
+    let grads = saved.backward(&w)?;
+    for b in 0..2 {
+        let row = |t: &Tensor| t.narrow(0, b, 1);
+        let (ob, sb) = cqsa::attention_saved(&row(&q)?, &row(&k)?, &row(&v)?, opts)?;
+        let gb = sb.backward(&row(&w)?)?;
+        let pairs = [
+            ("o", &o, &ob),
+            ("dq", &grads.0, &gb.0),
+            ("dk", &grads.1, &gb.1),
+            ("dv", &grads.2, &gb.2),
+        ];
+        for (name, all, alone) in pairs {
+            let err = rel_err_t(&row(all)?, alone)?;
+            ensure!(
+                err <= 1e-2,
+                "batch {b} {name}: {err:e} against the row alone"
+            );
+        }
+    }
     Ok(())
 }
 candle_streamer::test_device!(attention_varlen_one_launch_matches_reference);
