@@ -204,7 +204,8 @@ const BWD_QUERIES: usize = 64;
 
 /// Dynamic shared memory of the backward kernel (`hopper::BwdCfg::SMEM`):
 /// alignment, K and V, two stages of (Q, dO), two dS tiles, two dQ blocks per
-/// warpgroup, two stages of statistics, the mbarriers.
+/// warpgroup, two stages of statistics, the mbarriers (the pipeline's, then
+/// eight for the dQ blocks' hand-over to the writer warp).
 fn bwd_smem(d: usize) -> u32 {
     const STAGES: usize = 2;
     let kv = 2 * BWD_KEYS * d * 2;
@@ -212,7 +213,7 @@ fn bwd_smem(d: usize) -> u32 {
     let ds = 2 * BWD_KEYS * BWD_QUERIES * 2;
     let dq = 2 * 2 * 64 * 64 * 4;
     let stats = STAGES * BWD_QUERIES * 8;
-    (1024 + kv + stages + ds + dq + stats + 8 * (1 + 2 * STAGES)) as u32
+    (1024 + kv + stages + ds + dq + stats + 8 * (1 + 2 * STAGES + 8)) as u32
 }
 
 /// The Hopper backward after `bw.delta`, on the device's compute stream:
