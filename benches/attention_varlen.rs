@@ -5,11 +5,12 @@
 //! no packing overhead can beat. Both go through `cqsa::attention` (forward)
 //! and `cqsa::attention_saved` with its backward (forward+backward). FLOPs are
 //! `4 B H D` per visible pair, `docs * len (len + 1) / 2` pairs,
-//! forward+backward 3.5x.
+//! forward+backward 3.5x. The batched call is timed again in `Mode::Resident`,
+//! which skips the planner: the default mode's planning overhead.
 //! CUDA: 8 x 2048, bf16, H = 16, D = 128; CPU: 4 x 128 in f32.
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use cqsa::{attention, attention_saved, AttentionOpts};
+use cqsa::{attention, attention_saved, AttentionOpts, Mode};
 use serde_json::{json, Value};
 
 use super::{median_ms, tflops};
@@ -79,6 +80,23 @@ pub fn rows(dev: &Device, dtype: DType, (h, d): (usize, usize), reps: usize) -> 
             "fwdbwd_tflops": tflops(3.5 * fwd_flops, Some(fb)),
         }));
     }
+    // The batched call again with the planner skipped (`Mode::Resident`): what
+    // the default mode's planning costs a call that fits the device.
+    let resident = AttentionOpts {
+        mode: Mode::Resident,
+        ..batched
+    };
+    let qkvg = [
+        rnd(docs, len)?,
+        rnd(docs, len)?,
+        rnd(docs, len)?,
+        rnd(docs, len)?,
+    ];
+    let forced = timed(dev, reps, &qkvg, &resident)?;
+    println!(
+        "varlen: batched, default mode / Mode::Resident: fwd {:.3} ms / {:.3} ms, f+b {:.3} ms / {:.3} ms",
+        times[1].0, forced.0, times[1].1, forced.1
+    );
     let ratio = json!({ "fwd": times[0].0 / times[1].0, "fwdbwd": times[0].1 / times[1].1 });
     println!(
         "varlen: packed / batched: fwd {:.3} f+b {:.3}",
@@ -91,5 +109,7 @@ pub fn rows(dev: &Device, dtype: DType, (h, d): (usize, usize), reps: usize) -> 
         "docs": docs, "len": len,
         "rows": rows,
         "packed_over_batched": ratio,
+        "batched_resident_mode": { "fwd_ms": forced.0, "fwdbwd_ms": forced.1 },
+        "batched_default_over_resident_mode": { "fwd": times[1].0 / forced.0, "fwdbwd": times[1].1 / forced.1 },
     }))
 }

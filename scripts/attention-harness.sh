@@ -6,7 +6,7 @@
 #   # device tool: carry ["target/attn-harness"],
 #   #   command: target/attn-harness/attention 0   (correctness), ... 1 (benchmark)
 #   #            ... 3 (the Hopper kernels' correctness), ... 4 (the forward's benchmark), ... 5 (forward + backward), ... 6 (Hopper forward + backward alone), ... 7 (the same after a second of load each)
-#            ... 8 (the sliding-window target's shapes, timed), ... 9 (the same once each, for ncu), ... 10 (does a pageable copy wait for the stream?)
+#            ... 8 (the sliding-window target's shapes, timed), ... 9 (the same once each, for ncu), ... 10 (does a pageable copy wait for the stream?), ... 11 (short sequences, timed)
 #
 # With CUDA_COMPUTE_CAP=90 (the default) the binary also holds the Hopper kernels
 # (kernels/src/attention_hopper.cu, or HOPPER_KERNEL=...), built for sm_90a.

@@ -50,7 +50,7 @@ KDEF(__half, f16, 64) KDEF(__half, f16, 128) KDEF(__nv_bfloat16, bf16, 64) KDEF(
 static bool g_hopper = false;
 #ifdef HFILE
 typedef void (*HopFn)(CUtensorMap, CUtensorMap, CUtensorMap, void*, float*, int, int, int, int, float, int, int, float,
-                      const Seg*);
+                      const Seg*, int, int, int*);
 template <typename T, int D> HopFn hopper_fwd(bool cap);
 #define HDEF(T, SUF, D) template <> HopFn hopper_fwd<T, D>(bool cap) { \
   return cap ? (HopFn)cqsa_fwd_hopper_cap_##SUF##_d##D : (HopFn)cqsa_fwd_hopper_##SUF##_d##D; }
@@ -127,8 +127,14 @@ struct Run {
       CUtensorMap tq = tensor_map<T>(q, D, nq, b * hq, HC::BR), tk = tensor_map<T>(k, D, nk, b * hkv, HC::BC),
                   tv = tensor_map<T>(v, D, nk, b * hkv, HC::BC);
       const Seg* segs = nullptr;  // a plain call
-      void* args[] = {&tq, &tk, &tv, &o, &lse, &hq, &hkv, &nq, &nk, &scale, &kl, &kh, &cap, &segs};
-      CK(cudaLaunchKernel((const void*)f, dim3((nq + HC::BR - 1) / HC::BR, hq, b), dim3(HC::THREADS), args, sm, 0));
+      // Persistent: at most one block per SM for the (gx, hq, b) items.
+      int gx = (nq + HC::BR - 1) / HC::BR, sms = 0;
+      CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+      static int* next = nullptr;  // the kernel's count of items taken, zeroed per launch
+      if (!next) CK(cudaMalloc(&next, sizeof(int)));
+      CK(cudaMemsetAsync(next, 0, sizeof(int)));
+      void* args[] = {&tq, &tk, &tv, &o, &lse, &hq, &hkv, &nq, &nk, &scale, &kl, &kh, &cap, &segs, &gx, &b, &next};
+      CK(cudaLaunchKernel((const void*)f, dim3(std::min((long long)gx * hq * b, (long long)sms)), dim3(HC::THREADS), args, sm, 0));
       return;
     }
 #endif
@@ -432,6 +438,19 @@ int main(int argc, char** argv) {
     g_hopper = false;
   }
   if (mode == 10) for (size_t bytes : {256, 4096, 65536, 1 << 20}) pageable_copy_wait(bytes);
+  if (mode == 11) {
+    // Short sequences, where a block's start and end weigh most (bf16, H = 16):
+    // D = 128 at B x N = 8 x 2048 and 1 x 4096, causal and not, and D = 256's
+    // forward.
+    g_hopper = true;
+    struct Case { int b, n; bool causal; } cases[] = {{8, 2048, true}, {8, 2048, false}, {1, 4096, true}, {1, 4096, false}};
+    for (auto& c : cases) {
+      Run<__nv_bfloat16, 128> r{c.b, 16, 16, c.n, c.n, c.causal, 0, 0.0883883f}; r.alloc(1);
+      printf("== B=%d\n", c.b); r.bench(); r.release();
+    }
+    g_hopper = false;
+    for (int c = 0; c < 2; ++c) for (int n : {4096, 16384}) bench_hopper<256>(n, c);
+  }
   if (mode == 8 || mode == 9) {
     // The sliding-window target's shapes on the Hopper kernels (bf16, D = 128,
     // H = 16): a window of 4096 at N = 32768 (causal), a dense causal call of

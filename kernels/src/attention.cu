@@ -341,7 +341,7 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     int h, b;
-    const Seg sg = block_seg(segs, nq_all, nk_all, lo_all, hi_all, true, &h, &b);
+    const Seg sg = block_seg(segs, nq_all, nk_all, lo_all, hi_all, true, hw_block(), &h, &b);
     const int nq = sg.nq, nk = sg.nk, lo = sg.lo, hi = sg.hi;
     const bool has_lo = lo > -(nq + BAND_PAD), has_hi = hi < nk + BAND_PAD;
     int qblk = sg.blk >= 0 ? sg.blk : (int)blockIdx.x;
@@ -652,7 +652,7 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g8 = lane >> 2, t = lane & 3;
     int kh, b;
-    const Seg sg = block_seg(segs, nq_all, nk_all, lo_all, hi_all, false, &kh, &b);
+    const Seg sg = block_seg(segs, nq_all, nk_all, lo_all, hi_all, false, hw_block(), &kh, &b);
     const int nq = sg.nq, nk = sg.nk, lo = sg.lo, hi = sg.hi;
     int kblk = sg.blk >= 0 ? sg.blk : (int)blockIdx.x;
     if (banded && sg.blk < 0) {

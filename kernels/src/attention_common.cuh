@@ -118,22 +118,38 @@ struct Seg {
     int q_off, nq, k_off, nk, lo, hi, blk, tile0;
 };
 
+// A block's place in a launch grid (x fastest, as the hardware launches): the
+// block itself, or the item a persistent block works on in the grid it stands
+// in for.
+struct VBlock {
+    int x, y, z, gx, gy, gz;
+    // The linear index, x fastest.
+    __device__ __forceinline__ long long lin() const { return x + (long long)gx * (y + (long long)gy * z); }
+};
+__device__ __forceinline__ VBlock hw_block() {
+    return {(int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z, (int)gridDim.x, (int)gridDim.y, (int)gridDim.z};
+}
+// Item `v` (the linear index) of a (gx, gy, gz) grid.
+__device__ __forceinline__ VBlock item_block(long long v, int gx, int gy, int gz) {
+    return {(int)(v % gx), (int)(v / gx % gy), (int)(v / gx / gy), gx, gy, gz};
+}
+
 // This block's Seg and its (head, batch): from `segs` or the whole call
-// (blockIdx.x the block, -1 in blk: block_work and kv_work decide). `spread`
-// (the forward): Seg blockIdx.x... in the order of one linear block index over
+// (vb.x the block, -1 in blk: block_work and kv_work decide). `spread`
+// (the forward): Seg vb.x... in the order of one linear block index over
 // every (batch, head) first, so that the heaviest Segs (first) start everywhere
-// before the rest; else (the backward) Seg blockIdx.x of head blockIdx.y, so that
+// before the rest; else (the backward) Seg vb.x of head vb.y, so that
 // the blocks running at once share a document's queries in L2, as a plain call's.
-__device__ __forceinline__ Seg block_seg(const Seg* segs, int nq, int nk, int lo, int hi, bool spread, int* h,
-                                         int* b) {
+__device__ __forceinline__ Seg block_seg(const Seg* segs, int nq, int nk, int lo, int hi, bool spread,
+                                         const VBlock& vb, int* h, int* b) {
     if (segs == nullptr || !spread) {
-        *h = blockIdx.y;
-        *b = blockIdx.z;
-        return segs == nullptr ? Seg{0, nq, 0, nk, lo, hi, -1, 0} : segs[blockIdx.x];
+        *h = vb.y;
+        *b = vb.z;
+        return segs == nullptr ? Seg{0, nq, 0, nk, lo, hi, -1, 0} : segs[vb.x];
     }
-    const int heads = gridDim.y * gridDim.z;
-    const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    *h = lin % heads % gridDim.y;
-    *b = lin % heads / gridDim.y;
+    const int heads = vb.gy * vb.gz;
+    const long long lin = vb.lin();
+    *h = (int)(lin % heads % vb.gy);
+    *b = (int)(lin % heads / vb.gy);
     return segs[lin / heads];
 }

@@ -37,7 +37,8 @@ template <int D> struct FwdCfg {
     static constexpr int QBYTES = BR * D * 2;
     static constexpr int KVBYTES = BC * D * 2;
     // 1024 bytes of slack to align the tiles to the swizzle's 1024-byte period,
-    // Q, two stages each of K and V, then 9 mbarriers (8 bytes each).
+    // Q, two stages each of K and V, then 10 mbarriers (8 bytes each) and the
+    // persistent block's next item (4 bytes).
     static constexpr int BAR_OFF = QBYTES + 4 * KVBYTES;
     static constexpr int SMEM = 1024 + BAR_OFF + 128;
 };
@@ -74,6 +75,14 @@ __device__ __forceinline__ void bar_expect_tx(uint32_t bar, uint32_t bytes) {
 }
 __device__ __forceinline__ void bar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, int x) {
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(x) : "memory");
+}
+__device__ __forceinline__ int ld_shared_u32(uint32_t addr) {
+    int x;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(x) : "r"(addr) : "memory");
+    return x;
 }
 __device__ __forceinline__ void bar_wait(uint32_t bar, int parity) {
     asm volatile(
@@ -121,21 +130,22 @@ struct Work {
     int qblk, h, b, kv_begin, ntiles, q_off, k_off;
 };
 template <int D>
-__device__ __forceinline__ Work block_work(const Seg* segs, int nq_all, int nk_all, int lo_all, int hi_all, Seg* sg) {
+__device__ __forceinline__ Work block_work(const Seg* segs, int nq_all, int nk_all, int lo_all, int hi_all,
+                                           const VBlock& vb, Seg* sg) {
     using C = FwdCfg<D>;
-    Work w{(int)blockIdx.x, 0, 0, 0, 0, 0, 0};
-    *sg = block_seg(segs, nq_all, nk_all, lo_all, hi_all, true, &w.h, &w.b);
+    Work w{vb.x, 0, 0, 0, 0, 0, 0};
+    *sg = block_seg(segs, nq_all, nk_all, lo_all, hi_all, true, vb, &w.h, &w.b);
     const int nq = sg->nq, nk = sg->nk, lo = sg->lo, hi = sg->hi;
     const bool has_lo = lo > -(nq + BAND_PAD), has_hi = hi < nk + BAND_PAD;
     if (sg->blk >= 0) {
         w.qblk = sg->blk;
     } else if (has_hi && !has_lo) {
         // Causal-like: heaviest query blocks first across every (batch, head).
-        const int heads = gridDim.y * gridDim.z;
-        const int lin = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-        w.qblk = gridDim.x - 1 - lin / heads;
-        w.h = lin % heads % gridDim.y;
-        w.b = lin % heads / gridDim.y;
+        const int heads = vb.gy * vb.gz;
+        const long long lin = vb.lin();
+        w.qblk = vb.gx - 1 - (int)(lin / heads);
+        w.h = (int)(lin % heads % vb.gy);
+        w.b = (int)(lin % heads / vb.gy);
     }
     w.q_off = sg->q_off;
     w.k_off = sg->k_off;
@@ -146,39 +156,53 @@ __device__ __forceinline__ Work block_work(const Seg* segs, int nq_all, int nk_a
     return w;
 }
 
-// The producer: Q once, then K_j and V_j into stage j % 2 once the consumers
-// have released that stage (its previous use, tile j - 2).
+// Where a persistent block's pipelines stand before an item: the K/V tiles of
+// its earlier items, and their number (each one phase of full_q and empty_q).
+// K/V tile J of the block (counting across items) goes to stage J % 2 and is
+// that stage's use J / 2.
+struct Ring {
+    int kv, q;
+};
+
+// The producer of one item, once the consumers have released the previous
+// item's Q tile: Q (the consumers' full_q phase), then K_j and V_j into their
+// stage once the consumers have released its previous use (two tiles earlier).
 template <int D>
 __device__ void produce(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv, uint32_t qs,
-                        uint32_t ks, uint32_t vs, uint32_t bars, const Work& w, int hq, int hkv) {
+                        uint32_t ks, uint32_t vs, uint32_t bars, const Work& w, int hq, int hkv, Ring& r) {
     using C = FwdCfg<D>;
     const uint32_t full_q = bars, full_k = bars + 8, full_v = bars + 24, empty_k = bars + 40, empty_v = bars + 56;
     const int kh = w.h / (hq / hkv);
-    // A block with no key tile writes zeros without waiting for Q, so Q must not
-    // be in flight when it exits.
-    if (w.ntiles == 0) return;
+    r.q += 1;
+    // An item with no key tile writes zeros: its phase of full_q carries no Q.
+    if (w.ntiles == 0) {
+        bar_arrive(full_q);
+        return;
+    }
     bar_expect_tx(full_q, C::QBYTES);
     tma_tile<D>(qs, tq, C::BR, w.q_off + w.qblk * C::BR, w.b * hq + w.h, full_q);
     for (int j = 0; j < w.ntiles; ++j) {
-        const int s = j & 1, kv0 = w.k_off + w.kv_begin + j * C::BC;
-        if (j >= 2) bar_wait(empty_k + 8 * s, ((j >> 1) - 1) & 1);
+        const int J = r.kv + j, s = J & 1, kv0 = w.k_off + w.kv_begin + j * C::BC;
+        if (J >= 2) bar_wait(empty_k + 8 * s, ((J >> 1) - 1) & 1);
         bar_expect_tx(full_k + 8 * s, C::KVBYTES);
         tma_tile<D>(ks + s * C::KVBYTES, tk, C::BC, kv0, w.b * hkv + kh, full_k + 8 * s);
-        if (j >= 2) bar_wait(empty_v + 8 * s, ((j >> 1) - 1) & 1);
+        if (J >= 2) bar_wait(empty_v + 8 * s, ((J >> 1) - 1) & 1);
         bar_expect_tx(full_v + 8 * s, C::KVBYTES);
         tma_tile<D>(vs + s * C::KVBYTES, tv, C::BC, kv0, w.b * hkv + kh, full_v + 8 * s);
     }
+    r.kv += w.ntiles;
 }
 
-// One consumer warpgroup (`wg` 0 or 1: rows 64 * wg.. of the block).
+// One consumer warpgroup (`wg` 0 or 1: rows 64 * wg.. of the item's block).
 template <typename T, int D, bool SOFTCAP>
 __device__ void consume(T* __restrict__ o, float* __restrict__ lse, uint32_t qs, uint32_t ks, uint32_t vs,
                         uint32_t bars, const Work& w, int wg, int hq, int nq_all, const Seg& sg, float scale,
-                        float cap) {
+                        float cap, Ring& ring) {
     const int nq = sg.nq, nk = sg.nk, lo = sg.lo, hi = sg.hi;
     using C = FwdCfg<D>;
     constexpr int BR = C::BR, BC = C::BC, NS = BC / 2, NO = D / 2;
-    const uint32_t full_q = bars, full_k = bars + 8, full_v = bars + 24, empty_k = bars + 40, empty_v = bars + 56;
+    const uint32_t full_k = bars + 8, full_v = bars + 24, empty_k = bars + 40, empty_v = bars + 56,
+                   empty_q = bars + 72;
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int q0 = w.qblk * BR;
@@ -194,10 +218,13 @@ __device__ void consume(T* __restrict__ o, float* __restrict__ lse, uint32_t qs,
     const int wr0 = q0 + 64 * wg, wr1 = wr0 + 63;
     const int r0 = wr0 + 16 * warp + g;
     uint32_t pa[BC / 16][4];
+    // Tile j's stage and the parity of its use of the stage (ring order).
+    auto stage = [&](int j) { return (ring.kv + j) & 1; };
+    auto use = [&](int j) { return ((ring.kv + j) >> 1) & 1; };
 
     const uint64_t qd = desc128(qs + wg * 64 * 128, 16, 1024);
     auto issue_s = [&](float (&s)[NS], int j) {
-        const uint64_t kd = desc128(ks + (j & 1) * C::KVBYTES, 16, 1024);
+        const uint64_t kd = desc128(ks + stage(j) * C::KVBYTES, 16, 1024);
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
             mma_ss<T, BC>(s, desc_at(qd, (kk >> 2) * BR * 128 + (kk & 3) * 32),
@@ -206,7 +233,7 @@ __device__ void consume(T* __restrict__ o, float* __restrict__ lse, uint32_t qs,
     // V's descriptor: 8-key groups 1024 B apart (SBO), 64-dim column blocks
     // BC * 128 B apart (LBO).
     auto issue_pv = [&](int j) {
-        const uint64_t vd = desc128(vs + (j & 1) * C::KVBYTES, BC * 128, 1024);
+        const uint64_t vd = desc128(vs + stage(j) * C::KVBYTES, BC * 128, 1024);
 #pragma unroll
         for (int kk = 0; kk < BC / 16; ++kk) mma_rs<T, D>(oacc, pa[kk], desc_at(vd, kk * 16 * 128));
     };
@@ -266,25 +293,29 @@ __device__ void consume(T* __restrict__ o, float* __restrict__ lse, uint32_t qs,
             pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
         }
     };
+    // (The caller waited for this item's full_q phase.) Q is released after the
+    // item's last S product, so that the producer loads the next item's while
+    // this one finishes.
     const int n = w.ntiles;
+    if (n == 0) release(empty_q);
     if (n > 0) {
-        bar_wait(full_q, 0);
         float corr[2];
         {
-            bar_wait(full_k, 0);
+            bar_wait(full_k + 8 * stage(0), use(0));
             float s[NS];
             wg_fence();
             issue_s(s, 0);
             wg_commit();
             wg_wait0();
             reg_fence(s);
-            release(empty_k);
+            release(empty_k + 8 * stage(0));
+            if (n == 1) release(empty_q);
             softmax(s, 0, corr);  // O is still 0: corr unused
             pack_p(s);
         }
         for (int j = 1; j < n; ++j) {
-            bar_wait(full_k + 8 * (j & 1), (j >> 1) & 1);
-            bar_wait(full_v + 8 * ((j - 1) & 1), ((j - 1) >> 1) & 1);
+            bar_wait(full_k + 8 * stage(j), use(j));
+            bar_wait(full_v + 8 * stage(j - 1), use(j - 1));
             float s[NS];
             wg_fence();
             issue_s(s, j);
@@ -293,22 +324,26 @@ __device__ void consume(T* __restrict__ o, float* __restrict__ lse, uint32_t qs,
             wg_commit();
             wg_wait1();  // S_j is done; P_{j-1} V_{j-1} may still run
             reg_fence(s);
-            release(empty_k + 8 * (j & 1));
+            release(empty_k + 8 * stage(j));
+            if (j == n - 1) release(empty_q);
             softmax(s, j, corr);
             wg_wait0();
             reg_fence(oacc);
-            release(empty_v + 8 * ((j - 1) & 1));
+            release(empty_v + 8 * stage(j - 1));
 #pragma unroll
             for (int i = 0; i < NO; ++i) oacc[i] *= corr[(i >> 1) & 1];
             pack_p(s);
         }
-        bar_wait(full_v + 8 * ((n - 1) & 1), ((n - 1) >> 1) & 1);
+        bar_wait(full_v + 8 * stage(n - 1), use(n - 1));
         wg_fence();
         issue_pv(n - 1);
         wg_commit();
         wg_wait0();
         reg_fence(oacc);
+        release(empty_v + 8 * stage(n - 1));
+        ring.kv += n;
     }
+    ring.q += 1;
 
     // Rows of the Seg (q_off of them before it in the sequence of nq_all).
     T* ob = o + (((size_t)w.b * hq + w.h) * (size_t)nq_all + w.q_off) * D;
@@ -330,33 +365,61 @@ __device__ void consume(T* __restrict__ o, float* __restrict__ lse, uint32_t qs,
     }
 }
 
+// A persistent block: it works through items of the (gx, hq, nb) grid a block
+// per item would need, taken in that grid's launch order (block_work puts a
+// causal call's heaviest first): item blockIdx.x first, then the next not yet
+// taken (gridDim.x + the count in `next`, zeroed by the launcher), so that
+// blocks finishing early take more. The producer takes the item, passes it in
+// shared memory with the item's full_q phase, and loads its Q and first K/V
+// tiles while the consumers finish the previous one; an item past the end
+// tells the consumers to stop.
 template <typename T, int D, bool SOFTCAP>
 __device__ void fwd(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensorMap* tv, T* __restrict__ o,
                     float* __restrict__ lse, int hq, int hkv, int nq, int nk, float scale, int lo, int hi,
-                    float cap, const Seg* segs) {
+                    float cap, const Seg* segs, int gx, int nb, int* next) {
     using C = FwdCfg<D>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     if (dynamic_smem_size() < (uint32_t)C::SMEM) __trap();  // launcher bug
     const uint32_t qs = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const uint32_t ks = qs + C::QBYTES, vs = ks + 2 * C::KVBYTES, bars = qs + C::BAR_OFF;
+    const uint32_t full_q = bars, empty_q = bars + 72, slot = bars + 80;
     const int wg = threadIdx.x >> 7;
-    Seg sg;
-    const Work w = block_work<D>(segs, nq, nk, lo, hi, &sg);
     if (threadIdx.x == 0) {
-        // full_q; full_k[2], full_v[2] (the producer's expect_tx arrival plus the
-        // copies' bytes); empty_k[2], empty_v[2] (one arrival per consumer warp).
+        // full_q; full_k[2], full_v[2] (the producer's arrival, with expect_tx
+        // for the copies' bytes); empty_k[2], empty_v[2], empty_q (one arrival
+        // per consumer warp).
         bar_init(bars, 1);
         for (int i = 1; i < 5; ++i) bar_init(bars + 8 * i, 1);
-        for (int i = 5; i < 9; ++i) bar_init(bars + 8 * i, 8);
+        for (int i = 5; i < 10; ++i) bar_init(bars + 8 * i, 8);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
+    const int items = gx * hq * nb;  // the launcher checks that it fits an int
+    Ring ring{0, 0};
     if (wg == 0) {
-        setmaxnreg_dec<24>();
-        if (threadIdx.x == 0) produce<D>(tq, tk, tv, qs, ks, vs, bars, w, hq, hkv);
+        setmaxnreg_dec<40>();  // the item loop: 32 spill
+        if (threadIdx.x != 0) return;
+        for (int v = blockIdx.x;; v = gridDim.x + atomicAdd(next, 1)) {
+            if (ring.q > 0) bar_wait(empty_q, (ring.q - 1) & 1);
+            st_shared_u32(slot, v);
+            if (v >= items) {
+                bar_arrive(full_q);
+                return;
+            }
+            Seg sg;
+            const Work w = block_work<D>(segs, nq, nk, lo, hi, item_block(v, gx, hq, nb), &sg);
+            produce<D>(tq, tk, tv, qs, ks, vs, bars, w, hq, hkv, ring);
+        }
     } else {
-        setmaxnreg_inc<240>();
-        consume<T, D, SOFTCAP>(o, lse, qs, ks, vs, bars, w, wg - 1, hq, nq, sg, scale, cap);
+        setmaxnreg_inc<232>();  // 128 x 40 + 256 x 232 <= 64K
+        for (;;) {
+            bar_wait(full_q, ring.q & 1);
+            const int v = ld_shared_u32(slot);
+            if (v >= items) return;
+            Seg sg;
+            const Work w = block_work<D>(segs, nq, nk, lo, hi, item_block(v, gx, hq, nb), &sg);
+            consume<T, D, SOFTCAP>(o, lse, qs, ks, vs, bars, w, wg - 1, hq, nq, sg, scale, cap, ring);
+        }
     }
 }
 
@@ -768,7 +831,7 @@ __device__ void bwd(const CUtensorMap* tq, const CUtensorMap* tk, const CUtensor
     }
     __syncthreads();
     int kh, b;
-    const Seg sg = block_seg(segs, nq, nk, lo, hi, false, &kh, &b);
+    const Seg sg = block_seg(segs, nq, nk, lo, hi, false, hw_block(), &kh, &b);
     const KvWork w = kv_work<D>(sg, kh, b, hq, hkv);
     const int wg = threadIdx.x >> 7;
     if (wg == 0) {
@@ -828,16 +891,18 @@ __device__ void bwd_dq_convert(const float* acc, T* dq, long long slices, int nq
 }  // namespace hopper
 
 // Entries: cqsa_fwd_hopper_{,cap_}{f16,bf16}_d{64,128,256}, launched with
-// hopper::FwdCfg<D>::THREADS threads, SMEM bytes and ceil(nq / BR) blocks in x,
-// or for a packed call one block in x per Seg of `segs` (null: a plain call).
+// hopper::FwdCfg<D>::THREADS threads, SMEM bytes and at most one block per SM
+// in x (persistent), for the work of a (gx, hq, nb) grid: gx = ceil(nq / BR)
+// blocks of queries, or for a packed call one per Seg of `segs` (null: a plain
+// call), for each head and batch; `next` points to an int set to 0.
 // The tensor maps: 3-D (D, n, b * heads) over q, k, v, 128-byte swizzle, boxes
 // of (64, BR or BC, 1), zero fill.
 #define HOPPER_ENTRY(T, SUF, D, CAPNAME, CAP)                                                            \
     extern "C" __global__ void __launch_bounds__(384, 1) cqsa_fwd_hopper_##CAPNAME##SUF##_d##D(          \
         const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,                 \
         const __grid_constant__ CUtensorMap tv, T* o, float* lse, int hq, int hkv, int nq, int nk,      \
-        float scale, int lo, int hi, float cap, const Seg* segs) {                              \
-        hopper::fwd<T, D, CAP>(&tq, &tk, &tv, o, lse, hq, hkv, nq, nk, scale, lo, hi, cap, segs);       \
+        float scale, int lo, int hi, float cap, const Seg* segs, int gx, int nb, int* next) {   \
+        hopper::fwd<T, D, CAP>(&tq, &tk, &tv, o, lse, hq, hkv, nq, nk, scale, lo, hi, cap, segs, gx, nb, next); \
     }
 #define HOPPER_ENTRIES(T, SUF, D) HOPPER_ENTRY(T, SUF, D, , false) HOPPER_ENTRY(T, SUF, D, cap_, true)
 HOPPER_ENTRIES(__half, f16, 64)

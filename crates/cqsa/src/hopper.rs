@@ -79,6 +79,16 @@ pub(crate) fn available(dev: &CudaDevice) -> Result<bool> {
     Ok(dev.cuda_stream().context().compute_capability().w()? == (9, 0))
 }
 
+/// Streaming multiprocessors of `dev`: the blocks of a persistent launch.
+fn sm_count(dev: &CudaDevice) -> Result<usize> {
+    let n = dev
+        .cuda_stream()
+        .context()
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .w()?;
+    Ok(n.max(1) as usize)
+}
+
 /// A TMA descriptor, passed to the kernel by value (`__grid_constant__ const
 /// CUtensorMap`).
 #[repr(transparent)]
@@ -133,8 +143,10 @@ fn tensor_map(
 }
 
 /// Launches `cqsa_fwd_hopper_{cap_}{sfx}_d{d}` on the device's compute stream:
-/// `out` and `lse` get the output and the log-sum-exp. A packed call (`packed`)
-/// is one launch: a block per query block of each document.
+/// `out` and `lse` get the output and the log-sum-exp. The kernel is
+/// persistent: one block per SM works through the items (a query block of a
+/// head; a packed call: of each document), loading an item's first tiles while
+/// the previous one finishes.
 pub(crate) fn forward<T: DeviceRepr>(
     dev: &CudaDevice,
     (q, k, v): (&CudaView<'_, T>, &CudaView<'_, T>, &CudaView<'_, T>),
@@ -157,8 +169,13 @@ pub(crate) fn forward<T: DeviceRepr>(
         .map(|f| Segs::forward(dev, f, (ROWS, keys(d))))
         .transpose()?;
     let blocks = segs.as_ref().map_or(nq.div_ceil(ROWS), |s| s.blocks);
+    grid(blocks, hq, b)?;
+    let items = blocks * hq * b;
+    if items > i32::MAX as usize {
+        bail!("cqsa: {items} blocks of queries (over heads and batch) exceed i32")
+    }
     let cfg = LaunchConfig {
-        grid_dim: grid(blocks, hq, b)?,
+        grid_dim: (items.min(sm_count(dev)?) as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: smem(d),
     };
@@ -182,6 +199,10 @@ pub(crate) fn forward<T: DeviceRepr>(
         Some(s) => builder.arg(&s.table),
         None => builder.arg(&null),
     };
+    let (gx, nb) = (blocks as i32, b as i32);
+    // The count of items taken after the first wave (the kernel adds to it).
+    let mut next = dev.alloc_zeros::<i32>(1)?;
+    builder.arg(&gx).arg(&nb).arg(&mut next);
     if blocks == 0 {
         return Ok(());
     }
@@ -189,7 +210,8 @@ pub(crate) fn forward<T: DeviceRepr>(
     // b*hkv*nk*d, contiguous, 16-byte aligned), which live past the launch; the
     // kernel writes b*hq*nq*d of `out` and b*hq*nq of `lse` (a packed call's
     // Segs cover every row once, `Segs::forward`); argument types and order
-    // match its signature (`segs`: a null pointer or `blocks` Segs); it gets
+    // match its signature (`segs`: a null pointer or `blocks` Segs; gx, nb and
+    // their product with hq fit an i32; `next` a zeroed i32); it gets
     // its FwdCfg::SMEM (it traps on less) and runs only on a 9.0 device
     // (`applies`).
     unsafe { builder.launch(cfg) }.w()?;

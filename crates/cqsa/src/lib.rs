@@ -291,7 +291,20 @@ impl Call {
     ) -> Result<Self> {
         let exec = opts.device.clone().unwrap_or_else(|| q.device().clone());
         let verbose = opts.verbose || std::env::var("CQSA_VERBOSE").is_ok_and(|v| v == "1");
-        if opts.mode == Mode::Resident {
+        // The inputs already allocated on the compute device count as available.
+        let inputs = if q.device().same_device(&exec) {
+            (q.elem_count() + k.elem_count() + v.elem_count()) * q.dtype().size_in_bytes()
+        } else {
+            0
+        };
+        let forced =
+            opts.mode == Mode::Streamed || opts.q_chunk.is_some() || opts.kv_chunk.is_some();
+        // Resident when forced, or when the planner would choose it (checked
+        // cheaply first: an attention call in a training step should not wait on
+        // the planner).
+        if opts.mode == Mode::Resident
+            || (!forced && opts.budget.is_none() && Budget::fits_resident(&exec, shape, inputs)?)
+        {
             return Ok(Self {
                 exec,
                 plan: None,
@@ -302,11 +315,7 @@ impl Call {
             Some(b) => b,
             None => {
                 let mut b = Budget::detect(&exec)?;
-                if q.device().same_device(&exec) {
-                    // The inputs are already allocated there: count them as available.
-                    let e = q.dtype().size_in_bytes();
-                    b.device_bytes += (q.elem_count() + k.elem_count() + v.elem_count()) * e;
-                }
+                b.device_bytes += inputs;
                 b
             }
         };

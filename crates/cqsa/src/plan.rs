@@ -103,7 +103,41 @@ impl Budget {
     /// The free memory of `device` now (for the CPU, the available host memory),
     /// less a 10% reserve for other allocations.
     pub fn detect(device: &Device) -> Result<Self> {
-        let free = match device {
+        Ok(Self {
+            device_bytes: Self::usable(Self::free_bytes(device)?),
+            host_bytes: host_available(),
+        })
+    }
+
+    /// Whether a resident call of `shape` fits the budget [`Budget::detect`]
+    /// would give (`inputs` bytes already on `device` counted as available),
+    /// asking first only CUDA's pool, which answers in a microsecond: the
+    /// planner's resident choice without the driver's memory query, host
+    /// memory or the calibration, which only a streamed plan needs.
+    pub(crate) fn fits_resident(
+        device: &Device,
+        shape: &AttentionShape,
+        inputs: usize,
+    ) -> Result<bool> {
+        shape.check()?;
+        let need = shape.resident_bytes();
+        if device.is_cuda() {
+            let idle = streamer_core::pooled_idle_bytes(device).unwrap_or(0);
+            if Self::usable(idle) + inputs >= need {
+                return Ok(true);
+            }
+        }
+        Ok(Self::usable(Self::free_bytes(device)?) + inputs >= need)
+    }
+
+    /// `free` less the 10% reserve.
+    fn usable(free: usize) -> usize {
+        free / 10 * 9
+    }
+
+    /// The bytes `device` could allocate now.
+    fn free_bytes(device: &Device) -> Result<usize> {
+        Ok(match device {
             Device::Cpu => host_available(),
             #[cfg(feature = "cuda")]
             Device::Cuda(c) => {
@@ -123,10 +157,6 @@ impl Budget {
                 "cqsa: cannot detect memory of device {:?}",
                 other.location()
             ),
-        };
-        Ok(Self {
-            device_bytes: free / 10 * 9,
-            host_bytes: host_available(),
         })
     }
 }
