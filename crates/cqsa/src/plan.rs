@@ -657,3 +657,45 @@ pub(crate) fn plan(
         (Some(opts), backward),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(n: usize) -> AttentionShape {
+        AttentionShape {
+            b: 1,
+            hq: 2,
+            hkv: 2,
+            nq: n,
+            nk: n,
+            d: 64,
+            dtype: DType::F32,
+            causal: true,
+        }
+    }
+
+    /// The default mode's fast check says resident when the planner would
+    /// under the budget `Budget::detect` gives, and not for a call of 2^30
+    /// tokens (5 TB resident), which the planner's resident branch refuses.
+    #[test]
+    fn fits_resident_agrees_with_the_planner() -> Result<()> {
+        let dev = Device::Cpu;
+        let small = shape(256);
+        let plan = choose(
+            &small,
+            &shape_scores(&small),
+            &Budget::detect(&dev)?,
+            &Model::for_device(&dev),
+            (None, false),
+        )?;
+        assert_eq!(plan.mode, Mode::Resident);
+        assert!(Budget::fits_resident(&dev, &small, 0)?);
+        let huge = shape(1 << 30);
+        assert!(huge.resident_bytes() > Budget::detect(&dev)?.device_bytes);
+        assert!(!Budget::fits_resident(&dev, &huge, 0)?);
+        // Inputs already on the device count as available.
+        assert!(Budget::fits_resident(&dev, &huge, huge.resident_bytes())?);
+        Ok(())
+    }
+}
