@@ -505,10 +505,30 @@ __device__ __forceinline__ float lse_l2(float lse, bool in) {
 struct KvWork {
     int kblk, kh, b, tile0, ntq, grp;
 };
+#ifndef HEAVY_HEADS
+#define HEAVY_HEADS 16
+#endif
 template <int D> __device__ __forceinline__ KvWork kv_work(const Seg& sg, int kh, int b, int hq, int hkv) {
     using C = BwdCfg<D>;
     const int nq = sg.nq, nk = sg.nk, lo = sg.lo, hi = sg.hi;
     KvWork w{sg.blk >= 0 ? sg.blk : (int)blockIdx.x, kh, b, 0, 0, hq / hkv};
+    const bool has_lo = lo > -(nq + BAND_PAD), has_hi = hi < nk + BAND_PAD;
+    if (sg.blk < 0 && has_hi && !has_lo) {
+        // Causal-like: the first key blocks see the most queries. Heaviest first
+        // across groups of HEAVY_HEADS (batch, kv head) slices, so that the
+        // heaviest blocks of the last heads do not run alone at the end (causal
+        // 4096 backward 15 % faster on an H200), while the blocks running at
+        // once still share a few heads' dQ accumulators and queries in L2
+        // (heaviest first across every head thrashed it: 8 x 2048 causal took
+        // 1.27 ms against 0.93).
+        const int gx = gridDim.x, heads = gridDim.y * gridDim.z;
+        const long long lin = blockIdx.x + (long long)gx * (blockIdx.y + gridDim.y * blockIdx.z);
+        const int grp = (int)(lin / ((long long)HEAVY_HEADS * gx)), g = min(HEAVY_HEADS, heads - grp * HEAVY_HEADS);
+        const int r = (int)(lin - (long long)grp * HEAVY_HEADS * gx), slice = grp * HEAVY_HEADS + r % g;
+        w.kblk = r / g;
+        w.kh = slice % gridDim.y;
+        w.b = slice / gridDim.y;
+    }
     const int k0 = w.kblk * C::BR, k1 = min(k0 + C::BR, nk) - 1;
     const int i0 = clampi((long long)k0 - hi, nq), i1 = clampi((long long)k1 - lo + 1, nq);
     w.tile0 = i0 / C::BS;
