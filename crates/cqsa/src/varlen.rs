@@ -10,7 +10,8 @@
 //!
 //! Two ways to run it:
 //! - [`Fused`]: one launch of the tensor-core kernels (Hopper, or the portable
-//!   ones) over every document, a block per query block (forward) or key block
+//!   ones) over every document, a unit of work per query block (forward; the
+//!   Hopper forward's persistent blocks take them in turn) or key block
 //!   (backward) of each, when the call is resident on CUDA in f16/bf16 at head
 //!   dim 64 or 128 ([`fused`]). As flash-attn's varlen kernels.
 //! - Otherwise each document is its own call of [`crate::attention_saved`]
