@@ -6,15 +6,17 @@ use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Module, Tensor, Var};
 use streamer_models::{apply_rope, apply_rope_unfused, RmsNorm};
 
+/// The values of `t` as f64 on the CPU.
+fn f64s(t: &Tensor) -> Result<Vec<f64>> {
+    Ok(t.to_dtype(DType::F64)?
+        .to_device(&Device::Cpu)?
+        .flatten_all()?
+        .to_vec1()?)
+}
+
 /// Largest absolute difference over the largest magnitude of `want`.
 fn max_rel(got: &Tensor, want: &Tensor) -> Result<f64> {
-    let f = |t: &Tensor| -> Result<Vec<f64>> {
-        Ok(t.to_dtype(DType::F64)?
-            .to_device(&Device::Cpu)?
-            .flatten_all()?
-            .to_vec1()?)
-    };
-    let (a, b) = (f(got)?, f(want)?);
+    let (a, b) = (f64s(got)?, f64s(want)?);
     ensure!(
         a.len() == b.len(),
         "{} values, expected {}",
@@ -49,13 +51,7 @@ fn grads(
 /// RMSNorm of the rows of `x` (b, t, h) times `w` (h), in f64 on the CPU.
 fn rms_norm_f64(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let (b, t, h) = x.dims3()?;
-    let f = |t: &Tensor| -> Result<Vec<f64>> {
-        Ok(t.to_dtype(DType::F64)?
-            .to_device(&Device::Cpu)?
-            .flatten_all()?
-            .to_vec1()?)
-    };
-    let (xv, wv) = (f(x)?, f(w)?);
+    let (xv, wv) = (f64s(x)?, f64s(w)?);
     let mut want = vec![0f64; b * t * h];
     for r in 0..b * t {
         let row = &xv[r * h..(r + 1) * h];
@@ -134,13 +130,7 @@ candle_streamer::test_device!(rms_norm_fused_matches_reference);
 /// half" layout, in f64 on the CPU.
 fn rope_f64(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let (_, _, n, d) = x.dims4()?;
-    let f = |t: &Tensor| -> Result<Vec<f64>> {
-        Ok(t.to_dtype(DType::F64)?
-            .to_device(&Device::Cpu)?
-            .flatten_all()?
-            .to_vec1()?)
-    };
-    let (xv, cos, sin) = (f(x)?, f(cos)?, f(sin)?);
+    let (xv, cos, sin) = (f64s(x)?, f64s(cos)?, f64s(sin)?);
     let mut want = vec![0f64; xv.len()];
     for r in 0..xv.len() / d {
         let p = r % n;
