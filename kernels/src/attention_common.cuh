@@ -116,6 +116,9 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)_
 // kernel are the Seg's; the sequence lengths of the whole call only stride.
 struct Seg {
     int q_off, nq, k_off, nk, lo, hi, blk, tile0;
+    // A band with an upper bound and no lower one (causal): the first key
+    // blocks and the last query blocks carry the most work.
+    __device__ __forceinline__ bool causal_like() const { return hi < nk + BAND_PAD && lo <= -(nq + BAND_PAD); }
 };
 
 // A block's place in a launch grid (x fastest, as the hardware launches): the

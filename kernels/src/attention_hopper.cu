@@ -135,11 +135,10 @@ __device__ __forceinline__ Work block_work(const Seg* segs, int nq_all, int nk_a
     using C = FwdCfg<D>;
     Work w{vb.x, 0, 0, 0, 0, 0, 0};
     *sg = block_seg(segs, nq_all, nk_all, lo_all, hi_all, true, vb, &w.h, &w.b);
-    const int nq = sg->nq, nk = sg->nk, lo = sg->lo, hi = sg->hi;
-    const bool has_lo = lo > -(nq + BAND_PAD), has_hi = hi < nk + BAND_PAD;
+    const int nk = sg->nk, lo = sg->lo, hi = sg->hi;
     if (sg->blk >= 0) {
         w.qblk = sg->blk;
-    } else if (has_hi && !has_lo) {
+    } else if (sg->causal_like()) {
         // Causal-like: heaviest query blocks first across every (batch, head).
         const int heads = vb.gy * vb.gz;
         const long long lin = vb.lin();
@@ -512,8 +511,7 @@ template <int D> __device__ __forceinline__ KvWork kv_work(const Seg& sg, int kh
     using C = BwdCfg<D>;
     const int nq = sg.nq, nk = sg.nk, lo = sg.lo, hi = sg.hi;
     KvWork w{sg.blk >= 0 ? sg.blk : (int)blockIdx.x, kh, b, 0, 0, hq / hkv};
-    const bool has_lo = lo > -(nq + BAND_PAD), has_hi = hi < nk + BAND_PAD;
-    if (sg.blk < 0 && has_hi && !has_lo) {
+    if (sg.blk < 0 && sg.causal_like()) {
         // Causal-like: the first key blocks see the most queries. Heaviest first
         // across groups of HEAVY_HEADS (batch, kv head) slices, so that the
         // heaviest blocks of the last heads do not run alone at the end (causal
@@ -521,13 +519,14 @@ template <int D> __device__ __forceinline__ KvWork kv_work(const Seg& sg, int kh
         // once still share a few heads' dQ accumulators and queries in L2
         // (heaviest first across every head thrashed it: 8 x 2048 causal took
         // 1.27 ms against 0.93).
-        const int gx = gridDim.x, heads = gridDim.y * gridDim.z;
-        const long long lin = blockIdx.x + (long long)gx * (blockIdx.y + gridDim.y * blockIdx.z);
-        const int grp = (int)(lin / ((long long)HEAVY_HEADS * gx)), g = min(HEAVY_HEADS, heads - grp * HEAVY_HEADS);
-        const int r = (int)(lin - (long long)grp * HEAVY_HEADS * gx), slice = grp * HEAVY_HEADS + r % g;
+        const VBlock vb = hw_block();
+        const int heads = vb.gy * vb.gz;
+        const long long lin = vb.lin(), per_group = (long long)HEAVY_HEADS * vb.gx;
+        const int grp = (int)(lin / per_group), g = min(HEAVY_HEADS, heads - grp * HEAVY_HEADS);
+        const int r = (int)(lin - grp * per_group), slice = grp * HEAVY_HEADS + r % g;
         w.kblk = r / g;
-        w.kh = slice % gridDim.y;
-        w.b = slice / gridDim.y;
+        w.kh = slice % vb.gy;
+        w.b = slice / vb.gy;
     }
     const int k0 = w.kblk * C::BR, k1 = min(k0 + C::BR, nk) - 1;
     const int i0 = clampi((long long)k0 - hi, nq), i1 = clampi((long long)k1 - lo + 1, nq);
