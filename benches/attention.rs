@@ -29,7 +29,9 @@
 //! - `CQSA_BENCH_MASKED=0`: skip the masked rows (on by default): a sliding
 //!   window `window:W` (causal, `window_left = W`) at `N` tokens against dense
 //!   calls of `W` tokens, causal and not, repeated `N / W` times, which bracket
-//!   the window's work (CUDA: W = 4096, N = 32768; CPU: 64 and 512). FLOPs of a
+//!   the window's work (CUDA: W = 4096, N = 32768; CPU: 64 and 512), and one
+//!   causal call of about the window's visible pairs (N = 16384; CPU: 256); each
+//!   ratio also per visible pair (`*_per_pair`). FLOPs of a
 //!   masked call: `4 B H D` per visible (query, key) pair, forward+backward 3.5x.
 //!   The PyTorch script runs the same rows through `flex_attention` (SDPA has no
 //!   window); its ratios land in `masked.peer`, its rows in the table as `flex`.
@@ -786,7 +788,8 @@ fn out_of_core(dev: &Device) -> Result<Value> {
 /// The masked rows: a causal sliding window `window:W` at `N` tokens, and dense
 /// calls at `W` tokens, causal and not, whose times times `N / W` bracket what
 /// the window should cost: its visible pairs are `N W - W^2 / 2`, between the
-/// `N / W` causal calls' (`N W / 2`) and the non-causal ones' (`N W`). FLOPs of a
+/// `N / W` causal calls' (`N W / 2`) and the non-causal ones' (`N W`); and one
+/// causal call of about the window's pairs (`equal_work_causal_n`). FLOPs of a
 /// masked call are `4 B H D` per visible (query, key) pair.
 fn masked_rows(
     dev: &Device,
@@ -799,6 +802,7 @@ fn masked_rows(
     } else {
         (64, 512)
     };
+    let n_equal = equal_work_causal_n(n, w);
     let mut rows = Vec::new();
     // (forward ms, forward+backward ms, visible pairs) of each row.
     let mut runs = Vec::new();
@@ -806,6 +810,7 @@ fn masked_rows(
         (format!("window:{w}"), n, Some(w), true),
         ("none".to_string(), w, None, true),
         ("none".to_string(), w, None, false),
+        ("none".to_string(), n_equal, None, true),
     ] {
         let rnd = || -> Result<Tensor> {
             Ok(Tensor::randn(0f32, 1.0, (b, h, n, d), dev)?.to_dtype(dtype)?)
@@ -846,31 +851,53 @@ fn masked_rows(
             "fwdbwd_tflops": tflops(3.5 * fwd_flops, Some(fb.gpu)),
         }));
     }
-    // The window's time over N / W dense W-token calls (issue 13's target:
-    // forward+backward <= 1.2x), and its visible pairs over theirs.
+    // The window's time over N / W dense W-token calls and over one causal call
+    // of about its work, its visible pairs over theirs, and the time per
+    // visible pair over theirs (issue 13's target: "forward+backward <= 1.2x
+    // ... i.e. the mask saves what it should").
     let blocks = (n / w) as f64;
-    let versus = |dense: (f64, f64, f64)| {
+    let versus = |dense: (f64, f64, f64), times: f64| {
+        let work = runs[0].2 / (times * dense.2);
+        let (fwd, fwdbwd) = (runs[0].0 / (times * dense.0), runs[0].1 / (times * dense.1));
         json!({
-            "fwd": runs[0].0 / (blocks * dense.0),
-            "fwdbwd": runs[0].1 / (blocks * dense.1),
-            "work": runs[0].2 / (blocks * dense.2),
+            "fwd": fwd, "fwdbwd": fwdbwd, "work": work,
+            "fwd_per_pair": fwd / work, "fwdbwd_per_pair": fwdbwd / work,
         })
     };
-    let (causal, dense) = (versus(runs[1]), versus(runs[2]));
-    println!(
-        "masked: window / ({blocks} x dense {w}): causal fwd {:.3} f+b {:.3} (work {:.3}); non-causal fwd {:.3} f+b {:.3} (work {:.3})",
-        causal["fwd"].as_f64().unwrap_or(f64::NAN),
-        causal["fwdbwd"].as_f64().unwrap_or(f64::NAN),
-        causal["work"].as_f64().unwrap_or(f64::NAN),
-        dense["fwd"].as_f64().unwrap_or(f64::NAN),
-        dense["fwdbwd"].as_f64().unwrap_or(f64::NAN),
-        dense["work"].as_f64().unwrap_or(f64::NAN),
-    );
+    let (causal, dense) = (versus(runs[1], blocks), versus(runs[2], blocks));
+    let mut equal = versus(runs[3], 1.0);
+    equal["n"] = json!(n_equal);
+    let f = |v: &Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+    for (name, v) in [
+        (format!("{blocks} x causal {w}"), &causal),
+        (format!("{blocks} x dense {w}"), &dense),
+        (format!("causal {n_equal}"), &equal),
+    ] {
+        println!(
+            "masked: window / {name:<18}: fwd {:.3} f+b {:.3} (work {:.3}); per visible pair fwd {:.3} f+b {:.3}",
+            f(v, "fwd"),
+            f(v, "fwdbwd"),
+            f(v, "work"),
+            f(v, "fwd_per_pair"),
+            f(v, "fwdbwd_per_pair"),
+        );
+    }
     Ok(json!({
         "flops_convention": "masked calls: 4*B*H*D per visible (query, key) pair (forward), forward+backward 3.5x forward; the dense rows by the same count (causal: N(N+1)/2 pairs, about the usual 4*B*H*N^2*D/2)",
         "rows": rows,
         "blocks": blocks,
         "window_over_blocks_of_dense_causal": causal,
         "window_over_blocks_of_dense": dense,
+        "window_over_equal_work_causal": equal,
     }))
+}
+
+/// The causal length whose visible pairs come closest to a causal window of
+/// `w` at `n` tokens (`n w - w^2 / 2` pairs), as a multiple of `w`: the dense
+/// call the window's time per pair is measured against (16384 for 4096 at
+/// 32768, 256 for 64 at 512).
+fn equal_work_causal_n(n: usize, w: usize) -> usize {
+    let pairs = (n * w) as f64 - (w * w) as f64 / 2.0;
+    let blocks = ((2.0 * pairs).sqrt() / w as f64).round().max(1.0);
+    blocks as usize * w
 }

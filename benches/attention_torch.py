@@ -9,9 +9,11 @@ The masked peer (`--window N:W`, default 32768:4096; `--window none` skips it):
 SDPA has no sliding window, so PyTorch's `flex_attention` (compiled, with a
 block mask, which skips fully masked tiles) runs the bench's masked rows: a
 causal window of W keys behind each query (W + 1 visible keys, as cqsa's
-`window_left`) at N tokens, and dense calls of W tokens, causal and not. FLOPs
-are 4*B*H*D per visible (query, key) pair, forward+backward 3.5x; `window`
-holds the window's time over N / W dense calls, as the bench's `masked`.
+`window_left`) at N tokens, dense calls of W tokens, causal and not, and one
+causal call of about the window's visible pairs. FLOPs are 4*B*H*D per visible
+(query, key) pair, forward+backward 3.5x; `window` holds the window's time over
+N / W dense calls and over the causal one, also per visible pair, as the
+bench's `masked`.
 
 The varlen peer (`--varlen DOCS:LEN`, default 8:2048; `none` skips it): the
 bench's packed row (DOCS causal documents of LEN tokens in one row) as
@@ -73,6 +75,12 @@ def timed_pair(call, q, k, v, g):
     return f, fbm
 
 
+def equal_work_causal_n(n, w):
+    """The causal length, a multiple of w, of about the visible pairs of a causal window w at n (as the bench)."""
+    pairs = n * w - w * w / 2
+    return max(1, round((2 * pairs) ** 0.5 / w)) * w
+
+
 def window_rows(spec, B, H, D, dt):
     """flex_attention on the bench's masked rows: (rows, ratios)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -80,7 +88,9 @@ def window_rows(spec, B, H, D, dt):
     n, w = (int(x) for x in spec.split(":"))
     flex = torch.compile(flex_attention, dynamic=False)
     rows, runs = [], []
-    for mask, size, window, causal in ((f"window:{w}", n, w, True), ("none", w, None, True), ("none", w, None, False)):
+    n_equal = equal_work_causal_n(n, w)
+    for mask, size, window, causal in ((f"window:{w}", n, w, True), ("none", w, None, True), ("none", w, None, False),
+                                       ("none", n_equal, None, True)):
         def keep(b, h, qi, ki, window=window, causal=causal):
             ok = qi >= ki
             return ok & (qi - ki <= window) if window is not None else ok
@@ -98,14 +108,18 @@ def window_rows(spec, B, H, D, dt):
         print(f"{size:>6} {str(causal):>6} {'flex':>7} | {rows[-1]['fwd_tflops']:>9.1f} {rows[-1]['fwd_bwd_tflops']:>9.1f}  mask {mask}")
     blocks = n // w
 
-    def versus(dense):
-        return {"fwd": runs[0][0] / (blocks * dense[0]), "fwdbwd": runs[0][1] / (blocks * dense[1]),
-                "work": runs[0][2] / (blocks * dense[2])}
+    def versus(dense, times):
+        fwd, fwdbwd = runs[0][0] / (times * dense[0]), runs[0][1] / (times * dense[1])
+        work = runs[0][2] / (times * dense[2])
+        return {"fwd": fwd, "fwdbwd": fwdbwd, "work": work, "fwd_per_pair": fwd / work,
+                "fwdbwd_per_pair": fwdbwd / work}
 
-    ratios = {"system": "flex", "blocks": blocks, "window_over_blocks_of_dense_causal": versus(runs[1]),
-              "window_over_blocks_of_dense": versus(runs[2])}
+    ratios = {"system": "flex", "blocks": blocks, "window_over_blocks_of_dense_causal": versus(runs[1], blocks),
+              "window_over_blocks_of_dense": versus(runs[2], blocks),
+              "window_over_equal_work_causal": {"n": n_equal, **versus(runs[3], 1)}}
     print(f"flex: window / ({blocks} x dense {w}): causal {ratios['window_over_blocks_of_dense_causal']}, "
-          f"non-causal {ratios['window_over_blocks_of_dense']}")
+          f"non-causal {ratios['window_over_blocks_of_dense']}; / causal {n_equal}: "
+          f"{ratios['window_over_equal_work_causal']}")
     return rows, ratios
 
 
