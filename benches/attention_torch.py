@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Every flex shape compiles twice (with and without grad); past dynamo's limit
-# (8) a call silently falls back to flex's unfused reference, and the varlen
-# row, compiled last, measured that (1 TFLOP/s) once the window rows had four.
+# (8) a call falls back, with one warning, to flex's unfused reference, and the
+# varlen row, compiled last, measured that (1 TFLOP/s) once the window rows had
+# four shapes.
 torch._dynamo.config.recompile_limit = 64
 if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # never measure the fallback
