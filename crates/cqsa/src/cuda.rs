@@ -144,7 +144,7 @@ pub(crate) fn grid(x: usize, y: usize, z: usize) -> Result<(u32, u32, u32)> {
     Ok((x as u32, y as u32, z as u32))
 }
 
-fn to_i32(x: usize, what: &str) -> Result<i32> {
+pub(crate) fn to_i32(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("cqsa: {what} = {x} exceeds i32")))
 }
 

@@ -21,7 +21,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, DType, Result};
 use streamer_kernels::{module, ATTENTION_HOPPER};
 
-use crate::cuda::{allow_smem, grid, Backward, KernelArgs};
+use crate::cuda::{allow_smem, grid, to_i32, Backward, KernelArgs};
 use crate::segs::Segs;
 use crate::varlen::Fused;
 use crate::AttentionShape;
@@ -169,11 +169,11 @@ pub(crate) fn forward<T: DeviceRepr>(
         .map(|f| Segs::forward(dev, f, (ROWS, keys(d))))
         .transpose()?;
     let blocks = segs.as_ref().map_or(nq.div_ceil(ROWS), |s| s.blocks);
+    // The grid the items stand for keeps a launch's limits; the kernel counts
+    // items in an i32.
     grid(blocks, hq, b)?;
     let items = blocks * hq * b;
-    if items > i32::MAX as usize {
-        bail!("cqsa: {items} blocks of queries (over heads and batch) exceed i32")
-    }
+    to_i32(items, "blocks of queries over heads and batch")?;
     let cfg = LaunchConfig {
         grid_dim: (items.min(sm_count(dev)?) as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
