@@ -59,14 +59,16 @@ fn corpus() -> ByteCorpus {
     })
 }
 
-/// Times `steps` training steps after 2 warm-up steps; `step` returns the loss.
+/// Times `steps` training steps after 2 warm-up steps; `step` takes the
+/// batch and the step's learning rate and returns the loss.
 fn time_steps(
     dev: &Device,
     data: &ByteCorpus,
     batch: usize,
     seq: usize,
     steps: usize,
-    mut step: impl FnMut(&Tensor, &Tensor) -> Result<f32>,
+    peak_lr: f64,
+    mut step: impl FnMut(&Tensor, &Tensor, f64) -> Result<f32>,
 ) -> Result<Run> {
     streamer_core::trim_device_memory(dev)?;
     let base = common::used_now(dev);
@@ -74,11 +76,12 @@ fn time_steps(
     let mut step_s = Vec::new();
     let mut loss = Vec::new();
     let warmup = env_or("LM_BENCH_WARMUP", 2);
+    let schedule = common::bench_schedule(peak_lr, steps + warmup);
     for s in 0..steps + warmup {
         let (x, y) = data.batch(0, s as u64, batch, seq, dev)?;
         dev.synchronize()?;
         let t = Instant::now();
-        let l = step(&x, &y)?;
+        let l = step(&x, &y, schedule.at(s))?;
         dev.synchronize()?;
         if dev.is_cuda() {
             let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
@@ -113,8 +116,8 @@ fn resident_label() -> String {
     }
 }
 
-/// One optimizer step over a `GradStore`.
-type StepFn = Box<dyn FnMut(&candle_core::backprop::GradStore) -> candle_core::Result<()>>;
+/// One optimizer step over a `GradStore` at a learning rate.
+type StepFn = Box<dyn FnMut(&candle_core::backprop::GradStore, f64) -> candle_core::Result<()>>;
 
 fn resident(
     cfg: &LlamaConfig,
@@ -148,16 +151,22 @@ fn resident(
     let mut opt: StepFn = match std::env::var("LM_BENCH_RESIDENT_OPTIMIZER").as_deref() {
         Ok("candle") => {
             let mut o = AdamW::new(varmap.all_vars(), adam.clone())?;
-            Box::new(move |g| o.step(g))
+            Box::new(move |g, lr| {
+                o.set_learning_rate(lr);
+                o.step(g)
+            })
         }
         _ => {
             let mut o = DeviceAdamW::new(varmap.all_vars(), adam.clone(), dev)?;
-            Box::new(move |g| o.step(g))
+            Box::new(move |g, lr| {
+                o.set_learning_rate(lr);
+                o.step(g)
+            })
         }
     };
-    time_steps(dev, &corpus(), batch, seq, steps, |x, y| {
+    time_steps(dev, &corpus(), batch, seq, steps, adam.lr, |x, y, lr| {
         let loss = model.loss(x, y)?;
-        opt(&model.backward(&loss)?)?;
+        opt(&model.backward(&loss)?, lr)?;
         Ok(loss.to_scalar::<f32>()?)
     })
 }
@@ -209,7 +218,8 @@ fn streamed(
         "  activations {policy:?}; device memory free before: {:.1} GiB",
         streamer_core::free_device_memory(dev)?.unwrap_or(0) as f64 / (1u64 << 30) as f64
     );
-    let mut run = time_steps(dev, &corpus(), batch, seq, steps, |x, y| {
+    let mut run = time_steps(dev, &corpus(), batch, seq, steps, adam.lr, |x, y, lr| {
+        trainer.set_learning_rate(lr);
         Ok(trainer.step(x, y)?)
     })?;
     let layers = trainer

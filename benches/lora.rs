@@ -25,6 +25,9 @@
 #[path = "common/mod.rs"]
 mod common;
 
+/// The training rows' peak learning rate (reached at the last step).
+const LR: f64 = 1e-4;
+
 use anyhow::{bail, Result};
 use candle_core::{DType, Device};
 use candle_nn::{Optimizer, ParamsAdamW};
@@ -61,17 +64,18 @@ fn measure(
     dev: &Device,
     data: &ByteCorpus,
     (batch, seq, steps): (usize, usize, usize),
-    mut step: impl FnMut(&candle_core::Tensor, &candle_core::Tensor) -> Result<f32>,
+    mut step: impl FnMut(&candle_core::Tensor, &candle_core::Tensor, f64) -> Result<f32>,
 ) -> Result<Measured> {
     streamer_core::trim_device_memory(dev)?;
     let base = common::used_now(dev);
     let sampler = common::MemSampler::start(dev);
     let (mut step_s, mut loss) = (Vec::new(), Vec::new());
+    let schedule = common::bench_schedule(LR, steps + 1);
     for s in 0..steps + 1 {
         let (x, y) = data.batch(0, s as u64, batch, seq, dev)?;
         dev.synchronize()?;
         let t = Instant::now();
-        loss.push(step(&x, &y)?);
+        loss.push(step(&x, &y, schedule.at(s))?);
         dev.synchronize()?;
         if s > 0 {
             step_s.push(t.elapsed().as_secs_f64());
@@ -120,7 +124,6 @@ fn run(
         "  model built (masters page-locked): {:.1} s",
         t0.elapsed().as_secs_f64()
     );
-    let lr = 1e-4;
     let (m, trainable) = match mode {
         "full" => {
             // LORA_BENCH_OPTIMIZER=host|device (default device on a GPU: the
@@ -137,7 +140,7 @@ fn run(
             let mut t = LmTrainer::new_on(
                 model,
                 ParamsAdamW {
-                    lr,
+                    lr: LR,
                     ..Default::default()
                 },
                 place,
@@ -148,7 +151,10 @@ fn run(
             );
             t.set_overlap(true);
             (
-                measure(dev, &data, shape, |x, y| Ok(t.step(x, y)?))?,
+                measure(dev, &data, shape, |x, y, lr| {
+                    t.set_learning_rate(lr);
+                    Ok(t.step(x, y)?)
+                })?,
                 cfg.num_params(),
             )
         }
@@ -164,11 +170,12 @@ fn run(
             let mut opt = candle_nn::AdamW::new(
                 vars.into_iter().map(|(_, v)| v).collect(),
                 ParamsAdamW {
-                    lr,
+                    lr: LR,
                     ..Default::default()
                 },
             )?;
-            let m = measure(dev, &data, shape, |x, y| {
+            let m = measure(dev, &data, shape, |x, y, lr| {
+                opt.set_learning_rate(lr);
                 let loss = model.loss(x, y)?;
                 opt.step(&model.backward(&loss)?)?;
                 model.zero_grad()?;

@@ -1,7 +1,8 @@
 //! Write a Hugging Face model folder of random weights in the real layout, for
 //! trying `generate --model` / `train_lm --model` at sizes no fixture has:
 //! `config.json`, `model.safetensors` (or shards and their index) and a
-//! `tokenizer.json` copied from `--tokenizer`.
+//! `tokenizer.json` copied from `--tokenizer` (without it, a weights-only
+//! folder: the same weights `train_lm --config config.json --seed S` starts from).
 //!
 //!     cargo run --release --example init_model -- --shape llama31-8b --tokenizer tok.json --out /tmp/8b
 //!     cargo run --release --example init_model -- --config config.json --tokenizer tok.json --out DIR
@@ -26,9 +27,10 @@ struct Args {
     /// A named shape instead: llama31-8b, or a preset (tiny, 350m, 1b, 3b).
     #[arg(long)]
     shape: Option<String>,
-    /// The tokenizer.json to copy in (checked against vocab_size).
+    /// The tokenizer.json to copy in (checked against vocab_size); without
+    /// it the folder holds the config and weights only.
     #[arg(long)]
-    tokenizer: PathBuf,
+    tokenizer: Option<PathBuf>,
     /// Output folder (must not exist yet).
     #[arg(long)]
     out: PathBuf,
@@ -98,13 +100,19 @@ fn main() -> Result<()> {
     };
     let dtype = cli::parse_dtype(&a.dtype)?;
     let max = streamer_models::parse_bytes(&a.shard_size)?;
-    let tok = TextTokenizer::from_file(&a.tokenizer)?;
-    tok.check_vocab(
-        &cfg,
-        a.config
-            .as_deref()
-            .unwrap_or(std::path::Path::new("--shape")),
-    )?;
+    let tok = a
+        .tokenizer
+        .as_ref()
+        .map(TextTokenizer::from_file)
+        .transpose()?;
+    if let Some(t) = &tok {
+        t.check_vocab(
+            &cfg,
+            a.config
+                .as_deref()
+                .unwrap_or(std::path::Path::new("--shape")),
+        )?;
+    }
     if a.out.exists() {
         bail!("{} exists: give a new folder", a.out.display());
     }
@@ -116,7 +124,9 @@ fn main() -> Result<()> {
         .collect::<Result<HashMap<_, _>>>()?;
     write_weights(&a.out, weights, max)?;
     streamer_models::train::write_atomic(&a.out.join("config.json"), &cfg.to_json()?)?;
-    std::fs::copy(tok.path(), a.out.join("tokenizer.json"))?;
+    if let Some(t) = &tok {
+        std::fs::copy(t.path(), a.out.join("tokenizer.json"))?;
+    }
     println!("wrote {}", a.out.display());
     Ok(())
 }

@@ -35,7 +35,7 @@ use streamer_core::StreamConfig;
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
     generate, init_weights, parse_bytes, prefetch_for_budget, train_loop, ByteCorpus,
-    CheckpointFiles, Llama, LlamaConfig, LmTrainer, LoopOptions, LoraConfig, OptimizerPlace,
+    CheckpointFiles, Decay, Llama, LlamaConfig, LmTrainer, LoopOptions, LoraConfig, OptimizerPlace,
     Placement, PretrainedFiles, TextTokenizer, TokenCorpus,
 };
 
@@ -79,6 +79,10 @@ struct Args {
     /// Linear warm-up steps.
     #[arg(long, default_value_t = 20)]
     warmup: usize,
+    /// The learning rate after the warm-up: `cosine` (down to 0 at --steps,
+    /// as Hugging Face's Trainer), `cosine:R` (down to R x --lr) or `constant`.
+    #[arg(long, default_value = "cosine")]
+    schedule: String,
     /// AdamW decoupled weight decay.
     #[arg(long, default_value_t = 0.01)]
     weight_decay: f64,
@@ -266,6 +270,7 @@ fn loop_options(
         seed: a.seed,
         lr,
         warmup: a.warmup,
+        decay: Decay::parse(&a.schedule).context("--schedule")?,
         save_every: Some(cli::count("--save-every", a.save_every, 1 << 40)?),
         checkpoint_dir: Some(ckpt.to_path_buf()),
     };
@@ -475,13 +480,15 @@ fn train(
     let params = cfg.num_params();
     println!(
         "train_lm: {label} ({:.1} M params, {} layers of {:.1} MiB in {dtype:?}), window {} layers on {:?}, \
-         batch {} x {seq} tokens, lr {lr}, steps {start}..{steps}",
+         batch {} x {seq} tokens, lr {lr} ({} warm-up steps, then {:?}), steps {start}..{steps}",
         params as f64 / 1e6,
         cfg.num_hidden_layers,
         layer_bytes(&cfg, dtype) as f64 / 1048576.0,
         prefetch + 1,
         dev.location(),
         a.batch,
+        opts.warmup,
+        opts.decay,
     );
     if a.sample_tokens > 0 {
         println!("sample before: {:?}", sample(trainer.model(), tok, a)?);

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use streamer_core::StreamConfig;
 use streamer_models::{
-    init_weights, train_loop, ByteCorpus, CheckpointFiles, Llama, LlamaConfig, LmTrainer,
+    init_weights, train_loop, ByteCorpus, CheckpointFiles, Decay, Llama, LlamaConfig, LmTrainer,
     LoopOptions,
 };
 
@@ -73,6 +73,7 @@ fn opts(steps: usize, dir: Option<PathBuf>) -> LoopOptions {
         seed: 5,
         lr: 3e-3,
         warmup: 3,
+        decay: Decay::Constant,
         save_every: Some(1),
         checkpoint_dir: dir,
     }

@@ -17,6 +17,7 @@ mod fused_mlp;
 mod fused_ops;
 mod fuzz;
 mod lora;
+mod loss_curve;
 mod models;
 mod optim;
 mod pool;

@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 use streamer_core::{StreamConfig, WeightSource};
 use streamer_models::{
     check_weights, generate, init_weights, parse_bytes, prefetch_for_budget, sample_token,
-    train_loop, ByteCorpus, Llama, LlamaConfig, LmTrainer, LoopOptions, OptimizerPlace, SplitMix64,
+    train_loop, ByteCorpus, Decay, Llama, LlamaConfig, LmTrainer, LoopOptions, OptimizerPlace,
+    SplitMix64,
 };
 
 /// A micro config: 3 layers of width 32, 4 query heads / 2 key-value heads of 8.
@@ -493,6 +494,7 @@ fn llama_resume_matches_uninterrupted(dev: &Device) -> Result<()> {
         seed: 11,
         lr: 3e-3,
         warmup: 3,
+        decay: Decay::Constant,
         save_every: Some(2),
         checkpoint_dir: dir,
     };
@@ -573,6 +575,7 @@ fn llama_device_optimizer_matches_host(dev: &Device) -> Result<()> {
         seed: 5,
         lr: 3e-3,
         warmup: 2,
+        decay: Decay::Constant,
         save_every: Some(2),
         checkpoint_dir: dir,
     };
@@ -650,6 +653,7 @@ fn llama_train_loop_reduces_loss_on_corpus(dev: &Device) -> Result<()> {
         seed: 0,
         lr: 1e-2,
         warmup: 0,
+        decay: Decay::Constant,
         save_every: None,
         checkpoint_dir: None,
     };
@@ -1228,6 +1232,7 @@ fn llama_loop_options_are_checked_before_work(_dev: &Device) -> Result<()> {
         seed: 0,
         lr: 1e-3,
         warmup: 0,
+        decay: Decay::Constant,
         save_every: None,
         checkpoint_dir: None,
     };

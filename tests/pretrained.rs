@@ -11,7 +11,8 @@ use candle_nn::ParamsAdamW;
 use std::path::{Path, PathBuf};
 use streamer_core::StreamConfig;
 use streamer_models::{
-    train_loop, Llama, LmTrainer, LoopOptions, Placement, Pretrained, TextTokenizer,
+    train_loop, Decay, Llama, LmTrainer, LoopOptions, OptimizerPlace, Placement, Pretrained,
+    TextTokenizer,
 };
 
 fn temp_dir(name: &str) -> Result<PathBuf> {
@@ -230,6 +231,7 @@ fn from_pretrained_fine_tunes_on_its_tokenizer(dev: &Device) -> Result<()> {
         seed: 0,
         lr: 1e-2,
         warmup: 0,
+        decay: Decay::Constant,
         save_every: None,
         checkpoint_dir: None,
     };
@@ -239,3 +241,65 @@ fn from_pretrained_fine_tunes_on_its_tokenizer(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(from_pretrained_fine_tunes_on_its_tokenizer);
+
+/// A folder loaded resident fine-tunes with the same trainer as a streamed
+/// one (its weights become variables; the optimizer on the host for a CPU
+/// model, on the device for a GPU one) and gives the streamed run's losses.
+fn from_pretrained_resident_fine_tunes_as_streamed(dev: &Device) -> Result<()> {
+    let dir = fixture("llama-tokenizer")?;
+    let d = temp_dir("finetune-resident")?;
+    let text = "It is a truth universally acknowledged, that a single man in possession of a good fortune. ";
+    std::fs::write(d.join("corpus.txt"), text.repeat(8))?;
+    let place = if dev.is_cpu() {
+        OptimizerPlace::Host
+    } else {
+        OptimizerPlace::Device
+    };
+    let opts = LoopOptions {
+        steps: 10,
+        batch: 2,
+        seq: 16,
+        seed: 0,
+        lr: 1e-2,
+        warmup: 3,
+        decay: Decay::Cosine { min_ratio: 0.1 },
+        save_every: None,
+        checkpoint_dir: None,
+    };
+    let adam = ParamsAdamW {
+        lr: opts.lr,
+        ..Default::default()
+    };
+    let mut curves = Vec::new();
+    for placement in [
+        Placement::Resident {
+            device: dev.clone(),
+            dtype: DType::F32,
+        },
+        Placement::Streamed(StreamConfig {
+            device: dev.clone(),
+            prefetch_ahead: 1,
+            dtype: DType::F32,
+            master_dtype: Some(DType::F32),
+            ..Default::default()
+        }),
+    ] {
+        let p = Llama::from_pretrained(&dir, placement)?;
+        let corpus = p.tokenizer.corpus_from_file(d.join("corpus.txt"), None)?;
+        let mut trainer = LmTrainer::new_on(p.model, adam.clone(), place)?;
+        ensure!(
+            trainer.model().parameters().len() == trainer.model().config().weight_shapes().len(),
+            "every weight is a parameter"
+        );
+        curves.push(train_loop(&mut trainer, &corpus, &opts, |_| {})?);
+    }
+    let (resident, streamed) = (&curves[0], &curves[1]);
+    for ((s, r), (_, st)) in resident.iter().zip(streamed) {
+        let e = ((r - st) / st).abs();
+        ensure!(e <= 1e-4, "step {s}: resident loss {r} vs streamed {st}");
+    }
+    let (first, last) = (resident[0].1, resident[resident.len() - 1].1);
+    ensure!(last < 0.8 * first, "loss {first} -> {last}");
+    Ok(())
+}
+candle_streamer::test_device!(from_pretrained_resident_fine_tunes_as_streamed);

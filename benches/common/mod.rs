@@ -185,3 +185,16 @@ pub fn host_rss() -> (usize, usize) {
     };
     (get("VmRSS:"), get("VmHWM:"))
 }
+
+/// The learning rate of a training bench's `steps` steps: a linear warm-up to
+/// `peak` over all of them (a bench runs too few steps for a decay to matter,
+/// and without a warm-up the first AdamW steps at full rate make the printed
+/// loss jump up before it falls).
+pub fn bench_schedule(peak: f64, steps: usize) -> streamer_models::LrSchedule {
+    streamer_models::LrSchedule {
+        peak,
+        warmup: steps,
+        decay: streamer_models::Decay::Constant,
+        steps,
+    }
+}

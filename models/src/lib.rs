@@ -96,5 +96,6 @@ pub use sample::{generate, sample_token};
 pub use streamer_autograd::OptimizerPlace;
 pub use tokenizer::TextTokenizer;
 pub use train::{
-    train_loop, ByteCorpus, CheckpointFiles, LmTrainer, LoopOptions, StepReport, TokenCorpus,
+    train_loop, ByteCorpus, CheckpointFiles, Decay, LmTrainer, LoopOptions, LrSchedule, StepReport,
+    TokenCorpus,
 };

@@ -513,6 +513,9 @@ pub struct Llama {
     fused: Arc<WeightGrads>,
     /// LoRA adapters ([`Llama::set_lora`]), shared with the layers.
     lora: Arc<LoraSlot>,
+    /// A resident model made trainable ([`Llama::into_trainable`]): its
+    /// weights as variables, under their Hugging Face names.
+    resident_vars: Vec<(String, Var)>,
 }
 
 fn layer_blocks(cfg: &LlamaConfig, cache: &Arc<KvCache>, lora: &Arc<LoraSlot>) -> Vec<BlockSpec> {
@@ -563,6 +566,7 @@ impl Llama {
             kv,
             fused: Default::default(),
             lora,
+            resident_vars: Vec::new(),
         })
     }
 
@@ -617,6 +621,7 @@ impl Llama {
             kv,
             fused: Default::default(),
             lora,
+            resident_vars: Vec::new(),
         })
     }
 
@@ -639,20 +644,77 @@ impl Llama {
         Self::streamed(&WeightSource::Tensors(tensors), cfg, stream)
     }
 
-    /// Makes a streamed model trainable (in training mode). A trainable model is
-    /// returned as it is; a resident one is an error (train it through its `VarMap`).
+    /// Makes a model trainable (in training mode). A streamed model's layers
+    /// become a `TrainableSequential`; a resident model's weights become
+    /// variables (a weight that already is one, as from a `VarMap`, is kept,
+    /// others are copied once) in the model's own dtype and device, trained
+    /// through the decoder layers' hand-written backward
+    /// ([`Llama::set_fused_backward`]); [`Llama::parameters`] then lists them.
+    /// A trainable model is returned as it is. A resident model with LoRA
+    /// adapters is an error (the hand-written backward has none: stream it).
     pub fn into_trainable(self) -> Result<Self> {
+        if matches!(self.layers, Layers::Resident(_)) {
+            return if self.resident_vars.is_empty() {
+                self.resident_into_trainable()
+            } else {
+                Ok(self)
+            };
+        }
         let layers = match self.layers {
             Layers::Streamed(s) => Layers::Trainable(Box::new(s.train())),
-            Layers::Trainable(t) => Layers::Trainable(t),
-            Layers::Resident(_) => bail!(
-                "into_trainable: a resident Llama trains through the VarMap it was built from"
-            ),
+            other => other,
         };
         let model = Self { layers, ..self };
         model.lora.set_training(true)?;
         model.freeze_for_lora()?;
         Ok(model)
+    }
+
+    /// [`Llama::into_trainable`] for a resident model.
+    fn resident_into_trainable(self) -> Result<Self> {
+        if self.lora.adapters()?.is_some() {
+            bail!(
+                "into_trainable: a resident model with LoRA adapters does not train through the \
+                 hand-written backward; load it streamed (Placement::Streamed) to train adapters"
+            );
+        }
+        let vars = self
+            .device_weights_named()?
+            .into_iter()
+            .map(|(n, t)| Ok((n, Var::from_tensor(&t)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let tensors = vars
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
+        let vb = VarBuilder::from_tensors(tensors, self.dtype, &self.device);
+        let mut model = Self::resident(vb, &self.cfg)?;
+        model.set_fused_backward(true)?;
+        model.resident_vars = vars;
+        Ok(model)
+    }
+
+    /// A resident model's weights on its device under their Hugging Face
+    /// names (a tied head is not repeated).
+    fn device_weights_named(&self) -> Result<Vec<(String, Tensor)>> {
+        let (Outer::Resident { embed, norm, head }, Layers::Resident(ls)) =
+            (&self.outer, &self.layers)
+        else {
+            bail!("device_weights_named: for resident models");
+        };
+        let mut out = vec![
+            ("model.embed_tokens.weight".to_string(), embed.clone()),
+            ("model.norm.weight".to_string(), norm.clone()),
+        ];
+        if !self.cfg.tie_word_embeddings {
+            out.push(("lm_head.weight".to_string(), head.clone()));
+        }
+        for (i, l) in ls.iter().enumerate() {
+            for (n, t) in l.named_weights() {
+                out.push((format!("model.layers.{i}.{n}"), t));
+            }
+        }
+        Ok(out)
     }
 
     /// Puts LoRA adapters on the model (or, with `None`, takes them off):
@@ -1000,8 +1062,10 @@ impl Llama {
     /// Every master of a streamed model as `(name, variable)`: embedding,
     /// final norm, head (unless tied), then the layers' weights in order. The
     /// layers' are on the host; the first three too, unless
-    /// [`Llama::outer_masters_to_device`] moved them. A resident model has none
-    /// (its variables are those of its `VarMap`).
+    /// [`Llama::outer_masters_to_device`] moved them. A resident model made
+    /// trainable ([`Llama::into_trainable`]) gives its variables in the same
+    /// order; other resident models have none (their variables are those of
+    /// their `VarMap`).
     pub fn parameters(&self) -> Vec<(String, Var)> {
         let mut out = Vec::new();
         if let Outer::Host { embed, norm, head } = &self.outer {
@@ -1014,7 +1078,7 @@ impl Llama {
         match &self.layers {
             Layers::Streamed(s) => out.extend(s.parameters()),
             Layers::Trainable(t) => out.extend(t.parameters()),
-            Layers::Resident(_) => {}
+            Layers::Resident(_) => out.extend(self.resident_vars.iter().cloned()),
         }
         out
     }
@@ -1043,7 +1107,11 @@ impl Llama {
                 }
             }
         }
-        for (n, v) in self.parameters() {
+        let masters = match &self.layers {
+            Layers::Resident(_) => Vec::new(),
+            _ => self.parameters(),
+        };
+        for (n, v) in masters {
             let t = v.as_tensor();
             let t = if t.device().is_cpu() {
                 t.clone()

@@ -162,9 +162,14 @@ pub fn write_atomic(path: &Path, text: &str) -> Result<()> {
     })
 }
 
-/// Trains a streamed, trainable [`Llama`] with AdamW ([`OptimizerPlace`]) over all of its host
-/// masters (layers, embedding, norm, head): forward, cross-entropy, backward
-/// through the streamed layers, one optimizer step.
+/// Trains a [`Llama`] with AdamW ([`OptimizerPlace`]) over all of its
+/// weights (layers, embedding, norm, head): forward, cross-entropy, backward,
+/// one optimizer step. A streamed model trains its host masters through the
+/// streamed layers; a resident one (from [`Llama::resident`],
+/// [`Llama::load_resident`] or `Llama::from_pretrained` with
+/// `Placement::Resident`) trains its weights as variables in its own dtype
+/// ([`Llama::into_trainable`]), with the optimizer on the host for a CPU model
+/// and [`OptimizerPlace::Device`] for a GPU one.
 ///
 /// With `overlap` on, the layers' weights are stepped on a host thread while
 /// backward continues with earlier layers (`TrainableSequential::backward_step`);
@@ -192,6 +197,13 @@ impl LmTrainer {
 
     /// A trainer whose optimizer runs where `place` says.
     pub fn new_on(model: Llama, params: ParamsAdamW, place: OptimizerPlace) -> Result<Self> {
+        if !model.is_streamed() && !model.device().is_cpu() && place == OptimizerPlace::Host {
+            bail!(
+                "LmTrainer: a resident model on {:?} has no host masters for the host optimizer; \
+                 use OptimizerPlace::Device (--optimizer device), or load it streamed",
+                model.device().location()
+            );
+        }
         let mut model = model.into_trainable()?;
         if place == OptimizerPlace::Device && model.device().is_cuda() {
             // Stepped where their moments are, with no host round trips.
@@ -466,8 +478,10 @@ pub struct LoopOptions {
     pub seed: u64,
     /// Peak learning rate.
     pub lr: f64,
-    /// Linear warm-up steps to `lr` (then constant).
+    /// Linear warm-up steps to `lr` (then `decay`).
     pub warmup: usize,
+    /// The learning rate after the warm-up.
+    pub decay: Decay,
     /// Save into `checkpoint_dir` every this many steps (and at the end).
     pub save_every: Option<usize>,
     /// Checkpoint folder.
@@ -475,6 +489,16 @@ pub struct LoopOptions {
 }
 
 impl LoopOptions {
+    /// The learning-rate schedule these options give.
+    pub fn schedule(&self) -> LrSchedule {
+        LrSchedule {
+            peak: self.lr,
+            warmup: self.warmup,
+            decay: self.decay,
+            steps: self.steps,
+        }
+    }
+
     /// Checks the options against the model's configuration and the corpus
     /// before any work: positive sizes, `seq` within the model's context
     /// (`max_position_embeddings`; never clamped), a finite positive learning
@@ -510,6 +534,11 @@ impl LoopOptions {
         if !(self.lr.is_finite() && self.lr > 0.0) {
             bail!("learning rate must be finite and positive, got {}", self.lr);
         }
+        if let Decay::Cosine { min_ratio } = self.decay {
+            if !(0.0..=1.0).contains(&min_ratio) {
+                bail!("the cosine schedule's floor ratio must be in [0, 1], got {min_ratio}");
+            }
+        }
         if self.save_every == Some(0) {
             bail!("save_every must be positive (None: save only at the end)");
         }
@@ -530,13 +559,83 @@ impl LoopOptions {
     }
 }
 
-/// The learning rate of step `step` (0-based): linear warm-up, then constant.
-pub fn lr_at(opts: &LoopOptions, step: usize) -> f64 {
-    if step < opts.warmup {
-        opts.lr * (step + 1) as f64 / opts.warmup as f64
-    } else {
-        opts.lr
+/// How the learning rate moves after the warm-up.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Decay {
+    /// Stays at the peak.
+    Constant,
+    /// Half a cosine from the peak down to `min_ratio` x the peak at step
+    /// `LoopOptions::steps` (one past the last), as Hugging Face's cosine
+    /// schedule does with `min_ratio = 0`.
+    Cosine {
+        /// The floor as a fraction of the peak, in `[0, 1]`.
+        min_ratio: f64,
+    },
+}
+
+impl Decay {
+    /// `"constant"`, `"cosine"` (down to 0) or `"cosine:R"` (down to `R` x the peak).
+    pub fn parse(text: &str) -> Result<Self> {
+        let bad = || {
+            candle_core::Error::Msg(format!(
+                "learning-rate schedule {text:?}: expected constant, cosine or cosine:<floor ratio in [0, 1]>"
+            ))
+        };
+        match text.split_once(':') {
+            None if text == "constant" => Ok(Self::Constant),
+            None if text == "cosine" => Ok(Self::Cosine { min_ratio: 0.0 }),
+            Some(("cosine", r)) => {
+                let min_ratio: f64 = r.parse().map_err(|_| bad())?;
+                if !(0.0..=1.0).contains(&min_ratio) {
+                    return Err(bad());
+                }
+                Ok(Self::Cosine { min_ratio })
+            }
+            _ => Err(bad()),
+        }
     }
+}
+
+/// A learning-rate schedule: linear warm-up to `peak`, then `decay` until
+/// step `steps`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LrSchedule {
+    /// The rate at the end of the warm-up.
+    pub peak: f64,
+    /// Warm-up steps.
+    pub warmup: usize,
+    /// After the warm-up.
+    pub decay: Decay,
+    /// The run's steps (where a cosine would reach its floor).
+    pub steps: usize,
+}
+
+impl LrSchedule {
+    /// The rate of step `step` (0-based): `peak * (step + 1) / warmup` during
+    /// the warm-up (so the first step already moves the weights), then
+    /// `decay` over the remaining steps as Hugging Face's schedules do: the
+    /// cosine would reach its floor one step after the last (`steps`), so no
+    /// step is taken at a floor of 0.
+    pub fn at(&self, step: usize) -> f64 {
+        if step < self.warmup {
+            return self.peak * (step + 1) as f64 / self.warmup as f64;
+        }
+        match self.decay {
+            Decay::Constant => self.peak,
+            Decay::Cosine { min_ratio } => {
+                let span = self.steps.saturating_sub(self.warmup).max(1);
+                let progress = ((step - self.warmup) as f64 / span as f64).min(1.0);
+                let cos = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+                self.peak * (min_ratio + (1.0 - min_ratio) * cos)
+            }
+        }
+    }
+}
+
+/// The learning rate of step `step` (0-based) under `opts`
+/// ([`LoopOptions::schedule`]).
+pub fn lr_at(opts: &LoopOptions, step: usize) -> f64 {
+    opts.schedule().at(step)
 }
 
 /// Trains from `trainer.steps_done()` to `opts.steps` on `corpus`, calling
