@@ -36,7 +36,7 @@ use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
     generate, init_weights, parse_bytes, prefetch_for_budget, train_loop, ByteCorpus,
     CheckpointFiles, Decay, Llama, LlamaConfig, LmTrainer, LoopOptions, LoraConfig, OptimizerPlace,
-    Placement, PretrainedFiles, TextTokenizer, TokenCorpus,
+    Placement, PretrainedFiles, StateDtype, TextTokenizer, TokenCorpus,
 };
 
 #[derive(Parser, Debug)]
@@ -142,6 +142,10 @@ struct Args {
     /// parameter, the layers stepped there during backward).
     #[arg(long, default_value = "host")]
     optimizer: String,
+    /// AdamW's moments: `f32` (8 bytes per parameter) or `bf16` (4 bytes,
+    /// stochastically rounded; host optimizer only).
+    #[arg(long, default_value = "f32")]
+    optimizer_state: String,
     /// Tokens to sample before and after training (0: none).
     #[arg(long, default_value_t = 200)]
     sample_tokens: usize,
@@ -348,6 +352,13 @@ fn main() -> Result<()> {
     let opts = loop_options(&a, &cfg, &corpus, &ckpt)?;
     let prefetch = prefetch(&a, &cfg, dtype)?;
     let place: OptimizerPlace = a.optimizer.parse().context("--optimizer")?;
+    let state: StateDtype = a.optimizer_state.parse().context("--optimizer-state")?;
+    if state != StateDtype::F32 && place == OptimizerPlace::Device {
+        bail!(
+            "--optimizer-state {}: the device optimizer keeps f32 moments (use --optimizer host)",
+            a.optimizer_state
+        );
+    }
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let adam = ParamsAdamW {
         lr: opts.lr,
@@ -366,6 +377,9 @@ fn main() -> Result<()> {
         ..Default::default()
     };
     if let Some(lcfg) = lora {
+        if state != StateDtype::F32 {
+            bail!("--optimizer-state is for full fine-tuning: LoRA adapters keep f32 moments");
+        }
         if place == OptimizerPlace::Device {
             bail!(
                 "--optimizer device is for full fine-tuning: with --lora-r the adapters and \
@@ -384,14 +398,14 @@ fn main() -> Result<()> {
         return lora::train(&a, model, &lcfg, &corpus, &opts, &run);
     }
     let mut trainer = match (&a.model, a.resume) {
-        (_, true) => LmTrainer::resume_on(&ckpt, stream, adam, place)?,
+        (_, true) => LmTrainer::resume_with(&ckpt, stream, adam, place, state)?,
         (Some(dir), false) => {
             let p = Llama::from_pretrained(dir, Placement::Streamed(stream))?;
-            LmTrainer::new_on(p.model, adam, place)?
+            LmTrainer::new_with(p.model, adam, place, state)?
         }
         (None, false) => {
             let model = Llama::from_tensors(init_weights(&cfg, a.seed)?, &cfg, stream)?;
-            LmTrainer::new_on(model, adam, place)?
+            LmTrainer::new_with(model, adam, place, state)?
         }
     };
     if let Some(t) = &tok {

@@ -406,7 +406,7 @@ fn snapshot(opt: &CpuAdamW) -> Result<Snapshot> {
         let p: Vec<f32> = v.as_tensor().flatten_all()?.to_vec1()?;
         bits.push(p.iter().map(|x| x.to_bits()).collect());
         let (m, s) = opt.moments(i).context("moments")?;
-        bits.push(m.iter().chain(s).map(|x| x.to_bits()).collect());
+        bits.push(m.iter().chain(s.iter()).map(|x| x.to_bits()).collect());
     }
     Ok(Snapshot(bits, opt.step_count()))
 }

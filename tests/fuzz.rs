@@ -361,7 +361,7 @@ fn adamw_target(dir: &Path) -> Result<(Vec<Vec<u8>>, Check)> {
         let zero = |o: &CpuAdamW| {
             (0..o.vars().len()).all(|i| {
                 o.moments(i)
-                    .is_some_and(|(m, v)| m.iter().chain(v).all(|&x| x == 0.0))
+                    .is_some_and(|(m, v)| m.iter().chain(v.iter()).all(|&x| x == 0.0))
             })
         };
         match o.load(&path) {

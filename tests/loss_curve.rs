@@ -4,9 +4,10 @@
 //! batches, the learning rate of each step (linear warm-up, then cosine) and
 //! what PyTorch computed in f32: every step's loss and every weight after the
 //! last step. Our trainer, from the same checkpoint on the same batches, must
-//! give every loss within 1e-4 relative and every final weight within 1e-3
+//! give every loss within 1e-4 relative and every final weight within 1e-5
 //! (max abs difference over the reference's max abs value, per tensor), both
-//! streamed and resident, with the optimizer on the host and on the device.
+//! streamed and resident, with the optimizer on the host and on the device
+//! (measured on the CPU: 2.3e-7 and 3.4e-7).
 //! Our learning-rate schedule (`lr_at`) must give PyTorch's rates to 1e-12.
 use super::families::fixture;
 use super::fused_mlp::rel_err;
@@ -16,10 +17,12 @@ use candle_nn::ParamsAdamW;
 use std::collections::HashMap;
 use streamer_core::StreamConfig;
 use streamer_models::train::lr_at;
-use streamer_models::{Decay, Llama, LlamaConfig, LmTrainer, LoopOptions, OptimizerPlace};
+use streamer_models::{
+    Decay, Llama, LlamaConfig, LmTrainer, LoopOptions, OptimizerPlace, StateDtype,
+};
 
 const LOSS_TOL: f64 = 1e-4;
-const WEIGHT_TOL: f64 = 1e-3;
+const WEIGHT_TOL: f64 = 1e-5;
 /// The fixture's schedule and optimizer (see the script).
 const PEAK: f64 = 2e-3;
 const WARMUP: usize = 5;
@@ -93,10 +96,38 @@ fn model(c: &Curve, dev: &Device, streamed: bool) -> Result<Llama> {
     })
 }
 
+/// How a run is set up and how close it must come.
+struct Run {
+    streamed: bool,
+    place: OptimizerPlace,
+    state: StateDtype,
+    loss_tol: f64,
+    weight_tol: f64,
+}
+
+impl Run {
+    fn exact(streamed: bool, place: OptimizerPlace) -> Self {
+        Self {
+            streamed,
+            place,
+            state: StateDtype::F32,
+            loss_tol: LOSS_TOL,
+            weight_tol: WEIGHT_TOL,
+        }
+    }
+}
+
 /// Trains 30 steps as the fixture did and compares every loss and final weight.
-fn curve_matches(dev: &Device, streamed: bool, place: OptimizerPlace) -> Result<()> {
+fn curve_matches(dev: &Device, run: Run) -> Result<()> {
+    let Run {
+        streamed,
+        place,
+        state,
+        loss_tol,
+        weight_tol,
+    } = run;
     let what = format!(
-        "{} model, {place:?} optimizer",
+        "{} model, {place:?} optimizer, {state:?} state",
         if streamed { "streamed" } else { "resident" }
     );
     let c = Curve::load()?;
@@ -106,16 +137,18 @@ fn curve_matches(dev: &Device, streamed: bool, place: OptimizerPlace) -> Result<
         weight_decay: WEIGHT_DECAY,
         ..Default::default()
     };
-    let mut trainer = LmTrainer::new_on(model(&c, dev, streamed)?, params, place)?;
+    let mut trainer = LmTrainer::new_with(model(&c, dev, streamed)?, params, place, state)?;
     let want_losses = c.get("losses")?.to_vec1::<f32>()?;
+    let (mut worst_loss, mut worst_weight) = (0f64, 0f64);
     for (s, want) in want_losses.iter().enumerate() {
         trainer.set_learning_rate(lr_at(&opts, s));
         let (x, y) = c.batch(s, dev)?;
         let got = trainer.step(&x, &y)?;
         let e = ((got - want) / want).abs() as f64;
+        worst_loss = worst_loss.max(e);
         ensure!(
-            e <= LOSS_TOL,
-            "{what}: step {s} loss {got} vs transformers' {want} (relative {e:.2e} > {LOSS_TOL:.0e})"
+            e <= loss_tol,
+            "{what}: step {s} loss {got} vs transformers' {want} (relative {e:.2e} > {loss_tol:.0e})"
         );
     }
     let weights = trainer.model().weights()?;
@@ -128,9 +161,10 @@ fn curve_matches(dev: &Device, streamed: bool, place: OptimizerPlace) -> Result<
             .get(p)
             .with_context(|| format!("{what}: no weight {p}"))?;
         let e = rel_err(&got.to_dtype(DType::F32)?, want)?;
+        worst_weight = worst_weight.max(e);
         ensure!(
-            e <= WEIGHT_TOL,
-            "{what}: {p} after {} steps: relative error {e:.2e} > {WEIGHT_TOL:.0e}",
+            e <= weight_tol,
+            "{what}: {p} after {} steps: relative error {e:.2e} > {weight_tol:.0e}",
             want_losses.len()
         );
         n += 1;
@@ -138,6 +172,9 @@ fn curve_matches(dev: &Device, streamed: bool, place: OptimizerPlace) -> Result<
     ensure!(
         n == c.cfg.weight_shapes().len(),
         "{what}: {n} final weights checked"
+    );
+    eprintln!(
+        "{what}: largest relative error: loss {worst_loss:.2e}, final weight {worst_weight:.2e}"
     );
     Ok(())
 }
@@ -166,22 +203,22 @@ fn lr_schedule_matches_pytorch() -> Result<()> {
 }
 
 fn streamed_host_curve_matches_transformers(dev: &Device) -> Result<()> {
-    curve_matches(dev, true, OptimizerPlace::Host)
+    curve_matches(dev, Run::exact(true, OptimizerPlace::Host))
 }
 
 fn streamed_device_curve_matches_transformers(dev: &Device) -> Result<()> {
-    curve_matches(dev, true, OptimizerPlace::Device)
+    curve_matches(dev, Run::exact(true, OptimizerPlace::Device))
 }
 
 /// CPU only: a GPU-resident model has no host masters (LmTrainer refuses it,
 /// see `resident_gpu_host_optimizer_is_refused`).
 #[test]
 fn resident_host_curve_matches_transformers() -> Result<()> {
-    curve_matches(&Device::Cpu, false, OptimizerPlace::Host)
+    curve_matches(&Device::Cpu, Run::exact(false, OptimizerPlace::Host))
 }
 
 fn resident_device_curve_matches_transformers(dev: &Device) -> Result<()> {
-    curve_matches(dev, false, OptimizerPlace::Device)
+    curve_matches(dev, Run::exact(false, OptimizerPlace::Device))
 }
 
 #[cfg(feature = "cuda")]
@@ -220,7 +257,23 @@ fn schedule_parse_rejects_bad_text() -> Result<()> {
     Ok(())
 }
 
+/// bf16 moments (stochastically rounded) against transformers' f32 state:
+/// the losses stay within 1e-3 relative over the 30 steps and the final
+/// weights within 5e-3 (measured on the CPU: 5.7e-5 and 4.0e-4).
+fn streamed_host_bf16_state_curve_stays_near_transformers(dev: &Device) -> Result<()> {
+    curve_matches(
+        dev,
+        Run {
+            state: StateDtype::Bf16,
+            loss_tol: 1e-3,
+            weight_tol: 5e-3,
+            ..Run::exact(true, OptimizerPlace::Host)
+        },
+    )
+}
+
 candle_streamer::test_device!(streamed_host_curve_matches_transformers);
+candle_streamer::test_device!(streamed_host_bf16_state_curve_stays_near_transformers);
 candle_streamer::test_device!(streamed_device_curve_matches_transformers);
 candle_streamer::test_device!(resident_device_curve_matches_transformers);
 

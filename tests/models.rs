@@ -1136,7 +1136,7 @@ fn trainer_bits(t: &LmTrainer) -> Result<TrainerBits> {
     let m = (0..opt.vars().len())
         .flat_map(|i| {
             let (m, v) = opt.moments(i).expect("moments");
-            [bits(m), bits(v)]
+            [bits(&m), bits(&v)]
         })
         .collect();
     Ok((w, m, opt.step_count(), t.steps_done()))

@@ -400,7 +400,7 @@ fn adamw_snapshot(vars: &[Var], a: &CpuAdamW) -> Result<Snapshot> {
     let moments = (0..vars.len())
         .flat_map(|i| {
             let (m, v) = a.moments(i).expect("moments");
-            [bits(m), bits(v)]
+            [bits(&m), bits(&v)]
         })
         .collect();
     Ok((params, moments, a.step_count()))
@@ -612,7 +612,7 @@ fn state_files_of_the_documented_format_load(dev: &Device) -> Result<()> {
     assert!(s.params().nesterov && s.params().momentum == 0.9 && s.step_count() == 5);
     for i in 0..3 {
         assert!(
-            s.momentum_buffer(i) == Some(&f32s(buf(0, i))[..]),
+            s.momentum_buffer(i).as_deref() == Some(&f32s(buf(0, i))[..]),
             "param {i}"
         );
     }
@@ -628,7 +628,9 @@ fn state_files_of_the_documented_format_load(dev: &Device) -> Result<()> {
     write(&path, &["momentum"], &no_momentum)?;
     let e = s.load(&path).unwrap_err().to_string();
     assert!(e.contains("\"momentum.0\""), "{e}");
-    assert!(s.params().momentum == 0.9 && s.momentum_buffer(0) == Some(&f32s(buf(0, 0))[..]));
+    assert!(
+        s.params().momentum == 0.9 && s.momentum_buffer(0).as_deref() == Some(&f32s(buf(0, 0))[..])
+    );
     std::fs::remove_file(&path)?;
     Ok(())
 }

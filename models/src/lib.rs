@@ -93,7 +93,7 @@ pub mod lt_probe {
 pub use pretrained::{Placement, Pretrained, PretrainedFiles};
 pub use sample::{generate, sample_token};
 /// Where [`LmTrainer`]'s AdamW runs (re-exported from streamer-autograd).
-pub use streamer_autograd::OptimizerPlace;
+pub use streamer_autograd::{OptimizerPlace, StateDtype};
 pub use tokenizer::TextTokenizer;
 pub use train::{
     train_loop, ByteCorpus, CheckpointFiles, Decay, LmTrainer, LoopOptions, LrSchedule, StepReport,

@@ -8,7 +8,7 @@ use candle_core::{bail, Device, Result, Tensor};
 use candle_nn::{Optimizer, ParamsAdamW};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use streamer_autograd::{CpuAdamW, DeviceAdamW, OptimizerPlace, PlacedAdamW};
+use streamer_autograd::{CpuAdamW, DeviceAdamW, OptimizerPlace, PlacedAdamW, StateDtype};
 use streamer_core::StreamConfig;
 
 /// A training text as token ids: bytes ([`TokenCorpus::new`],
@@ -197,6 +197,17 @@ impl LmTrainer {
 
     /// A trainer whose optimizer runs where `place` says.
     pub fn new_on(model: Llama, params: ParamsAdamW, place: OptimizerPlace) -> Result<Self> {
+        Self::new_with(model, params, place, StateDtype::F32)
+    }
+
+    /// A trainer whose optimizer runs where `place` says with moments of
+    /// `state` (bf16 halves the host optimizer's memory; see [`StateDtype`]).
+    pub fn new_with(
+        model: Llama,
+        params: ParamsAdamW,
+        place: OptimizerPlace,
+        state: StateDtype,
+    ) -> Result<Self> {
         if !model.is_streamed() && !model.device().is_cpu() && place == OptimizerPlace::Host {
             bail!(
                 "LmTrainer: a resident model on {:?} has no host masters for the host optimizer; \
@@ -218,7 +229,7 @@ impl LmTrainer {
             .map(|(i, _)| i)
             .collect();
         let vars: Vec<_> = named.into_iter().map(|(_, v)| v).collect();
-        let mut opt = PlacedAdamW::new(vars, params, place, model.device())?;
+        let mut opt = PlacedAdamW::with_state_dtype(vars, params, place, model.device(), state)?;
         opt.set_param_names(names)?;
         Ok(Self {
             model,
@@ -250,11 +261,23 @@ impl LmTrainer {
         params: ParamsAdamW,
         place: OptimizerPlace,
     ) -> Result<Self> {
+        Self::resume_with(dir, stream, params, place, StateDtype::F32)
+    }
+
+    /// [`LmTrainer::resume_on`] with moments of `state` (a state file of
+    /// either dtype loads into either).
+    pub fn resume_with(
+        dir: impl AsRef<Path>,
+        stream: StreamConfig,
+        params: ParamsAdamW,
+        place: OptimizerPlace,
+        state: StateDtype,
+    ) -> Result<Self> {
         let files = CheckpointFiles::read(dir)?;
         let cfg = LlamaConfig::from_json_file(&files.config)?;
         let model = Llama::from_safetensors(&[&files.weights], &cfg, stream)?;
         let lr = params.lr;
-        let mut t = Self::new_on(model, params, place)?;
+        let mut t = Self::new_with(model, params, place, state)?;
         t.opt.load(&files.optimizer)?;
         t.opt.set_learning_rate(lr);
         if t.opt.step_count() != files.step {

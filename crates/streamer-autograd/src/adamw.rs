@@ -2,11 +2,14 @@
 //! (CPU) parameters in place, numerically equal to candle-nn's `AdamW` in f32:
 //! the [`HostOptimizer`] skeleton over the [`AdamWUpdate`] rule.
 
+use std::borrow::Cow;
+
 use candle_core::{bail, Result, Tensor, Var};
 use candle_nn::ParamsAdamW;
 
 use crate::host_optim::{BufferName, HostOptimizer, MetaValue, UpdateRule};
 use crate::host_update::{update_param, Kernel, Master};
+use crate::state::{Noise, StateBuf, StateElem};
 
 /// Rejects AdamW hyper-parameters that would write NaN or infinities into
 /// the parameters (or flip their sign through the decay), naming the value.
@@ -77,22 +80,26 @@ impl Kernel for AdamKernel {
     type Consts = AdamConsts;
 
     #[inline(always)]
-    fn chunk<P: Master>(
+    fn chunk<P: Master, S: StateElem>(
         p: &mut [P],
         g: &[f32],
-        bufs: &mut [&mut [f32]],
+        bufs: &mut [&mut [S]],
         _first: bool,
         k: &AdamConsts,
+        noise: Noise,
     ) {
         let [m, v] = bufs else { return };
         let n = p.len();
         let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
         for i in 0..n {
             let gi = g[i];
-            let mi = m[i] * k.beta1 + gi * k.one_minus_beta1;
-            let vi = v[i] * k.beta2 + (gi * gi) * k.one_minus_beta2;
-            m[i] = mi;
-            v[i] = vi;
+            let mi = m[i].load() * k.beta1 + gi * k.one_minus_beta1;
+            let vi = v[i].load() * k.beta2 + (gi * gi) * k.one_minus_beta2;
+            // bf16 state: one hash gives m and v 16 random bits each (f32
+            // state ignores them and the hash is optimised away).
+            let r = noise.bits(i);
+            m[i] = S::store(mi, r);
+            v[i] = S::store(vi, r >> 16);
             let m_hat = mi * k.scale_m;
             let v_hat = vi * k.scale_v;
             let theta = p[i].to_f32() * k.decay;
@@ -155,16 +162,19 @@ impl UpdateRule for AdamWUpdate {
         })
     }
 
+    // The trait is sealed: its state types stay crate-private.
+    #[allow(private_interfaces)]
     fn update(
         p: &ParamsAdamW,
         t: usize,
         var: &Var,
         grad: &Tensor,
-        bufs: &mut [Vec<f32>],
+        bufs: &mut [StateBuf],
         first: bool,
+        noise: Noise,
     ) -> Result<()> {
         let k = AdamConsts::new(p, t);
-        update_param::<AdamKernel>("cpu-adamw", var, grad, bufs, first, &k)
+        update_param::<AdamKernel>("cpu-adamw", var, grad, bufs, first, (&k, noise))
     }
 }
 
@@ -194,9 +204,13 @@ impl UpdateRule for AdamWUpdate {
 /// ```
 pub type CpuAdamW = HostOptimizer<AdamWUpdate>;
 
+/// AdamW's first and second moments `(m, v)` of one parameter, in f32.
+pub type Moments<'a> = (Cow<'a, [f32]>, Cow<'a, [f32]>);
+
 impl CpuAdamW {
-    /// The first and second moments `(m, v)` of param `idx`, in f32.
-    pub fn moments(&self, idx: usize) -> Option<(&[f32], &[f32])> {
+    /// The first and second moments `(m, v)` of param `idx`, in f32
+    /// (borrowed with f32 state, converted with bf16 state).
+    pub fn moments(&self, idx: usize) -> Option<Moments<'_>> {
         Some((self.buffer(idx, 0)?, self.buffer(idx, 1)?))
     }
 }

@@ -21,12 +21,13 @@ use crate::adamw::{check_adamw_params, AdamConsts, AdamKernel, AdamWUpdate, ADAM
 use crate::host_optim::{MetaValue, UpdateRule};
 use crate::host_update::{first_non_finite_tensor, update_param};
 use crate::optim_state::{self, SavedState, StateWriter};
+use crate::state::{Noise, StateBuf, StateDtype};
 
 const WHAT: &str = "DeviceAdamW";
 
 /// One parameter's first and second moments, f32.
 enum Moments {
-    Host(Vec<Vec<f32>>),
+    Host(Vec<StateBuf>),
     #[cfg(feature = "cuda")]
     Cuda(
         cudarc::driver::CudaSlice<f32>,
@@ -239,7 +240,8 @@ impl DeviceAdamW {
             Moments::Cuda(..) => bail!("{WHAT}: param {i}'s moments are on the device"),
         };
         let k = AdamConsts::new(&self.params, self.t);
-        update_param::<AdamKernel>("device-adamw", &self.vars[i], g, bufs, first, &k)?;
+        let noise = Noise::new(self.t, i);
+        update_param::<AdamKernel>("device-adamw", &self.vars[i], g, bufs, first, (&k, noise))?;
         self.last_step[i] = self.t;
         Ok(())
     }
@@ -251,7 +253,7 @@ impl DeviceAdamW {
             return Ok(None);
         }
         Ok(match &self.moments[idx] {
-            Moments::Host(b) => Some((b[0].clone(), b[1].clone())),
+            Moments::Host(b) => Some((b[0].to_f32().into_owned(), b[1].to_f32().into_owned())),
             #[cfg(feature = "cuda")]
             Moments::Cuda(m, v) => {
                 let stream = self.device.as_cuda_device()?.cuda_stream();
@@ -304,8 +306,13 @@ impl DeviceAdamW {
         let st = saved.tensors()?;
         let mut bufs = Vec::with_capacity(self.vars.len());
         for (name, var) in self.names.iter().zip(&self.vars) {
-            let m = saved.f32_tensor(&st, &format!("m.{name}"), var.dims())?;
-            let v = saved.f32_tensor(&st, &format!("v.{name}"), var.dims())?;
+            // CpuAdamW's bf16 state loads here too (exactly, into f32).
+            let read = |b: &str| {
+                saved
+                    .state_tensor(&st, &format!("{b}.{name}"), var.dims(), StateDtype::F32)
+                    .map(StateBuf::into_f32)
+            };
+            let (m, v) = (read("m")?, read("v")?);
             bufs.push((m, v));
         }
         drop(st);
@@ -331,7 +338,10 @@ impl DeviceAdamW {
                     s.clone_htod(&v).map_err(w)?,
                 ))
             }
-            _ => Ok(Moments::Host(vec![m, v])),
+            _ => Ok(Moments::Host(vec![
+                StateBuf::from_f32(StateDtype::F32, m),
+                StateBuf::from_f32(StateDtype::F32, v),
+            ])),
         }
     }
 }
@@ -348,7 +358,7 @@ fn zero_moments(device: &Device, n: usize) -> Result<Moments> {
                 s.alloc_zeros::<f32>(n).map_err(w)?,
             ))
         }
-        _ => Ok(Moments::Host(vec![vec![0f32; n]; 2])),
+        _ => Ok(Moments::Host(vec![StateBuf::zeros(StateDtype::F32, n); 2])),
     }
 }
 
@@ -635,7 +645,7 @@ impl DeviceAdamW {
                         continue;
                     };
                     for (k, label) in ["first moment m", "second moment v"].iter().enumerate() {
-                        if let Some((j, x)) = crate::host_update::first_non_finite(&b[k]) {
+                        if let Some((j, x)) = b[k].first_non_finite() {
                             bail!(
                                 "{WHAT}: {label} of param {i} ({}) is {x} at element {j}",
                                 self.name(i)

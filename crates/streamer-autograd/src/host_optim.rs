@@ -15,6 +15,8 @@ use rayon::prelude::*;
 
 use crate::host_update::{check_state_finite, check_vars, grads_for, prepare_grads};
 use crate::optim_state::{self, SavedState, StateWriter};
+use crate::state::{Noise, StateBuf, StateDtype};
+use std::borrow::Cow;
 
 mod sealed {
     pub trait Sealed {}
@@ -53,15 +55,17 @@ pub trait UpdateRule: sealed::Sealed + Send + Sync + 'static {
     fn from_meta(get: &dyn Fn(&str, bool) -> Result<MetaValue>) -> Result<Self::Params>;
     /// Updates one parameter in place with its f32 CPU gradient at step `t`:
     /// `bufs` are its buffers in [`UpdateRule::buffers`] order, `first` says it
-    /// was never stepped before.
+    /// was never stepped before, `noise` seeds bf16 state's rounding.
     #[doc(hidden)]
+    #[allow(private_interfaces)]
     fn update(
         p: &Self::Params,
         t: usize,
         var: &Var,
         grad: &Tensor,
-        bufs: &mut [Vec<f32>],
+        bufs: &mut [StateBuf],
         first: bool,
+        noise: Noise,
     ) -> Result<()>;
 }
 
@@ -109,7 +113,9 @@ impl MetaValue {
 pub struct HostOptimizer<R: UpdateRule> {
     vars: Vec<Var>,
     /// Per param, its buffers in `R::buffers(&params)` order.
-    bufs: Vec<Vec<Vec<f32>>>,
+    bufs: Vec<Vec<StateBuf>>,
+    /// The buffers' element type.
+    state_dtype: StateDtype,
     /// The step at which each param was last updated (0: never).
     last_step: Vec<usize>,
     names: Vec<String>,
@@ -122,12 +128,21 @@ impl<R: UpdateRule> HostOptimizer<R> {
     /// or f16) with zeroed f32 state. Params are named `"0"`, `"1"`, ... in
     /// saved state unless [`HostOptimizer::set_param_names`] says otherwise.
     pub fn new(vars: Vec<Var>, params: R::Params) -> Result<Self> {
+        Self::with_state_dtype(vars, params, StateDtype::F32)
+    }
+
+    /// [`HostOptimizer::new`] with state buffers of `dtype`: bf16 halves
+    /// their memory, stored with stochastic rounding ([`StateDtype`]); the
+    /// update math is f32 either way. Saved state is f32 in both cases (either
+    /// loads the other's).
+    pub fn with_state_dtype(vars: Vec<Var>, params: R::Params, dtype: StateDtype) -> Result<Self> {
         check_vars(R::KIND, &vars)?;
         R::check(&params)?;
         let n = vars.len();
         let mut s = Self {
             vars,
             bufs: Vec::new(),
+            state_dtype: dtype,
             last_step: vec![0; n],
             names: (0..n).map(|i| i.to_string()).collect(),
             params,
@@ -139,11 +154,23 @@ impl<R: UpdateRule> HostOptimizer<R> {
 
     fn alloc_bufs(&mut self) {
         let k = R::buffers(&self.params).len();
+        let dtype = self.state_dtype;
         self.bufs = self
             .vars
             .iter()
-            .map(|v| vec![vec![0f32; v.elem_count()]; k])
+            .map(|v| vec![StateBuf::zeros(dtype, v.elem_count()); k])
             .collect();
+    }
+
+    /// The element type of the state buffers.
+    pub fn state_dtype(&self) -> StateDtype {
+        self.state_dtype
+    }
+
+    /// Bytes of state buffers per parameter element (0 for plain SGD,
+    /// 8 for AdamW in f32, 4 in bf16).
+    pub fn state_bytes_per_param(&self) -> usize {
+        R::buffers(&self.params).len() * self.state_dtype.size_in_bytes()
     }
 
     /// The parameters, in the order indices refer to.
@@ -175,9 +202,9 @@ impl<R: UpdateRule> HostOptimizer<R> {
         self.t
     }
 
-    /// Buffer `k` (in the rule's order) of param `idx`.
-    pub(crate) fn buffer(&self, idx: usize, k: usize) -> Option<&[f32]> {
-        self.bufs.get(idx)?.get(k).map(|b| &b[..])
+    /// Buffer `k` (in the rule's order) of param `idx`, in f32.
+    pub(crate) fn buffer(&self, idx: usize, k: usize) -> Option<Cow<'_, [f32]>> {
+        self.bufs.get(idx)?.get(k).map(StateBuf::to_f32)
     }
 
     /// The names params are saved under (default: their indices).
@@ -251,7 +278,7 @@ impl<R: UpdateRule> HostOptimizer<R> {
         let bufs = self.bufs.iter().enumerate().flat_map(|(i, bs)| {
             bs.iter()
                 .zip(labels)
-                .map(move |(b, (_, label))| (i, *label, &b[..]))
+                .map(move |(b, (_, label))| (i, *label, b))
         });
         check_state_finite(R::KIND, &self.vars, &self.names, bufs)
     }
@@ -263,9 +290,10 @@ impl<R: UpdateRule> HostOptimizer<R> {
             .zip(self.bufs.par_iter_mut())
             .zip(self.last_step.par_iter_mut())
             .zip(grads.par_iter())
-            .try_for_each(|(((var, bufs), last), grad)| {
+            .enumerate()
+            .try_for_each(|(i, (((var, bufs), last), grad))| {
                 let Some(grad) = grad else { return Ok(()) };
-                R::update(p, t, var, grad, bufs, *last == 0)?;
+                R::update(p, t, var, grad, bufs, *last == 0, Noise::new(t, i))?;
                 *last = t;
                 Ok(())
             })
@@ -286,7 +314,7 @@ impl<R: UpdateRule> HostOptimizer<R> {
         let labels = R::buffers(&self.params);
         for (k, (prefix, _)) in labels.iter().enumerate() {
             for ((name, var), bufs) in self.names.iter().zip(&self.vars).zip(&self.bufs) {
-                w.tensor(format!("{prefix}.{name}"), var.dims(), &bufs[k]);
+                w.state(format!("{prefix}.{name}"), var.dims(), &bufs[k]);
             }
         }
         w.write(path.as_ref())
@@ -323,9 +351,10 @@ impl<R: UpdateRule> HostOptimizer<R> {
             }
         }
         let mut bufs = Vec::with_capacity(self.vars.len());
+        let dtype = self.state_dtype;
         for (name, var) in self.names.iter().zip(&self.vars) {
             let read = |(prefix, _): &BufferName| {
-                saved.f32_tensor(&st, &format!("{prefix}.{name}"), var.dims())
+                saved.state_tensor(&st, &format!("{prefix}.{name}"), var.dims(), dtype)
             };
             bufs.push(labels.iter().map(read).collect::<Result<Vec<_>>>()?);
         }

@@ -13,6 +13,8 @@ use candle_core::{
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use crate::state::{Noise, StateBuf, StateElem};
+
 /// Elements per parallel task inside one parameter (256 KiB of f32 per stream).
 pub(crate) const CHUNK: usize = 1 << 16;
 
@@ -283,7 +285,7 @@ pub(crate) fn check_state_finite<'a>(
     what: &str,
     vars: &[Var],
     names: &[String],
-    buffers: impl Iterator<Item = (usize, &'static str, &'a [f32])>,
+    buffers: impl Iterator<Item = (usize, &'static str, &'a StateBuf)>,
 ) -> Result<()> {
     let name = |i: usize| names.get(i).map(String::as_str).unwrap_or("?");
     for (i, var) in vars.iter().enumerate() {
@@ -292,7 +294,7 @@ pub(crate) fn check_state_finite<'a>(
         }
     }
     for (i, label, buf) in buffers {
-        if let Some((j, x)) = first_non_finite(buf) {
+        if let Some((j, x)) = buf.first_non_finite() {
             bail!(
                 "{what}: {label} of param {i} ({}) is {x} at element {j}",
                 name(i)
@@ -331,21 +333,23 @@ pub(crate) fn grads_for<'a>(
 }
 
 /// The elementwise part of an update rule: one fused pass over a chunk of a
-/// parameter, its f32 gradient and its f32 state buffers (all of one length).
-/// Written as plain indexed loops so LLVM vectorises them; [`update_param`]
-/// runs them in 64K-element chunks in parallel, through an AVX2 build where
-/// the CPU has it.
+/// parameter, its f32 gradient and its state buffers (all of one length, f32
+/// or bf16: [`StateElem`]). Written as plain indexed loops so LLVM vectorises
+/// them; [`update_param`] runs them in 64K-element chunks in parallel, through
+/// an AVX2 build where the CPU has it.
 pub(crate) trait Kernel {
     /// The per-step constants of the update.
     type Consts: Copy + Send + Sync;
     /// Updates `p` in place; `bufs` are the parameter's state buffers in the
-    /// rule's order; `first` says the parameter was never stepped before.
-    fn chunk<P: Master>(
+    /// rule's order; `first` says the parameter was never stepped before;
+    /// `noise` gives the random bits of bf16 state's stochastic rounding.
+    fn chunk<P: Master, S: StateElem>(
         p: &mut [P],
         g: &[f32],
-        bufs: &mut [&mut [f32]],
+        bufs: &mut [&mut [S]],
         first: bool,
         k: &Self::Consts,
+        noise: Noise,
     );
 }
 
@@ -354,14 +358,15 @@ pub(crate) trait Kernel {
 /// `is_x86_feature_detected!`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn chunk_avx2<K: Kernel, P: Master>(
+unsafe fn chunk_avx2<K: Kernel, P: Master, S: StateElem>(
     p: &mut [P],
     g: &[f32],
-    bufs: &mut [&mut [f32]],
+    bufs: &mut [&mut [S]],
     first: bool,
     k: &K::Consts,
+    noise: Noise,
 ) {
-    K::chunk(p, g, bufs, first, k)
+    K::chunk(p, g, bufs, first, k, noise)
 }
 
 /// Whether the AVX2 build of the kernels may run here.
@@ -377,41 +382,42 @@ fn has_avx2() -> bool {
     }
 }
 
-fn chunk<K: Kernel, P: Master>(
+fn chunk<K: Kernel, P: Master, S: StateElem>(
     p: &mut [P],
     g: &[f32],
-    bufs: &mut [&mut [f32]],
+    bufs: &mut [&mut [S]],
     first: bool,
     k: &K::Consts,
+    noise: Noise,
 ) {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: AVX2 support was just checked at run time; no FMA is enabled,
         // so the results are bit-identical to the generic build.
-        unsafe { chunk_avx2::<K, P>(p, g, bufs, first, k) };
+        unsafe { chunk_avx2::<K, P, S>(p, g, bufs, first, k, noise) };
         return;
     }
-    K::chunk(p, g, bufs, first, k)
+    K::chunk(p, g, bufs, first, k, noise)
 }
 
 /// One parameter: in one piece when small, else in parallel chunks of
 /// [`CHUNK`] elements, each with the matching pieces of every buffer.
-fn param<K: Kernel, P: Master>(
+fn param<K: Kernel, P: Master, S: StateElem>(
     p: &mut [P],
     g: &[f32],
-    bufs: &mut [Vec<f32>],
+    mut bufs: Vec<&mut [S]>,
     first: bool,
     k: &K::Consts,
+    noise: Noise,
 ) {
     if p.len() <= CHUNK {
-        let mut b: Vec<&mut [f32]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
-        chunk::<K, P>(p, g, &mut b, first, k);
+        chunk::<K, P, S>(p, g, &mut bufs, first, k, noise);
         return;
     }
-    let mut pieces: Vec<Vec<&mut [f32]>> = (0..p.len().div_ceil(CHUNK))
+    let mut pieces: Vec<Vec<&mut [S]>> = (0..p.len().div_ceil(CHUNK))
         .map(|_| Vec::with_capacity(bufs.len()))
         .collect();
-    for b in bufs.iter_mut() {
+    for b in bufs {
         for (c, s) in b.chunks_mut(CHUNK).enumerate() {
             pieces[c].push(s);
         }
@@ -419,18 +425,55 @@ fn param<K: Kernel, P: Master>(
     p.par_chunks_mut(CHUNK)
         .zip(g.par_chunks(CHUNK))
         .zip(pieces.par_iter_mut())
-        .for_each(|((p, g), b)| chunk::<K, P>(p, g, b, first, k));
+        .enumerate()
+        .for_each(|(c, ((p, g), b))| {
+            chunk::<K, P, S>(p, g, b, first, k, noise.at_offset(c * CHUNK))
+        });
+}
+
+/// One parameter of element type `P` with its state buffers (all of one dtype).
+fn param_any_state<K: Kernel, P: Master>(
+    p: &mut [P],
+    g: &[f32],
+    bufs: &mut [StateBuf],
+    first: bool,
+    k: &K::Consts,
+    noise: Noise,
+) -> Result<()> {
+    if bufs.iter().all(|b| matches!(b, StateBuf::F32(_))) {
+        let b = bufs
+            .iter_mut()
+            .filter_map(|b| match b {
+                StateBuf::F32(v) => Some(&mut v[..]),
+                StateBuf::Bf16(_) => None,
+            })
+            .collect();
+        param::<K, P, f32>(p, g, b, first, k, noise);
+    } else if bufs.iter().all(|b| matches!(b, StateBuf::Bf16(_))) {
+        let b = bufs
+            .iter_mut()
+            .filter_map(|b| match b {
+                StateBuf::Bf16(v) => Some(&mut v[..]),
+                StateBuf::F32(_) => None,
+            })
+            .collect();
+        param::<K, P, bf16>(p, g, b, first, k, noise);
+    } else {
+        bail!("a parameter's state buffers mix f32 and bf16");
+    }
+    Ok(())
 }
 
 /// Runs kernel `K` over `var` (in place, under its write lock) with its f32
-/// CPU gradient `grad` and its state buffers, each of `var`'s element count.
+/// CPU gradient `grad` and its state buffers, each of `var`'s element count;
+/// `noise` seeds bf16 state's stochastic rounding (a mix of step and param).
 pub(crate) fn update_param<K: Kernel>(
     op: &'static str,
     var: &Var,
     grad: &Tensor,
-    bufs: &mut [Vec<f32>],
+    bufs: &mut [StateBuf],
     first: bool,
-    k: &K::Consts,
+    (k, noise): (&K::Consts, Noise),
 ) -> Result<()> {
     let n = var.elem_count();
     if let Some(b) = bufs.iter().find(|b| b.len() != n) {
@@ -440,12 +483,9 @@ pub(crate) fn update_param<K: Kernel>(
             var.dims()
         )
     }
-    HostUpdate::run(op, var, grad, |p, g| {
-        match p {
-            MasterSlice::F32(p) => param::<K, f32>(p, g, bufs, first, k),
-            MasterSlice::BF16(p) => param::<K, bf16>(p, g, bufs, first, k),
-            MasterSlice::F16(p) => param::<K, f16>(p, g, bufs, first, k),
-        }
-        Ok(())
+    HostUpdate::run(op, var, grad, |p, g| match p {
+        MasterSlice::F32(p) => param_any_state::<K, f32>(p, g, bufs, first, k, noise),
+        MasterSlice::BF16(p) => param_any_state::<K, bf16>(p, g, bufs, first, k, noise),
+        MasterSlice::F16(p) => param_any_state::<K, f16>(p, g, bufs, first, k, noise),
     })
 }

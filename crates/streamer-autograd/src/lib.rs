@@ -43,13 +43,15 @@ mod host_update;
 mod optim_state;
 mod placed_adamw;
 mod sgd;
+mod state;
 mod trainer;
 
 pub use activations::ActivationPolicy;
-pub use adamw::{AdamWUpdate, CpuAdamW};
+pub use adamw::{AdamWUpdate, CpuAdamW, Moments};
 pub use device_adamw::DeviceAdamW;
 pub use dropout::{dropout, dropout_ctx, with_seed, Dropout};
 pub use host_optim::{BufferName, HostOptimizer, MetaValue, UpdateRule};
 pub use placed_adamw::{OptimizerPlace, PlacedAdamW};
 pub use sgd::{CpuSgd, ParamsSgd, SgdUpdate};
+pub use state::StateDtype;
 pub use trainer::{Train, TrainableSequential};

@@ -7,6 +7,8 @@
 //! `step` and the hyper-parameters (f64 written so they read back exactly).
 
 use std::borrow::Cow;
+
+use crate::state::{StateBuf, StateDtype};
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
@@ -103,6 +105,25 @@ impl<'a> StateWriter<'a> {
 
     pub(crate) fn meta_str(&mut self, key: &str, value: String) {
         self.meta.insert(key.to_string(), value);
+    }
+
+    /// A state buffer in its own dtype (bf16 state is saved as bf16).
+    pub(crate) fn state(&mut self, name: String, shape: &[usize], buf: &'a StateBuf) {
+        let (dtype, data) = match buf {
+            StateBuf::F32(v) => (Dtype::F32, f32_bytes(v)),
+            StateBuf::Bf16(v) => (
+                Dtype::BF16,
+                Cow::Owned(v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect()),
+            ),
+        };
+        self.entries.push((
+            name,
+            Entry {
+                dtype,
+                shape: shape.to_vec(),
+                data,
+            },
+        ));
     }
 
     pub(crate) fn tensor(&mut self, name: String, shape: &[usize], data: &'a [f32]) {
@@ -279,5 +300,28 @@ impl SavedState {
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect())
+    }
+
+    /// A state buffer saved as f32 or bf16, as `dtype` (f32 saved state
+    /// loads into bf16 state rounded to nearest; bf16 into f32 exactly).
+    pub(crate) fn state_tensor(
+        &self,
+        st: &SafeTensors<'_>,
+        name: &str,
+        shape: &[usize],
+        dtype: StateDtype,
+    ) -> Result<StateBuf> {
+        let saved_bf16 = st.tensor(name).is_ok_and(|v| v.dtype() == Dtype::BF16);
+        if !saved_bf16 {
+            return Ok(StateBuf::from_f32(dtype, self.f32_tensor(st, name, shape)?));
+        }
+        let data = self.view(st, name, Dtype::BF16, shape)?;
+        let v = data
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])));
+        Ok(match dtype {
+            StateDtype::Bf16 => StateBuf::Bf16(v.collect()),
+            StateDtype::F32 => StateBuf::F32(v.map(|x| x.to_f32()).collect()),
+        })
     }
 }

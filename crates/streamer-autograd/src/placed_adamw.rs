@@ -5,7 +5,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{bail, Device, Result, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 
-use crate::{CpuAdamW, DeviceAdamW, TrainableSequential};
+use crate::{CpuAdamW, DeviceAdamW, StateDtype, TrainableSequential};
 
 /// Where AdamW keeps its moments and does its arithmetic.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,9 +50,29 @@ impl PlacedAdamW {
         place: OptimizerPlace,
         device: &Device,
     ) -> Result<Self> {
-        Ok(match place {
-            OptimizerPlace::Host => Self::Host(CpuAdamW::new(vars, params)?),
-            OptimizerPlace::Device => Self::Device(DeviceAdamW::new(vars, params, device)?),
+        Self::with_state_dtype(vars, params, place, device, StateDtype::F32)
+    }
+
+    /// [`PlacedAdamW::new`] with moments of `state` (bf16: on the host only,
+    /// [`CpuAdamW::with_state_dtype`]; `DeviceAdamW` keeps f32 moments).
+    pub fn with_state_dtype(
+        vars: Vec<Var>,
+        params: ParamsAdamW,
+        place: OptimizerPlace,
+        device: &Device,
+        state: StateDtype,
+    ) -> Result<Self> {
+        Ok(match (place, state) {
+            (OptimizerPlace::Host, _) => {
+                Self::Host(CpuAdamW::with_state_dtype(vars, params, state)?)
+            }
+            (OptimizerPlace::Device, StateDtype::F32) => {
+                Self::Device(DeviceAdamW::new(vars, params, device)?)
+            }
+            (OptimizerPlace::Device, other) => bail!(
+                "optimizer state {other:?}: DeviceAdamW keeps f32 moments; \
+                 {other:?} state is for the host optimizer (OptimizerPlace::Host)"
+            ),
         })
     }
 

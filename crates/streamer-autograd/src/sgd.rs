@@ -1,10 +1,13 @@
 //! `CpuSgd`: fused, multi-threaded SGD with momentum on host (CPU)
 //! parameters: the [`HostOptimizer`] skeleton over the [`SgdUpdate`] rule.
 
+use std::borrow::Cow;
+
 use candle_core::{bail, Result, Tensor, Var};
 
 use crate::host_optim::{BufferName, HostOptimizer, MetaValue, UpdateRule};
 use crate::host_update::{update_param, Kernel, Master};
+use crate::state::{Noise, StateBuf, StateElem};
 
 /// Hyper-parameters of [`CpuSgd`], with PyTorch's `torch.optim.SGD` meaning.
 #[derive(Clone, Debug, PartialEq)]
@@ -100,12 +103,13 @@ impl Kernel for SgdKernel {
     type Consts = SgdConsts;
 
     #[inline(always)]
-    fn chunk<P: Master>(
+    fn chunk<P: Master, S: StateElem>(
         p: &mut [P],
         g: &[f32],
-        bufs: &mut [&mut [f32]],
+        bufs: &mut [&mut [S]],
         first: bool,
         k: &SgdConsts,
+        noise: Noise,
     ) {
         let n = p.len();
         let g = &g[..n];
@@ -124,9 +128,9 @@ impl Kernel for SgdKernel {
             let b = if first {
                 d
             } else {
-                buf[i] * k.momentum + d * k.one_minus_dampening
+                buf[i].load() * k.momentum + d * k.one_minus_dampening
             };
-            buf[i] = b;
+            buf[i] = S::store(b, noise.bits(i));
             let d = if k.nesterov { d + b * k.momentum } else { b };
             p[i] = P::from_f32(pi - d * k.lr);
         }
@@ -186,16 +190,19 @@ impl UpdateRule for SgdUpdate {
         })
     }
 
+    // The trait is sealed: its state types stay crate-private.
+    #[allow(private_interfaces)]
     fn update(
         p: &ParamsSgd,
         _t: usize,
         var: &Var,
         grad: &Tensor,
-        bufs: &mut [Vec<f32>],
+        bufs: &mut [StateBuf],
         first: bool,
+        noise: Noise,
     ) -> Result<()> {
         let k = SgdConsts::new(p);
-        update_param::<SgdKernel>("cpu-sgd", var, grad, bufs, first, &k)
+        update_param::<SgdKernel>("cpu-sgd", var, grad, bufs, first, (&k, noise))
     }
 }
 
@@ -226,11 +233,11 @@ impl UpdateRule for SgdUpdate {
 pub type CpuSgd = HostOptimizer<SgdUpdate>;
 
 impl CpuSgd {
-    /// The momentum buffer of param `idx` (empty without momentum).
-    pub fn momentum_buffer(&self, idx: usize) -> Option<&[f32]> {
+    /// The momentum buffer of param `idx` in f32 (empty without momentum).
+    pub fn momentum_buffer(&self, idx: usize) -> Option<Cow<'_, [f32]>> {
         if idx >= self.vars().len() {
             return None;
         }
-        Some(self.buffer(idx, 0).unwrap_or(&[]))
+        Some(self.buffer(idx, 0).unwrap_or(Cow::Borrowed(&[])))
     }
 }
