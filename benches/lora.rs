@@ -15,11 +15,16 @@
 //! `LORA_BENCH_MODES` (default `lora,full`), `LORA_BENCH_R` (16),
 //! `LORA_BENCH_TARGETS` (`q_proj,k_proj,v_proj,o_proj`), `LORA_BENCH_BATCH` /
 //! `LORA_BENCH_SEQ` (8 x 2048 on a GPU), `LORA_BENCH_STEPS` (3 timed after 1
-//! warm-up), `LORA_BENCH_WINDOW` (2 layers on the device). Full fine-tuning of
-//! `8b` with the host optimizer holds about 16 bytes a parameter on the host
-//! (masters, AdamW moments, gradients): 128 GiB, more than a one-GPU machine
-//! of 128 GiB has; with `DeviceAdamW` the moments (64 GB) are on the GPU. LoRA
-//! needs the bf16 masters only.
+//! warm-up), `LORA_BENCH_WINDOW` (2 layers on the device),
+//! `LORA_BENCH_OPTIMIZER_STATE` (`f32` or `bf16` moments),
+//! `LORA_BENCH_ACTIVATIONS` (the layers' `ActivationPolicy`),
+//! `LORA_BENCH_DEVICE_CAP_GIB` (hold back the rest of the GPU's memory so the
+//! run has that much in all, as on a smaller GPU). Full fine-tuning
+//! of `8b` with the host optimizer holds about 16 bytes a parameter on the
+//! host (masters, AdamW moments, gradients): 128 GB, more than a one-GPU
+//! machine of 128 GiB has; with bf16 moments 12 bytes (96 GB); with
+//! `DeviceAdamW` the moments (64 GB) are on the GPU. LoRA needs the bf16
+//! masters only.
 //!
 //! Writes `benches/results/lora-<device>.json`.
 #[path = "common/mod.rs"]
@@ -32,10 +37,11 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device};
 use candle_nn::{Optimizer, ParamsAdamW};
 use std::time::Instant;
+use streamer_autograd::ActivationPolicy;
 use streamer_core::StreamConfig;
 use streamer_models::{
     init_weights, ByteCorpus, Llama, LlamaConfig, LmTrainer, LoraAdapters, LoraConfig,
-    OptimizerPlace,
+    OptimizerPlace, StateDtype,
 };
 
 fn env_or(key: &str, default: usize) -> usize {
@@ -55,13 +61,17 @@ fn config(name: &str) -> Result<LlamaConfig> {
 struct Measured {
     step_s: Vec<f64>,
     loss: Vec<f32>,
+    /// Peak device memory above what was in use before the steps.
     peak_device: usize,
+    /// Peak device memory in use as the driver counts it (the process's
+    /// context and everything it allocated), less a `DeviceCap`'s hold.
+    peak_total: usize,
     host_rss: usize,
 }
 
 /// Runs `1 + steps` steps of `step` (the first untimed) on the corpus.
 fn measure(
-    dev: &Device,
+    (dev, held): (&Device, usize),
     data: &ByteCorpus,
     (batch, seq, steps): (usize, usize, usize),
     mut step: impl FnMut(&candle_core::Tensor, &candle_core::Tensor, f64) -> Result<f32>,
@@ -82,10 +92,12 @@ fn measure(
         }
         println!("  step {s}: {:.3} s", t.elapsed().as_secs_f64());
     }
+    let peak = common::MemSampler::finish(sampler);
     Ok(Measured {
         step_s,
         loss,
-        peak_device: common::MemSampler::finish(sampler).saturating_sub(base),
+        peak_device: peak.saturating_sub(base),
+        peak_total: peak.saturating_sub(held),
         host_rss: common::host_rss().0,
     })
 }
@@ -111,6 +123,20 @@ fn run(
         master_dtype: Some(if mode == "lora" { dtype } else { DType::F32 }),
         ..Default::default()
     };
+    // LORA_BENCH_DEVICE_CAP_GIB: the GPU behaves as one of that size.
+    let cap = common::cap_device_memory(
+        dev,
+        std::env::var("LORA_BENCH_DEVICE_CAP_GIB")
+            .ok()
+            .map(|g| g.parse::<usize>().map(|g| g << 30))
+            .transpose()?,
+    )?;
+    if cap.held > 0 {
+        println!(
+            "  device capped: {:.1} GiB held back",
+            cap.held as f64 / (1u64 << 30) as f64
+        );
+    }
     let data = ByteCorpus::from_file("data/corpus.txt")
         .unwrap_or_else(|_| ByteCorpus::new((0..1 << 20).map(|i| (i * 31 % 251) as u8).collect()));
     // Each setup phase says how long it took: at 8B shapes they are most of a
@@ -124,6 +150,7 @@ fn run(
         "  model built (masters page-locked): {:.1} s",
         t0.elapsed().as_secs_f64()
     );
+    let mut full_setup = None;
     let (m, trainable) = match mode {
         "full" => {
             // LORA_BENCH_OPTIMIZER=host|device (default device on a GPU: the
@@ -135,23 +162,40 @@ fn run(
                 Err(_) => OptimizerPlace::Host,
                 Ok(other) => bail!("LORA_BENCH_OPTIMIZER: unknown {other:?} (host or device)"),
             };
-            println!("  full fine-tune optimizer: {place:?}");
+            // LORA_BENCH_OPTIMIZER_STATE=f32|bf16: AdamW's moments (bf16 halves
+            // the host optimizer's 8 bytes a parameter).
+            let state: StateDtype = std::env::var("LORA_BENCH_OPTIMIZER_STATE")
+                .unwrap_or_else(|_| "f32".into())
+                .parse()?;
+            println!("  full fine-tune optimizer: {place:?}, {state:?} moments");
             let t0 = std::time::Instant::now();
-            let mut t = LmTrainer::new_on(
+            let mut t = LmTrainer::new_with(
                 model,
                 ParamsAdamW {
                     lr: LR,
                     ..Default::default()
                 },
                 place,
+                state,
             )?;
             println!(
                 "  optimizer state allocated: {:.1} s",
                 t0.elapsed().as_secs_f64()
             );
             t.set_overlap(true);
+            // LORA_BENCH_ACTIVATIONS: the layers' activation policy
+            // (recompute, offload, keep:<bytes>, auto[:fraction]; default auto).
+            if let Ok(p) = std::env::var("LORA_BENCH_ACTIVATIONS") {
+                let policy: ActivationPolicy = p.parse()?;
+                t.model()
+                    .trainable_layers()
+                    .expect("a trainable streamed model")
+                    .set_activation_policy(policy)?;
+                println!("  activations: {policy:?}");
+            }
+            full_setup = Some((place, state));
             (
-                measure(dev, &data, shape, |x, y, lr| {
+                measure((dev, cap.held), &data, shape, |x, y, lr| {
                     t.set_learning_rate(lr);
                     Ok(t.step(x, y)?)
                 })?,
@@ -174,7 +218,7 @@ fn run(
                     ..Default::default()
                 },
             )?;
-            let m = measure(dev, &data, shape, |x, y, lr| {
+            let m = measure((dev, cap.held), &data, shape, |x, y, lr| {
                 opt.set_learning_rate(lr);
                 let loss = model.loss(x, y)?;
                 opt.step(&model.backward(&loss)?)?;
@@ -191,8 +235,10 @@ fn run(
     let tokens = (shape.0 * shape.1) as f64 / median;
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     println!(
-        "{name} {mode}: {median:.3} s a step, {tokens:.0} tokens/s, peak device {:.2} GiB, host RSS {:.2} GiB, {trainable} trainable, loss {:?}",
+        "{name} {mode}: {median:.3} s a step, {tokens:.0} tokens/s, peak device {:.2} GiB above the start, \
+         {:.2} GiB in all (driver), host RSS {:.2} GiB, {trainable} trainable, loss {:?}",
         gib(m.peak_device),
+        gib(m.peak_total),
         gib(m.host_rss),
         m.loss
     );
@@ -200,7 +246,13 @@ fn run(
         "model": name, "mode": mode, "params": cfg.num_params(), "trainable_params": trainable,
         "batch": shape.0, "seq": shape.1, "step_s_median": median, "step_s": m.step_s,
         "tokens_per_s": tokens, "peak_device_gib": gib(m.peak_device), "host_rss_gib": gib(m.host_rss),
+        "peak_device_total_gib": gib(m.peak_total),
+        "device_cap_gib": std::env::var("LORA_BENCH_DEVICE_CAP_GIB").ok(),
         "dtype": format!("{dtype:?}"), "losses": m.loss,
+        "mfu": 6.0 * cfg.num_params() as f64 * tokens / 989e12,
+        "optimizer_place": full_setup.map(|(p, _)| format!("{p:?}")),
+        "state_dtypes": full_setup.map(|(_, s)| format!("masters F32, moments {s:?}")),
+        "activations": std::env::var("LORA_BENCH_ACTIVATIONS").ok(),
     }))
 }
 

@@ -131,7 +131,7 @@ def svg(curves, title):
     n = max(len(c) for _, c in curves)
     lo = min(min(c) for _, c in curves)
     hi = max(max(c) for _, c in curves)
-    colours = ["#d62728", "#1f77b4", "#7f7f7f"]
+    colours = ["#d62728", "#1f77b4", "#7f7f7f", "#2ca02c"]
     x = lambda i: pad + (w - 2 * pad) * i / max(n - 1, 1)
     y = lambda v: h - pad - (h - 2 * pad) * (v - lo) / max(hi - lo, 1e-9)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
@@ -156,6 +156,7 @@ def compare(argv):
     ap.add_argument("--ours", required=True, help="train_lm's loss.csv")
     ap.add_argument("--bf16", required=True)
     ap.add_argument("--f32", required=True)
+    ap.add_argument("--ours-bf16-state", help="train_lm's loss.csv with --optimizer-state bf16")
     ap.add_argument("--out", required=True, help="path without extension")
     ap.add_argument("--meta", default="{}", help="JSON object stored with the result")
     a = ap.parse_args(argv)
@@ -173,6 +174,21 @@ def compare(argv):
     tail_ours, tail_tb = mean(ours[-20:]), mean(tb[-20:])
     tail_rel = abs(tail_ours - tail_tb) / tail_tb
     ok = d_ours <= 2 * d_ref and tail_rel <= 0.02
+    extra = {}
+    if a.ours_bf16_state:
+        b16 = read_csv(a.ours_bf16_state)
+        if len(b16) != len(ours):
+            sys.exit(f"--ours-bf16-state has {len(b16)} steps, ours {len(ours)}")
+        extra = {
+            "bf16_state": {
+                "what": "train_lm --optimizer host --optimizer-state bf16 (AdamW moments in bf16, "
+                        "stochastic rounding) against the same run with f32 moments",
+                "mean_abs_vs_ours_f32_state": mean([abs(p - q) for p, q in zip(b16, ours)]),
+                "mean_abs_vs_transformers_bf16": mean([abs(p - q) for p, q in zip(b16, tb)]),
+                "last20_mean": mean(b16[-20:]),
+                "losses": b16,
+            }
+        }
     result = {
         "meta": json.loads(a.meta),
         "band": "mean |ours - transformers bf16| <= 2 x mean |transformers bf16 - transformers f32|, "
@@ -185,14 +201,22 @@ def compare(argv):
         "within_band": ok,
         "wall_s": {"transformers_bf16": bf16["wall_s"], "transformers_f32": f32["wall_s"]},
         "losses": {"ours_bf16": ours, "transformers_bf16": tb, "transformers_f32": tf},
+        **extra,
     }
     with open(a.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
+    curves = [("ours (bf16, f32 masters)", ours), ("transformers bf16 autocast", tb),
+              ("transformers f32", tf)]
+    if extra:
+        curves.append(("ours, bf16 AdamW moments", extra["bf16_state"]["losses"]))
     with open(a.out + ".svg", "w") as f:
-        f.write(svg([("ours (bf16, f32 masters)", ours), ("transformers bf16 autocast", tb),
-                     ("transformers f32", tf)], "train_lm vs transformers, same init and batches"))
+        f.write(svg(curves, "train_lm vs transformers, same init and batches"))
     print(f"mean |ours - transformers bf16| = {d_ours:.4f}, |transformers bf16 - f32| = {d_ref:.4f}, "
           f"last-20 relative {tail_rel:.4f}: {'within' if ok else 'OUTSIDE'} the band")
+    if extra:
+        e = extra["bf16_state"]
+        print(f"bf16 moments: mean |loss - f32 moments| = {e['mean_abs_vs_ours_f32_state']:.4f}, "
+              f"last-20 mean {e['last20_mean']:.4f} (f32 moments {tail_ours:.4f})")
     for s in [0, 1, 2, 3, 9, 19, 49, 99, len(ours) - 1]:
         if s < len(ours):
             print(f"  step {s + 1}: ours {ours[s]:.4f}, transformers bf16 {tb[s]:.4f}, f32 {tf[s]:.4f}")
