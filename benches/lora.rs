@@ -40,8 +40,8 @@ use std::time::Instant;
 use streamer_autograd::ActivationPolicy;
 use streamer_core::StreamConfig;
 use streamer_models::{
-    init_weights, ByteCorpus, Llama, LlamaConfig, LmTrainer, LoraAdapters, LoraConfig,
-    OptimizerPlace, StateDtype,
+    init_weights, ByteCorpus, HostPlan, Llama, LlamaConfig, LmTrainer, LoraAdapters, LoraConfig,
+    OptimizerPlace, StateDtype, TrainSetup,
 };
 
 fn env_or(key: &str, default: usize) -> usize {
@@ -102,6 +102,49 @@ fn measure(
     })
 }
 
+/// The host memory the full fine-tune's settings imply (`HostPlan`).
+fn host_plan(
+    cfg: &LlamaConfig,
+    dev: &Device,
+    (batch, seq, _): (usize, usize, usize),
+    dtype: DType,
+) -> Result<HostPlan> {
+    let offload = std::env::var("LORA_BENCH_ACTIVATIONS")
+        .ok()
+        .map(|p| p.parse::<ActivationPolicy>())
+        .transpose()?
+        == Some(ActivationPolicy::OffloadInputs);
+    Ok(HostPlan::for_training(
+        cfg,
+        &TrainSetup {
+            master_dtype: DType::F32,
+            place: optimizer_place(dev)?,
+            state: optimizer_state()?,
+            cuda: dev.is_cuda(),
+            offload_inputs: offload.then_some((batch, seq, dtype)),
+        },
+    ))
+}
+
+/// LORA_BENCH_OPTIMIZER=host|device (default device on a GPU: the full 8B
+/// fine-tune's f32 host optimizer state would not fit the host).
+fn optimizer_place(dev: &Device) -> Result<OptimizerPlace> {
+    Ok(match std::env::var("LORA_BENCH_OPTIMIZER").as_deref() {
+        Ok("host") => OptimizerPlace::Host,
+        Ok("device") => OptimizerPlace::Device,
+        Err(_) if dev.is_cuda() => OptimizerPlace::Device,
+        Err(_) => OptimizerPlace::Host,
+        Ok(other) => bail!("LORA_BENCH_OPTIMIZER: unknown {other:?} (host or device)"),
+    })
+}
+
+/// LORA_BENCH_OPTIMIZER_STATE=f32|bf16: AdamW's moments.
+fn optimizer_state() -> Result<StateDtype> {
+    Ok(std::env::var("LORA_BENCH_OPTIMIZER_STATE")
+        .unwrap_or_else(|_| "f32".into())
+        .parse()?)
+}
+
 fn run(
     name: &str,
     mode: &str,
@@ -139,6 +182,12 @@ fn run(
     }
     let data = ByteCorpus::from_file("data/corpus.txt")
         .unwrap_or_else(|_| ByteCorpus::new((0..1 << 20).map(|i| (i * 31 % 251) as u8).collect()));
+    let plan = (mode == "full")
+        .then(|| host_plan(&cfg, dev, shape, dtype))
+        .transpose()?;
+    if let Some(p) = &plan {
+        println!("  host plan: {p}");
+    }
     // Each setup phase says how long it took: at 8B shapes they are most of a
     // run, and a run cut by a time limit then still says where it was.
     let t0 = std::time::Instant::now();
@@ -153,20 +202,7 @@ fn run(
     let mut full_setup = None;
     let (m, trainable) = match mode {
         "full" => {
-            // LORA_BENCH_OPTIMIZER=host|device (default device on a GPU: the
-            // full 8B fine-tune's host optimizer state would not fit the host).
-            let place = match std::env::var("LORA_BENCH_OPTIMIZER").as_deref() {
-                Ok("host") => OptimizerPlace::Host,
-                Ok("device") => OptimizerPlace::Device,
-                Err(_) if dev.is_cuda() => OptimizerPlace::Device,
-                Err(_) => OptimizerPlace::Host,
-                Ok(other) => bail!("LORA_BENCH_OPTIMIZER: unknown {other:?} (host or device)"),
-            };
-            // LORA_BENCH_OPTIMIZER_STATE=f32|bf16: AdamW's moments (bf16 halves
-            // the host optimizer's 8 bytes a parameter).
-            let state: StateDtype = std::env::var("LORA_BENCH_OPTIMIZER_STATE")
-                .unwrap_or_else(|_| "f32".into())
-                .parse()?;
+            let (place, state) = (optimizer_place(dev)?, optimizer_state()?);
             println!("  full fine-tune optimizer: {place:?}, {state:?} moments");
             let t0 = std::time::Instant::now();
             let mut t = LmTrainer::new_with(
@@ -247,6 +283,7 @@ fn run(
         "batch": shape.0, "seq": shape.1, "step_s_median": median, "step_s": m.step_s,
         "tokens_per_s": tokens, "peak_device_gib": gib(m.peak_device), "host_rss_gib": gib(m.host_rss),
         "peak_device_total_gib": gib(m.peak_total),
+        "host_plan_gib": plan.map(|p| gib(p.total())),
         "device_cap_gib": std::env::var("LORA_BENCH_DEVICE_CAP_GIB").ok(),
         "dtype": format!("{dtype:?}"), "losses": m.loss,
         "mfu": 6.0 * cfg.num_params() as f64 * tokens / 989e12,

@@ -35,8 +35,8 @@ use streamer_core::StreamConfig;
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
     generate, init_weights, parse_bytes, prefetch_for_budget, train_loop, ByteCorpus,
-    CheckpointFiles, Decay, Llama, LlamaConfig, LmTrainer, LoopOptions, LoraConfig, OptimizerPlace,
-    Placement, PretrainedFiles, StateDtype, TextTokenizer, TokenCorpus,
+    CheckpointFiles, Decay, HostPlan, Llama, LlamaConfig, LmTrainer, LoopOptions, LoraConfig,
+    OptimizerPlace, Placement, PretrainedFiles, StateDtype, TextTokenizer, TokenCorpus, TrainSetup,
 };
 
 #[derive(Parser, Debug)]
@@ -396,6 +396,21 @@ fn main() -> Result<()> {
             tok,
         };
         return lora::train(&a, model, &lcfg, &corpus, &opts, &run);
+    }
+    // Said, and refused when the host lacks it, before anything is loaded.
+    let plan = HostPlan::for_training(
+        &cfg,
+        &TrainSetup {
+            master_dtype: DType::F32,
+            place,
+            state,
+            cuda: dev.is_cuda(),
+            offload_inputs: None,
+        },
+    );
+    println!("train_lm: this run holds about {plan}");
+    if let Some(avail) = streamer_core::host_available_memory() {
+        plan.check_fits(avail)?;
     }
     let mut trainer = match (&a.model, a.resume) {
         (_, true) => LmTrainer::resume_with(&ckpt, stream, adam, place, state)?,

@@ -17,6 +17,7 @@ mod fused_linear;
 mod fused_mlp;
 mod fused_ops;
 mod fuzz;
+mod host_plan;
 mod lora;
 mod loss_curve;
 mod models;

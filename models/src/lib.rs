@@ -59,6 +59,7 @@ pub mod embedding;
 pub mod fused_linear;
 pub mod fused_mlp;
 pub mod fused_ops;
+pub mod host_plan;
 mod kv_cache;
 pub mod llama;
 pub mod lora;
@@ -76,6 +77,7 @@ pub use cross_entropy::cross_entropy;
 pub use embedding::embedding;
 pub use fused_linear::{fused_linear, Epilogue, FusedLinear};
 pub use fused_mlp::{fused_mlp, FusedMlp};
+pub use host_plan::{HostPlan, TrainSetup};
 pub use llama::{apply_rope, apply_rope_unfused, DecoderLayer, Llama, RmsNorm, Rope};
 pub use lora::{LoraAdapters, LoraConfig, LORA_TARGETS};
 #[cfg(feature = "cuda")]

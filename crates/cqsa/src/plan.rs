@@ -163,13 +163,7 @@ impl Budget {
 
 /// `MemAvailable` from `/proc/meminfo`, or a large default where that is missing.
 fn host_available() -> usize {
-    let parse = || -> Option<usize> {
-        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-        let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-        let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-        Some(kib * 1024)
-    };
-    parse().unwrap_or(64 << 30)
+    streamer_core::host_available_memory().unwrap_or(64 << 30)
 }
 
 /// What the planner decided for one call.

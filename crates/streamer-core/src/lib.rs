@@ -43,6 +43,7 @@ pub(crate) mod cuda;
 mod device_memory;
 pub mod faults;
 mod host;
+mod host_memory;
 mod offload;
 pub mod pages;
 mod pool;
@@ -71,6 +72,7 @@ pub use device_memory::{
     retain_freed_device_memory, trim_device_memory, DevicePoolStats,
 };
 pub use host::{HostMasters, Master};
+pub use host_memory::host_available_memory;
 pub use offload::{OffloadMarker, Offloader};
 pub use pool::{BlockLayout, DeviceMaster, Entry, ResidencyPool};
 pub use precomputed::{with_backward3, Backward3};

@@ -1,0 +1,99 @@
+//! What a streamed full fine-tune holds in host memory, said before anything
+//! is loaded or page-locked, and refused when the host does not have it.
+use crate::config::LlamaConfig;
+use candle_core::{bail, DType, Result};
+use streamer_autograd::{OptimizerPlace, StateDtype};
+
+/// The settings of a streamed full fine-tune that decide its host memory.
+#[derive(Clone, Copy, Debug)]
+pub struct TrainSetup {
+    /// The host masters' dtype (f32 for full fine-tuning).
+    pub master_dtype: DType,
+    /// Where AdamW runs.
+    pub place: OptimizerPlace,
+    /// AdamW's moments (host optimizer).
+    pub state: StateDtype,
+    /// Training on a GPU (with [`OptimizerPlace::Device`] the embedding,
+    /// norm and head masters then live on the device).
+    pub cuda: bool,
+    /// Block inputs offloaded to the host (`ActivationPolicy::OffloadInputs`):
+    /// `(batch, seq, compute dtype)`.
+    pub offload_inputs: Option<(usize, usize, DType)>,
+}
+
+/// Host bytes of a streamed full fine-tune, by part.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostPlan {
+    /// The masters the optimizer updates.
+    pub masters: usize,
+    /// AdamW's first and second moments (host optimizer).
+    pub moments: usize,
+    /// f32 gradient buffers: page-locked per decoder-layer master, and the
+    /// embedding, norm and head gradients brought to the host for the step
+    /// (host optimizer; the device optimizer copies stepped masters back
+    /// instead).
+    pub gradients: usize,
+    /// Offloaded block inputs.
+    pub activations: usize,
+}
+
+impl HostPlan {
+    /// The plan of training `cfg` as `setup` says.
+    pub fn for_training(cfg: &LlamaConfig, setup: &TrainSetup) -> Self {
+        let all = cfg.num_params();
+        let layers = cfg.layer_params() * cfg.num_hidden_layers;
+        let outer = all - layers;
+        let host_opt = setup.place == OptimizerPlace::Host;
+        let on_host = if !host_opt && setup.cuda { layers } else { all };
+        let activations = setup.offload_inputs.map_or(0, |(b, n, dt)| {
+            cfg.num_hidden_layers.saturating_sub(1) * b * n * cfg.hidden_size * dt.size_in_bytes()
+        });
+        Self {
+            masters: on_host * setup.master_dtype.size_in_bytes(),
+            moments: if host_opt {
+                2 * all * setup.state.size_in_bytes()
+            } else {
+                0
+            },
+            gradients: if host_opt { (layers + outer) * 4 } else { 0 },
+            activations,
+        }
+    }
+
+    /// Everything.
+    pub fn total(&self) -> usize {
+        self.masters + self.moments + self.gradients + self.activations
+    }
+
+    /// Refuses a plan larger than `available` bytes, naming the parts and
+    /// what would make it smaller.
+    pub fn check_fits(&self, available: usize) -> Result<()> {
+        if self.total() <= available {
+            return Ok(());
+        }
+        bail!(
+            "the host has {:.1} GiB available but training needs {self}; bf16 moments \
+             (--optimizer-state bf16) or the device optimizer (--optimizer device) need less",
+            gib(available)
+        )
+    }
+}
+
+fn gib(b: usize) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
+impl std::fmt::Display for HostPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:.1} GiB of host memory (masters {:.1}, AdamW moments {:.1}, gradients {:.1}, \
+             offloaded activations {:.1})",
+            gib(self.total()),
+            gib(self.masters),
+            gib(self.moments),
+            gib(self.gradients),
+            gib(self.activations)
+        )
+    }
+}

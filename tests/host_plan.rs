@@ -1,0 +1,91 @@
+//! `HostPlan`: the host memory of a streamed full fine-tune, said before any
+//! weight is loaded, against what the trainer then allocates; a plan larger
+//! than the host is refused with its numbers.
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device};
+use candle_nn::ParamsAdamW;
+use streamer_core::StreamConfig;
+use streamer_models::{
+    init_weights, HostPlan, Llama, LlamaConfig, LmTrainer, OptimizerPlace, StateDtype, TrainSetup,
+};
+
+fn setup(place: OptimizerPlace, state: StateDtype) -> TrainSetup {
+    TrainSetup {
+        master_dtype: DType::F32,
+        place,
+        state,
+        cuda: false,
+        offload_inputs: None,
+    }
+}
+
+/// The plan's masters and moments are what a trainer over `tiny` holds.
+#[test]
+fn host_plan_matches_the_trainers_buffers() -> Result<()> {
+    let cfg = LlamaConfig::tiny();
+    for state in [StateDtype::F32, StateDtype::Bf16] {
+        let plan = HostPlan::for_training(&cfg, &setup(OptimizerPlace::Host, state));
+        let stream = StreamConfig {
+            device: Device::Cpu,
+            master_dtype: Some(DType::F32),
+            dtype: DType::F32,
+            ..Default::default()
+        };
+        let model = Llama::from_tensors(init_weights(&cfg, 0)?, &cfg, stream)?;
+        let t = LmTrainer::new_with(model, ParamsAdamW::default(), OptimizerPlace::Host, state)?;
+        let params = t.model().parameters();
+        let masters: usize = params
+            .iter()
+            .map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes())
+            .sum();
+        let n: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
+        let opt = t.optimizer().expect("host optimizer");
+        ensure!(plan.masters == masters, "{state:?}: masters {} vs {masters}", plan.masters);
+        ensure!(
+            plan.moments == n * opt.state_bytes_per_param(),
+            "{state:?}: moments {} vs {}",
+            plan.moments,
+            n * opt.state_bytes_per_param()
+        );
+        ensure!(plan.gradients == n * 4, "{state:?}: gradients {}", plan.gradients);
+    }
+    Ok(())
+}
+
+/// Llama 3.1 8B: 16 bytes a parameter with f32 moments on the host (120 GiB:
+/// more than the 110 GiB a 128 GiB machine leaves), 12 with bf16 moments, 4
+/// with the device optimizer.
+#[test]
+fn host_plan_of_8b_and_its_refusal() -> Result<()> {
+    let cfg = LlamaConfig::llama31_8b();
+    let n = cfg.num_params();
+    let f32s = HostPlan::for_training(&cfg, &setup(OptimizerPlace::Host, StateDtype::F32));
+    let bf16 = HostPlan::for_training(&cfg, &setup(OptimizerPlace::Host, StateDtype::Bf16));
+    let dev = HostPlan::for_training(
+        &cfg,
+        &TrainSetup {
+            cuda: true,
+            ..setup(OptimizerPlace::Device, StateDtype::F32)
+        },
+    );
+    ensure!(f32s.total() == 16 * n, "{f32s}");
+    ensure!(bf16.total() == 12 * n, "{bf16}");
+    let layers = cfg.layer_params() * cfg.num_hidden_layers;
+    ensure!(dev.total() == 4 * layers, "{dev}");
+    let err = f32s.check_fits(110 << 30).err().map(|e| e.to_string()).unwrap_or_default();
+    ensure!(
+        err.contains("110.0 GiB available") && err.contains("--optimizer-state bf16"),
+        "{err:?}"
+    );
+    bf16.check_fits(110 << 30)?;
+    // Offloaded inputs: every layer's but the first, in the compute dtype.
+    let off = HostPlan::for_training(
+        &cfg,
+        &TrainSetup {
+            offload_inputs: Some((8, 2048, DType::BF16)),
+            ..setup(OptimizerPlace::Host, StateDtype::Bf16)
+        },
+    );
+    ensure!(off.activations == 31 * 8 * 2048 * 4096 * 2);
+    Ok(())
+}
