@@ -159,3 +159,48 @@ fn cross_entropy_rejects_bad_input(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(cross_entropy_rejects_bad_input);
+
+/// The chunked head and loss (`linear_cross_entropy`) against the f64
+/// reference on `h w^T` (loss, and the gradients of `h` and `w` through the
+/// logits' f64 gradient), for chunks that divide the rows, that do not, and
+/// one chunk of all rows; f32 within 1e-5 relative.
+fn linear_cross_entropy_matches_reference(dev: &Device) -> Result<()> {
+    use streamer_models::cross_entropy::linear_cross_entropy;
+    let (rows, hidden, vocab) = (10, 6, 17);
+    let h = Var::from_tensor(&Tensor::randn(0f32, 1.0, (rows, hidden), dev)?)?;
+    let w = Var::from_tensor(&(Tensor::randn(0f32, 1.0, (vocab, hidden), dev)? * 0.5)?)?;
+    let t: Vec<u32> = (0..rows as u32)
+        .map(|r| (r * 7 + 3) % vocab as u32)
+        .collect();
+    let targets = Tensor::new(t.as_slice(), dev)?;
+    let logits = h.as_tensor().matmul(&w.as_tensor().t()?)?;
+    let (want_loss, g_logits) = reference(&to_f64(&logits)?, &t, vocab);
+    // d h = G w, d w = G^T h in f64.
+    let g = Tensor::from_vec(g_logits, (rows, vocab), &Device::Cpu)?;
+    let (h64, w64) = (
+        h.as_tensor()
+            .to_dtype(DType::F64)?
+            .to_device(&Device::Cpu)?,
+        w.as_tensor()
+            .to_dtype(DType::F64)?
+            .to_device(&Device::Cpu)?,
+    );
+    let (want_dh, want_dw) = (g.matmul(&w64)?, g.t()?.matmul(&h64)?);
+    for chunk in [3, 5, rows, 64] {
+        let loss = linear_cross_entropy(h.as_tensor(), w.as_tensor(), &targets, chunk)?;
+        let got = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        ensure!(
+            ((got - want_loss) / want_loss).abs() <= 1e-5,
+            "chunk {chunk}: loss {got} vs {want_loss}"
+        );
+        let grads = loss.backward()?;
+        for (what, v, want) in [("h", &h, &want_dh), ("w", &w, &want_dw)] {
+            let got = grads.get(v.as_tensor()).expect("a gradient");
+            let e = rel_err(&got.to_dtype(DType::F64)?.to_device(&Device::Cpu)?, want)?;
+            ensure!(e <= 1e-5, "chunk {chunk}: d{what} relative error {e:.2e}");
+        }
+    }
+    ensure!(linear_cross_entropy(h.as_tensor(), w.as_tensor(), &targets, 0).is_err());
+    Ok(())
+}
+candle_streamer::test_device!(linear_cross_entropy_matches_reference);

@@ -40,14 +40,22 @@ fn host_plan_matches_the_trainers_buffers() -> Result<()> {
             .sum();
         let n: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
         let opt = t.optimizer().expect("host optimizer");
-        ensure!(plan.masters == masters, "{state:?}: masters {} vs {masters}", plan.masters);
+        ensure!(
+            plan.masters == masters,
+            "{state:?}: masters {} vs {masters}",
+            plan.masters
+        );
         ensure!(
             plan.moments == n * opt.state_bytes_per_param(),
             "{state:?}: moments {} vs {}",
             plan.moments,
             n * opt.state_bytes_per_param()
         );
-        ensure!(plan.gradients == n * 4, "{state:?}: gradients {}", plan.gradients);
+        ensure!(
+            plan.gradients == n * 4,
+            "{state:?}: gradients {}",
+            plan.gradients
+        );
     }
     Ok(())
 }
@@ -72,7 +80,11 @@ fn host_plan_of_8b_and_its_refusal() -> Result<()> {
     ensure!(bf16.total() == 12 * n, "{bf16}");
     let layers = cfg.layer_params() * cfg.num_hidden_layers;
     ensure!(dev.total() == 4 * layers, "{dev}");
-    let err = f32s.check_fits(110 << 30).err().map(|e| e.to_string()).unwrap_or_default();
+    let err = f32s
+        .check_fits(110 << 30)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
     ensure!(
         err.contains("110.0 GiB available") && err.contains("--optimizer-state bf16"),
         "{err:?}"

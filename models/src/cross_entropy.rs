@@ -211,3 +211,93 @@ impl CustomOp3 for CeBackward {
         Ok((d, l1.shape().clone()))
     }
 }
+
+/// Rows of logits one chunk of [`linear_cross_entropy`] holds: about 512 MiB
+/// of them in `dtype` (at least one row).
+pub fn linear_cross_entropy_chunk(vocab: usize, dtype: DType) -> usize {
+    ((512usize << 20) / (vocab * dtype.size_in_bytes()).max(1)).max(1)
+}
+
+/// Mean cross-entropy of the logits `h w^T` (`h (rows, hidden)`, `w (vocab,
+/// hidden)`, one dtype) against `targets (rows,)` u32, computed `chunk` rows
+/// at a time, so that no `(rows, vocab)` tensor exists: at 8 x 2048 tokens
+/// and a 128,256-token vocabulary the logits and their gradient would be
+/// 8.4 GB of bf16. The forward keeps one f32 loss per row; the backward
+/// computes each chunk's logits again (one more `h w^T`, 1/3 of the head's
+/// work) and returns the gradients of `h` and `w` (`w`'s summed over chunks in
+/// f32). Differentiable in `h` and `w`; equal to
+/// `cross_entropy(&h.matmul(&w.t()?)?, targets)`.
+pub fn linear_cross_entropy(
+    h: &Tensor,
+    w: &Tensor,
+    targets: &Tensor,
+    chunk: usize,
+) -> Result<Tensor> {
+    let (rows, hidden) = h.dims2()?;
+    let (vocab, w_hidden) = w.dims2()?;
+    if w_hidden != hidden || h.dtype() != w.dtype() {
+        bail!(
+            "linear_cross_entropy: h {:?} {:?} and w {:?} {:?} do not multiply",
+            h.dims(),
+            h.dtype(),
+            w.dims(),
+            w.dtype()
+        );
+    }
+    if chunk == 0 {
+        bail!("linear_cross_entropy: chunk must be positive");
+    }
+    let (hd, wd, t) = (h.detach().contiguous()?, w.detach(), targets.contiguous()?);
+    let spans: Vec<(usize, usize)> = (0..rows)
+        .step_by(chunk)
+        .map(|s| (s, chunk.min(rows - s)))
+        .collect();
+    // Per-row losses, kept for the backward (rows f32 values).
+    let per_row = spans
+        .iter()
+        .map(|&(s, n)| {
+            let logits = hd.narrow(0, s, n)?.matmul(&wd.t()?)?;
+            per_row_cross_entropy(&logits, &t.narrow(0, s, n)?)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let per_row = Tensor::cat(&per_row, 0)?;
+    let loss = per_row.mean_all()?;
+    let want_w = w.track_op();
+    let _ = vocab;
+    let backward = move |g: &Tensor| -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // d loss / d (row loss) = g / rows for every row.
+        let g_row = (g.to_dtype(DType::F32)?.reshape(1)? / rows as f64)?;
+        let mut dh = Vec::with_capacity(spans.len());
+        let mut dw: Option<Tensor> = None;
+        for &(s, n) in &spans {
+            let hc = hd.narrow(0, s, n)?;
+            let logits = hc.matmul(&wd.t()?)?.contiguous()?;
+            let aux = Tensor::cat(
+                &[
+                    per_row.narrow(0, s, n)?,
+                    g_row.broadcast_as(n)?.contiguous()?,
+                ],
+                0,
+            )?;
+            let d = logits.apply_op3_no_bwd(&t.narrow(0, s, n)?, &aux, &CeBackward)?;
+            dh.push(d.matmul(&wd)?);
+            if want_w {
+                let part = d.t()?.matmul(&hc)?.to_dtype(DType::F32)?;
+                dw = Some(match dw {
+                    None => part,
+                    Some(acc) => (acc + part)?,
+                });
+            }
+        }
+        let dw = dw.map(|d| d.to_dtype(wd.dtype())).transpose()?;
+        Ok((Some(Tensor::cat(&dh, 0)?), dw, None))
+    };
+    streamer_core::with_backward3(
+        "linear-cross-entropy",
+        h,
+        w,
+        targets,
+        loss.detach(),
+        backward,
+    )
+}

@@ -896,7 +896,21 @@ impl Llama {
 
     /// Embedding, layers (with `extras`, and their kv caches when `kv`),
     /// final norm and head.
-    fn run(&self, tokens: &Tensor, mut extras: Vec<Tensor>, kv: bool) -> Result<Tensor> {
+    fn run(&self, tokens: &Tensor, extras: Vec<Tensor>, kv: bool) -> Result<Tensor> {
+        let (h, head) = self.hidden(tokens, extras, kv)?;
+        Linear::new(head, None)
+            .forward(&h)
+            .map_err(|e| e.context("in the head (final norm and vocabulary projection)"))
+    }
+
+    /// The final hidden states `(batch, seq, hidden)` (after the final norm)
+    /// and the head's weight on the device, for [`Llama::run`] and the loss.
+    fn hidden(
+        &self,
+        tokens: &Tensor,
+        mut extras: Vec<Tensor>,
+        kv: bool,
+    ) -> Result<(Tensor, Tensor)> {
         // The hand-written resident path is a training forward: no cache, no adapters.
         let fused = self.fused.enabled() && !kv && self.lora.adapters()?.is_none();
         if let Some(a) = self.lora.adapters()? {
@@ -940,16 +954,16 @@ impl Llama {
             Layers::Trainable(t) => t.forward_with(&x, &extras)?.swap_remove(0),
         };
         let h = RmsNorm::from_weight(norm, self.cfg.rms_norm_eps).forward(&h)?;
-        Linear::new(head, None)
-            .forward(&h)
-            .map_err(|e| e.context("in the head (final norm and vocabulary projection)"))
+        Ok((h, head))
     }
 
     /// Mean next-token cross-entropy (f32 scalar) of `forward(tokens)` against
-    /// `targets`, both `(batch, seq)` u32.
+    /// `targets`, both `(batch, seq)` u32. The head and the loss run a chunk of
+    /// rows at a time ([`crate::cross_entropy::linear_cross_entropy`]), so no
+    /// `(batch x seq, vocab)` logits tensor is made.
     pub fn loss(&self, tokens: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        let logits = self.forward(tokens)?;
-        let (b, n, v) = logits.dims3()?;
+        let (b, n) = tokens.dims2()?;
+        let v = self.cfg.vocab_size;
         if targets.dims() != [b, n] {
             bail!(
                 "targets have shape {:?}, expected ({b}, {n})",
@@ -971,10 +985,13 @@ impl Llama {
                 bail!("target token {t} is outside the vocabulary of {v} (vocab_size)");
             }
         }
-        // In the logits' dtype: no f32 copy of (batch x seq x vocab) logits.
-        let logits = logits.reshape((b * n, v))?;
+        self.check_tokens(tokens)?;
+        let (h, head) = self.hidden(tokens, self.rope.extras(n)?, false)?;
+        let h = h.reshape((b * n, self.cfg.hidden_size))?;
         let targets = targets.to_device(&self.device)?.flatten_all()?;
-        crate::cross_entropy(&logits, &targets)
+        let chunk = crate::cross_entropy::linear_cross_entropy_chunk(v, self.dtype);
+        crate::cross_entropy::linear_cross_entropy(&h, &head, &targets, chunk)
+            .map_err(|e| e.context("in the head (final norm and vocabulary projection)"))
     }
 
     /// Gradients of `loss` for every parameter: through the streamed layers
