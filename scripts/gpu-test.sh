@@ -63,10 +63,9 @@ while IFS=$'\t' read -r kind name exe; do
   echo "$kind	$kind-$name" >>"$bundle/manifest"
 done <"$bundle/release.list"
 strip "$bundle"/bin/*
-# One solid xz stream with a large dictionary (XZ_THREADS=2 compresses in two
-# blocks, twice as fast, a few MB larger): every binary carries the same
+# One solid xz stream with a large dictionary: every binary carries the same
 # ~32 MB of Candle kernels, which the dictionary then stores once.
-tar -C "$bundle" -cf - bin | xz --lzma2=preset=6,dict=256MiB -T"${XZ_THREADS:-1}" >"$bundle/bin.tar.xz"
+tar -C "$bundle" -cf - bin | xz --lzma2=preset=6,dict=256MiB -T1 >"$bundle/bin.tar.xz"
 rm -rf "$bundle/bin" "$bundle/tests.list" "$bundle/release.list"
 cp scripts/gpu-run.sh "$bundle/run.sh"
 cp scripts/nccl-lib.sh "$bundle/nccl-lib.sh"
