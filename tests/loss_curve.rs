@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use streamer_core::StreamConfig;
 use streamer_models::train::lr_at;
 use streamer_models::{
-    Decay, Llama, LlamaConfig, LmTrainer, LoopOptions, OptimizerPlace, StateDtype,
+    Decay, Llama, LlamaConfig, LmTrainer, LoopOptions, LossChunk, OptimizerPlace, StateDtype,
 };
 
 const LOSS_TOL: f64 = 1e-4;
@@ -101,6 +101,7 @@ struct Run {
     streamed: bool,
     place: OptimizerPlace,
     state: StateDtype,
+    loss_chunk: LossChunk,
     loss_tol: f64,
     weight_tol: f64,
 }
@@ -111,6 +112,7 @@ impl Run {
             streamed,
             place,
             state: StateDtype::F32,
+            loss_chunk: LossChunk::Auto,
             loss_tol: LOSS_TOL,
             weight_tol: WEIGHT_TOL,
         }
@@ -123,11 +125,12 @@ fn curve_matches(dev: &Device, run: Run) -> Result<()> {
         streamed,
         place,
         state,
+        loss_chunk,
         loss_tol,
         weight_tol,
     } = run;
     let what = format!(
-        "{} model, {place:?} optimizer, {state:?} state",
+        "{} model, {place:?} optimizer, {state:?} state, loss {loss_chunk:?}",
         if streamed { "streamed" } else { "resident" }
     );
     let c = Curve::load()?;
@@ -137,7 +140,9 @@ fn curve_matches(dev: &Device, run: Run) -> Result<()> {
         weight_decay: WEIGHT_DECAY,
         ..Default::default()
     };
-    let mut trainer = LmTrainer::new_with(model(&c, dev, streamed)?, params, place, state)?;
+    let m = model(&c, dev, streamed)?;
+    m.set_loss_chunk(loss_chunk)?;
+    let mut trainer = LmTrainer::new_with(m, params, place, state)?;
     let want_losses = c.get("losses")?.to_vec1::<f32>()?;
     let (mut worst_loss, mut worst_weight) = (0f64, 0f64);
     for (s, want) in want_losses.iter().enumerate() {
@@ -272,7 +277,23 @@ fn streamed_host_bf16_state_curve_stays_near_transformers(dev: &Device) -> Resul
     )
 }
 
+/// The head and loss in chunks of 7 of the 48 rows (the path a large
+/// vocabulary takes), streamed and resident.
+fn chunked_loss_curve_matches_transformers(dev: &Device) -> Result<()> {
+    for streamed in [true, false] {
+        curve_matches(
+            dev,
+            Run {
+                loss_chunk: LossChunk::Rows(7),
+                ..Run::exact(streamed, OptimizerPlace::Device)
+            },
+        )?;
+    }
+    Ok(())
+}
+
 candle_streamer::test_device!(streamed_host_curve_matches_transformers);
+candle_streamer::test_device!(chunked_loss_curve_matches_transformers);
 candle_streamer::test_device!(streamed_host_bf16_state_curve_stays_near_transformers);
 candle_streamer::test_device!(streamed_device_curve_matches_transformers);
 candle_streamer::test_device!(resident_device_curve_matches_transformers);

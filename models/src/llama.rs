@@ -516,6 +516,23 @@ pub struct Llama {
     /// A resident model made trainable ([`Llama::into_trainable`]): its
     /// weights as variables, under their Hugging Face names.
     resident_vars: Vec<(String, Var)>,
+    /// Rows per chunk of the head and loss ([`Llama::set_loss_chunk`]; 0: auto).
+    loss_chunk: Arc<std::sync::atomic::AtomicUsize>,
+    /// The last training forward's device copies of host masters, as leaf
+    /// variables, with their masters ([`Llama::outer_grads_to_masters`]).
+    outer_leaves: Arc<std::sync::Mutex<Vec<(Var, Var)>>>,
+}
+
+/// How [`Llama::loss`] runs the head and the cross-entropy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LossChunk {
+    /// In one piece while the logits and their gradient take at most an
+    /// eighth of the device memory free at the call (on the CPU: while the
+    /// logits are at most 512 MiB), else in chunks of about 512 MiB of logits.
+    #[default]
+    Auto,
+    /// Always in chunks of this many rows (`batch x seq` rows in all).
+    Rows(usize),
 }
 
 fn layer_blocks(cfg: &LlamaConfig, cache: &Arc<KvCache>, lora: &Arc<LoraSlot>) -> Vec<BlockSpec> {
@@ -567,6 +584,8 @@ impl Llama {
             fused: Default::default(),
             lora,
             resident_vars: Vec::new(),
+            loss_chunk: Default::default(),
+            outer_leaves: Default::default(),
         })
     }
 
@@ -622,6 +641,8 @@ impl Llama {
             fused: Default::default(),
             lora,
             resident_vars: Vec::new(),
+            loss_chunk: Default::default(),
+            outer_leaves: Default::default(),
         })
     }
 
@@ -689,6 +710,7 @@ impl Llama {
             .collect();
         let vb = VarBuilder::from_tensors(tensors, self.dtype, &self.device);
         let mut model = Self::resident(vb, &self.cfg)?;
+        model.loss_chunk = self.loss_chunk.clone();
         model.set_fused_backward(true)?;
         model.resident_vars = vars;
         Ok(model)
@@ -819,25 +841,77 @@ impl Llama {
                 Ok((embed.clone(), norm.clone(), head.clone()))
             }
             Outer::Host { embed, norm, head } => {
-                let to = |v: &Var| {
-                    v.as_tensor()
-                        .to_device(&self.device)
-                        .and_then(|t| t.to_dtype(self.dtype))
-                        .map_err(|e| {
-                            e.context(format!(
-                                "copying a host weight of shape {:?} to the device",
-                                v.dims()
-                            ))
-                        })
-                };
+                let mut leaves = Vec::new();
+                let mut to = |v: &Var| self.device_copy(v, &mut leaves);
                 let e = to(embed)?;
                 let hd = match head {
                     Some(h) => to(h)?,
                     None => e.clone(),
                 };
-                Ok((e, to(norm)?, hd))
+                let n = to(norm)?;
+                *self
+                    .outer_leaves
+                    .lock()
+                    .map_err(|_| candle_core::Error::Msg("outer leaves: poisoned".into()))? =
+                    leaves;
+                Ok((e, n, hd))
             }
         }
+    }
+
+    /// Master `v` on the compute device in the compute dtype. A host master
+    /// of a training model becomes a leaf variable (listed in `leaves`) whose
+    /// gradient [`Llama::outer_grads_to_masters`] hands to the master: through
+    /// `to_device` and `to_dtype` nodes the graph would keep the f32 device
+    /// copy alive until backward (4.2 GB for Llama 3 8B's embedding and head).
+    fn device_copy(&self, v: &Var, leaves: &mut Vec<(Var, Var)>) -> Result<Tensor> {
+        let on_host = !v.device().same_device(&self.device);
+        let src = if on_host {
+            v.as_tensor().detach()
+        } else {
+            v.as_tensor().clone()
+        };
+        let t = src
+            .to_device(&self.device)
+            .and_then(|t| t.to_dtype(self.dtype))
+            .map_err(|e| {
+                e.context(format!(
+                    "copying a host weight of shape {:?} to the device",
+                    v.dims()
+                ))
+            })?;
+        // LoRA freezes the outer weights: no gradient, no leaf.
+        let trains = self.is_training() && self.lora.adapters()?.is_none();
+        if !(on_host && trains) {
+            return Ok(if on_host { t.detach() } else { t });
+        }
+        let leaf = Var::from_tensor(&t)?;
+        leaves.push((leaf.clone(), v.clone()));
+        Ok(leaf.as_tensor().clone())
+    }
+
+    /// Moves the gradients of the last training forward's device copies of
+    /// host masters (embedding, final norm, head) in `grads` to the masters,
+    /// in the masters' dtype and device. [`Llama::backward`] does this; call
+    /// it on a `GradStore` taken another way (the layers' overlapped step).
+    pub fn outer_grads_to_masters(&self, grads: &mut GradStore) -> Result<()> {
+        let leaves = std::mem::take(
+            &mut *self
+                .outer_leaves
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("outer leaves: poisoned".into()))?,
+        );
+        for (leaf, master) in leaves {
+            if let Some(g) = grads.remove(leaf.as_tensor()) {
+                let g = g.to_dtype(master.dtype())?.to_device(master.device())?;
+                let g = match grads.remove(master.as_tensor()) {
+                    Some(prev) => prev.add(&g)?,
+                    None => g,
+                };
+                grads.insert(master.as_tensor(), g);
+            }
+        }
+        Ok(())
     }
 
     /// Logits `(batch, seq, vocab)` in the compute dtype for `tokens`, a
@@ -958,9 +1032,9 @@ impl Llama {
     }
 
     /// Mean next-token cross-entropy (f32 scalar) of `forward(tokens)` against
-    /// `targets`, both `(batch, seq)` u32. The head and the loss run a chunk of
-    /// rows at a time ([`crate::cross_entropy::linear_cross_entropy`]), so no
-    /// `(batch x seq, vocab)` logits tensor is made.
+    /// `targets`, both `(batch, seq)` u32. Where the logits would take much of
+    /// the device, the head and the loss run a chunk of rows at a time
+    /// ([`Llama::set_loss_chunk`]).
     pub fn loss(&self, tokens: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let (b, n) = tokens.dims2()?;
         let v = self.cfg.vocab_size;
@@ -989,9 +1063,44 @@ impl Llama {
         let (h, head) = self.hidden(tokens, self.rope.extras(n)?, false)?;
         let h = h.reshape((b * n, self.cfg.hidden_size))?;
         let targets = targets.to_device(&self.device)?.flatten_all()?;
-        let chunk = crate::cross_entropy::linear_cross_entropy_chunk(v, self.dtype);
-        crate::cross_entropy::linear_cross_entropy(&h, &head, &targets, chunk)
-            .map_err(|e| e.context("in the head (final norm and vocabulary projection)"))
+        let head_err =
+            |e: candle_core::Error| e.context("in the head (final norm and vocabulary projection)");
+        match self.loss_chunk_rows(b * n)? {
+            Some(chunk) => crate::cross_entropy::linear_cross_entropy(&h, &head, &targets, chunk),
+            // In the logits' dtype: no f32 copy of (batch x seq x vocab) logits.
+            None => crate::cross_entropy(&Linear::new(head, None).forward(&h)?, &targets),
+        }
+        .map_err(head_err)
+    }
+
+    /// Sets how [`Llama::loss`] runs the head and the cross-entropy: whole, or
+    /// a chunk of rows at a time ([`crate::cross_entropy::linear_cross_entropy`]:
+    /// no `(rows, vocab)` logits exist, and the backward computes each chunk's
+    /// logits again). Both give the same loss and gradients.
+    pub fn set_loss_chunk(&self, chunk: LossChunk) -> Result<()> {
+        let rows = match chunk {
+            LossChunk::Auto => 0,
+            LossChunk::Rows(0) => bail!("set_loss_chunk: chunks of 0 rows"),
+            LossChunk::Rows(r) => r,
+        };
+        self.loss_chunk
+            .store(rows, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The rows per chunk for a loss over `rows` rows, or `None` for one piece.
+    fn loss_chunk_rows(&self, rows: usize) -> Result<Option<usize>> {
+        let (v, dtype) = (self.cfg.vocab_size, self.dtype);
+        let chunk = match self.loss_chunk.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => crate::cross_entropy::linear_cross_entropy_chunk(v, dtype),
+            r => return Ok(Some(r)),
+        };
+        let logits = rows * v * dtype.size_in_bytes();
+        let whole = match streamer_core::free_device_memory(&self.device)? {
+            Some(free) => 2 * logits <= free / 8,
+            None => chunk >= rows,
+        };
+        Ok((!whole).then_some(chunk))
     }
 
     /// Gradients of `loss` for every parameter: through the streamed layers
@@ -1001,7 +1110,11 @@ impl Llama {
     /// accumulate until [`Llama::zero_grad`].
     pub fn backward(&self, loss: &Tensor) -> Result<GradStore> {
         match &self.layers {
-            Layers::Trainable(t) => t.backward(loss),
+            Layers::Trainable(t) => {
+                let mut grads = t.backward(loss)?;
+                self.outer_grads_to_masters(&mut grads)?;
+                Ok(grads)
+            }
             Layers::Resident(_) => {
                 let mut grads = loss.backward()?;
                 if self.fused.enabled() {

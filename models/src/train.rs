@@ -366,10 +366,10 @@ impl LmTrainer {
         let device = self.opt.place() == OptimizerPlace::Device;
         match (self.overlap || device, self.model.trainable_layers()) {
             (true, Some(layers)) => {
-                let r = self
-                    .opt
-                    .backward_step(layers, loss)
-                    .and_then(|grads| self.opt.step_params(&grads, &self.outer));
+                let r = self.opt.backward_step(layers, loss).and_then(|mut grads| {
+                    self.model.outer_grads_to_masters(&mut grads)?;
+                    self.opt.step_params(&grads, &self.outer)
+                });
                 if let Err(e) = &r {
                     self.broken = Some(e.to_string());
                 }
