@@ -358,7 +358,11 @@ fn zero_moments(device: &Device, n: usize) -> Result<Moments> {
                 s.alloc_zeros::<f32>(n).map_err(w)?,
             ))
         }
-        _ => Ok(Moments::Host(vec![StateBuf::zeros(StateDtype::F32, n); 2])),
+        _ => Ok(Moments::Host(
+            (0..2)
+                .map(|_| StateBuf::zeros(StateDtype::F32, n))
+                .collect(),
+        )),
     }
 }
 

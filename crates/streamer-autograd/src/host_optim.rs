@@ -158,7 +158,12 @@ impl<R: UpdateRule> HostOptimizer<R> {
         self.bufs = self
             .vars
             .iter()
-            .map(|v| vec![StateBuf::zeros(dtype, v.elem_count()); k])
+            // One allocation each: `vec![buf; k]` would clone (write) them.
+            .map(|v| {
+                (0..k)
+                    .map(|_| StateBuf::zeros(dtype, v.elem_count()))
+                    .collect()
+            })
             .collect();
     }
 

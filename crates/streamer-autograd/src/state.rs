@@ -52,10 +52,13 @@ pub(crate) enum StateBuf {
 }
 
 impl StateBuf {
+    /// Zeros from the allocator's zeroed pages (no pass over the memory: an
+    /// 8B model's bf16 moments are 32 GB).
     pub(crate) fn zeros(dtype: StateDtype, n: usize) -> Self {
+        use half::vec::HalfBitsVecExt;
         match dtype {
             StateDtype::F32 => Self::F32(vec![0f32; n]),
-            StateDtype::Bf16 => Self::Bf16(vec![bf16::ZERO; n]),
+            StateDtype::Bf16 => Self::Bf16(vec![0u16; n].reinterpret_into()),
         }
     }
 
