@@ -31,6 +31,7 @@ use clap::Parser;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
+use streamer_autograd::ActivationPolicy;
 use streamer_core::StreamConfig;
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
@@ -142,6 +143,11 @@ struct Args {
     /// parameter, the layers stepped there during backward).
     #[arg(long, default_value = "host")]
     optimizer: String,
+    /// What full fine-tuning keeps for the layers' backward: recompute,
+    /// offload (block inputs in page-locked host memory), keep:BYTES or
+    /// auto[:FRACTION] of free device memory.
+    #[arg(long, default_value = "auto")]
+    activations: String,
     /// AdamW's moments: `f32` (8 bytes per parameter) or `bf16` (4 bytes,
     /// stochastically rounded; host optimizer only).
     #[arg(long, default_value = "f32")]
@@ -353,6 +359,7 @@ fn main() -> Result<()> {
     let prefetch = prefetch(&a, &cfg, dtype)?;
     let place: OptimizerPlace = a.optimizer.parse().context("--optimizer")?;
     let state: StateDtype = a.optimizer_state.parse().context("--optimizer-state")?;
+    let policy = cli::activation_policy(&a.activations, &dev)?;
     if state != StateDtype::F32 && place == OptimizerPlace::Device {
         bail!(
             "--optimizer-state {}: the device optimizer keeps f32 moments (use --optimizer host)",
@@ -394,6 +401,7 @@ fn main() -> Result<()> {
             label,
             prefetch,
             tok,
+            policy,
         };
         return lora::train(&a, model, &lcfg, &corpus, &opts, &run);
     }
@@ -405,7 +413,8 @@ fn main() -> Result<()> {
             place,
             state,
             cuda: dev.is_cuda(),
-            offload_inputs: None,
+            offload_inputs: (policy == ActivationPolicy::OffloadInputs)
+                .then_some((opts.batch, opts.seq, dtype)),
         },
     );
     println!("train_lm: this run holds about {plan}");
@@ -434,6 +443,9 @@ fn main() -> Result<()> {
         }
     }
     trainer.set_overlap(!a.no_overlap);
+    if let Some(layers) = trainer.model().trainable_layers() {
+        layers.set_activation_policy(policy)?;
+    }
     let start = trainer.steps_done();
     let losses = if a.resume {
         read_losses(&a.out.join("loss.csv"), start)?
@@ -451,6 +463,7 @@ fn main() -> Result<()> {
         label,
         prefetch,
         tok,
+        policy,
     };
     train(&a, &mut trainer, &corpus, &opts, &run, losses)
 }
@@ -489,6 +502,8 @@ struct Run {
     label: String,
     prefetch: usize,
     tok: Option<TextTokenizer>,
+    /// `--activations`, for the streamed layers.
+    policy: ActivationPolicy,
 }
 
 /// Trains from the trainer's step to `opts.steps`, with progress, curve and samples.
@@ -585,6 +600,9 @@ mod lora {
         run: &Run,
     ) -> Result<()> {
         let model = model.into_trainable()?;
+        if let Some(layers) = model.trainable_layers() {
+            layers.set_activation_policy(run.policy)?;
+        }
         let dev = model.device().clone();
         model.set_lora(Some(LoraAdapters::init(
             lcfg,

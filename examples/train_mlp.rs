@@ -21,9 +21,7 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
-use streamer_autograd::{
-    ActivationPolicy, OptimizerPlace, PlacedAdamW, Train, TrainableSequential,
-};
+use streamer_autograd::{OptimizerPlace, PlacedAdamW, Train, TrainableSequential};
 use streamer_core::{BlockSpec, StreamConfig, StreamedSequential};
 use streamer_models::fused_mlp;
 
@@ -202,17 +200,6 @@ fn check_args(a: &Args) -> Result<usize> {
     Ok(cli::prefetch("--prefetch", a.prefetch, a.blocks)?)
 }
 
-/// `--activations`, parsed and checked against the device before any work.
-fn activation_policy(a: &Args, dev: &Device) -> Result<ActivationPolicy> {
-    let p: ActivationPolicy = a
-        .activations
-        .parse()
-        .with_context(|| format!("--activations {:?}", a.activations))?;
-    p.validate(dev)
-        .with_context(|| format!("--activations {:?}", a.activations))?;
-    Ok(p)
-}
-
 /// What `progress.json` records: the step and the files of its save.
 struct Saved {
     step: usize,
@@ -366,7 +353,7 @@ fn main() -> Result<()> {
     let a = Args::parse();
     let prefetch = check_args(&a)?;
     let dev = cli::device(a.device.as_deref())?;
-    let policy = activation_policy(&a, &dev)?;
+    let policy = cli::activation_policy(&a.activations, &dev)?;
     // Checked here, before any work; `optimizer` parses it again.
     let _: OptimizerPlace = a.optimizer.parse().context("--optimizer")?;
     let dtype = match &a.dtype {

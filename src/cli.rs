@@ -137,3 +137,14 @@ pub fn same_config(
         diff.join(", ")
     )
 }
+
+/// An `--activations` value (`recompute`, `offload`, `keep:BYTES`,
+/// `auto[:FRACTION]`), parsed and checked against `dev` before any work.
+pub fn activation_policy(value: &str, dev: &Device) -> Result<streamer_autograd::ActivationPolicy> {
+    let p: streamer_autograd::ActivationPolicy = value
+        .parse()
+        .map_err(|e: candle_core::Error| e.context(format!("--activations {value:?}")))?;
+    p.validate(dev)
+        .map_err(|e| e.context(format!("--activations {value:?}")))?;
+    Ok(p)
+}
