@@ -188,7 +188,8 @@ impl UpdateRule for AdamWUpdate {
 /// order, so f32 parameters follow candle-nn's `AdamW` exactly.
 ///
 /// Parameters must be contiguous CPU tensors of f32, bf16 or f16; the moments
-/// are f32 whatever the parameter dtype. Gradients, missing gradients, the
+/// are f32 whatever the parameter dtype, or bf16 with
+/// [`HostOptimizer::with_state_dtype`]. Gradients, missing gradients, the
 /// overlapped step and saving work as in [`HostOptimizer`].
 ///
 /// ```

@@ -1,5 +1,5 @@
 //! `HostOptimizer`: the one skeleton of the host (CPU) optimizers. It holds
-//! the parameters, their f32 state buffers, the step counters and the names
+//! the parameters, their state buffers (f32 or bf16), the step counters and the names
 //! params are saved under; checks every gradient before any parameter changes
 //! (a failed step changes nothing); steps subsets for the overlapped step; and
 //! saves and loads its state in one format ([`crate::optim_state`]). What
@@ -98,8 +98,8 @@ impl MetaValue {
 
 /// A host optimizer: parameters that are contiguous CPU tensors of f32, bf16
 /// or f16, updated in place by the rule `R` (one fused, vectorised pass per
-/// parameter, rayon across parameters and 64K-element chunks), with f32 state
-/// whatever the parameter dtype. Gradients may be on any device and of any
+/// parameter, rayon across parameters and 64K-element chunks), with f32
+/// state whatever the parameter dtype (or bf16, [`HostOptimizer::with_state_dtype`]). Gradients may be on any device and of any
 /// float dtype (converted to f32 on the CPU first); a parameter without a
 /// gradient is skipped, like candle-nn.
 ///
@@ -133,8 +133,8 @@ impl<R: UpdateRule> HostOptimizer<R> {
 
     /// [`HostOptimizer::new`] with state buffers of `dtype`: bf16 halves
     /// their memory, stored with stochastic rounding ([`StateDtype`]); the
-    /// update math is f32 either way. Saved state is f32 in both cases (either
-    /// loads the other's).
+    /// update math is f32 either way. State is saved in its own dtype, and
+    /// a file of either dtype loads into either.
     pub fn with_state_dtype(vars: Vec<Var>, params: R::Params, dtype: StateDtype) -> Result<Self> {
         check_vars(R::KIND, &vars)?;
         R::check(&params)?;
