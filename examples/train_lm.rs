@@ -68,9 +68,14 @@ struct Args {
     /// Default: 200 for tiny, 300 otherwise.
     #[arg(long)]
     steps: Option<usize>,
-    /// Sequences per step. Default: 16.
+    /// Sequences per micro-batch (per step without --tokens-per-step). Default: 16.
     #[arg(long, default_value_t = 16)]
     batch: usize,
+    /// Tokens per optimizer step, as micro-batches of --batch x --seq tokens
+    /// each (their gradients summed, one optimizer step; full fine-tuning
+    /// with the host optimizer). Default: one micro-batch.
+    #[arg(long)]
+    tokens_per_step: Option<usize>,
     /// Tokens per sequence. Default: 64 for tiny, 2048 otherwise.
     #[arg(long)]
     seq: Option<usize>,
@@ -265,18 +270,21 @@ fn loop_options(
     let tiny = *cfg == LlamaConfig::tiny();
     let lr = cli::learning_rate("--lr", a.lr.unwrap_or(if tiny { 3e-3 } else { 3e-4 }))?;
     cli::weight_decay("--weight-decay", a.weight_decay, lr)?;
+    let batch = cli::count("--batch", a.batch, 1 << 20)?;
+    let seq = cli::seq_len(
+        a.seq,
+        if tiny { 64 } else { 2048 },
+        cfg.max_position_embeddings,
+    )?;
     let opts = LoopOptions {
         steps: cli::count(
             "--steps",
             a.steps.unwrap_or(if tiny { 200 } else { 300 }),
             1 << 40,
         )?,
-        batch: cli::count("--batch", a.batch, 1 << 20)?,
-        seq: cli::seq_len(
-            a.seq,
-            if tiny { 64 } else { 2048 },
-            cfg.max_position_embeddings,
-        )?,
+        batch,
+        micro_batches: micro_batches(a.tokens_per_step, batch, seq)?,
+        seq,
         seed: a.seed,
         lr,
         warmup: a.warmup,
@@ -289,6 +297,20 @@ fn loop_options(
     }
     opts.check(cfg, corpus)?;
     Ok(opts)
+}
+
+/// `--tokens-per-step` as micro-batches of `--batch` x `--seq` tokens
+/// (1 without it); anything but a whole number of them is refused.
+fn micro_batches(tokens: Option<usize>, batch: usize, seq: usize) -> Result<usize> {
+    let Some(t) = tokens else { return Ok(1) };
+    let per = batch * seq;
+    if t == 0 || t % per != 0 {
+        bail!(
+            "--tokens-per-step {t} is not a whole number of micro-batches of \
+             --batch {batch} x --seq {seq} = {per} tokens"
+        );
+    }
+    Ok(t / per)
 }
 
 fn write_curve(out: &Path, losses: &[(usize, f32)], title: &str) -> Result<()> {
@@ -360,6 +382,12 @@ fn main() -> Result<()> {
     let place: OptimizerPlace = a.optimizer.parse().context("--optimizer")?;
     let state: StateDtype = a.optimizer_state.parse().context("--optimizer-state")?;
     let policy = cli::activation_policy(&a.activations, &dev)?;
+    if opts.micro_batches > 1 && place == OptimizerPlace::Device {
+        bail!(
+            "--tokens-per-step: the device optimizer steps the layers during the backward, \
+             so it takes one micro-batch a step (use --optimizer host)"
+        );
+    }
     if state != StateDtype::F32 && place == OptimizerPlace::Device {
         bail!(
             "--optimizer-state {}: the device optimizer keeps f32 moments (use --optimizer host)",
@@ -386,6 +414,9 @@ fn main() -> Result<()> {
     if let Some(lcfg) = lora {
         if state != StateDtype::F32 {
             bail!("--optimizer-state is for full fine-tuning: LoRA adapters keep f32 moments");
+        }
+        if opts.micro_batches > 1 {
+            bail!("--tokens-per-step is for full fine-tuning: LoRA runs take --batch sequences a step");
         }
         if place == OptimizerPlace::Device {
             bail!(
@@ -524,12 +555,14 @@ fn train(
     let params = cfg.num_params();
     println!(
         "train_lm: {label} ({:.1} M params, {} layers of {:.1} MiB in {dtype:?}), window {} layers on {:?}, \
-         batch {} x {seq} tokens, lr {lr} ({} warm-up steps, then {:?}), steps {start}..{steps}",
+         {} micro-batch(es) of {} x {seq} tokens a step, lr {lr} ({} warm-up steps, then {:?}), \
+         steps {start}..{steps}",
         params as f64 / 1e6,
         cfg.num_hidden_layers,
         layer_bytes(&cfg, dtype) as f64 / 1048576.0,
         prefetch + 1,
         dev.location(),
+        opts.micro_batches,
         a.batch,
         opts.warmup,
         opts.decay,
@@ -558,7 +591,7 @@ fn train(
     write_curve(&a.out, &losses, &title)?;
     let first = new.first().map(|l| l.1).unwrap_or(f32::NAN);
     let last = new.last().map(|l| l.1).unwrap_or(f32::NAN);
-    let tokens = new.len() * a.batch * seq;
+    let tokens = new.len() * opts.micro_batches * a.batch * seq;
     println!(
         "loss {first:.4} -> {last:.4} over {} steps ({secs:.1} s, {:.0} tokens/s)",
         new.len(),

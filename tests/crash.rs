@@ -69,6 +69,7 @@ fn opts(steps: usize, dir: Option<PathBuf>) -> LoopOptions {
     LoopOptions {
         steps,
         batch: 2,
+        micro_batches: 1,
         seq: 12,
         seed: 5,
         lr: 3e-3,

@@ -70,6 +70,7 @@ impl Curve {
         Ok(LoopOptions {
             steps: self.steps()?,
             batch,
+            micro_batches: 1,
             seq,
             seed: 0,
             lr: PEAK,
@@ -319,3 +320,71 @@ fn corpus_batches_match_the_python_sampler() -> Result<()> {
     }
     Ok(())
 }
+
+/// `step_micro`: two micro-batches of one sequence give the step over both
+/// at once (losses 1e-5, weights 1e-5 relative after 10 steps), streamed
+/// (overlapped host step or not) and resident; the device optimizer on a
+/// streamed model refuses micro-batches; a bad split is refused.
+fn micro_batches_equal_one_batch(dev: &Device) -> Result<()> {
+    let c = Curve::load()?;
+    let params = ParamsAdamW {
+        lr: PEAK,
+        weight_decay: WEIGHT_DECAY,
+        ..Default::default()
+    };
+    for (streamed, overlap, place) in [
+        (true, true, OptimizerPlace::Host),
+        (true, false, OptimizerPlace::Host),
+        (false, false, OptimizerPlace::Device),
+    ] {
+        if !streamed && !dev.is_cpu() && place == OptimizerPlace::Host {
+            continue;
+        }
+        let mut runs = Vec::new();
+        for micro in [1, 2] {
+            let mut t = LmTrainer::new_on(model(&c, dev, streamed)?, params.clone(), place)?;
+            t.set_overlap(overlap);
+            let mut losses = Vec::new();
+            for s in 0..10 {
+                let (x, y) = c.batch(s, dev)?;
+                losses.push(t.step_micro(&x, &y, micro)?);
+            }
+            runs.push((losses, t.model().weights()?));
+        }
+        let what = format!("streamed {streamed}, overlap {overlap}, {place:?}");
+        for (s, (a, b)) in runs[0].0.iter().zip(&runs[1].0).enumerate() {
+            ensure!(
+                ((a - b) / a).abs() <= 1e-5,
+                "{what}: step {s} loss {a} vs {b} in micro-batches"
+            );
+        }
+        for (name, w) in &runs[0].1 {
+            let e = rel_err(&runs[1].1[name], w)?;
+            ensure!(
+                e <= 1e-5,
+                "{what}: {name} differs by {e:.2e} after micro-batches"
+            );
+        }
+    }
+    let mut t = LmTrainer::new_on(
+        model(&c, dev, true)?,
+        params.clone(),
+        OptimizerPlace::Device,
+    )?;
+    let (x, y) = c.batch(0, dev)?;
+    let err = t
+        .step_micro(&x, &y, 2)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    ensure!(err.contains("device optimizer"), "{err:?}");
+    let err = t
+        .step_micro(&x, &y, 3)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    ensure!(err.contains("do not split into 3"), "{err:?}");
+    ensure!(t.steps_done() == 0, "a refused step counted");
+    Ok(())
+}
+candle_streamer::test_device!(micro_batches_equal_one_batch);

@@ -490,6 +490,7 @@ fn llama_resume_matches_uninterrupted(dev: &Device) -> Result<()> {
     let opts = |steps, dir: Option<PathBuf>| LoopOptions {
         steps,
         batch: 2,
+        micro_batches: 1,
         seq: 16,
         seed: 11,
         lr: 3e-3,
@@ -571,6 +572,7 @@ fn llama_device_optimizer_matches_host(dev: &Device) -> Result<()> {
     let opts = |steps, dir: Option<PathBuf>| LoopOptions {
         steps,
         batch: 2,
+        micro_batches: 1,
         seq: 16,
         seed: 5,
         lr: 3e-3,
@@ -649,6 +651,7 @@ fn llama_train_loop_reduces_loss_on_corpus(dev: &Device) -> Result<()> {
     let opts = LoopOptions {
         steps: 8,
         batch: 2,
+        micro_batches: 1,
         seq: 32,
         seed: 0,
         lr: 1e-2,
@@ -1228,6 +1231,7 @@ fn llama_loop_options_are_checked_before_work(_dev: &Device) -> Result<()> {
     let ok = LoopOptions {
         steps: 1,
         batch: 2,
+        micro_batches: 1,
         seq: 16,
         seed: 0,
         lr: 1e-3,
@@ -1258,6 +1262,13 @@ fn llama_loop_options_are_checked_before_work(_dev: &Device) -> Result<()> {
                 ..ok.clone()
             },
             "batch (0)",
+        ),
+        (
+            LoopOptions {
+                micro_batches: 0,
+                ..ok.clone()
+            },
+            "micro_batches (0)",
         ),
         (
             LoopOptions {

@@ -227,6 +227,7 @@ fn from_pretrained_fine_tunes_on_its_tokenizer(dev: &Device) -> Result<()> {
     let opts = LoopOptions {
         steps: 12,
         batch: 2,
+        micro_batches: 1,
         seq: 16,
         seed: 0,
         lr: 1e-2,
@@ -258,6 +259,7 @@ fn from_pretrained_resident_fine_tunes_as_streamed(dev: &Device) -> Result<()> {
     let opts = LoopOptions {
         steps: 10,
         batch: 2,
+        micro_batches: 1,
         seq: 16,
         seed: 0,
         lr: 1e-2,

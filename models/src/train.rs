@@ -4,7 +4,8 @@
 use crate::checkpoint::SplitMix64;
 use crate::config::LlamaConfig;
 use crate::llama::Llama;
-use candle_core::{bail, Device, Result, Tensor};
+use candle_core::backprop::GradStore;
+use candle_core::{bail, Device, Result, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -354,7 +355,7 @@ impl LmTrainer {
                 self.step
             );
         }
-        let stepped = self.backward_and_step(&loss);
+        let stepped = self.backward_and_step(&loss, &[]);
         let zeroed = self.model.zero_grad();
         stepped?;
         zeroed?;
@@ -362,12 +363,13 @@ impl LmTrainer {
         Ok(value)
     }
 
-    fn backward_and_step(&mut self, loss: &Tensor) -> Result<()> {
+    fn backward_and_step(&mut self, loss: &Tensor, earlier: &[(Var, Tensor)]) -> Result<()> {
         let device = self.opt.place() == OptimizerPlace::Device;
         match (self.overlap || device, self.model.trainable_layers()) {
             (true, Some(layers)) => {
                 let r = self.opt.backward_step(layers, loss).and_then(|mut grads| {
                     self.model.outer_grads_to_masters(&mut grads)?;
+                    add_grads(&mut grads, earlier)?;
                     self.opt.step_params(&grads, &self.outer)
                 });
                 if let Err(e) = &r {
@@ -376,10 +378,92 @@ impl LmTrainer {
                 r
             }
             _ => {
-                let grads = self.model.backward(loss)?;
+                let mut grads = self.model.backward(loss)?;
+                add_grads(&mut grads, earlier)?;
                 self.opt.step(&grads)
             }
         }
+    }
+
+    /// One optimizer step over `micro` micro-batches: `inputs` and `targets`
+    /// (`(micro x batch, seq)` u32) split into `micro` equal parts along the
+    /// batch, each part's forward and backward in turn with the gradients
+    /// summed (each part's loss weighted 1 / `micro`), then one optimizer
+    /// step; returns the mean loss. The result is the step over the whole
+    /// batch at once, with the activation memory of one part. Each part streams
+    /// the layers' weights again. The device optimizer on a streamed model
+    /// steps during the backward, so it takes one part only (an error
+    /// otherwise). A refused part (a non-finite loss) refuses the step: the
+    /// gradients of the earlier parts are dropped, weights and optimizer
+    /// state unchanged.
+    pub fn step_micro(&mut self, inputs: &Tensor, targets: &Tensor, micro: usize) -> Result<f32> {
+        let rows = inputs.dim(0)?;
+        if micro == 0 || rows % micro != 0 {
+            bail!("{rows} sequences do not split into {micro} equal micro-batches");
+        }
+        if micro == 1 {
+            return self.step(inputs, targets);
+        }
+        if self.opt.place() == OptimizerPlace::Device && self.model.trainable_layers().is_some() {
+            bail!(
+                "{micro} micro-batches a step: the device optimizer steps a streamed model \
+                 during its backward, so it takes one batch a step (use the host optimizer)"
+            );
+        }
+        let r = self.micro_steps(inputs, targets, micro);
+        let zeroed = self.model.zero_grad();
+        let value = r?;
+        zeroed?;
+        self.step += 1;
+        Ok(value)
+    }
+
+    fn micro_steps(&mut self, inputs: &Tensor, targets: &Tensor, micro: usize) -> Result<f32> {
+        if let Some(why) = &self.broken {
+            bail!(
+                "step {} refused: an earlier overlapped step failed part-way ({why}); \
+                 resume from the last checkpoint",
+                self.step
+            );
+        }
+        let part = inputs.dim(0)? / micro;
+        // Streamed layers sum their gradients in their host buffers; the
+        // rest (the outer weights, or all of a resident model's) are summed here.
+        let params = self.model.parameters();
+        let summed: Vec<Var> = match self.model.trainable_layers() {
+            Some(_) => self.outer.iter().map(|&i| params[i].1.clone()).collect(),
+            None => params.into_iter().map(|(_, v)| v).collect(),
+        };
+        let mut earlier: Vec<(Var, Tensor)> = Vec::new();
+        let mut total = 0f32;
+        for j in 0..micro {
+            let (x, y) = (
+                inputs.narrow(0, j * part, part)?,
+                targets.narrow(0, j * part, part)?,
+            );
+            let loss = self.model.loss(&x, &y)?;
+            let value = loss.to_scalar::<f32>()?;
+            if !value.is_finite() {
+                bail!(
+                    "loss is {value} in micro-batch {j} of step {}: the step is refused \
+                     (weights and optimizer state unchanged)",
+                    self.step
+                );
+            }
+            total += value;
+            let loss = (loss / micro as f64)?;
+            if j + 1 == micro {
+                self.backward_and_step(&loss, &earlier)?;
+            } else {
+                let grads = self.model.backward(&loss)?;
+                let now: Vec<(Var, Tensor)> = summed
+                    .iter()
+                    .filter_map(|v| grads.get(v.as_tensor()).map(|g| (v.clone(), g.clone())))
+                    .collect();
+                earlier = sum_by_var(earlier, now)?;
+            }
+        }
+        Ok(total / micro as f32)
     }
 
     /// Refuses to save a state that is part-way through a step or holds a NaN or
@@ -447,6 +531,36 @@ impl LmTrainer {
     }
 }
 
+/// Adds each `(variable, gradient)` of `earlier` to `grads`.
+fn add_grads(grads: &mut GradStore, earlier: &[(Var, Tensor)]) -> Result<()> {
+    for (v, g) in earlier {
+        let g = match grads.remove(v.as_tensor()) {
+            Some(now) => now.add(&g.to_device(now.device())?)?,
+            None => g.clone(),
+        };
+        grads.insert(v.as_tensor(), g);
+    }
+    Ok(())
+}
+
+/// `a` and `b` summed per variable (`b`'s order for new ones).
+fn sum_by_var(a: Vec<(Var, Tensor)>, b: Vec<(Var, Tensor)>) -> Result<Vec<(Var, Tensor)>> {
+    if a.is_empty() {
+        return Ok(b);
+    }
+    let mut out = a;
+    for (v, g) in b {
+        match out
+            .iter_mut()
+            .find(|(w, _)| w.as_tensor().id() == v.as_tensor().id())
+        {
+            Some((_, acc)) => *acc = acc.add(&g)?,
+            None => out.push((v, g)),
+        }
+    }
+    Ok(out)
+}
+
 /// Removes the files of earlier saves in a checkpoint folder that
 /// `checkpoint.json` does not name (`weights-<step>.safetensors`,
 /// `optimizer-<step>.safetensors` and their `.tmp`, left by a save that was
@@ -493,8 +607,11 @@ pub struct StepReport {
 pub struct LoopOptions {
     /// Train until this many steps are done (a resumed trainer continues).
     pub steps: usize,
-    /// Sequences per step.
+    /// Sequences per micro-batch.
     pub batch: usize,
+    /// Micro-batches per optimizer step ([`LmTrainer::step_micro`]; 1: none):
+    /// a step trains on `micro_batches x batch x seq` tokens.
+    pub micro_batches: usize,
     /// Tokens per sequence.
     pub seq: usize,
     /// Data seed (batches depend only on it and the step).
@@ -528,11 +645,12 @@ impl LoopOptions {
     /// rate, a corpus long enough for one sequence whose ids fit `vocab_size`,
     /// `save_every` positive.
     pub fn check(&self, cfg: &LlamaConfig, corpus: &TokenCorpus) -> Result<()> {
-        if self.batch == 0 || self.seq == 0 {
+        if self.batch == 0 || self.seq == 0 || self.micro_batches == 0 {
             bail!(
-                "batch ({}) and seq ({}) must be positive",
+                "batch ({}), seq ({}) and micro_batches ({}) must be positive",
                 self.batch,
-                self.seq
+                self.seq,
+                self.micro_batches
             );
         }
         if self.seq > cfg.max_position_embeddings {
@@ -677,9 +795,10 @@ pub fn train_loop(
     let start = trainer.steps_done();
     let mut losses = Vec::new();
     for s in start..opts.steps {
-        let (x, y) = corpus.batch(opts.seed, s as u64, opts.batch, opts.seq, &dev)?;
+        let rows = opts.batch * opts.micro_batches;
+        let (x, y) = corpus.batch(opts.seed, s as u64, rows, opts.seq, &dev)?;
         trainer.set_learning_rate(lr_at(opts, s));
-        let loss = trainer.step(&x, &y)?;
+        let loss = trainer.step_micro(&x, &y, opts.micro_batches)?;
         losses.push((s + 1, loss));
         let done = s + 1;
         let saved = match (&opts.checkpoint_dir, opts.save_every) {
@@ -693,7 +812,7 @@ pub fn train_loop(
             }
             _ => false,
         };
-        let tokens = (done - start) * opts.batch * opts.seq;
+        let tokens = (done - start) * opts.batch * opts.micro_batches * opts.seq;
         on_step(&StepReport {
             step: done,
             loss,
