@@ -216,3 +216,20 @@ fn bf16_state_is_refused_for_device_adamw() -> Result<()> {
     ensure!(err.contains("DeviceAdamW keeps f32 moments"), "{err:?}");
     Ok(())
 }
+
+#[test]
+fn state_dtype_parses_and_sizes() -> Result<()> {
+    ensure!("bf16".parse::<StateDtype>()? == StateDtype::Bf16);
+    ensure!("f32".parse::<StateDtype>()? == StateDtype::F32);
+    let err = "fp8"
+        .parse::<StateDtype>()
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    ensure!(
+        err.contains("\"fp8\"") && err.contains("f32 or bf16"),
+        "{err:?}"
+    );
+    ensure!(StateDtype::Bf16.size_in_bytes() * 2 == StateDtype::F32.size_in_bytes());
+    Ok(())
+}
