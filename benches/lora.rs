@@ -109,11 +109,7 @@ fn host_plan(
     (batch, seq, _): (usize, usize, usize),
     dtype: DType,
 ) -> Result<HostPlan> {
-    let offload = std::env::var("LORA_BENCH_ACTIVATIONS")
-        .ok()
-        .map(|p| p.parse::<ActivationPolicy>())
-        .transpose()?
-        == Some(ActivationPolicy::OffloadInputs);
+    let offload = activations()? == Some(ActivationPolicy::OffloadInputs);
     Ok(HostPlan::for_training(
         cfg,
         &TrainSetup {
@@ -136,6 +132,15 @@ fn optimizer_place(dev: &Device) -> Result<OptimizerPlace> {
         Err(_) => OptimizerPlace::Host,
         Ok(other) => bail!("LORA_BENCH_OPTIMIZER: unknown {other:?} (host or device)"),
     })
+}
+
+/// LORA_BENCH_ACTIVATIONS: the layers' activation policy (recompute,
+/// offload, keep:<bytes>, auto[:fraction]; unset: the default, auto).
+fn activations() -> Result<Option<ActivationPolicy>> {
+    Ok(std::env::var("LORA_BENCH_ACTIVATIONS")
+        .ok()
+        .map(|p| p.parse::<ActivationPolicy>())
+        .transpose()?)
 }
 
 /// LORA_BENCH_OPTIMIZER_STATE=f32|bf16: AdamW's moments.
@@ -219,10 +224,7 @@ fn run(
                 t0.elapsed().as_secs_f64()
             );
             t.set_overlap(true);
-            // LORA_BENCH_ACTIVATIONS: the layers' activation policy
-            // (recompute, offload, keep:<bytes>, auto[:fraction]; default auto).
-            if let Ok(p) = std::env::var("LORA_BENCH_ACTIVATIONS") {
-                let policy: ActivationPolicy = p.parse()?;
+            if let Some(policy) = activations()? {
                 t.model()
                     .trainable_layers()
                     .expect("a trainable streamed model")

@@ -2,6 +2,7 @@
 //! with stochastic rounding follow an f64 AdamW without bias over 1500 steps,
 //! where round-to-nearest bf16 freezes the second moment; the state saves as
 //! bf16, reloads exactly, and loads into f32 state and `DeviceAdamW`.
+use super::models::err_of;
 use anyhow::{ensure, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
@@ -203,16 +204,15 @@ fn bf16_state_saves_as_bf16_and_loads_into_either_optimizer() -> Result<()> {
 #[test]
 fn bf16_state_is_refused_for_device_adamw() -> Result<()> {
     let w = Var::from_vec(vec![1f32; 4], 4, &Device::Cpu)?;
-    let err = candle_streamer::streamer_autograd::PlacedAdamW::with_state_dtype(
-        vec![w],
-        params(),
-        candle_streamer::streamer_autograd::OptimizerPlace::Device,
-        &Device::Cpu,
-        StateDtype::Bf16,
-    )
-    .err()
-    .map(|e| e.to_string())
-    .unwrap_or_default();
+    let err = err_of(
+        candle_streamer::streamer_autograd::PlacedAdamW::with_state_dtype(
+            vec![w],
+            params(),
+            candle_streamer::streamer_autograd::OptimizerPlace::Device,
+            &Device::Cpu,
+            StateDtype::Bf16,
+        ),
+    )?;
     ensure!(err.contains("DeviceAdamW keeps f32 moments"), "{err:?}");
     Ok(())
 }
@@ -221,11 +221,7 @@ fn bf16_state_is_refused_for_device_adamw() -> Result<()> {
 fn state_dtype_parses_and_sizes() -> Result<()> {
     ensure!("bf16".parse::<StateDtype>()? == StateDtype::Bf16);
     ensure!("f32".parse::<StateDtype>()? == StateDtype::F32);
-    let err = "fp8"
-        .parse::<StateDtype>()
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default();
+    let err = err_of("fp8".parse::<StateDtype>())?;
     ensure!(
         err.contains("\"fp8\"") && err.contains("f32 or bf16"),
         "{err:?}"

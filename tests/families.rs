@@ -156,7 +156,8 @@ fn resident_matches(fx: &Fixture, dev: &Device, name: &str) -> Result<()> {
     Ok(())
 }
 
-fn stream(dev: &Device, dtype: DType) -> StreamConfig {
+/// Streamed through a window of two layers in `dtype`, f32 host masters.
+pub(crate) fn stream(dev: &Device, dtype: DType) -> StreamConfig {
     StreamConfig {
         device: dev.clone(),
         prefetch_ahead: 1,

@@ -1,6 +1,7 @@
 //! `HostPlan`: the host memory of a streamed full fine-tune, said before any
 //! weight is loaded, against what the trainer then allocates; a plan larger
 //! than the host is refused with its numbers.
+use super::models::err_of;
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device};
 use candle_nn::ParamsAdamW;
@@ -80,11 +81,7 @@ fn host_plan_of_8b_and_its_refusal() -> Result<()> {
     ensure!(bf16.total() == 12 * n, "{bf16}");
     let layers = cfg.layer_params() * cfg.num_hidden_layers;
     ensure!(dev.total() == 4 * layers, "{dev}");
-    let err = f32s
-        .check_fits(110 << 30)
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default();
+    let err = err_of(f32s.check_fits(110 << 30))?;
     ensure!(
         err.contains("110.0 GiB available") && err.contains("--optimizer-state bf16"),
         "{err:?}"

@@ -9,13 +9,13 @@
 //! streamed and resident, with the optimizer on the host and on the device
 //! (measured on the CPU: 2.3e-7 and 3.4e-7).
 //! Our learning-rate schedule (`lr_at`) must give PyTorch's rates to 1e-12.
-use super::families::fixture;
+use super::families::{fixture, stream};
 use super::fused_mlp::rel_err;
+use super::models::err_of;
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::ParamsAdamW;
 use std::collections::HashMap;
-use streamer_core::StreamConfig;
 use streamer_models::train::lr_at;
 use streamer_models::{
     Decay, Llama, LlamaConfig, LmTrainer, LoopOptions, LossChunk, OptimizerPlace, StateDtype,
@@ -84,14 +84,7 @@ impl Curve {
 
 fn model(c: &Curve, dev: &Device, streamed: bool) -> Result<Llama> {
     Ok(if streamed {
-        let stream = StreamConfig {
-            device: dev.clone(),
-            prefetch_ahead: 1,
-            dtype: DType::F32,
-            master_dtype: Some(DType::F32),
-            ..Default::default()
-        };
-        Llama::from_safetensors(&[&c.weights], &c.cfg, stream)?
+        Llama::from_safetensors(&[&c.weights], &c.cfg, stream(dev, DType::F32))?
     } else {
         Llama::load_resident(&[&c.weights], &c.cfg, DType::F32, dev)?
     })
@@ -372,17 +365,9 @@ fn micro_batches_equal_one_batch(dev: &Device) -> Result<()> {
         OptimizerPlace::Device,
     )?;
     let (x, y) = c.batch(0, dev)?;
-    let err = t
-        .step_micro(&x, &y, 2)
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default();
+    let err = err_of(t.step_micro(&x, &y, 2))?;
     ensure!(err.contains("device optimizer"), "{err:?}");
-    let err = t
-        .step_micro(&x, &y, 3)
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default();
+    let err = err_of(t.step_micro(&x, &y, 3))?;
     ensure!(err.contains("do not split into 3"), "{err:?}");
     ensure!(t.steps_done() == 0, "a refused step counted");
     Ok(())

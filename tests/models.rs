@@ -55,7 +55,8 @@ fn temp_dir(name: &str) -> Result<PathBuf> {
     Ok(d)
 }
 
-fn err_of<T>(r: candle_core::Result<T>) -> Result<String> {
+/// The error text of `r`, or an error when `r` succeeded.
+pub(crate) fn err_of<T>(r: candle_core::Result<T>) -> Result<String> {
     match r {
         Ok(_) => anyhow::bail!("expected an error"),
         Err(e) => Ok(e.to_string()),

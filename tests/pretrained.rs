@@ -5,6 +5,7 @@
 //! other before loading, places the model resident or streamed, and the model
 //! fine-tunes on a corpus tokenized by its own tokenizer.
 use super::families::fixture;
+use super::models::err_of;
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::ParamsAdamW;
@@ -36,13 +37,6 @@ fn copy_fixture(name: &str) -> Result<PathBuf> {
         std::fs::copy(e.path(), dst.join(e.file_name()))?;
     }
     Ok(dst)
-}
-
-fn err_of<T>(r: candle_core::Result<T>) -> Result<String> {
-    match r {
-        Ok(_) => anyhow::bail!("expected an error"),
-        Err(e) => Ok(e.to_string()),
-    }
 }
 
 fn tokenizer_matches_python_tokenizers(_dev: &Device) -> Result<()> {
@@ -278,13 +272,7 @@ fn from_pretrained_resident_fine_tunes_as_streamed(dev: &Device) -> Result<()> {
             device: dev.clone(),
             dtype: DType::F32,
         },
-        Placement::Streamed(StreamConfig {
-            device: dev.clone(),
-            prefetch_ahead: 1,
-            dtype: DType::F32,
-            master_dtype: Some(DType::F32),
-            ..Default::default()
-        }),
+        Placement::Streamed(super::families::stream(dev, DType::F32)),
     ] {
         let p = Llama::from_pretrained(&dir, placement)?;
         let corpus = p.tokenizer.corpus_from_file(d.join("corpus.txt"), None)?;

@@ -234,7 +234,7 @@ pub fn linear_cross_entropy(
     chunk: usize,
 ) -> Result<Tensor> {
     let (rows, hidden) = h.dims2()?;
-    let (vocab, w_hidden) = w.dims2()?;
+    let (_, w_hidden) = w.dims2()?;
     if w_hidden != hidden || h.dtype() != w.dtype() {
         bail!(
             "linear_cross_entropy: h {:?} {:?} and w {:?} {:?} do not multiply",
@@ -263,7 +263,6 @@ pub fn linear_cross_entropy(
     let per_row = Tensor::cat(&per_row, 0)?;
     let loss = per_row.mean_all()?;
     let want_w = w.track_op();
-    let _ = vocab;
     let backward = move |g: &Tensor| -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         // d loss / d (row loss) = g / rows for every row.
         let g_row = (g.to_dtype(DType::F32)?.reshape(1)? / rows as f64)?;

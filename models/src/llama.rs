@@ -717,7 +717,7 @@ impl Llama {
     }
 
     /// A resident model's weights on its device under their Hugging Face
-    /// names (a tied head is not repeated).
+    /// names (a tied head is not repeated), as [`Llama::weights`] names them.
     fn device_weights_named(&self) -> Result<Vec<(String, Tensor)>> {
         let (Outer::Resident { embed, norm, head }, Layers::Resident(ls)) =
             (&self.outer, &self.layers)
@@ -904,11 +904,7 @@ impl Llama {
         for (leaf, master) in leaves {
             if let Some(g) = grads.remove(leaf.as_tensor()) {
                 let g = g.to_dtype(master.dtype())?.to_device(master.device())?;
-                let g = match grads.remove(master.as_tensor()) {
-                    Some(prev) => prev.add(&g)?,
-                    None => g,
-                };
-                grads.insert(master.as_tensor(), g);
+                streamer_autograd::accumulate_grad(grads, master.as_tensor(), g)?;
             }
         }
         Ok(())
@@ -1216,41 +1212,18 @@ impl Llama {
     /// Every weight under its Hugging Face name, as host tensors (a tied head is
     /// not repeated). Streamed models give their masters themselves (no copy).
     pub fn weights(&self) -> Result<HashMap<String, Tensor>> {
-        let mut map = HashMap::new();
-        match &self.outer {
-            Outer::Resident { embed, norm, head } => {
-                map.insert(
-                    "model.embed_tokens.weight".into(),
-                    embed.to_device(&Device::Cpu)?,
-                );
-                map.insert("model.norm.weight".into(), norm.to_device(&Device::Cpu)?);
-                if !self.cfg.tie_word_embeddings {
-                    map.insert("lm_head.weight".into(), head.to_device(&Device::Cpu)?);
-                }
-            }
-            Outer::Host { .. } => {}
-        }
-        if let Layers::Resident(ls) = &self.layers {
-            for (i, l) in ls.iter().enumerate() {
-                for (n, t) in l.named_weights() {
-                    map.insert(format!("model.layers.{i}.{n}"), t.to_device(&Device::Cpu)?);
-                }
-            }
-        }
-        let masters = match &self.layers {
-            Layers::Resident(_) => Vec::new(),
-            _ => self.parameters(),
+        let named = match &self.layers {
+            Layers::Resident(_) => self.device_weights_named()?,
+            _ => self
+                .parameters()
+                .into_iter()
+                .map(|(n, v)| (n, v.as_tensor().clone()))
+                .collect(),
         };
-        for (n, v) in masters {
-            let t = v.as_tensor();
-            let t = if t.device().is_cpu() {
-                t.clone()
-            } else {
-                t.to_device(&Device::Cpu)?
-            };
-            map.insert(n, t);
-        }
-        Ok(map)
+        named
+            .into_iter()
+            .map(|(n, t)| Ok((n, t.to_device(&Device::Cpu)?)))
+            .collect()
     }
 
     /// Writes every weight (Hugging Face names, the masters' dtype for a streamed

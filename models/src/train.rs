@@ -9,7 +9,9 @@ use candle_core::{bail, Device, Result, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use streamer_autograd::{CpuAdamW, DeviceAdamW, OptimizerPlace, PlacedAdamW, StateDtype};
+use streamer_autograd::{
+    accumulate_grad, CpuAdamW, DeviceAdamW, OptimizerPlace, PlacedAdamW, StateDtype,
+};
 use streamer_core::StreamConfig;
 
 /// A training text as token ids: bytes ([`TokenCorpus::new`],
@@ -339,23 +341,10 @@ impl LmTrainer {
     /// updated when a later gradient is refused; the trainer then refuses every
     /// further step and save (resume from the last checkpoint).
     pub fn step(&mut self, inputs: &Tensor, targets: &Tensor) -> Result<f32> {
-        if let Some(why) = &self.broken {
-            bail!(
-                "step {} refused: an earlier overlapped step failed part-way ({why}); \
-                 resume from the last checkpoint",
-                self.step
-            );
-        }
+        self.check_usable()?;
         let loss = self.model.loss(inputs, targets)?;
-        let value = loss.to_scalar::<f32>()?;
-        if !value.is_finite() {
-            bail!(
-                "loss is {value} at step {}: the step is refused before backward \
-                 (weights and optimizer state unchanged)",
-                self.step
-            );
-        }
-        let stepped = self.backward_and_step(&loss, &[]);
+        let value = self.finite_loss(&loss, "")?;
+        let stepped = self.backward_and_step(&loss, (&[], &GradStore::default()));
         let zeroed = self.model.zero_grad();
         stepped?;
         zeroed?;
@@ -363,7 +352,9 @@ impl LmTrainer {
         Ok(value)
     }
 
-    fn backward_and_step(&mut self, loss: &Tensor, earlier: &[(Var, Tensor)]) -> Result<()> {
+    /// Backward and one optimizer step; `earlier` holds gradients of earlier
+    /// micro-batches for the listed variables, added before the step.
+    fn backward_and_step(&mut self, loss: &Tensor, earlier: (&[Var], &GradStore)) -> Result<()> {
         let device = self.opt.place() == OptimizerPlace::Device;
         match (self.overlap || device, self.model.trainable_layers()) {
             (true, Some(layers)) => {
@@ -419,13 +410,7 @@ impl LmTrainer {
     }
 
     fn micro_steps(&mut self, inputs: &Tensor, targets: &Tensor, micro: usize) -> Result<f32> {
-        if let Some(why) = &self.broken {
-            bail!(
-                "step {} refused: an earlier overlapped step failed part-way ({why}); \
-                 resume from the last checkpoint",
-                self.step
-            );
-        }
+        self.check_usable()?;
         let part = inputs.dim(0)? / micro;
         // Streamed layers sum their gradients in their host buffers; the
         // rest (the outer weights, or all of a resident model's) are summed here.
@@ -434,7 +419,7 @@ impl LmTrainer {
             Some(_) => self.outer.iter().map(|&i| params[i].1.clone()).collect(),
             None => params.into_iter().map(|(_, v)| v).collect(),
         };
-        let mut earlier: Vec<(Var, Tensor)> = Vec::new();
+        let mut earlier = GradStore::default();
         let mut total = 0f32;
         for j in 0..micro {
             let (x, y) = (
@@ -442,28 +427,43 @@ impl LmTrainer {
                 targets.narrow(0, j * part, part)?,
             );
             let loss = self.model.loss(&x, &y)?;
-            let value = loss.to_scalar::<f32>()?;
-            if !value.is_finite() {
-                bail!(
-                    "loss is {value} in micro-batch {j} of step {}: the step is refused \
-                     (weights and optimizer state unchanged)",
-                    self.step
-                );
-            }
-            total += value;
+            total += self.finite_loss(&loss, &format!(" in micro-batch {j}"))?;
             let loss = (loss / micro as f64)?;
             if j + 1 == micro {
-                self.backward_and_step(&loss, &earlier)?;
+                self.backward_and_step(&loss, (&summed, &earlier))?;
             } else {
                 let grads = self.model.backward(&loss)?;
-                let now: Vec<(Var, Tensor)> = summed
-                    .iter()
-                    .filter_map(|v| grads.get(v.as_tensor()).map(|g| (v.clone(), g.clone())))
-                    .collect();
-                earlier = sum_by_var(earlier, now)?;
+                add_grads(&mut earlier, (&summed, &grads))?;
             }
         }
         Ok(total / micro as f32)
+    }
+
+    /// Refuses to step a trainer whose overlapped step failed part-way.
+    fn check_usable(&self) -> Result<()> {
+        if let Some(why) = &self.broken {
+            bail!(
+                "step {} refused: an earlier overlapped step failed part-way ({why}); \
+                 resume from the last checkpoint",
+                self.step
+            );
+        }
+        Ok(())
+    }
+
+    /// The loss's value, or the refusal of the step (before its backward and
+    /// any optimizer step) when it is NaN or infinite; `where_` says which
+    /// micro-batch.
+    fn finite_loss(&self, loss: &Tensor, where_: &str) -> Result<f32> {
+        let value = loss.to_scalar::<f32>()?;
+        if !value.is_finite() {
+            bail!(
+                "loss is {value}{where_} at step {}: the step is refused before its \
+                 backward (weights and optimizer state unchanged)",
+                self.step
+            );
+        }
+        Ok(value)
     }
 
     /// Refuses to save a state that is part-way through a step or holds a NaN or
@@ -531,34 +531,14 @@ impl LmTrainer {
     }
 }
 
-/// Adds each `(variable, gradient)` of `earlier` to `grads`.
-fn add_grads(grads: &mut GradStore, earlier: &[(Var, Tensor)]) -> Result<()> {
-    for (v, g) in earlier {
-        let g = match grads.remove(v.as_tensor()) {
-            Some(now) => now.add(&g.to_device(now.device())?)?,
-            None => g.clone(),
-        };
-        grads.insert(v.as_tensor(), g);
-    }
-    Ok(())
-}
-
-/// `a` and `b` summed per variable (`b`'s order for new ones).
-fn sum_by_var(a: Vec<(Var, Tensor)>, b: Vec<(Var, Tensor)>) -> Result<Vec<(Var, Tensor)>> {
-    if a.is_empty() {
-        return Ok(b);
-    }
-    let mut out = a;
-    for (v, g) in b {
-        match out
-            .iter_mut()
-            .find(|(w, _)| w.as_tensor().id() == v.as_tensor().id())
-        {
-            Some((_, acc)) => *acc = acc.add(&g)?,
-            None => out.push((v, g)),
+/// Adds the gradients `src` holds for `vars` into `dst`.
+fn add_grads(dst: &mut GradStore, (vars, src): (&[Var], &GradStore)) -> Result<()> {
+    for v in vars {
+        if let Some(g) = src.get(v.as_tensor()) {
+            accumulate_grad(dst, v.as_tensor(), g.clone())?;
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Removes the files of earlier saves in a checkpoint folder that

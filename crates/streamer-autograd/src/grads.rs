@@ -2,6 +2,7 @@
 //! allocated once (page-locked on CUDA), filled by device-to-host copies that
 //! overlap the next block's compute, accumulating across backward calls until
 //! zeroed. Tied weights (several blocks) sum.
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor};
 use streamer_core::{HostMasters, Offloader};
 
@@ -198,4 +199,14 @@ pub(crate) fn fingerprint(t: &Tensor) -> Result<u64> {
         }
     }
     Ok(h)
+}
+
+/// Adds `g` to the gradient `grads` holds for `t` (or sets it).
+pub fn accumulate_grad(grads: &mut GradStore, t: &Tensor, g: Tensor) -> Result<()> {
+    let g = match grads.remove(t) {
+        Some(prev) => prev.add(&g)?,
+        None => g,
+    };
+    grads.insert(t, g);
+    Ok(())
 }

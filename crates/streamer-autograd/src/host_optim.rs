@@ -1,8 +1,8 @@
 //! `HostOptimizer`: the one skeleton of the host (CPU) optimizers. It holds
-//! the parameters, their state buffers (f32 or bf16), the step counters and the names
-//! params are saved under; checks every gradient before any parameter changes
-//! (a failed step changes nothing); steps subsets for the overlapped step; and
-//! saves and loads its state in one format ([`crate::optim_state`]). What
+//! the parameters, their state buffers (f32 or bf16), the step counters and
+//! the names params are saved under; checks every gradient before any
+//! parameter changes (a failed step changes nothing); steps subsets for the
+//! overlapped step; and saves and loads its state in one format ([`crate::optim_state`]). What
 //! differs between optimizers is an [`UpdateRule`]: hyper-parameters, which
 //! buffers they need, and the fused kernel ([`crate::CpuAdamW`] is
 //! `HostOptimizer<AdamWUpdate>`, [`crate::CpuSgd`] is
@@ -99,9 +99,10 @@ impl MetaValue {
 /// A host optimizer: parameters that are contiguous CPU tensors of f32, bf16
 /// or f16, updated in place by the rule `R` (one fused, vectorised pass per
 /// parameter, rayon across parameters and 64K-element chunks), with f32
-/// state whatever the parameter dtype (or bf16, [`HostOptimizer::with_state_dtype`]). Gradients may be on any device and of any
-/// float dtype (converted to f32 on the CPU first); a parameter without a
-/// gradient is skipped, like candle-nn.
+/// state whatever the parameter dtype (or bf16:
+/// [`HostOptimizer::with_state_dtype`]). Gradients may be on any device and
+/// of any float dtype (converted to f32 on the CPU first); a parameter
+/// without a gradient is skipped, like candle-nn.
 ///
 /// # Stepping a subset (overlapped step)
 /// [`HostOptimizer::step`] is [`HostOptimizer::begin_step`] followed by

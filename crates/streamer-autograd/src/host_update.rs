@@ -441,22 +441,10 @@ fn param_any_state<K: Kernel, P: Master>(
     noise: Noise,
 ) -> Result<()> {
     if bufs.iter().all(|b| matches!(b, StateBuf::F32(_))) {
-        let b = bufs
-            .iter_mut()
-            .filter_map(|b| match b {
-                StateBuf::F32(v) => Some(&mut v[..]),
-                StateBuf::Bf16(_) => None,
-            })
-            .collect();
+        let b = bufs.iter_mut().filter_map(StateBuf::as_f32_mut).collect();
         param::<K, P, f32>(p, g, b, first, k, noise);
     } else if bufs.iter().all(|b| matches!(b, StateBuf::Bf16(_))) {
-        let b = bufs
-            .iter_mut()
-            .filter_map(|b| match b {
-                StateBuf::Bf16(v) => Some(&mut v[..]),
-                StateBuf::F32(_) => None,
-            })
-            .collect();
+        let b = bufs.iter_mut().filter_map(StateBuf::as_bf16_mut).collect();
         param::<K, P, bf16>(p, g, b, first, k, noise);
     } else {
         bail!("a parameter's state buffers mix f32 and bf16");

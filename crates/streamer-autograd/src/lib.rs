@@ -50,6 +50,7 @@ pub use activations::ActivationPolicy;
 pub use adamw::{AdamWUpdate, CpuAdamW, Moments};
 pub use device_adamw::DeviceAdamW;
 pub use dropout::{dropout, dropout_ctx, with_seed, Dropout};
+pub use grads::accumulate_grad;
 pub use host_optim::{BufferName, HostOptimizer, MetaValue, UpdateRule};
 pub use placed_adamw::{OptimizerPlace, PlacedAdamW};
 pub use sgd::{CpuSgd, ParamsSgd, SgdUpdate};

@@ -71,6 +71,20 @@ impl StateBuf {
         }
     }
 
+    pub(crate) fn as_f32_mut(&mut self) -> Option<&mut [f32]> {
+        match self {
+            Self::F32(v) => Some(v),
+            Self::Bf16(_) => None,
+        }
+    }
+
+    pub(crate) fn as_bf16_mut(&mut self) -> Option<&mut [bf16]> {
+        match self {
+            Self::Bf16(v) => Some(v),
+            Self::F32(_) => None,
+        }
+    }
+
     pub(crate) fn len(&self) -> usize {
         match self {
             Self::F32(v) => v.len(),

@@ -13,7 +13,7 @@
 //! [`ActivationPolicy`] allows) and produce each gradient once.
 use crate::activations::ActivationPolicy;
 use crate::dropout::with_seed;
-use crate::grads::HostGrads;
+use crate::grads::{accumulate_grad, HostGrads};
 use candle_core::backprop::GradStore;
 use candle_core::{Result, Tensor, Var};
 use candle_nn::VarBuilder;
@@ -1076,15 +1076,6 @@ fn check_saved(pool: &ResidencyPool, acts: &SavedActivations, i: usize) -> Resul
     Ok(())
 }
 
-fn accumulate(grads: &mut GradStore, t: &Tensor, g: Tensor) -> Result<()> {
-    let g = match grads.remove(t) {
-        Some(prev) => prev.add(&g)?,
-        None => g,
-    };
-    grads.insert(t, g);
-    Ok(())
-}
-
 fn set_current_seed(seed: u64) {
     crate::dropout::set_seed(Some(seed));
 }
@@ -1112,7 +1103,7 @@ fn continue_upstream(
     }
     for (t, g) in upstream {
         if t.is_variable() {
-            accumulate(grads, &t, g)?;
+            accumulate_grad(grads, &t, g)?;
         } else if t.track_op() {
             // d/dθ sum(t ⊙ g) = J_tᵀ g: the chain rule into t's own graph.
             let more = t.mul(&g.detach())?.sum_all()?.backward()?;
