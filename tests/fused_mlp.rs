@@ -153,7 +153,7 @@ fn fused_mlp_rejects_bad_input(dev: &Device) -> Result<()> {
 candle_streamer::test_device!(fused_mlp_rejects_bad_input);
 
 /// Host weights of `n` MLP blocks `layers.{i}.{up,down}.{weight,bias}`.
-fn host_mlp(n: usize, dim: usize, hidden: usize) -> Result<HashMap<String, Tensor>> {
+pub(crate) fn host_mlp(n: usize, dim: usize, hidden: usize) -> Result<HashMap<String, Tensor>> {
     let mut m = HashMap::new();
     for i in 0..n {
         let [w1, b1, w2, b2] = mlp_weights(dim, hidden, &Device::Cpu, DType::F32)?;

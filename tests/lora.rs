@@ -121,6 +121,14 @@ fn lora_peft_adapters_match_peft_resident_and_streamed(dev: &Device) -> Result<(
     }
     streamed.zero_grad()?;
     matches_peft(&fx, &streamed, dev, "streamed")?;
+    // Each layer visited once for both sequences, run one at a time: the
+    // adapters' gradients (extras, summed over the pieces) are PEFT's.
+    streamed.set_training(true);
+    let layers = streamed.trainable_layers().context("trainable")?;
+    layers.set_micro_batch_rows(Some(1))?;
+    streamed.zero_grad()?;
+    matches_peft(&fx, &streamed, dev, "streamed, one sequence at a time")?;
+    layers.set_micro_batch_rows(None)?;
     // Taking the adapters off gives the base model back.
     streamed.set_lora(None)?;
     let base = Llama::load_resident(&[fx.weights()], &fx.cfg, DType::F32, dev)?;

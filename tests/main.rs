@@ -20,6 +20,7 @@ mod fuzz;
 mod host_plan;
 mod lora;
 mod loss_curve;
+mod micro_batch;
 mod models;
 mod optim;
 mod pool;

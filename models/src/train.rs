@@ -378,15 +378,19 @@ impl LmTrainer {
 
     /// One optimizer step over `micro` micro-batches: `inputs` and `targets`
     /// (`(micro x batch, seq)` u32) split into `micro` equal parts along the
-    /// batch, each part's forward and backward in turn with the gradients
-    /// summed (each part's loss weighted 1 / `micro`), then one optimizer
-    /// step; returns the mean loss. The result is the step over the whole
-    /// batch at once, with the activation memory of one part. Each part streams
-    /// the layers' weights again. The device optimizer on a streamed model
-    /// steps during the backward, so it takes one part only (an error
-    /// otherwise). A refused part (a non-finite loss) refuses the step: the
-    /// gradients of the earlier parts are dropped, weights and optimizer
-    /// state unchanged.
+    /// batch; returns the mean loss. The result is the step over the whole
+    /// batch at once (each part's loss weighted 1 / `micro`), with the
+    /// transient activation memory of one part.
+    ///
+    /// On a streamed model every layer's weights arrive once for the whole
+    /// step: each part's forward runs through a layer before the next layer,
+    /// and in backward each part's recompute and backward, with the layer's
+    /// gradients summed on the device and sent to the host (or stepped there)
+    /// once ([`TrainableSequential::set_micro_batch_rows`]). The bytes copied
+    /// a step do not grow with `micro`; the saved layer inputs do. On a
+    /// resident model the parts run one after another with their gradients
+    /// summed. A non-finite loss refuses the step: weights and optimizer state
+    /// are unchanged.
     pub fn step_micro(&mut self, inputs: &Tensor, targets: &Tensor, micro: usize) -> Result<f32> {
         let rows = inputs.dim(0)?;
         if micro == 0 || rows % micro != 0 {
@@ -395,11 +399,14 @@ impl LmTrainer {
         if micro == 1 {
             return self.step(inputs, targets);
         }
-        if self.opt.place() == OptimizerPlace::Device && self.model.trainable_layers().is_some() {
-            bail!(
-                "{micro} micro-batches a step: the device optimizer steps a streamed model \
-                 during its backward, so it takes one batch a step (use the host optimizer)"
-            );
+        if let Some(layers) = self.model.trainable_layers() {
+            let before = layers.micro_batch_rows()?;
+            layers.set_micro_batch_rows(Some(rows / micro))?;
+            let r = self.step(inputs, targets);
+            if let Some(layers) = self.model.trainable_layers() {
+                layers.set_micro_batch_rows(before)?;
+            }
+            return r;
         }
         let r = self.micro_steps(inputs, targets, micro);
         let zeroed = self.model.zero_grad();
@@ -412,13 +419,12 @@ impl LmTrainer {
     fn micro_steps(&mut self, inputs: &Tensor, targets: &Tensor, micro: usize) -> Result<f32> {
         self.check_usable()?;
         let part = inputs.dim(0)? / micro;
-        // Streamed layers sum their gradients in their host buffers; the
-        // rest (the outer weights, or all of a resident model's) are summed here.
-        let params = self.model.parameters();
-        let summed: Vec<Var> = match self.model.trainable_layers() {
-            Some(_) => self.outer.iter().map(|&i| params[i].1.clone()).collect(),
-            None => params.into_iter().map(|(_, v)| v).collect(),
-        };
+        let summed: Vec<Var> = self
+            .model
+            .parameters()
+            .into_iter()
+            .map(|(_, v)| v)
+            .collect();
         let mut earlier = GradStore::default();
         let mut total = 0f32;
         for j in 0..micro {

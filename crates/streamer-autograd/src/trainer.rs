@@ -98,8 +98,11 @@ struct Saved {
     outputs: Vec<Var>,
     seeds: Vec<u64>,
     fingerprints: Vec<u64>,
-    /// Activations kept by blocks with a hand-written backward (no recompute).
-    kept: Vec<Option<SavedActivations>>,
+    /// The rows each block ran over, piece by piece, in one visit of its weights.
+    pieces: Vec<Vec<Rows>>,
+    /// Activations kept by blocks with a hand-written backward (no recompute),
+    /// one entry per piece.
+    kept: Vec<Vec<Option<SavedActivations>>>,
 }
 
 impl Saved {
@@ -116,6 +119,17 @@ impl Saved {
         }
         Ok(())
     }
+}
+
+/// What a training forward records block by block.
+#[derive(Default)]
+struct Record {
+    inputs: Vec<Tensor>,
+    on_host: Vec<bool>,
+    pieces: Vec<Vec<Rows>>,
+    kept: Vec<Vec<Option<SavedActivations>>>,
+    /// Bytes of kept activations so far.
+    used: usize,
 }
 
 /// What backward through one block produced.
@@ -192,6 +206,8 @@ struct TrainState {
     policy: ActivationPolicy,
     /// Blocks whose activations the last training forward kept.
     kept_blocks: usize,
+    /// Rows of the batch a block runs over at a time (`None`: all at once).
+    micro_rows: Option<usize>,
     /// The first dropout seed of the last training forward: given back if a
     /// panic interrupts its step, as an error does, or on request
     /// (`rewind_dropout_seeds`).
@@ -228,6 +244,7 @@ impl TrainableSequential {
                 optimizer_pool: None,
                 policy: ActivationPolicy::default(),
                 kept_blocks: 0,
+                micro_rows: None,
                 step_seeds: None,
             }),
             model,
@@ -336,6 +353,31 @@ impl TrainableSequential {
         Ok(self.lock()?.policy)
     }
 
+    /// Runs each block over at most `rows` rows of the batch at a time (pieces
+    /// along dimension 0 of the model input), every piece during the same
+    /// visit of the block's weights: its weights arrive once, every piece's
+    /// forward runs through it, and in backward every piece's recompute and
+    /// backward run before its gradients, summed on the device, leave it once.
+    /// A step over many micro-batches thus moves the weights as often as a step
+    /// over one, with the transient activation memory of one piece (kept
+    /// activations and saved block inputs still grow with the batch). The
+    /// gradients equal those of the whole batch at once. Extras are handed
+    /// whole to every piece: they must not have a batch dimension. Dropout
+    /// draws a different mask for each piece. `None` runs the whole batch at
+    /// once (the default); `Some(0)` is an error.
+    pub fn set_micro_batch_rows(&self, rows: Option<usize>) -> Result<()> {
+        if rows == Some(0) {
+            candle_core::bail!("set_micro_batch_rows: pieces of 0 rows");
+        }
+        self.lock()?.micro_rows = rows;
+        Ok(())
+    }
+
+    /// Rows a block runs over at a time ([`Self::set_micro_batch_rows`]).
+    pub fn micro_batch_rows(&self) -> Result<Option<usize>> {
+        Ok(self.lock()?.micro_rows)
+    }
+
     /// How many blocks kept their activations in the last training forward
     /// (the others recompute in backward).
     pub fn kept_blocks(&self) -> Result<usize> {
@@ -392,13 +434,11 @@ impl TrainableSequential {
         let base = self.next_seed.fetch_add(n as u64, Ordering::SeqCst);
         st.step_seeds = Some(base);
         let seeds: Vec<u64> = (0..n as u64).map(|i| base.wrapping_add(i)).collect();
-        let mut inputs = Vec::with_capacity(n);
-        let mut on_host = Vec::with_capacity(n);
+        let mut rec = Record::default();
         let offload = st.policy == ActivationPolicy::OffloadInputs;
-        let mut kept: Vec<Option<SavedActivations>> = (0..n).map(|_| None).collect();
+        let micro = st.micro_rows;
         let budget = st.policy.budget(pool.device())?;
         let host_inputs = &mut st.host_inputs;
-        let mut used = 0usize;
         let x_det = x.detach();
         let extras_det: Vec<Tensor> = extras.iter().map(|e| e.detach()).collect();
         // Each block's input is saved and its dropout seed set just before it
@@ -420,22 +460,24 @@ impl TrainableSequential {
                     if i == 0 {
                         // A run again from fresh weights (a stepped block lent
                         // to this forward was stale) starts the record over.
-                        inputs.clear();
-                        on_host.clear();
-                        kept.iter_mut().for_each(|k| *k = None);
-                        used = 0;
+                        rec = Record::default();
                     }
                     // The first input is the caller's: it stays where it is.
                     let to_host = offload && i > 0;
-                    inputs.push(if to_host {
+                    rec.inputs.push(if to_host {
                         host_inputs.save(i, h)?
                     } else {
                         h.detach()
                     });
-                    on_host.push(to_host);
-                    set_current_seed(seeds[i]);
-                    let room = (budget, &mut used);
-                    run_training_block(pool, (i, seeds[i]), block, (h, extras), room, &mut kept[i])
+                    rec.on_host.push(to_host);
+                    let mut kept = Vec::new();
+                    let room = (micro, (budget, &mut rec.used));
+                    let run = (h, extras);
+                    let (outs, rows) =
+                        run_training_pieces(pool, (i, seeds[i]), block, run, room, &mut kept)?;
+                    rec.pieces.push(rows);
+                    rec.kept.push(kept);
+                    Ok(outs)
                 },
             )
         };
@@ -443,10 +485,7 @@ impl TrainableSequential {
         let r = r.and_then(|o| st.host_inputs.settle().map(|_| o));
         // Backward starts with the last blocks: start copying them now, so the
         // copies overlap whatever runs between this forward and its backward.
-        let r = r.and_then(|o| {
-            (0..pool.window().min(n)).try_for_each(|k| pool.load(n - 1 - k))?;
-            Ok(o)
-        });
+        let r = r.and_then(|o| load_last(&mut pool, n).map(|_| o));
         let outs = match r {
             Ok(o) => o,
             Err(e) => {
@@ -455,22 +494,27 @@ impl TrainableSequential {
                 return Err(e);
             }
         };
-        st.kept_blocks = kept.iter().filter(|k| k.is_some()).count();
+        st.kept_blocks = rec
+            .kept
+            .iter()
+            .filter(|k| k.iter().any(Option::is_some))
+            .count();
         let outputs = outs
             .iter()
             .map(Var::from_tensor)
             .collect::<Result<Vec<_>>>()?;
         let ret = outputs.iter().map(|v| v.as_tensor().clone()).collect();
         st.saved = Some(Saved {
-            inputs,
-            on_host,
+            inputs: rec.inputs,
+            on_host: rec.on_host,
             x: x.clone(),
             extras: extras.to_vec(),
             extras_det,
             outputs,
             seeds,
             fingerprints: self.fingerprints()?,
-            kept,
+            pieces: rec.pieces,
+            kept: rec.kept,
         });
         st.saved_training = training;
         pool.span_end(t0, || "forward call".into());
@@ -851,10 +895,7 @@ impl TrainableSequential {
         // releases the window); the block dies with the unwound closure.
         let step = streamer_core::faults::catch_block_panic(spec.name(), "backward", || {
             let block = spec.build(vb)?;
-            match block.manual() {
-                Some(man) => manual_step(man, saved, i, g_next),
-                None => autograd_step(block.as_ref(), saved, i, g_next),
-            }
+            pieces_step(block.as_ref(), saved, i, g_next, &vars)
         })
         .map_err(|e| e.context(format!("in the backward of block {:?}", spec.name())))?;
         let Some(step) = step else {
@@ -917,16 +958,225 @@ impl TrainableSequential {
     }
 }
 
-/// Backward through block `i` by recomputing it under Candle autograd.
-fn autograd_step(
+/// Backward through block `i` over every piece of rows it ran over in the
+/// forward: one piece's step as it is, or the pieces' steps with their weight
+/// and extras gradients summed (on the device) and their input gradients
+/// joined along the rows.
+fn pieces_step(
     block: &dyn Block,
-    saved: &Saved,
+    saved: &mut Saved,
     i: usize,
     g_next: &[Option<Tensor>],
+    vars: &[(usize, Var)],
 ) -> Result<Option<BlockStep>> {
-    let x_var = Var::from_tensor(&saved.inputs[i])?;
-    let extra_vars = saved
-        .extras
+    let rows = saved.pieces[i].clone();
+    if rows.len() == 1 {
+        return piece_step(block, saved, (i, 0, rows[0]), g_next);
+    }
+    let mut sum = PieceSum::default();
+    for (p, &r) in rows.iter().enumerate() {
+        let step = piece_step(block, saved, (i, p, r), g_next)?;
+        let input = cut(&saved.inputs[i], r)?;
+        sum.add(step, &input, vars)?;
+    }
+    sum.finish()
+}
+
+/// Backward through piece `p` (rows `r`) of block `i`.
+fn piece_step(
+    block: &dyn Block,
+    saved: &mut Saved,
+    (i, p, r): (usize, usize, Rows),
+    g_next: &[Option<Tensor>],
+) -> Result<Option<BlockStep>> {
+    let g: Vec<Option<Tensor>> = g_next
+        .iter()
+        .map(|g| g.as_ref().map(|g| cut(g, r)).transpose())
+        .collect::<Result<_>>()?;
+    let piece = Piece {
+        i,
+        input: cut(&saved.inputs[i], r)?,
+        seed: piece_seed(saved.seeds[i], p),
+    };
+    match block.manual() {
+        Some(man) => {
+            let kept = saved.kept[i][p].take();
+            manual_step(man, &piece, kept, &saved.extras_det, &g)
+        }
+        None => autograd_step(block, &piece, &saved.extras, &g),
+    }
+}
+
+/// One piece of a block's rows in backward: the block, its input rows and
+/// the dropout seed its forward ran with.
+struct Piece {
+    i: usize,
+    input: Tensor,
+    seed: u64,
+}
+
+/// The pieces of one block's backward, summed as they come.
+#[derive(Default)]
+struct PieceSum {
+    grads: HashMap<candle_core::TensorId, Tensor>,
+    g_x: Vec<Option<Tensor>>,
+    g_extras: Vec<Option<Tensor>>,
+    /// Rows of each piece's input, for a piece that sent no gradient back.
+    inputs: Vec<Tensor>,
+    any: bool,
+}
+
+impl PieceSum {
+    fn add(
+        &mut self,
+        step: Option<BlockStep>,
+        input: &Tensor,
+        vars: &[(usize, Var)],
+    ) -> Result<()> {
+        self.inputs.push(input.clone());
+        let Some(step) = step else {
+            self.g_x.push(None);
+            return Ok(());
+        };
+        self.any = true;
+        for (_, v) in vars {
+            if let Some(g) = step.grads.get(v.as_tensor()) {
+                add_into(&mut self.grads, v.as_tensor().id(), g.detach())?;
+            }
+        }
+        self.g_x.push(step.g_x);
+        if self.g_extras.len() < step.g_extras.len() {
+            self.g_extras.resize(step.g_extras.len(), None);
+        }
+        for (acc, g) in self.g_extras.iter_mut().zip(step.g_extras) {
+            if let Some(g) = g {
+                *acc = Some(match acc.take() {
+                    None => g,
+                    Some(a) => a.add(&g)?,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn finish(self) -> Result<Option<BlockStep>> {
+        if !self.any {
+            return Ok(None);
+        }
+        let g_x = if self.g_x.iter().all(Option::is_none) {
+            None
+        } else {
+            let parts = self
+                .g_x
+                .into_iter()
+                .zip(&self.inputs)
+                .map(|(g, x)| g.map_or_else(|| x.zeros_like(), Ok))
+                .collect::<Result<Vec<_>>>()?;
+            Some(Tensor::cat(&parts, 0)?)
+        };
+        Ok(Some(BlockStep {
+            grads: BlockGrads::Manual(self.grads),
+            g_x,
+            g_extras: self.g_extras,
+        }))
+    }
+}
+
+/// Adds `g` to the gradient kept under `id`.
+fn add_into(
+    grads: &mut HashMap<candle_core::TensorId, Tensor>,
+    id: candle_core::TensorId,
+    g: Tensor,
+) -> Result<()> {
+    let sum = match grads.remove(&id) {
+        Some(prev) => prev.add(&g)?,
+        None => g,
+    };
+    grads.insert(id, sum);
+    Ok(())
+}
+
+/// Rows of a batch: all of them, or `len` rows from `start` along dimension 0.
+#[derive(Clone, Copy, Debug)]
+enum Rows {
+    All,
+    Range(usize, usize),
+}
+
+/// The pieces a block runs over: pieces of at most `micro` rows of `h`, or
+/// the whole of it (no setting, a scalar, or no more rows than a piece).
+fn rows_of(h: &Tensor, micro: Option<usize>) -> Result<Vec<Rows>> {
+    let Some(m) = micro else {
+        return Ok(vec![Rows::All]);
+    };
+    if h.rank() == 0 || h.dim(0)? <= m {
+        return Ok(vec![Rows::All]);
+    }
+    let n = h.dim(0)?;
+    Ok((0..n)
+        .step_by(m)
+        .map(|s| Rows::Range(s, m.min(n - s)))
+        .collect())
+}
+
+/// The rows `r` of `t`.
+fn cut(t: &Tensor, r: Rows) -> Result<Tensor> {
+    match r {
+        Rows::All => Ok(t.clone()),
+        Rows::Range(s, l) => t.narrow(0, s, l),
+    }
+}
+
+/// Each piece's outputs joined along the rows (one piece: as they are).
+fn join_pieces(mut outs: Vec<Vec<Tensor>>) -> Result<Vec<Tensor>> {
+    if outs.len() == 1 {
+        return Ok(outs.swap_remove(0));
+    }
+    let k = outs[0].len();
+    (0..k)
+        .map(|j| {
+            let parts = outs
+                .iter()
+                .map(|o| {
+                    o.get(j).cloned().ok_or_else(|| {
+                        candle_core::Error::Msg(
+                            "a block returned a different number of outputs for two pieces of \
+                             its batch"
+                                .into(),
+                        )
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Tensor::cat(&parts, 0).map_err(|e| {
+                e.context(format!(
+                    "joining output {j} of the pieces of a micro-batched block (outputs must \
+                     have the batch as dimension 0)"
+                ))
+            })
+        })
+        .collect()
+}
+
+/// Piece `p`'s dropout seed: the block's own for the first piece (a whole
+/// batch replays as before), a distinct one for each further piece.
+fn piece_seed(seed: u64, p: usize) -> u64 {
+    if p == 0 {
+        seed
+    } else {
+        seed ^ (p as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+}
+
+/// Backward through one piece of block `i` by recomputing it under Candle
+/// autograd.
+fn autograd_step(
+    block: &dyn Block,
+    piece: &Piece,
+    extras: &[Tensor],
+    g_next: &[Option<Tensor>],
+) -> Result<Option<BlockStep>> {
+    let x_var = Var::from_tensor(&piece.input)?;
+    let extra_vars = extras
         .iter()
         .map(|e| {
             if e.dtype().is_float() {
@@ -936,8 +1186,8 @@ fn autograd_step(
             }
         })
         .collect::<Result<Vec<_>>>()?;
-    let ctx = BlockCtx::training(i, x_var.device(), saved.seeds[i], false);
-    let outs = with_seed(saved.seeds[i], || {
+    let ctx = BlockCtx::training(piece.i, x_var.device(), piece.seed, false);
+    let outs = with_seed(piece.seed, || {
         block.forward_ctx(x_var.as_tensor(), &extra_vars, &ctx)
     })?;
     // A surrogate whose gradient with respect to each output is the upstream
@@ -969,14 +1219,16 @@ fn autograd_step(
     }))
 }
 
-/// Backward through block `i` by its hand-written backward, from the kept
-/// activations or a recompute of them.
+/// Backward through one piece of a block by its hand-written backward, from
+/// the `kept` activations or a recompute of them.
 fn manual_step(
     man: &dyn ManualBackward,
-    saved: &mut Saved,
-    i: usize,
+    piece: &Piece,
+    kept: Option<SavedActivations>,
+    extras_det: &[Tensor],
     g_next: &[Option<Tensor>],
 ) -> Result<Option<BlockStep>> {
+    let i = piece.i;
     if g_next.len() > 1 {
         candle_core::bail!(
             "block {i} has a hand-written backward but is the last block with {} outputs              (such blocks return one output)",
@@ -986,12 +1238,12 @@ fn manual_step(
     let Some(Some(g)) = g_next.first() else {
         return Ok(None);
     };
-    let acts = match saved.kept[i].take() {
+    let acts = match kept {
         Some(a) => a,
         None => {
-            let ctx = BlockCtx::training(i, saved.inputs[i].device(), saved.seeds[i], false);
-            with_seed(saved.seeds[i], || {
-                man.recompute_ctx(&saved.inputs[i], &saved.extras_det, &ctx)
+            let ctx = BlockCtx::training(i, piece.input.device(), piece.seed, false);
+            with_seed(piece.seed, || {
+                man.recompute_ctx(&piece.input, extras_det, &ctx)
             })?
         }
     };
@@ -1001,21 +1253,12 @@ fn manual_step(
     let g_x = g_x.detach();
     let mut grads: HashMap<candle_core::TensorId, Tensor> = HashMap::with_capacity(list.len());
     for (w, g) in list {
-        let g = g.detach();
-        let sum = match grads.remove(&w.id()) {
-            Some(prev) => prev.add(&g)?,
-            None => g,
-        };
-        grads.insert(w.id(), sum);
+        add_into(&mut grads, w.id(), g.detach())?;
     }
     // A hand-written backward may also return gradients of its extras (a
     // LoRA layer's adapters), keyed by the extras it was given: the forward's
     // detached ones, whether the activations were kept or recomputed.
-    let g_extras = saved
-        .extras_det
-        .iter()
-        .map(|e| grads.remove(&e.id()))
-        .collect();
+    let g_extras = extras_det.iter().map(|e| grads.remove(&e.id())).collect();
     Ok(Some(BlockStep {
         grads: BlockGrads::Manual(grads),
         g_x: Some(g_x),
@@ -1059,6 +1302,43 @@ fn run_training_block(
     *used += need;
     *kept = Some(acts);
     Ok(vec![y])
+}
+
+/// Runs block `i` of a training forward over each piece of at most `micro`
+/// rows of `h` (all of it when unset), each with its own dropout seed and its
+/// kept activations in `kept`; returns the pieces' outputs joined and the rows
+/// each covered.
+fn run_training_pieces(
+    pool: &ResidencyPool,
+    (i, seed): (usize, u64),
+    block: &dyn Block,
+    (h, extras): (&Tensor, &[Tensor]),
+    (micro, (budget, used)): (Option<usize>, (usize, &mut usize)),
+    kept: &mut Vec<Option<SavedActivations>>,
+) -> Result<(Vec<Tensor>, Vec<Rows>)> {
+    let rows = rows_of(h, micro)?;
+    *kept = rows.iter().map(|_| None).collect();
+    let mut outs = Vec::with_capacity(rows.len());
+    for (p, &r) in rows.iter().enumerate() {
+        let seed = piece_seed(seed, p);
+        set_current_seed(seed);
+        let h = cut(h, r)?;
+        let room = (budget, &mut *used);
+        outs.push(run_training_block(
+            pool,
+            (i, seed),
+            block,
+            (&h, extras),
+            room,
+            &mut kept[p],
+        )?);
+    }
+    Ok((join_pieces(outs)?, rows))
+}
+
+/// Starts loading the last blocks of `n` (as many as the window holds).
+fn load_last(pool: &mut ResidencyPool, n: usize) -> Result<()> {
+    (0..pool.window().min(n)).try_for_each(|k| pool.load(n - 1 - k))
 }
 
 /// Kept activations must not share memory with a pool slot: the slot is
