@@ -19,7 +19,9 @@
 //! `LORA_BENCH_OPTIMIZER_STATE` (`f32` or `bf16` moments),
 //! `LORA_BENCH_ACTIVATIONS` (the layers' `ActivationPolicy`),
 //! `LORA_BENCH_DEVICE_CAP_GIB` (hold back the rest of the GPU's memory so the
-//! run has that much in all, as on a smaller GPU). Full fine-tuning
+//! run has that much in all, as on a smaller GPU), `LORA_BENCH_MICRO`
+//! (micro-batches of `LORA_BENCH_BATCH` sequences a step, 1; every layer's
+//! weights visit the GPU once a step whatever the count). Full fine-tuning
 //! of `8b` with the host optimizer holds about 16 bytes a parameter on the
 //! host (masters, AdamW moments, gradients): 128 GB, more than a one-GPU
 //! machine of 128 GiB has; with bf16 moments 12 bytes (96 GB); with
@@ -150,11 +152,13 @@ fn optimizer_state() -> Result<StateDtype> {
         .parse()?)
 }
 
+/// One row: `shape` is (sequences a step, tokens a sequence, timed steps),
+/// run as `micro` micro-batches.
 fn run(
     name: &str,
     mode: &str,
     dev: &Device,
-    shape: (usize, usize, usize),
+    (shape, micro): ((usize, usize, usize), usize),
 ) -> Result<serde_json::Value> {
     let cfg = config(name)?;
     let dtype = if dev.is_cuda() {
@@ -200,6 +204,12 @@ fn run(
     println!("  random init: {:.1} s", t0.elapsed().as_secs_f64());
     let t0 = std::time::Instant::now();
     let model = Llama::from_tensors(weights, &cfg, stream)?.into_trainable()?;
+    if micro > 1 && mode == "lora" {
+        let layers = model
+            .trainable_layers()
+            .expect("a trainable streamed model");
+        layers.set_micro_batch_rows(Some(shape.0 / micro))?;
+    }
     println!(
         "  model built (masters page-locked): {:.1} s",
         t0.elapsed().as_secs_f64()
@@ -235,7 +245,7 @@ fn run(
             (
                 measure((dev, cap.held), &data, shape, |x, y, lr| {
                     t.set_learning_rate(lr);
-                    Ok(t.step(x, y)?)
+                    Ok(t.step_micro(x, y, micro)?)
                 })?,
                 cfg.num_params(),
             )
@@ -282,7 +292,8 @@ fn run(
     );
     Ok(serde_json::json!({
         "model": name, "mode": mode, "params": cfg.num_params(), "trainable_params": trainable,
-        "batch": shape.0, "seq": shape.1, "step_s_median": median, "step_s": m.step_s,
+        "batch": shape.0 / micro, "micro_batches": micro, "seq": shape.1,
+        "tokens_per_step": shape.0 * shape.1, "step_s_median": median, "step_s": m.step_s,
         "tokens_per_s": tokens, "peak_device_gib": gib(m.peak_device), "host_rss_gib": gib(m.host_rss),
         "peak_device_total_gib": gib(m.peak_total),
         "host_plan_gib": plan.map(|p| gib(p.total())),
@@ -301,17 +312,22 @@ fn main() -> Result<()> {
     let models =
         std::env::var("LORA_BENCH").unwrap_or_else(|_| if gpu { "8b,3b" } else { "tiny" }.into());
     let modes = std::env::var("LORA_BENCH_MODES").unwrap_or_else(|_| "lora,full".into());
+    let micro = env_or("LORA_BENCH_MICRO", 1).max(1);
     let shape = (
-        env_or("LORA_BENCH_BATCH", if gpu { 8 } else { 4 }),
+        env_or("LORA_BENCH_BATCH", if gpu { 8 } else { 4 }) * micro,
         env_or("LORA_BENCH_SEQ", if gpu { 2048 } else { 64 }),
         env_or("LORA_BENCH_STEPS", 3).max(1),
     );
     let mut rows = Vec::new();
     for name in models.split(',') {
         for mode in modes.split(',') {
-            println!("{name} {mode}: batch {} x {} tokens", shape.0, shape.1);
+            println!(
+                "{name} {mode}: {micro} x {} sequences of {} tokens a step",
+                shape.0 / micro,
+                shape.1
+            );
             // One row per run, so that a failure (out of memory) leaves the others.
-            match run(name, mode, &dev, shape) {
+            match run(name, mode, &dev, (shape, micro)) {
                 Ok(r) => rows.push(r),
                 Err(e) => {
                     println!("{name} {mode}: failed: {e}");

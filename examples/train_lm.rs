@@ -72,8 +72,9 @@ struct Args {
     #[arg(long, default_value_t = 16)]
     batch: usize,
     /// Tokens per optimizer step, as micro-batches of --batch x --seq tokens
-    /// each (their gradients summed, one optimizer step; full fine-tuning
-    /// with the host optimizer). Default: one micro-batch.
+    /// each (their gradients summed, one optimizer step, every layer's
+    /// weights copied to the GPU once a step; full fine-tuning). Default: one
+    /// micro-batch.
     #[arg(long)]
     tokens_per_step: Option<usize>,
     /// Tokens per sequence. Default: 64 for tiny, 2048 otherwise.
@@ -382,12 +383,6 @@ fn main() -> Result<()> {
     let place: OptimizerPlace = a.optimizer.parse().context("--optimizer")?;
     let state: StateDtype = a.optimizer_state.parse().context("--optimizer-state")?;
     let policy = cli::activation_policy(&a.activations, &dev)?;
-    if opts.micro_batches > 1 && place == OptimizerPlace::Device {
-        bail!(
-            "--tokens-per-step: the device optimizer steps the layers during the backward, \
-             so it takes one micro-batch a step (use --optimizer host)"
-        );
-    }
     if state != StateDtype::F32 && place == OptimizerPlace::Device {
         bail!(
             "--optimizer-state {}: the device optimizer keeps f32 moments (use --optimizer host)",
@@ -445,7 +440,7 @@ fn main() -> Result<()> {
             state,
             cuda: dev.is_cuda(),
             offload_inputs: (policy == ActivationPolicy::OffloadInputs)
-                .then_some((opts.batch, opts.seq, dtype)),
+                .then_some((opts.batch * opts.micro_batches, opts.seq, dtype)),
         },
     );
     println!("train_lm: this run holds about {plan}");

@@ -17,7 +17,7 @@ pub struct TrainSetup {
     /// norm and head masters then live on the device).
     pub cuda: bool,
     /// Block inputs offloaded to the host (`ActivationPolicy::OffloadInputs`):
-    /// `(batch, seq, compute dtype)`.
+    /// `(sequences a step, seq, compute dtype)`.
     pub offload_inputs: Option<(usize, usize, DType)>,
 }
 
