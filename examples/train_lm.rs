@@ -439,8 +439,11 @@ fn main() -> Result<()> {
             place,
             state,
             cuda: dev.is_cuda(),
-            offload_inputs: (policy == ActivationPolicy::OffloadInputs)
-                .then_some((opts.batch * opts.micro_batches, opts.seq, dtype)),
+            offload_inputs: (policy == ActivationPolicy::OffloadInputs).then_some((
+                opts.batch * opts.micro_batches,
+                opts.seq,
+                dtype,
+            )),
         },
     );
     println!("train_lm: this run holds about {plan}");
