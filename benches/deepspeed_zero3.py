@@ -43,7 +43,9 @@ batch, micro, tokens_per_step, device_budget_gib (null), optimizer_place
 ("host"), state_dtypes ("f32"), tokens_per_s (median step), mfu (6 x params x
 tokens/s / 989e12), peak_device_gib (the driver's used memory, sampled through
 NVML during the steps, warm-up included), peak_device_torch_reserved_gib,
-host_rss_gib (peak RSS of the process and its children, sampled),
+host_rss_gib (peak RSS of the process and its children, sampled; the
+compiler's processes of the cpu_adam JIT build included: host_rss_steps_gib is
+the peak during the steps alone),
 host_used_gib (peak of the host's total - available, less before the start),
 host_estimate_gib, losses, step times and setup times.
 """
@@ -176,6 +178,9 @@ class Sampler(threading.Thread):
         self.floor, self.on_low = floor_bytes, on_low
         self.stop_ev = threading.Event()
         self.dev_peak = self.rss_peak = self.used_peak = 0
+        # The process tree's RSS peak while dev_on (the steps): without the
+        # JIT build of cpu_adam (compiler processes) at initialize.
+        self.rss_steps_peak = 0
         self.dev_on = False
         self.nvml = None
         try:
@@ -209,6 +214,7 @@ class Sampler(threading.Thread):
         self.used_peak = max(self.used_peak, vm.total - vm.available)
         if self.dev_on:
             self.dev_peak = max(self.dev_peak, self.device_used())
+            self.rss_steps_peak = max(self.rss_steps_peak, rss)
         avail = host_available()
         if avail is not None and avail < self.floor:
             self.on_low(avail)
@@ -483,6 +489,7 @@ def main():
                peak_device_torch_reserved_gib=torch.cuda.max_memory_reserved() / GIB,
                peak_device_torch_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
                host_rss_gib=sampler.rss_peak / GIB,
+               host_rss_steps_gib=sampler.rss_steps_peak / GIB,
                host_maxrss_self_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
                host_maxrss_children_gib=children / GIB,
                host_used_gib=max(0, sampler.used_peak - used0) / GIB,
