@@ -11,7 +11,8 @@
 //!
 //! `LORA_BENCH=8b,3b` picks the models (GPU default; CPU default `tiny`): `8b`
 //! has Llama 3.1 8B's shapes and real-size vocabulary (128256, llama3 rope) with
-//! random weights in the real layout, `3b` is the preset of that name.
+//! random weights in the real layout, `14b` Qwen2.5 14B's, `3b` is the
+//! preset of that name.
 //! `LORA_BENCH_MODES` (default `lora,full`), `LORA_BENCH_R` (16),
 //! `LORA_BENCH_TARGETS` (`q_proj,k_proj,v_proj,o_proj`), `LORA_BENCH_BATCH` /
 //! `LORA_BENCH_SEQ` (8 x 2048 on a GPU), `LORA_BENCH_STEPS` (3 timed after 1
@@ -36,8 +37,9 @@ mod common;
 const LR: f64 = 1e-4;
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::{Optimizer, ParamsAdamW};
+use std::collections::HashMap;
 use std::time::Instant;
 use streamer_autograd::ActivationPolicy;
 use streamer_core::StreamConfig;
@@ -56,6 +58,7 @@ fn env_or(key: &str, default: usize) -> usize {
 fn config(name: &str) -> Result<LlamaConfig> {
     Ok(match name {
         "8b" => LlamaConfig::llama31_8b(),
+        "14b" => LlamaConfig::qwen25_14b(),
         other => LlamaConfig::preset(other)?,
     })
 }
@@ -122,6 +125,28 @@ fn host_plan(
             offload_inputs: offload.then_some((batch, seq, dtype)),
         },
     ))
+}
+
+/// The random init, rounded to bf16 when it and the f32 masters made from it
+/// would not fit the host together (14b: 59 GB each); the masters are f32
+/// either way, from the rounded values.
+fn random_init(cfg: &LlamaConfig) -> Result<HashMap<String, Tensor>> {
+    use rayon::prelude::*;
+    let w = init_weights(cfg, 0)?;
+    let both = 8 * cfg.num_params();
+    match streamer_core::host_available_memory() {
+        Some(avail) if both > avail / 10 * 9 => {
+            println!(
+                "  init rounded to bf16: it and the f32 masters would take {:.0} GiB of {:.0} available",
+                both as f64 / (1u64 << 30) as f64,
+                avail as f64 / (1u64 << 30) as f64
+            );
+            Ok(w.into_par_iter()
+                .map(|(k, t)| Ok((k, t.to_dtype(DType::BF16)?)))
+                .collect::<candle_core::Result<_>>()?)
+        }
+        _ => Ok(w),
+    }
 }
 
 /// LORA_BENCH_OPTIMIZER=host|device (default device on a GPU: the full 8B
@@ -200,7 +225,7 @@ fn run(
     // Each setup phase says how long it took: at 8B shapes they are most of a
     // run, and a run cut by a time limit then still says where it was.
     let t0 = std::time::Instant::now();
-    let weights = init_weights(&cfg, 0)?;
+    let weights = random_init(&cfg)?;
     println!("  random init: {:.1} s", t0.elapsed().as_secs_f64());
     let t0 = std::time::Instant::now();
     let model = Llama::from_tensors(weights, &cfg, stream)?.into_trainable()?;

@@ -98,3 +98,21 @@ fn host_plan_of_8b_and_its_refusal() -> Result<()> {
     ensure!(off.activations == 31 * 8 * 2048 * 4096 * 2);
     Ok(())
 }
+
+/// Qwen2.5 14B's shapes have its published parameter count (14,770,033,664
+/// with q/k/v biases and an untied head); its f32 layer masters alone, with
+/// the device optimizer, take 49.2 GiB of host memory.
+#[test]
+fn qwen25_14b_shapes() -> Result<()> {
+    let cfg = LlamaConfig::qwen25_14b();
+    ensure!(cfg.num_params() == 14_770_033_664, "{}", cfg.num_params());
+    let dev = HostPlan::for_training(
+        &cfg,
+        &TrainSetup {
+            cuda: true,
+            ..setup(OptimizerPlace::Device, StateDtype::F32)
+        },
+    );
+    ensure!(dev.total() == 4 * 48 * 275_268_608, "{dev}");
+    Ok(())
+}

@@ -204,6 +204,21 @@ impl LlamaConfig {
         }
     }
 
+    /// Qwen2.5 14B's shapes (random-weight benchmarks): 48 layers of width
+    /// 5120, 40 heads of 128 over 8 key-value heads, q/k/v biases, MLP 13824,
+    /// vocabulary 152064, untied head; 14.77 B parameters.
+    pub fn qwen25_14b() -> Self {
+        Self {
+            model_type: "qwen2".into(),
+            intermediate_size: 13824,
+            vocab_size: 152064,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            max_position_embeddings: 32768,
+            ..Self::bytes(5120, 48, 40, 8)
+        }
+    }
+
     /// A preset by name: `tiny`, `350m`, `1b` or `3b`.
     pub fn preset(name: &str) -> Result<Self> {
         Ok(match name {
