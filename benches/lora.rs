@@ -149,6 +149,27 @@ fn random_init(cfg: &LlamaConfig) -> Result<HashMap<String, Tensor>> {
     }
 }
 
+/// Where a full fine-tune's step went, averaged over `steps` (the pool's
+/// statistics: copies each way, compute, waits for weights; the overlapped
+/// host optimizer's busy time in the last step), printed and as a JSON object.
+fn where_time_goes(t: &LmTrainer, steps: usize) -> Result<serde_json::Value> {
+    let layers = t
+        .model()
+        .trainable_layers()
+        .expect("a trainable streamed model");
+    let st = layers.stats()?;
+    let n = steps as f64;
+    let v = serde_json::json!({
+        "h2d_gb": st.h2d_bytes as f64 / n / 1e9, "h2d_s": st.h2d_seconds / n,
+        "d2h_gb": st.d2h_bytes as f64 / n / 1e9, "d2h_s": st.d2h_seconds / n,
+        "compute_s": st.compute_seconds / n, "stall_s": st.stall_seconds / n,
+        "host_wait_s": st.host_wait_seconds / n,
+        "host_optimizer_s_last": layers.last_optimizer_seconds()?,
+    });
+    println!("  a step on average: {v}");
+    Ok(v)
+}
+
 /// LORA_BENCH_OPTIMIZER=host|device (default device on a GPU: the full 8B
 /// fine-tune's f32 host optimizer state would not fit the host).
 fn optimizer_place(dev: &Device) -> Result<OptimizerPlace> {
@@ -240,6 +261,7 @@ fn run(
         t0.elapsed().as_secs_f64()
     );
     let mut full_setup = None;
+    let mut per_step = None;
     let (m, trainable) = match mode {
         "full" => {
             let (place, state) = (optimizer_place(dev)?, optimizer_state()?);
@@ -267,13 +289,12 @@ fn run(
                 println!("  activations: {policy:?}");
             }
             full_setup = Some((place, state));
-            (
-                measure((dev, cap.held), &data, shape, |x, y, lr| {
-                    t.set_learning_rate(lr);
-                    Ok(t.step_micro(x, y, micro)?)
-                })?,
-                cfg.num_params(),
-            )
+            let m = measure((dev, cap.held), &data, shape, |x, y, lr| {
+                t.set_learning_rate(lr);
+                Ok(t.step_micro(x, y, micro)?)
+            })?;
+            per_step = Some(where_time_goes(&t, shape.2 + 1)?);
+            (m, cfg.num_params())
         }
         "lora" => {
             let targets = std::env::var("LORA_BENCH_TARGETS")
@@ -328,6 +349,7 @@ fn run(
         "optimizer_place": full_setup.map(|(p, _)| format!("{p:?}")),
         "state_dtypes": full_setup.map(|(_, s)| format!("masters F32, moments {s:?}")),
         "activations": std::env::var("LORA_BENCH_ACTIVATIONS").ok(),
+        "per_step": per_step,
     }))
 }
 
