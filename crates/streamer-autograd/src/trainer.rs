@@ -132,6 +132,14 @@ struct Record {
     used: usize,
 }
 
+impl Saved {
+    /// Drops block `i`'s saved input once its backward has run.
+    fn drop_input(&mut self, i: usize) -> Result<()> {
+        self.inputs[i] = Tensor::zeros(0, self.inputs[i].dtype(), &candle_core::Device::Cpu)?;
+        Ok(())
+    }
+}
+
 /// What backward through one block produced.
 struct BlockStep {
     grads: BlockGrads,
@@ -829,6 +837,9 @@ impl TrainableSequential {
                 (stepper, last_user.as_slice(), stepped.as_mut_slice()),
             );
             let flow = flow?;
+            // Block i's input is spent: its device memory (a whole batch's
+            // rows under micro-batching) is free for the blocks before it.
+            saved.drop_input(i)?;
             // Issued after block i's backward, so the copy overlaps it.
             if i > 0 {
                 saved.bring_input(i - 1, inputs, pool.device())?;
