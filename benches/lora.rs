@@ -229,10 +229,10 @@ fn run(
             .map(|g| g.parse::<usize>().map(|g| g << 30))
             .transpose()?,
     )?;
-    if cap.held > 0 {
+    if cap.held() > 0 {
         println!(
             "  device capped: {:.1} GiB held back",
-            cap.held as f64 / (1u64 << 30) as f64
+            cap.held() as f64 / (1u64 << 30) as f64
         );
     }
     let data = ByteCorpus::from_file("data/corpus.txt")
@@ -289,7 +289,7 @@ fn run(
                 println!("  activations: {policy:?}");
             }
             full_setup = Some((place, state));
-            let m = measure((dev, cap.held), &data, shape, |x, y, lr| {
+            let m = measure((dev, cap.held()), &data, shape, |x, y, lr| {
                 t.set_learning_rate(lr);
                 Ok(t.step_micro(x, y, micro)?)
             })?;
@@ -312,7 +312,7 @@ fn run(
                     ..Default::default()
                 },
             )?;
-            let m = measure((dev, cap.held), &data, shape, |x, y, lr| {
+            let m = measure((dev, cap.held()), &data, shape, |x, y, lr| {
                 opt.set_learning_rate(lr);
                 let loss = model.loss(x, y)?;
                 opt.step(&model.backward(&loss)?)?;

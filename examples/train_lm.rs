@@ -23,7 +23,7 @@
 //! Candle's CPU thread pool spin-waits, which starves other threads when cores
 //! are oversubscribed (measured: 0.27 s vs 1.5 s a step for `tiny` on 2 shared cores).
 use anyhow::{bail, Context, Result};
-use candle_core::DType;
+use candle_core::{DType, Device};
 use candle_nn::ParamsAdamW;
 use candle_streamer::cli;
 use candle_streamer::report::Progress;
@@ -32,12 +32,13 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use streamer_autograd::ActivationPolicy;
-use streamer_core::StreamConfig;
+use streamer_core::{DeviceCap, StreamConfig};
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
     generate, init_weights, parse_bytes, prefetch_for_budget, train_loop, ByteCorpus,
-    CheckpointFiles, Decay, HostPlan, Llama, LlamaConfig, LmTrainer, LoopOptions, LoraConfig,
-    OptimizerPlace, Placement, PretrainedFiles, StateDtype, TextTokenizer, TokenCorpus, TrainSetup,
+    CheckpointFiles, Decay, DevicePlan, HostPlan, Llama, LlamaConfig, LmTrainer, LoopOptions,
+    LoraConfig, OptimizerPlace, Placement, PretrainedFiles, StateDtype, StepShape, TextTokenizer,
+    TokenCorpus, TrainSetup,
 };
 
 #[derive(Parser, Debug)]
@@ -146,14 +147,21 @@ struct Args {
     no_overlap: bool,
     /// Where AdamW runs for full fine-tuning: `host` (CpuAdamW, moments in
     /// host memory) or `device` (DeviceAdamW: moments on the GPU, 8 bytes per
-    /// parameter, the layers stepped there during backward).
-    #[arg(long, default_value = "host")]
-    optimizer: String,
+    /// parameter, the layers stepped there during backward). Default: host.
+    #[arg(long)]
+    optimizer: Option<String>,
     /// What full fine-tuning keeps for the layers' backward: recompute,
     /// offload (block inputs in page-locked host memory), keep:BYTES or
-    /// auto[:FRACTION] of free device memory.
-    #[arg(long, default_value = "auto")]
-    activations: String,
+    /// auto[:FRACTION] of free device memory. Default: auto.
+    #[arg(long)]
+    activations: Option<String>,
+    /// The most device memory the run may use in all ("24GiB"): full
+    /// fine-tuning then picks the optimizer's place, the activations, the
+    /// sequences a layer runs over at a time and the layer window whose step
+    /// fits (printed before loading), and the rest of the GPU is held back so
+    /// that nothing can use more.
+    #[arg(long)]
+    device_budget: Option<String>,
     /// AdamW's moments: `f32` (8 bytes per parameter) or `bf16` (4 bytes,
     /// stochastically rounded; host optimizer only).
     #[arg(long, default_value = "f32")]
@@ -380,9 +388,26 @@ fn main() -> Result<()> {
     let corpus = read_corpus(&a, tok.as_ref())?;
     let opts = loop_options(&a, &cfg, &corpus, &ckpt)?;
     let prefetch = prefetch(&a, &cfg, dtype)?;
-    let place: OptimizerPlace = a.optimizer.parse().context("--optimizer")?;
+    let (budget, opts) = device_budget(&a, &cfg, opts, (&dev, dtype))?;
+    let place: OptimizerPlace = match &budget {
+        Some((plan, _)) => plan.settings.place,
+        None => a
+            .optimizer
+            .as_deref()
+            .unwrap_or("host")
+            .parse()
+            .context("--optimizer")?,
+    };
     let state: StateDtype = a.optimizer_state.parse().context("--optimizer-state")?;
-    let policy = cli::activation_policy(&a.activations, &dev)?;
+    let policy = match &budget {
+        Some((plan, _)) if plan.settings.offload_inputs => ActivationPolicy::OffloadInputs,
+        Some(_) => ActivationPolicy::Recompute,
+        None => cli::activation_policy(a.activations.as_deref().unwrap_or("auto"), &dev)?,
+    };
+    let prefetch = match &budget {
+        Some((plan, _)) => plan.settings.window - 1,
+        None => prefetch,
+    };
     if state != StateDtype::F32 && place == OptimizerPlace::Device {
         bail!(
             "--optimizer-state {}: the device optimizer keeps f32 moments (use --optimizer host)",
@@ -495,6 +520,48 @@ fn main() -> Result<()> {
         policy,
     };
     train(&a, &mut trainer, &corpus, &opts, &run, losses)
+}
+
+/// `--device-budget`: the plan whose step fits it, with the rest of the GPU
+/// held back, and the loop options split into its pieces (the same tokens a
+/// step); `None` without the flag. The settings it decides cannot also be
+/// given.
+fn device_budget(
+    a: &Args,
+    cfg: &LlamaConfig,
+    mut opts: LoopOptions,
+    (dev, dtype): (&Device, DType),
+) -> Result<(Option<(DevicePlan, DeviceCap)>, LoopOptions)> {
+    let Some(text) = &a.device_budget else {
+        return Ok((None, opts));
+    };
+    let budget = parse_bytes(text).with_context(|| format!("--device-budget {text:?}"))?;
+    let chosen = [
+        ("--lora-r", a.lora_r.is_some()),
+        ("--optimizer", a.optimizer.is_some()),
+        ("--activations", a.activations.is_some()),
+        ("--prefetch", a.prefetch.is_some()),
+        ("--gpu-weight-budget", a.gpu_weight_budget.is_some()),
+    ];
+    if let Some((flag, _)) = chosen.iter().find(|(_, given)| *given) {
+        bail!("--device-budget chooses what {flag} sets (full fine-tuning): give one or the other");
+    }
+    let Some(total) = streamer_core::device_total_memory(dev)? else {
+        bail!("--device-budget {text}: it budgets a CUDA device, and this run is on the CPU");
+    };
+    let rows = opts.batch * opts.micro_batches;
+    let shape = StepShape {
+        rows,
+        seq: opts.seq,
+        dtype,
+    };
+    let plan = DevicePlan::choose(cfg, shape, (budget, total))
+        .with_context(|| format!("--device-budget {text}"))?;
+    println!("train_lm: device plan: {plan}");
+    let cap = DeviceCap::hold(dev, budget).with_context(|| format!("--device-budget {text}"))?;
+    opts.batch = plan.settings.piece_rows;
+    opts.micro_batches = rows / plan.settings.piece_rows;
+    Ok((Some((plan, cap)), opts))
 }
 
 /// `--lora-*` checked before any work (`None` without `--lora-r`).

@@ -1,13 +1,15 @@
 //! `HostPlan`: the host memory of a streamed full fine-tune, said before any
 //! weight is loaded, against what the trainer then allocates; a plan larger
-//! than the host is refused with its numbers.
+//! than the host is refused with its numbers. `DevicePlan`: its device
+//! memory by part, and the settings chosen for a device budget.
 use super::models::err_of;
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device};
 use candle_nn::ParamsAdamW;
 use streamer_core::StreamConfig;
 use streamer_models::{
-    init_weights, HostPlan, Llama, LlamaConfig, LmTrainer, OptimizerPlace, StateDtype, TrainSetup,
+    init_weights, DevicePlan, HostPlan, Llama, LlamaConfig, LmTrainer, OptimizerPlace, StateDtype,
+    StepSettings, StepShape, TrainSetup,
 };
 
 fn setup(place: OptimizerPlace, state: StateDtype) -> TrainSetup {
@@ -114,5 +116,95 @@ fn qwen25_14b_shapes() -> Result<()> {
         },
     );
     ensure!(dev.total() == 4 * 48 * 275_268_608, "{dev}");
+    Ok(())
+}
+
+fn shape_8b(rows: usize) -> StepShape {
+    StepShape {
+        rows,
+        seq: 2048,
+        dtype: DType::BF16,
+    }
+}
+
+/// A device plan's parts: they add up; saved inputs are every layer's input
+/// in the compute dtype unless offloaded; the device optimizer holds f32
+/// moments of every weight and the outer weights' f32 masters; a layer's
+/// work grows with the sequences a piece, the slots with the window.
+#[test]
+fn device_plan_parts() -> Result<()> {
+    let cfg = LlamaConfig::llama31_8b();
+    let s = StepSettings {
+        place: OptimizerPlace::Device,
+        offload_inputs: false,
+        piece_rows: 8,
+        window: 2,
+    };
+    let p = DevicePlan::estimate(&cfg, shape_8b(32), s);
+    let sum = p.slots
+        + p.outer
+        + p.optimizer
+        + p.saved_inputs
+        + p.step_rows
+        + p.layer_work
+        + p.loss_chunk
+        + p.runtime;
+    ensure!(p.total() == sum, "{p}");
+    ensure!(p.saved_inputs == 32 * 32 * 2048 * 4096 * 2, "{p}");
+    let layers = cfg.layer_params() * cfg.num_hidden_layers;
+    ensure!(p.optimizer == 8 * cfg.num_params() + 4 * (cfg.num_params() - layers));
+    let off = DevicePlan::estimate(
+        &cfg,
+        shape_8b(32),
+        StepSettings {
+            place: OptimizerPlace::Host,
+            offload_inputs: true,
+            ..s
+        },
+    );
+    ensure!(off.saved_inputs == 0 && off.optimizer == 0, "{off}");
+    let half = DevicePlan::estimate(&cfg, shape_8b(32), StepSettings { piece_rows: 4, ..s });
+    ensure!(half.layer_work < p.layer_work && half.step_rows == p.step_rows);
+    let one = DevicePlan::estimate(&cfg, shape_8b(32), StepSettings { window: 1, ..s });
+    ensure!(2 * one.slots == p.slots);
+    Ok(())
+}
+
+/// The planner picks the fastest settings that fit and says what it picked:
+/// everything on the device when the device is large, the host optimizer
+/// and offloaded inputs in 24 GiB; every plan it returns fits its budget;
+/// too large and too small budgets are refused naming the numbers.
+#[test]
+fn device_plan_choice_and_refusals() -> Result<()> {
+    let cfg = LlamaConfig::llama31_8b();
+    let big = DevicePlan::choose(&cfg, shape_8b(8), (139 << 30, 140 << 30))?;
+    ensure!(
+        big.settings
+            == StepSettings {
+                place: OptimizerPlace::Device,
+                offload_inputs: false,
+                piece_rows: 8,
+                window: 2
+            },
+        "{big}"
+    );
+    let small = DevicePlan::choose(&cfg, shape_8b(32), (24 << 30, 140 << 30))?;
+    ensure!(
+        small.settings.place == OptimizerPlace::Host && small.settings.offload_inputs,
+        "{small}"
+    );
+    ensure!(32 % small.settings.piece_rows == 0, "{small}");
+    for gib in [16usize, 20, 24, 32, 48, 64, 96, 139] {
+        if let Ok(p) = DevicePlan::choose(&cfg, shape_8b(32), (gib << 30, 140 << 30)) {
+            ensure!(p.total() <= gib << 30, "{gib} GiB: {p}");
+        }
+    }
+    let err = err_of(DevicePlan::choose(&cfg, shape_8b(8), (200 << 30, 140 << 30)))?;
+    ensure!(err.contains("200.0 GiB") && err.contains("140.0 GiB"), "{err}");
+    let err = err_of(DevicePlan::choose(&cfg, shape_8b(8), (4 << 30, 140 << 30)))?;
+    ensure!(
+        err.contains("below the smallest plan") && err.contains("4.0 GiB"),
+        "{err}"
+    );
     Ok(())
 }

@@ -10,6 +10,7 @@ mod crash;
 mod cross_entropy;
 mod cuda_chain;
 mod decoder_backward;
+mod device_budget;
 mod dist;
 mod families;
 mod faults;

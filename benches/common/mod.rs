@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
+use streamer_core::DeviceCap;
 
 /// The first CUDA GPU when built with `cuda` and one is present, else the CPU.
 pub fn device() -> Device {
@@ -199,41 +200,11 @@ pub fn bench_schedule(peak: f64, steps: usize) -> streamer_models::LrSchedule {
     }
 }
 
-/// Device memory held back from the process so that it can use at most a
-/// given amount in all (as the driver counts it, CUDA context included): the
-/// H200 then behaves as a smaller GPU, and whatever does not fit fails with
-/// out-of-memory. Released on drop.
-pub struct DeviceCap {
-    #[cfg(feature = "cuda")]
-    _held: Option<candle_core::cuda_backend::cudarc::driver::CudaSlice<u8>>,
-    /// Bytes held back.
-    pub held: usize,
-}
-
-/// Holds back all of `dev`'s memory beyond `cap` bytes in use (nothing on
-/// the CPU, or with `cap` = None).
+/// Holds back all of `dev`'s memory beyond `cap` bytes in use
+/// (`streamer_core::DeviceCap`; nothing on the CPU, or with `cap` = None).
 pub fn cap_device_memory(dev: &Device, cap: Option<usize>) -> anyhow::Result<DeviceCap> {
-    #[cfg(feature = "cuda")]
-    if let (Device::Cuda(d), Some(cap)) = (dev, cap) {
-        let (free, total) = d.cuda_stream().context().mem_get_info()?;
-        let used = total - free;
-        anyhow::ensure!(
-            cap > used,
-            "device cap of {} GiB is below the {} GiB already in use",
-            cap >> 30,
-            used >> 30
-        );
-        let held = free.saturating_sub(cap - used);
-        let slice = d.cuda_stream().alloc_zeros::<u8>(held.max(1))?;
-        return Ok(DeviceCap {
-            _held: Some(slice),
-            held,
-        });
-    }
-    let _ = (dev, cap);
-    Ok(DeviceCap {
-        #[cfg(feature = "cuda")]
-        _held: None,
-        held: 0,
+    Ok(match cap {
+        Some(c) if dev.is_cuda() => DeviceCap::hold(dev, c)?,
+        _ => DeviceCap::none(),
     })
 }

@@ -55,6 +55,7 @@ pub mod cross_entropy;
 mod decoder_backward;
 #[cfg(feature = "cuda")]
 mod decoder_kernels;
+pub mod device_plan;
 pub mod embedding;
 pub mod fused_linear;
 pub mod fused_mlp;
@@ -74,6 +75,7 @@ pub mod train;
 pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budget, SplitMix64};
 pub use config::{LlamaConfig, RopeScaling};
 pub use cross_entropy::cross_entropy;
+pub use device_plan::{DevicePlan, StepSettings, StepShape};
 pub use embedding::embedding;
 pub use fused_linear::{fused_linear, Epilogue, FusedLinear};
 pub use fused_mlp::{fused_mlp, FusedMlp};

@@ -40,6 +40,7 @@ mod context;
 mod convert;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
+mod device_cap;
 mod device_memory;
 pub mod faults;
 mod host;
@@ -67,6 +68,7 @@ pub use context::{cuda_event_tracking, disable_cuda_event_tracking};
 pub use convert::convert;
 #[cfg(feature = "cuda")]
 pub use cuda::{cuda_address, grid_stride, kernel_suffix};
+pub use device_cap::{device_total_memory, DeviceCap};
 pub use device_memory::{
     device_pool_stats, free_device_memory, pooled_idle_bytes, reset_device_pool_peaks,
     retain_freed_device_memory, trim_device_memory, DevicePoolStats,

@@ -1,0 +1,93 @@
+//! A device-memory cap: all of a GPU's memory beyond a budget is held back
+//! from the process, so that it behaves as a GPU of that size. Whatever does
+//! not fit then fails with the driver's out-of-memory error instead of
+//! quietly using more (`train_lm --device-budget`, the benches' caps).
+use candle_core::{bail, Device, Result};
+
+/// Device memory held back until dropped.
+pub struct DeviceCap {
+    #[cfg(feature = "cuda")]
+    _held: Option<cudarc::driver::CudaSlice<u8>>,
+    held: usize,
+}
+
+fn gib(b: usize) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
+impl DeviceCap {
+    /// No cap.
+    pub fn none() -> Self {
+        Self {
+            #[cfg(feature = "cuda")]
+            _held: None,
+            held: 0,
+        }
+    }
+
+    /// Holds back all of `device`'s memory beyond `budget` bytes in use by
+    /// this process (as the driver counts it: the CUDA context and what is
+    /// allocated already included). A budget larger than the device, or not
+    /// above what is in use already, is an error naming both; so is a budget
+    /// on the CPU.
+    pub fn hold(device: &Device, budget: usize) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(d) = device {
+            crate::trim_device_memory(device)?;
+            let (free, total) = d
+                .cuda_stream()
+                .context()
+                .mem_get_info()
+                .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+            if budget > total {
+                bail!(
+                    "device budget {:.1} GiB is larger than the device ({:.1} GiB)",
+                    gib(budget),
+                    gib(total)
+                );
+            }
+            let used = total - free;
+            if budget <= used {
+                bail!(
+                    "device budget {:.1} GiB is not above the {:.1} GiB the process uses already",
+                    gib(budget),
+                    gib(used)
+                );
+            }
+            let held = free - (budget - used);
+            let slice = d
+                .cuda_stream()
+                .alloc_zeros::<u8>(held.max(1))
+                .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+            return Ok(Self {
+                _held: Some(slice),
+                held,
+            });
+        }
+        bail!(
+            "a device budget ({:.1} GiB) needs a CUDA device, not {:?}",
+            gib(budget),
+            device.location()
+        )
+    }
+
+    /// Bytes held back.
+    pub fn held(&self) -> usize {
+        self.held
+    }
+}
+
+/// The device's memory in all (bytes); `None` on the CPU.
+pub fn device_total_memory(device: &Device) -> Result<Option<usize>> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        let (_, total) = d
+            .cuda_stream()
+            .context()
+            .mem_get_info()
+            .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+        return Ok(Some(total));
+    }
+    let _ = device;
+    Ok(None)
+}

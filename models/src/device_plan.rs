@@ -1,0 +1,213 @@
+//! What a streamed full fine-tune of a decoder holds on the GPU during a
+//! step, by part, and the fastest settings whose step fits a device budget
+//! (`train_lm --device-budget`).
+//!
+//! The figures are upper estimates from the shapes, not measurements: each
+//! part counts what the step allocates at its widest (a piece's recompute and
+//! backward through one layer, the head and loss over one chunk). The budget
+//! itself is enforced by the driver ([`streamer_core::DeviceCap`]), so an
+//! estimate that is too low fails with an out-of-memory error, never by
+//! using more than the budget.
+use crate::config::LlamaConfig;
+use candle_core::{bail, DType, Result};
+use streamer_autograd::OptimizerPlace;
+
+/// Bytes held by the CUDA context, cuBLAS workspaces and the allocator's
+/// slack, whatever the model.
+const RUNTIME_BYTES: usize = 1 << 30;
+
+/// The settings a device plan decides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepSettings {
+    /// Where AdamW runs (its moments on the device with `Device`).
+    pub place: OptimizerPlace,
+    /// Block inputs kept in host memory between forward and backward
+    /// (`ActivationPolicy::OffloadInputs`) instead of on the device
+    /// (`ActivationPolicy::Recompute`).
+    pub offload_inputs: bool,
+    /// Sequences a layer runs over at a time (all of a step's sequences pass
+    /// through a layer in one visit of its weights).
+    pub piece_rows: usize,
+    /// Decoder layers resident at once (the slot window).
+    pub window: usize,
+}
+
+/// A step's device bytes, by part.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DevicePlan {
+    /// The settings this plan is for.
+    pub settings: StepSettings,
+    /// Slots: each holds a layer in the compute dtype and its f32 masters
+    /// staged for the cast.
+    pub slots: usize,
+    /// Embedding, final norm and head in the compute dtype, and their f32
+    /// gradients.
+    pub outer: usize,
+    /// Device optimizer: f32 moments of every weight, and the f32 masters of
+    /// the embedding, norm and head.
+    pub optimizer: usize,
+    /// Every layer's input, saved for its recompute (none when offloaded).
+    pub saved_inputs: usize,
+    /// Tensors of the whole step's rows: the embedding's output, the final
+    /// hidden state and their gradients, a layer's input and output.
+    pub step_rows: usize,
+    /// One piece's recompute and backward through one layer, and the f32
+    /// weight gradients of two layers in flight.
+    pub layer_work: usize,
+    /// One chunk of the head and the loss (its logits, their f32 softmax and
+    /// gradient).
+    pub loss_chunk: usize,
+    /// CUDA context, library workspaces, allocator slack.
+    pub runtime: usize,
+}
+
+/// A step's shape: sequences, tokens each, compute dtype.
+#[derive(Clone, Copy, Debug)]
+pub struct StepShape {
+    /// Sequences a step.
+    pub rows: usize,
+    /// Tokens a sequence.
+    pub seq: usize,
+    /// Compute dtype.
+    pub dtype: DType,
+}
+
+impl DevicePlan {
+    /// The estimate for `cfg` stepped with `settings` at `shape`.
+    pub fn estimate(cfg: &LlamaConfig, shape: StepShape, settings: StepSettings) -> Self {
+        let b = shape.dtype.size_in_bytes();
+        let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
+        let layer = cfg.layer_params();
+        let outer = cfg.num_params() - layer * cfg.num_hidden_layers;
+        let tokens = shape.rows * shape.seq;
+        let piece = settings.piece_rows.min(shape.rows) * shape.seq;
+        // A layer's recompute and backward: the MLP's gate, up, activation and
+        // their gradients, the attention's projections, output, statistics and
+        // their gradients, the input, output and input gradient.
+        let per_token = b * (6 * inter + 13 * h) + 8 * cfg.num_attention_heads;
+        let chunk = crate::cross_entropy::linear_cross_entropy_chunk(cfg.vocab_size, shape.dtype);
+        Self {
+            settings,
+            slots: settings.window * layer * (b + 4),
+            outer: outer * (b + 4),
+            optimizer: match settings.place {
+                OptimizerPlace::Device => 8 * cfg.num_params() + 4 * outer,
+                OptimizerPlace::Host => 0,
+            },
+            saved_inputs: if settings.offload_inputs {
+                0
+            } else {
+                cfg.num_hidden_layers * tokens * h * b
+            },
+            step_rows: 6 * tokens * h * b,
+            layer_work: piece * per_token + 2 * layer * 4,
+            loss_chunk: 2 * chunk * cfg.vocab_size * 4,
+            runtime: RUNTIME_BYTES,
+        }
+    }
+
+    /// Everything.
+    pub fn total(&self) -> usize {
+        self.slots
+            + self.outer
+            + self.optimizer
+            + self.saved_inputs
+            + self.step_rows
+            + self.layer_work
+            + self.loss_chunk
+            + self.runtime
+    }
+
+    /// The fastest settings whose step fits `budget` bytes of a device of
+    /// `device_total` bytes: the device optimizer before the host one
+    /// (no gradients or masters cross PCIe for the step), inputs kept on the
+    /// device before offloaded, then the largest pieces (fewer, larger GEMMs).
+    /// Pieces divide the step's sequences. A budget larger than the device,
+    /// or smaller than the smallest plan (host optimizer, offloaded inputs,
+    /// one sequence at a time, one layer resident), is an error naming both.
+    pub fn choose(
+        cfg: &LlamaConfig,
+        shape: StepShape,
+        (budget, device_total): (usize, usize),
+    ) -> Result<Self> {
+        if budget > device_total {
+            bail!(
+                "device budget {:.1} GiB is larger than the device ({:.1} GiB)",
+                gib(budget),
+                gib(device_total)
+            );
+        }
+        if shape.rows == 0 || shape.seq == 0 {
+            bail!("a step of {} x {} tokens", shape.rows, shape.seq);
+        }
+        let mut pieces: Vec<usize> = (1..=shape.rows).filter(|p| shape.rows % p == 0).collect();
+        pieces.reverse();
+        for place in [OptimizerPlace::Device, OptimizerPlace::Host] {
+            for offload_inputs in [false, true] {
+                for &piece_rows in &pieces {
+                    let settings = StepSettings {
+                        place,
+                        offload_inputs,
+                        piece_rows,
+                        window: 2.min(cfg.num_hidden_layers),
+                    };
+                    let plan = Self::estimate(cfg, shape, settings);
+                    if plan.total() <= budget {
+                        return Ok(plan);
+                    }
+                }
+            }
+        }
+        let smallest = Self::estimate(
+            cfg,
+            shape,
+            StepSettings {
+                place: OptimizerPlace::Host,
+                offload_inputs: true,
+                piece_rows: 1,
+                window: 1,
+            },
+        );
+        bail!(
+            "device budget {:.1} GiB is below the smallest plan for {} x {} tokens a step: \
+             {smallest}",
+            gib(budget),
+            shape.rows,
+            shape.seq
+        )
+    }
+}
+
+fn gib(b: usize) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
+impl std::fmt::Display for DevicePlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = &self.settings;
+        write!(
+            f,
+            "{:.1} GiB of device memory (layer slots {:.1}, embedding and head {:.1}, \
+             optimizer {:.1}, saved layer inputs {:.1}, whole-step rows {:.1}, one layer's \
+             work {:.1}, loss chunk {:.1}, runtime {:.1}) with the {:?} optimizer, inputs {}, \
+             {} sequences a piece, {} layers resident",
+            gib(self.total()),
+            gib(self.slots),
+            gib(self.outer),
+            gib(self.optimizer),
+            gib(self.saved_inputs),
+            gib(self.step_rows),
+            gib(self.layer_work),
+            gib(self.loss_chunk),
+            gib(self.runtime),
+            s.place,
+            if s.offload_inputs {
+                "offloaded to the host"
+            } else {
+                "kept on the device"
+            },
+            s.piece_rows,
+            s.window
+        )
+    }
+}
