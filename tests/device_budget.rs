@@ -12,13 +12,17 @@ use streamer_models::{init_weights, DevicePlan, Llama, LlamaConfig, LmTrainer, S
 
 fn budget_holds(dev: &Device) -> Result<()> {
     if dev.is_cpu() {
-        let err = DeviceCap::hold(dev, 1 << 30).err().context("a cap on the CPU")?;
+        let err = DeviceCap::hold(dev, 1 << 30)
+            .err()
+            .context("a cap on the CPU")?;
         ensure!(err.to_string().contains("needs a CUDA device"), "{err}");
         ensure!(device_total_memory(dev)?.is_none());
         return Ok(());
     }
     let total = device_total_memory(dev)?.context("a CUDA device has a total")?;
-    let err = DeviceCap::hold(dev, total + (1 << 30)).err().context("too large")?;
+    let err = DeviceCap::hold(dev, total + (1 << 30))
+        .err()
+        .context("too large")?;
     ensure!(err.to_string().contains("larger than the device"), "{err}");
     let cfg = LlamaConfig::preset("350m")?;
     let shape = StepShape {

@@ -199,8 +199,15 @@ fn device_plan_choice_and_refusals() -> Result<()> {
             ensure!(p.total() <= gib << 30, "{gib} GiB: {p}");
         }
     }
-    let err = err_of(DevicePlan::choose(&cfg, shape_8b(8), (200 << 30, 140 << 30)))?;
-    ensure!(err.contains("200.0 GiB") && err.contains("140.0 GiB"), "{err}");
+    let err = err_of(DevicePlan::choose(
+        &cfg,
+        shape_8b(8),
+        (200 << 30, 140 << 30),
+    ))?;
+    ensure!(
+        err.contains("200.0 GiB") && err.contains("140.0 GiB"),
+        "{err}"
+    );
     let err = err_of(DevicePlan::choose(&cfg, shape_8b(8), (4 << 30, 140 << 30)))?;
     ensure!(
         err.contains("below the smallest plan") && err.contains("4.0 GiB"),

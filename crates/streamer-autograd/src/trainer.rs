@@ -854,14 +854,7 @@ impl TrainableSequential {
                 g_next = vec![None];
                 continue;
             };
-            for (acc, g) in g_extras.iter_mut().zip(g_ex) {
-                if let Some(g) = g {
-                    *acc = Some(match acc.take() {
-                        None => g,
-                        Some(a) => a.add(&g)?,
-                    });
-                }
-            }
+            add_extras(&mut g_extras, g_ex)?;
             g_next = vec![g_x];
         }
         let t0 = pool.span_start();
@@ -1059,14 +1052,7 @@ impl PieceSum {
         if self.g_extras.len() < step.g_extras.len() {
             self.g_extras.resize(step.g_extras.len(), None);
         }
-        for (acc, g) in self.g_extras.iter_mut().zip(step.g_extras) {
-            if let Some(g) = g {
-                *acc = Some(match acc.take() {
-                    None => g,
-                    Some(a) => a.add(&g)?,
-                });
-            }
-        }
+        add_extras(&mut self.g_extras, step.g_extras)?;
         Ok(())
     }
 
@@ -1091,6 +1077,19 @@ impl PieceSum {
             g_extras: self.g_extras,
         }))
     }
+}
+
+/// Adds each extra's gradient in `more` to its sum in `acc`.
+fn add_extras(acc: &mut [Option<Tensor>], more: Vec<Option<Tensor>>) -> Result<()> {
+    for (acc, g) in acc.iter_mut().zip(more) {
+        if let Some(g) = g {
+            *acc = Some(match acc.take() {
+                None => g,
+                Some(a) => a.add(&g)?,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Adds `g` to the gradient kept under `id`.
