@@ -324,6 +324,18 @@ candle_streamer::test_device!(lora_bad_adapters_are_named);
 /// of the loss under the same seed (a directional finite difference of f32
 /// losses: agreement to 2%), and training off means no dropout.
 fn lora_dropout_replays_in_streamed_backward(dev: &Device) -> Result<()> {
+    lora_dropout_replays(dev, None)
+}
+candle_streamer::test_device!(lora_dropout_replays_in_streamed_backward);
+
+/// The same with each layer run over one sequence at a time in one visit
+/// (`set_micro_batch_rows`): each piece's masks are replayed too.
+fn lora_dropout_replays_piece_by_piece(dev: &Device) -> Result<()> {
+    lora_dropout_replays(dev, Some(1))
+}
+candle_streamer::test_device!(lora_dropout_replays_piece_by_piece);
+
+fn lora_dropout_replays(dev: &Device, micro: Option<usize>) -> Result<()> {
     let fx = load()?;
     let stream = StreamConfig {
         device: dev.clone(),
@@ -345,6 +357,7 @@ fn lora_dropout_replays_in_streamed_backward(dev: &Device) -> Result<()> {
     model.set_lora(Some(fresh))?;
     let layers = model.trainable_layers().context("trainable")?;
     layers.set_activation_policy(ActivationPolicy::Recompute)?;
+    layers.set_micro_batch_rows(micro)?;
     let (x, y) = fx.inputs(dev)?;
     layers.set_seed(11);
     let loss0 = model.loss(&x, &y)?;
@@ -392,4 +405,3 @@ fn lora_dropout_replays_in_streamed_backward(dev: &Device) -> Result<()> {
     ensure!(rel_err(&a, &b)? == 0.0, "inference is not deterministic");
     Ok(())
 }
-candle_streamer::test_device!(lora_dropout_replays_in_streamed_backward);
