@@ -246,7 +246,13 @@ fn from_folder(a: &Args, dir: &Path, dev: &Device, dtype: DType) -> Result<(Llam
     let p = Llama::from_pretrained(dir, placement)?;
     let tokens = match &a.tokenizer {
         Some(t) => Tokens::from_file(t, p.model.config(), &p.files.config)?,
-        None => Tokens::Hf(Box::new(p.tokenizer)),
+        None => match p.tokenizer {
+            Some(t) => Tokens::Hf(Box::new(t)),
+            None => bail!(
+                "{} has no tokenizer.json: give --tokenizer FILE",
+                dir.display()
+            ),
+        },
     };
     eprintln!(
         "{}: {} ({} layers), {}",

@@ -37,8 +37,8 @@ use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
     generate, init_weights, parse_bytes, prefetch_for_budget, train_loop, ByteCorpus,
     CheckpointFiles, Decay, DevicePlan, HostPlan, Llama, LlamaConfig, LmTrainer, LoopOptions,
-    LoraConfig, OptimizerPlace, Placement, PretrainedFiles, StateDtype, StepShape, TextTokenizer,
-    TokenCorpus, TrainSetup,
+    LoraConfig, OptimizerPlace, Placement, PretrainedFiles, StateDtype, StepRates, StepShape,
+    TextTokenizer, TokenCorpus, TrainSetup,
 };
 
 #[derive(Parser, Debug)]
@@ -236,7 +236,13 @@ fn resolve_config(a: &Args, ckpt: &Path) -> Result<(LlamaConfig, String)> {
 fn resolve_tokenizer(a: &Args, cfg: &LlamaConfig, ckpt: &Path) -> Result<Option<TextTokenizer>> {
     let file = match (&a.tokenizer, &a.model) {
         (Some(t), _) => Some(t.clone()),
-        (None, Some(m)) => Some(m.join("tokenizer.json")),
+        (None, Some(m)) => match PretrainedFiles::in_dir(m)?.tokenizer {
+            Some(t) => Some(t),
+            None => bail!(
+                "{} has no tokenizer.json: give --tokenizer FILE",
+                m.display()
+            ),
+        },
         (None, None) if a.resume && ckpt.join("tokenizer.json").is_file() => {
             Some(ckpt.join("tokenizer.json"))
         }
@@ -401,6 +407,9 @@ fn main() -> Result<()> {
     let state: StateDtype = a.optimizer_state.parse().context("--optimizer-state")?;
     let policy = match &budget {
         Some((plan, _)) if plan.settings.offload_inputs => ActivationPolicy::OffloadInputs,
+        Some((plan, _)) if plan.settings.keep_bytes > 0 => ActivationPolicy::Keep {
+            device_bytes: plan.settings.keep_bytes,
+        },
         Some(_) => ActivationPolicy::Recompute,
         None => cli::activation_policy(a.activations.as_deref().unwrap_or("auto"), &dev)?,
     };
@@ -522,20 +531,19 @@ fn main() -> Result<()> {
     train(&a, &mut trainer, &corpus, &opts, &run, losses)
 }
 
-/// `--device-budget`: the plan whose step fits it, with the rest of the GPU
-/// held back, and the loop options split into its pieces (the same tokens a
-/// step); `None` without the flag. The settings it decides cannot also be
-/// given.
+/// The device plan of a full fine-tune on a GPU: with `--device-budget`, the
+/// fastest plan whose step fits it, the rest of the GPU held back; without
+/// it and without the flags a plan decides, the fastest plan that fits the
+/// memory free now (nothing held back). Either way the plan and the tokens/s
+/// it expects (from one layer timed on the device) are printed, and the loop
+/// options are split into its pieces (the same tokens a step). `None` on
+/// the CPU, for LoRA, and when a flag sets what a plan decides.
 fn device_budget(
     a: &Args,
     cfg: &LlamaConfig,
     mut opts: LoopOptions,
     (dev, dtype): (&Device, DType),
 ) -> Result<(Option<(DevicePlan, DeviceCap)>, LoopOptions)> {
-    let Some(text) = &a.device_budget else {
-        return Ok((None, opts));
-    };
-    let budget = parse_bytes(text).with_context(|| format!("--device-budget {text:?}"))?;
     let chosen = [
         ("--lora-r", a.lora_r.is_some()),
         ("--optimizer", a.optimizer.is_some()),
@@ -543,11 +551,27 @@ fn device_budget(
         ("--prefetch", a.prefetch.is_some()),
         ("--gpu-weight-budget", a.gpu_weight_budget.is_some()),
     ];
-    if let Some((flag, _)) = chosen.iter().find(|(_, given)| *given) {
-        bail!("--device-budget chooses what {flag} sets (full fine-tuning): give one or the other");
-    }
-    let Some(total) = streamer_core::device_total_memory(dev)? else {
-        bail!("--device-budget {text}: it budgets a CUDA device, and this run is on the CPU");
+    let given = chosen
+        .iter()
+        .find(|(_, given)| *given)
+        .map(|(flag, _)| flag);
+    let total = streamer_core::device_total_memory(dev)?;
+    let (budget, what) = match (&a.device_budget, given, total) {
+        (Some(_), Some(flag), _) => bail!(
+            "--device-budget chooses what {flag} sets (full fine-tuning): give one or the other"
+        ),
+        (Some(text), None, None) => {
+            bail!("--device-budget {text}: it budgets a CUDA device, and this run is on the CPU")
+        }
+        (Some(text), None, Some(_)) => (
+            parse_bytes(text).with_context(|| format!("--device-budget {text:?}"))?,
+            format!("--device-budget {text}"),
+        ),
+        (None, None, Some(_)) => match streamer_core::free_device_memory(dev)? {
+            Some(free) => (free, "the device's free memory".to_string()),
+            None => return Ok((None, opts)),
+        },
+        (None, _, _) => return Ok((None, opts)),
     };
     let rows = opts.batch * opts.micro_batches;
     let shape = StepShape {
@@ -555,10 +579,30 @@ fn device_budget(
         seq: opts.seq,
         dtype,
     };
-    let plan = DevicePlan::choose(cfg, shape, (budget, total))
-        .with_context(|| format!("--device-budget {text}"))?;
-    println!("train_lm: device plan: {plan}");
-    let cap = DeviceCap::hold(dev, budget).with_context(|| format!("--device-budget {text}"))?;
+    // Moments in less than f32 exist only for the host optimizer.
+    let places: &[OptimizerPlace] = if a.optimizer_state == "f32" {
+        &[OptimizerPlace::Device, OptimizerPlace::Host]
+    } else {
+        &[OptimizerPlace::Host]
+    };
+    let plan = DevicePlan::choose_among(cfg, shape, (budget, total.unwrap_or(0)), places)
+        .with_context(|| what.clone())?;
+    println!("train_lm: device plan for {what}: {plan}");
+    println!("train_lm: timing one layer over a piece (the first run compiles the kernels)");
+    let rates = StepRates::measure(cfg, shape, plan.settings.piece_rows, dev)?;
+    println!(
+        "train_lm: expects {} (a layer's forward {:.1} ms, backward {:.1} ms a piece; \
+         copies at {:.1} GB/s up, {:.1} GB/s down)",
+        plan.expect(cfg, shape, &rates),
+        rates.layer_forward_s * 1e3,
+        rates.layer_backward_s * 1e3,
+        rates.h2d_bytes_per_s / 1e9,
+        rates.d2h_bytes_per_s / 1e9
+    );
+    let cap = match &a.device_budget {
+        Some(_) => DeviceCap::hold(dev, budget).with_context(|| what.clone())?,
+        None => DeviceCap::none(),
+    };
     opts.batch = plan.settings.piece_rows;
     opts.micro_batches = rows / plan.settings.piece_rows;
     Ok((Some((plan, cap)), opts))

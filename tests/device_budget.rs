@@ -8,7 +8,9 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::ParamsAdamW;
 use streamer_autograd::ActivationPolicy;
 use streamer_core::{device_total_memory, free_device_memory, DeviceCap, StreamConfig};
-use streamer_models::{init_weights, DevicePlan, Llama, LlamaConfig, LmTrainer, StepShape};
+use streamer_models::{
+    init_weights, DevicePlan, Llama, LlamaConfig, LmTrainer, StepRates, StepShape,
+};
 
 fn budget_holds(dev: &Device) -> Result<()> {
     if dev.is_cpu() {
@@ -33,6 +35,23 @@ fn budget_holds(dev: &Device) -> Result<()> {
     let budget = 2usize << 30;
     let plan = DevicePlan::choose(&cfg, shape, (budget, total))?;
     println!("plan: {plan}");
+    let rates = StepRates::measure(&cfg, shape, plan.settings.piece_rows, dev)?;
+    let expect = plan.expect(&cfg, shape, &rates);
+    println!("expects {expect} from {rates:?}");
+    for (what, v) in [
+        ("forward", rates.layer_forward_s),
+        ("backward", rates.layer_backward_s),
+        ("h2d", rates.h2d_bytes_per_s),
+        ("d2h", rates.d2h_bytes_per_s),
+        ("tokens/s", expect.tokens_per_s),
+    ] {
+        ensure!(v.is_finite() && v > 0.0, "{what}: {v}");
+    }
+    // Copies over PCIe (or NVLink-C2C) run above 1 GB/s on any such GPU.
+    ensure!(
+        rates.h2d_bytes_per_s > 1e9 && rates.d2h_bytes_per_s > 1e9,
+        "{rates:?}"
+    );
     let cap = DeviceCap::hold(dev, budget)?;
     let s = plan.settings;
     let stream = StreamConfig {
@@ -51,6 +70,10 @@ fn budget_holds(dev: &Device) -> Result<()> {
     let layers = t.model().trainable_layers().context("streamed")?;
     layers.set_activation_policy(if s.offload_inputs {
         ActivationPolicy::OffloadInputs
+    } else if s.keep_bytes > 0 {
+        ActivationPolicy::Keep {
+            device_bytes: s.keep_bytes,
+        }
     } else {
         ActivationPolicy::Recompute
     })?;

@@ -9,7 +9,7 @@ use candle_nn::ParamsAdamW;
 use streamer_core::StreamConfig;
 use streamer_models::{
     init_weights, DevicePlan, HostPlan, Llama, LlamaConfig, LmTrainer, OptimizerPlace, StateDtype,
-    StepSettings, StepShape, TrainSetup,
+    StepRates, StepSettings, StepShape, TrainSetup,
 };
 
 fn setup(place: OptimizerPlace, state: StateDtype) -> TrainSetup {
@@ -139,6 +139,7 @@ fn device_plan_parts() -> Result<()> {
         offload_inputs: false,
         piece_rows: 8,
         window: 2,
+        keep_bytes: 0,
     };
     let p = DevicePlan::estimate(&cfg, shape_8b(32), s);
     let sum = p.slots
@@ -148,6 +149,7 @@ fn device_plan_parts() -> Result<()> {
         + p.step_rows
         + p.layer_work
         + p.loss_chunk
+        + p.kept
         + p.runtime;
     ensure!(p.total() == sum, "{p}");
     ensure!(p.saved_inputs == 32 * 32 * 2048 * 4096 * 2, "{p}");
@@ -184,13 +186,29 @@ fn device_plan_choice_and_refusals() -> Result<()> {
                 place: OptimizerPlace::Device,
                 offload_inputs: false,
                 piece_rows: 8,
-                window: 2
+                window: 2,
+                keep_bytes: big.settings.keep_bytes,
             },
         "{big}"
     );
+    // What the budget has left keeps activations: the plan fills it.
+    ensure!(
+        big.settings.keep_bytes > 0 && big.kept == big.settings.keep_bytes,
+        "{big}"
+    );
+    ensure!(big.total() == 139 << 30, "{big}");
+    let host = DevicePlan::choose_among(
+        &cfg,
+        shape_8b(8),
+        (139 << 30, 140 << 30),
+        &[OptimizerPlace::Host],
+    )?;
+    ensure!(host.settings.place == OptimizerPlace::Host, "{host}");
     let small = DevicePlan::choose(&cfg, shape_8b(32), (24 << 30, 140 << 30))?;
     ensure!(
-        small.settings.place == OptimizerPlace::Host && small.settings.offload_inputs,
+        small.settings.place == OptimizerPlace::Host
+            && small.settings.offload_inputs
+            && small.settings.keep_bytes == 0,
         "{small}"
     );
     ensure!(32 % small.settings.piece_rows == 0, "{small}");
@@ -213,5 +231,74 @@ fn device_plan_choice_and_refusals() -> Result<()> {
         err.contains("below the smallest plan") && err.contains("4.0 GiB"),
         "{err}"
     );
+    Ok(())
+}
+
+/// A plan's expected step from measured rates, against the same arithmetic
+/// written out here: every piece runs a forward and a backward through every
+/// layer and a recompute through the layers not kept, the head costs its
+/// share of the layer's FLOP rate, masters go up twice and down once in f32
+/// with offloaded inputs both ways, and the slowest of the three sets the
+/// pace.
+#[test]
+fn device_plan_expectation() -> Result<()> {
+    let cfg = LlamaConfig::llama31_8b();
+    let rates = StepRates {
+        piece_rows: 8,
+        layer_forward_s: 0.1,
+        layer_backward_s: 0.2,
+        h2d_bytes_per_s: 50e9,
+        d2h_bytes_per_s: 50e9,
+    };
+    let s = StepSettings {
+        place: OptimizerPlace::Host,
+        offload_inputs: false,
+        piece_rows: 8,
+        window: 2,
+        keep_bytes: 0,
+    };
+    let shape = shape_8b(32);
+    let tokens = 32.0 * 2048.0;
+    let layer_flops = 6.0 * cfg.layer_params() as f64 * 8.0 * 2048.0;
+    let head_s = 6.0 * (128256.0 * 4096.0) * tokens * 0.3 / layer_flops;
+    let e = DevicePlan::estimate(&cfg, shape, s).expect(&cfg, shape, &rates);
+    let want = 4.0 * 32.0 * 0.4 + head_s;
+    ensure!((e.compute_s - want).abs() < 1e-9 * want, "{e:?} vs {want}");
+    let masters = 4.0 * (cfg.layer_params() * 32) as f64;
+    ensure!((e.h2d_s - 2.0 * masters / 50e9).abs() < 1e-9, "{e:?}");
+    ensure!((e.d2h_s - masters / 50e9).abs() < 1e-9, "{e:?}");
+    ensure!(
+        (e.tokens_per_s - tokens / want).abs() < 1e-6 * e.tokens_per_s,
+        "{e:?}"
+    );
+    // Three layers kept: three fewer recomputes a piece.
+    let rows = 32 * 2048;
+    let layer = rows * (4 * 4096 + 2 * 4096 + 2 * 1024 + 3 * 14336) * 2 + rows * 32 * 4;
+    let kept = StepSettings {
+        keep_bytes: 3 * layer,
+        ..s
+    };
+    let k = DevicePlan::estimate(&cfg, shape, kept).expect(&cfg, shape, &rates);
+    ensure!(
+        (e.compute_s - k.compute_s - 4.0 * 3.0 * 0.1).abs() < 1e-9,
+        "{k:?} vs {e:?}"
+    );
+    // Offloaded inputs cross both ways; slow copies set the pace.
+    let slow = StepRates {
+        h2d_bytes_per_s: 1e9,
+        ..rates
+    };
+    let off = StepSettings {
+        offload_inputs: true,
+        ..s
+    };
+    let o = DevicePlan::estimate(&cfg, shape, off).expect(&cfg, shape, &slow);
+    let inputs = tokens * 32.0 * 4096.0 * 2.0;
+    ensure!(
+        (o.h2d_s - (2.0 * masters + inputs) / 1e9).abs() < 1e-6,
+        "{o:?}"
+    );
+    ensure!((o.tokens_per_s - tokens / o.h2d_s).abs() < 1e-6, "{o:?}");
+    ensure!(o.to_string().contains("PCIe-bound"), "{o}");
     Ok(())
 }

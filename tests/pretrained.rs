@@ -74,7 +74,11 @@ fn from_pretrained_resident_and_streamed_agree(dev: &Device) -> Result<()> {
         },
     )?;
     ensure!(!resident.model.is_streamed());
-    ensure!(resident.eos_token_id == resident.tokenizer.token_id("</s>"));
+    let tok = resident
+        .tokenizer
+        .as_ref()
+        .context("the fixture has a tokenizer")?;
+    ensure!(resident.eos_token_id == tok.token_id("</s>"));
     // A budget of one layer: streamed through a window of one.
     let one_layer = streamer_models::checkpoint::layer_bytes(resident.model.config(), DType::F32);
     let streamed = Llama::from_pretrained(
@@ -86,9 +90,7 @@ fn from_pretrained_resident_and_streamed_agree(dev: &Device) -> Result<()> {
         },
     )?;
     ensure!(streamed.model.is_streamed());
-    let ids = resident
-        .tokenizer
-        .encode("a single man in possession of a good fortune")?;
+    let ids = tok.encode("a single man in possession of a good fortune")?;
     let x = Tensor::new(ids.as_slice(), dev)?.unsqueeze(0)?;
     let (a, b) = (resident.model.forward(&x)?, streamed.model.forward(&x)?);
     let d = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
@@ -117,14 +119,19 @@ fn load_cpu(dir: &Path) -> candle_core::Result<Pretrained> {
 }
 
 fn from_pretrained_mismatches_are_named(_dev: &Device) -> Result<()> {
-    // No tokenizer.json.
+    // No tokenizer.json: the weights load without a tokenizer, and give the
+    // same logits as the whole folder.
     let d = copy_fixture("no-tokenizer")?;
     std::fs::remove_file(d.join("tokenizer.json"))?;
-    let e = err_of(load_cpu(&d))?;
-    ensure!(
-        e.contains(&d.join("tokenizer.json").display().to_string()),
-        "{e}"
-    );
+    let bare = load_cpu(&d)?;
+    ensure!(bare.tokenizer.is_none() && bare.files.tokenizer.is_none());
+    let whole = load_cpu(&fixture("llama-tokenizer")?)?;
+    let x = Tensor::new(&[[1u32, 5, 9, 2]], &Device::Cpu)?;
+    let diff = (bare.model.forward(&x)? - whole.model.forward(&x)?)?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f32>()?;
+    ensure!(diff == 0.0, "weights-only folder: logits differ by {diff}");
     // A config whose vocabulary is smaller than the tokenizer's.
     let d = copy_fixture("small-vocab")?;
     let p = d.join("config.json");
@@ -212,7 +219,11 @@ fn from_pretrained_fine_tunes_on_its_tokenizer(dev: &Device) -> Result<()> {
     let d = temp_dir("finetune")?;
     let text = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife. ";
     std::fs::write(d.join("corpus.txt"), text.repeat(8))?;
-    let corpus = p.tokenizer.corpus_from_file(d.join("corpus.txt"), None)?;
+    let corpus = p
+        .tokenizer
+        .as_ref()
+        .context("the fixture has a tokenizer")?
+        .corpus_from_file(d.join("corpus.txt"), None)?;
     let adam = ParamsAdamW {
         lr: 1e-2,
         ..Default::default()
@@ -275,7 +286,11 @@ fn from_pretrained_resident_fine_tunes_as_streamed(dev: &Device) -> Result<()> {
         Placement::Streamed(super::families::stream(dev, DType::F32)),
     ] {
         let p = Llama::from_pretrained(&dir, placement)?;
-        let corpus = p.tokenizer.corpus_from_file(d.join("corpus.txt"), None)?;
+        let corpus = p
+            .tokenizer
+            .as_ref()
+            .context("the fixture has a tokenizer")?
+            .corpus_from_file(d.join("corpus.txt"), None)?;
         let mut trainer = LmTrainer::new_on(p.model, adam.clone(), place)?;
         ensure!(
             trainer.model().parameters().len() == trainer.model().config().weight_shapes().len(),

@@ -9,6 +9,7 @@
 //! estimate that is too low fails with an out-of-memory error, never by
 //! using more than the budget.
 use crate::config::LlamaConfig;
+use crate::step_rates::StepRates;
 use candle_core::{bail, DType, Result};
 use streamer_autograd::OptimizerPlace;
 
@@ -30,6 +31,11 @@ pub struct StepSettings {
     pub piece_rows: usize,
     /// Decoder layers resident at once (the slot window).
     pub window: usize,
+    /// Device bytes for the activations of the first layers, kept from the
+    /// forward for the backward instead of recomputed
+    /// (`ActivationPolicy::Keep`); 0 recomputes every layer. Only with the
+    /// inputs kept on the device.
+    pub keep_bytes: usize,
 }
 
 /// A step's device bytes, by part.
@@ -57,6 +63,8 @@ pub struct DevicePlan {
     /// One chunk of the head and the loss (its logits, their f32 softmax and
     /// gradient).
     pub loss_chunk: usize,
+    /// Activations kept for the backward (the settings' `keep_bytes`).
+    pub kept: usize,
     /// CUDA context, library workspaces, allocator slack.
     pub runtime: usize,
 }
@@ -102,6 +110,7 @@ impl DevicePlan {
             step_rows: 6 * tokens * h * b,
             layer_work: piece * per_token + 2 * layer * 4,
             loss_chunk: 2 * chunk * cfg.vocab_size * 4,
+            kept: settings.keep_bytes,
             runtime: RUNTIME_BYTES,
         }
     }
@@ -115,6 +124,7 @@ impl DevicePlan {
             + self.step_rows
             + self.layer_work
             + self.loss_chunk
+            + self.kept
             + self.runtime
     }
 
@@ -122,13 +132,27 @@ impl DevicePlan {
     /// `device_total` bytes: the device optimizer before the host one
     /// (no gradients or masters cross PCIe for the step), inputs kept on the
     /// device before offloaded, then the largest pieces (fewer, larger GEMMs).
-    /// Pieces divide the step's sequences. A budget larger than the device,
+    /// Pieces divide the step's sequences. With the inputs on the device, what
+    /// the budget has left keeps the first layers' activations (no recompute
+    /// for them). A budget larger than the device,
     /// or smaller than the smallest plan (host optimizer, offloaded inputs,
     /// one sequence at a time, one layer resident), is an error naming both.
-    pub fn choose(
+    pub fn choose(cfg: &LlamaConfig, shape: StepShape, budget: (usize, usize)) -> Result<Self> {
+        Self::choose_among(
+            cfg,
+            shape,
+            budget,
+            &[OptimizerPlace::Device, OptimizerPlace::Host],
+        )
+    }
+
+    /// [`Self::choose`] with the optimizer in one of `places` (in order of
+    /// preference).
+    pub fn choose_among(
         cfg: &LlamaConfig,
         shape: StepShape,
         (budget, device_total): (usize, usize),
+        places: &[OptimizerPlace],
     ) -> Result<Self> {
         if budget > device_total {
             bail!(
@@ -142,7 +166,7 @@ impl DevicePlan {
         }
         let mut pieces: Vec<usize> = (1..=shape.rows).filter(|p| shape.rows % p == 0).collect();
         pieces.reverse();
-        for place in [OptimizerPlace::Device, OptimizerPlace::Host] {
+        for &place in places {
             for offload_inputs in [false, true] {
                 for &piece_rows in &pieces {
                     let settings = StepSettings {
@@ -150,22 +174,27 @@ impl DevicePlan {
                         offload_inputs,
                         piece_rows,
                         window: 2.min(cfg.num_hidden_layers),
+                        keep_bytes: 0,
                     };
                     let plan = Self::estimate(cfg, shape, settings);
                     if plan.total() <= budget {
-                        return Ok(plan);
+                        return Ok(plan.keeping(budget - plan.total(), cfg, shape));
                     }
                 }
             }
         }
+        let Some(&place) = places.last() else {
+            bail!("a device plan needs at least one place for the optimizer");
+        };
         let smallest = Self::estimate(
             cfg,
             shape,
             StepSettings {
-                place: OptimizerPlace::Host,
+                place,
                 offload_inputs: true,
                 piece_rows: 1,
                 window: 1,
+                keep_bytes: 0,
             },
         );
         bail!(
@@ -174,6 +203,100 @@ impl DevicePlan {
             gib(budget),
             shape.rows,
             shape.seq
+        )
+    }
+}
+
+impl DevicePlan {
+    /// This plan with `room` bytes more for kept activations, when its inputs
+    /// stay on the device and the room holds at least one layer's.
+    fn keeping(mut self, room: usize, cfg: &LlamaConfig, shape: StepShape) -> Self {
+        if !self.settings.offload_inputs && room >= kept_layer_bytes(cfg, shape) {
+            self.settings.keep_bytes = room;
+            self.kept = room;
+        }
+        self
+    }
+
+    /// The step this plan is expected to take on a device measured as
+    /// `rates`: the compute of every piece through every layer (a forward,
+    /// a backward, and for layers not kept a recompute) and the head, against
+    /// the copies of the masters (up twice, gradients down once, in f32) and
+    /// of offloaded inputs, which overlap it. The host optimizer is taken to
+    /// overlap the backward.
+    pub fn expect(&self, cfg: &LlamaConfig, shape: StepShape, rates: &StepRates) -> Expectation {
+        let s = &self.settings;
+        let layers = cfg.num_hidden_layers;
+        let pieces = shape.rows.div_ceil(s.piece_rows) as f64;
+        // Rates were measured over `rates.piece_rows` sequences: scale to ours.
+        let scale = s.piece_rows as f64 / rates.piece_rows.max(1) as f64;
+        let (f, b) = (
+            rates.layer_forward_s * scale,
+            rates.layer_backward_s * scale,
+        );
+        let kept = (s.keep_bytes / kept_layer_bytes(cfg, shape).max(1)).min(layers);
+        let tokens = (shape.rows * shape.seq) as f64;
+        let layer_flops = 6.0 * cfg.layer_params() as f64 * (s.piece_rows * shape.seq) as f64;
+        let head_flops = 6.0 * (cfg.vocab_size * cfg.hidden_size) as f64 * tokens;
+        let compute_s = pieces * (layers as f64 * (f + b) + (layers - kept) as f64 * f)
+            + head_flops * (f + b) / layer_flops;
+        let masters = (4 * cfg.layer_params() * layers) as f64;
+        let offloaded = if s.offload_inputs {
+            tokens * (layers * cfg.hidden_size * shape.dtype.size_in_bytes()) as f64
+        } else {
+            0.0
+        };
+        let h2d_s = (2.0 * masters + offloaded) / rates.h2d_bytes_per_s;
+        let d2h_s = (masters + offloaded) / rates.d2h_bytes_per_s;
+        Expectation {
+            compute_s,
+            h2d_s,
+            d2h_s,
+            tokens_per_s: tokens / compute_s.max(h2d_s).max(d2h_s),
+        }
+    }
+}
+
+/// One layer's kept activations for a whole step: what the decoder layer's
+/// `ManualBackward::saved_bytes` counts (its inputs, the normed inputs, the
+/// attention's q, k, v and output, the MLP's gate, up and product, the
+/// softmax statistics), without adapters.
+fn kept_layer_bytes(cfg: &LlamaConfig, shape: StepShape) -> usize {
+    let rows = shape.rows * shape.seq;
+    let (q, kv) = (
+        cfg.num_attention_heads * cfg.head_dim(),
+        cfg.num_kv_heads() * cfg.head_dim(),
+    );
+    let pre = if cfg.qk_norm() { q + kv } else { 0 };
+    let elems = rows * (4 * cfg.hidden_size + 2 * q + 2 * kv + 3 * cfg.intermediate_size + pre);
+    elems * shape.dtype.size_in_bytes() + rows * cfg.num_attention_heads * 4
+}
+
+/// A plan's expected step (see [`DevicePlan::expect`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Expectation {
+    /// Seconds of GPU compute.
+    pub compute_s: f64,
+    /// Seconds of host-to-device copies.
+    pub h2d_s: f64,
+    /// Seconds of device-to-host copies.
+    pub d2h_s: f64,
+    /// Tokens a second at the slowest of the three.
+    pub tokens_per_s: f64,
+}
+
+impl std::fmt::Display for Expectation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let bound = if self.compute_s >= self.h2d_s.max(self.d2h_s) {
+            "compute"
+        } else {
+            "PCIe"
+        };
+        write!(
+            f,
+            "about {:.0} tokens/s ({bound}-bound: {:.2} s of compute, {:.2} s of copies up, \
+             {:.2} s down a step)",
+            self.tokens_per_s, self.compute_s, self.h2d_s, self.d2h_s
         )
     }
 }
@@ -189,8 +312,8 @@ impl std::fmt::Display for DevicePlan {
             f,
             "{:.1} GiB of device memory (layer slots {:.1}, embedding and head {:.1}, \
              optimizer {:.1}, saved layer inputs {:.1}, whole-step rows {:.1}, one layer's \
-             work {:.1}, loss chunk {:.1}, runtime {:.1}) with the {:?} optimizer, inputs {}, \
-             {} sequences a piece, {} layers resident",
+             work {:.1}, loss chunk {:.1}, kept activations {:.1}, runtime {:.1}) with the {:?} \
+             optimizer, inputs {}, {} sequences a piece, {} layers resident",
             gib(self.total()),
             gib(self.slots),
             gib(self.outer),
@@ -199,6 +322,7 @@ impl std::fmt::Display for DevicePlan {
             gib(self.step_rows),
             gib(self.layer_work),
             gib(self.loss_chunk),
+            gib(self.kept),
             gib(self.runtime),
             s.place,
             if s.offload_inputs {

@@ -69,13 +69,14 @@ mod lt;
 pub mod pretrained;
 mod resident_backward;
 pub mod sample;
+pub mod step_rates;
 pub mod tokenizer;
 pub mod train;
 
 pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budget, SplitMix64};
 pub use config::{LlamaConfig, RopeScaling};
 pub use cross_entropy::cross_entropy;
-pub use device_plan::{DevicePlan, StepSettings, StepShape};
+pub use device_plan::{DevicePlan, Expectation, StepSettings, StepShape};
 pub use embedding::embedding;
 pub use fused_linear::{fused_linear, Epilogue, FusedLinear};
 pub use fused_mlp::{fused_mlp, FusedMlp};
@@ -87,6 +88,7 @@ pub use lt::epilogue_fallbacks;
 #[cfg(feature = "cuda")]
 #[doc(hidden)]
 pub use lt::{cached_handles as cached_cublaslt_handles, handle_probe as cublaslt_handle_probe};
+pub use step_rates::StepRates;
 /// The raw cuBLASLt GEMMs behind `FusedLinear` and `FusedMlp`, for
 /// `benches/gemm.rs` (which times each against cuBLAS and PyTorch).
 #[cfg(feature = "cuda")]

@@ -1,6 +1,8 @@
 //! A Hugging Face model folder as the unit: `config.json`, `model.safetensors`
-//! (or `model.safetensors.index.json` and its shards) and `tokenizer.json`,
-//! checked against each other before any weight is loaded.
+//! (or `model.safetensors.index.json` and its shards) and, when the folder
+//! has one, `tokenizer.json`, checked against each other before any weight is
+//! loaded. Weights-only folders (a base whose tokenizer lives elsewhere) load
+//! without a tokenizer.
 use crate::checkpoint::{check_weights, layer_bytes, prefetch_for_budget};
 use crate::config::LlamaConfig;
 use crate::llama::Llama;
@@ -42,14 +44,13 @@ pub struct PretrainedFiles {
     pub config: PathBuf,
     /// `model.safetensors` or `model.safetensors.index.json`.
     pub weights: PathBuf,
-    /// `tokenizer.json`.
-    pub tokenizer: PathBuf,
+    /// `tokenizer.json`, when the folder has one.
+    pub tokenizer: Option<PathBuf>,
 }
 
 impl PretrainedFiles {
     /// The files of `dir`; a missing `config.json` or weights file is an error
-    /// naming what was looked for. `tokenizer.json` is only named here (its
-    /// absence is reported when it is read).
+    /// naming what was looked for. A folder without `tokenizer.json` has none.
     pub fn in_dir(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref();
         if !dir.is_dir() {
@@ -74,10 +75,11 @@ impl PretrainedFiles {
                 dir.display()
             )
         };
+        let tokenizer = dir.join("tokenizer.json");
         Ok(Self {
             config,
             weights,
-            tokenizer: dir.join("tokenizer.json"),
+            tokenizer: tokenizer.is_file().then_some(tokenizer),
         })
     }
 }
@@ -87,8 +89,8 @@ impl PretrainedFiles {
 pub struct Pretrained {
     /// The model, placed as asked.
     pub model: Llama,
-    /// Its tokenizer.
-    pub tokenizer: TextTokenizer,
+    /// Its tokenizer (`None` for a folder without `tokenizer.json`).
+    pub tokenizer: Option<TextTokenizer>,
     /// `eos_token_id` of `config.json` (the first, when it is a list).
     pub eos_token_id: Option<u32>,
     /// The files read.
@@ -115,10 +117,11 @@ fn eos_token_id(config_text: &str) -> Option<u32> {
 
 impl Llama {
     /// Loads a Hugging Face model folder: `config.json`, the weights
-    /// (`model.safetensors` or the sharded index) and `tokenizer.json`, placed
-    /// as `placement` says. Everything is checked before any weight is loaded:
-    /// the config's fields, the tokenizer's ids against `vocab_size` (an error
-    /// naming both files and sizes), and every tensor's name and shape.
+    /// (`model.safetensors` or the sharded index) and `tokenizer.json` when
+    /// there is one, placed as `placement` says. Everything is checked before
+    /// any weight is loaded: the config's fields, the tokenizer's ids against
+    /// `vocab_size` (an error naming both files and sizes), and every tensor's
+    /// name and shape.
     pub fn from_pretrained(dir: impl AsRef<Path>, placement: Placement) -> Result<Pretrained> {
         let files = PretrainedFiles::in_dir(dir)?;
         let text = std::fs::read_to_string(&files.config).map_err(|e| {
@@ -126,8 +129,14 @@ impl Llama {
         })?;
         let cfg = LlamaConfig::from_json(&text)
             .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", files.config.display())))?;
-        let tokenizer = TextTokenizer::from_file(&files.tokenizer)?;
-        tokenizer.check_vocab(&cfg, &files.config)?;
+        let tokenizer = match &files.tokenizer {
+            Some(path) => {
+                let t = TextTokenizer::from_file(path)?;
+                t.check_vocab(&cfg, &files.config)?;
+                Some(t)
+            }
+            None => None,
+        };
         let src = WeightSource::safetensors(&[&files.weights])?;
         check_weights(&src, &cfg)
             .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", files.weights.display())))?;

@@ -92,6 +92,7 @@ pub mod doctor;
 #[cfg(feature = "cuda")]
 mod hopper;
 mod mask;
+mod merge;
 mod op;
 mod plan;
 mod saved;
@@ -106,6 +107,7 @@ use candle_core::{Device, Result, Tensor};
 
 pub use calibrate::{calibrate, Calibration, RatesSource};
 pub use mask::Scores;
+pub use merge::merge_by_lse;
 pub use op::{
     attention_backward, attention_backward_with, attention_forward, attention_forward_with,
 };

@@ -51,6 +51,7 @@ use candle_core::{
 use rayon::prelude::*;
 
 use crate::mask::Coverage;
+use crate::merge::merge_by_lse;
 use crate::op::{attention_backward_with, attention_forward_with};
 use crate::{cpu, AttentionShape, Plan, Scores};
 
@@ -292,22 +293,6 @@ fn land(
     Ok(())
 }
 
-/// Merges two normalised partial results by their log-sum-exp (f32 tensors).
-fn merge(o1: &Tensor, l1: &Tensor, o2: &Tensor, l2: &Tensor) -> Result<(Tensor, Tensor)> {
-    // -inf (a row that saw nothing) becomes a finite floor so that no inf - inf
-    // appears; exp(floor - m) is then 0 against any real log-sum-exp.
-    let l1 = l1.maximum(-1e30f32)?;
-    let l2 = l2.maximum(-1e30f32)?;
-    let m = l1.maximum(&l2)?;
-    let w1 = (&l1 - &m)?.exp()?;
-    let w2 = (&l2 - &m)?.exp()?;
-    let tot = (&w1 + &w2)?;
-    let o = (o1.broadcast_mul(&(&w1 / &tot)?.unsqueeze(3)?)?
-        + o2.broadcast_mul(&(&w2 / &tot)?.unsqueeze(3)?)?)?;
-    let lse = (m + tot.log()?)?;
-    Ok((o, lse))
-}
-
 /// Rates (bytes per second) of the streamed forward's three merges, measured
 /// on `bytes` of f32 output, median of `reps` after a warm-up: merging a bf16
 /// partial into a running f32 result on `dev` (the partial's conversion
@@ -323,7 +308,7 @@ pub(crate) fn measure_merges(dev: &Device, bytes: usize, reps: usize) -> Result<
     let l1 = Tensor::randn(0f32, 1.0, (1, h, n), dev)?;
     let l2 = Tensor::randn(0f32, 1.0, (1, h, n), dev)?;
     let device = crate::calibrate::time_median(dev, reps, || {
-        merge(&o1, &l1, &o2.to_dtype(DType::F32)?, &l2).map(|_| ())
+        merge_by_lse(&o1, &l1, &o2.to_dtype(DType::F32)?, &l2).map(|_| ())
     })?;
     let chunk: Vec<f32> = (0..n * h * d).map(|i| (i % 7) as f32).collect();
     let cpu = Device::Cpu;
@@ -691,7 +676,7 @@ impl CustomOp3 for StreamOp {
             let o = o.to_dtype(DType::F32)?;
             acc = Some(match acc.take() {
                 None => (o, l),
-                Some((ao, al)) => merge(&ao, &al, &o, &l)?,
+                Some((ao, al)) => merge_by_lse(&ao, &al, &o, &l)?,
             });
             qc = Some((pair.q, qt));
             progress.tick();

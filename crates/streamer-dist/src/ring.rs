@@ -211,20 +211,6 @@ fn offsets(chunks: &[(usize, usize)]) -> Vec<usize> {
         .collect()
 }
 
-/// Merges `(o2, l2)` into the running `(o1, l1)` (f32; `-inf` rows are empty).
-fn merge(o1: &Tensor, l1: &Tensor, o2: &Tensor, l2: &Tensor) -> Result<(Tensor, Tensor)> {
-    // A finite floor for rows that saw nothing, so no inf - inf appears.
-    let l1 = l1.maximum(-1e30f32)?;
-    let l2 = l2.maximum(-1e30f32)?;
-    let m = l1.maximum(&l2)?;
-    let w1 = (&l1 - &m)?.exp()?;
-    let w2 = (&l2 - &m)?.exp()?;
-    let tot = (&w1 + &w2)?;
-    let o = (o1.broadcast_mul(&(&w1 / &tot)?.unsqueeze(3)?)?
-        + o2.broadcast_mul(&(&w2 / &tot)?.unsqueeze(3)?)?)?;
-    Ok((o, (m + tot.log()?)?))
-}
-
 /// Ring forward without autograd: this rank's output `(batch, heads_q,
 /// local_seq, head_dim)` in the inputs' dtype and its log-sum-exp `(batch,
 /// heads_q, local_seq)` in f32, for local shards `q`, `k`, `v` (laid out by
@@ -258,7 +244,7 @@ pub fn ring_attention_forward(
             let vc = v.narrow(2, ko[c], k_chunks[c].1)?;
             let (o, lse) =
                 cqsa::attention_forward_with(&qa, &kc.contiguous()?, &vc.contiguous()?, &scores)?;
-            acc[a] = merge(&acc[a].0, &acc[a].1, &o.to_dtype(DType::F32)?, &lse)?;
+            acc[a] = cqsa::merge_by_lse(&acc[a].0, &acc[a].1, &o.to_dtype(DType::F32)?, &lse)?;
         }
         if step + 1 < plan.world {
             let kv = coll.ring_shift(&Tensor::stack(&[&k, &v], 0)?)?;
