@@ -163,7 +163,7 @@ struct Args {
     #[arg(long)]
     device_budget: Option<String>,
     /// AdamW's moments: `f32` (8 bytes per parameter) or `bf16` (4 bytes,
-    /// stochastically rounded; host optimizer only).
+    /// stochastically rounded), in either optimizer.
     #[arg(long, default_value = "f32")]
     optimizer_state: String,
     /// Tokens to sample before and after training (0: none).
@@ -417,12 +417,6 @@ fn main() -> Result<()> {
         Some((plan, _)) => plan.settings.window - 1,
         None => prefetch,
     };
-    if state != StateDtype::F32 && place == OptimizerPlace::Device {
-        bail!(
-            "--optimizer-state {}: the device optimizer keeps f32 moments (use --optimizer host)",
-            a.optimizer_state
-        );
-    }
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let adam = ParamsAdamW {
         lr: opts.lr,
@@ -579,23 +573,26 @@ fn device_budget(
         seq: opts.seq,
         dtype,
     };
-    // Moments in less than f32 exist only for the host optimizer.
-    let places: &[OptimizerPlace] = if a.optimizer_state == "f32" {
-        &[OptimizerPlace::Device, OptimizerPlace::Host]
-    } else {
-        &[OptimizerPlace::Host]
-    };
-    let plan = DevicePlan::choose_among(cfg, shape, (budget, total.unwrap_or(0)), places)
-        .with_context(|| what.clone())?;
+    let state: StateDtype = a.optimizer_state.parse().context("--optimizer-state")?;
+    let plan = DevicePlan::choose_among(
+        cfg,
+        shape,
+        (budget, total.unwrap_or(0)),
+        (&[OptimizerPlace::Device, OptimizerPlace::Host], state),
+    )
+    .with_context(|| what.clone())?;
     println!("train_lm: device plan for {what}: {plan}");
-    println!("train_lm: timing one layer over a piece (the first run compiles the kernels)");
+    println!(
+        "train_lm: timing one layer and the head over a piece (the first run compiles the kernels)"
+    );
     let rates = StepRates::measure(cfg, shape, plan.settings.piece_rows, dev)?;
     println!(
-        "train_lm: expects {} (a layer's forward {:.1} ms, backward {:.1} ms a piece; \
-         copies at {:.1} GB/s up, {:.1} GB/s down)",
+        "train_lm: expects {} (a layer's forward {:.1} ms, backward {:.1} ms, the head and \
+         loss {:.1} ms a piece; copies at {:.1} GB/s up, {:.1} GB/s down)",
         plan.expect(cfg, shape, &rates),
         rates.layer_forward_s * 1e3,
         rates.layer_backward_s * 1e3,
+        rates.head_s * 1e3,
         rates.h2d_bytes_per_s / 1e9,
         rates.d2h_bytes_per_s / 1e9
     );
@@ -684,8 +681,10 @@ fn train(
     let t0 = Instant::now();
     let title = format!("train_lm {label}: loss");
     let mut curve = losses.clone();
+    let mut train_s = 0.0;
     let new = train_loop(trainer, corpus, opts, |r| {
         curve.push((r.step, r.loss));
+        train_s = r.train_s;
         progress.update(r.step, r.loss, r.tokens_per_s);
         if r.saved {
             // The curve follows the checkpoints (a resumed run continues it).
@@ -702,9 +701,11 @@ fn train(
     let last = new.last().map(|l| l.1).unwrap_or(f32::NAN);
     let tokens = new.len() * opts.micro_batches * a.batch * seq;
     println!(
-        "loss {first:.4} -> {last:.4} over {} steps ({secs:.1} s, {:.0} tokens/s)",
+        "loss {first:.4} -> {last:.4} over {} steps ({train_s:.1} s of training, {:.0} tokens/s; \
+         {:.1} s writing checkpoints)",
         new.len(),
-        tokens as f64 / secs
+        tokens as f64 / train_s.max(1e-9),
+        (secs - train_s).max(0.0)
     );
     if let Some(s) = trainer.model().stats()? {
         println!("layers: {s}");

@@ -32,7 +32,7 @@ fn budget_holds(dev: &Device) -> Result<()> {
         seq: 512,
         dtype: DType::BF16,
     };
-    let budget = 2usize << 30;
+    let budget = 4usize << 30;
     let plan = DevicePlan::choose(&cfg, shape, (budget, total))?;
     println!("plan: {plan}");
     let rates = StepRates::measure(&cfg, shape, plan.settings.piece_rows, dev)?;

@@ -11,7 +11,7 @@
 use crate::config::LlamaConfig;
 use crate::step_rates::StepRates;
 use candle_core::{bail, DType, Result};
-use streamer_autograd::OptimizerPlace;
+use streamer_autograd::{OptimizerPlace, StateDtype};
 
 /// Bytes held by the CUDA context, cuBLAS workspaces and the allocator's
 /// slack, whatever the model.
@@ -22,6 +22,9 @@ const RUNTIME_BYTES: usize = 1 << 30;
 pub struct StepSettings {
     /// Where AdamW runs (its moments on the device with `Device`).
     pub place: OptimizerPlace,
+    /// AdamW's moments' element type (the user's choice; the planner keeps
+    /// it).
+    pub state: StateDtype,
     /// Block inputs kept in host memory between forward and backward
     /// (`ActivationPolicy::OffloadInputs`) instead of on the device
     /// (`ActivationPolicy::Recompute`).
@@ -49,7 +52,7 @@ pub struct DevicePlan {
     /// Embedding, final norm and head in the compute dtype, and their f32
     /// gradients.
     pub outer: usize,
-    /// Device optimizer: f32 moments of every weight, and the f32 masters of
+    /// Device optimizer: the moments of every weight, and the f32 masters of
     /// the embedding, norm and head.
     pub optimizer: usize,
     /// Every layer's input, saved for its recompute (none when offloaded).
@@ -93,13 +96,17 @@ impl DevicePlan {
         // their gradients, the attention's projections, output, statistics and
         // their gradients, the input, output and input gradient.
         let per_token = b * (6 * inter + 13 * h) + 8 * cfg.num_attention_heads;
-        let chunk = crate::cross_entropy::linear_cross_entropy_chunk(cfg.vocab_size, shape.dtype);
+        // The loss never runs over more rows than the step has.
+        let chunk = crate::cross_entropy::linear_cross_entropy_chunk(cfg.vocab_size, shape.dtype)
+            .min(tokens);
         Self {
             settings,
             slots: settings.window * layer * (b + 4),
             outer: outer * (b + 4),
             optimizer: match settings.place {
-                OptimizerPlace::Device => 8 * cfg.num_params() + 4 * outer,
+                OptimizerPlace::Device => {
+                    2 * settings.state.size_in_bytes() * cfg.num_params() + 4 * outer
+                }
                 OptimizerPlace::Host => 0,
             },
             saved_inputs: if settings.offload_inputs {
@@ -142,17 +149,20 @@ impl DevicePlan {
             cfg,
             shape,
             budget,
-            &[OptimizerPlace::Device, OptimizerPlace::Host],
+            (
+                &[OptimizerPlace::Device, OptimizerPlace::Host],
+                StateDtype::F32,
+            ),
         )
     }
 
     /// [`Self::choose`] with the optimizer in one of `places` (in order of
-    /// preference).
+    /// preference) and moments of `state`.
     pub fn choose_among(
         cfg: &LlamaConfig,
         shape: StepShape,
         (budget, device_total): (usize, usize),
-        places: &[OptimizerPlace],
+        (places, state): (&[OptimizerPlace], StateDtype),
     ) -> Result<Self> {
         if budget > device_total {
             bail!(
@@ -171,6 +181,7 @@ impl DevicePlan {
                 for &piece_rows in &pieces {
                     let settings = StepSettings {
                         place,
+                        state,
                         offload_inputs,
                         piece_rows,
                         window: 2.min(cfg.num_hidden_layers),
@@ -191,6 +202,7 @@ impl DevicePlan {
             shape,
             StepSettings {
                 place,
+                state,
                 offload_inputs: true,
                 piece_rows: 1,
                 window: 1,
@@ -236,10 +248,8 @@ impl DevicePlan {
         );
         let kept = (s.keep_bytes / kept_layer_bytes(cfg, shape).max(1)).min(layers);
         let tokens = (shape.rows * shape.seq) as f64;
-        let layer_flops = 6.0 * cfg.layer_params() as f64 * (s.piece_rows * shape.seq) as f64;
-        let head_flops = 6.0 * (cfg.vocab_size * cfg.hidden_size) as f64 * tokens;
-        let compute_s = pieces * (layers as f64 * (f + b) + (layers - kept) as f64 * f)
-            + head_flops * (f + b) / layer_flops;
+        let head = rates.head_s * tokens / (rates.piece_rows * shape.seq).max(1) as f64;
+        let compute_s = pieces * (layers as f64 * (f + b) + (layers - kept) as f64 * f) + head;
         let masters = (4 * cfg.layer_params() * layers) as f64;
         let offloaded = if s.offload_inputs {
             tokens * (layers * cfg.hidden_size * shape.dtype.size_in_bytes()) as f64
@@ -313,7 +323,7 @@ impl std::fmt::Display for DevicePlan {
             "{:.1} GiB of device memory (layer slots {:.1}, embedding and head {:.1}, \
              optimizer {:.1}, saved layer inputs {:.1}, whole-step rows {:.1}, one layer's \
              work {:.1}, loss chunk {:.1}, kept activations {:.1}, runtime {:.1}) with the {:?} \
-             optimizer, inputs {}, {} sequences a piece, {} layers resident",
+             optimizer ({:?} moments), inputs {}, {} sequences a piece, {} layers resident",
             gib(self.total()),
             gib(self.slots),
             gib(self.outer),
@@ -325,6 +335,7 @@ impl std::fmt::Display for DevicePlan {
             gib(self.kept),
             gib(self.runtime),
             s.place,
+            s.state,
             if s.offload_inputs {
                 "offloaded to the host"
             } else {

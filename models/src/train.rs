@@ -204,7 +204,8 @@ impl LmTrainer {
     }
 
     /// A trainer whose optimizer runs where `place` says with moments of
-    /// `state` (bf16 halves the host optimizer's memory; see [`StateDtype`]).
+    /// `state` (bf16 halves the moments on the host or the device; see
+    /// [`StateDtype`]).
     pub fn new_with(
         model: Llama,
         params: ParamsAdamW,
@@ -582,8 +583,11 @@ pub struct StepReport {
     pub step: usize,
     /// Loss of this step (before its update).
     pub loss: f32,
-    /// Tokens per second since the loop started.
+    /// Tokens per second of training since the loop started (seconds spent
+    /// writing checkpoints left out).
     pub tokens_per_s: f64,
+    /// Seconds of training since the loop started, checkpoints left out.
+    pub train_s: f64,
     /// Whether a checkpoint was saved after this step.
     pub saved: bool,
 }
@@ -777,15 +781,16 @@ pub fn train_loop(
 ) -> Result<Vec<(usize, f32)>> {
     opts.check(trainer.model().config(), corpus)?;
     let dev = trainer.model().device().clone();
-    let t0 = Instant::now();
     let start = trainer.steps_done();
-    let mut losses = Vec::new();
+    let (mut losses, mut train_s) = (Vec::new(), 0.0);
     for s in start..opts.steps {
+        let t0 = Instant::now();
         let rows = opts.batch * opts.micro_batches;
         let (x, y) = corpus.batch(opts.seed, s as u64, rows, opts.seq, &dev)?;
         trainer.set_learning_rate(lr_at(opts, s));
         let loss = trainer.step_micro(&x, &y, opts.micro_batches)?;
         losses.push((s + 1, loss));
+        train_s += t0.elapsed().as_secs_f64();
         let done = s + 1;
         let saved = match (&opts.checkpoint_dir, opts.save_every) {
             (Some(dir), Some(every)) if every > 0 && (done % every == 0 || done == opts.steps) => {
@@ -802,7 +807,8 @@ pub fn train_loop(
         on_step(&StepReport {
             step: done,
             loss,
-            tokens_per_s: tokens as f64 / t0.elapsed().as_secs_f64().max(1e-9),
+            tokens_per_s: tokens as f64 / train_s.max(1e-9),
+            train_s,
             saved,
         });
     }

@@ -1,5 +1,8 @@
 //! `DeviceAdamW`: AdamW whose moments live on the GPU, one fused kernel per
-//! parameter (`kernels/src/optim.cu`), rounding exactly as [`crate::CpuAdamW`].
+//! parameter (`kernels/src/optim.cu`), rounding exactly as [`crate::CpuAdamW`]:
+//! f32 moments (8 bytes per parameter) or bf16 moments rounded stochastically
+//! with `CpuAdamW`'s bits (4 bytes per parameter, which is what lets a
+//! 14B-class model's moments share an 141 GB GPU with its activations).
 //!
 //! Two uses. Resident parameters (CUDA `Var`s) step in place through
 //! candle-nn's `Optimizer` trait, one pass instead of candle-nn AdamW's
@@ -25,14 +28,77 @@ use crate::state::{Noise, StateBuf, StateDtype};
 
 const WHAT: &str = "DeviceAdamW";
 
-/// One parameter's first and second moments, f32.
+/// One parameter's first and second moments.
 enum Moments {
     Host(Vec<StateBuf>),
     #[cfg(feature = "cuda")]
-    Cuda(
-        cudarc::driver::CudaSlice<f32>,
-        cudarc::driver::CudaSlice<f32>,
-    ),
+    Cuda(DeviceState, DeviceState),
+}
+
+/// One moment buffer on the device, in the optimizer's state dtype (bf16 as
+/// its bits).
+#[cfg(feature = "cuda")]
+enum DeviceState {
+    F32(cudarc::driver::CudaSlice<f32>),
+    Bf16(cudarc::driver::CudaSlice<u16>),
+}
+
+#[cfg(feature = "cuda")]
+impl DeviceState {
+    fn zeros(
+        s: &std::sync::Arc<cudarc::driver::CudaStream>,
+        dt: StateDtype,
+        n: usize,
+    ) -> Result<Self> {
+        let w = candle_core::Error::wrap;
+        Ok(match dt {
+            StateDtype::F32 => Self::F32(s.alloc_zeros::<f32>(n).map_err(w)?),
+            StateDtype::Bf16 => Self::Bf16(s.alloc_zeros::<u16>(n).map_err(w)?),
+        })
+    }
+
+    fn upload(s: &std::sync::Arc<cudarc::driver::CudaStream>, buf: &StateBuf) -> Result<Self> {
+        let w = candle_core::Error::wrap;
+        Ok(match buf {
+            StateBuf::F32(v) => Self::F32(s.clone_htod(v).map_err(w)?),
+            StateBuf::Bf16(v) => {
+                let bits: Vec<u16> = v.iter().map(|x| x.to_bits()).collect();
+                Self::Bf16(s.clone_htod(&bits).map_err(w)?)
+            }
+        })
+    }
+
+    fn download(&self, s: &std::sync::Arc<cudarc::driver::CudaStream>) -> Result<StateBuf> {
+        let w = candle_core::Error::wrap;
+        Ok(match self {
+            Self::F32(d) => StateBuf::F32(s.clone_dtoh(d).map_err(w)?),
+            Self::Bf16(d) => StateBuf::Bf16(
+                s.clone_dtoh(d)
+                    .map_err(w)?
+                    .into_iter()
+                    .map(half::bf16::from_bits)
+                    .collect(),
+            ),
+        })
+    }
+
+    /// The buffer's device address and element dtype, for reading.
+    fn address_ref(&self, s: &std::sync::Arc<cudarc::driver::CudaStream>) -> (u64, DType) {
+        use cudarc::driver::DevicePtr;
+        match self {
+            Self::F32(d) => (d.device_ptr(s).0, DType::F32),
+            Self::Bf16(d) => (d.device_ptr(s).0, DType::BF16),
+        }
+    }
+
+    /// The buffer's device address and element dtype.
+    fn address(&mut self, s: &std::sync::Arc<cudarc::driver::CudaStream>) -> (u64, DType) {
+        use cudarc::driver::DevicePtrMut;
+        match self {
+            Self::F32(d) => (d.device_ptr_mut(s).0, DType::F32),
+            Self::Bf16(d) => (d.device_ptr_mut(s).0, DType::BF16),
+        }
+    }
 }
 
 /// AdamW with its state on the device (see the module docs).
@@ -56,6 +122,8 @@ pub struct DeviceAdamW {
     t: usize,
     last_step: Vec<usize>,
     device: Device,
+    /// The moments' element type.
+    state: StateDtype,
     /// Allocated (zeroed) up front, so the memory they take is in use before
     /// an activation budget or the first step measures what is free.
     moments: Vec<Moments>,
@@ -79,8 +147,19 @@ impl DeviceAdamW {
     /// AdamW over `vars` with its moments on `device`. Each var is a
     /// contiguous f32, bf16 or f16 tensor on `device` (stepped by
     /// [`Optimizer::step`]) or, for a CUDA `device`, a host master of a
-    /// streamed model (stepped by `backward_step_device`).
+    /// streamed model (stepped by `backward_step_device`). f32 moments.
     pub fn new(vars: Vec<Var>, params: ParamsAdamW, device: &Device) -> Result<Self> {
+        Self::with_state_dtype(vars, params, device, StateDtype::F32)
+    }
+
+    /// [`Self::new`] with moments of `state`: bf16 halves their memory and
+    /// rounds them as `CpuAdamW::with_state_dtype` does, bit for bit.
+    pub fn with_state_dtype(
+        vars: Vec<Var>,
+        params: ParamsAdamW,
+        device: &Device,
+        state: StateDtype,
+    ) -> Result<Self> {
         check_adamw_params(WHAT, &params)?;
         for (i, v) in vars.iter().enumerate() {
             if !matches!(v.dtype(), DType::F32 | DType::BF16 | DType::F16) || !v.is_contiguous() {
@@ -102,7 +181,7 @@ impl DeviceAdamW {
         let n = vars.len();
         let moments = vars
             .iter()
-            .map(|v| zero_moments(device, v.elem_count()))
+            .map(|v| zero_moments(device, state, v.elem_count()))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             names: (0..n).map(|i| i.to_string()).collect(),
@@ -112,9 +191,15 @@ impl DeviceAdamW {
             params,
             t: 0,
             device: device.clone(),
+            state,
             #[cfg(feature = "cuda")]
             flags: None,
         })
+    }
+
+    /// The moments' element type.
+    pub fn state_dtype(&self) -> StateDtype {
+        self.state
     }
 
     /// The parameters, in the order indices refer to.
@@ -246,36 +331,40 @@ impl DeviceAdamW {
         Ok(())
     }
 
-    /// The moments `(m, v)` of param `idx` copied to the host (`None` before
-    /// its first step).
+    /// The moments `(m, v)` of param `idx` copied to the host, in f32
+    /// (`None` before its first step).
     pub fn moments(&self, idx: usize) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+        Ok(self
+            .state_bufs(idx)?
+            .map(|[m, v]| (m.into_f32(), v.into_f32())))
+    }
+
+    /// The moments of param `idx` in their own dtype, on the host (`None`
+    /// before its first step).
+    fn state_bufs(&self, idx: usize) -> Result<Option<[StateBuf; 2]>> {
         if self.last_step.get(idx).is_none_or(|&s| s == 0) {
             return Ok(None);
         }
-        Ok(match &self.moments[idx] {
-            Moments::Host(b) => Some((b[0].to_f32().into_owned(), b[1].to_f32().into_owned())),
+        Ok(Some(match &self.moments[idx] {
+            Moments::Host(b) => [b[0].clone(), b[1].clone()],
             #[cfg(feature = "cuda")]
             Moments::Cuda(m, v) => {
                 let stream = self.device.as_cuda_device()?.cuda_stream();
-                let w = candle_core::Error::wrap;
-                Some((
-                    stream.clone_dtoh(m).map_err(w)?,
-                    stream.clone_dtoh(v).map_err(w)?,
-                ))
+                [m.download(&stream)?, v.download(&stream)?]
             }
-        })
+        }))
     }
 
     /// Saves the state in [`crate::CpuAdamW`]'s format (`m.<name>`,
     /// `v.<name>`, per-param last step, step count, hyper-parameters), written
     /// atomically. Params never stepped save zero moments.
     pub fn save<P: AsRef<std::path::Path>>(&self, path: P) -> Result<()> {
-        let host: Vec<(Vec<f32>, Vec<f32>)> = (0..self.vars.len())
+        let host: Vec<[StateBuf; 2]> = (0..self.vars.len())
             .map(|i| {
                 let n = self.vars[i].elem_count();
                 Ok(self
-                    .moments(i)?
-                    .unwrap_or_else(|| (vec![0.0; n], vec![0.0; n])))
+                    .state_bufs(i)?
+                    .unwrap_or_else(|| [0, 1].map(|_| StateBuf::zeros(self.state, n))))
             })
             .collect::<Result<_>>()?;
         let mut w = StateWriter::new(ADAMW, self.t, &self.last_step);
@@ -285,12 +374,8 @@ impl DeviceAdamW {
             }
         }
         for (k, prefix) in ["m", "v"].iter().enumerate() {
-            for ((name, var), (m, v)) in self.names.iter().zip(&self.vars).zip(&host) {
-                w.tensor(
-                    format!("{prefix}.{name}"),
-                    var.dims(),
-                    if k == 0 { m } else { v },
-                );
+            for ((name, var), bufs) in self.names.iter().zip(&self.vars).zip(&host) {
+                w.state(format!("{prefix}.{name}"), var.dims(), &bufs[k]);
             }
         }
         w.write(path.as_ref())
@@ -306,12 +391,10 @@ impl DeviceAdamW {
         let st = saved.tensors()?;
         let mut bufs = Vec::with_capacity(self.vars.len());
         for (name, var) in self.names.iter().zip(&self.vars) {
-            // CpuAdamW's bf16 state loads here too (exactly, into f32).
-            let read = |b: &str| {
-                saved
-                    .state_tensor(&st, &format!("{b}.{name}"), var.dims(), StateDtype::F32)
-                    .map(StateBuf::into_f32)
-            };
+            // Either optimizer's f32 or bf16 state loads into either state
+            // dtype (into bf16 from f32 rounded to nearest, else exactly).
+            let read =
+                |b: &str| saved.state_tensor(&st, &format!("{b}.{name}"), var.dims(), self.state);
             let (m, v) = (read("m")?, read("v")?);
             bufs.push((m, v));
         }
@@ -327,41 +410,34 @@ impl DeviceAdamW {
         Ok(())
     }
 
-    fn upload(&self, m: Vec<f32>, v: Vec<f32>) -> Result<Moments> {
+    fn upload(&self, m: StateBuf, v: StateBuf) -> Result<Moments> {
         match &self.device {
             #[cfg(feature = "cuda")]
             Device::Cuda(d) => {
                 let s = d.cuda_stream();
-                let w = candle_core::Error::wrap;
                 Ok(Moments::Cuda(
-                    s.clone_htod(&m).map_err(w)?,
-                    s.clone_htod(&v).map_err(w)?,
+                    DeviceState::upload(&s, &m)?,
+                    DeviceState::upload(&s, &v)?,
                 ))
             }
-            _ => Ok(Moments::Host(vec![
-                StateBuf::from_f32(StateDtype::F32, m),
-                StateBuf::from_f32(StateDtype::F32, v),
-            ])),
+            _ => Ok(Moments::Host(vec![m, v])),
         }
     }
 }
 
-/// Zeroed moments of `n` elements on `device`.
-fn zero_moments(device: &Device, n: usize) -> Result<Moments> {
+/// Zeroed moments of `n` elements of `state` on `device`.
+fn zero_moments(device: &Device, state: StateDtype, n: usize) -> Result<Moments> {
     match device {
         #[cfg(feature = "cuda")]
         Device::Cuda(d) => {
             let s = d.cuda_stream();
-            let w = candle_core::Error::wrap;
             Ok(Moments::Cuda(
-                s.alloc_zeros::<f32>(n).map_err(w)?,
-                s.alloc_zeros::<f32>(n).map_err(w)?,
+                DeviceState::zeros(&s, state, n)?,
+                DeviceState::zeros(&s, state, n)?,
             ))
         }
         _ => Ok(Moments::Host(
-            (0..2)
-                .map(|_| StateBuf::zeros(StateDtype::F32, n))
-                .collect(),
+            (0..2).map(|_| StateBuf::zeros(state, n)).collect(),
         )),
     }
 }
@@ -561,15 +637,14 @@ impl DeviceAdamW {
             .collect())
     }
 
-    /// The device addresses of param `i`'s moments.
-    fn moment_addresses(&mut self, i: usize) -> Result<(u64, u64)> {
-        use cudarc::driver::DevicePtrMut;
+    /// The device addresses of param `i`'s moments and their dtype.
+    fn moment_addresses(&mut self, i: usize) -> Result<(u64, u64, DType)> {
         let s = self.device.as_cuda_device()?.cuda_stream();
         match &mut self.moments[i] {
             Moments::Cuda(m, v) => {
-                let (pm, _gm) = m.device_ptr_mut(&s);
-                let (pv, _gv) = v.device_ptr_mut(&s);
-                Ok((pm, pv))
+                let (pm, dt) = m.address(&s);
+                let (pv, _) = v.address(&s);
+                Ok((pm, pv, dt))
             }
             _ => bail!("{WHAT}: param {i}'s moments are on the host"),
         }
@@ -604,7 +679,7 @@ impl DeviceAdamW {
     /// # Safety
     /// As [`Self::step_device_copy`].
     unsafe fn launch_update(&mut self, i: usize, p: u64, p_dtype: DType, g: &Tensor) -> Result<()> {
-        let (m, v) = self.moment_addresses(i)?;
+        let (m, v, state) = self.moment_addresses(i)?;
         let b = crate::device_kernels::AdamBuffers {
             p,
             p_dtype,
@@ -612,6 +687,8 @@ impl DeviceAdamW {
             g_dtype: g.dtype(),
             m,
             v,
+            state,
+            seed: Noise::new(self.t, i).seed,
             skip: self.flag_address(i)?,
             n: self.vars[i].elem_count(),
         };
@@ -682,11 +759,11 @@ impl DeviceAdamW {
                 unsafe { crate::device_kernels::nonfinite(d, p, var.dtype(), n, at(0))? };
             }
             if let Moments::Cuda(mm, vv) = m {
-                let (pm, _gm) = mm.device_ptr(&s);
-                let (pv, _gv) = vv.device_ptr(&s);
-                // SAFETY: the moments (n f32 each) and this call's flags.
-                unsafe { crate::device_kernels::nonfinite(d, pm, DType::F32, n, at(1))? };
-                unsafe { crate::device_kernels::nonfinite(d, pv, DType::F32, n, at(2))? };
+                let (pm, dt) = mm.address_ref(&s);
+                let (pv, _) = vv.address_ref(&s);
+                // SAFETY: the moments (n elements of dt each) and this call's flags.
+                unsafe { crate::device_kernels::nonfinite(d, pm, dt, n, at(1))? };
+                unsafe { crate::device_kernels::nonfinite(d, pv, dt, n, at(2))? };
             }
         }
         drop(_g);

@@ -45,7 +45,8 @@ pub(crate) unsafe fn nonfinite(
 }
 
 /// The buffers of one AdamW update: parameter (in place), gradient, moments
-/// (in place, f32) and the skip flag, all device addresses of `n` elements.
+/// (in place, f32 or bf16 as `state`) and the skip flag, all device addresses
+/// of `n` elements, and the seed of bf16 moments' stochastic rounding.
 pub(crate) struct AdamBuffers {
     pub p: u64,
     pub p_dtype: DType,
@@ -53,6 +54,8 @@ pub(crate) struct AdamBuffers {
     pub g_dtype: DType,
     pub m: u64,
     pub v: u64,
+    pub state: DType,
+    pub seed: u32,
     pub skip: u64,
     pub n: usize,
 }
@@ -65,7 +68,12 @@ pub(crate) struct AdamBuffers {
 /// alive until the compute stream passes the kernel, and `p`, `m`, `v` are
 /// not read or written by anything else until then.
 pub(crate) unsafe fn adamw(dev: &CudaDevice, b: &AdamBuffers, k: &AdamConsts) -> Result<()> {
-    let name = format!("adamw_{}_{}", suffix(b.p_dtype)?, suffix(b.g_dtype)?);
+    let name = format!(
+        "adamw_{}_{}_{}",
+        suffix(b.p_dtype)?,
+        suffix(b.g_dtype)?,
+        suffix(b.state)?
+    );
     let func = optim_func(dev, &name)?;
     let stream = dev.cuda_stream();
     let mut l = stream.launch_builder(&func);
@@ -78,7 +86,7 @@ pub(crate) unsafe fn adamw(dev: &CudaDevice, b: &AdamBuffers, k: &AdamConsts) ->
     l.arg(&k.beta1).arg(&k.one_minus_beta1);
     l.arg(&k.beta2).arg(&k.one_minus_beta2);
     l.arg(&k.scale_m).arg(&k.scale_v);
-    l.arg(&k.decay).arg(&k.eps).arg(&k.lr);
+    l.arg(&k.decay).arg(&k.eps).arg(&k.lr).arg(&b.seed);
     // SAFETY: the buffers are as the kernel expects (this fn's contract).
     unsafe { l.launch(streamer_core::grid_stride(b.n)) }.map_err(candle_core::Error::wrap)?;
     Ok(())

@@ -126,17 +126,6 @@ impl<'a> StateWriter<'a> {
         ));
     }
 
-    pub(crate) fn tensor(&mut self, name: String, shape: &[usize], data: &'a [f32]) {
-        self.entries.push((
-            name,
-            Entry {
-                dtype: Dtype::F32,
-                shape: shape.to_vec(),
-                data: f32_bytes(data),
-            },
-        ));
-    }
-
     /// Writes to `<path>.tmp`, then renames over `path` ([`streamer_core::replace_atomic`]).
     pub(crate) fn write(self, path: &Path) -> Result<()> {
         let views = self.entries.iter().map(|(n, e)| (n.as_str(), e));

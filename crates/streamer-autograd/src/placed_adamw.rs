@@ -53,8 +53,8 @@ impl PlacedAdamW {
         Self::with_state_dtype(vars, params, place, device, StateDtype::F32)
     }
 
-    /// [`PlacedAdamW::new`] with moments of `state` (bf16: on the host only,
-    /// [`CpuAdamW::with_state_dtype`]; `DeviceAdamW` keeps f32 moments).
+    /// [`PlacedAdamW::new`] with moments of `state` (bf16 rounds them
+    /// stochastically, the same bits in either place).
     pub fn with_state_dtype(
         vars: Vec<Var>,
         params: ParamsAdamW,
@@ -62,17 +62,11 @@ impl PlacedAdamW {
         device: &Device,
         state: StateDtype,
     ) -> Result<Self> {
-        Ok(match (place, state) {
-            (OptimizerPlace::Host, _) => {
-                Self::Host(CpuAdamW::with_state_dtype(vars, params, state)?)
+        Ok(match place {
+            OptimizerPlace::Host => Self::Host(CpuAdamW::with_state_dtype(vars, params, state)?),
+            OptimizerPlace::Device => {
+                Self::Device(DeviceAdamW::with_state_dtype(vars, params, device, state)?)
             }
-            (OptimizerPlace::Device, StateDtype::F32) => {
-                Self::Device(DeviceAdamW::new(vars, params, device)?)
-            }
-            (OptimizerPlace::Device, other) => bail!(
-                "optimizer state {other:?}: DeviceAdamW keeps f32 moments; \
-                 {other:?} state is for the host optimizer (OptimizerPlace::Host)"
-            ),
         })
     }
 
