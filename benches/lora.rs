@@ -19,6 +19,9 @@
 //! warm-up), `LORA_BENCH_WINDOW` (2 layers on the device),
 //! `LORA_BENCH_OPTIMIZER_STATE` (`f32` or `bf16` moments),
 //! `LORA_BENCH_ACTIVATIONS` (the layers' `ActivationPolicy`),
+//! `LORA_BENCH_PLAN=1` (full fine-tuning: the device plan for the free
+//! memory or the cap chooses the optimizer's place, activations, pieces and
+//! window, and says the tokens/s it expects),
 //! `LORA_BENCH_DEVICE_CAP_GIB` (hold back the rest of the GPU's memory so the
 //! run has that much in all, as on a smaller GPU), `LORA_BENCH_MICRO`
 //! (micro-batches of `LORA_BENCH_BATCH` sequences a step, 1; every layer's
@@ -36,16 +39,16 @@ mod common;
 /// The training rows' peak learning rate (reached at the last step).
 const LR: f64 = 1e-4;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Optimizer, ParamsAdamW};
 use std::collections::HashMap;
 use std::time::Instant;
 use streamer_autograd::ActivationPolicy;
-use streamer_core::StreamConfig;
+use streamer_core::{device_total_memory, free_device_memory, StreamConfig};
 use streamer_models::{
-    init_weights, ByteCorpus, HostPlan, Llama, LlamaConfig, LmTrainer, LoraAdapters, LoraConfig,
-    OptimizerPlace, StateDtype, TrainSetup,
+    init_weights, ByteCorpus, DevicePlan, Expectation, HostPlan, Llama, LlamaConfig, LmTrainer,
+    LoraAdapters, LoraConfig, OptimizerPlace, StateDtype, StepRates, StepShape, TrainSetup,
 };
 
 fn env_or(key: &str, default: usize) -> usize {
@@ -111,15 +114,15 @@ fn measure(
 fn host_plan(
     cfg: &LlamaConfig,
     dev: &Device,
-    (batch, seq, _): (usize, usize, usize),
-    dtype: DType,
+    ((batch, seq, _), dtype): ((usize, usize, usize), DType),
+    (place, policy): (OptimizerPlace, Option<ActivationPolicy>),
 ) -> Result<HostPlan> {
-    let offload = activations()? == Some(ActivationPolicy::OffloadInputs);
+    let offload = policy == Some(ActivationPolicy::OffloadInputs);
     Ok(HostPlan::for_training(
         cfg,
         &TrainSetup {
             master_dtype: DType::F32,
-            place: optimizer_place(dev)?,
+            place,
             state: optimizer_state()?,
             cuda: dev.is_cuda(),
             offload_inputs: offload.then_some((batch, seq, dtype)),
@@ -191,6 +194,44 @@ fn activations() -> Result<Option<ActivationPolicy>> {
         .transpose()?)
 }
 
+/// LORA_BENCH_PLAN=1 (full fine-tuning on a GPU): the device plan for the
+/// memory free now (or `LORA_BENCH_DEVICE_CAP_GIB`) decides the optimizer's
+/// place (among `LORA_BENCH_OPTIMIZER` if given), the activations, the pieces
+/// of the step's sequences and the window, as `train_lm` does with no flags;
+/// printed with the tokens/s it expects from one layer timed here.
+fn bench_plan(
+    cfg: &LlamaConfig,
+    dev: &Device,
+    (rows, seq): (usize, usize),
+    dtype: DType,
+) -> Result<Option<(DevicePlan, Expectation)>> {
+    if std::env::var("LORA_BENCH_PLAN").as_deref() != Ok("1") {
+        return Ok(None);
+    }
+    for key in ["LORA_BENCH_ACTIVATIONS", "LORA_BENCH_WINDOW"] {
+        if std::env::var(key).is_ok() {
+            bail!("LORA_BENCH_PLAN chooses what {key} sets: give one or the other");
+        }
+    }
+    let total = device_total_memory(dev)?.context("LORA_BENCH_PLAN plans a CUDA device")?;
+    let budget = match std::env::var("LORA_BENCH_DEVICE_CAP_GIB") {
+        Ok(g) => g.parse::<usize>().context("LORA_BENCH_DEVICE_CAP_GIB")? << 30,
+        Err(_) => free_device_memory(dev)?.unwrap_or(total),
+    };
+    let places = match std::env::var("LORA_BENCH_OPTIMIZER") {
+        Ok(_) => vec![optimizer_place(dev)?],
+        Err(_) => vec![OptimizerPlace::Device, OptimizerPlace::Host],
+    };
+    let shape = StepShape { rows, seq, dtype };
+    let state = optimizer_state()?;
+    let plan = DevicePlan::choose_among(cfg, shape, (budget, total), (&places, state))?;
+    println!("  device plan: {plan}");
+    let rates = StepRates::measure(cfg, shape, plan.settings.piece_rows, dev)?;
+    let expect = plan.expect(cfg, shape, &rates);
+    println!("  expects {expect} ({rates:?})");
+    Ok(Some((plan, expect)))
+}
+
 /// LORA_BENCH_OPTIMIZER_STATE=f32|bf16: AdamW's moments.
 fn optimizer_state() -> Result<StateDtype> {
     Ok(std::env::var("LORA_BENCH_OPTIMIZER_STATE")
@@ -212,9 +253,21 @@ fn run(
     } else {
         DType::F32
     };
+    let planned = match mode {
+        "full" => bench_plan(&cfg, dev, (shape.0, shape.1), dtype)?,
+        _ => None,
+    };
+    let (micro, window) = match &planned {
+        Some((p, _)) => (shape.0 / p.settings.piece_rows, p.settings.window),
+        None => (micro, env_or("LORA_BENCH_WINDOW", 2).max(1)),
+    };
+    let (place, policy) = match &planned {
+        Some((p, _)) => (p.settings.place, Some(p.settings.activation_policy())),
+        None => (optimizer_place(dev)?, activations()?),
+    };
     let stream = StreamConfig {
         device: dev.clone(),
-        prefetch_ahead: env_or("LORA_BENCH_WINDOW", 2).max(1) - 1,
+        prefetch_ahead: window - 1,
         dtype,
         // LoRA's frozen base needs no f32 masters (train_lm uses the compute
         // dtype for them too); full fine-tuning steps f32 masters.
@@ -238,7 +291,7 @@ fn run(
     let data = ByteCorpus::from_file("data/corpus.txt")
         .unwrap_or_else(|_| ByteCorpus::new((0..1 << 20).map(|i| (i * 31 % 251) as u8).collect()));
     let plan = (mode == "full")
-        .then(|| host_plan(&cfg, dev, shape, dtype))
+        .then(|| host_plan(&cfg, dev, (shape, dtype), (place, policy)))
         .transpose()?;
     if let Some(p) = &plan {
         println!("  host plan: {p}");
@@ -264,7 +317,7 @@ fn run(
     let mut per_step = None;
     let (m, trainable) = match mode {
         "full" => {
-            let (place, state) = (optimizer_place(dev)?, optimizer_state()?);
+            let state = optimizer_state()?;
             println!("  full fine-tune optimizer: {place:?}, {state:?} moments");
             let t0 = std::time::Instant::now();
             let mut t = LmTrainer::new_with(
@@ -281,7 +334,7 @@ fn run(
                 t0.elapsed().as_secs_f64()
             );
             t.set_overlap(true);
-            if let Some(policy) = activations()? {
+            if let Some(policy) = policy {
                 t.model()
                     .trainable_layers()
                     .expect("a trainable streamed model")
@@ -348,7 +401,10 @@ fn run(
         "mfu": 6.0 * cfg.num_params() as f64 * tokens / 989e12,
         "optimizer_place": full_setup.map(|(p, _)| format!("{p:?}")),
         "state_dtypes": full_setup.map(|(_, s)| format!("masters F32, moments {s:?}")),
-        "activations": std::env::var("LORA_BENCH_ACTIVATIONS").ok(),
+        "activations": planned.as_ref().map(|(p, _)| format!("{:?}", p.settings.activation_policy()))
+            .or_else(|| std::env::var("LORA_BENCH_ACTIVATIONS").ok()),
+        "device_plan": planned.as_ref().map(|(p, _)| p.to_string()),
+        "expected_tokens_per_s": planned.as_ref().map(|(_, e)| e.tokens_per_s),
         "per_step": per_step,
     }))
 }

@@ -406,11 +406,7 @@ fn main() -> Result<()> {
     };
     let state: StateDtype = a.optimizer_state.parse().context("--optimizer-state")?;
     let policy = match &budget {
-        Some((plan, _)) if plan.settings.offload_inputs => ActivationPolicy::OffloadInputs,
-        Some((plan, _)) if plan.settings.keep_bytes > 0 => ActivationPolicy::Keep {
-            device_bytes: plan.settings.keep_bytes,
-        },
-        Some(_) => ActivationPolicy::Recompute,
+        Some((plan, _)) => plan.settings.activation_policy(),
         None => cli::activation_policy(a.activations.as_deref().unwrap_or("auto"), &dev)?,
     };
     let prefetch = match &budget {

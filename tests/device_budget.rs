@@ -6,7 +6,6 @@
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::ParamsAdamW;
-use streamer_autograd::ActivationPolicy;
 use streamer_core::{device_total_memory, free_device_memory, DeviceCap, StreamConfig};
 use streamer_models::{
     init_weights, DevicePlan, Llama, LlamaConfig, LmTrainer, StepRates, StepShape,
@@ -68,15 +67,7 @@ fn budget_holds(dev: &Device) -> Result<()> {
     };
     let mut t = LmTrainer::new_on(model, params, s.place)?;
     let layers = t.model().trainable_layers().context("streamed")?;
-    layers.set_activation_policy(if s.offload_inputs {
-        ActivationPolicy::OffloadInputs
-    } else if s.keep_bytes > 0 {
-        ActivationPolicy::Keep {
-            device_bytes: s.keep_bytes,
-        }
-    } else {
-        ActivationPolicy::Recompute
-    })?;
+    layers.set_activation_policy(s.activation_policy())?;
     let tokens = |k: u32| -> Result<Tensor> {
         let v: Vec<u32> = (0..shape.rows * shape.seq)
             .map(|i| (i as u32 * 31 + k) % 256)

@@ -11,7 +11,7 @@
 use crate::config::LlamaConfig;
 use crate::step_rates::StepRates;
 use candle_core::{bail, DType, Result};
-use streamer_autograd::{OptimizerPlace, StateDtype};
+use streamer_autograd::{ActivationPolicy, OptimizerPlace, StateDtype};
 
 /// Bytes held by the CUDA context, cuBLAS workspaces and the allocator's
 /// slack, whatever the model.
@@ -39,6 +39,21 @@ pub struct StepSettings {
     /// (`ActivationPolicy::Keep`); 0 recomputes every layer. Only with the
     /// inputs kept on the device.
     pub keep_bytes: usize,
+}
+
+impl StepSettings {
+    /// The streamed layers' activation policy these settings stand for.
+    pub fn activation_policy(&self) -> ActivationPolicy {
+        if self.offload_inputs {
+            ActivationPolicy::OffloadInputs
+        } else if self.keep_bytes > 0 {
+            ActivationPolicy::Keep {
+                device_bytes: self.keep_bytes,
+            }
+        } else {
+            ActivationPolicy::Recompute
+        }
+    }
 }
 
 /// A step's device bytes, by part.
