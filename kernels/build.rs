@@ -1,11 +1,14 @@
-//! Compiles every `src/*.cu` to PTX with nvcc, only when the `cuda` feature is on.
-//! The target architecture comes from `CUDA_COMPUTE_CAP` (for example `90`), never
-//! from a constant here, so the same tree builds for any GPU.
+//! Compiles every `src/*.cu` with nvcc into a fat binary, only when the `cuda`
+//! feature is on: machine code for the GPU of `CUDA_COMPUTE_CAP` (for example
+//! `90`) beside the PTX, so that GPU runs the kernels without the driver
+//! compiling them at first launch and a newer one can still compile the PTX.
+//! The architecture comes from `CUDA_COMPUTE_CAP`, never from a constant here,
+//! so the same tree builds for any GPU.
 //!
 //! Files named `*_hopper.cu` use Hopper-only instructions (`wgmma`): they are
-//! compiled for `compute_90a` when `CUDA_COMPUTE_CAP` is 90 and left empty for
-//! any other GPU, whose PTX could not hold them; the launchers fall back to the
-//! portable kernels when such a constant is empty.
+//! compiled for `sm_90a` when `CUDA_COMPUTE_CAP` is 90 and left empty for any
+//! other GPU, which could not run them; the launchers fall back to the
+//! portable kernels when such a module is empty.
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -36,22 +39,24 @@ fn main() -> anyhow::Result<()> {
     kernels.sort();
     for cu in &kernels {
         let stem = cu.file_stem().unwrap().to_string_lossy().to_string();
-        let ptx = out.join(format!("{stem}.ptx"));
+        let fatbin = out.join(format!("{stem}.fatbin"));
         let arch = if !stem.ends_with("_hopper") {
-            format!("compute_{cap}")
+            cap.to_string()
         } else if cap == 90 {
-            "compute_90a".to_string()
+            "90a".to_string()
         } else {
-            std::fs::write(&ptx, "")?;
+            std::fs::write(&fatbin, "")?;
             continue;
         };
         let status = Command::new(&nvcc)
-            .arg(format!("--gpu-architecture={arch}"))
-            .args(["--ptx", "-O3", "-std=c++17", "--use_fast_math"])
+            .arg(format!(
+                "--generate-code=arch=compute_{arch},code=[sm_{arch},compute_{arch}]"
+            ))
+            .args(["--fatbin", "-O3", "-std=c++17", "--use_fast_math"])
             .arg("-I")
             .arg(&src)
             .arg("-o")
-            .arg(&ptx)
+            .arg(&fatbin)
             .arg(cu)
             .status()
             .map_err(|e| {

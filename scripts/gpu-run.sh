@@ -30,8 +30,9 @@ else
   nccl_note="WARNING: libnccl.so.2 not found in the nvidia-nccl wheel; binaries that link NCCL will not start"
   echo "run.sh: $nccl_note" >&2
 fi
-# Every process JIT-compiles our PTX on its first launch (20-25 s); a cache big
-# enough for all of it lets the later processes of the same call reuse it.
+# Our kernels ship machine code for the build's GPU, but Candle's reach the
+# driver as PTX and are compiled at first launch; a cache big enough for all
+# of them lets the later processes of the same call reuse that work.
 export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
 work=$(mktemp -d)
 xz -dc "$here/bin.tar.xz" | tar -C "$work" -xf -

@@ -398,7 +398,11 @@ fn lora_dropout_replays(dev: &Device, micro: Option<usize>) -> Result<()> {
         .get(v.as_tensor())
         .with_context(|| format!("kept activations: no gradient for {name}"))?;
     let e = rel_err(gk, g)?;
-    ensure!(e <= 1e-6, "{name}: kept against recomputed {e:.2e}");
+    // The same masks either way (a wrong one would be off by O(1)); on CUDA
+    // the recompute's GEMMs may sum in another order than the forward's
+    // (1.5e-6 measured on the H200), so allow f32 rounding of a few sums.
+    let tol = if x.device().is_cuda() { 1e-5 } else { 1e-6 };
+    ensure!(e <= tol, "{name}: kept against recomputed {e:.2e}");
     // Out of training mode the dropout is off: the same logits every call.
     model.set_training(false);
     let (a, b) = (model.forward(&x)?, model.forward(&x)?);

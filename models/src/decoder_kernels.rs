@@ -25,13 +25,8 @@ fn suffix(dt: DType) -> Result<&'static str> {
 }
 
 fn func(dev: &candle_core::CudaDevice, name: &str) -> Result<cudarc::driver::CudaFunction> {
-    // Candle's wrapper derefs to the function; launches go on our stream.
-    dev.get_or_load_custom_func(
-        name,
-        streamer_kernels::module::DECODER,
-        streamer_kernels::DECODER,
-    )
-    .map(|f| f.into_cuda_function())
+    streamer_kernels::function(dev, &streamer_kernels::DECODER, name)
+        .map(streamer_kernels::Kernel::into_function)
 }
 
 use streamer_core::grid_stride as grid;

@@ -1,5 +1,5 @@
 //! CUDA launches of the kernels in `kernels/src/attention.cu` (module
-//! [`streamer_kernels::module::ATTENTION`]), on the compute stream of the inputs'
+//! [`streamer_kernels::ATTENTION`]), on the compute stream of the inputs'
 //! Candle device.
 //!
 //! Forward: on a GPU of compute capability 9.0 (H100, H200) with kernels built
@@ -44,7 +44,7 @@ use candle_core::{
 };
 use half::{bf16, f16};
 use streamer_core::pages::{alloc_readable_f32, page_pieces, PinnedRegion};
-use streamer_kernels::{module, ATTENTION};
+use streamer_kernels::ATTENTION;
 
 use crate::segs::Segs;
 use crate::varlen::Fused;
@@ -360,7 +360,7 @@ fn portable_forward<T: DeviceRepr>(
     if let Some(s) = &segs {
         cfg.grid_dim = grid(s.blocks, dims.hq, dims.b)?;
     }
-    let func = dev.get_or_load_custom_func(&name, module::ATTENTION, ATTENTION)?;
+    let func = streamer_kernels::function(dev, &ATTENTION, &name)?;
     allow_smem(&func, cfg.shared_mem_bytes)?;
     if cfg.grid_dim.0 == 0 {
         return Ok(());
@@ -493,10 +493,10 @@ impl<T: CudaDType + DeviceRepr> Backward<'_, T> {
     /// `delta = rowsum(do * o)`, one warp per row.
     fn delta(&mut self, o: &CudaView<'_, T>) -> Result<()> {
         let rows = self.dims.b * self.dims.hq * self.dims.nq;
-        let func = self.dev.get_or_load_custom_func(
+        let func = streamer_kernels::function(
+            self.dev,
+            &ATTENTION,
             &format!("cqsa_bwd_delta_{}", self.sfx),
-            module::ATTENTION,
-            ATTENTION,
         )?;
         let cfg = LaunchConfig {
             grid_dim: grid(rows.div_ceil(SIMPLE_WARPS as usize), 1, 1)?,
@@ -523,10 +523,10 @@ impl<T: CudaDType + DeviceRepr> Backward<'_, T> {
         let n = self.dims.b * self.dims.hq * self.dims.nq * d;
         let mut dq_acc: CudaSlice<f32> = self.dev.alloc_zeros::<f32>(n)?;
         let smem = bwd_smem(d);
-        let func = self.dev.get_or_load_custom_func(
+        let func = streamer_kernels::function(
+            self.dev,
+            &ATTENTION,
             &format!("cqsa_bwd_mma_{}{}_d{d}", self.args.cap_infix(), self.sfx),
-            module::ATTENTION,
-            ATTENTION,
         )?;
         allow_smem(&func, smem)?;
         let segs = self
@@ -566,10 +566,10 @@ impl<T: CudaDType + DeviceRepr> Backward<'_, T> {
             // the kernel (segs: null or `blocks` Segs); every view lives past the launch.
             unsafe { builder.launch(cfg) }.w()?;
         }
-        let func = self.dev.get_or_load_custom_func(
+        let func = streamer_kernels::function(
+            self.dev,
+            &ATTENTION,
             &format!("cqsa_bwd_dq_convert_{}", self.sfx),
-            module::ATTENTION,
-            ATTENTION,
         )?;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(256).min(65536) as u32, 1, 1),
@@ -596,10 +596,10 @@ impl<T: CudaDType + DeviceRepr> Backward<'_, T> {
         } = self.dims;
         let w = SIMPLE_WARPS as usize;
         let block = (32 * SIMPLE_WARPS, 1, 1);
-        let func = self.dev.get_or_load_custom_func(
+        let func = streamer_kernels::function(
+            self.dev,
+            &ATTENTION,
             &format!("cqsa_bwd_dq_simple_{}", self.sfx),
-            module::ATTENTION,
-            ATTENTION,
         )?;
         let cfg = LaunchConfig {
             grid_dim: grid(nq.div_ceil(w), hq, b)?,
@@ -620,10 +620,10 @@ impl<T: CudaDType + DeviceRepr> Backward<'_, T> {
             // SAFETY: reads within the views' lengths, writes rows*d of dq; views live.
             unsafe { builder.launch(cfg) }.w()?;
         }
-        let func = self.dev.get_or_load_custom_func(
+        let func = streamer_kernels::function(
+            self.dev,
+            &ATTENTION,
             &format!("cqsa_bwd_dkdv_simple_{}", self.sfx),
-            module::ATTENTION,
-            ATTENTION,
         )?;
         let cfg = LaunchConfig {
             grid_dim: grid(nk.div_ceil(w), hkv, b)?,

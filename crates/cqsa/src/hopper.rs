@@ -1,5 +1,5 @@
 //! The Hopper kernels (`kernels/src/attention_hopper.cu`, module
-//! [`streamer_kernels::module::ATTENTION_HOPPER`]): `wgmma` fed by the tensor
+//! [`streamer_kernels::ATTENTION_HOPPER`]): `wgmma` fed by the tensor
 //! memory accelerator, forward (head dims 64, 128, 256) and backward (64, 128:
 //! one kernel for dk, dv and dq after the portable delta kernel, dq summed in f32
 //! by bulk reduce-adds).
@@ -19,7 +19,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 };
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, DType, Result};
-use streamer_kernels::{module, ATTENTION_HOPPER};
+use streamer_kernels::ATTENTION_HOPPER;
 
 use crate::cuda::{allow_smem, grid, to_i32, Backward, KernelArgs};
 use crate::segs::Segs;
@@ -47,7 +47,7 @@ fn smem(d: usize) -> u32 {
     (1024 + ROWS * d * 2 + 4 * keys(d) * d * 2 + 128) as u32
 }
 
-/// Whether the Hopper kernels apply: built (the PTX is empty for GPUs other
+/// Whether the Hopper kernels apply: built (the module is empty for GPUs other
 /// than compute capability 9.0), enabled ([`crate::set_hopper_kernels`]),
 /// f16/bf16 at head dim 64, 128 or (forward only) 256 with 16-byte aligned
 /// inputs (TMA needs them), and a device of compute capability exactly 9.0
@@ -180,7 +180,7 @@ pub(crate) fn forward<T: DeviceRepr>(
         shared_mem_bytes: smem(d),
     };
     let name = format!("cqsa_fwd_hopper_{}{sfx}_d{d}", args.cap_infix());
-    let func = dev.get_or_load_custom_func(&name, module::ATTENTION_HOPPER, ATTENTION_HOPPER)?;
+    let func = streamer_kernels::function(dev, &ATTENTION_HOPPER, &name)?;
     allow_smem(&func, cfg.shared_mem_bytes)?;
     let stream = dev.cuda_stream();
     // The guards record the reads on the stream when dropped, after the launch
@@ -275,11 +275,7 @@ fn stats_kernel<T: DeviceRepr>(
 ) -> Result<()> {
     let AttentionShape { b, hq, nq, .. } = bw.dims;
     let (slices, nq_, nqt_, null) = ((b * hq) as i64, nq as i32, nqt as i32, 0u64);
-    let func = bw.dev.get_or_load_custom_func(
-        "cqsa_bwd_stats_hopper",
-        module::ATTENTION_HOPPER,
-        ATTENTION_HOPPER,
-    )?;
+    let func = streamer_kernels::function(bw.dev, &ATTENTION_HOPPER, "cqsa_bwd_stats_hopper")?;
     let mut builder = func.builder();
     builder.arg(&bw.lse).arg(&bw.delta).arg(stats);
     builder.arg(&slices).arg(&nq_).arg(&nqt_);
@@ -304,10 +300,10 @@ fn convert_kernel<T: DeviceRepr>(
     let AttentionShape { b, hq, nq, d, .. } = bw.dims;
     let (slices, nq_, nqt_, null) = ((b * hq) as i64, nq as i32, nqt as i32, 0u64);
     let (d_, scale) = (d as i32, bw.args.scale());
-    let func = bw.dev.get_or_load_custom_func(
+    let func = streamer_kernels::function(
+        bw.dev,
+        &ATTENTION_HOPPER,
         &format!("cqsa_bwd_dq_convert_hopper_{}", bw.sfx),
-        module::ATTENTION_HOPPER,
-        ATTENTION_HOPPER,
     )?;
     let mut builder = func.builder();
     builder.arg(acc).arg(&mut bw.dq);
@@ -347,9 +343,7 @@ fn bwd_kernel<T: DeviceRepr>(
         ..
     } = bw.dims;
     let name = format!("cqsa_bwd_hopper_{}{}_d{d}", bw.args.cap_infix(), bw.sfx);
-    let func = bw
-        .dev
-        .get_or_load_custom_func(&name, module::ATTENTION_HOPPER, ATTENTION_HOPPER)?;
+    let func = streamer_kernels::function(bw.dev, &ATTENTION_HOPPER, &name)?;
     let smem = bwd_smem(d);
     allow_smem(&func, smem)?;
     let blocks = segs.map_or(nk.div_ceil(BWD_KEYS), |s| s.blocks);

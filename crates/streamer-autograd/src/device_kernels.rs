@@ -12,12 +12,8 @@ fn suffix(dt: DType) -> Result<&'static str> {
 
 /// A kernel of `kernels/src/optim.cu`, loaded once per device.
 fn optim_func(dev: &CudaDevice, name: &str) -> Result<cudarc::driver::CudaFunction> {
-    dev.get_or_load_custom_func(
-        name,
-        streamer_kernels::module::OPTIM,
-        streamer_kernels::OPTIM,
-    )
-    .map(|f| f.into_cuda_function())
+    streamer_kernels::function(dev, &streamer_kernels::OPTIM, name)
+        .map(streamer_kernels::Kernel::into_function)
 }
 
 /// Sets the u32 at `flag` to 1 if any of the `n` elements at `g` is NaN or

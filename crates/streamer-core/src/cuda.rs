@@ -145,8 +145,7 @@ pub(crate) unsafe fn cast(
     if n == 0 {
         return Ok(());
     }
-    let func =
-        dev.get_or_load_custom_func(name, streamer_kernels::module::CAST, streamer_kernels::CAST)?;
+    let func = streamer_kernels::function(dev, &streamer_kernels::CAST, name)?;
     let cfg = grid_stride(n);
     let mut b = stream.launch_builder(&func);
     b.arg(&src).arg(&dst).arg(&n);
@@ -171,11 +170,7 @@ pub(crate) unsafe fn bytes_differ(
     if n == 0 {
         return Ok(());
     }
-    let func = dev.get_or_load_custom_func(
-        "bytes_differ",
-        streamer_kernels::module::CAST,
-        streamer_kernels::CAST,
-    )?;
+    let func = streamer_kernels::function(dev, &streamer_kernels::CAST, "bytes_differ")?;
     let mut l = stream.launch_builder(&func);
     l.arg(&x).arg(&y).arg(&n).arg(&flag);
     // SAFETY: the kernel reads n bytes at x and y and writes one u32 at flag,
@@ -242,11 +237,7 @@ pub(crate) fn device_ptr(t: &candle_core::Tensor) -> Result<u64> {
 
 /// Enqueues a kernel that waits `ns` nanoseconds on `stream` (slow-transfer tests).
 pub(crate) fn delay(dev: &CudaDevice, stream: &CudaStream, ns: u64) -> Result<()> {
-    let func = dev.get_or_load_custom_func(
-        "spin_ns",
-        streamer_kernels::module::DELAY,
-        streamer_kernels::DELAY,
-    )?;
+    let func = streamer_kernels::function(dev, &streamer_kernels::DELAY, "spin_ns")?;
     let cfg = LaunchConfig {
         grid_dim: (1, 1, 1),
         block_dim: (1, 1, 1),
