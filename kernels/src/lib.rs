@@ -5,7 +5,7 @@
 //! Each `.cu` file becomes a [`Module`]: a fat binary holding machine code
 //! (SASS) for the build's GPU beside its PTX. The driver runs the machine code
 //! as it is; only another GPU would make it compile the PTX at first launch
-//! (which, for these modules, takes tens of seconds). [`function`] loads a
+//! (which, for these modules, takes tens of seconds). `function` (CUDA builds) loads a
 //! module once per device context and looks a kernel up in it.
 //!
 //! Without the `cuda` feature this crate is empty and needs no CUDA toolkit.
@@ -31,7 +31,7 @@ pub struct Module {
     /// The name it is registered under with a device context.
     pub name: &'static str,
     /// The fat binary (machine code and PTX); empty where the build's GPU
-    /// cannot run the file's kernels (see [`ATTENTION_HOPPER`]).
+    /// cannot run the file's kernels (see `ATTENTION_HOPPER`).
     pub image: &'static [u8],
 }
 

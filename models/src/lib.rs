@@ -21,10 +21,10 @@
 //!   every master, checkpoints an interrupted save cannot break, resume.
 //! - [`generate`] ([`sample`]): temperature and top-p sampling, feeding one token
 //!   per step through the model's kv cache ([`Llama::forward_cached`]).
-//! - [`FusedLinear`] ([`fused_linear`]) and [`fused_ops`]: `Linear` with its bias
+//! - [`FusedLinear`] ([`fused_linear`](mod@fused_linear)) and [`fused_ops`]: `Linear` with its bias
 //!   and GELU in the GEMM's epilogue; RMSNorm and the rotary embedding through
 //!   candle-nn's fused kernels with a backward of their own. [`FusedMlp`]
-//!   ([`fused_mlp`]): the GELU MLP block whose streamed training backward is
+//!   ([`fused_mlp`](mod@fused_mlp)): the GELU MLP block whose streamed training backward is
 //!   four cuBLASLt GEMMs with GELU' and the bias gradients in their epilogues.
 //!
 //! ```

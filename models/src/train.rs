@@ -387,7 +387,7 @@ impl LmTrainer {
     /// step: each part's forward runs through a layer before the next layer,
     /// and in backward each part's recompute and backward, with the layer's
     /// gradients summed on the device and sent to the host (or stepped there)
-    /// once ([`TrainableSequential::set_micro_batch_rows`]). The bytes copied
+    /// once ([`streamer_autograd::TrainableSequential::set_micro_batch_rows`]). The bytes copied
     /// a step do not grow with `micro`; the saved layer inputs do. On a
     /// resident model the parts run one after another with their gradients
     /// summed. A non-finite loss refuses the step: weights and optimizer state

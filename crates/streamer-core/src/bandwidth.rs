@@ -128,7 +128,7 @@ pub fn measure_pin_gbps(device: &Device, bytes: usize, iters: usize) -> Result<O
 }
 
 /// Median rate in GB/s of allocating `bytes` of page-locked host memory
-/// (`cuMemHostAlloc` as [`crate::pages::alloc_readable_f32`] makes it; the free
+/// (`cuMemHostAlloc` as `pages::alloc_readable_f32` makes it; the free
 /// is not timed), over `iters` tries: what
 /// a streamed attention call pays for the staging buffers its results come
 /// back through, which are kept between calls rather than freed. `None` on the

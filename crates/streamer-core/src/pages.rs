@@ -51,7 +51,7 @@ pub fn whole_pages(ptr: usize, bytes: usize) -> Option<(usize, usize)> {
 }
 
 /// Splits a host range into the part before its first page boundary, its whole
-/// pages (which [`PinnedRegion`] page-locks, so copies from them are
+/// pages (which `PinnedRegion` (CUDA builds) page-locks, so copies from them are
 /// asynchronous DMA), and the part after its last page boundary (pageable). A
 /// copy may not span registered and unregistered memory, so each piece is
 /// copied on its own. Yields `(offset, len, whole_pages)`, empty pieces left out.
