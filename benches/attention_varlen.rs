@@ -18,7 +18,7 @@ use super::{median_ms, tflops};
 /// (forward ms, forward+backward ms) of `attention(q, k, v, opts)`; the
 /// forward+backward through `attention_saved` and its backward for `g`, as
 /// the bench's dense rows time theirs (no autograd graph: Candle's `sum_all`,
-/// a single-block reduction on CUDA, took milliseconds in session 21 call 2).
+/// a single-block reduction on CUDA, took milliseconds when the bench used it).
 fn timed(
     dev: &Device,
     reps: usize,

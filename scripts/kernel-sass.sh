@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Shows what ptxas made of one of our CUDA kernels, here, without a GPU: its
 # register and spill report, ptxas's wgmma warnings, and the SASS with an
-# instruction histogram. Reading the SASS is how session 19 found the Hopper
+# instruction histogram. Reading the SASS is how we found the Hopper
 # backward's per-tile bookkeeping (mask checks, descriptor arithmetic).
 #
 #   scripts/kernel-sass.sh KERNEL.cu FUNCTION [OUT.sass]
