@@ -4,6 +4,7 @@
 
 mod attention;
 mod bad_inputs;
+mod batch_generate;
 mod bf16_state;
 mod calibrate;
 mod crash;

@@ -17,9 +17,21 @@ type Slot = Option<(Tensor, Tensor)>;
 /// A streamed model's embedding, final norm and head on the device.
 type Outer = (Tensor, Tensor, Tensor);
 
+/// A batched decode's state ([`crate::batch_generate`]): every sequence
+/// slot keeps its own keys and values per layer, and the step in flight says
+/// which rows of the packed call belong to which slot.
+#[derive(Debug)]
+struct Batched {
+    /// `[sequence slot][layer]`.
+    slots: Vec<Vec<Slot>>,
+    /// The call in flight: `(slot, rows)` in row order.
+    step: Vec<(usize, usize)>,
+}
+
 #[derive(Debug)]
 pub(crate) struct KvCache {
     layers: Mutex<Vec<Slot>>,
+    batched: Mutex<Option<Batched>>,
     /// The device copies of a streamed model's outer weights for the cached
     /// sequence: uploaded at its first call, not at every token (they are the
     /// size of several layers), and dropped with the cache.
@@ -31,6 +43,7 @@ impl KvCache {
     pub(crate) fn new(layers: usize) -> Self {
         Self {
             layers: Mutex::new(vec![None; layers]),
+            batched: Mutex::new(None),
             outer: Mutex::new(None),
         }
     }
@@ -66,7 +79,8 @@ impl KvCache {
     /// The outer weights' device copies of this cached sequence, made by
     /// `make` at its first call (no position cached yet).
     pub(crate) fn outer_or(&self, make: impl FnOnce() -> Result<Outer>) -> Result<Outer> {
-        let fresh = self.positions()? == 0;
+        // A batch keeps its copies from `begin_batch` to `end_batch`.
+        let fresh = self.positions()? == 0 && self.lock_batched()?.is_none();
         let mut outer = self.lock_outer()?;
         if fresh || outer.is_none() {
             *outer = Some(make()?);
@@ -86,6 +100,94 @@ impl KvCache {
             None => (k, v),
         };
         *slot = Some((k.clone(), v.clone()));
+        Ok((k, v))
+    }
+
+    fn lock_batched(&self) -> Result<MutexGuard<'_, Option<Batched>>> {
+        self.batched
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("kv cache poisoned by a panic".into()))
+    }
+
+    /// Starts batched decoding with `slots` empty sequence slots (the
+    /// single-sequence cache and the outer weights' copies are emptied).
+    pub(crate) fn begin_batch(&self, slots: usize) -> Result<()> {
+        self.clear()?;
+        let layers = self.lock()?.len();
+        *self.lock_batched()? = Some(Batched {
+            slots: vec![vec![None; layers]; slots],
+            step: Vec::new(),
+        });
+        Ok(())
+    }
+
+    /// Ends batched decoding, dropping every slot.
+    pub(crate) fn end_batch(&self) -> Result<()> {
+        *self.lock_batched()? = None;
+        self.clear()
+    }
+
+    /// Sets the rows of the next packed call: `(slot, rows)` in row order
+    /// (empty: no call in flight).
+    pub(crate) fn set_step(&self, step: Vec<(usize, usize)>) -> Result<()> {
+        match self.lock_batched()?.as_mut() {
+            Some(b) => b.step = step,
+            None if step.is_empty() => {}
+            None => bail!("kv cache: a batched step outside begin_batch/end_batch"),
+        }
+        Ok(())
+    }
+
+    /// The packed call in flight, if batched decoding is on and a call is.
+    pub(crate) fn step(&self) -> Result<Option<Vec<(usize, usize)>>> {
+        Ok(self
+            .lock_batched()?
+            .as_ref()
+            .filter(|b| !b.step.is_empty())
+            .map(|b| b.step.clone()))
+    }
+
+    /// Positions cached for sequence slot `slot` (layer 0's).
+    pub(crate) fn slot_positions(&self, slot: usize) -> Result<usize> {
+        match self.lock_batched()?.as_ref().and_then(|b| b.slots.get(slot)) {
+            Some(layers) => match layers.first() {
+                Some(Some((k, _))) => k.dim(2),
+                _ => Ok(0),
+            },
+            None => bail!("kv cache: no batch slot {slot}"),
+        }
+    }
+
+    /// Empties sequence slot `slot` for the next sequence.
+    pub(crate) fn clear_slot(&self, slot: usize) -> Result<()> {
+        match self.lock_batched()?.as_mut().and_then(|b| b.slots.get_mut(slot)) {
+            Some(layers) => layers.iter_mut().for_each(|s| *s = None),
+            None => bail!("kv cache: no batch slot {slot}"),
+        }
+        Ok(())
+    }
+
+    /// [`KvCache::extend`] for sequence slot `slot` of a batch.
+    pub(crate) fn extend_slot(
+        &self,
+        layer: usize,
+        slot: usize,
+        k: Tensor,
+        v: Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let mut batched = self.lock_batched()?;
+        let Some(s) = batched
+            .as_mut()
+            .and_then(|b| b.slots.get_mut(slot))
+            .and_then(|l| l.get_mut(layer))
+        else {
+            bail!("kv cache has no batch slot {slot} for layer {layer}")
+        };
+        let (k, v) = match s.as_ref() {
+            Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?),
+            None => (k.contiguous()?, v.contiguous()?),
+        };
+        *s = Some((k.clone(), v.clone()));
         Ok((k, v))
     }
 }

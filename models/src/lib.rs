@@ -49,6 +49,7 @@
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod batch_generate;
 pub mod checkpoint;
 pub mod config;
 pub mod cross_entropy;
@@ -67,12 +68,16 @@ pub mod lora;
 #[cfg(feature = "cuda")]
 mod lt;
 pub mod pretrained;
+pub mod prompt_file;
 mod resident_backward;
 pub mod sample;
 pub mod step_rates;
 pub mod tokenizer;
 pub mod train;
 
+pub use batch_generate::{
+    generate_batch, BatchOutput, BatchRequest, BatchSink, Finish, Generated,
+};
 pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budget, SplitMix64};
 pub use config::{LlamaConfig, RopeScaling};
 pub use cross_entropy::cross_entropy;

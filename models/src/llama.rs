@@ -138,6 +138,20 @@ impl Rope {
         self.extras_at(0, seq)
     }
 
+    /// `[cos, sin]` for the given positions, one row each (a packed batch
+    /// of sequences at different positions).
+    pub fn extras_for(&self, positions: &[u32]) -> Result<Vec<Tensor>> {
+        let max = self.cos.dim(0)?;
+        if let Some(p) = positions.iter().find(|&&p| p as usize >= max) {
+            bail!("position {p} is past max_position_embeddings = {max}");
+        }
+        let at = Tensor::new(positions, self.cos.device())?;
+        Ok(vec![
+            self.cos.index_select(&at, 0)?,
+            self.sin.index_select(&at, 0)?,
+        ])
+    }
+
     /// `[cos, sin]` for positions `start..start + seq`.
     pub fn extras_at(&self, start: usize, seq: usize) -> Result<Vec<Tensor>> {
         let max = self.cos.dim(0)?;
@@ -430,13 +444,6 @@ impl DecoderLayer {
         let v = self.heads(proj(2, &self.v_proj, &h)?, b, n, self.kv_heads)?;
         let q = apply_rope(&q, cos, sin)?;
         let k = apply_rope(&k, cos, sin)?;
-        // Cached: attend over the earlier positions too (causal masking is aligned
-        // bottom-right, so new query i sees every cached key and new keys 0..=i).
-        let (k, v) = match (cached, &self.cache) {
-            (false, _) => (k, v),
-            (true, Some((cache, i))) => cache.extend(*i, k, v)?,
-            (true, None) => bail!("this decoder layer was built without a kv cache"),
-        };
         // Bottom-right aligned: with cached keys, new query i sits at position
         // past + i, and its window reaches back from there.
         let opts = cqsa::AttentionOpts {
@@ -444,7 +451,19 @@ impl DecoderLayer {
             window_left: self.window_left(),
             ..Default::default()
         };
-        let o = cqsa::attention(&q, &k, &v, &opts)?;
+        // Cached: attend over the earlier positions too (causal masking is aligned
+        // bottom-right, so new query i sees every cached key and new keys 0..=i).
+        let o = match (cached, &self.cache) {
+            (false, _) => cqsa::attention(&q, &k, &v, &opts)?,
+            (true, Some((cache, i))) => match cache.step()? {
+                Some(step) => attend_packed(cache, *i, &step, (&q, &k, &v), &opts)?,
+                None => {
+                    let (k, v) = cache.extend(*i, k, v)?;
+                    cqsa::attention(&q, &k, &v, &opts)?
+                }
+            },
+            (true, None) => bail!("this decoder layer was built without a kv cache"),
+        };
         let o = o
             .transpose(1, 2)?
             .reshape((b, n, self.heads * self.head_dim))?;
@@ -458,6 +477,34 @@ impl DecoderLayer {
         let x = (&x + proj(6, &self.down_proj, &crate::fused_ops::swiglu(&g, &u)?)?)?;
         Ok(vec![x])
     }
+}
+
+/// Attention of a packed batched step ([`crate::batch_generate`]): `q`, `k`,
+/// `v` are `(1, heads, rows, head_dim)` holding each sequence's new rows one
+/// after another (`step`: `(slot, rows)`); each sequence's rows attend to its
+/// own slot of the cache and nothing else, exactly as a call of that sequence
+/// alone would. Returns `(1, heads, rows, head_dim)`.
+fn attend_packed(
+    cache: &KvCache,
+    layer: usize,
+    step: &[(usize, usize)],
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    opts: &cqsa::AttentionOpts,
+) -> Result<Tensor> {
+    let (b, _, rows, _) = q.dims4()?;
+    let total: usize = step.iter().map(|s| s.1).sum();
+    if b != 1 || rows != total {
+        bail!("a packed batched step needs (1, heads, {total}, head_dim) queries, got {:?}", q.dims());
+    }
+    let mut outs = Vec::with_capacity(step.len());
+    let mut at = 0;
+    for &(slot, n) in step {
+        let part = |t: &Tensor| t.narrow(2, at, n)?.contiguous();
+        let (ks, vs) = cache.extend_slot(layer, slot, part(k)?, part(v)?)?;
+        outs.push(cqsa::attention(&part(q)?, &ks, &vs, opts)?);
+        at += n;
+    }
+    Tensor::cat(&outs, 2)
 }
 
 /// A layer's own extras, and its LoRA layout with its `[A, B, ...]` when on.
@@ -940,6 +987,69 @@ impl Llama {
             self.kv.clear()?;
         }
         r
+    }
+
+    /// One packed step of batched decoding ([`crate::batch_generate`]):
+    /// `tokens` are the new tokens of several sequences one after another,
+    /// `positions` each token's position in its own sequence, and `step`
+    /// `(slot, rows)` says which rows belong to which sequence slot of the
+    /// kv cache (started by `begin_batch`). Every layer runs once over all
+    /// rows (one visit of its weights for the whole batch); attention stays
+    /// within each sequence. Returns the logits `(step.len(), vocab)` of each
+    /// sequence's last row.
+    pub(crate) fn forward_packed(
+        &self,
+        tokens: &[u32],
+        positions: &[u32],
+        step: Vec<(usize, usize)>,
+    ) -> Result<Tensor> {
+        if self.is_training() {
+            bail!("batched decoding: the model is in training mode (call set_training(false))");
+        }
+        let mut last = Vec::with_capacity(step.len());
+        let mut end = 0u32;
+        for &(_, n) in &step {
+            end += n as u32;
+            last.push(end - 1);
+        }
+        if tokens.len() != end as usize || positions.len() != tokens.len() {
+            bail!(
+                "batched decoding: {} tokens and {} positions for a step of {end} rows",
+                tokens.len(),
+                positions.len()
+            );
+        }
+        let extras = self.rope.extras_for(positions)?;
+        let tokens = Tensor::new(tokens, &self.device)?.unsqueeze(0)?;
+        self.kv.set_step(step)?;
+        let r = self.hidden(&tokens, extras, true);
+        self.kv.set_step(Vec::new())?;
+        let (h, head) = r?;
+        let last = Tensor::new(last.as_slice(), &self.device)?;
+        let h = h.squeeze(0)?.index_select(&last, 0)?;
+        Linear::new(head, None)
+            .forward(&h)
+            .map_err(|e| e.context("in the head (final norm and vocabulary projection)"))
+    }
+
+    /// Starts batched decoding with `slots` sequence slots in the kv cache.
+    pub(crate) fn begin_batch(&self, slots: usize) -> Result<()> {
+        self.kv.begin_batch(slots)
+    }
+
+    /// Ends batched decoding and empties the kv cache.
+    pub(crate) fn end_batch(&self) -> Result<()> {
+        self.kv.end_batch()
+    }
+
+    /// Empties one sequence slot of a batch for the next sequence.
+    pub(crate) fn clear_batch_slot(&self, slot: usize) -> Result<()> {
+        self.kv.clear_slot(slot)
+    }
+
+    /// Positions held by one sequence slot of a batch.
+    pub(crate) fn batch_slot_positions(&self, slot: usize) -> Result<usize> {
+        self.kv.slot_positions(slot)
     }
 
     /// Positions held in the kv cache ([`Llama::forward_cached`]).

@@ -1,0 +1,301 @@
+//! Many sequences per weight visit: continuous batched decoding of a
+//! [`Llama`], for throughput when the weights stream from host memory.
+//!
+//! [`generate_batch`] keeps up to `batch` sequences in flight. Every step is
+//! one forward in which each decoder layer runs once over the new rows of
+//! every sequence, so a streamed model copies each layer to the device once a
+//! step for the whole batch: the bytes moved per generated token fall by the
+//! number of sequences in flight.
+//!
+//! Design (no padding): the step packs the sequences' new rows one after
+//! another into one `(1, rows, hidden)` call, each row with its own rotary
+//! position; the projections, norms and MLP run over all rows at once, and
+//! attention runs per sequence over that sequence's own slot of the kv cache.
+//! A sequence admitted this step contributes its whole prompt (its prefill
+//! shares the step's weight visit), the others one token each. Every row
+//! computed is a real token, so ragged prompt lengths waste no compute and no
+//! cache memory (the padding waste is 0; a left-padded design would waste up
+//! to `batch x (longest - shortest prompt)` rows a step). When a sequence
+//! finishes (end-of-sequence token, a stop the caller detects, its
+//! `max_tokens`, or a full context) its slot is emptied and the next queued
+//! request takes it in the following step.
+//!
+//! Each sequence is sampled with its own [`SplitMix64`] seeded by its request,
+//! through [`sample_token`], as [`crate::generate`] samples it alone: the same
+//! logits give the same tokens (greedy or not).
+//!
+//! ```
+//! # use candle_core::{DType, Device};
+//! # use candle_nn::VarBuilder;
+//! use streamer_models::{generate, generate_batch, init_weights, BatchOutput, BatchRequest, Llama, LlamaConfig};
+//! let cfg = LlamaConfig { max_position_embeddings: 32, ..LlamaConfig::bytes(32, 2, 4, 2) };
+//! let vb = VarBuilder::from_tensors(init_weights(&cfg, 0)?, DType::F32, &Device::Cpu);
+//! let model = Llama::resident(vb, &cfg)?;
+//! let prompts = [vec![1u32, 2, 3], vec![4], vec![5, 6]];
+//! let requests = prompts.iter().enumerate().map(|(id, p)| BatchRequest::greedy(id, p.clone(), 5));
+//! let mut outs = Vec::new();
+//! generate_batch(&model, requests, 2, &[], &mut |o: BatchOutput| { outs.push(o); Ok(()) })?;
+//! outs.sort_by_key(|o| o.id);
+//! for (p, o) in prompts.iter().zip(&outs) {
+//!     assert_eq!(o.result.as_ref().unwrap().tokens, generate(&model, p, 5, 0.0, 1.0, 0, |_| ())?);
+//! }
+//! # Ok::<(), candle_core::Error>(())
+//! ```
+use crate::checkpoint::SplitMix64;
+use crate::llama::Llama;
+use crate::sample::sample_token;
+use candle_core::{bail, Result};
+
+/// One sequence to continue.
+#[derive(Clone, Debug)]
+pub struct BatchRequest {
+    /// The caller's name for it (e.g. its input line), given back in
+    /// [`BatchOutput::id`].
+    pub id: usize,
+    /// Prompt tokens.
+    pub prompt: Vec<u32>,
+    /// New tokens at most.
+    pub max_tokens: usize,
+    /// Softmax temperature (`<= 0`: greedy), as [`sample_token`].
+    pub temperature: f64,
+    /// Nucleus mass, as [`sample_token`].
+    pub top_p: f64,
+    /// Seed of this sequence's sampler.
+    pub seed: u64,
+}
+
+impl BatchRequest {
+    /// A greedy request.
+    pub fn greedy(id: usize, prompt: Vec<u32>, max_tokens: usize) -> Self {
+        Self {
+            id,
+            prompt,
+            max_tokens,
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+/// Why a sequence stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// It reached its `max_tokens`.
+    Length,
+    /// It produced an end-of-sequence token (not included in the tokens).
+    Eos,
+    /// [`BatchSink::stop`] said so.
+    Stop,
+    /// Prompt and output filled `max_position_embeddings` (where
+    /// [`crate::generate`] would go on with a sliding window, recomputing
+    /// every position each step; a batch does not).
+    Context,
+}
+
+impl Finish {
+    /// A short lowercase name (`length`, `eos`, `stop`, `context`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Finish::Length => "length",
+            Finish::Eos => "eos",
+            Finish::Stop => "stop",
+            Finish::Context => "context",
+        }
+    }
+}
+
+/// What a finished sequence produced.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Generated {
+    /// The new tokens.
+    pub tokens: Vec<u32>,
+    /// Why it stopped.
+    pub finish: Finish,
+}
+
+/// A finished request: its tokens, or why it could not run (an empty prompt,
+/// a prompt longer than the context). Such an error concerns this request
+/// only; the batch goes on.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BatchOutput {
+    /// [`BatchRequest::id`].
+    pub id: usize,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// The result, or the reason for refusing the request.
+    pub result: std::result::Result<Generated, String>,
+}
+
+/// Where [`generate_batch`] reports.
+pub trait BatchSink {
+    /// A request finished (in completion order, not request order). An
+    /// error ends the batch.
+    fn done(&mut self, out: BatchOutput) -> Result<()>;
+
+    /// Whether `request` should stop after its new `tokens` so far (e.g. a
+    /// stop string in their text). Called after every new token.
+    fn stop(&mut self, _request: &BatchRequest, _tokens: &[u32]) -> bool {
+        false
+    }
+
+    /// A step ended having produced `tokens` new tokens and computed
+    /// `rows` rows (prompts included), for progress.
+    fn step(&mut self, _tokens: usize, _rows: usize) {}
+}
+
+impl<F: FnMut(BatchOutput) -> Result<()>> BatchSink for F {
+    fn done(&mut self, out: BatchOutput) -> Result<()> {
+        self(out)
+    }
+}
+
+/// A sequence in a slot of the batch.
+struct Active {
+    req: BatchRequest,
+    rng: SplitMix64,
+    out: Vec<u32>,
+    /// Tokens to feed in the next step (the prompt, then the newest token).
+    feed: Vec<u32>,
+}
+
+/// Continues every request of `requests`, `batch` sequences at a time (see
+/// the module's documentation): each step runs every decoder layer once for
+/// all sequences in flight. A token in `eos` ends its sequence. Finished
+/// requests go to `sink` as they finish; a request that cannot run (empty
+/// prompt, longer than `max_position_embeddings`) goes there as an error and
+/// the rest go on. Requests are taken from the iterator only when a slot is
+/// free. The model's kv cache is used and emptied; a model error ends the
+/// batch (the requests in flight are not reported).
+pub fn generate_batch(
+    model: &Llama,
+    requests: impl IntoIterator<Item = BatchRequest>,
+    batch: usize,
+    eos: &[u32],
+    sink: &mut impl BatchSink,
+) -> Result<()> {
+    if batch == 0 {
+        bail!("generate_batch: a batch of 0 sequences");
+    }
+    let was_training = model.is_training();
+    model.set_training(false);
+    let r = model
+        .begin_batch(batch)
+        .and_then(|()| decode_loop(model, &mut requests.into_iter(), batch, eos, sink));
+    let ended = model.end_batch();
+    model.set_training(was_training);
+    r?;
+    ended
+}
+
+fn decode_loop(
+    model: &Llama,
+    queue: &mut impl Iterator<Item = BatchRequest>,
+    batch: usize,
+    eos: &[u32],
+    sink: &mut impl BatchSink,
+) -> Result<()> {
+    let mut slots: Vec<Option<Active>> = (0..batch).map(|_| None).collect();
+    loop {
+        for slot in slots.iter_mut().filter(|s| s.is_none()) {
+            *slot = next_admitted(model, queue, sink)?;
+        }
+        if slots.iter().all(Option::is_none) {
+            return Ok(());
+        }
+        let (mut tokens, mut positions, mut step) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, a) in slots.iter().enumerate() {
+            let Some(a) = a else { continue };
+            let past = model.batch_slot_positions(i)? as u32;
+            positions.extend((0..a.feed.len() as u32).map(|p| past + p));
+            tokens.extend_from_slice(&a.feed);
+            step.push((i, a.feed.len()));
+        }
+        let rows = tokens.len();
+        let logits = model
+            .forward_packed(&tokens, &positions, step.clone())
+            .map_err(|e| e.context(format!("batched decoding: a step of {rows} rows")))?;
+        for (row, &(i, _)) in step.iter().enumerate() {
+            let a = slots[i].as_mut().expect("in the step, so active");
+            let t = sample_token(&logits.get(row)?, a.req.temperature, a.req.top_p, &mut a.rng)?;
+            let finish = if eos.contains(&t) {
+                Some(Finish::Eos)
+            } else {
+                a.out.push(t);
+                a.feed = vec![t];
+                finished(model, a, sink)
+            };
+            if let Some(finish) = finish {
+                let a = slots[i].take().expect("active");
+                model.clear_batch_slot(i)?;
+                sink.done(BatchOutput {
+                    id: a.req.id,
+                    prompt_tokens: a.req.prompt.len(),
+                    result: Ok(Generated {
+                        tokens: a.out,
+                        finish,
+                    }),
+                })?;
+            }
+        }
+        sink.step(step.len(), rows);
+    }
+}
+
+/// Whether `a`, having just produced a token, is done.
+fn finished(model: &Llama, a: &Active, sink: &mut impl BatchSink) -> Option<Finish> {
+    if a.out.len() >= a.req.max_tokens {
+        Some(Finish::Length)
+    } else if sink.stop(&a.req, &a.out) {
+        Some(Finish::Stop)
+    } else if a.req.prompt.len() + a.out.len() > model.config().max_position_embeddings {
+        // The newest token would sit at position `max_position_embeddings`.
+        Some(Finish::Context)
+    } else {
+        None
+    }
+}
+
+/// The next request of `queue` that can run; those that cannot (and those
+/// that ask for no token) are reported to `sink` on the way.
+fn next_admitted(
+    model: &Llama,
+    queue: &mut impl Iterator<Item = BatchRequest>,
+    sink: &mut impl BatchSink,
+) -> Result<Option<Active>> {
+    let ctx = model.config().max_position_embeddings;
+    for req in queue.by_ref() {
+        let refused = if req.prompt.is_empty() {
+            Some("the prompt is empty".to_string())
+        } else if req.prompt.len() > ctx {
+            Some(format!(
+                "the prompt has {} tokens, more than the model's context of {ctx} \
+                 (max_position_embeddings)",
+                req.prompt.len()
+            ))
+        } else {
+            None
+        };
+        if refused.is_some() || req.max_tokens == 0 {
+            sink.done(BatchOutput {
+                id: req.id,
+                prompt_tokens: req.prompt.len(),
+                result: match refused {
+                    Some(e) => Err(e),
+                    None => Ok(Generated {
+                        tokens: Vec::new(),
+                        finish: Finish::Length,
+                    }),
+                },
+            })?;
+            continue;
+        }
+        return Ok(Some(Active {
+            rng: SplitMix64::new(req.seed),
+            out: Vec::new(),
+            feed: req.prompt.clone(),
+            req,
+        }));
+    }
+    Ok(None)
+}

@@ -1,0 +1,288 @@
+//! Batched decoding (`generate_batch`): many sequences per weight visit give
+//! exactly what each sequence gives alone through `generate` (greedy and
+//! sampled), resident and streamed, with prompts of different lengths and
+//! more prompts than slots (finished sequences make room for queued ones);
+//! requests that cannot run fail alone; and the prompts file's parsing and
+//! resume (`prompt_file`).
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
+use std::collections::BTreeMap;
+use streamer_core::StreamConfig;
+use streamer_models::prompt_file::{
+    completed_lines, find_stop, output_line, parse_prompt_line, LineOutcome, OutputFile,
+};
+use streamer_models::{
+    generate, generate_batch, init_weights, BatchOutput, BatchRequest, BatchSink, Finish,
+    Generated, Llama, LlamaConfig, Placement, SplitMix64,
+};
+
+fn stream(dev: &Device) -> StreamConfig {
+    StreamConfig {
+        device: dev.clone(),
+        prefetch_ahead: 1,
+        dtype: DType::F32,
+        master_dtype: Some(DType::F32),
+        ..Default::default()
+    }
+}
+
+/// The tiny preset, resident and streamed, from the same seeded weights.
+fn tiny_models(dev: &Device) -> Result<Vec<(&'static str, Llama)>> {
+    let cfg = LlamaConfig::preset("tiny")?;
+    let w = init_weights(&cfg, 11)?;
+    Ok(vec![
+        (
+            "resident",
+            Llama::resident(VarBuilder::from_tensors(w.clone(), DType::F32, dev), &cfg)?,
+        ),
+        ("streamed", Llama::from_tensors(w, &cfg, stream(dev))?),
+    ])
+}
+
+/// Prompts of lengths `lens` of random bytes, with `max_tokens` cycling
+/// through `news`.
+fn requests(lens: &[usize], news: &[usize], temperature: f64, vocab: usize) -> Vec<BatchRequest> {
+    let mut rng = SplitMix64::new(5);
+    lens.iter()
+        .enumerate()
+        .map(|(i, &n)| BatchRequest {
+            id: i,
+            prompt: (0..n).map(|_| rng.below(vocab) as u32).collect(),
+            max_tokens: news[i % news.len()],
+            temperature,
+            top_p: 0.9,
+            seed: 100 + i as u64,
+        })
+        .collect()
+}
+
+/// Every request's output by id.
+fn run_batch(
+    model: &Llama,
+    reqs: &[BatchRequest],
+    batch: usize,
+) -> Result<BTreeMap<usize, BatchOutput>> {
+    let mut outs = BTreeMap::new();
+    generate_batch(model, reqs.to_vec(), batch, &[], &mut |o: BatchOutput| {
+        outs.insert(o.id, o);
+        Ok(())
+    })?;
+    Ok(outs)
+}
+
+/// Each request alone through `generate`, compared with the batch's output.
+fn check_against_alone(
+    model: &Llama,
+    reqs: &[BatchRequest],
+    outs: &BTreeMap<usize, BatchOutput>,
+    what: &str,
+) -> Result<()> {
+    for r in reqs {
+        let alone = generate(model, &r.prompt, r.max_tokens, r.temperature, r.top_p, r.seed, |_| ())?;
+        let out = outs.get(&r.id).ok_or_else(|| anyhow::anyhow!("{what}: no output for {}", r.id))?;
+        let got = out.result.as_ref().map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+        ensure!(
+            got.tokens == alone,
+            "{what}: request {} (prompt of {}): batched {:?}, alone {alone:?}",
+            r.id,
+            r.prompt.len(),
+            got.tokens
+        );
+        ensure!(got.finish == Finish::Length && alone.len() == r.max_tokens);
+    }
+    Ok(())
+}
+
+fn batched_greedy_equals_one_by_one_tiny(dev: &Device) -> Result<()> {
+    let lens = [5, 1, 17, 9, 3, 12, 2];
+    let news = [12, 4, 9, 16, 6];
+    for (name, model) in tiny_models(dev)? {
+        let reqs = requests(&lens, &news, 0.0, 256);
+        // 3 slots for 7 prompts: slots are refilled while others decode.
+        for batch in [3, 7] {
+            let outs = run_batch(&model, &reqs, batch)?;
+            ensure!(outs.len() == reqs.len(), "{} outputs for {} requests", outs.len(), reqs.len());
+            check_against_alone(&model, &reqs, &outs, &format!("{name}, batch {batch}"))?;
+        }
+        ensure!(model.cached_positions()? == 0, "{name}: the cache is left empty");
+    }
+    Ok(())
+}
+candle_streamer::test_device!(batched_greedy_equals_one_by_one_tiny);
+
+fn batched_sampling_equals_one_by_one_tiny(dev: &Device) -> Result<()> {
+    // Temperature 1.0: each token depends on every logit and on the
+    // sequence's own sampler, not on its neighbours in the batch.
+    for (name, model) in tiny_models(dev)? {
+        let reqs = requests(&[4, 11, 2, 7], &[10, 5, 14], 1.0, 256);
+        let outs = run_batch(&model, &reqs, 2)?;
+        check_against_alone(&model, &reqs, &outs, &format!("{name}, sampled"))?;
+    }
+    Ok(())
+}
+candle_streamer::test_device!(batched_sampling_equals_one_by_one_tiny);
+
+fn batched_streamed_copies_each_layer_once_a_step(dev: &Device) -> Result<()> {
+    // Four prompts of one token, 8 tokens each: one-by-one is 4 x 8
+    // forwards; batched, 8 forwards, each copying every layer once.
+    let cfg = LlamaConfig::preset("tiny")?;
+    let model = Llama::from_tensors(init_weights(&cfg, 11)?, &cfg, stream(dev))?;
+    let reqs = requests(&[1, 1, 1, 1], &[8], 0.0, 256);
+    let bytes = |m: &Llama| -> Result<u64> { Ok(m.stats()?.expect("streamed").h2d_bytes) };
+    let before = bytes(&model)?;
+    run_batch(&model, &reqs, 4)?;
+    let batched = bytes(&model)? - before;
+    for r in &reqs {
+        generate(&model, &r.prompt, r.max_tokens, 0.0, 1.0, 0, |_| ())?;
+    }
+    let alone = bytes(&model)? - before - batched;
+    ensure!(batched > 0 && alone == 4 * batched, "host-to-device bytes: batched {batched}, one by one {alone}");
+    Ok(())
+}
+candle_streamer::test_device!(batched_streamed_copies_each_layer_once_a_step);
+
+/// A sink that records outputs and stops a sequence at a given token.
+struct StopAt {
+    token: u32,
+    outs: Vec<BatchOutput>,
+}
+
+impl BatchSink for StopAt {
+    fn done(&mut self, out: BatchOutput) -> candle_core::Result<()> {
+        self.outs.push(out);
+        Ok(())
+    }
+
+    fn stop(&mut self, _: &BatchRequest, tokens: &[u32]) -> bool {
+        tokens.last() == Some(&self.token)
+    }
+}
+
+fn batched_bad_requests_fail_alone_and_finish_reasons(dev: &Device) -> Result<()> {
+    let cfg = LlamaConfig {
+        max_position_embeddings: 24,
+        ..LlamaConfig::bytes(32, 2, 4, 2)
+    };
+    let model = Llama::resident(
+        VarBuilder::from_tensors(init_weights(&cfg, 3)?, DType::F32, dev),
+        &cfg,
+    )?;
+    let mut reqs = requests(&[6, 30, 0, 20, 4], &[10], 0.0, 256);
+    reqs[3].max_tokens = 50;
+    let outs = run_batch(&model, &reqs, 2)?;
+    let err = |id: usize| outs[&id].result.clone().err().unwrap_or_default();
+    ensure!(err(1).contains("30 tokens") && err(1).contains("context of 24"), "{}", err(1));
+    ensure!(err(2).contains("empty"), "{}", err(2));
+    check_against_alone(&model, &[reqs[0].clone(), reqs[4].clone()], &outs, "beside bad requests")?;
+    // A prompt of 20 in a context of 24 gets 5 tokens (the last at position
+    // 24 is not fed), the first 5 of what `generate` gives.
+    let alone = generate(&model, &reqs[3].prompt, 5, 0.0, 1.0, 0, |_| ())?;
+    ensure!(
+        outs[&3].result == Ok(Generated { tokens: alone, finish: Finish::Context }),
+        "{:?}",
+        outs[&3].result
+    );
+    // End-of-sequence and caller stops: the stream up to them.
+    let r = &reqs[0];
+    let full = generate(&model, &r.prompt, r.max_tokens, 0.0, 1.0, 0, |_| ())?;
+    let (cut, token) = (3, full[3]);
+    let first = full.iter().position(|&t| t == token).expect("present");
+    ensure!(first <= cut);
+    let mut eos_outs = Vec::new();
+    generate_batch(&model, vec![r.clone()], 2, &[token], &mut |o: BatchOutput| {
+        eos_outs.push(o);
+        Ok(())
+    })?;
+    let want = Generated { tokens: full[..first].to_vec(), finish: Finish::Eos };
+    ensure!(eos_outs[0].result == Ok(want), "{:?}", eos_outs[0].result);
+    let mut sink = StopAt { token, outs: Vec::new() };
+    generate_batch(&model, vec![r.clone()], 2, &[], &mut sink)?;
+    let want = Generated { tokens: full[..=first].to_vec(), finish: Finish::Stop };
+    ensure!(sink.outs[0].result == Ok(want), "{:?}", sink.outs[0].result);
+    Ok(())
+}
+candle_streamer::test_device!(batched_bad_requests_fail_alone_and_finish_reasons);
+
+fn batched_matches_one_by_one_transformers_fixtures(dev: &Device) -> Result<()> {
+    // A Hugging Face Llama with its tokenizer, and Mistral with a sliding
+    // window of 16 that prompts of 20 and generations of 12 cross.
+    for name in ["llama-tokenizer", "mistral-window16", "qwen3"] {
+        let dir = crate::families::fixture(name)?;
+        for placement in [
+            Placement::Resident { device: dev.clone(), dtype: DType::F32 },
+            Placement::Streamed(stream(dev)),
+        ] {
+            let model = Llama::from_pretrained(&dir, placement)?.model;
+            let vocab = model.config().vocab_size;
+            let reqs = requests(&[20, 3, 8, 14, 1], &[12, 7], 0.0, vocab);
+            let outs = run_batch(&model, &reqs, 2)?;
+            check_against_alone(&model, &reqs, &outs, name)?;
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(batched_matches_one_by_one_transformers_fixtures);
+
+#[test]
+fn prompt_lines_parse_and_errors_name_line_and_field() -> Result<()> {
+    let p = parse_prompt_line(
+        2,
+        r#"{"prompt": "Once", "max_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": 9, "stop": ["\n", "END"], "id": "a1"}"#,
+    )?;
+    ensure!(p.line == 2 && p.prompt == "Once" && p.max_tokens == Some(7));
+    ensure!(p.temperature == Some(0.0) && p.top_p == Some(0.5) && p.seed == Some(9));
+    ensure!(p.stop == ["\n", "END"] && p.passthrough["id"] == "a1");
+    let cases = [
+        ("{\"prompt\": \"x\"", "not valid JSON"),
+        ("[1]", "JSON object"),
+        ("{\"max_tokens\": 3}", "no \"prompt\""),
+        ("{\"prompt\": \"x\", \"n\": 2}", "unsupported field `n`"),
+        ("{\"messages\": []}", "`messages` (chat) is not supported"),
+        ("{\"prompt\": \"x\", \"top_p\": 1.5}", "`top_p` must be"),
+        ("{\"prompt\": \"x\", \"max_tokens\": -1}", "`max_tokens` must be"),
+        ("{\"prompt\": \"x\", \"stop\": \"\"}", "`stop` must be"),
+        ("{\"prompt\": 3}", "`prompt` must be a string"),
+    ];
+    for (text, want) in cases {
+        let e = parse_prompt_line(41, text).err().map(|e| e.to_string()).unwrap_or_default();
+        ensure!(e.starts_with("line 41: ") && e.contains(want), "{text}: {e}");
+    }
+    ensure!(find_stop("ab\ncdEND", &["END".into(), "\n".into()]) == Some(2));
+    ensure!(find_stop("abc", &["x".into()]).is_none());
+    Ok(())
+}
+
+#[test]
+fn output_file_resumes_after_a_cut_last_line() -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("batch-resume-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("out.jsonl");
+    let _ = std::fs::remove_file(&path);
+    let meta = parse_prompt_line(1, r#"{"prompt": "x", "id": 5}"#)?.passthrough;
+    let ok = LineOutcome::Text { text: "hi\n\"there\"", prompt_tokens: 3, tokens: 4, finish_reason: "stop" };
+    {
+        let (mut out, done) = OutputFile::open_resume(&path)?;
+        ensure!(done.is_empty());
+        out.append(&output_line(1, &meta, &ok))?;
+        out.append(&output_line(3, &Default::default(), &LineOutcome::Error("too long")))?;
+    }
+    // A run killed in the middle of writing line 4's result.
+    let whole = std::fs::read_to_string(&path)?;
+    std::fs::write(&path, format!("{whole}{{\"line\": 4, \"te"))?;
+    let (mut out, done) = OutputFile::open_resume(&path)?;
+    ensure!(done.iter().copied().eq([1, 3]), "{done:?}");
+    out.append(&output_line(4, &Default::default(), &ok))?;
+    drop(out);
+    let text = std::fs::read_to_string(&path)?;
+    ensure!(text.starts_with(&whole) && text.lines().count() == 3, "{text}");
+    let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap_or_default())?;
+    ensure!(first["text"] == "hi\n\"there\"" && first["id"] == 5 && first["finish_reason"] == "stop");
+    ensure!(completed_lines(&text)?.iter().copied().eq([1, 3, 4]));
+    // A file that is not ours is refused, not overwritten.
+    std::fs::write(&path, "hello\n")?;
+    let e = OutputFile::open_resume(&path).err().map(|e| e.to_string()).unwrap_or_default();
+    ensure!(e.contains("output line 1 is not a result"), "{e}");
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
