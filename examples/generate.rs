@@ -9,6 +9,20 @@
 //!
 //!     cargo run --release --example generate -- --preset 350m     # the untrained model (train_lm's seeded init)
 //!
+//! Many prompts, `--batch` sequences per step (each decoder layer's weights
+//! visit the device once a step for all of them; `generate_batch`):
+//!
+//!     cargo run --release --example generate -- --model DIR --prompts prompts.jsonl --out out.jsonl --batch 16
+//!
+//! One JSON object a line: `prompt`, optional `max_tokens`, `temperature`,
+//! `top_p`, `seed` (default: `--seed` plus the line number) and `stop`; one
+//! result line per input line in `--out`, appended as each finishes. Run the
+//! same command again to resume: lines already in `--out` are not redone. A
+//! malformed line stops the run before the model loads, naming it, unless
+//! `--skip-bad-lines` (then its result is the error); a prompt longer than the
+//! context is an error for its line only. Generation ends at the tokenizer's
+//! end-of-sequence token (see `streamer_models::prompt_file`).
+//!
 //! The model runs resident unless `--streamed` is given or its decoder layers'
 //! weights exceed `--gpu-weight-budget`; then the layers stream from host memory
 //! through a window of as many layers as the budget holds.
@@ -93,6 +107,19 @@ struct Args {
     /// Device: cpu or cuda (default: cuda when built with it and present).
     #[arg(long)]
     device: Option<String>,
+    /// A JSONL file of prompts to run in batches (needs --out).
+    #[arg(long)]
+    prompts: Option<PathBuf>,
+    /// The JSONL file of results for --prompts (appended to; resumed from).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Sequences decoded together with --prompts.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// With --prompts: record a malformed line's error as its result and go
+    /// on, instead of stopping.
+    #[arg(long)]
+    skip_bad_lines: bool,
 }
 
 /// The flags that do not depend on the model, checked before anything loads.
@@ -105,6 +132,10 @@ fn check_args(a: &Args) -> Result<()> {
     }
     if let Some(b) = &a.gpu_weight_budget {
         parse_bytes(b)?;
+    }
+    cli::count("--batch", a.batch, 1 << 16)?;
+    if a.prompts.is_some() != a.out.is_some() {
+        bail!("--prompts and --out go together: give both or neither");
     }
     Ok(())
 }
@@ -123,6 +154,28 @@ impl Tokens {
             Tokens::Bytes => ByteCorpus::encode(text),
             Tokens::Hf(t) => t.encode(text)?,
         })
+    }
+
+    /// Text of `ids` (bytes past 255, and invalid UTF-8, as U+FFFD).
+    fn decode(&self, ids: &[u32]) -> Result<String> {
+        Ok(match self {
+            Tokens::Bytes => {
+                let b: Vec<u8> = ids
+                    .iter()
+                    .map(|&t| u8::try_from(t).unwrap_or(b'?'))
+                    .collect();
+                String::from_utf8_lossy(&b).into_owned()
+            }
+            Tokens::Hf(t) => t.decode(ids)?,
+        })
+    }
+
+    /// The end-of-sequence token, if the tokenizer has one.
+    fn eos(&self) -> Option<u32> {
+        match self {
+            Tokens::Bytes => None,
+            Tokens::Hf(t) => t.eos_id(),
+        }
     }
 
     /// A file's tokenizer for `cfg`, checked against `vocab_size`.
@@ -271,6 +324,15 @@ fn from_folder(a: &Args, dir: &Path, dev: &Device, dtype: DType) -> Result<(Llam
 fn main() -> Result<()> {
     let a = Args::parse();
     check_args(&a)?;
+    // The prompts file is read (and a bad line refused) before the model loads.
+    let jobs = match (&a.prompts, &a.out) {
+        (Some(p), Some(o)) => Some(batch::Jobs::read(p, o, a.skip_bad_lines)?),
+        _ => None,
+    };
+    if jobs.as_ref().is_some_and(|j| j.lines.is_empty()) {
+        eprintln!("every prompt already has its result in --out: nothing to run");
+        return Ok(());
+    }
     let dev = cli::device(a.device.as_deref())?;
     let dtype = match a.dtype.as_deref() {
         Some(s) => cli::parse_dtype(s)?,
@@ -293,7 +355,191 @@ fn main() -> Result<()> {
         );
         model.set_lora(Some(l))?;
     }
-    run(&a, &model, &tokens)
+    match jobs {
+        Some(jobs) => jobs.run(&a, &model, &tokens),
+        None => run(&a, &model, &tokens),
+    }
+}
+
+/// `--prompts FILE --out FILE`: batched, resumable generation.
+mod batch {
+    use super::{Args, Tokens};
+    use anyhow::{Context, Result};
+    use indicatif::{ProgressBar, ProgressStyle};
+    use std::path::Path;
+    use std::time::Instant;
+    use streamer_models::prompt_file::{
+        find_stop, output_line, parse_prompt_line, LineOutcome, OutputFile, PromptLine,
+    };
+    use streamer_models::{generate_batch, BatchOutput, BatchRequest, BatchSink, Llama};
+
+    /// The lines still to run, and the output they go to.
+    pub(super) struct Jobs {
+        pub(super) lines: Vec<PromptLine>,
+        out: OutputFile,
+        /// Input lines in all (blank ones excluded) and those already done.
+        total: usize,
+        done_before: usize,
+    }
+
+    impl Jobs {
+        /// Reads `prompts`, opens `out` and drops the lines it already has.
+        /// A malformed line is an error, or with `skip_bad` its result.
+        pub(super) fn read(prompts: &Path, out: &Path, skip_bad: bool) -> Result<Self> {
+            let text = std::fs::read_to_string(prompts)
+                .with_context(|| format!("reading --prompts {}", prompts.display()))?;
+            let (mut file, done) = OutputFile::open_resume(out)?;
+            let (mut lines, mut total) = (Vec::new(), 0);
+            for (i, l) in text.lines().enumerate() {
+                if l.trim().is_empty() {
+                    continue;
+                }
+                total += 1;
+                let n = i + 1;
+                let parsed = parse_prompt_line(n, l);
+                if done.contains(&n) {
+                    continue;
+                }
+                match parsed {
+                    Ok(p) => lines.push(p),
+                    Err(e) if skip_bad => {
+                        eprintln!("{}: skipped: {e}", prompts.display());
+                        let e = e.to_string();
+                        file.append(&output_line(
+                            n,
+                            &Default::default(),
+                            &LineOutcome::Error(&e),
+                        ))?;
+                    }
+                    Err(e) => anyhow::bail!(
+                        "{}: {e} (--skip-bad-lines records it and goes on)",
+                        prompts.display()
+                    ),
+                }
+            }
+            let done_before = total - lines.len();
+            Ok(Self {
+                lines,
+                out: file,
+                total,
+                done_before,
+            })
+        }
+
+        /// Runs every line, `--batch` at a time, appending results as they finish.
+        pub(super) fn run(mut self, a: &Args, model: &Llama, tokens: &Tokens) -> Result<()> {
+            eprintln!(
+                "{} of {} prompts to run ({} already in the output), batch {}",
+                self.lines.len(),
+                self.total,
+                self.done_before,
+                a.batch
+            );
+            let bar = ProgressBar::new(self.total as u64);
+            bar.set_position(self.done_before as u64);
+            if let Ok(s) = ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} lines [{elapsed_precise}<{eta_precise}] {msg}",
+            ) {
+                bar.set_style(s);
+            }
+            let mut reqs = Vec::with_capacity(self.lines.len());
+            for (id, p) in self.lines.iter().enumerate() {
+                match tokens.encode(&p.prompt) {
+                    Ok(prompt) => reqs.push(BatchRequest {
+                        id,
+                        prompt,
+                        max_tokens: p.max_tokens.unwrap_or(a.max_tokens),
+                        temperature: p.temperature.unwrap_or(a.temperature),
+                        top_p: p.top_p.unwrap_or(a.top_p),
+                        seed: p.seed.unwrap_or(a.seed.wrapping_add(p.line as u64)),
+                    }),
+                    Err(e) => {
+                        let e = format!("encoding the prompt: {e}");
+                        self.out.append(&output_line(
+                            p.line,
+                            &p.passthrough,
+                            &LineOutcome::Error(&e),
+                        ))?;
+                        bar.inc(1);
+                    }
+                }
+            }
+            let eos: Vec<u32> = tokens.eos().into_iter().collect();
+            let mut sink = Sink {
+                lines: &self.lines,
+                tokens,
+                out: &mut self.out,
+                bar: &bar,
+                generated: 0,
+                started: Instant::now(),
+            };
+            generate_batch(model, reqs, a.batch, &eos, &mut sink)?;
+            let (n, secs) = (sink.generated, sink.started.elapsed().as_secs_f64());
+            bar.finish();
+            eprintln!(
+                "{n} tokens in {secs:.1} s ({:.1} tokens/s, prompts included in the time)",
+                n as f64 / secs
+            );
+            if let Some(s) = model.stats()? {
+                eprintln!("{s}");
+            }
+            Ok(())
+        }
+    }
+
+    /// Writes each finished line and keeps the progress bar.
+    struct Sink<'a> {
+        lines: &'a [PromptLine],
+        tokens: &'a Tokens,
+        out: &'a mut OutputFile,
+        bar: &'a ProgressBar,
+        generated: usize,
+        started: Instant,
+    }
+
+    impl BatchSink for Sink<'_> {
+        fn done(&mut self, o: BatchOutput) -> candle_core::Result<()> {
+            let p = &self.lines[o.id];
+            let text;
+            let outcome = match &o.result {
+                Ok(g) => {
+                    text = self
+                        .tokens
+                        .decode(&g.tokens)
+                        .map_err(candle_core::Error::msg)?;
+                    let cut = find_stop(&text, &p.stop).unwrap_or(text.len());
+                    LineOutcome::Text {
+                        text: &text[..cut],
+                        prompt_tokens: o.prompt_tokens,
+                        tokens: g.tokens.len(),
+                        finish_reason: g.finish.name(),
+                    }
+                }
+                Err(e) => LineOutcome::Error(e),
+            };
+            self.out
+                .append(&output_line(p.line, &p.passthrough, &outcome))?;
+            self.bar.inc(1);
+            Ok(())
+        }
+
+        fn stop(&mut self, r: &BatchRequest, tokens: &[u32]) -> bool {
+            let stop = &self.lines[r.id].stop;
+            // A token that does not decode cannot complete a stop string yet.
+            !stop.is_empty()
+                && self
+                    .tokens
+                    .decode(tokens)
+                    .is_ok_and(|t| find_stop(&t, stop).is_some())
+        }
+
+        fn step(&mut self, tokens: usize, _rows: usize) {
+            self.generated += tokens;
+            let secs = self.started.elapsed().as_secs_f64().max(1e-9);
+            self.bar
+                .set_message(format!("{:.1} tokens/s", self.generated as f64 / secs));
+        }
+    }
 }
 
 /// The model's configuration as the chosen source gives it (read before any

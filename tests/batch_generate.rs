@@ -79,9 +79,22 @@ fn check_against_alone(
     what: &str,
 ) -> Result<()> {
     for r in reqs {
-        let alone = generate(model, &r.prompt, r.max_tokens, r.temperature, r.top_p, r.seed, |_| ())?;
-        let out = outs.get(&r.id).ok_or_else(|| anyhow::anyhow!("{what}: no output for {}", r.id))?;
-        let got = out.result.as_ref().map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+        let alone = generate(
+            model,
+            &r.prompt,
+            r.max_tokens,
+            r.temperature,
+            r.top_p,
+            r.seed,
+            |_| (),
+        )?;
+        let out = outs
+            .get(&r.id)
+            .ok_or_else(|| anyhow::anyhow!("{what}: no output for {}", r.id))?;
+        let got = out
+            .result
+            .as_ref()
+            .map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
         ensure!(
             got.tokens == alone,
             "{what}: request {} (prompt of {}): batched {:?}, alone {alone:?}",
@@ -102,10 +115,18 @@ fn batched_greedy_equals_one_by_one_tiny(dev: &Device) -> Result<()> {
         // 3 slots for 7 prompts: slots are refilled while others decode.
         for batch in [3, 7] {
             let outs = run_batch(&model, &reqs, batch)?;
-            ensure!(outs.len() == reqs.len(), "{} outputs for {} requests", outs.len(), reqs.len());
+            ensure!(
+                outs.len() == reqs.len(),
+                "{} outputs for {} requests",
+                outs.len(),
+                reqs.len()
+            );
             check_against_alone(&model, &reqs, &outs, &format!("{name}, batch {batch}"))?;
         }
-        ensure!(model.cached_positions()? == 0, "{name}: the cache is left empty");
+        ensure!(
+            model.cached_positions()? == 0,
+            "{name}: the cache is left empty"
+        );
     }
     Ok(())
 }
@@ -137,7 +158,10 @@ fn batched_streamed_copies_each_layer_once_a_step(dev: &Device) -> Result<()> {
         generate(&model, &r.prompt, r.max_tokens, 0.0, 1.0, 0, |_| ())?;
     }
     let alone = bytes(&model)? - before - batched;
-    ensure!(batched > 0 && alone == 4 * batched, "host-to-device bytes: batched {batched}, one by one {alone}");
+    ensure!(
+        batched > 0 && alone == 4 * batched,
+        "host-to-device bytes: batched {batched}, one by one {alone}"
+    );
     Ok(())
 }
 candle_streamer::test_device!(batched_streamed_copies_each_layer_once_a_step);
@@ -172,14 +196,27 @@ fn batched_bad_requests_fail_alone_and_finish_reasons(dev: &Device) -> Result<()
     reqs[3].max_tokens = 50;
     let outs = run_batch(&model, &reqs, 2)?;
     let err = |id: usize| outs[&id].result.clone().err().unwrap_or_default();
-    ensure!(err(1).contains("30 tokens") && err(1).contains("context of 24"), "{}", err(1));
+    ensure!(
+        err(1).contains("30 tokens") && err(1).contains("context of 24"),
+        "{}",
+        err(1)
+    );
     ensure!(err(2).contains("empty"), "{}", err(2));
-    check_against_alone(&model, &[reqs[0].clone(), reqs[4].clone()], &outs, "beside bad requests")?;
+    check_against_alone(
+        &model,
+        &[reqs[0].clone(), reqs[4].clone()],
+        &outs,
+        "beside bad requests",
+    )?;
     // A prompt of 20 in a context of 24 gets 5 tokens (the last at position
     // 24 is not fed), the first 5 of what `generate` gives.
     let alone = generate(&model, &reqs[3].prompt, 5, 0.0, 1.0, 0, |_| ())?;
     ensure!(
-        outs[&3].result == Ok(Generated { tokens: alone, finish: Finish::Context }),
+        outs[&3].result
+            == Ok(Generated {
+                tokens: alone,
+                finish: Finish::Context
+            }),
         "{:?}",
         outs[&3].result
     );
@@ -190,15 +227,30 @@ fn batched_bad_requests_fail_alone_and_finish_reasons(dev: &Device) -> Result<()
     let first = full.iter().position(|&t| t == token).expect("present");
     ensure!(first <= cut);
     let mut eos_outs = Vec::new();
-    generate_batch(&model, vec![r.clone()], 2, &[token], &mut |o: BatchOutput| {
-        eos_outs.push(o);
-        Ok(())
-    })?;
-    let want = Generated { tokens: full[..first].to_vec(), finish: Finish::Eos };
+    generate_batch(
+        &model,
+        vec![r.clone()],
+        2,
+        &[token],
+        &mut |o: BatchOutput| {
+            eos_outs.push(o);
+            Ok(())
+        },
+    )?;
+    let want = Generated {
+        tokens: full[..first].to_vec(),
+        finish: Finish::Eos,
+    };
     ensure!(eos_outs[0].result == Ok(want), "{:?}", eos_outs[0].result);
-    let mut sink = StopAt { token, outs: Vec::new() };
+    let mut sink = StopAt {
+        token,
+        outs: Vec::new(),
+    };
     generate_batch(&model, vec![r.clone()], 2, &[], &mut sink)?;
-    let want = Generated { tokens: full[..=first].to_vec(), finish: Finish::Stop };
+    let want = Generated {
+        tokens: full[..=first].to_vec(),
+        finish: Finish::Stop,
+    };
     ensure!(sink.outs[0].result == Ok(want), "{:?}", sink.outs[0].result);
     Ok(())
 }
@@ -210,7 +262,10 @@ fn batched_matches_one_by_one_transformers_fixtures(dev: &Device) -> Result<()> 
     for name in ["llama-tokenizer", "mistral-window16", "qwen3"] {
         let dir = crate::families::fixture(name)?;
         for placement in [
-            Placement::Resident { device: dev.clone(), dtype: DType::F32 },
+            Placement::Resident {
+                device: dev.clone(),
+                dtype: DType::F32,
+            },
             Placement::Streamed(stream(dev)),
         ] {
             let model = Llama::from_pretrained(&dir, placement)?.model;
@@ -240,13 +295,22 @@ fn prompt_lines_parse_and_errors_name_line_and_field() -> Result<()> {
         ("{\"prompt\": \"x\", \"n\": 2}", "unsupported field `n`"),
         ("{\"messages\": []}", "`messages` (chat) is not supported"),
         ("{\"prompt\": \"x\", \"top_p\": 1.5}", "`top_p` must be"),
-        ("{\"prompt\": \"x\", \"max_tokens\": -1}", "`max_tokens` must be"),
+        (
+            "{\"prompt\": \"x\", \"max_tokens\": -1}",
+            "`max_tokens` must be",
+        ),
         ("{\"prompt\": \"x\", \"stop\": \"\"}", "`stop` must be"),
         ("{\"prompt\": 3}", "`prompt` must be a string"),
     ];
     for (text, want) in cases {
-        let e = parse_prompt_line(41, text).err().map(|e| e.to_string()).unwrap_or_default();
-        ensure!(e.starts_with("line 41: ") && e.contains(want), "{text}: {e}");
+        let e = parse_prompt_line(41, text)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        ensure!(
+            e.starts_with("line 41: ") && e.contains(want),
+            "{text}: {e}"
+        );
     }
     ensure!(find_stop("ab\ncdEND", &["END".into(), "\n".into()]) == Some(2));
     ensure!(find_stop("abc", &["x".into()]).is_none());
@@ -260,12 +324,21 @@ fn output_file_resumes_after_a_cut_last_line() -> Result<()> {
     let path = dir.join("out.jsonl");
     let _ = std::fs::remove_file(&path);
     let meta = parse_prompt_line(1, r#"{"prompt": "x", "id": 5}"#)?.passthrough;
-    let ok = LineOutcome::Text { text: "hi\n\"there\"", prompt_tokens: 3, tokens: 4, finish_reason: "stop" };
+    let ok = LineOutcome::Text {
+        text: "hi\n\"there\"",
+        prompt_tokens: 3,
+        tokens: 4,
+        finish_reason: "stop",
+    };
     {
         let (mut out, done) = OutputFile::open_resume(&path)?;
         ensure!(done.is_empty());
         out.append(&output_line(1, &meta, &ok))?;
-        out.append(&output_line(3, &Default::default(), &LineOutcome::Error("too long")))?;
+        out.append(&output_line(
+            3,
+            &Default::default(),
+            &LineOutcome::Error("too long"),
+        ))?;
     }
     // A run killed in the middle of writing line 4's result.
     let whole = std::fs::read_to_string(&path)?;
@@ -275,13 +348,21 @@ fn output_file_resumes_after_a_cut_last_line() -> Result<()> {
     out.append(&output_line(4, &Default::default(), &ok))?;
     drop(out);
     let text = std::fs::read_to_string(&path)?;
-    ensure!(text.starts_with(&whole) && text.lines().count() == 3, "{text}");
+    ensure!(
+        text.starts_with(&whole) && text.lines().count() == 3,
+        "{text}"
+    );
     let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap_or_default())?;
-    ensure!(first["text"] == "hi\n\"there\"" && first["id"] == 5 && first["finish_reason"] == "stop");
+    ensure!(
+        first["text"] == "hi\n\"there\"" && first["id"] == 5 && first["finish_reason"] == "stop"
+    );
     ensure!(completed_lines(&text)?.iter().copied().eq([1, 3, 4]));
     // A file that is not ours is refused, not overwritten.
     std::fs::write(&path, "hello\n")?;
-    let e = OutputFile::open_resume(&path).err().map(|e| e.to_string()).unwrap_or_default();
+    let e = OutputFile::open_resume(&path)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
     ensure!(e.contains("output line 1 is not a result"), "{e}");
     std::fs::remove_dir_all(&dir)?;
     Ok(())

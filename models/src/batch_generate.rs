@@ -217,7 +217,12 @@ fn decode_loop(
             .map_err(|e| e.context(format!("batched decoding: a step of {rows} rows")))?;
         for (row, &(i, _)) in step.iter().enumerate() {
             let a = slots[i].as_mut().expect("in the step, so active");
-            let t = sample_token(&logits.get(row)?, a.req.temperature, a.req.top_p, &mut a.rng)?;
+            let t = sample_token(
+                &logits.get(row)?,
+                a.req.temperature,
+                a.req.top_p,
+                &mut a.rng,
+            )?;
             let finish = if eos.contains(&t) {
                 Some(Finish::Eos)
             } else {

@@ -149,7 +149,11 @@ impl KvCache {
 
     /// Positions cached for sequence slot `slot` (layer 0's).
     pub(crate) fn slot_positions(&self, slot: usize) -> Result<usize> {
-        match self.lock_batched()?.as_ref().and_then(|b| b.slots.get(slot)) {
+        match self
+            .lock_batched()?
+            .as_ref()
+            .and_then(|b| b.slots.get(slot))
+        {
             Some(layers) => match layers.first() {
                 Some(Some((k, _))) => k.dim(2),
                 _ => Ok(0),
@@ -160,7 +164,11 @@ impl KvCache {
 
     /// Empties sequence slot `slot` for the next sequence.
     pub(crate) fn clear_slot(&self, slot: usize) -> Result<()> {
-        match self.lock_batched()?.as_mut().and_then(|b| b.slots.get_mut(slot)) {
+        match self
+            .lock_batched()?
+            .as_mut()
+            .and_then(|b| b.slots.get_mut(slot))
+        {
             Some(layers) => layers.iter_mut().for_each(|s| *s = None),
             None => bail!("kv cache: no batch slot {slot}"),
         }

@@ -75,9 +75,7 @@ pub mod step_rates;
 pub mod tokenizer;
 pub mod train;
 
-pub use batch_generate::{
-    generate_batch, BatchOutput, BatchRequest, BatchSink, Finish, Generated,
-};
+pub use batch_generate::{generate_batch, BatchOutput, BatchRequest, BatchSink, Finish, Generated};
 pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budget, SplitMix64};
 pub use config::{LlamaConfig, RopeScaling};
 pub use cross_entropy::cross_entropy;

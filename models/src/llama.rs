@@ -494,7 +494,10 @@ fn attend_packed(
     let (b, _, rows, _) = q.dims4()?;
     let total: usize = step.iter().map(|s| s.1).sum();
     if b != 1 || rows != total {
-        bail!("a packed batched step needs (1, heads, {total}, head_dim) queries, got {:?}", q.dims());
+        bail!(
+            "a packed batched step needs (1, heads, {total}, head_dim) queries, got {:?}",
+            q.dims()
+        );
     }
     let mut outs = Vec::with_capacity(step.len());
     let mut at = 0;

@@ -23,7 +23,7 @@
 //! assert!(e.to_string().contains("line 4") && e.to_string().contains("`logprobs`"));
 //! # Ok::<(), candle_core::Error>(())
 //! ```
-use candle_core::{bail, Result};
+use candle_core::Result;
 use serde_json::{Map, Value};
 use std::collections::BTreeSet;
 use std::fs::{File, OpenOptions};
@@ -56,8 +56,12 @@ pub struct PromptLine {
 pub fn parse_prompt_line(line: usize, text: &str) -> Result<PromptLine> {
     let v: Value = serde_json::from_str(text)
         .map_err(|e| candle_core::Error::Msg(format!("line {line}: not valid JSON: {e}")))?;
+    // Plain messages (no `bail!`): they go into output lines, where a
+    // captured backtrace (RUST_BACKTRACE) does not belong.
     let Value::Object(obj) = v else {
-        bail!("line {line}: expected a JSON object with a \"prompt\", got {v}")
+        return Err(msg(format!(
+            "line {line}: expected a JSON object with a \"prompt\", got {v}"
+        )));
     };
     let mut p = PromptLine {
         line,
@@ -74,22 +78,45 @@ pub fn parse_prompt_line(line: usize, text: &str) -> Result<PromptLine> {
         let bad = |want: &str| format!("line {line}: `{k}` must be {want}, got {v}");
         match k.as_str() {
             "prompt" => prompt = Some(v.as_str().ok_or_else(|| msg(bad("a string")))?.to_string()),
-            "max_tokens" => p.max_tokens = Some(v.as_u64().ok_or_else(|| msg(bad("a non-negative integer")))? as usize),
-            "temperature" => p.temperature = Some(number(&v, 0.0, f64::INFINITY).ok_or_else(|| msg(bad("a number >= 0")))?),
-            "top_p" => p.top_p = Some(number(&v, 0.0, 1.0).ok_or_else(|| msg(bad("a number in [0, 1]")))?),
-            "seed" => p.seed = Some(v.as_u64().ok_or_else(|| msg(bad("a non-negative integer")))?),
-            "stop" => p.stop = stops(&v).ok_or_else(|| msg(bad("a non-empty string or a list of them")))?,
+            "max_tokens" => {
+                p.max_tokens = Some(
+                    v.as_u64()
+                        .ok_or_else(|| msg(bad("a non-negative integer")))?
+                        as usize,
+                )
+            }
+            "temperature" => {
+                p.temperature =
+                    Some(number(&v, 0.0, f64::INFINITY).ok_or_else(|| msg(bad("a number >= 0")))?)
+            }
+            "top_p" => {
+                p.top_p = Some(number(&v, 0.0, 1.0).ok_or_else(|| msg(bad("a number in [0, 1]")))?)
+            }
+            "seed" => {
+                p.seed = Some(
+                    v.as_u64()
+                        .ok_or_else(|| msg(bad("a non-negative integer")))?,
+                )
+            }
+            "stop" => {
+                p.stop =
+                    stops(&v).ok_or_else(|| msg(bad("a non-empty string or a list of them")))?
+            }
             "id" | "metadata" => {
                 p.passthrough.insert(k, v);
             }
-            "messages" => bail!(
+            "messages" => {
+                return Err(msg(format!(
                 "line {line}: `messages` (chat) is not supported: no chat template is implemented; \
                  give the formatted text as `prompt`"
-            ),
-            _ => bail!(
+            )))
+            }
+            _ => {
+                return Err(msg(format!(
                 "line {line}: unsupported field `{k}` (known: prompt, max_tokens, temperature, \
                  top_p, seed, stop, id, metadata)"
-            ),
+            )))
+            }
         }
     }
     p.prompt = prompt.ok_or_else(|| msg(format!("line {line}: no \"prompt\" field")))?;
@@ -102,7 +129,8 @@ fn msg(s: String) -> candle_core::Error {
 
 /// `v` as a finite number in `[lo, hi]`.
 fn number(v: &Value, lo: f64, hi: f64) -> Option<f64> {
-    v.as_f64().filter(|x| x.is_finite() && (lo..=hi).contains(x))
+    v.as_f64()
+        .filter(|x| x.is_finite() && (lo..=hi).contains(x))
 }
 
 /// `stop`: a string or a list of strings, none empty (an empty stop string
@@ -221,10 +249,12 @@ pub fn completed_lines(text: &str) -> Result<BTreeSet<usize>> {
             .and_then(|v| v.get("line").and_then(Value::as_u64));
         match line {
             Some(n) => done.insert(n as usize),
-            None => bail!(
-                "output line {} is not a result of this command (no \"line\" number): {l:.80}",
-                i + 1
-            ),
+            None => {
+                return Err(msg(format!(
+                    "output line {} is not a result of this command (no \"line\" number): {l:.80}",
+                    i + 1
+                )))
+            }
         };
     }
     Ok(done)
