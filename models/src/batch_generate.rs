@@ -249,10 +249,10 @@ fn decode_loop(
 
 /// Whether `a`, having just produced a token, is done.
 fn finished(model: &Llama, a: &Active, sink: &mut impl BatchSink) -> Option<Finish> {
-    if a.out.len() >= a.req.max_tokens {
-        Some(Finish::Length)
-    } else if sink.stop(&a.req, &a.out) {
+    if sink.stop(&a.req, &a.out) {
         Some(Finish::Stop)
+    } else if a.out.len() >= a.req.max_tokens {
+        Some(Finish::Length)
     } else if a.req.prompt.len() + a.out.len() > model.config().max_position_embeddings {
         // The newest token would sit at position `max_position_embeddings`.
         Some(Finish::Context)
