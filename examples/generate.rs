@@ -472,6 +472,7 @@ mod batch {
                 bar: &bar,
                 generated: 0,
                 started: Instant::now(),
+                every: self.total.div_ceil(20).max(1) as u64,
             };
             generate_batch(model, reqs, a.batch, &eos, &mut sink)?;
             let (n, secs) = (sink.generated, sink.started.elapsed().as_secs_f64());
@@ -495,6 +496,14 @@ mod batch {
         bar: &'a ProgressBar,
         generated: usize,
         started: Instant,
+        /// Lines between plain progress lines when stderr is not a terminal.
+        every: u64,
+    }
+
+    impl Sink<'_> {
+        fn tokens_per_s(&self) -> f64 {
+            self.generated as f64 / self.started.elapsed().as_secs_f64().max(1e-9)
+        }
     }
 
     impl BatchSink for Sink<'_> {
@@ -520,6 +529,11 @@ mod batch {
             self.out
                 .append(&output_line(p.line, &p.passthrough, &outcome))?;
             self.bar.inc(1);
+            // A hidden bar (stderr is a log): a plain line now and then.
+            let (pos, len) = (self.bar.position(), self.bar.length().unwrap_or(0));
+            if self.bar.is_hidden() && (pos % self.every == 0 || pos == len) {
+                eprintln!("{pos}/{len} lines  {:.1} tokens/s", self.tokens_per_s());
+            }
             Ok(())
         }
 
@@ -535,9 +549,8 @@ mod batch {
 
         fn step(&mut self, tokens: usize, _rows: usize) {
             self.generated += tokens;
-            let secs = self.started.elapsed().as_secs_f64().max(1e-9);
-            self.bar
-                .set_message(format!("{:.1} tokens/s", self.generated as f64 / secs));
+            let rate = self.tokens_per_s();
+            self.bar.set_message(format!("{rate:.1} tokens/s"));
         }
     }
 }
