@@ -1963,6 +1963,33 @@ fn attention_varlen_matches_reference_and_naive(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(attention_varlen_matches_reference_and_naive);
 
+/// The layout of a batched decode's packed kv cache (`streamer_models`'
+/// `batch_kv`): each slot's used keys are a document with that sequence's new
+/// rows (one row decoding, five for a prompt), the unused keys between slots
+/// documents without queries. Causal, f32 and bf16 at head dims 64 and 128 (on
+/// CUDA in bf16 one launch of the tensor-core kernels, on Hopper with and
+/// without the Hopper kernels), against the f64 reference and naive attention.
+fn attention_varlen_decode_layout(dev: &Device) -> Result<()> {
+    let _switch = hold_hopper_switch();
+    let default = cqsa::hopper_kernels_enabled();
+    let _restore = HopperRestore(default);
+    let (cq, ck) = ([0, 1, 1, 6, 6, 7, 7], [0, 17, 64, 69, 192, 232, 256]);
+    let causal = Mask {
+        causal: true,
+        ..Default::default()
+    };
+    for hopper in [true, false] {
+        cqsa::set_hopper_kernels(hopper);
+        for d in [64, 128] {
+            check_varlen(dev, (&cq, &ck), &causal, (DType::F32, d), 1e-5)?;
+            check_varlen(dev, (&cq, &ck), &causal, (DType::BF16, d), 2e-2)
+                .map_err(|e| anyhow::anyhow!("hopper kernels {hopper}: {e}"))?;
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(attention_varlen_decode_layout);
+
 /// Longer documents in bf16 at head dim 128, each several query and key blocks
 /// with boundaries off the tiles, which CUDA runs as one launch of the
 /// tensor-core kernels forward and backward: on a GPU of compute capability 9.0

@@ -13,8 +13,8 @@ use streamer_models::prompt_file::{
     completed_lines, find_stop, output_line, parse_prompt_line, LineOutcome, OutputFile,
 };
 use streamer_models::{
-    generate, generate_batch, init_weights, BatchOutput, BatchRequest, BatchSink, Finish,
-    Generated, Llama, LlamaConfig, Placement, SplitMix64,
+    generate, generate_batch, init_weights, BatchLimits, BatchOutput, BatchRequest, BatchSink,
+    Finish, Generated, Llama, LlamaConfig, Placement, SplitMix64,
 };
 
 fn stream(dev: &Device) -> StreamConfig {
@@ -131,6 +131,58 @@ fn batched_greedy_equals_one_by_one_tiny(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(batched_greedy_equals_one_by_one_tiny);
+
+/// Records every step's sequences and rows, and the outputs.
+#[derive(Default)]
+struct StepLog {
+    steps: Vec<(usize, usize)>,
+    outs: BTreeMap<usize, BatchOutput>,
+}
+
+impl BatchSink for StepLog {
+    fn done(&mut self, out: BatchOutput) -> candle_core::Result<()> {
+        self.outs.insert(out.id, out);
+        Ok(())
+    }
+    fn step(&mut self, tokens: usize, rows: usize) {
+        self.steps.push((tokens, rows));
+    }
+}
+
+/// `step_rows` bounds a step's rows (but for the first prompt admitted to a
+/// step), spreads the prompts over more steps, and changes no output.
+fn batched_step_rows_bound_steps(dev: &Device) -> Result<()> {
+    let lens = [5, 1, 17, 9, 3, 12, 2, 6];
+    let longest = 17;
+    for (name, model) in tiny_models(dev)? {
+        let reqs = requests(&lens, &[8, 3, 5], 0.0, 256);
+        let mut free = StepLog::default();
+        generate_batch(&model, reqs.clone(), 4, &[], &mut free)?;
+        let limits = BatchLimits {
+            sequences: 4,
+            step_rows: 8,
+        };
+        let mut bound = StepLog::default();
+        generate_batch(&model, reqs.clone(), limits, &[], &mut bound)?;
+        for &(seqs, rows) in &bound.steps {
+            // Over the bound only with one prompt beside one-row sequences.
+            ensure!(
+                rows <= 8 || rows <= seqs - 1 + longest,
+                "{name}: a step of {seqs} sequences computed {rows} rows"
+            );
+        }
+        ensure!(
+            bound.steps.iter().map(|s| s.1).max() < free.steps.iter().map(|s| s.1).max(),
+            "{name}: the bound lowered no step's rows: {:?} vs {:?}",
+            bound.steps,
+            free.steps
+        );
+        ensure!(bound.outs == free.outs, "{name}: outputs differ");
+        check_against_alone(&model, &reqs, &bound.outs, name)?;
+    }
+    Ok(())
+}
+candle_streamer::test_device!(batched_step_rows_bound_steps);
 
 fn batched_sampling_equals_one_by_one_tiny(dev: &Device) -> Result<()> {
     // Temperature 1.0: each token depends on every logit and on the

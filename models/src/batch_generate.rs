@@ -13,9 +13,11 @@
 //! attention runs per sequence over that sequence's own slot of the kv cache.
 //! A sequence admitted this step contributes its whole prompt (its prefill
 //! shares the step's weight visit), the others one token each. Every row
-//! computed is a real token, so ragged prompt lengths waste no compute and no
-//! cache memory (the padding waste is 0; a left-padded design would waste up
-//! to `batch x (longest - shortest prompt)` rows a step). When a sequence
+//! computed is a real token, so ragged prompt lengths waste no compute (a
+//! left-padded design would compute up to `batch x (longest - shortest
+//! prompt)` padding rows a step). The cache reserves the same rows for every
+//! slot (`crate::batch_kv` states the bound), and a step's attention is one
+//! call per layer over all slots. When a sequence
 //! finishes (end-of-sequence token, a stop the caller detects, its
 //! `max_tokens`, or a full context) its slot is emptied and the next queued
 //! request takes it in the following step.
@@ -45,6 +47,33 @@ use crate::checkpoint::SplitMix64;
 use crate::llama::Llama;
 use crate::sample::sample_token;
 use candle_core::{bail, Result};
+
+/// Rows a step of [`generate_batch`] computes at most by default: a 16K-row
+/// step keeps a step's activations to a few GiB at 8B shapes, and is enough
+/// rows to keep the GPU's compute busy while the next layer's weights copy.
+pub const DEFAULT_STEP_ROWS: usize = 16384;
+
+/// How much a batched decode runs at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchLimits {
+    /// Sequences in flight (the kv cache's slots).
+    pub sequences: usize,
+    /// Rows one step computes at most: prompts join a step while its rows
+    /// stay within this (the first one whatever its length). It bounds a
+    /// step's activations, and when many sequences finish together it spreads
+    /// the next prompts over several steps, so that their prefill overlaps the
+    /// others' decoding instead of stalling it.
+    pub step_rows: usize,
+}
+
+impl From<usize> for BatchLimits {
+    fn from(sequences: usize) -> Self {
+        Self {
+            sequences,
+            step_rows: DEFAULT_STEP_ROWS,
+        }
+    }
+}
 
 /// One sequence to continue.
 #[derive(Clone, Debug)]
@@ -159,8 +188,9 @@ struct Active {
     feed: Vec<u32>,
 }
 
-/// Continues every request of `requests`, `batch` sequences at a time (see
-/// the module's documentation): each step runs every decoder layer once for
+/// Continues every request of `requests`, `limits.sequences` at a time (a
+/// plain number is that many sequences and [`DEFAULT_STEP_ROWS`]; see the
+/// module's documentation): each step runs every decoder layer once for
 /// all sequences in flight. A token in `eos` ends its sequence. Finished
 /// requests go to `sink` as they finish; a request that cannot run (empty
 /// prompt, longer than `max_position_embeddings`) goes there as an error and
@@ -170,18 +200,19 @@ struct Active {
 pub fn generate_batch(
     model: &Llama,
     requests: impl IntoIterator<Item = BatchRequest>,
-    batch: usize,
+    limits: impl Into<BatchLimits>,
     eos: &[u32],
     sink: &mut impl BatchSink,
 ) -> Result<()> {
-    if batch == 0 {
-        bail!("generate_batch: a batch of 0 sequences");
+    let limits = limits.into();
+    if limits.sequences == 0 || limits.step_rows == 0 {
+        bail!("generate_batch: limits of 0 ({limits:?})");
     }
     let was_training = model.is_training();
     model.set_training(false);
     let r = model
-        .begin_batch(batch)
-        .and_then(|()| decode_loop(model, &mut requests.into_iter(), batch, eos, sink));
+        .begin_batch(limits.sequences)
+        .and_then(|()| decode_loop(model, &mut requests.into_iter(), limits, eos, sink));
     let ended = model.end_batch();
     model.set_training(was_training);
     r?;
@@ -191,26 +222,37 @@ pub fn generate_batch(
 fn decode_loop(
     model: &Llama,
     queue: &mut impl Iterator<Item = BatchRequest>,
-    batch: usize,
+    limits: BatchLimits,
     eos: &[u32],
     sink: &mut impl BatchSink,
 ) -> Result<()> {
-    let mut slots: Vec<Option<Active>> = (0..batch).map(|_| None).collect();
+    let mut slots: Vec<Option<Active>> = (0..limits.sequences).map(|_| None).collect();
+    // A request taken from the queue that did not fit the last step's rows.
+    let mut held = None;
     loop {
-        for slot in slots.iter_mut().filter(|s| s.is_none()) {
-            *slot = next_admitted(model, queue, sink)?;
-        }
+        admit(
+            model,
+            (queue, &mut held),
+            &mut slots,
+            limits.step_rows,
+            sink,
+        )?;
         if slots.iter().all(Option::is_none) {
             return Ok(());
         }
         let (mut tokens, mut positions, mut step) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut need, mut hint) = (0, 0);
         for (i, a) in slots.iter().enumerate() {
             let Some(a) = a else { continue };
-            let past = model.batch_slot_positions(i)? as u32;
-            positions.extend((0..a.feed.len() as u32).map(|p| past + p));
+            let past = model.batch_slot_positions(i)?;
+            positions.extend((0..a.feed.len()).map(|p| (past + p) as u32));
             tokens.extend_from_slice(&a.feed);
             step.push((i, a.feed.len()));
+            need = need.max(past + a.feed.len());
+            let ctx = model.config().max_position_embeddings;
+            hint = hint.max(a.req.prompt.len().saturating_add(a.req.max_tokens).min(ctx));
         }
+        model.reserve_batch(need, hint)?;
         let rows = tokens.len();
         let logits = model
             .forward_packed(&tokens, &positions, step.clone())
@@ -245,6 +287,34 @@ fn decode_loop(
         }
         sink.step(step.len(), rows);
     }
+}
+
+/// Fills empty slots from `held` and the queue while the step's rows stay
+/// within `step_rows` (the first prompt of a step is admitted whatever its
+/// length, so that none waits forever).
+fn admit(
+    model: &Llama,
+    (queue, held): (&mut impl Iterator<Item = BatchRequest>, &mut Option<Active>),
+    slots: &mut [Option<Active>],
+    step_rows: usize,
+    sink: &mut impl BatchSink,
+) -> Result<()> {
+    let mut rows: usize = slots.iter().flatten().map(|a| a.feed.len()).sum();
+    let mut admitted = 0;
+    for slot in slots.iter_mut().filter(|s| s.is_none()) {
+        if held.is_none() {
+            *held = next_admitted(model, queue, sink)?;
+        }
+        let Some(a) = held.take() else { break };
+        if admitted > 0 && rows + a.feed.len() > step_rows {
+            *held = Some(a);
+            break;
+        }
+        rows += a.feed.len();
+        admitted += 1;
+        *slot = Some(a);
+    }
+    Ok(())
 }
 
 /// Whether `a`, having just produced a token, is done.

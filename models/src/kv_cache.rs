@@ -9,29 +9,19 @@
 use candle_core::{bail, Result, Tensor};
 use std::sync::{Mutex, MutexGuard};
 
+use crate::batch_kv::{BatchKv, Packed, Step};
+
 /// One layer's `(k, v)`, each `(batch, kv_heads, positions, head_dim)`, after
 /// the rotary embedding; `None` before the first cached call.
 type Slot = Option<(Tensor, Tensor)>;
 
-/// Every layer's [`Slot`].
 /// A streamed model's embedding, final norm and head on the device.
 type Outer = (Tensor, Tensor, Tensor);
-
-/// A batched decode's state ([`crate::batch_generate`]): every sequence
-/// slot keeps its own keys and values per layer, and the step in flight says
-/// which rows of the packed call belong to which slot.
-#[derive(Debug)]
-struct Batched {
-    /// `[sequence slot][layer]`.
-    slots: Vec<Vec<Slot>>,
-    /// The call in flight: `(slot, rows)` in row order.
-    step: Vec<(usize, usize)>,
-}
 
 #[derive(Debug)]
 pub(crate) struct KvCache {
     layers: Mutex<Vec<Slot>>,
-    batched: Mutex<Option<Batched>>,
+    batched: Mutex<Option<BatchKv>>,
     /// The device copies of a streamed model's outer weights for the cached
     /// sequence: uploaded at its first call, not at every token (they are the
     /// size of several layers), and dropped with the cache.
@@ -103,10 +93,19 @@ impl KvCache {
         Ok((k, v))
     }
 
-    fn lock_batched(&self) -> Result<MutexGuard<'_, Option<Batched>>> {
+    fn lock_batched(&self) -> Result<MutexGuard<'_, Option<BatchKv>>> {
         self.batched
             .lock()
             .map_err(|_| candle_core::Error::Msg("kv cache poisoned by a panic".into()))
+    }
+
+    /// Runs `f` on the batched decode's cache (an error outside
+    /// `begin_batch`/`end_batch`).
+    fn with_batch<T>(&self, f: impl FnOnce(&mut BatchKv) -> Result<T>) -> Result<T> {
+        match self.lock_batched()?.as_mut() {
+            Some(b) => f(b),
+            None => bail!("kv cache: batched decoding outside begin_batch/end_batch"),
+        }
     }
 
     /// Starts batched decoding with `slots` empty sequence slots (the
@@ -114,10 +113,7 @@ impl KvCache {
     pub(crate) fn begin_batch(&self, slots: usize) -> Result<()> {
         self.clear()?;
         let layers = self.lock()?.len();
-        *self.lock_batched()? = Some(Batched {
-            slots: vec![vec![None; layers]; slots],
-            step: Vec::new(),
-        });
+        *self.lock_batched()? = Some(BatchKv::new(layers, slots));
         Ok(())
     }
 
@@ -127,75 +123,46 @@ impl KvCache {
         self.clear()
     }
 
-    /// Sets the rows of the next packed call: `(slot, rows)` in row order
-    /// (empty: no call in flight).
-    pub(crate) fn set_step(&self, step: Vec<(usize, usize)>) -> Result<()> {
-        match self.lock_batched()?.as_mut() {
-            Some(b) => b.step = step,
-            None if step.is_empty() => {}
-            None => bail!("kv cache: a batched step outside begin_batch/end_batch"),
-        }
-        Ok(())
+    /// Makes room for `need` positions per slot, `hint` the longest the
+    /// sequences in flight may grow ([`BatchKv::reserve`]).
+    pub(crate) fn reserve(&self, need: usize, hint: usize) -> Result<()> {
+        self.with_batch(|b| {
+            b.reserve(need, hint);
+            Ok(())
+        })
+    }
+
+    /// Starts a packed call writing `step`: `(slot, rows)` in row order.
+    pub(crate) fn begin_step(&self, step: Step) -> Result<()> {
+        self.with_batch(|b| b.begin_step(step))
+    }
+
+    /// Ends the packed call; `done`: it completed, so its rows count.
+    pub(crate) fn end_step(&self, done: bool) -> Result<()> {
+        self.with_batch(|b| {
+            b.end_step(done);
+            Ok(())
+        })
     }
 
     /// The packed call in flight, if batched decoding is on and a call is.
-    pub(crate) fn step(&self) -> Result<Option<Vec<(usize, usize)>>> {
-        Ok(self
-            .lock_batched()?
-            .as_ref()
-            .filter(|b| !b.step.is_empty())
-            .map(|b| b.step.clone()))
+    pub(crate) fn step(&self) -> Result<Option<Step>> {
+        Ok(self.lock_batched()?.as_ref().and_then(BatchKv::step))
     }
 
-    /// Positions cached for sequence slot `slot` (layer 0's).
+    /// Positions cached for sequence slot `slot`.
     pub(crate) fn slot_positions(&self, slot: usize) -> Result<usize> {
-        match self
-            .lock_batched()?
-            .as_ref()
-            .and_then(|b| b.slots.get(slot))
-        {
-            Some(layers) => match layers.first() {
-                Some(Some((k, _))) => k.dim(2),
-                _ => Ok(0),
-            },
-            None => bail!("kv cache: no batch slot {slot}"),
-        }
+        self.with_batch(|b| b.len(slot))
     }
 
     /// Empties sequence slot `slot` for the next sequence.
     pub(crate) fn clear_slot(&self, slot: usize) -> Result<()> {
-        match self
-            .lock_batched()?
-            .as_mut()
-            .and_then(|b| b.slots.get_mut(slot))
-        {
-            Some(layers) => layers.iter_mut().for_each(|s| *s = None),
-            None => bail!("kv cache: no batch slot {slot}"),
-        }
-        Ok(())
+        self.with_batch(|b| b.clear(slot))
     }
 
-    /// [`KvCache::extend`] for sequence slot `slot` of a batch.
-    pub(crate) fn extend_slot(
-        &self,
-        layer: usize,
-        slot: usize,
-        k: Tensor,
-        v: Tensor,
-    ) -> Result<(Tensor, Tensor)> {
-        let mut batched = self.lock_batched()?;
-        let Some(s) = batched
-            .as_mut()
-            .and_then(|b| b.slots.get_mut(slot))
-            .and_then(|l| l.get_mut(layer))
-        else {
-            bail!("kv cache has no batch slot {slot} for layer {layer}")
-        };
-        let (k, v) = match s.as_ref() {
-            Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?),
-            None => (k.contiguous()?, v.contiguous()?),
-        };
-        *s = Some((k.clone(), v.clone()));
-        Ok((k, v))
+    /// Writes layer `layer`'s keys and values of the packed call in flight
+    /// and returns the packed cache ([`BatchKv::extend`]).
+    pub(crate) fn extend_packed(&self, layer: usize, k: &Tensor, v: &Tensor) -> Result<Packed> {
+        self.with_batch(|b| b.extend(layer, k, v))
     }
 }

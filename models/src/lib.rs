@@ -50,6 +50,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod batch_generate;
+mod batch_kv;
 pub mod checkpoint;
 pub mod config;
 pub mod cross_entropy;
@@ -75,7 +76,10 @@ pub mod step_rates;
 pub mod tokenizer;
 pub mod train;
 
-pub use batch_generate::{generate_batch, BatchOutput, BatchRequest, BatchSink, Finish, Generated};
+pub use batch_generate::{
+    generate_batch, BatchLimits, BatchOutput, BatchRequest, BatchSink, Finish, Generated,
+    DEFAULT_STEP_ROWS,
+};
 pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budget, SplitMix64};
 pub use config::{LlamaConfig, RopeScaling};
 pub use cross_entropy::cross_entropy;

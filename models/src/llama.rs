@@ -456,7 +456,7 @@ impl DecoderLayer {
         let o = match (cached, &self.cache) {
             (false, _) => cqsa::attention(&q, &k, &v, &opts)?,
             (true, Some((cache, i))) => match cache.step()? {
-                Some(step) => attend_packed(cache, *i, &step, (&q, &k, &v), &opts)?,
+                Some(_) => attend_packed(cache, *i, (&q, &k, &v), &opts)?,
                 None => {
                     let (k, v) = cache.extend(*i, k, v)?;
                     cqsa::attention(&q, &k, &v, &opts)?
@@ -481,33 +481,31 @@ impl DecoderLayer {
 
 /// Attention of a packed batched step ([`crate::batch_generate`]): `q`, `k`,
 /// `v` are `(1, heads, rows, head_dim)` holding each sequence's new rows one
-/// after another (`step`: `(slot, rows)`); each sequence's rows attend to its
-/// own slot of the cache and nothing else, exactly as a call of that sequence
-/// alone would. Returns `(1, heads, rows, head_dim)`.
+/// after another; each sequence's rows attend to its own slot of the cache and
+/// nothing else, exactly as a call of that sequence alone would: one call over
+/// the packed cache whose documents are the slots (`crate::batch_kv`).
+/// Returns `(1, heads, rows, head_dim)`.
 fn attend_packed(
     cache: &KvCache,
     layer: usize,
-    step: &[(usize, usize)],
     (q, k, v): (&Tensor, &Tensor, &Tensor),
     opts: &cqsa::AttentionOpts,
 ) -> Result<Tensor> {
-    let (b, _, rows, _) = q.dims4()?;
-    let total: usize = step.iter().map(|s| s.1).sum();
-    if b != 1 || rows != total {
+    if q.dim(0)? != 1 {
         bail!(
-            "a packed batched step needs (1, heads, {total}, head_dim) queries, got {:?}",
+            "a packed batched step needs (1, heads, rows, head_dim) queries, got {:?}",
             q.dims()
         );
     }
-    let mut outs = Vec::with_capacity(step.len());
-    let mut at = 0;
-    for &(slot, n) in step {
-        let part = |t: &Tensor| t.narrow(2, at, n)?.contiguous();
-        let (ks, vs) = cache.extend_slot(layer, slot, part(k)?, part(v)?)?;
-        outs.push(cqsa::attention(&part(q)?, &ks, &vs, opts)?);
-        at += n;
-    }
-    Tensor::cat(&outs, 2)
+    let p = cache.extend_packed(layer, k, v)?;
+    let opts = cqsa::AttentionOpts {
+        cu_seqlens_q: Some(p.cu_seqlens_q),
+        cu_seqlens_k: Some(p.cu_seqlens_k),
+        // The cache is on the device already; planning would only cost time.
+        mode: cqsa::Mode::Resident,
+        ..opts.clone()
+    };
+    cqsa::attention(q, &p.k, &p.v, &opts)
 }
 
 /// A layer's own extras, and its LoRA layout with its `[A, B, ...]` when on.
@@ -1024,9 +1022,9 @@ impl Llama {
         }
         let extras = self.rope.extras_for(positions)?;
         let tokens = Tensor::new(tokens, &self.device)?.unsqueeze(0)?;
-        self.kv.set_step(step)?;
+        self.kv.begin_step(step)?;
         let r = self.hidden(&tokens, extras, true);
-        self.kv.set_step(Vec::new())?;
+        self.kv.end_step(r.is_ok())?;
         let (h, head) = r?;
         let last = Tensor::new(last.as_slice(), &self.device)?;
         let h = h.squeeze(0)?.index_select(&last, 0)?;
@@ -1043,6 +1041,12 @@ impl Llama {
     /// Ends batched decoding and empties the kv cache.
     pub(crate) fn end_batch(&self) -> Result<()> {
         self.kv.end_batch()
+    }
+
+    /// Makes room in every slot of a batch for `need` positions; `hint`: how
+    /// long the sequences in flight may grow.
+    pub(crate) fn reserve_batch(&self, need: usize, hint: usize) -> Result<()> {
+        self.kv.reserve(need, hint)
     }
 
     /// Empties one sequence slot of a batch for the next sequence.
