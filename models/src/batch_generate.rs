@@ -300,8 +300,7 @@ fn admit(
     sink: &mut impl BatchSink,
 ) -> Result<()> {
     let mut rows: usize = slots.iter().flatten().map(|a| a.feed.len()).sum();
-    let mut admitted = 0;
-    for slot in slots.iter_mut().filter(|s| s.is_none()) {
+    for (admitted, slot) in slots.iter_mut().filter(|s| s.is_none()).enumerate() {
         if held.is_none() {
             *held = next_admitted(model, queue, sink)?;
         }
@@ -311,7 +310,6 @@ fn admit(
             break;
         }
         rows += a.feed.len();
-        admitted += 1;
         *slot = Some(a);
     }
     Ok(())
