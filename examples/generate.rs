@@ -42,7 +42,7 @@ use streamer_core::StreamConfig;
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
     generate, init_weights, parse_bytes, prefetch_for_budget, ByteCorpus, CheckpointFiles, Llama,
-    LlamaConfig, LoraAdapters, Placement, TextTokenizer,
+    LlamaConfig, LoraAdapters, Placement, TextTokenizer, DEFAULT_STEP_ROWS,
 };
 
 #[derive(Parser, Debug)]
@@ -113,9 +113,20 @@ struct Args {
     /// The JSONL file of results for --prompts (appended to; resumed from).
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Sequences decoded together with --prompts.
-    #[arg(long, default_value_t = 8)]
-    batch: usize,
+    /// Sequences decoded together with --prompts (default 8, or as many as
+    /// --device-budget holds).
+    #[arg(long)]
+    batch: Option<usize>,
+    /// With --prompts: device memory for the whole batched decode (layer
+    /// window, outer weights, kv cache, a step's activations; bytes, "24GiB").
+    /// The model streams through a window of 2 layers (or --prefetch + 1) and
+    /// the batch is the most sequences the budget holds (at most --batch).
+    #[arg(long)]
+    device_budget: Option<String>,
+    /// With --prompts: rows one step computes at most; prompts join a step
+    /// while its rows stay within this.
+    #[arg(long, default_value_t = DEFAULT_STEP_ROWS)]
+    step_rows: usize,
     /// With --prompts: record a malformed line's error as its result and go
     /// on, instead of stopping.
     #[arg(long)]
@@ -133,9 +144,21 @@ fn check_args(a: &Args) -> Result<()> {
     if let Some(b) = &a.gpu_weight_budget {
         parse_bytes(b)?;
     }
-    cli::count("--batch", a.batch, 1 << 16)?;
+    if let Some(b) = a.batch {
+        cli::count("--batch", b, 1 << 16)?;
+    }
+    cli::count("--step-rows", a.step_rows, 1 << 24)?;
     if a.prompts.is_some() != a.out.is_some() {
         bail!("--prompts and --out go together: give both or neither");
+    }
+    if let Some(b) = &a.device_budget {
+        parse_bytes(b)?;
+        if a.prompts.is_none() {
+            bail!("--device-budget plans a batched run: it goes with --prompts and --out");
+        }
+        if a.gpu_weight_budget.is_some() {
+            bail!("--device-budget covers the weights too: leave out --gpu-weight-budget");
+        }
     }
     Ok(())
 }
@@ -271,7 +294,7 @@ fn from_folder(a: &Args, dir: &Path, dev: &Device, dtype: DType) -> Result<(Llam
         .as_deref()
         .map(parse_bytes)
         .transpose()?;
-    let placement = match (a.streamed, budget) {
+    let placement = match (a.streamed || a.device_budget.is_some(), budget) {
         (false, None) => Placement::Resident {
             device: dev.clone(),
             dtype,
@@ -371,7 +394,10 @@ mod batch {
     use streamer_models::prompt_file::{
         find_stop, output_line, parse_prompt_line, LineOutcome, OutputFile, PromptLine,
     };
-    use streamer_models::{generate_batch, BatchOutput, BatchRequest, BatchSink, Llama};
+    use streamer_models::{
+        generate_batch, parse_bytes, sequences_for_budget, BatchLimits, BatchMemory, BatchOutput,
+        BatchRequest, BatchShape, BatchSink, Llama,
+    };
 
     /// The lines still to run, and the output they go to.
     pub(super) struct Jobs {
@@ -429,11 +455,10 @@ mod batch {
         /// Runs every line, `--batch` at a time, appending results as they finish.
         pub(super) fn run(mut self, a: &Args, model: &Llama, tokens: &Tokens) -> Result<()> {
             eprintln!(
-                "{} of {} prompts to run ({} already in the output), batch {}",
+                "{} of {} prompts to run ({} already in the output)",
                 self.lines.len(),
                 self.total,
                 self.done_before,
-                a.batch
             );
             let bar = ProgressBar::new(self.total as u64);
             bar.set_position(self.done_before as u64);
@@ -474,7 +499,8 @@ mod batch {
                 started: Instant::now(),
                 every: self.total.div_ceil(20).max(1) as u64,
             };
-            generate_batch(model, reqs, a.batch, &eos, &mut sink)?;
+            let limits = limits(a, model, &reqs)?;
+            generate_batch(model, reqs, limits, &eos, &mut sink)?;
             let (n, secs) = (sink.generated, sink.started.elapsed().as_secs_f64());
             bar.finish();
             eprintln!(
@@ -486,6 +512,47 @@ mod batch {
             }
             Ok(())
         }
+    }
+
+    /// The batch: `--batch` (8), or as many sequences as `--device-budget`
+    /// holds at the longest request's length (at most `--batch`).
+    fn limits(a: &Args, model: &Llama, reqs: &[BatchRequest]) -> Result<BatchLimits> {
+        let step_rows = a.step_rows;
+        let Some(b) = &a.device_budget else {
+            let sequences = a.batch.unwrap_or(8);
+            eprintln!("batch {sequences}, steps of at most {step_rows} rows");
+            return Ok(BatchLimits {
+                sequences,
+                step_rows,
+            });
+        };
+        let cfg = model.config();
+        let ctx = cfg.max_position_embeddings;
+        let capacity = reqs
+            .iter()
+            .map(|r| r.prompt.len().saturating_add(r.max_tokens).min(ctx))
+            .max()
+            .unwrap_or(1);
+        let window = a.prefetch.unwrap_or(1) + 1;
+        let most = a.batch.unwrap_or(1 << 16).min(reqs.len().max(1));
+        let (budget, dtype) = (parse_bytes(b)?, model.dtype());
+        let sequences =
+            sequences_for_budget(cfg, dtype, window, (capacity, step_rows, most), budget)
+                .with_context(|| format!("--device-budget {b}"))?;
+        let shape = BatchShape {
+            sequences,
+            capacity,
+            step_rows,
+        };
+        eprintln!(
+            "--device-budget {b}: batch {sequences} (up to {capacity} positions each), \
+             steps of at most {step_rows} rows: {}",
+            BatchMemory::of(cfg, dtype, window, shape)
+        );
+        Ok(BatchLimits {
+            sequences,
+            step_rows,
+        })
     }
 
     /// Writes each finished line and keeps the progress bar.
@@ -634,7 +701,8 @@ fn place(a: &Args, from: From, cfg: &LlamaConfig, dev: &Device, dtype: DType) ->
         .as_deref()
         .map(parse_bytes)
         .transpose()?;
-    let streamed = a.streamed || budget.is_some_and(|b| layers_bytes > b);
+    let streamed =
+        a.streamed || a.device_budget.is_some() || budget.is_some_and(|b| layers_bytes > b);
     Ok(if streamed {
         let prefetch = match budget {
             Some(b) => prefetch_for_budget(cfg, dtype, b)?,
