@@ -419,3 +419,58 @@ fn output_file_resumes_after_a_cut_last_line() -> Result<()> {
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
+
+/// The batch a device budget holds: the most sequences whose estimate fits
+/// (the next one would not), the kv cache counted as the cache reserves it (2
+/// x layers x kv heads x head dim x positions rounded up to 16), and a budget
+/// without room for one sequence refused with what one needs.
+#[test]
+fn batch_plan_sequences_for_budget() -> Result<()> {
+    use streamer_models::batch_plan::kv_bytes_per_sequence;
+    use streamer_models::{sequences_for_budget, BatchMemory, BatchShape};
+    let cfg = LlamaConfig::llama31_8b();
+    let (capacity, step_rows) = (544, 16384);
+    // 32 layers, 8 kv heads of 128, 544 positions, bf16.
+    ensure!(kv_bytes_per_sequence(&cfg, DType::BF16, capacity) == 2 * 32 * 8 * 128 * 544 * 2);
+    ensure!(kv_bytes_per_sequence(&cfg, DType::BF16, 530) == 2 * 32 * 8 * 128 * 544 * 2);
+    let budget = 24usize << 30;
+    let n = sequences_for_budget(&cfg, DType::BF16, 2, (capacity, step_rows, 1 << 14), budget)?;
+    let total = |sequences| {
+        BatchMemory::of(
+            &cfg,
+            DType::BF16,
+            2,
+            BatchShape {
+                sequences,
+                capacity,
+                step_rows,
+            },
+        )
+        .total()
+    };
+    ensure!(total(n) <= budget && total(n + 1) > budget, "{n} sequences");
+    // Weights: two layers and the embedding and head (2 x 128256 x 4096) in bf16.
+    let m = BatchMemory::of(
+        &cfg,
+        DType::BF16,
+        2,
+        BatchShape {
+            sequences: n,
+            capacity,
+            step_rows,
+        },
+    );
+    let outer = (2 * 128256 * 4096 + 4096) * 2;
+    ensure!(m.weights == 2 * cfg.layer_params() * 2 + outer, "{m:?}");
+    ensure!((250..300).contains(&n), "{n} sequences in 24 GiB");
+    // Capped by the caller's most.
+    ensure!(sequences_for_budget(&cfg, DType::BF16, 2, (capacity, step_rows, 10), budget)? == 10);
+    let e = sequences_for_budget(&cfg, DType::BF16, 2, (capacity, step_rows, 8), 4 << 30)
+        .expect_err("4 GiB holds the weights but not one step")
+        .to_string();
+    ensure!(
+        e.contains("4.00 GiB") && e.contains("holds no sequence of 544"),
+        "{e}"
+    );
+    Ok(())
+}
