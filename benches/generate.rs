@@ -15,9 +15,8 @@
 //! folder, as the transformers peer `scripts/generate_torch.py --batches`
 //! reads); `GEN_BENCH_BATCHES` (sequences in flight, default `1,64,256,1024`
 //! on a GPU); `GEN_BENCH_STEP_ROWS` (`BatchLimits::step_rows`);
-//! `GEN_BENCH_DEVICE_BUDGET_GIB` (cap the GPU at that much and take the most
-//! sequences the budget holds, `batch_plan::sequences_for_budget`, in place
-//! of `GEN_BENCH_BATCHES`).
+//! `GEN_BENCH_DEVICE_BUDGET_GIB` (a last row with the GPU capped at that much
+//! and the most sequences the budget holds, `batch_plan::sequences_for_budget`).
 //!
 //!     GPU_ONLY=bench-generate bash gpu-bundle/run.sh benches
 #[path = "common/mod.rs"]
@@ -201,6 +200,21 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
     Ok(r)
 }
 
+/// GEN_BENCH_BATCHES: the rows' sequences in flight (may be empty).
+fn batches(dev: &Device) -> Result<Vec<usize>> {
+    let default = if dev.is_cuda() {
+        "1,64,256,1024"
+    } else {
+        "1,4"
+    };
+    std::env::var("GEN_BENCH_BATCHES")
+        .unwrap_or_else(|_| default.into())
+        .split(',')
+        .filter(|b| !b.trim().is_empty())
+        .map(|b| b.trim().parse().context("GEN_BENCH_BATCHES"))
+        .collect()
+}
+
 fn main() -> Result<()> {
     let dev = common::device();
     let dtype = if dev.is_cuda() {
@@ -217,37 +231,13 @@ fn main() -> Result<()> {
         .transpose()?;
     let (model, name) = load(&dev, dtype)?;
     let cfg = model.config().clone();
-    let batches: Vec<usize> = match budget_gib {
-        Some(b) => {
-            let cap = (pg.0 + pg.1, step_rows, 1 << 14);
-            vec![sequences_for_budget(&cfg, dtype, 2, cap, b << 30)?]
-        }
-        None => std::env::var("GEN_BENCH_BATCHES")
-            .unwrap_or_else(|_| {
-                if dev.is_cuda() {
-                    "1,64,256,1024"
-                } else {
-                    "1,4"
-                }
-                .into()
-            })
-            .split(',')
-            .map(|b| b.trim().parse().context("GEN_BENCH_BATCHES"))
-            .collect::<Result<_>>()?,
-    };
-    // The cap holds back the GPU's memory beyond the budget, model included.
-    let _cap = common::cap_device_memory(&dev, budget_gib.map(|b| b << 30))?;
+    let batches = batches(&dev)?;
     let gemm = gemm_rate(&dev, dtype, &cfg)?;
     println!("dense {dtype:?} GEMM: {:.0} TFLOP/s", gemm / 1e12);
     // Warm-up: kernels loaded, the outer weights' path exercised.
-    generate_batch(
-        &model,
-        requests(2, (8, 2), cfg.vocab_size),
-        2,
-        &[],
-        &mut Count::default(),
-    )?;
-    let setup = Setup {
+    let warm = requests(2, (8, 2), cfg.vocab_size);
+    generate_batch(&model, warm, 2, &[], &mut Count::default())?;
+    let mut setup = Setup {
         dev: &dev,
         model: &model,
         name: &name,
@@ -255,12 +245,22 @@ fn main() -> Result<()> {
         pg,
         step_rows,
         gemm,
-        budget_gib,
+        budget_gib: None,
     };
-    let rows = batches
+    let mut rows = batches
         .iter()
         .map(|&b| row(&setup, b))
         .collect::<Result<Vec<_>>>()?;
+    if let Some(b) = budget_gib {
+        // Last: the cap holds back the GPU's memory beyond the budget (what
+        // the model holds already included) for the rest of the process.
+        let most = (pg.0 + pg.1, step_rows, 1 << 14);
+        let n = sequences_for_budget(&cfg, dtype, 2, most, b << 30)?;
+        streamer_core::trim_device_memory(&dev)?;
+        let _cap = common::cap_device_memory(&dev, Some(b << 30))?;
+        setup.budget_gib = Some(b);
+        rows.push(row(&setup, n)?);
+    }
     let out = serde_json::json!({
         "bench": "generate", "device": common::device_tag(&dev),
         "command": "GPU_ONLY=bench-generate bash gpu-bundle/run.sh benches",
