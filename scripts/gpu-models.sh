@@ -8,6 +8,9 @@
 #   bash scripts/gpu-models.sh lora8b     # Llama 3.1 8B shapes: LoRA (LORA8B_MODES=lora,full for both)
 #   bash scripts/gpu-models.sh generate   # init_model (8B shapes, bf16), transformers' generate, then ours resident and streamed
 #                                         # (GEN_RUNS=torch,resident,streamed picks which)
+#   bash scripts/gpu-models.sh batch      # batched generation, 8B shapes: benches/generate_torch.py (transformers +
+#                                         # accelerate under GEN_BUDGET_GIB, default 24), then benches/generate.rs
+#                                         # (GEN_BENCH_BATCHES without a budget, then a row under the budget)
 #
 # Outputs: run.sh's summaries and logs under $OUT (RUN_TAG per stage).
 set -uo pipefail
@@ -48,7 +51,14 @@ for stage in "$@"; do
       # tokens, as transformers' offloaded row.
       [[ $runs == *" streamed "* ]] && gen gen-streamed --model "$dir" \
         --max-tokens "${GEN_STREAMED_TOKENS:-16}" --temperature 0 --streamed ;;
-    *) echo "unknown stage $stage (lora3b, lora8b, generate)" >&2; exit 2 ;;
+    batch)
+      mkdir -p "${OUT:-gpu-out}"
+      timeout "$limit" python3 benches/generate_torch.py --batches "${GEN_TORCH_BATCHES:-1,16,64,128}" \
+        --gpu-budget-gib "${GEN_BUDGET_GIB:-24}" --out "${OUT:-gpu-out}/generate-batch-torch-h200.json" \
+        >"${OUT:-gpu-out}/generate-batch-torch.log" 2>&1 || fail=1
+      GEN_BENCH_DEVICE_BUDGET_GIB=${GEN_BUDGET_GIB:-24} GPU_ONLY=bench-generate RUN_TAG=gen \
+        timeout "$limit" bash gpu-bundle/run.sh benches || fail=1 ;;
+    *) echo "unknown stage $stage (lora3b, lora8b, generate, batch)" >&2; exit 2 ;;
   esac
 done
 exit $fail
