@@ -41,8 +41,8 @@ use std::path::{Path, PathBuf};
 use streamer_core::StreamConfig;
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
-    generate, init_weights, parse_bytes, prefetch_for_budget, ByteCorpus, CheckpointFiles, Llama,
-    LlamaConfig, LoraAdapters, Placement, TextTokenizer, DEFAULT_STEP_ROWS,
+    generate, init_weights, parse_bytes, prefetch_for_budget, ByteCorpus, ChatTemplate,
+    CheckpointFiles, Llama, LlamaConfig, LoraAdapters, Placement, TextTokenizer, DEFAULT_STEP_ROWS,
 };
 
 #[derive(Parser, Debug)]
@@ -379,7 +379,13 @@ fn main() -> Result<()> {
         model.set_lora(Some(l))?;
     }
     match jobs {
-        Some(jobs) => jobs.run(&a, &model, &tokens),
+        Some(jobs) => {
+            let chat = match &a.model {
+                Some(dir) => ChatTemplate::from_folder(dir)?,
+                None => None,
+            };
+            jobs.run(&a, (&model, &tokens), chat.as_ref())
+        }
         None => run(&a, &model, &tokens),
     }
 }
@@ -396,7 +402,7 @@ mod batch {
     };
     use streamer_models::{
         generate_batch, parse_bytes, sequences_for_budget, BatchLimits, BatchMemory, BatchOutput,
-        BatchRequest, BatchShape, BatchSink, Llama,
+        BatchRequest, BatchShape, BatchSink, ChatTemplate, Llama,
     };
 
     /// The lines still to run, and the output they go to.
@@ -453,7 +459,12 @@ mod batch {
         }
 
         /// Runs every line, `--batch` at a time, appending results as they finish.
-        pub(super) fn run(mut self, a: &Args, model: &Llama, tokens: &Tokens) -> Result<()> {
+        pub(super) fn run(
+            mut self,
+            a: &Args,
+            (model, tokens): (&Llama, &Tokens),
+            chat: Option<&ChatTemplate>,
+        ) -> Result<()> {
             eprintln!(
                 "{} of {} prompts to run ({} already in the output)",
                 self.lines.len(),
@@ -469,7 +480,7 @@ mod batch {
             }
             let mut reqs = Vec::with_capacity(self.lines.len());
             for (id, p) in self.lines.iter().enumerate() {
-                match tokens.encode(&p.prompt) {
+                match prompt_tokens(p, tokens, chat) {
                     Ok(prompt) => reqs.push(BatchRequest {
                         id,
                         prompt,
@@ -479,7 +490,7 @@ mod batch {
                         seed: p.seed.unwrap_or(a.seed.wrapping_add(p.line as u64)),
                     }),
                     Err(e) => {
-                        let e = format!("encoding the prompt: {e}");
+                        let e = e.to_string();
                         self.out.append(&output_line(
                             p.line,
                             &p.passthrough,
@@ -512,6 +523,26 @@ mod batch {
             }
             Ok(())
         }
+    }
+
+    /// A line's prompt tokens: its text, or its messages rendered by the
+    /// model folder's chat template (with the assistant's turn opened).
+    fn prompt_tokens(
+        p: &PromptLine,
+        tokens: &Tokens,
+        chat: Option<&ChatTemplate>,
+    ) -> Result<Vec<u32>> {
+        let text = match (&p.messages, chat) {
+            (None, _) => p.prompt.clone(),
+            (Some(m), Some(t)) => t.render(m, true)?,
+            (Some(_), None) => anyhow::bail!(
+                "`messages` needs a chat template, and the model has none \
+                 (tokenizer_config.json's chat_template or chat_template.jinja in --model DIR)"
+            ),
+        };
+        tokens
+            .encode(&text)
+            .map_err(|e| anyhow::anyhow!("encoding the prompt: {e}"))
     }
 
     /// The batch: `--batch` (8), or as many sequences as `--device-budget`

@@ -14,7 +14,7 @@ use streamer_models::prompt_file::{
 };
 use streamer_models::{
     generate, generate_batch, init_weights, BatchLimits, BatchOutput, BatchRequest, BatchSink,
-    Finish, Generated, Llama, LlamaConfig, Placement, SplitMix64,
+    ChatMessage, Finish, Generated, Llama, LlamaConfig, Placement, SplitMix64,
 };
 
 fn stream(dev: &Device) -> StreamConfig {
@@ -340,12 +340,36 @@ fn prompt_lines_parse_and_errors_name_line_and_field() -> Result<()> {
     ensure!(p.line == 2 && p.prompt == "Once" && p.max_tokens == Some(7));
     ensure!(p.temperature == Some(0.0) && p.top_p == Some(0.5) && p.seed == Some(9));
     ensure!(p.stop == ["\n", "END"] && p.passthrough["id"] == "a1");
+    let chat = parse_prompt_line(
+        3,
+        r#"{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}"#,
+    )?;
+    ensure!(
+        chat.messages
+            == Some(vec![
+                ChatMessage::new("system", "Be brief."),
+                ChatMessage::new("user", "Hi")
+            ])
+            && chat.prompt.is_empty()
+    );
     let cases = [
         ("{\"prompt\": \"x\"", "not valid JSON"),
         ("[1]", "JSON object"),
-        ("{\"max_tokens\": 3}", "no \"prompt\""),
+        ("{\"max_tokens\": 3}", "no \"prompt\" or \"messages\""),
         ("{\"prompt\": \"x\", \"n\": 2}", "unsupported field `n`"),
-        ("{\"messages\": []}", "`messages` (chat) is not supported"),
+        ("{\"messages\": []}", "`messages` must be a non-empty list"),
+        (
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"x\", \"tool_calls\": []}]}",
+            "messages[0] has `tool_calls`",
+        ),
+        (
+            "{\"messages\": [{\"role\": \"user\", \"content\": [1]}]}",
+            "messages[0].content must be a string",
+        ),
+        (
+            "{\"prompt\": \"x\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}",
+            "not both",
+        ),
         ("{\"prompt\": \"x\", \"top_p\": 1.5}", "`top_p` must be"),
         (
             "{\"prompt\": \"x\", \"max_tokens\": -1}",

@@ -7,6 +7,7 @@ mod bad_inputs;
 mod batch_generate;
 mod bf16_state;
 mod calibrate;
+mod chat_template;
 mod crash;
 mod cross_entropy;
 mod cuda_chain;

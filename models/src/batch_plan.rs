@@ -26,7 +26,7 @@ pub struct BatchMemory {
     pub kv: usize,
     /// One step's activations and logits.
     pub activations: usize,
-    /// [`MARGIN`].
+    /// A fixed 1 GiB for what the estimate does not count.
     pub margin: usize,
 }
 

@@ -52,6 +52,7 @@
 pub mod batch_generate;
 mod batch_kv;
 pub mod batch_plan;
+pub mod chat_template;
 pub mod checkpoint;
 pub mod config;
 pub mod cross_entropy;
@@ -82,6 +83,7 @@ pub use batch_generate::{
     DEFAULT_STEP_ROWS,
 };
 pub use batch_plan::{sequences_for_budget, BatchMemory, BatchShape};
+pub use chat_template::{ChatMessage, ChatTemplate};
 pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budget, SplitMix64};
 pub use config::{LlamaConfig, RopeScaling};
 pub use cross_entropy::cross_entropy;

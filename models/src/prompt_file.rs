@@ -2,12 +2,13 @@
 //! generation (`examples/generate.rs --prompts`): parsing each input line,
 //! one output line per input line, and resuming an interrupted run.
 //!
-//! Input: one JSON object a line with `prompt` (text) and optionally
-//! `max_tokens`, `temperature`, `top_p`, `seed` and `stop` (a string or a
-//! list of strings); `id` and `metadata` are copied to the output unread.
-//! Any other field is an error naming it (it might have been meant to change
-//! the result), and so is chat's `messages` (no chat template is
-//! implemented). Blank lines are skipped.
+//! Input: one JSON object a line with `prompt` (text) or chat `messages` (a
+//! list of `{"role": ..., "content": ...}`, rendered by the model's chat
+//! template, [`crate::ChatTemplate`]) and optionally `max_tokens`,
+//! `temperature`, `top_p`, `seed` and `stop` (a string or a list of strings);
+//! `id` and `metadata` are copied to the output unread. Any other field (of a
+//! line or of a message) is an error naming it: it might have been meant to
+//! change the result. Blank lines are skipped.
 //!
 //! Output: `{"line": N, ...}` per input line `N` (1-based), with `text`,
 //! `prompt_tokens`, `tokens` and `finish_reason`, or `error`. Each is
@@ -23,6 +24,7 @@
 //! assert!(e.to_string().contains("line 4") && e.to_string().contains("`logprobs`"));
 //! # Ok::<(), candle_core::Error>(())
 //! ```
+use crate::ChatMessage;
 use candle_core::Result;
 use serde_json::{Map, Value};
 use std::collections::BTreeSet;
@@ -35,8 +37,10 @@ use std::path::Path;
 pub struct PromptLine {
     /// Its line number in the file (1-based).
     pub line: usize,
-    /// The text to continue.
+    /// The text to continue (empty when `messages` is given).
     pub prompt: String,
+    /// A conversation to render with the chat template instead.
+    pub messages: Option<Vec<ChatMessage>>,
     /// New tokens at most (default: the command's).
     pub max_tokens: Option<usize>,
     /// Sampling temperature (default: the command's).
@@ -66,6 +70,7 @@ pub fn parse_prompt_line(line: usize, text: &str) -> Result<PromptLine> {
     let mut p = PromptLine {
         line,
         prompt: String::new(),
+        messages: None,
         max_tokens: None,
         temperature: None,
         top_p: None,
@@ -105,22 +110,64 @@ pub fn parse_prompt_line(line: usize, text: &str) -> Result<PromptLine> {
             "id" | "metadata" => {
                 p.passthrough.insert(k, v);
             }
-            "messages" => {
-                return Err(msg(format!(
-                "line {line}: `messages` (chat) is not supported: no chat template is implemented; \
-                 give the formatted text as `prompt`"
-            )))
-            }
+            "messages" => p.messages = Some(messages(line, &v)?),
             _ => {
                 return Err(msg(format!(
-                "line {line}: unsupported field `{k}` (known: prompt, max_tokens, temperature, \
-                 top_p, seed, stop, id, metadata)"
-            )))
+                    "line {line}: unsupported field `{k}` (known: prompt, messages, max_tokens, \
+                 temperature, top_p, seed, stop, id, metadata)"
+                )))
             }
         }
     }
-    p.prompt = prompt.ok_or_else(|| msg(format!("line {line}: no \"prompt\" field")))?;
+    match (prompt, &p.messages) {
+        (Some(text), None) => p.prompt = text,
+        (None, Some(_)) => {}
+        (Some(_), Some(_)) => {
+            return Err(msg(format!(
+                "line {line}: give \"prompt\" or \"messages\", not both"
+            )))
+        }
+        (None, None) => {
+            return Err(msg(format!(
+                "line {line}: no \"prompt\" or \"messages\" field"
+            )))
+        }
+    }
     Ok(p)
+}
+
+/// A line's `messages`: a non-empty list of `{"role", "content"}` strings.
+fn messages(line: usize, v: &Value) -> Result<Vec<ChatMessage>> {
+    let list = match v.as_array() {
+        Some(l) if !l.is_empty() => l,
+        _ => {
+            return Err(msg(format!(
+                "line {line}: `messages` must be a non-empty list of {{\"role\", \"content\"}}, got {v}"
+            )))
+        }
+    };
+    list.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let obj = m.as_object().ok_or_else(|| {
+                msg(format!(
+                    "line {line}: messages[{i}] must be an object, got {m}"
+                ))
+            })?;
+            if let Some(k) = obj.keys().find(|k| *k != "role" && *k != "content") {
+                return Err(msg(format!(
+                    "line {line}: messages[{i}] has `{k}`, which is not supported (role and text \
+                     content only)"
+                )));
+            }
+            let field = |k: &str| {
+                obj.get(k)
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| msg(format!("line {line}: messages[{i}].{k} must be a string")))
+            };
+            Ok(ChatMessage::new(field("role")?, field("content")?))
+        })
+        .collect()
 }
 
 fn msg(s: String) -> candle_core::Error {
