@@ -29,7 +29,13 @@ def llama31_8b():
 
 
 def random_model(cfg):
-    from transformers.modeling_utils import no_init_weights
+    try:  # where transformers keeps it moved between versions
+        from transformers.modeling_utils import no_init_weights
+    except ImportError:
+        try:
+            from transformers.initialization import no_init_weights
+        except ImportError:
+            from contextlib import nullcontext as no_init_weights
     t = time.perf_counter()
     with no_init_weights():
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
