@@ -5,7 +5,7 @@
 //! tensor, the block output needs a surrogate loss, and each op's backward is
 //! a chain of generic element-wise kernels: on the H200 a `1b` layer spent
 //! three quarters of its GPU time outside the GEMMs and attention
-//! (`benches/results/README.md`). Here each gradient is produced once:
+//! (`benches/results/lm-layer-ncu-h200-before.txt`). Here each gradient is produced once:
 //!
 //! - forward keeps `x`, both norms' outputs, the rotated `q`, `k`, `v`, the
 //!   attention output (once, in cqsa's head-major layout: its row-major copy

@@ -3,7 +3,7 @@
 //! candle-nn's `Embedding` is `index_select`, whose gradient is Candle's
 //! `index_add`: on CUDA that kernel loops over every token in one thread per
 //! column, 4 ms per 8192 tokens of a 2048-wide table on the H200 (14 % of a
-//! two-layer `1b` training step, `benches/results/README.md`). Here the
+//! two-layer `1b` training step, `benches/results/lm-layer-ncu-h200-fused.txt`). Here the
 //! backward adds each token's gradient row into an f32 table with atomics (one
 //! block per token), then rounds once to the table's dtype. The CPU keeps
 //! Candle's `index_add` in f32.

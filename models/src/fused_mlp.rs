@@ -15,7 +15,7 @@
 //!
 //! No recomputed GEMM and one element-wise pass: cuBLASLt's `DGELU_BGRAD`
 //! epilogue would fuse it, but measured slower than the plain GEMM plus the
-//! pass on the H200 (`benches/results/README.md`). Elsewhere (the CPU, f32) the
+//! pass on the H200 (`benches/results/gemm-h200.json`). Elsewhere (the CPU, f32) the
 //! same formulas run as Candle ops: that path is the reference the tests hold
 //! the CUDA path to.
 use crate::fused_linear::gelu_grad;
