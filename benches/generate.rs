@@ -1,4 +1,5 @@
-//! Batched generation throughput (`generate_batch`) of a streamed model, on
+//! Batched generation throughput (`generate_batch`) of a streamed model (and
+//! of the placement a device budget plans), on
 //! FlexGen's workload: prompts of `GEN_BENCH_PROMPT` tokens (512 on a GPU),
 //! `GEN_BENCH_NEW` new tokens each (32), greedy. Each row runs twice as many
 //! prompts as sequences in flight, so finished sequences hand their slots to
@@ -7,16 +8,20 @@
 //! `tokens_per_s` of generated tokens, `device_budget_gib`, `kv_place`,
 //! `peak_device_gib`, the plan's estimate), each beside its bounds measured in
 //! the same process: the PCIe bound (the copy stream's busy time, every
-//! layer's weights once a step) and the compute bound (the run's FLOPs at the
-//! rate of a dense bf16 GEMM of the layer's MLP shape on this GPU).
+//! layer's weights once a step when streamed) and the compute bound (the
+//! run's FLOPs, `batch_plan::request_flops`, at the rate of a dense GEMM of
+//! the layer's MLP shape on this GPU).
 //!
 //! `GEN_BENCH` (preset: `8b` = Llama 3.1 8B shapes, random init; default `8b`
 //! on a GPU, `tiny` on the CPU) or `GEN_BENCH_MODEL=DIR` (a Hugging Face
 //! folder, as the transformers peer `scripts/generate_torch.py --batches`
 //! reads); `GEN_BENCH_BATCHES` (sequences in flight, default `1,64,256,1024`
 //! on a GPU); `GEN_BENCH_STEP_ROWS` (`BatchLimits::step_rows`);
-//! `GEN_BENCH_DEVICE_BUDGET_GIB` (a last row with the GPU capped at that much
-//! and the most sequences the budget holds, `batch_plan::sequences_for_budget`).
+//! `GEN_BENCH_DEVICE_BUDGET_GIB` (two last rows with the GPU capped at that
+//! much, counting what the process held before the model, as `generate
+//! --device-budget` counts it: `batch_plan::plan_batch`'s streamed plan, and
+//! its choice between resident and streamed, each with the prediction it made
+//! from `DecodeRates` measured here).
 //!
 //!     GPU_ONLY=bench-generate bash gpu-bundle/run.sh benches
 #[path = "common/mod.rs"]
@@ -24,12 +29,14 @@ mod common;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use std::collections::HashMap;
 use std::time::Instant;
 use streamer_core::StreamConfig;
 use streamer_models::{
-    generate_batch, init_weights, sequences_for_budget, BatchLimits, BatchMemory, BatchOutput,
-    BatchRequest, BatchShape, BatchSink, Llama, LlamaConfig, Placement, SplitMix64,
-    DEFAULT_STEP_ROWS,
+    generate_batch, init_weights, plan_batch, request_flops, BatchLimits, BatchMemory, BatchOutput,
+    BatchPlacement, BatchRequest, BatchRun, BatchShape, BatchSink, DecodeRates, Llama, LlamaConfig,
+    PretrainedFiles, SplitMix64, DEFAULT_STEP_ROWS,
 };
 
 fn env_or(key: &str, default: usize) -> usize {
@@ -39,18 +46,23 @@ fn env_or(key: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-/// The model, streamed with a window of two layers, and its name.
-fn load(dev: &Device, dtype: DType) -> Result<(Llama, String)> {
-    let stream = StreamConfig {
-        device: dev.clone(),
-        prefetch_ahead: 1,
-        dtype,
-        ..Default::default()
-    };
+/// The host weights in `dtype` and the model's name and configuration:
+/// `GEN_BENCH_MODEL`'s folder (read into host memory) or a random preset.
+fn host_weights(
+    dtype: DType,
+    dev: &Device,
+) -> Result<(HashMap<String, Tensor>, String, LlamaConfig)> {
     if let Ok(dir) = std::env::var("GEN_BENCH_MODEL") {
-        let p = Llama::from_pretrained(&dir, Placement::Streamed(stream))
-            .with_context(|| format!("GEN_BENCH_MODEL={dir}"))?;
-        return Ok((p.model, dir));
+        let files =
+            PretrainedFiles::in_dir(&dir).with_context(|| format!("GEN_BENCH_MODEL={dir}"))?;
+        let cfg = LlamaConfig::from_json_file(&files.config)?;
+        let mut w = HashMap::new();
+        for f in &files.weights {
+            for (k, t) in candle_core::safetensors::load(f, &Device::Cpu)? {
+                w.insert(k, t.to_dtype(dtype)?);
+            }
+        }
+        return Ok((w, dir, cfg));
     }
     let name = std::env::var("GEN_BENCH")
         .unwrap_or_else(|_| if dev.is_cuda() { "8b" } else { "tiny" }.into());
@@ -58,45 +70,49 @@ fn load(dev: &Device, dtype: DType) -> Result<(Llama, String)> {
         "8b" => LlamaConfig::llama31_8b(),
         other => LlamaConfig::preset(other)?,
     };
-    let t = Instant::now();
     use rayon::prelude::*;
-    let w: std::collections::HashMap<String, Tensor> = init_weights(&cfg, 0)?
+    let w = init_weights(&cfg, 0)?
         .into_par_iter()
         .map(|(k, t)| Ok((k, t.to_dtype(dtype)?)))
         .collect::<candle_core::Result<_>>()?;
-    let model = Llama::from_tensors(w, &cfg, stream)?;
+    Ok((w, name, cfg))
+}
+
+/// The model placed as `placement` says.
+fn place(
+    w: &HashMap<String, Tensor>,
+    cfg: &LlamaConfig,
+    (dev, dtype): (&Device, DType),
+    placement: BatchPlacement,
+) -> Result<Llama> {
+    let t = Instant::now();
+    let model = match placement {
+        BatchPlacement::Resident => {
+            Llama::resident(VarBuilder::from_tensors(w.clone(), dtype, dev), cfg)?
+        }
+        BatchPlacement::Streamed { window } => {
+            let stream = StreamConfig {
+                device: dev.clone(),
+                prefetch_ahead: window - 1,
+                dtype,
+                ..Default::default()
+            };
+            Llama::from_tensors(w.clone(), cfg, stream)?
+        }
+    };
     println!(
-        "{name}: random init and host copies in {:.1} s",
+        "{}: placed in {:.1} s",
+        describe(placement),
         t.elapsed().as_secs_f64()
     );
-    Ok((model, name))
+    Ok(model)
 }
 
-/// FLOP/s of a dense GEMM at the MLP's shape (4096 rows) in `dtype`.
-fn gemm_rate(dev: &Device, dtype: DType, cfg: &LlamaConfig) -> Result<f64> {
-    let rows = if dev.is_cuda() { 4096 } else { 64 };
-    let a = Tensor::randn(0f32, 1.0, (rows, cfg.hidden_size), dev)?.to_dtype(dtype)?;
-    let b =
-        Tensor::randn(0f32, 1.0, (cfg.hidden_size, cfg.intermediate_size), dev)?.to_dtype(dtype)?;
-    let s = common::time_median(dev, 2, 7, || {
-        a.matmul(&b)?;
-        Ok(())
-    })?;
-    Ok(2.0 * (rows * cfg.hidden_size * cfg.intermediate_size) as f64 / s)
-}
-
-/// FLOPs of `n` sequences of `p` prompt and `g` new tokens: the layers'
-/// GEMMs on every row fed, attention over each row's context, the head on
-/// each sequence's last rows.
-fn run_flops(cfg: &LlamaConfig, n: usize, (p, g): (usize, usize)) -> f64 {
-    let rows = (p + g - 1) as f64;
-    let layers = cfg.num_hidden_layers as f64;
-    let width = (cfg.num_attention_heads * cfg.head_dim()) as f64;
-    // Row i attends to i + 1 keys: q k^T and p v, 2 FLOPs a multiply-add.
-    let context: f64 = (1..=p + g - 1).map(|i| i as f64).sum();
-    let attention = 4.0 * layers * width * context;
-    let head = 2.0 * (g * cfg.hidden_size * cfg.vocab_size) as f64;
-    n as f64 * (2.0 * cfg.layer_params() as f64 * layers * rows + attention + head)
+fn describe(p: BatchPlacement) -> String {
+    match p {
+        BatchPlacement::Resident => "resident".into(),
+        BatchPlacement::Streamed { window } => format!("streamed, {window} layers on the device"),
+    }
 }
 
 /// Counts tokens and steps.
@@ -136,10 +152,13 @@ struct Setup<'a> {
     model: &'a Llama,
     name: &'a str,
     dtype: DType,
+    placement: BatchPlacement,
     pg: (usize, usize),
     step_rows: usize,
-    gemm: f64,
+    rates: DecodeRates,
     budget_gib: Option<usize>,
+    /// The plan's prediction, for rows a budget planned.
+    expected: Option<f64>,
 }
 
 /// One row: `batch` sequences in flight over `2 x batch` prompts.
@@ -151,16 +170,12 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
         sequences: batch,
         step_rows: s.step_rows,
     };
-    let plan = BatchMemory::of(
-        cfg,
-        s.dtype,
-        2,
-        BatchShape {
-            sequences: batch,
-            capacity: s.pg.0 + s.pg.1,
-            step_rows: s.step_rows,
-        },
-    );
+    let shape = BatchShape {
+        sequences: batch,
+        capacity: s.pg.0 + s.pg.1,
+        step_rows: s.step_rows,
+    };
+    let plan = BatchMemory::of(cfg, s.dtype, s.placement.window(cfg), shape);
     println!("batch {batch}, {n} prompts: plan {plan}");
     streamer_core::trim_device_memory(s.dev)?;
     let base = common::used_now(s.dev);
@@ -180,20 +195,22 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
     );
     let after = s.model.stats()?.unwrap_or_default();
     let h2d_s = after.h2d_seconds - before.h2d_seconds;
-    let compute_s = run_flops(cfg, n, s.pg) / s.gemm;
+    let compute_s = n as f64 * request_flops(cfg, s.pg.0, s.pg.1) / s.rates.flops_per_s;
     let bound_s = h2d_s.max(compute_s);
     let tps = count.tokens as f64 / wall;
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     let r = serde_json::json!({
         "system": "ours", "model": s.name, "format": format!("{:?}", s.dtype).to_lowercase(),
-        "placement": "streamed, 2 layers on the device",
+        "placement": describe(s.placement),
         "batch": batch, "prompts": n, "prompt_len": s.pg.0, "gen_len": s.pg.1,
         "step_rows": s.step_rows, "steps": count.steps, "generated": count.tokens,
-        "wall_s": wall, "tokens_per_s": tps,
+        "wall_s": wall, "tokens_per_s": tps, "expected_tokens_per_s": s.expected,
         "device_budget_gib": s.budget_gib, "kv_place": "device",
         "planned_device_gib": gib(plan.total()), "peak_device_gib": gib(peak.saturating_sub(base)),
+        "peak_process_device_gib": gib(peak),
         "h2d_gb": (after.h2d_bytes - before.h2d_bytes) as f64 / 1e9, "h2d_s": h2d_s,
-        "compute_bound_s": compute_s, "gemm_tflops": s.gemm / 1e12,
+        "compute_bound_s": compute_s, "gemm_tflops": s.rates.flops_per_s / 1e12,
+        "h2d_gbps": s.rates.h2d_bytes_per_s / 1e9,
         "bound_tokens_per_s": count.tokens as f64 / bound_s, "of_bound": bound_s / wall,
     });
     println!("  {r}");
@@ -229,45 +246,107 @@ fn main() -> Result<()> {
         .ok()
         .map(|v| v.parse::<usize>().context("GEN_BENCH_DEVICE_BUDGET_GIB"))
         .transpose()?;
-    let (model, name) = load(&dev, dtype)?;
-    let cfg = model.config().clone();
-    let batches = batches(&dev)?;
-    let gemm = gemm_rate(&dev, dtype, &cfg)?;
-    println!("dense {dtype:?} GEMM: {:.0} TFLOP/s", gemm / 1e12);
-    // Warm-up: kernels loaded, the outer weights' path exercised.
-    let warm = requests(2, (8, 2), cfg.vocab_size);
-    generate_batch(&model, warm, 2, &[], &mut Count::default())?;
-    let mut setup = Setup {
-        dev: &dev,
-        model: &model,
-        name: &name,
-        dtype,
-        pg,
-        step_rows,
-        gemm,
-        budget_gib: None,
-    };
-    let mut rows = batches
-        .iter()
-        .map(|&b| row(&setup, b))
-        .collect::<Result<Vec<_>>>()?;
+    // What the process holds before any model (the CUDA context): a budget
+    // counts it, as `generate --device-budget` does.
+    streamer_core::trim_device_memory(&dev)?;
+    let held = common::used_now(&dev);
+    let t = Instant::now();
+    let (w, name, cfg) = host_weights(dtype, &dev)?;
+    println!("{name}: host weights in {:.1} s", t.elapsed().as_secs_f64());
+    let rates = DecodeRates::measure(&cfg, dtype, &dev)?;
+    println!(
+        "rates: H2D {:.1} GB/s, device copies {:.0} GB/s, dense {dtype:?} GEMM {:.0} TFLOP/s",
+        rates.h2d_bytes_per_s / 1e9,
+        rates.device_bytes_per_s / 1e9,
+        rates.flops_per_s / 1e12
+    );
+    let streamed = BatchPlacement::Streamed { window: 2 };
+    let mut rows = Vec::new();
+    {
+        let model = place(&w, &cfg, (&dev, dtype), streamed)?;
+        warm_up(&model)?;
+        let setup = Setup {
+            dev: &dev,
+            model: &model,
+            name: &name,
+            dtype,
+            placement: streamed,
+            pg,
+            step_rows,
+            rates,
+            budget_gib: None,
+            expected: None,
+        };
+        for b in batches(&dev)? {
+            rows.push(row(&setup, b)?);
+        }
+    }
     if let Some(b) = budget_gib {
-        // Last: the cap holds back the GPU's memory beyond the budget (what
-        // the model holds already included) for the rest of the process.
-        let most = (pg.0 + pg.1, step_rows, 1 << 14);
-        let n = sequences_for_budget(&cfg, dtype, 2, most, b << 30)?;
-        streamer_core::trim_device_memory(&dev)?;
-        let _cap = common::cap_device_memory(&dev, Some(b << 30))?;
-        setup.budget_gib = Some(b);
-        rows.push(row(&setup, n)?);
+        for streamed_only in [true, false] {
+            let setup = (&dev, name.as_str(), dtype, pg, step_rows);
+            rows.push(budget_row(
+                &w,
+                &cfg,
+                setup,
+                (b, held, streamed_only),
+                rates,
+            )?);
+        }
     }
     let out = serde_json::json!({
         "bench": "generate", "device": common::device_tag(&dev),
         "command": "GPU_ONLY=bench-generate bash gpu-bundle/run.sh benches",
+        "held_before_model_gib": held as f64 / (1u64 << 30) as f64,
         "rows": rows,
     });
     let path = common::results_path(&format!("generate-{}.json", common::device_tag(&dev)));
     std::fs::write(&path, serde_json::to_string_pretty(&out)?)?;
     println!("wrote {}", path.display());
     Ok(())
+}
+
+/// Kernels loaded, the outer weights' path exercised.
+fn warm_up(model: &Llama) -> Result<()> {
+    let warm = requests(2, (8, 2), model.config().vocab_size);
+    generate_batch(model, warm, 2, &[], &mut Count::default())?;
+    Ok(())
+}
+
+/// A row planned by `plan_batch` for `gib` GiB (what the process held before
+/// the model included), with the GPU capped at the budget: the streamed plan,
+/// or the faster of resident and streamed.
+fn budget_row(
+    w: &HashMap<String, Tensor>,
+    cfg: &LlamaConfig,
+    (dev, name, dtype, pg, step_rows): (&Device, &str, DType, (usize, usize), usize),
+    (gib, held, streamed_only): (usize, usize, bool),
+    rates: DecodeRates,
+) -> Result<serde_json::Value> {
+    let run = BatchRun {
+        capacity: pg.0 + pg.1,
+        step_rows,
+        most: 1 << 14,
+        prompt_len: pg.0 as f64,
+        new_tokens: pg.1 as f64,
+    };
+    let left = (gib << 30).saturating_sub(held);
+    let plan = plan_batch(cfg, dtype, (left, 2, streamed_only), run, &rates)?;
+    println!("--device-budget {gib}GiB ({held} bytes held before the model): {plan}");
+    streamer_core::trim_device_memory(dev)?;
+    let _cap = common::cap_device_memory(dev, Some(gib << 30))?;
+    let model = place(w, cfg, (dev, dtype), plan.placement)?;
+    warm_up(&model)?;
+    let setup = Setup {
+        dev,
+        model: &model,
+        name,
+        dtype,
+        placement: plan.placement,
+        pg,
+        step_rows,
+        rates,
+        budget_gib: Some(gib),
+        expected: Some(plan.tokens_per_s),
+    };
+    row(&setup, plan.sequences)
 }

@@ -25,7 +25,10 @@
 //!
 //! The model runs resident unless `--streamed` is given or its decoder layers'
 //! weights exceed `--gpu-weight-budget`; then the layers stream from host memory
-//! through a window of as many layers as the budget holds.
+//! through a window of as many layers as the budget holds. With `--prompts`,
+//! `--device-budget 24GiB` plans the whole run before any weight loads:
+//! resident or streamed layers and the batch, whichever the device's measured
+//! copy and GEMM rates predict to be faster, printed with its memory by kind.
 //!
 //! Tokens: `--model`'s `tokenizer.json` (required), `--tokenizer FILE` with any
 //! source, a `tokenizer.json` inside `--checkpoint`'s folder (train_lm copies
@@ -41,7 +44,7 @@ use std::path::{Path, PathBuf};
 use streamer_core::StreamConfig;
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
-    generate, init_weights, parse_bytes, prefetch_for_budget, ByteCorpus, ChatTemplate,
+    generate, init_weights, parse_bytes, prefetch_for_budget, BatchPlacement, ByteCorpus,
     CheckpointFiles, Llama, LlamaConfig, LoraAdapters, Placement, TextTokenizer, DEFAULT_STEP_ROWS,
 };
 
@@ -117,10 +120,12 @@ struct Args {
     /// --device-budget holds).
     #[arg(long)]
     batch: Option<usize>,
-    /// With --prompts: device memory for the whole batched decode (layer
-    /// window, outer weights, kv cache, a step's activations; bytes, "24GiB").
-    /// The model streams through a window of 2 layers (or --prefetch + 1) and
-    /// the batch is the most sequences the budget holds (at most --batch).
+    /// With --prompts: device memory for the whole batched decode, as the
+    /// driver counts this process's use (CUDA context, weights, kv cache, a
+    /// step's activations; bytes, "24GiB"). Before loading, the plan picks
+    /// resident layers or streaming through a window of 2 (or --prefetch + 1;
+    /// --streamed: streaming only) and the most sequences the budget holds
+    /// (at most --batch), whichever the measured rates say is faster.
     #[arg(long)]
     device_budget: Option<String>,
     /// With --prompts: rows one step computes at most; prompts join a step
@@ -283,9 +288,15 @@ fn run(a: &Args, model: &Llama, tokens: &Tokens) -> Result<()> {
     Ok(())
 }
 
-/// `--model DIR`: the folder's config, weights and tokenizer, placed by
-/// `--streamed` / `--gpu-weight-budget`.
-fn from_folder(a: &Args, dir: &Path, dev: &Device, dtype: DType) -> Result<(Llama, Tokens)> {
+/// `--model DIR`: the folder's config, weights and tokenizer, placed as
+/// `planned` says (a `--device-budget` plan), else by `--streamed` /
+/// `--gpu-weight-budget`.
+fn from_folder(
+    a: &Args,
+    dir: &Path,
+    (dev, dtype): (&Device, DType),
+    planned: Option<BatchPlacement>,
+) -> Result<(Llama, Tokens)> {
     if a.checkpoint.is_some() || !a.weights.is_empty() || a.preset.is_some() || a.config.is_some() {
         bail!("--model takes its config and weights from the folder: drop --checkpoint, --weights, --preset and --config");
     }
@@ -294,28 +305,31 @@ fn from_folder(a: &Args, dir: &Path, dev: &Device, dtype: DType) -> Result<(Llam
         .as_deref()
         .map(parse_bytes)
         .transpose()?;
-    let placement = match (a.streamed || a.device_budget.is_some(), budget) {
-        (false, None) => Placement::Resident {
+    let stream = |prefetch_ahead| {
+        Placement::Streamed(StreamConfig {
+            device: dev.clone(),
+            prefetch_ahead,
+            dtype,
+            ..Default::default()
+        })
+    };
+    let placement = match (planned, a.streamed, budget) {
+        (Some(BatchPlacement::Resident), ..) | (None, false, None) => Placement::Resident {
             device: dev.clone(),
             dtype,
         },
-        (false, Some(budget)) => Placement::Budget {
+        (Some(BatchPlacement::Streamed { window }), ..) => stream(window - 1),
+        (None, false, Some(budget)) => Placement::Budget {
             device: dev.clone(),
             dtype,
             budget,
         },
-        (true, _) => {
+        (None, true, _) => {
             let files = streamer_models::PretrainedFiles::in_dir(dir)?;
             let cfg = LlamaConfig::from_json_file(&files.config)?;
-            let prefetch = match budget {
+            stream(match budget {
                 Some(b) => prefetch_for_budget(&cfg, dtype, b)?,
                 None => cli::prefetch("--prefetch", a.prefetch, cfg.num_hidden_layers)?,
-            };
-            Placement::Streamed(StreamConfig {
-                device: dev.clone(),
-                prefetch_ahead: prefetch,
-                dtype,
-                ..Default::default()
             })
         }
     };
@@ -366,9 +380,26 @@ fn main() -> Result<()> {
         Some(d) => Some(LoraAdapters::load_peft(d, &model_config(&a)?, &dev)?),
         None => None,
     };
+    match jobs {
+        Some(jobs) => jobs.plan_and_run(&a, (&dev, dtype), lora),
+        None => {
+            let (model, tokens) = load(&a, (&dev, dtype), lora, None)?;
+            run(&a, &model, &tokens)
+        }
+    }
+}
+
+/// The model and its tokens from the chosen source, with `lora` applied;
+/// `planned`: where a `--device-budget` plan puts the layers.
+fn load(
+    a: &Args,
+    (dev, dtype): (&Device, DType),
+    lora: Option<LoraAdapters>,
+    planned: Option<BatchPlacement>,
+) -> Result<(Llama, Tokens)> {
     let (model, tokens) = match &a.model {
-        Some(dir) => from_folder(&a, dir, &dev, dtype)?,
-        None => from_files(&a, &dev, dtype)?,
+        Some(dir) => from_folder(a, dir, (dev, dtype), planned)?,
+        None => from_files(a, (dev, dtype), planned)?,
     };
     if let Some(l) = lora {
         eprintln!(
@@ -378,22 +409,34 @@ fn main() -> Result<()> {
         );
         model.set_lora(Some(l))?;
     }
-    match jobs {
-        Some(jobs) => {
-            let chat = match &a.model {
-                Some(dir) => ChatTemplate::from_folder(dir)?,
-                None => None,
-            };
-            jobs.run(&a, (&model, &tokens), chat.as_ref())
+    Ok((model, tokens))
+}
+
+/// The model's configuration and tokens, read before any weight loads (the
+/// tokenizer is checked against the configuration).
+fn tokens_before_load(a: &Args) -> Result<(LlamaConfig, Tokens)> {
+    let cfg = model_config(a)?;
+    let tokens = match &a.model {
+        Some(dir) => {
+            let files = streamer_models::PretrainedFiles::in_dir(dir)?;
+            match (&a.tokenizer, &files.tokenizer) {
+                (Some(t), _) | (None, Some(t)) => Tokens::from_file(t, &cfg, &files.config)?,
+                (None, None) => bail!(
+                    "{} has no tokenizer.json: give --tokenizer FILE",
+                    dir.display()
+                ),
+            }
         }
-        None => run(&a, &model, &tokens),
-    }
+        None => tokens_for(a, &cfg, Path::new("the model's config"))?,
+    };
+    Ok((cfg, tokens))
 }
 
 /// `--prompts FILE --out FILE`: batched, resumable generation.
 mod batch {
     use super::{Args, Tokens};
     use anyhow::{Context, Result};
+    use candle_core::{DType, Device};
     use indicatif::{ProgressBar, ProgressStyle};
     use std::path::Path;
     use std::time::Instant;
@@ -401,8 +444,8 @@ mod batch {
         find_stop, output_line, parse_prompt_line, LineOutcome, OutputFile, PromptLine,
     };
     use streamer_models::{
-        generate_batch, parse_bytes, sequences_for_budget, BatchLimits, BatchMemory, BatchOutput,
-        BatchRequest, BatchShape, BatchSink, ChatTemplate, Llama,
+        generate_batch, parse_bytes, plan_batch, BatchLimits, BatchOutput, BatchPlan, BatchRequest,
+        BatchRun, BatchSink, ChatTemplate, DecodeRates, Llama, LlamaConfig, LoraAdapters,
     };
 
     /// The lines still to run, and the output they go to.
@@ -458,26 +501,49 @@ mod batch {
             })
         }
 
-        /// Runs every line, `--batch` at a time, appending results as they finish.
-        pub(super) fn run(
+        /// Plans the run (`--device-budget`: where the layers live and the
+        /// batch, before any weight loads), loads the model and runs every
+        /// line, appending results as they finish.
+        pub(super) fn plan_and_run(
             mut self,
             a: &Args,
-            (model, tokens): (&Llama, &Tokens),
-            chat: Option<&ChatTemplate>,
+            (dev, dtype): (&Device, DType),
+            lora: Option<LoraAdapters>,
         ) -> Result<()> {
+            // What this process holds on the device before the model: the
+            // budget counts it (the CUDA context, as the driver counts it).
+            let held = device_in_use(dev)?;
+            let (cfg, tokens) = super::tokens_before_load(a)?;
+            let chat = match &a.model {
+                Some(dir) => ChatTemplate::from_folder(dir)?,
+                None => None,
+            };
             eprintln!(
                 "{} of {} prompts to run ({} already in the output)",
                 self.lines.len(),
                 self.total,
                 self.done_before,
             );
-            let bar = ProgressBar::new(self.total as u64);
-            bar.set_position(self.done_before as u64);
-            if let Ok(s) = ProgressStyle::with_template(
-                "{bar:30} {pos}/{len} lines [{elapsed_precise}<{eta_precise}] {msg}",
-            ) {
-                bar.set_style(s);
-            }
+            let reqs = self.requests(a, &tokens, chat.as_ref())?;
+            let (planned, limits) = match &a.device_budget {
+                Some(b) => {
+                    let p = plan(a, b, (&cfg, dtype, dev), &reqs, held)?;
+                    (Some(p.placement), p.limits())
+                }
+                None => (None, fixed_limits(a)),
+            };
+            let (model, _) = super::load(a, (dev, dtype), lora, planned)?;
+            self.run((&model, &tokens), reqs, limits)
+        }
+
+        /// The requests of the lines; a line whose prompt cannot be made
+        /// gets its error as its result.
+        fn requests(
+            &mut self,
+            a: &Args,
+            tokens: &Tokens,
+            chat: Option<&ChatTemplate>,
+        ) -> Result<Vec<BatchRequest>> {
             let mut reqs = Vec::with_capacity(self.lines.len());
             for (id, p) in self.lines.iter().enumerate() {
                 match prompt_tokens(p, tokens, chat) {
@@ -496,9 +562,26 @@ mod batch {
                             &p.passthrough,
                             &LineOutcome::Error(&e),
                         ))?;
-                        bar.inc(1);
+                        self.done_before += 1;
                     }
                 }
+            }
+            Ok(reqs)
+        }
+
+        /// Runs `reqs` in batches of `limits`, appending results as they finish.
+        fn run(
+            mut self,
+            (model, tokens): (&Llama, &Tokens),
+            reqs: Vec<BatchRequest>,
+            limits: BatchLimits,
+        ) -> Result<()> {
+            let bar = ProgressBar::new(self.total as u64);
+            bar.set_position(self.done_before as u64);
+            if let Ok(s) = ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} lines [{elapsed_precise}<{eta_precise}] {msg}",
+            ) {
+                bar.set_style(s);
             }
             let eos: Vec<u32> = tokens.eos().into_iter().collect();
             let mut sink = Sink {
@@ -510,7 +593,6 @@ mod batch {
                 started: Instant::now(),
                 every: self.total.div_ceil(20).max(1) as u64,
             };
-            let limits = limits(a, model, &reqs)?;
             generate_batch(model, reqs, limits, &eos, &mut sink)?;
             let (n, secs) = (sink.generated, sink.started.elapsed().as_secs_f64());
             bar.finish();
@@ -545,45 +627,69 @@ mod batch {
             .map_err(|e| anyhow::anyhow!("encoding the prompt: {e}"))
     }
 
-    /// The batch: `--batch` (8), or as many sequences as `--device-budget`
-    /// holds at the longest request's length (at most `--batch`).
-    fn limits(a: &Args, model: &Llama, reqs: &[BatchRequest]) -> Result<BatchLimits> {
-        let step_rows = a.step_rows;
-        let Some(b) = &a.device_budget else {
-            let sequences = a.batch.unwrap_or(8);
-            eprintln!("batch {sequences}, steps of at most {step_rows} rows");
-            return Ok(BatchLimits {
-                sequences,
-                step_rows,
-            });
-        };
-        let cfg = model.config();
+    /// `--batch` (8) sequences, steps of `--step-rows`.
+    fn fixed_limits(a: &Args) -> BatchLimits {
+        let sequences = a.batch.unwrap_or(8);
+        eprintln!("batch {sequences}, steps of at most {} rows", a.step_rows);
+        BatchLimits {
+            sequences,
+            step_rows: a.step_rows,
+        }
+    }
+
+    /// Bytes this process holds on `dev` now (0 on the CPU).
+    fn device_in_use(dev: &Device) -> Result<usize> {
+        streamer_core::trim_device_memory(dev)?;
+        let total = streamer_core::device_total_memory(dev)?;
+        let free = streamer_core::free_device_memory(dev)?;
+        Ok(total.zip(free).map_or(0, |(t, f)| t.saturating_sub(f)))
+    }
+
+    /// `--device-budget`: resident or streamed (`--streamed`: streamed), and
+    /// as many sequences as the budget holds at the longest request's length
+    /// (at most `--batch`), whichever the measured rates say is faster.
+    fn plan(
+        a: &Args,
+        budget: &str,
+        (cfg, dtype, dev): (&LlamaConfig, DType, &Device),
+        reqs: &[BatchRequest],
+        held: usize,
+    ) -> Result<BatchPlan> {
         let ctx = cfg.max_position_embeddings;
         let capacity = reqs
             .iter()
             .map(|r| r.prompt.len().saturating_add(r.max_tokens).min(ctx))
             .max()
             .unwrap_or(1);
-        let window = a.prefetch.unwrap_or(1) + 1;
-        let most = a.batch.unwrap_or(1 << 16).min(reqs.len().max(1));
-        let (budget, dtype) = (parse_bytes(b)?, model.dtype());
-        let sequences =
-            sequences_for_budget(cfg, dtype, window, (capacity, step_rows, most), budget)
-                .with_context(|| format!("--device-budget {b}"))?;
-        let shape = BatchShape {
-            sequences,
+        let n = reqs.len().max(1) as f64;
+        let run = BatchRun {
             capacity,
-            step_rows,
+            step_rows: a.step_rows,
+            most: a.batch.unwrap_or(1 << 16).min(reqs.len().max(1)),
+            prompt_len: reqs.iter().map(|r| r.prompt.len() as f64).sum::<f64>() / n,
+            new_tokens: reqs.iter().map(|r| r.max_tokens as f64).sum::<f64>() / n,
         };
+        let bytes = parse_bytes(budget)?;
+        let Some(left) = bytes.checked_sub(held).filter(|&l| l > 0) else {
+            anyhow::bail!(
+                "--device-budget {budget}: this process already holds {:.2} GiB of the device",
+                held as f64 / (1u64 << 30) as f64
+            );
+        };
+        let rates = DecodeRates::measure(cfg, dtype, dev)?;
+        let window =
+            candle_streamer::cli::prefetch("--prefetch", a.prefetch, cfg.num_hidden_layers)? + 1;
+        let p = plan_batch(cfg, dtype, (left, window, a.streamed), run, &rates)
+            .with_context(|| format!("--device-budget {budget}"))?;
         eprintln!(
-            "--device-budget {b}: batch {sequences} (up to {capacity} positions each), \
-             steps of at most {step_rows} rows: {}",
-            BatchMemory::of(cfg, dtype, window, shape)
+            "--device-budget {budget} ({:.2} GiB held already): {p} (rates: H2D {:.1} GB/s, \
+             device copies {:.0} GB/s, GEMM {:.0} TFLOP/s)",
+            held as f64 / (1u64 << 30) as f64,
+            rates.h2d_bytes_per_s / 1e9,
+            rates.device_bytes_per_s / 1e9,
+            rates.flops_per_s / 1e12
         );
-        Ok(BatchLimits {
-            sequences,
-            step_rows,
-        })
+        Ok(p)
     }
 
     /// Writes each finished line and keeps the progress bar.
@@ -692,7 +798,11 @@ fn tokens_for(a: &Args, cfg: &LlamaConfig, config: &Path) -> Result<Tokens> {
 }
 
 /// `--checkpoint`, `--weights` with `--config`, or `--preset`.
-fn from_files(a: &Args, dev: &Device, dtype: DType) -> Result<(Llama, Tokens)> {
+fn from_files(
+    a: &Args,
+    (dev, dtype): (&Device, DType),
+    planned: Option<BatchPlacement>,
+) -> Result<(Llama, Tokens)> {
     let (from, config) = match (&a.checkpoint, a.weights.is_empty(), &a.preset) {
         (Some(dir), true, None) => {
             let f = CheckpointFiles::read(dir)?;
@@ -711,8 +821,8 @@ fn from_files(a: &Args, dev: &Device, dtype: DType) -> Result<(Llama, Tokens)> {
                     a,
                     From::Init(init_weights(&cfg, a.init_seed)?),
                     &cfg,
-                    dev,
-                    dtype,
+                    (dev, dtype),
+                    planned,
                 )?,
                 t,
             ));
@@ -721,23 +831,32 @@ fn from_files(a: &Args, dev: &Device, dtype: DType) -> Result<(Llama, Tokens)> {
     };
     let cfg = LlamaConfig::from_json_file(&config)?;
     let tokens = tokens_for(a, &cfg, &config)?;
-    Ok((place(a, from, &cfg, dev, dtype)?, tokens))
+    Ok((place(a, from, &cfg, (dev, dtype), planned)?, tokens))
 }
 
 /// Resident, or streamed by `--streamed` / `--gpu-weight-budget`.
-fn place(a: &Args, from: From, cfg: &LlamaConfig, dev: &Device, dtype: DType) -> Result<Llama> {
+fn place(
+    a: &Args,
+    from: From,
+    cfg: &LlamaConfig,
+    (dev, dtype): (&Device, DType),
+    planned: Option<BatchPlacement>,
+) -> Result<Llama> {
     let layers_bytes = layer_bytes(cfg, dtype) * cfg.num_hidden_layers;
     let budget = a
         .gpu_weight_budget
         .as_deref()
         .map(parse_bytes)
         .transpose()?;
-    let streamed =
-        a.streamed || a.device_budget.is_some() || budget.is_some_and(|b| layers_bytes > b);
+    let streamed = match planned {
+        Some(p) => p != BatchPlacement::Resident,
+        None => a.streamed || budget.is_some_and(|b| layers_bytes > b),
+    };
     Ok(if streamed {
-        let prefetch = match budget {
-            Some(b) => prefetch_for_budget(cfg, dtype, b)?,
-            None => cli::prefetch("--prefetch", a.prefetch, cfg.num_hidden_layers)?,
+        let prefetch = match (planned, budget) {
+            (Some(p), _) => p.window(cfg) - 1,
+            (None, Some(b)) => prefetch_for_budget(cfg, dtype, b)?,
+            (None, None) => cli::prefetch("--prefetch", a.prefetch, cfg.num_hidden_layers)?,
         };
         eprintln!(
             "streamed: {} layers of {:.1} MiB, window {} on {:?}",

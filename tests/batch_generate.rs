@@ -498,3 +498,80 @@ fn batch_plan_sequences_for_budget() -> Result<()> {
     );
     Ok(())
 }
+
+/// The placement and batch `plan_batch` picks for 8B shapes, checked against
+/// the expected tokens/s computed here from the rates (f64 arithmetic of the
+/// same model: per request its FLOPs at the GEMM rate, and its share of the
+/// decode steps' floor, added when resident, overlapped when streamed).
+#[test]
+fn batch_plan_picks_resident_or_streamed() -> Result<()> {
+    use streamer_models::{plan_batch, request_flops, BatchPlacement, BatchRun, DecodeRates};
+    let cfg = LlamaConfig::llama31_8b();
+    let rates = DecodeRates {
+        h2d_bytes_per_s: 50e9,
+        device_bytes_per_s: 3e12,
+        flops_per_s: 700e12,
+    };
+    let run = BatchRun {
+        capacity: 544,
+        step_rows: 16384,
+        most: 4096,
+        prompt_len: 512.0,
+        new_tokens: 32.0,
+    };
+    // FLOPs row by row: 2 x layer params per row and layer, 4 x width x
+    // context for attention, the head on the 32 generated rows.
+    let mut want = 0.0;
+    for i in 1..=543usize {
+        want += 32.0 * (2.0 * cfg.layer_params() as f64 + 4.0 * 4096.0 * i as f64);
+    }
+    want += 32.0 * 2.0 * 4096.0 * 128256.0;
+    let got = request_flops(&cfg, 512, 32);
+    ensure!((got / want - 1.0).abs() < 1e-12, "{got} vs {want}");
+    let layers = 32.0 * cfg.layer_params() as f64 * 2.0;
+    let expect = |p: &streamer_models::BatchPlan| {
+        let compute = want / rates.flops_per_s;
+        let s = p.sequences as f64;
+        let request = match p.placement {
+            BatchPlacement::Resident => compute + 32.0 * layers / rates.device_bytes_per_s / s,
+            BatchPlacement::Streamed { .. } => {
+                compute.max(32.0 * layers / rates.h2d_bytes_per_s / s)
+            }
+        };
+        32.0 / request
+    };
+    // 24 GiB: the whole model fits with room for a batch, and copying
+    // nothing beats a batch three times larger that copies 16 GB a step.
+    let p = plan_batch(&cfg, DType::BF16, (24 << 30, 2, false), run, &rates)?;
+    ensure!(p.placement == BatchPlacement::Resident, "{p}");
+    ensure!(p.memory.total() <= 24 << 30 && p.sequences > 50, "{p}");
+    ensure!((p.tokens_per_s / expect(&p) - 1.0).abs() < 1e-9, "{p}");
+    // Streamed only: the most sequences 24 GiB holds with two layers.
+    let s = plan_batch(&cfg, DType::BF16, (24 << 30, 2, true), run, &rates)?;
+    ensure!(s.placement == BatchPlacement::Streamed { window: 2 }, "{s}");
+    ensure!(
+        s.sequences > 3 * p.sequences && s.tokens_per_s < p.tokens_per_s,
+        "{s} vs {p}"
+    );
+    ensure!((s.tokens_per_s / expect(&s) - 1.0).abs() < 1e-9, "{s}");
+    ensure!(s.limits().sequences == s.sequences && s.limits().step_rows == 16384);
+    // 16 GiB cannot hold the model's 15 GiB of weights and a step: streamed.
+    let q = plan_batch(&cfg, DType::BF16, (16 << 30, 2, false), run, &rates)?;
+    ensure!(q.placement == BatchPlacement::Streamed { window: 2 }, "{q}");
+    // With PCIe as fast as device memory, more sequences win.
+    let fast = DecodeRates {
+        h2d_bytes_per_s: 3e12,
+        ..rates
+    };
+    let f = plan_batch(&cfg, DType::BF16, (24 << 30, 2, false), run, &fast)?;
+    ensure!(f.placement == BatchPlacement::Streamed { window: 2 }, "{f}");
+    // Nothing fits: the streamed plan's error names the budget.
+    let e = plan_batch(&cfg, DType::BF16, (4 << 30, 2, false), run, &rates)
+        .expect_err("4 GiB holds no plan")
+        .to_string();
+    ensure!(
+        e.contains("4.00 GiB") && e.contains("holds no sequence"),
+        "{e}"
+    );
+    Ok(())
+}

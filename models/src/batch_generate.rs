@@ -23,7 +23,7 @@
 //! request takes it in the following step.
 //!
 //! Each sequence is sampled with its own [`SplitMix64`] seeded by its request,
-//! through [`sample_token`], as [`crate::generate`] samples it alone: the same
+//! through [`crate::sample_rows`] (one call a step), as [`crate::generate`] samples it alone: the same
 //! logits give the same tokens (greedy or not).
 //!
 //! ```
@@ -45,8 +45,8 @@
 //! ```
 use crate::checkpoint::SplitMix64;
 use crate::llama::Llama;
-use crate::sample::sample_token;
-use candle_core::{bail, Result};
+use crate::sample::{sample_rows, Sampling};
+use candle_core::{bail, Result, Tensor};
 
 /// Rows a step of [`generate_batch`] computes at most by default: a 16K-row
 /// step keeps a step's activations to a few GiB at 8B shapes, and is enough
@@ -85,9 +85,9 @@ pub struct BatchRequest {
     pub prompt: Vec<u32>,
     /// New tokens at most.
     pub max_tokens: usize,
-    /// Softmax temperature (`<= 0`: greedy), as [`sample_token`].
+    /// Softmax temperature (`<= 0`: greedy), as [`crate::sample_token`].
     pub temperature: f64,
-    /// Nucleus mass, as [`sample_token`].
+    /// Nucleus mass, as [`crate::sample_token`].
     pub top_p: f64,
     /// Seed of this sequence's sampler.
     pub seed: u64,
@@ -257,14 +257,9 @@ fn decode_loop(
         let logits = model
             .forward_packed(&tokens, &positions, step.clone())
             .map_err(|e| e.context(format!("batched decoding: a step of {rows} rows")))?;
-        for (row, &(i, _)) in step.iter().enumerate() {
+        let picked = sample_step(&logits, &mut slots, &step)?;
+        for (&t, &(i, _)) in picked.iter().zip(&step) {
             let a = slots[i].as_mut().expect("in the step, so active");
-            let t = sample_token(
-                &logits.get(row)?,
-                a.req.temperature,
-                a.req.top_p,
-                &mut a.rng,
-            )?;
             let finish = if eos.contains(&t) {
                 Some(Finish::Eos)
             } else {
@@ -287,6 +282,32 @@ fn decode_loop(
         }
         sink.step(step.len(), rows);
     }
+}
+
+/// The next token of every sequence in `step`, one row of `logits` each.
+fn sample_step(
+    logits: &Tensor,
+    slots: &mut [Option<Active>],
+    step: &[(usize, usize)],
+) -> Result<Vec<u32>> {
+    let mut rows = Vec::with_capacity(step.len());
+    let mut active: Vec<&mut Active> = slots.iter_mut().flatten().collect();
+    // `step` lists the active slots in slot order, as `active` holds them.
+    if active.len() != step.len() {
+        bail!(
+            "batched decoding: {} sequences active, {} in the step",
+            active.len(),
+            step.len()
+        );
+    }
+    for a in active.iter_mut() {
+        rows.push(Sampling {
+            temperature: a.req.temperature,
+            top_p: a.req.top_p,
+            rng: &mut a.rng,
+        });
+    }
+    sample_rows(logits, &mut rows)
 }
 
 /// Fills empty slots from `held` and the queue while the step's rows stay

@@ -8,10 +8,11 @@
 //! sequence's rows), and one step's activations (at most `step_rows` rows
 //! through a decoder layer, and the logits of every sequence), plus a fixed
 //! margin for cuBLAS workspaces and the allocator.
-use candle_core::{bail, DType, Result};
+use candle_core::{bail, DType, Device, Result, Tensor};
+use std::time::Instant;
 
 use crate::checkpoint::layer_bytes;
-use crate::LlamaConfig;
+use crate::{BatchLimits, LlamaConfig};
 
 /// A margin for what the estimate does not count (cuBLAS workspaces, the
 /// allocator's rounding): 1 GiB.
@@ -127,4 +128,226 @@ pub fn sequences_for_budget(
         }
     }
     Ok(lo)
+}
+
+/// Where a batched decode keeps the decoder layers' weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BatchPlacement {
+    /// Every layer on the device, copied once.
+    Resident,
+    /// Streamed from host memory through a window of `window` layers, every
+    /// layer copied once a step.
+    Streamed {
+        /// Layers on the device at once.
+        window: usize,
+    },
+}
+
+impl BatchPlacement {
+    /// Decoder layers on the device at once.
+    pub fn window(self, cfg: &LlamaConfig) -> usize {
+        match self {
+            Self::Resident => cfg.num_hidden_layers,
+            Self::Streamed { window } => window.min(cfg.num_hidden_layers),
+        }
+    }
+}
+
+/// The speeds a batched decode's expected tokens/s is made of, measured on
+/// the device that will decode.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DecodeRates {
+    /// Host-to-device copies from page-locked memory, bytes/s.
+    pub h2d_bytes_per_s: f64,
+    /// Device memory read and written by a device-to-device copy, bytes/s:
+    /// a decode step of few rows reads every resident weight once at about
+    /// this rate.
+    pub device_bytes_per_s: f64,
+    /// A dense GEMM of the MLP's shape over 4096 rows, FLOP/s (an upper
+    /// bound on what a step's kernels reach).
+    pub flops_per_s: f64,
+}
+
+impl DecodeRates {
+    /// Probes `device` (a few hundred MiB of copies and one GEMM, freed
+    /// before returning; medians after a warm-up).
+    pub fn measure(cfg: &LlamaConfig, dtype: DType, device: &Device) -> Result<Self> {
+        let probe = 256 << 20;
+        let h2d = streamer_core::measure_h2d_gbps(device, probe, 5)? * 1e9;
+        let x = Tensor::zeros(probe / 4, DType::F32, device)?;
+        let copy = median_secs(device, || x.copy().map(drop))?;
+        let a = Tensor::randn(0f32, 1.0, (4096, cfg.hidden_size), device)?.to_dtype(dtype)?;
+        let b = Tensor::randn(0f32, 1.0, (cfg.hidden_size, cfg.intermediate_size), device)?
+            .to_dtype(dtype)?;
+        let gemm = median_secs(device, || a.matmul(&b).map(drop))?;
+        Ok(Self {
+            h2d_bytes_per_s: h2d,
+            device_bytes_per_s: 2.0 * probe as f64 / copy,
+            flops_per_s: 2.0 * (4096 * cfg.hidden_size * cfg.intermediate_size) as f64 / gemm,
+        })
+    }
+}
+
+/// The median of 5 timed runs of `f` after 2 untimed ones.
+fn median_secs(device: &Device, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let mut times = Vec::with_capacity(5);
+    for i in 0..7 {
+        device.synchronize()?;
+        let t = Instant::now();
+        f()?;
+        device.synchronize()?;
+        if i >= 2 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2].max(1e-9))
+}
+
+/// FLOPs of one request of `prompt` tokens and `new` generated ones: the
+/// layers' GEMMs on every row fed, attention over each row's context, the
+/// head on each generated token's row.
+pub fn request_flops(cfg: &LlamaConfig, prompt: usize, new: usize) -> f64 {
+    let rows = (prompt + new).saturating_sub(1) as f64;
+    let layers = cfg.num_hidden_layers as f64;
+    let width = (cfg.num_attention_heads * cfg.head_dim()) as f64;
+    // Row i attends to i + 1 keys: q k^T and p v, 2 FLOPs a multiply-add.
+    let context = rows * (rows + 1.0) / 2.0;
+    let attention = 4.0 * layers * width * context;
+    let head = 2.0 * (new * cfg.hidden_size * cfg.vocab_size) as f64;
+    2.0 * cfg.layer_params() as f64 * layers * rows + attention + head
+}
+
+/// A batched run to plan: the longest request's positions, the step's rows,
+/// the most sequences worth having (e.g. the number of requests) and the
+/// requests' mean lengths.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BatchRun {
+    /// Positions each slot reserves (the longest prompt and output).
+    pub capacity: usize,
+    /// Rows a step computes at most.
+    pub step_rows: usize,
+    /// Sequences in flight at most.
+    pub most: usize,
+    /// Mean prompt tokens of a request.
+    pub prompt_len: f64,
+    /// Mean tokens a request generates.
+    pub new_tokens: f64,
+}
+
+/// A batched decode's plan: where the weights live, how many sequences run
+/// together, the device memory that takes, and the generated tokens/s the
+/// rates predict (an upper bound: every step at the GEMM's rate, every copy
+/// hidden).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BatchPlan {
+    /// Where the decoder layers live.
+    pub placement: BatchPlacement,
+    /// Sequences in flight.
+    pub sequences: usize,
+    /// Device memory by kind.
+    pub memory: BatchMemory,
+    /// Predicted generated tokens/s.
+    pub tokens_per_s: f64,
+    /// Rows a step computes at most.
+    pub step_rows: usize,
+}
+
+impl std::fmt::Display for BatchPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let place = match self.placement {
+            BatchPlacement::Resident => "resident".to_string(),
+            BatchPlacement::Streamed { window } => format!("streamed, window {window}"),
+        };
+        write!(
+            f,
+            "{place}, {} sequences, {}; at most {:.0} generated tokens/s expected",
+            self.sequences, self.memory, self.tokens_per_s
+        )
+    }
+}
+
+impl BatchPlan {
+    /// The plan of `placement` with the most sequences `budget` holds.
+    fn of(
+        cfg: &LlamaConfig,
+        dtype: DType,
+        (placement, budget): (BatchPlacement, usize),
+        run: BatchRun,
+        rates: &DecodeRates,
+    ) -> Result<Self> {
+        let window = placement.window(cfg);
+        let most = (run.capacity, run.step_rows, run.most);
+        let sequences = sequences_for_budget(cfg, dtype, window, most, budget)?;
+        let shape = BatchShape {
+            sequences,
+            capacity: run.capacity,
+            step_rows: run.step_rows,
+        };
+        let memory = BatchMemory::of(cfg, dtype, window, shape);
+        // Per request: its FLOPs, and its share of the decode steps' floor
+        // (every layer copied over PCIe when streamed, read from device
+        // memory when resident), whichever is longer.
+        let layers = (cfg.num_hidden_layers * layer_bytes(cfg, dtype)) as f64;
+        let step_floor = match placement {
+            BatchPlacement::Resident => layers / rates.device_bytes_per_s,
+            BatchPlacement::Streamed { .. } => layers / rates.h2d_bytes_per_s,
+        };
+        let (p, g) = (run.prompt_len, run.new_tokens);
+        let compute =
+            request_flops(cfg, p.round() as usize, g.round() as usize) / rates.flops_per_s;
+        let floor = g * step_floor / sequences as f64;
+        let request_s = match placement {
+            BatchPlacement::Resident => compute + floor,
+            BatchPlacement::Streamed { .. } => compute.max(floor),
+        };
+        Ok(Self {
+            placement,
+            sequences,
+            memory,
+            tokens_per_s: g / request_s.max(1e-12),
+            step_rows: run.step_rows,
+        })
+    }
+
+    /// The limits [`crate::generate_batch`] runs this plan with.
+    pub fn limits(&self) -> BatchLimits {
+        BatchLimits {
+            sequences: self.sequences,
+            step_rows: self.step_rows,
+        }
+    }
+}
+
+/// The placement (resident, or streamed through `window` layers) and the
+/// batch that `budget` bytes hold with the most generated tokens/s `rates`
+/// predict; `streamed_only` leaves resident out. An error names what the
+/// smallest plan needs when none fits.
+pub fn plan_batch(
+    cfg: &LlamaConfig,
+    dtype: DType,
+    (budget, window, streamed_only): (usize, usize, bool),
+    run: BatchRun,
+    rates: &DecodeRates,
+) -> Result<BatchPlan> {
+    let streamed = BatchPlan::of(
+        cfg,
+        dtype,
+        (BatchPlacement::Streamed { window }, budget),
+        run,
+        rates,
+    );
+    if streamed_only {
+        return streamed;
+    }
+    let resident = BatchPlan::of(cfg, dtype, (BatchPlacement::Resident, budget), run, rates);
+    match (resident, streamed) {
+        (Ok(r), Ok(s)) => Ok(if r.tokens_per_s >= s.tokens_per_s {
+            r
+        } else {
+            s
+        }),
+        (Ok(r), Err(_)) => Ok(r),
+        (Err(_), s) => s,
+    }
 }

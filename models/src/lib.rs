@@ -82,7 +82,10 @@ pub use batch_generate::{
     generate_batch, BatchLimits, BatchOutput, BatchRequest, BatchSink, Finish, Generated,
     DEFAULT_STEP_ROWS,
 };
-pub use batch_plan::{sequences_for_budget, BatchMemory, BatchShape};
+pub use batch_plan::{
+    plan_batch, request_flops, sequences_for_budget, BatchMemory, BatchPlacement, BatchPlan,
+    BatchRun, BatchShape, DecodeRates,
+};
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budget, SplitMix64};
 pub use config::{LlamaConfig, RopeScaling};
@@ -108,7 +111,7 @@ pub mod lt_probe {
     pub use crate::lt::{input_grad, linear, weight_grad};
 }
 pub use pretrained::{Placement, Pretrained, PretrainedFiles};
-pub use sample::{generate, sample_token};
+pub use sample::{generate, sample_rows, sample_token, Sampling};
 /// Where [`LmTrainer`]'s AdamW runs (re-exported from streamer-autograd).
 pub use streamer_autograd::{OptimizerPlace, StateDtype};
 pub use tokenizer::TextTokenizer;

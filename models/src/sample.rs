@@ -3,29 +3,82 @@ use crate::checkpoint::SplitMix64;
 use crate::llama::Llama;
 use candle_core::{bail, DType, Result, Tensor};
 
+/// How one sequence picks its next token: greedy when `temperature <= 0`,
+/// otherwise from `softmax(logits / temperature)` restricted to the smallest
+/// set of most likely tokens whose probability reaches `top_p`, drawn with
+/// `rng`.
+pub struct Sampling<'a> {
+    /// Softmax temperature (`<= 0`: greedy).
+    pub temperature: f64,
+    /// Nucleus mass.
+    pub top_p: f64,
+    /// The sequence's own random stream.
+    pub rng: &'a mut SplitMix64,
+}
+
 /// Picks a token from `logits` of shape `(vocab,)`: greedy when
 /// `temperature <= 0`, otherwise from `softmax(logits / temperature)` restricted
 /// to the smallest set of most likely tokens whose probability reaches `top_p`.
+/// One row of [`sample_rows`].
 pub fn sample_token(
     logits: &Tensor,
     temperature: f64,
     top_p: f64,
     rng: &mut SplitMix64,
 ) -> Result<u32> {
-    let l: Vec<f32> = logits.to_dtype(DType::F32)?.to_vec1()?;
-    if l.is_empty() {
-        bail!("sample_token: empty logits");
+    if logits.rank() != 1 {
+        bail!(
+            "sample_token: logits of shape {:?}, expected (vocab,)",
+            logits.dims()
+        );
     }
-    let argmax = || {
-        l.iter()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(b.1))
-            .map(|(i, _)| i as u32)
-            .unwrap_or(0)
+    let s = Sampling {
+        temperature,
+        top_p,
+        rng,
     };
-    if temperature <= 0.0 {
-        return Ok(argmax());
+    Ok(sample_rows(&logits.unsqueeze(0)?, &mut [s])?[0])
+}
+
+/// Picks one token for each row of `logits` `(rows, vocab)`, row `r` as
+/// `rows[r]` says. A batched decode step calls it once: the greedy rows'
+/// argmax is taken on the logits' device and only the other rows' logits are
+/// copied to the host (one copy each way for the whole step, not one per
+/// sequence). Greedy picks the largest logit (equal ones are told apart by
+/// Candle's `argmax` on the device, so the same logits give the same token).
+pub fn sample_rows(logits: &Tensor, rows: &mut [Sampling]) -> Result<Vec<u32>> {
+    let (n, vocab) = logits.dims2()?;
+    if n != rows.len() {
+        bail!(
+            "sample_rows: {n} rows of logits for {} samplers",
+            rows.len()
+        );
     }
+    if vocab == 0 {
+        bail!("sample_rows: empty logits");
+    }
+    let mut out: Vec<u32> = logits.argmax(1)?.to_vec1()?;
+    let drawn: Vec<usize> = (0..n).filter(|&r| rows[r].temperature > 0.0).collect();
+    if drawn.is_empty() {
+        return Ok(out);
+    }
+    let ids = Tensor::new(
+        drawn.iter().map(|&r| r as u32).collect::<Vec<_>>(),
+        logits.device(),
+    )?;
+    let host: Vec<Vec<f32>> = logits
+        .index_select(&ids, 0)?
+        .to_dtype(DType::F32)?
+        .to_vec2()?;
+    for (&r, l) in drawn.iter().zip(&host) {
+        let s = &mut rows[r];
+        out[r] = sample_nucleus(l, s.temperature, s.top_p, s.rng);
+    }
+    Ok(out)
+}
+
+/// A draw from `softmax(l / temperature)` cut to nucleus mass `top_p`.
+fn sample_nucleus(l: &[f32], temperature: f64, top_p: f64, rng: &mut SplitMix64) -> u32 {
     let m = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut p: Vec<(usize, f64)> = l
         .iter()
@@ -47,10 +100,10 @@ pub fn sample_token(
     for &(i, q) in &p[..keep] {
         acc += q;
         if r < acc {
-            return Ok(i as u32);
+            return i as u32;
         }
     }
-    Ok(p[keep - 1].0 as u32)
+    p[keep - 1].0 as u32
 }
 
 /// Continues `prompt` by `max_new` tokens. `on_token` sees each new token as it
