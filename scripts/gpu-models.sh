@@ -16,6 +16,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 limit=${STAGE_LIMIT_S:-240}
+# Result files are named after the GPU (benches/common: BENCH_DEVICE_TAG).
+if [ -z "${BENCH_DEVICE_TAG:-}" ]; then
+  case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)" in
+    *H100*) BENCH_DEVICE_TAG=h100 ;;
+    *) BENCH_DEVICE_TAG=h200 ;;
+  esac
+fi
+export BENCH_DEVICE_TAG
 fail=0
 gen() {
   local tag=$1
@@ -54,7 +62,7 @@ for stage in "$@"; do
     batch)
       mkdir -p "${OUT:-gpu-out}"
       timeout "$limit" python3 benches/generate_torch.py --batches "${GEN_TORCH_BATCHES:-1,16,64,128}" \
-        --gpu-budget-gib "${GEN_BUDGET_GIB:-24}" --out "${OUT:-gpu-out}/generate-batch-torch-h200.json" \
+        --gpu-budget-gib "${GEN_BUDGET_GIB:-24}" --out "${OUT:-gpu-out}/generate-batch-torch-$BENCH_DEVICE_TAG.json" \
         >"${OUT:-gpu-out}/generate-batch-torch.log" 2>&1 || fail=1
       GEN_BENCH_DEVICE_BUDGET_GIB=${GEN_BUDGET_GIB:-24} GPU_ONLY=bench-generate RUN_TAG=gen \
         timeout "$limit" bash gpu-bundle/run.sh benches || fail=1 ;;
