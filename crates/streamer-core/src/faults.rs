@@ -2,20 +2,25 @@
 //! out-of-memory failures injected at the library's own allocation points so
 //! tests can check that a failed step changes nothing.
 //!
-//! Injection is per thread (tests run in parallel in one process) and costs
-//! one thread-local read where nothing is armed. A point fails as the device
-//! running out of memory would: with an error, before the operation changes
-//! any state.
+//! Injection exists only with the `fault-injection` feature (the workspace's
+//! tests and benches turn it on; a library user's build cannot arm a fault,
+//! and there [`check`] is free). It is per thread (tests run in parallel in
+//! one process) and costs one thread-local read where nothing is armed. A
+//! point fails as the device running out of memory would: with an error,
+//! before the operation changes any state.
 //!
 //! ```
+//! # #[cfg(feature = "fault-injection")] {
 //! use streamer_core::faults::{check, inject_out_of_memory, FaultPoint};
 //! inject_out_of_memory(FaultPoint::GradientOffload, 1); // the second pass fails
 //! assert!(check(FaultPoint::GradientOffload, || "first".into()).is_ok());
 //! let e = check(FaultPoint::GradientOffload, || "weight 3".into()).unwrap_err();
 //! assert!(e.to_string().contains("out of memory") && e.to_string().contains("weight 3"));
 //! assert!(check(FaultPoint::GradientOffload, || "again".into()).is_ok()); // one-shot
+//! # }
 //! ```
 use std::any::Any;
+#[cfg(feature = "fault-injection")]
 use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -44,6 +49,7 @@ impl std::fmt::Display for FaultPoint {
     }
 }
 
+#[cfg(feature = "fault-injection")]
 thread_local! {
     /// The armed point and how many passes through it still succeed.
     static ARMED: Cell<Option<(FaultPoint, usize)>> = const { Cell::new(None) };
@@ -54,16 +60,19 @@ thread_local! {
 /// Arms `point` on this thread: `after` passes through it succeed, the next
 /// fails with an out-of-memory error, then the point is disarmed (one fault).
 /// Replaces whatever was armed before.
+#[cfg(feature = "fault-injection")]
 pub fn inject_out_of_memory(point: FaultPoint, after: usize) {
     ARMED.with(|a| a.set(Some((point, after))));
 }
 
 /// Disarms whatever [`inject_out_of_memory`] armed on this thread.
+#[cfg(feature = "fault-injection")]
 pub fn clear_injected_faults() {
     ARMED.with(|a| a.set(None));
 }
 
 /// Faults fired on this thread so far.
+#[cfg(feature = "fault-injection")]
 pub fn injected_fault_count() -> usize {
     FIRED.with(Cell::get)
 }
@@ -71,6 +80,7 @@ pub fn injected_fault_count() -> usize {
 /// A pass through `point`: fails if it is armed on this thread and its count
 /// has run out, with an error naming the point and `what()` (called only
 /// then). The library calls it before each allocation point changes state.
+#[cfg(feature = "fault-injection")]
 pub fn check(point: FaultPoint, what: impl FnOnce() -> String) -> Result<()> {
     let fire = ARMED.with(|a| match a.get() {
         Some((p, 0)) if p == point => {
@@ -91,6 +101,14 @@ pub fn check(point: FaultPoint, what: impl FnOnce() -> String) -> Result<()> {
         "out of memory (injected fault at the {point}: {})",
         what()
     )))
+}
+
+/// A pass through `point`: without the `fault-injection` feature nothing can
+/// be armed, so it always succeeds.
+#[cfg(not(feature = "fault-injection"))]
+#[inline(always)]
+pub fn check(_point: FaultPoint, _what: impl FnOnce() -> String) -> Result<()> {
+    Ok(())
 }
 
 /// Runs `f`, turning a panic into an error naming `block` and `stage` (the
