@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Lists Rust functions longer than a limit (FN_LINE_LIMIT, default 100 lines
+"""Lists Rust functions longer than a limit (FN_LINE_LIMIT, default 80 lines
 from `fn` to its closing brace) under the given folders (default: the library
 code in crates/, models/ and src/); exits 1 if there is one. Comments, strings
 and char literals are blanked before braces are counted. CI runs it."""
@@ -72,7 +72,7 @@ def functions(path):
         yield m.group(1), start, end
 
 def main():
-    limit = int(os.environ.get('FN_LINE_LIMIT', '100'))
+    limit = int(os.environ.get('FN_LINE_LIMIT', '80'))
     roots = sys.argv[1:] or ['crates', 'models', 'src']
     bad = []
     for root in roots:

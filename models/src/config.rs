@@ -351,6 +351,16 @@ impl LlamaConfig {
 
     /// Rejects configurations this decoder cannot run, naming the field.
     pub fn validate(&self) -> Result<()> {
+        self.validate_sizes()?;
+        self.validate_heads()?;
+        self.validate_eps_and_theta()?;
+        self.validate_family()?;
+        self.validate_mlp()?;
+        self.validate_rope_scaling()
+    }
+
+    /// Every size is positive and within this decoder's limits.
+    fn validate_sizes(&self) -> Result<()> {
         // Upper bounds far above any published model (Llama 3.1 405B: hidden
         // 16384, intermediate 53248, 126 layers, 128 heads, vocabulary 128256)
         // so that a corrupt file is an error here, not an hours-long
@@ -375,6 +385,12 @@ impl LlamaConfig {
                 bail!("config field {field} = {v} is beyond this decoder's limit of {max}");
             }
         }
+        Ok(())
+    }
+
+    /// The heads divide the hidden size and each other, and the head
+    /// dimension is one the attention kernels and the rotary embedding take.
+    fn validate_heads(&self) -> Result<()> {
         if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
             bail!(
                 "config field hidden_size = {} is not a multiple of num_attention_heads = {} (and no head_dim is given)",
@@ -396,6 +412,12 @@ impl LlamaConfig {
                 cqsa::MAX_HEAD_DIM
             );
         }
+        Ok(())
+    }
+
+    /// The norm's epsilon and the rotary base are usable numbers (not NaN:
+    /// every comparison with NaN is false, so it is checked first).
+    fn validate_eps_and_theta(&self) -> Result<()> {
         if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
             bail!(
                 "config field rms_norm_eps must be positive, got {}",
@@ -408,7 +430,11 @@ impl LlamaConfig {
                 self.rope_theta
             );
         }
-        self.validate_family()?;
+        Ok(())
+    }
+
+    /// The MLP is the one this decoder implements: no biases, SiLU.
+    fn validate_mlp(&self) -> Result<()> {
         if self.mlp_bias {
             bail!("config field mlp_bias = true is not supported (no MLP biases yet)");
         }
@@ -417,6 +443,11 @@ impl LlamaConfig {
                 bail!("config field hidden_act = {act:?} is not supported (only \"silu\")");
             }
         }
+        Ok(())
+    }
+
+    /// The rotary scaling, if any, is of a supported kind with usable factors.
+    fn validate_rope_scaling(&self) -> Result<()> {
         if let Some(s) = &self.rope_scaling {
             if !["llama3", "linear", "default"].contains(&s.rope_type.as_str()) {
                 bail!(

@@ -344,37 +344,14 @@ impl CustomOp3 for RmsDx {
             contiguous(lw, "weight")?,
             contiguous(lg, "grad")?,
         );
-        let h = *lx.dims().last().unwrap_or(&0);
-        if lx.shape() != lg.shape() || lw.dims() != [h] {
-            bail!(
-                "rms-norm-dx: x {:?}, weight {:?}, grad {:?}",
-                lx.shape(),
-                lw.shape(),
-                lg.shape()
-            );
-        }
+        let h = rms_dx_hidden(lx, lw, lg)?;
         let (n, rows) = (lx.shape().elem_count(), lx.shape().elem_count() / h.max(1));
         let res = self.res.as_ref().map(|t| t.storage_and_layout());
-        if let Some((st, l)) = &res {
-            if l.shape() != lx.shape() || !l.is_contiguous() || st.dtype() != sx.dtype() {
-                bail!(
-                    "rms-norm-dx: residual gradient {:?} {:?} (contiguous: {}) for x {:?} {:?}",
-                    l.shape(),
-                    st.dtype(),
-                    l.is_contiguous(),
-                    lx.shape(),
-                    sx.dtype()
-                );
-            }
-        }
+        check_residual(res.as_ref().map(|(st, l)| (st.dtype(), *l)), sx, lx)?;
         let dev = sx.device().clone();
         let f = func(&dev, &format!("rms_dx_{}", suffix(sx.dtype())?))?;
         let stream = dev.cuda_stream();
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = row_grid(rows);
         let (h32, eps) = (h as i32, self.eps);
         macro_rules! go {
             ($t:ty) => {{
@@ -412,6 +389,39 @@ impl CustomOp3 for RmsDx {
         let dx = by_dtype!(sx.dtype(), "rms-norm-dx", go);
         Ok((dx, lx.shape().clone()))
     }
+}
+
+/// The row length `h` of RMSNorm's dx, after checking that the gradient has
+/// x's shape and the weight is `(h,)` (the kernel indexes all three by it).
+fn rms_dx_hidden(lx: &Layout, lw: &Layout, lg: &Layout) -> Result<usize> {
+    let h = *lx.dims().last().unwrap_or(&0);
+    if lx.shape() != lg.shape() || lw.dims() != [h] {
+        bail!(
+            "rms-norm-dx: x {:?}, weight {:?}, grad {:?}",
+            lx.shape(),
+            lw.shape(),
+            lg.shape()
+        );
+    }
+    Ok(h)
+}
+
+/// Fails unless the residual gradient (its dtype and layout), when given, is
+/// contiguous and of x's shape and dtype: the kernel reads it as x's rows.
+fn check_residual(res: Option<(DType, &Layout)>, sx: &CudaStorage, lx: &Layout) -> Result<()> {
+    if let Some((dt, l)) = res {
+        if l.shape() != lx.shape() || !l.is_contiguous() || dt != sx.dtype() {
+            bail!(
+                "rms-norm-dx: residual gradient {:?} {:?} (contiguous: {}) for x {:?} {:?}",
+                l.shape(),
+                dt,
+                l.is_contiguous(),
+                lx.shape(),
+                sx.dtype()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// `x -> (rows,)` f32: each row's `1 / sqrt(mean(x^2) + eps)`.

@@ -283,14 +283,16 @@ pub fn attention_backward_with(
     backward_packed([q, k, v, o, grad_o, lse], scores, None)
 }
 
-/// [`attention_backward_with`] of a packed call in one launch when `packed`.
-pub(crate) fn backward_packed(
-    [q, k, v, o, grad_o, lse]: [&Tensor; 6],
-    scores: &Scores,
-    packed: Option<&Fused>,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let dims = AttentionShape::of(q, k, v, scores.hi.is_some())?;
-    scores.check()?;
+/// Fails unless `o` and `grad_o` have `q`'s shape and `lse` is the f32
+/// log-sum-exp of `dims`' rows (what [`attention_forward`] returns), before
+/// any kernel reads them.
+fn check_backward_inputs(
+    q: &Tensor,
+    o: &Tensor,
+    grad_o: &Tensor,
+    lse: &Tensor,
+    dims: &AttentionShape,
+) -> Result<()> {
     if o.dims() != q.dims() || grad_o.dims() != q.dims() {
         bail!(
             "cqsa: {} and {} must have the shape of {}",
@@ -306,6 +308,51 @@ pub(crate) fn backward_packed(
             crate::shape::describe("lse", lse)
         )
     }
+    Ok(())
+}
+
+/// The CPU backward over `(q, k, v, o, grad_o, lse)`: the f32 reference
+/// kernel on f32 copies, `(dq, dk, dv)` converted back to `q`'s dtype.
+fn cpu_backward(
+    [(cq, lq), (ck, lk), (cv, lv), (co, lo), (cg, lg), (cl, ll)]: [(&CpuStorage, &Layout); 6],
+    dims: &AttentionShape,
+    scores: &Scores,
+) -> Result<[CpuStorage; 3]> {
+    let (qf, kf, vf) = (
+        cpu::to_f32(cq, lq)?,
+        cpu::to_f32(ck, lk)?,
+        cpu::to_f32(cv, lv)?,
+    );
+    let (of, gf, lf) = (
+        cpu::to_f32(co, lo)?,
+        cpu::to_f32(cg, lg)?,
+        cpu::to_f32(cl, ll)?,
+    );
+    let inputs = cpu::BackwardInputs {
+        q: &qf,
+        k: &kf,
+        v: &vf,
+        o: &of,
+        g: &gf,
+        lse: &lf,
+    };
+    let (dq, dk, dv) = cpu::backward(&inputs, dims, scores);
+    Ok([
+        cpu::from_f32(dq, cq)?,
+        cpu::from_f32(dk, cq)?,
+        cpu::from_f32(dv, cq)?,
+    ])
+}
+
+/// [`attention_backward_with`] of a packed call in one launch when `packed`.
+pub(crate) fn backward_packed(
+    [q, k, v, o, grad_o, lse]: [&Tensor; 6],
+    scores: &Scores,
+    packed: Option<&Fused>,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dims = AttentionShape::of(q, k, v, scores.hi.is_some())?;
+    scores.check()?;
+    check_backward_inputs(q, o, grad_o, lse, &dims)?;
     let mut o = o.to_dtype(q.dtype())?.contiguous()?;
     let mut g = grad_o.to_dtype(q.dtype())?.contiguous()?;
     if packed.is_some() {
@@ -334,26 +381,12 @@ pub(crate) fn backward_packed(
             Storage::Cpu(cg),
             Storage::Cpu(cl),
         ) => {
-            let (qf, kf, vf) = (cpu::to_f32(cq, lq)?, cpu::to_f32(ck, lk)?, cpu::to_f32(cv, lv)?);
-            let (of, gf, lf) = (cpu::to_f32(co, lo)?, cpu::to_f32(cg, lg)?, cpu::to_f32(cl, ll)?);
-            let inputs = cpu::BackwardInputs {
-                q: &qf,
-                k: &kf,
-                v: &vf,
-                o: &of,
-                g: &gf,
-                lse: &lf,
+            let t = [(cq, lq), (ck, lk), (cv, lv), (co, lo), (cg, lg), (cl, ll)];
+            let [dq, dk, dv] = cpu_backward(t, &dims, scores)?;
+            let wrap = |x: CpuStorage, shape: &Shape| {
+                Tensor::from_storage(Storage::Cpu(x), shape, none(), false)
             };
-            let (dq, dk, dv) = cpu::backward(&inputs, &dims, scores);
-            let wrap = |x: Vec<f32>, shape: &Shape| -> Result<Tensor> {
-                Ok(Tensor::from_storage(
-                    Storage::Cpu(cpu::from_f32(x, cq)?),
-                    shape,
-                    none(),
-                    false,
-                ))
-            };
-            Ok((wrap(dq, q.shape())?, wrap(dk, k.shape())?, wrap(dv, v.shape())?))
+            Ok((wrap(dq, q.shape()), wrap(dk, k.shape()), wrap(dv, v.shape())))
         }
         #[cfg(feature = "cuda")]
         (

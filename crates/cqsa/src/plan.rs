@@ -525,25 +525,48 @@ fn choose(
     s.check()?;
     let forced = opts
         .is_some_and(|o| o.mode == Mode::Streamed || o.q_chunk.is_some() || o.kv_chunk.is_some());
+    if !forced && s.resident_bytes() <= budget.device_bytes {
+        return Ok(resident_plan(s, sc, model));
+    }
+    let fixed = (opts.and_then(|o| o.q_chunk), opts.and_then(|o| o.kv_chunk));
+    let (cq, ck) = fit_chunks(s, budget, fixed)?;
+    // Round chunks down to a multiple of 64 (a kernel tile) when large enough.
+    let round = |c: usize| if c > 64 { c / 64 * 64 } else { c };
+    let plan = streamed_with(s, sc, round(cq), round(ck), model);
+    check_host_fits(&plan, budget, backward)?;
+    Ok(plan)
+}
+
+/// The plan of a call of shape `s` that runs whole on the device: one
+/// subproblem, nothing held on the host.
+fn resident_plan(s: &AttentionShape, sc: &Scores, model: &Model) -> Plan {
     let resident = s.resident_bytes();
     let masked = sc.lo.is_some() || sc.hi.is_some();
-    if !forced && resident <= budget.device_bytes {
-        return Ok(Plan {
-            mode: Mode::Resident,
-            q_chunk: s.nq,
-            kv_chunk: s.nk,
-            subproblems: 1,
-            device_bytes: resident,
-            resident_bytes: resident,
-            host_bytes: 0,
-            backward_host_bytes: 0,
-            forward_seconds: work_flops(s, sc) / model.kernel(s, masked, s.nq, s.nk).0,
-            rates: model.source(s, &[masked]),
-        });
+    Plan {
+        mode: Mode::Resident,
+        q_chunk: s.nq,
+        kv_chunk: s.nk,
+        subproblems: 1,
+        device_bytes: resident,
+        resident_bytes: resident,
+        host_bytes: 0,
+        backward_host_bytes: 0,
+        forward_seconds: work_flops(s, sc) / model.kernel(s, masked, s.nq, s.nk).0,
+        rates: model.source(s, &[masked]),
     }
+}
+
+/// The streamed chunks `(q, kv)` of a call of shape `s` whose subproblem fits
+/// `budget`'s device bytes: the `fixed` sizes where given, else the largest
+/// found by halving the larger of the two (keys first on ties) from the full
+/// sizes, down to 16 rows. Errors with the sizes when even that does not fit.
+fn fit_chunks(
+    s: &AttentionShape,
+    budget: &Budget,
+    (fixed_q, fixed_k): (Option<usize>, Option<usize>),
+) -> Result<(usize, usize)> {
+    let resident = s.resident_bytes();
     let (mut cq, mut ck) = (s.nq, s.nk);
-    let fixed_q = opts.and_then(|o| o.q_chunk);
-    let fixed_k = opts.and_then(|o| o.kv_chunk);
     if let Some(c) = fixed_q {
         cq = c;
     }
@@ -555,7 +578,7 @@ fn choose(
         if s.chunk_bytes(cq.min(s.nq), ck.min(s.nk), true) <= budget.device_bytes
             || (fixed_q.is_some() && fixed_k.is_some())
         {
-            break;
+            return Ok((cq, ck));
         }
         let can_q = fixed_q.is_none() && cq > MIN;
         let can_k = fixed_k.is_none() && ck > MIN;
@@ -580,9 +603,11 @@ fn choose(
             )
         }
     }
-    // Round chunks down to a multiple of 64 (a kernel tile) when large enough.
-    let round = |c: usize| if c > 64 { c / 64 * 64 } else { c };
-    let plan = streamed_with(s, sc, round(cq), round(ck), model);
+}
+
+/// Fails when the host cannot hold `plan`'s streamed forward (and, with
+/// `backward`, the backward after it) within `budget`'s host bytes.
+fn check_host_fits(plan: &Plan, budget: &Budget, backward: bool) -> Result<()> {
     let host = plan.host_bytes
         + if backward {
             plan.backward_host_bytes
@@ -602,7 +627,7 @@ fn choose(
             budget.host_bytes
         )
     }
-    Ok(plan)
+    Ok(())
 }
 
 /// The plan of a call of shape `s` under `budget`: mode, chunk sizes, predicted

@@ -21,8 +21,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use streamer_core::{
-    release_all, run_blocks_with, Block, BlockCtx, ManualBackward, ResidencyPool, SavedActivations,
-    StreamedSequential,
+    release_all, run_blocks_with, Block, BlockCtx, BlockSpec, ManualBackward, ResidencyPool,
+    SavedActivations, StreamedSequential,
 };
 
 /// An optimizer that can step some parameters as soon as their gradients have
@@ -446,49 +446,17 @@ impl TrainableSequential {
         let offload = st.policy == ActivationPolicy::OffloadInputs;
         let micro = st.micro_rows;
         let budget = st.policy.budget(pool.device())?;
-        let host_inputs = &mut st.host_inputs;
         let x_det = x.detach();
         let extras_det: Vec<Tensor> = extras.iter().map(|e| e.detach()).collect();
-        // Each block's input is saved and its dropout seed set just before it
-        // runs, so the recompute can replay it; blocks with a hand-written
-        // backward keep their activations while the budget allows.
-        // SAFETY: the closure keeps the block's input (the previous block's
-        // output, which `run_blocks_with` copied if it aliased a slot, or the
-        // caller's input) and activations that `check_saved` has verified share
-        // no storage with a slot; its outputs are copied by `run_blocks_with`
-        // when they alias one. Nothing else of the bound block survives it.
-        let r = unsafe {
-            run_blocks_with(
-                &mut pool,
-                self.model.blocks(),
-                &x_det,
-                &extras_det,
-                (false, true),
-                |pool: &ResidencyPool, i, block: &dyn Block, h: &Tensor, extras: &[Tensor]| {
-                    if i == 0 {
-                        // A run again from fresh weights (a stepped block lent
-                        // to this forward was stale) starts the record over.
-                        rec = Record::default();
-                    }
-                    // The first input is the caller's: it stays where it is.
-                    let to_host = offload && i > 0;
-                    rec.inputs.push(if to_host {
-                        host_inputs.save(i, h)?
-                    } else {
-                        h.detach()
-                    });
-                    rec.on_host.push(to_host);
-                    let mut kept = Vec::new();
-                    let room = (micro, (budget, &mut rec.used));
-                    let run = (h, extras);
-                    let (outs, rows) =
-                        run_training_pieces(pool, (i, seeds[i]), block, run, room, &mut kept)?;
-                    rec.pieces.push(rows);
-                    rec.kept.push(kept);
-                    Ok(outs)
-                },
-            )
-        };
+        let r = run_recorded(
+            &mut pool,
+            self.model.blocks(),
+            (&x_det, &extras_det),
+            &seeds,
+            (offload, micro, budget),
+            &mut st.host_inputs,
+            &mut rec,
+        );
         clear_current_seed();
         let r = r.and_then(|o| st.host_inputs.settle().map(|_| o));
         // Backward starts with the last blocks: start copying them now, so the
@@ -502,6 +470,24 @@ impl TrainableSequential {
                 return Err(e);
             }
         };
+        let inputs = (x, extras, extras_det);
+        let ret = self.save_forward(&mut st, rec, inputs, outs, seeds)?;
+        st.saved_training = training;
+        pool.span_end(t0, || "forward call".into());
+        Ok(ret)
+    }
+
+    /// Stores what the backward of a training forward needs (its record, the
+    /// caller's inputs, the seeds and the weights' fingerprints) and returns
+    /// the outputs as variables, so a loss built on them reaches `backward`.
+    fn save_forward(
+        &self,
+        st: &mut TrainState,
+        rec: Record,
+        (x, extras, extras_det): (&Tensor, &[Tensor], Vec<Tensor>),
+        outs: Vec<Tensor>,
+        seeds: Vec<u64>,
+    ) -> Result<Vec<Tensor>> {
         st.kept_blocks = rec
             .kept
             .iter()
@@ -524,8 +510,6 @@ impl TrainableSequential {
             pieces: rec.pieces,
             kept: rec.kept,
         });
-        st.saved_training = training;
-        pool.span_end(t0, || "forward call".into());
         Ok(ret)
     }
 
@@ -796,29 +780,10 @@ impl TrainableSequential {
         let blocks = self.model.blocks();
         let n = blocks.len();
         let window = pool.window();
-        // A weight is complete after the lowest-index block that uses it.
-        let mut last_user = vec![usize::MAX; trainable.len()];
-        for i in 0..n {
-            for &(m, _) in &pool.layout(i).unique {
-                last_user[m] = last_user[m].min(i);
-            }
-        }
+        let last_user = last_users(pool, n, trainable.len());
         let mut stepped = vec![false; trainable.len()];
         host.begin(pool.device(), self.model.masters())?;
-        // The training forward already issued the loads of the last blocks. Any
-        // other loaded block (left by an inference call with
-        // prefetch_across_calls) is released: the reverse pass needs the window.
-        let first: Vec<usize> = (0..window.min(n)).map(|k| n - 1 - k).collect();
-        for b in 0..n {
-            if pool.is_loaded(b) && !first.contains(&b) {
-                pool.release(b)?;
-            }
-        }
-        for &b in &first {
-            if !pool.is_loaded(b) {
-                pool.load(b)?;
-            }
-        }
+        load_window_for_backward(pool, n)?;
         let mut g_next = g_outs;
         let mut g_extras: Vec<Option<Tensor>> = vec![None; saved.extras.len()];
         if n > 0 {
@@ -837,17 +802,7 @@ impl TrainableSequential {
                 (stepper, last_user.as_slice(), stepped.as_mut_slice()),
             );
             let flow = flow?;
-            // Block i's input is spent: its device memory (a whole batch's
-            // rows under micro-batching) is free for the blocks before it.
-            saved.drop_input(i)?;
-            // Issued after block i's backward, so the copy overlaps it.
-            if i > 0 {
-                saved.bring_input(i - 1, inputs, pool.device())?;
-            }
-            pool.release(i)?;
-            if i >= window {
-                pool.load(i - window)?;
-            }
+            move_window_back(pool, saved, inputs, i, window)?;
             pool.span_end(t0, || format!("{} backward issued", blocks[i].name()));
             let Some((g_x, g_ex)) = flow else {
                 // Nothing flows back through this block (or anything before it).
@@ -857,15 +812,7 @@ impl TrainableSequential {
             add_extras(&mut g_extras, g_ex)?;
             g_next = vec![g_x];
         }
-        let t0 = pool.span_start();
-        host.finish()?;
-        inputs.finish()?;
-        if matches!(stepper, Stepper::Device(_)) {
-            // The masters written back by DMA are complete (and the bounce
-            // copies of their pageable ends done) only after this.
-            pool.synchronize()?;
-        }
-        pool.span_end(t0, || "backward end (waits for the copies)".into());
+        finish_streamed_backward(pool, host, inputs, stepper)?;
         Ok((g_next.swap_remove(0), g_extras, stepped))
     }
 
@@ -1344,6 +1291,136 @@ fn run_training_pieces(
         )?);
     }
     Ok((join_pieces(outs)?, rows))
+}
+
+/// Runs the blocks of a training forward over `x` (detached) and `extras`,
+/// recording in `rec` what the backward needs. Each block's input is saved
+/// (on the host under `offload`, but for the caller's input, which stays where
+/// it is) and its dropout seed set just before it runs, so the recompute can
+/// replay it; blocks with a hand-written backward keep their activations while
+/// `budget` allows. Returns the last block's outputs.
+fn run_recorded(
+    pool: &mut ResidencyPool,
+    blocks: &[BlockSpec],
+    (x, extras): (&Tensor, &[Tensor]),
+    seeds: &[u64],
+    (offload, micro, budget): (bool, Option<usize>, usize),
+    host_inputs: &mut crate::host_inputs::HostInputs,
+    rec: &mut Record,
+) -> Result<Vec<Tensor>> {
+    // SAFETY: the closure keeps the block's input (the previous block's
+    // output, which `run_blocks_with` copied if it aliased a slot, or the
+    // caller's input) and activations that `check_saved` has verified share
+    // no storage with a slot; its outputs are copied by `run_blocks_with`
+    // when they alias one. Nothing else of the bound block survives it.
+    unsafe {
+        run_blocks_with(
+            pool,
+            blocks,
+            x,
+            extras,
+            (false, true),
+            |pool: &ResidencyPool, i, block: &dyn Block, h: &Tensor, extras: &[Tensor]| {
+                if i == 0 {
+                    // A run again from fresh weights (a stepped block lent
+                    // to this forward was stale) starts the record over.
+                    *rec = Record::default();
+                }
+                // The first input is the caller's: it stays where it is.
+                let to_host = offload && i > 0;
+                rec.inputs.push(if to_host {
+                    host_inputs.save(i, h)?
+                } else {
+                    h.detach()
+                });
+                rec.on_host.push(to_host);
+                let mut kept = Vec::new();
+                let room = (micro, (budget, &mut rec.used));
+                let run = (h, extras);
+                let (outs, rows) =
+                    run_training_pieces(pool, (i, seeds[i]), block, run, room, &mut kept)?;
+                rec.pieces.push(rows);
+                rec.kept.push(kept);
+                Ok(outs)
+            },
+        )
+    }
+}
+
+/// For each of `weights` weights, the lowest-index block of `n` that uses it
+/// (`usize::MAX` for none): a reverse pass has the weight's gradient complete
+/// after that block.
+fn last_users(pool: &ResidencyPool, n: usize, weights: usize) -> Vec<usize> {
+    let mut last_user = vec![usize::MAX; weights];
+    for i in 0..n {
+        for &(m, _) in &pool.layout(i).unique {
+            last_user[m] = last_user[m].min(i);
+        }
+    }
+    last_user
+}
+
+/// Fills the window with the last blocks of `n` for a reverse pass. The
+/// training forward already issued their loads; any other loaded block (left
+/// by an inference call with prefetch_across_calls) is released first, since
+/// the reverse pass needs the window.
+fn load_window_for_backward(pool: &mut ResidencyPool, n: usize) -> Result<()> {
+    let first: Vec<usize> = (0..pool.window().min(n)).map(|k| n - 1 - k).collect();
+    for b in 0..n {
+        if pool.is_loaded(b) && !first.contains(&b) {
+            pool.release(b)?;
+        }
+    }
+    for &b in &first {
+        if !pool.is_loaded(b) {
+            pool.load(b)?;
+        }
+    }
+    Ok(())
+}
+
+/// After block `i`'s backward: frees its input, brings block `i - 1`'s back
+/// and moves the window down one block (releases `i`, loads `i - window`).
+fn move_window_back(
+    pool: &mut ResidencyPool,
+    saved: &mut Saved,
+    inputs: &mut crate::host_inputs::HostInputs,
+    i: usize,
+    window: usize,
+) -> Result<()> {
+    // Block i's input is spent: its device memory (a whole batch's
+    // rows under micro-batching) is free for the blocks before it.
+    saved.drop_input(i)?;
+    // Issued after block i's backward, so the copy overlaps it.
+    if i > 0 {
+        saved.bring_input(i - 1, inputs, pool.device())?;
+    }
+    pool.release(i)?;
+    if i >= window {
+        pool.load(i - window)?;
+    }
+    Ok(())
+}
+
+/// Waits for the end of a reverse pass's copies: the gradients sent to the
+/// host, the inputs brought back and, when stepping on the device, the
+/// masters written back.
+fn finish_streamed_backward(
+    pool: &mut ResidencyPool,
+    host: &mut HostGrads,
+    inputs: &mut crate::host_inputs::HostInputs,
+    stepper: &Stepper<'_, '_>,
+) -> Result<()> {
+    let t0 = pool.span_start();
+    host.finish()?;
+    inputs.finish()?;
+    if matches!(stepper, Stepper::Device(_)) {
+        // The masters written back by DMA are complete (and the bounce
+        // copies of their pageable ends done) only after this.
+        pool.synchronize()?;
+    }
+    pool.span_end(t0, || "backward end (waits for the copies)".into());
+    Ok(())
 }
 
 /// Starts loading the last blocks of `n` (as many as the window holds).

@@ -459,18 +459,7 @@ impl ResidencyPool {
 
     /// Issues the copy of `block`'s weights into a free slot.
     pub fn load(&mut self, block: usize) -> Result<()> {
-        if block >= self.layouts.len() {
-            candle_core::bail!(
-                "block index {block} out of range ({} blocks)",
-                self.layouts.len()
-            );
-        }
-        if self.slot_of[block].is_some() {
-            candle_core::bail!("block {:?} is already loaded", self.names[block]);
-        }
-        crate::faults::check(crate::faults::FaultPoint::WeightLoad, || {
-            format!("loading block {:?}", self.names[block])
-        })?;
+        self.check_loadable(block)?;
         #[cfg(feature = "cuda")]
         {
             let lend = self.reusable_slot(block);
@@ -482,6 +471,38 @@ impl ResidencyPool {
                 return self.lend_stepped(block, pos);
             }
         }
+        let slot = self.free_slot_for(block)?;
+        let bytes = match self.engine {
+            Engine::Cpu => self.copy_on_cpu(block, slot)?,
+            #[cfg(feature = "cuda")]
+            Engine::Cuda(_) => self.copy_on_cuda(block, slot)?,
+        };
+        self.stats.loads += 1;
+        self.stats.h2d_bytes += bytes;
+        self.occupy(block, slot);
+        Ok(())
+    }
+
+    /// Fails unless `block` exists and is not loaded, and lets an injected
+    /// weight-load fault (`crate::faults`) fail the load before anything moves.
+    fn check_loadable(&self, block: usize) -> Result<()> {
+        if block >= self.layouts.len() {
+            candle_core::bail!(
+                "block index {block} out of range ({} blocks)",
+                self.layouts.len()
+            );
+        }
+        if self.slot_of[block].is_some() {
+            candle_core::bail!("block {:?} is already loaded", self.names[block]);
+        }
+        crate::faults::check(crate::faults::FaultPoint::WeightLoad, || {
+            format!("loading block {:?}", self.names[block])
+        })
+    }
+
+    /// Takes a free slot for `block`; with none, the error names the loaded
+    /// blocks so the caller sees which one it forgot to release.
+    fn free_slot_for(&mut self, block: usize) -> Result<usize> {
         let Some(slot) = self.take_free_slot() else {
             let loaded: Vec<&str> = (0..self.layouts.len())
                 .filter(|&b| self.slot_of[b].is_some())
@@ -493,70 +514,77 @@ impl ResidencyPool {
                 self.slots.len()
             );
         };
+        Ok(slot)
+    }
+
+    /// Copies `block`'s masters into `slot` on the CPU engine (synchronously,
+    /// so the copy's time is measured here) and returns the bytes read.
+    fn copy_on_cpu(&mut self, block: usize, slot: usize) -> Result<u64> {
         let layout = &self.layouts[block];
         let mut bytes = 0u64;
-        match &mut self.engine {
-            Engine::Cpu => {
-                let t0 = Instant::now();
-                let flat = &self.slots[slot].flat;
-                for &(m, off) in &layout.unique {
-                    let master = self.masters.get(m).var.as_tensor();
-                    bytes += (master.elem_count() * master.dtype().size_in_bytes()) as u64;
-                    let src = master.flatten_all()?.to_dtype(self.dtype)?;
-                    flat.slice_set(&src, 0, off)?;
-                }
-                if let Some(d) = self.transfer_delay {
-                    std::thread::sleep(d);
-                }
-                let dt = t0.elapsed();
-                self.stats.h2d_seconds += dt.as_secs_f64();
-                if let Some(tl) = &mut self.timeline {
-                    let ts = (t0 - self.cpu_epoch).as_secs_f64() * 1e6;
-                    tl.push(
-                        TraceKind::Transfer,
-                        &self.names[block],
-                        ts,
-                        dt.as_secs_f64() * 1e6,
-                    );
-                }
-            }
-            #[cfg(feature = "cuda")]
-            Engine::Cuda(e) => {
-                let s = &mut self.slots[slot];
-                s.stepped_copy_of = None;
-                s.written_back.clear();
-                // A comparison of this slot's lent copy goes first (the copy waits).
-                self.stats.verify_bytes +=
-                    e.verifier
-                        .issue(&e.dev, &e.transfer, &self.masters, Some(slot))?;
-                e.verifier.before_refill(slot, &e.transfer)?;
-                bytes = e
-                    .load(
-                        block,
-                        layout,
-                        &self.masters,
-                        s,
-                        self.dtype,
-                        self.transfer_delay,
-                    )
-                    .map_err(|err| {
-                        err.context(format!("copying block {:?}'s weights", self.names[block]))
-                    })?;
-                // Comparisons' host copies queue behind this copy, which the
-                // next compute may be waiting for (kernels: `crate::reuse`).
-                self.stats.verify_bytes +=
-                    e.verifier.issue(&e.dev, &e.transfer, &self.masters, None)?;
-                // Keep the queue of timing events bounded on long runs: fold in the
-                // ones that have completed (the old ones, in steady state).
-                if e.pending_len() > 1024 {
-                    e.resolve(false, &mut self.stats, self.timeline.as_mut(), &self.names)?;
-                }
-            }
+        let t0 = Instant::now();
+        let flat = &self.slots[slot].flat;
+        for &(m, off) in &layout.unique {
+            let master = self.masters.get(m).var.as_tensor();
+            bytes += (master.elem_count() * master.dtype().size_in_bytes()) as u64;
+            let src = master.flatten_all()?.to_dtype(self.dtype)?;
+            flat.slice_set(&src, 0, off)?;
         }
-        self.stats.loads += 1;
-        self.stats.h2d_bytes += bytes;
-        self.occupy(block, slot);
-        Ok(())
+        if let Some(d) = self.transfer_delay {
+            std::thread::sleep(d);
+        }
+        let dt = t0.elapsed();
+        self.stats.h2d_seconds += dt.as_secs_f64();
+        if let Some(tl) = &mut self.timeline {
+            let ts = (t0 - self.cpu_epoch).as_secs_f64() * 1e6;
+            tl.push(
+                TraceKind::Transfer,
+                &self.names[block],
+                ts,
+                dt.as_secs_f64() * 1e6,
+            );
+        }
+        Ok(bytes)
+    }
+
+    /// Queues the copy of `block`'s masters into `slot` on the CUDA engine's
+    /// transfer stream, between the lent-copy comparisons it must order with,
+    /// and returns the bytes copied.
+    #[cfg(feature = "cuda")]
+    fn copy_on_cuda(&mut self, block: usize, slot: usize) -> Result<u64> {
+        let Engine::Cuda(e) = &mut self.engine else {
+            unreachable!("copy_on_cuda is called for the CUDA engine only")
+        };
+        let layout = &self.layouts[block];
+        let s = &mut self.slots[slot];
+        s.stepped_copy_of = None;
+        s.written_back.clear();
+        // A comparison of this slot's lent copy goes first (the copy waits).
+        self.stats.verify_bytes +=
+            e.verifier
+                .issue(&e.dev, &e.transfer, &self.masters, Some(slot))?;
+        e.verifier.before_refill(slot, &e.transfer)?;
+        let bytes = e
+            .load(
+                block,
+                layout,
+                &self.masters,
+                s,
+                self.dtype,
+                self.transfer_delay,
+            )
+            .map_err(|err| {
+                err.context(format!("copying block {:?}'s weights", self.names[block]))
+            })?;
+        // Comparisons' host copies queue behind this copy, which the
+        // next compute may be waiting for (kernels: `crate::reuse`).
+        self.stats.verify_bytes += e.verifier.issue(&e.dev, &e.transfer, &self.masters, None)?;
+        // Keep the queue of timing events bounded on long runs: fold in the
+        // ones that have completed (the old ones, in steady state).
+        if e.pending_len() > 1024 {
+            e.resolve(false, &mut self.stats, self.timeline.as_mut(), &self.names)?;
+        }
+        Ok(bytes)
     }
 
     /// Records `block` as loaded in `slot`.
