@@ -48,7 +48,8 @@ use streamer_autograd::ActivationPolicy;
 use streamer_core::{device_total_memory, free_device_memory, StreamConfig};
 use streamer_models::{
     init_weights, ByteCorpus, DevicePlan, Expectation, HostPlan, Llama, LlamaConfig, LmTrainer,
-    LoraAdapters, LoraConfig, OptimizerPlace, StateDtype, StepRates, StepShape, TrainSetup,
+    LoraAdapters, LoraConfig, OptimizerPlace, PlanChoices, PlanLimits, StateDtype, StepRates,
+    StepShape, TrainSetup,
 };
 
 fn env_or(key: &str, default: usize) -> usize {
@@ -115,7 +116,7 @@ fn host_plan(
     cfg: &LlamaConfig,
     dev: &Device,
     ((batch, seq, _), dtype): ((usize, usize, usize), DType),
-    (place, policy): (OptimizerPlace, Option<ActivationPolicy>),
+    (place, state, policy): (OptimizerPlace, StateDtype, Option<ActivationPolicy>),
 ) -> Result<HostPlan> {
     let offload = policy == Some(ActivationPolicy::OffloadInputs);
     Ok(HostPlan::for_training(
@@ -123,7 +124,7 @@ fn host_plan(
         &TrainSetup {
             master_dtype: DType::F32,
             place,
-            state: optimizer_state()?,
+            state,
             cuda: dev.is_cuda(),
             offload_inputs: offload.then_some((batch, seq, dtype)),
         },
@@ -223,8 +224,17 @@ fn bench_plan(
         Err(_) => vec![OptimizerPlace::Device, OptimizerPlace::Host],
     };
     let shape = StepShape { rows, seq, dtype };
-    let state = optimizer_state()?;
-    let plan = DevicePlan::choose_among(cfg, shape, (budget, total), (&places, state))?;
+    let given = given_optimizer_state()?.map(|s| [s]);
+    let choices = PlanChoices {
+        places: &places,
+        states: given.as_ref().map_or(PlanChoices::default().states, |s| s),
+    };
+    let limits = PlanLimits {
+        device_budget: budget,
+        device_total: total,
+        host_available: streamer_core::host_available_memory(),
+    };
+    let plan = DevicePlan::choose_among(cfg, shape, limits, choices)?;
     println!("  device plan: {plan}");
     let rates = StepRates::measure(cfg, shape, plan.settings.piece_rows, dev)?;
     let expect = plan.expect(cfg, shape, &rates);
@@ -232,11 +242,13 @@ fn bench_plan(
     Ok(Some((plan, expect)))
 }
 
-/// LORA_BENCH_OPTIMIZER_STATE=f32|bf16: AdamW's moments.
-fn optimizer_state() -> Result<StateDtype> {
-    Ok(std::env::var("LORA_BENCH_OPTIMIZER_STATE")
-        .unwrap_or_else(|_| "f32".into())
-        .parse()?)
+/// LORA_BENCH_OPTIMIZER_STATE=f32|bf16: AdamW's moments (unset: f32, or
+/// with LORA_BENCH_PLAN=1 the plan's choice).
+fn given_optimizer_state() -> Result<Option<StateDtype>> {
+    std::env::var("LORA_BENCH_OPTIMIZER_STATE")
+        .ok()
+        .map(|s| Ok(s.parse::<StateDtype>()?))
+        .transpose()
 }
 
 /// One row: `shape` is (sequences a step, tokens a sequence, timed steps),
@@ -261,9 +273,17 @@ fn run(
         Some((p, _)) => (shape.0 / p.settings.piece_rows, p.settings.window),
         None => (micro, env_or("LORA_BENCH_WINDOW", 2).max(1)),
     };
-    let (place, policy) = match &planned {
-        Some((p, _)) => (p.settings.place, Some(p.settings.activation_policy())),
-        None => (optimizer_place(dev)?, activations()?),
+    let (place, state, policy) = match &planned {
+        Some((p, _)) => (
+            p.settings.place,
+            p.settings.state,
+            Some(p.settings.activation_policy()),
+        ),
+        None => (
+            optimizer_place(dev)?,
+            given_optimizer_state()?.unwrap_or_default(),
+            activations()?,
+        ),
     };
     let stream = StreamConfig {
         device: dev.clone(),
@@ -291,7 +311,7 @@ fn run(
     let data = ByteCorpus::from_file("data/corpus.txt")
         .unwrap_or_else(|_| ByteCorpus::new((0..1 << 20).map(|i| (i * 31 % 251) as u8).collect()));
     let plan = (mode == "full")
-        .then(|| host_plan(&cfg, dev, (shape, dtype), (place, policy)))
+        .then(|| host_plan(&cfg, dev, (shape, dtype), (place, state, policy)))
         .transpose()?;
     if let Some(p) = &plan {
         println!("  host plan: {p}");
@@ -317,7 +337,6 @@ fn run(
     let mut per_step = None;
     let (m, trainable) = match mode {
         "full" => {
-            let state = optimizer_state()?;
             println!("  full fine-tune optimizer: {place:?}, {state:?} moments");
             let t0 = std::time::Instant::now();
             let mut t = LmTrainer::new_with(

@@ -37,8 +37,8 @@ use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
     generate, init_weights, parse_bytes, prefetch_for_budget, train_loop, ByteCorpus,
     CheckpointFiles, Decay, DevicePlan, HostPlan, Llama, LlamaConfig, LmTrainer, LoopOptions,
-    LoraConfig, OptimizerPlace, Placement, PretrainedFiles, StateDtype, StepRates, StepShape,
-    TextTokenizer, TokenCorpus, TrainSetup,
+    LoraConfig, OptimizerPlace, Placement, PlanChoices, PlanLimits, PretrainedFiles, StateDtype,
+    StepRates, StepShape, TextTokenizer, TokenCorpus, TrainSetup,
 };
 
 #[derive(Parser, Debug)]
@@ -163,9 +163,11 @@ struct Args {
     #[arg(long)]
     device_budget: Option<String>,
     /// AdamW's moments: `f32` (8 bytes per parameter) or `bf16` (4 bytes,
-    /// stochastically rounded), in either optimizer.
-    #[arg(long, default_value = "f32")]
-    optimizer_state: String,
+    /// stochastically rounded), in either optimizer. Default: f32, or on a
+    /// GPU the device plan's choice (f32 where it fits device and host, else
+    /// bf16).
+    #[arg(long)]
+    optimizer_state: Option<String>,
     /// Tokens to sample before and after training (0: none).
     #[arg(long, default_value_t = 200)]
     sample_tokens: usize,
@@ -404,7 +406,10 @@ fn main() -> Result<()> {
             .parse()
             .context("--optimizer")?,
     };
-    let state: StateDtype = a.optimizer_state.parse().context("--optimizer-state")?;
+    let state = match &budget {
+        Some((plan, _)) => plan.settings.state,
+        None => optimizer_state(&a)?.unwrap_or_default(),
+    };
     let policy = match &budget {
         Some((plan, _)) => plan.settings.activation_policy(),
         None => cli::activation_policy(a.activations.as_deref().unwrap_or("auto"), &dev)?,
@@ -569,14 +574,18 @@ fn device_budget(
         seq: opts.seq,
         dtype,
     };
-    let state: StateDtype = a.optimizer_state.parse().context("--optimizer-state")?;
-    let plan = DevicePlan::choose_among(
-        cfg,
-        shape,
-        (budget, total.unwrap_or(0)),
-        (&[OptimizerPlace::Device, OptimizerPlace::Host], state),
-    )
-    .with_context(|| what.clone())?;
+    let given = optimizer_state(a)?.map(|s| [s]);
+    let choices = PlanChoices {
+        states: given.as_ref().map_or(PlanChoices::default().states, |s| s),
+        ..PlanChoices::default()
+    };
+    let limits = PlanLimits {
+        device_budget: budget,
+        device_total: total.unwrap_or(0),
+        host_available: streamer_core::host_available_memory(),
+    };
+    let plan =
+        DevicePlan::choose_among(cfg, shape, limits, choices).with_context(|| what.clone())?;
     println!("train_lm: device plan for {what}: {plan}");
     println!(
         "train_lm: timing one layer and the head over a piece (the first run compiles the kernels)"
@@ -599,6 +608,14 @@ fn device_budget(
     opts.batch = plan.settings.piece_rows;
     opts.micro_batches = rows / plan.settings.piece_rows;
     Ok((Some((plan, cap)), opts))
+}
+
+/// `--optimizer-state` if given.
+fn optimizer_state(a: &Args) -> Result<Option<StateDtype>> {
+    a.optimizer_state
+        .as_deref()
+        .map(|s| s.parse().context("--optimizer-state"))
+        .transpose()
 }
 
 /// `--lora-*` checked before any work (`None` without `--lora-r`).

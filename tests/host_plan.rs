@@ -8,8 +8,9 @@ use candle_core::{DType, Device};
 use candle_nn::ParamsAdamW;
 use streamer_core::StreamConfig;
 use streamer_models::{
-    init_weights, DevicePlan, HostPlan, Llama, LlamaConfig, LmTrainer, OptimizerPlace, StateDtype,
-    StepRates, StepSettings, StepShape, TrainSetup,
+    device_plan::host_plan, init_weights, DevicePlan, HostPlan, Llama, LlamaConfig, LmTrainer,
+    OptimizerPlace, PlanChoices, PlanLimits, StateDtype, StepRates, StepSettings, StepShape,
+    TrainSetup,
 };
 
 fn setup(place: OptimizerPlace, state: StateDtype) -> TrainSetup {
@@ -202,8 +203,11 @@ fn device_plan_choice_and_refusals() -> Result<()> {
     let host = DevicePlan::choose_among(
         &cfg,
         shape_8b(8),
-        (139 << 30, 140 << 30),
-        (&[OptimizerPlace::Host], StateDtype::F32),
+        limits(139, None),
+        PlanChoices {
+            places: &[OptimizerPlace::Host],
+            states: &[StateDtype::F32],
+        },
     )?;
     ensure!(host.settings.place == OptimizerPlace::Host, "{host}");
     // bf16 moments on the device: half the optimizer's bytes for the
@@ -244,6 +248,85 @@ fn device_plan_choice_and_refusals() -> Result<()> {
     let err = err_of(DevicePlan::choose(&cfg, shape_8b(8), (4 << 30, 140 << 30)))?;
     ensure!(
         err.contains("below the smallest plan") && err.contains("4.0 GiB"),
+        "{err}"
+    );
+    Ok(())
+}
+
+fn limits(device_budget_gib: usize, host_gib: Option<usize>) -> PlanLimits {
+    PlanLimits {
+        device_budget: device_budget_gib << 30,
+        device_total: 140 << 30,
+        host_available: host_gib.map(|g| g << 30),
+    }
+}
+
+/// With the host's memory in the plan, the planner keeps f32 moments where
+/// device and host hold them and halves them where not: 8B on an H200 keeps
+/// everything on the device in f32; in 24 GiB with a 110 GiB host the host
+/// optimizer's f32 moments (64 GB) do not fit beside the masters and
+/// gradients, so it takes bf16; a 14B model's f32 moments fit only a
+/// 139 GiB device (with the inputs offloaded), a 100 GiB budget takes the
+/// device optimizer with bf16 moments, and a 24 GiB one fits no host. Every chosen plan's
+/// host side fits, and a host too small for any plan is refused, naming it.
+#[test]
+fn device_plan_fits_the_host() -> Result<()> {
+    let (b8, b14) = (LlamaConfig::llama31_8b(), LlamaConfig::qwen25_14b());
+    let d = PlanChoices::default();
+    let big = DevicePlan::choose_among(&b8, shape_8b(8), limits(139, Some(110)), d)?;
+    ensure!(
+        (big.settings.place, big.settings.state) == (OptimizerPlace::Device, StateDtype::F32),
+        "{big}"
+    );
+    let small = DevicePlan::choose_among(&b8, shape_8b(32), limits(24, Some(110)), d)?;
+    ensure!(
+        (small.settings.place, small.settings.state) == (OptimizerPlace::Host, StateDtype::Bf16)
+            && small.settings.offload_inputs,
+        "{small}"
+    );
+    // Without the host in the plan, the same budget keeps f32 moments.
+    let blind = DevicePlan::choose_among(&b8, shape_8b(32), limits(24, None), d)?;
+    ensure!(blind.settings.state == StateDtype::F32, "{blind}");
+    // 14B on an H200: f32 moments fit the device once the inputs go to the
+    // host; in 100 GiB only bf16 moments do.
+    let q = DevicePlan::choose_among(&b14, shape_8b(8), limits(139, Some(110)), d)?;
+    ensure!(
+        (
+            q.settings.place,
+            q.settings.state,
+            q.settings.offload_inputs
+        ) == (OptimizerPlace::Device, StateDtype::F32, true),
+        "{q}"
+    );
+    let q100 = DevicePlan::choose_among(&b14, shape_8b(8), limits(100, Some(110)), d)?;
+    ensure!(
+        (q100.settings.place, q100.settings.state) == (OptimizerPlace::Device, StateDtype::Bf16),
+        "{q100}"
+    );
+    for (cfg, rows, p) in [
+        (&b8, 8, &big),
+        (&b8, 32, &small),
+        (&b14, 8, &q),
+        (&b14, 8, &q100),
+    ] {
+        let host = host_plan(cfg, shape_8b(rows), &p.settings);
+        ensure!(host.total() <= 110 << 30, "{p}: {host}");
+    }
+    let host_14b = host_plan(&b14, shape_8b(8), &q100.settings);
+    // f32 masters of the 48 layers, nothing else on the host.
+    ensure!(host_14b.masters == 4 * b14.layer_params() * b14.num_hidden_layers);
+    ensure!(
+        host_14b.moments == 0 && host_14b.gradients == 0,
+        "{host_14b}"
+    );
+    let err = err_of(DevicePlan::choose_among(
+        &b14,
+        shape_8b(8),
+        limits(24, Some(110)),
+        d,
+    ))?;
+    ensure!(
+        err.contains("fits the host") && err.contains("110.0 GiB available"),
         "{err}"
     );
     Ok(())

@@ -9,6 +9,7 @@
 //! estimate that is too low fails with an out-of-memory error, never by
 //! using more than the budget.
 use crate::config::LlamaConfig;
+use crate::host_plan::{HostPlan, TrainSetup};
 use crate::step_rates::StepRates;
 use candle_core::{bail, DType, Result};
 use streamer_autograd::{ActivationPolicy, OptimizerPlace, StateDtype};
@@ -22,8 +23,7 @@ const RUNTIME_BYTES: usize = 1 << 30;
 pub struct StepSettings {
     /// Where AdamW runs (its moments on the device with `Device`).
     pub place: OptimizerPlace,
-    /// AdamW's moments' element type (the user's choice; the planner keeps
-    /// it).
+    /// AdamW's moments' element type.
     pub state: StateDtype,
     /// Block inputs kept in host memory between forward and backward
     /// (`ActivationPolicy::OffloadInputs`) instead of on the device
@@ -151,66 +151,65 @@ impl DevicePlan {
     }
 
     /// The fastest settings whose step fits `budget` bytes of a device of
-    /// `device_total` bytes: the device optimizer before the host one
-    /// (no gradients or masters cross PCIe for the step), inputs kept on the
-    /// device before offloaded, then the largest pieces (fewer, larger GEMMs).
-    /// Pieces divide the step's sequences. With the inputs on the device, what
-    /// the budget has left keeps the first layers' activations (no recompute
-    /// for them). A budget larger than the device,
-    /// or smaller than the smallest plan (host optimizer, offloaded inputs,
-    /// one sequence at a time, one layer resident), is an error naming both.
+    /// `device_total` bytes, with the default choices ([`PlanChoices`]) and
+    /// no host limit: see [`Self::choose_among`].
     pub fn choose(cfg: &LlamaConfig, shape: StepShape, budget: (usize, usize)) -> Result<Self> {
-        Self::choose_among(
-            cfg,
-            shape,
-            budget,
-            (
-                &[OptimizerPlace::Device, OptimizerPlace::Host],
-                StateDtype::F32,
-            ),
-        )
+        let limits = PlanLimits {
+            device_budget: budget.0,
+            device_total: budget.1,
+            host_available: None,
+        };
+        Self::choose_among(cfg, shape, limits, PlanChoices::default())
     }
 
-    /// [`Self::choose`] with the optimizer in one of `places` (in order of
-    /// preference) and moments of `state`.
+    /// The fastest settings among `choices` whose step fits the device
+    /// budget and whose host plan ([`HostPlan`]) fits the host: f32 moments
+    /// before bf16 (f32 is exact; bf16 halves the moments where f32 does not
+    /// fit), the device optimizer before the host one (no gradients or
+    /// masters cross PCIe for the step), inputs kept on the device before
+    /// offloaded, then the largest pieces (fewer, larger GEMMs). Pieces
+    /// divide the step's sequences. With the inputs on the device, what the
+    /// budget has left keeps the first layers' activations (no recompute for
+    /// them). A budget larger than the device, one smaller than the smallest
+    /// plan (host optimizer, offloaded inputs, one sequence at a time, one
+    /// layer resident), or a host too small for every plan the device holds
+    /// is an error naming the numbers.
     pub fn choose_among(
         cfg: &LlamaConfig,
         shape: StepShape,
-        (budget, device_total): (usize, usize),
-        (places, state): (&[OptimizerPlace], StateDtype),
+        limits: PlanLimits,
+        choices: PlanChoices,
     ) -> Result<Self> {
-        if budget > device_total {
-            bail!(
-                "device budget {:.1} GiB is larger than the device ({:.1} GiB)",
-                gib(budget),
-                gib(device_total)
-            );
-        }
-        if shape.rows == 0 || shape.seq == 0 {
-            bail!("a step of {} x {} tokens", shape.rows, shape.seq);
-        }
-        let mut pieces: Vec<usize> = (1..=shape.rows).filter(|p| shape.rows % p == 0).collect();
-        pieces.reverse();
-        for &place in places {
-            for offload_inputs in [false, true] {
-                for &piece_rows in &pieces {
-                    let settings = StepSettings {
-                        place,
-                        state,
-                        offload_inputs,
-                        piece_rows,
-                        window: 2.min(cfg.num_hidden_layers),
-                        keep_bytes: 0,
-                    };
-                    let plan = Self::estimate(cfg, shape, settings);
-                    if plan.total() <= budget {
-                        return Ok(plan.keeping(budget - plan.total(), cfg, shape));
-                    }
-                }
+        limits.check(shape)?;
+        let mut host_refusal = None;
+        for settings in choices.candidates(cfg, shape) {
+            let plan = Self::estimate(cfg, shape, settings);
+            if plan.total() > limits.device_budget {
+                continue;
+            }
+            let host = host_plan(cfg, shape, &settings);
+            match limits.host_available.map(|a| host.check_fits(a)) {
+                Some(Err(e)) => host_refusal = host_refusal.or(Some(e)),
+                _ => return Ok(plan.keeping(limits.device_budget - plan.total(), cfg, shape)),
             }
         }
-        let Some(&place) = places.last() else {
-            bail!("a device plan needs at least one place for the optimizer");
+        if let Some(e) = host_refusal {
+            bail!("no plan that fits the device budget fits the host: {e}");
+        }
+        Err(Self::too_small(cfg, shape, &limits, &choices))
+    }
+
+    /// The error of a device budget under the smallest plan of `choices`.
+    fn too_small(
+        cfg: &LlamaConfig,
+        shape: StepShape,
+        limits: &PlanLimits,
+        choices: &PlanChoices,
+    ) -> candle_core::Error {
+        let (Some(&place), Some(&state)) = (choices.places.last(), choices.states.last()) else {
+            return candle_core::Error::Msg(
+                "a device plan needs at least one optimizer place and one moment dtype".into(),
+            );
         };
         let smallest = Self::estimate(
             cfg,
@@ -224,14 +223,106 @@ impl DevicePlan {
                 keep_bytes: 0,
             },
         );
-        bail!(
+        candle_core::Error::Msg(format!(
             "device budget {:.1} GiB is below the smallest plan for {} x {} tokens a step: \
              {smallest}",
-            gib(budget),
+            gib(limits.device_budget),
             shape.rows,
             shape.seq
-        )
+        ))
     }
+}
+
+/// What a plan must fit: the device budget, the device, and the host memory
+/// available (`None`: not checked).
+#[derive(Clone, Copy, Debug)]
+pub struct PlanLimits {
+    /// Bytes the step may hold on the device.
+    pub device_budget: usize,
+    /// The device's total bytes.
+    pub device_total: usize,
+    /// Host bytes available for the plan's masters, moments, gradients and
+    /// offloaded activations.
+    pub host_available: Option<usize>,
+}
+
+impl PlanLimits {
+    /// Refuses a budget over the device and an empty step.
+    fn check(&self, shape: StepShape) -> Result<()> {
+        if self.device_budget > self.device_total {
+            bail!(
+                "device budget {:.1} GiB is larger than the device ({:.1} GiB)",
+                gib(self.device_budget),
+                gib(self.device_total)
+            );
+        }
+        if shape.rows == 0 || shape.seq == 0 {
+            bail!("a step of {} x {} tokens", shape.rows, shape.seq);
+        }
+        Ok(())
+    }
+}
+
+/// What the planner may pick from, each list in order of preference.
+#[derive(Clone, Copy, Debug)]
+pub struct PlanChoices<'a> {
+    /// Where AdamW may run.
+    pub places: &'a [OptimizerPlace],
+    /// AdamW's moments' element types.
+    pub states: &'a [StateDtype],
+}
+
+impl Default for PlanChoices<'_> {
+    /// Either place, f32 moments where they fit and bf16 where not.
+    fn default() -> Self {
+        Self {
+            places: &[OptimizerPlace::Device, OptimizerPlace::Host],
+            states: &[StateDtype::F32, StateDtype::Bf16],
+        }
+    }
+}
+
+impl PlanChoices<'_> {
+    /// Every setting the planner tries, fastest first.
+    fn candidates(&self, cfg: &LlamaConfig, shape: StepShape) -> Vec<StepSettings> {
+        let pieces: Vec<usize> = (1..=shape.rows)
+            .rev()
+            .filter(|p| shape.rows % p == 0)
+            .collect();
+        let mut out = Vec::new();
+        for &state in self.states {
+            for &place in self.places {
+                for offload_inputs in [false, true] {
+                    out.extend(pieces.iter().map(|&piece_rows| StepSettings {
+                        place,
+                        state,
+                        offload_inputs,
+                        piece_rows,
+                        window: 2.min(cfg.num_hidden_layers),
+                        keep_bytes: 0,
+                    }));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The host side of a plan on a GPU: f32 masters, the settings' optimizer
+/// and moments, offloaded inputs for the whole step.
+pub fn host_plan(cfg: &LlamaConfig, shape: StepShape, s: &StepSettings) -> HostPlan {
+    HostPlan::for_training(
+        cfg,
+        &TrainSetup {
+            master_dtype: DType::F32,
+            place: s.place,
+            state: s.state,
+            cuda: true,
+            offload_inputs: s
+                .offload_inputs
+                .then_some((shape.rows, shape.seq, shape.dtype)),
+        },
+    )
 }
 
 impl DevicePlan {

@@ -90,7 +90,7 @@ pub use chat_template::{ChatMessage, ChatTemplate};
 pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budget, SplitMix64};
 pub use config::{LlamaConfig, RopeScaling};
 pub use cross_entropy::cross_entropy;
-pub use device_plan::{DevicePlan, Expectation, StepSettings, StepShape};
+pub use device_plan::{DevicePlan, Expectation, PlanChoices, PlanLimits, StepSettings, StepShape};
 pub use embedding::embedding;
 pub use fused_linear::{fused_linear, Epilogue, FusedLinear};
 pub use fused_mlp::{fused_mlp, FusedMlp};
