@@ -28,6 +28,7 @@ mod models;
 mod optim;
 mod pool;
 mod pretrained;
+mod quant;
 mod report;
 mod side_effects;
 mod soak;

@@ -1,0 +1,46 @@
+//! Quantized frozen weights: the formats the peers write, held as packed host
+//! bytes (what a streamed layer moves over PCIe), dequantized on the CPU here
+//! (the reference the GPU paths are tested against), and made from dense
+//! weights.
+//!
+//! - [`FourBit`]: bitsandbytes' 4-bit blockwise formats (NF4 and FP4, one
+//!   absmax per block, optionally double-quantized absmax), the layout QLoRA
+//!   checkpoints use.
+//! - [`Int8Rows`]: bitsandbytes' `Linear8bitLt` weights, int8 with one absmax
+//!   per output row.
+//! - [`Fp8`]: float8 e4m3 with one scale per tensor or per output row, as
+//!   transformers' fp8 checkpoints (`fbgemm_fp8`, `compressed-tensors`) hold
+//!   them.
+//!
+//! Dequantization follows the order of operations of bitsandbytes' CUDA
+//! kernels (f32 products, one rounding to the output type), so a dequantized
+//! tensor equals theirs bit for bit.
+//!
+//! ```
+//! use streamer_quant::{FourBit, FourBitType};
+//! let w: Vec<f32> = (0..256).map(|i| (i as f32 - 128.0) / 64.0).collect();
+//! let q = FourBit::quantize(&w, &[4, 64], FourBitType::Nf4, 64, false).unwrap();
+//! assert_eq!(q.packed().len(), 128);
+//! let back = q.dequantize_f32();
+//! let worst = w.iter().zip(&back).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+//! assert!(worst <= 0.16 * 2.0);
+//! ```
+mod error;
+mod four_bit;
+mod fp8;
+mod int8;
+
+pub use error::QuantError;
+pub use four_bit::{
+    dynamic_map, Absmax, FourBit, FourBitType, NestedAbsmax, BLOCK_SIZES, FP4_CODE, NF4_CODE,
+};
+pub use fp8::{e4m3_to_f32, f32_to_e4m3, Fp8, Fp8Scale};
+pub use int8::Int8Rows;
+
+/// Results of this crate.
+pub type Result<T> = std::result::Result<T, QuantError>;
+
+/// Elements of a shape.
+fn elements(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
