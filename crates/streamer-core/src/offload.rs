@@ -146,12 +146,14 @@ impl Offloader {
                     .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                     .map_err(w)?;
                 let (host, n) = crate::host::host_bytes(dst)?;
-                let dev_ptr = crate::cuda::device_ptr(&src)?;
+                let mem = streamer_device::CudaMemory::of(&src)?;
+                let dev_ptr = mem.address()?;
                 // SAFETY: `src` is kept alive in `pending` until the compute stream
                 // waits on `done`; `dst` comes from `host_buffer` (page-aligned and
                 // page-locked whole) and is not touched before `synchronize` or a
                 // later marker's wait (this function's contract).
-                unsafe { crate::cuda::dtoh_async(host as *mut u8, dev_ptr, n, stream)? };
+                unsafe { crate::cuda::dtoh_async(host as *mut u8, dev_ptr.get(), n, stream)? };
+                drop((dev_ptr, mem));
                 let done = stream
                     .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                     .map_err(w)?;
@@ -249,13 +251,15 @@ impl Offloader {
                     .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                     .map_err(w)?;
                 let (host, n) = crate::host::host_bytes(src)?;
-                let dev_ptr = crate::cuda::device_ptr(&dst)?;
+                let mem = streamer_device::CudaMemory::of(&dst)?;
+                let dev_ptr = mem.address()?;
                 // SAFETY: `dst` is freed (if at all) on the compute stream, which
                 // waits for `done` below first; `src` is page-locked memory of
                 // this offloader that the host leaves alone until the copy is
                 // done (this fn's contract), and earlier copies into it are
                 // ahead of this one on the same stream.
-                unsafe { crate::cuda::htod_async(dev_ptr, host, n, stream)? };
+                unsafe { crate::cuda::htod_async(dev_ptr.get(), host, n, stream)? };
+                drop((dev_ptr, mem));
                 let done = stream
                     .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                     .map_err(w)?;

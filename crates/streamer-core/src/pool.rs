@@ -1153,7 +1153,7 @@ impl CudaEngine {
         // own ready/free events order its streams either way.
         let compute = dev.cuda_stream();
         if cfg.retain_device_memory {
-            crate::cuda::set_release_threshold(dev, u64::MAX)?;
+            streamer_device::retain_freed_device_memory(&candle_core::Device::Cuda(dev.clone()))?;
         }
         let transfer = compute
             .context()

@@ -192,7 +192,7 @@ impl StreamedSequential {
             .into_iter()
             .map(|(k, v)| (k, v.as_tensor().clone()))
             .collect();
-        crate::source::save_atomic(&map, path)
+        streamer_device::save_atomic(&map, path)
     }
 
     /// Exclusive access to the pool, or an error naming the misuse when another
