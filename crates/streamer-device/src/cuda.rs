@@ -293,3 +293,22 @@ impl DeviceAddress<'_> {
         self.addr
     }
 }
+
+/// Records `err`, met where no error can be returned (a `Drop`), on `ctx` as
+/// cudarc records its own: the context's next checked call (`check_err`, which
+/// cudarc runs before binding the context, making streams, ...) returns it.
+/// An error whose driver code is not recoverable (not a driver error, or one
+/// wrapped as text) is recorded as `CUDA_ERROR_UNKNOWN`.
+pub fn record_dropped_error(ctx: &cudarc::driver::CudaContext, err: &candle_core::Error) {
+    use cudarc::driver::DriverError;
+    fn driver(e: &candle_core::Error) -> Option<DriverError> {
+        match e {
+            candle_core::Error::Cuda(b) => b.downcast_ref::<DriverError>().copied(),
+            candle_core::Error::Context { inner, .. } => driver(inner),
+            candle_core::Error::WithBacktrace { inner, .. } => driver(inner),
+            _ => None,
+        }
+    }
+    let code = driver(err).unwrap_or(DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN));
+    ctx.record_err::<()>(Err(code));
+}

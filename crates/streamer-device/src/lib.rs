@@ -46,7 +46,9 @@ pub use bandwidth::{
     measure_copy_gbps, measure_h2d_gbps, measure_pin_gbps, measure_pinned_alloc_gbps, CopyDirection,
 };
 #[cfg(feature = "cuda")]
-pub use cuda::{allow_smem, grid_stride, kernel_suffix, CudaMemory, DeviceAddress};
+pub use cuda::{
+    allow_smem, grid_stride, kernel_suffix, record_dropped_error, CudaMemory, DeviceAddress,
+};
 pub use device_memory::{
     device_pool_stats, free_device_memory, pooled_idle_bytes, reset_device_pool_peaks,
     retain_freed_device_memory, trim_device_memory, DevicePoolStats,
