@@ -83,7 +83,7 @@ fn write_weights(
         }
     }
     let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": map});
-    streamer_models::train::write_atomic(
+    streamer_device::write_atomic(
         &out.join("model.safetensors.index.json"),
         &serde_json::to_string_pretty(&index)?,
     )?;
@@ -123,7 +123,7 @@ fn main() -> Result<()> {
         .map(|(k, t)| Ok((k, t.to_dtype(dtype)?)))
         .collect::<Result<HashMap<_, _>>>()?;
     write_weights(&a.out, weights, max)?;
-    streamer_models::train::write_atomic(&a.out.join("config.json"), &cfg.to_json()?)?;
+    streamer_device::write_atomic(&a.out.join("config.json"), &cfg.to_json()?)?;
     if let Some(t) = &tok {
         std::fs::copy(t.path(), a.out.join("tokenizer.json"))?;
     }

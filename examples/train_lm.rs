@@ -497,7 +497,7 @@ fn main() -> Result<()> {
         if t.path() != dst {
             let text = std::fs::read_to_string(t.path())
                 .with_context(|| format!("reading {}", t.path().display()))?;
-            streamer_models::train::write_atomic(&dst, &text)?;
+            streamer_device::write_atomic(&dst, &text)?;
         }
     }
     trainer.set_overlap(!a.no_overlap);
@@ -841,10 +841,10 @@ mod lora {
         std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
         let weights = model.merged_weights()?;
         streamer_core::save_atomic(&weights, &out.join("model.safetensors"))?;
-        streamer_models::train::write_atomic(&out.join("config.json"), &model.config().to_json()?)?;
+        streamer_device::write_atomic(&out.join("config.json"), &model.config().to_json()?)?;
         if let Some(t) = &run.tok {
             let text = std::fs::read_to_string(t.path())?;
-            streamer_models::train::write_atomic(&out.join("tokenizer.json"), &text)?;
+            streamer_device::write_atomic(&out.join("tokenizer.json"), &text)?;
         }
         println!("merged model in {}", out.display());
         Ok(())

@@ -269,7 +269,7 @@ fn save_run(
         "step": step, "blocks": a.blocks, "width": a.width, "hidden": a.hidden,
         "weights": name(&w), "optimizer": name(&o),
     });
-    streamer_models::train::write_atomic(&a.out.join("progress.json"), &progress.to_string())?;
+    streamer_device::write_atomic(&a.out.join("progress.json"), &progress.to_string())?;
     if let Some((pw, po)) = previous.replace((w.clone(), o.clone())) {
         for p in [pw, po] {
             if p != w && p != o {

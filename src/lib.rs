@@ -3,6 +3,8 @@
 //! This package re-exports the workspace's crates and owns the top-level
 //! `examples/`, `tests/` and `benches/`:
 //!
+//! - [`streamer_device`]: page-locked memory, copies, device-memory settings,
+//!   atomic files: the plumbing under the others.
 //! - [`streamer_core`]: the residency pool and `StreamedSequential` inference.
 //! - [`streamer_autograd`]: training through the pool, with the optimizer on the host.
 //! - [`cqsa`]: exact chunked attention as a Candle custom op.
@@ -21,6 +23,7 @@
 pub use cqsa;
 pub use streamer_autograd;
 pub use streamer_core;
+pub use streamer_device;
 pub use streamer_dist;
 pub use streamer_models;
 

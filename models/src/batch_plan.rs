@@ -180,7 +180,7 @@ impl DecodeRates {
     /// before returning; medians after a warm-up).
     pub fn measure(cfg: &LlamaConfig, dtype: DType, device: &Device) -> Result<Self> {
         let probe = 256 << 20;
-        let h2d = streamer_core::measure_h2d_gbps(device, probe, 5)? * 1e9;
+        let h2d = streamer_device::measure_h2d_gbps(device, probe, 5)? * 1e9;
         let x = Tensor::zeros(probe / 4, DType::F32, device)?;
         let copy = median_secs(device, || x.copy().map(drop))?;
         let a = Tensor::randn(0f32, 1.0, (4096, cfg.hidden_size), device)?.to_dtype(dtype)?;

@@ -291,7 +291,7 @@ pub fn linear_cross_entropy(
         let dw = dw.map(|d| d.to_dtype(wd.dtype())).transpose()?;
         Ok((Some(Tensor::cat(&dh, 0)?), dw, None))
     };
-    streamer_core::with_backward3(
+    streamer_device::with_backward3(
         "linear-cross-entropy",
         h,
         w,

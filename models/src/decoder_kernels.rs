@@ -29,7 +29,7 @@ fn func(dev: &candle_core::CudaDevice, name: &str) -> Result<cudarc::driver::Cud
         .map(streamer_kernels::Kernel::into_function)
 }
 
-use streamer_core::grid_stride as grid;
+use streamer_device::grid_stride as grid;
 
 /// `$go!(T)` for the dtype's element type (bf16, f16 or f32), or an error
 /// naming `$what` for any other dtype: every op below launches this way.

@@ -1209,7 +1209,7 @@ impl Llama {
             r => return Ok(Some(r)),
         };
         let logits = rows * v * dtype.size_in_bytes();
-        let whole = match streamer_core::free_device_memory(&self.device)? {
+        let whole = match streamer_device::free_device_memory(&self.device)? {
             Some(free) => 2 * logits <= free / 8,
             None => chunk >= rows,
         };
@@ -1347,6 +1347,6 @@ impl Llama {
     /// model) to one safetensors file through `<path>.tmp` and a rename: an
     /// interrupted save leaves the previous file as it was.
     pub fn save_safetensors(&self, path: impl AsRef<Path>) -> Result<()> {
-        streamer_core::save_atomic(&self.weights()?, path.as_ref())
+        streamer_device::save_atomic(&self.weights()?, path.as_ref())
     }
 }

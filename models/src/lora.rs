@@ -509,8 +509,8 @@ impl LoraAdapters {
             .into_iter()
             .map(|(n, v)| Ok((n, v.as_tensor().to_device(&Device::Cpu)?)))
             .collect::<Result<_>>()?;
-        streamer_core::save_atomic(&tensors, &dir.join("adapter_model.safetensors"))?;
-        crate::train::write_atomic(
+        streamer_device::save_atomic(&tensors, &dir.join("adapter_model.safetensors"))?;
+        streamer_device::write_atomic(
             &dir.join("adapter_config.json"),
             &self.cfg.to_peft_json(base_model)?,
         )

@@ -10,7 +10,8 @@ use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use std::time::Instant;
-use streamer_core::{measure_copy_gbps, CopyDirection, ManualBackward};
+use streamer_core::ManualBackward;
+use streamer_device::{measure_copy_gbps, CopyDirection};
 
 /// Bytes each bandwidth probe copies (large enough to reach the link's rate).
 const PROBE_BYTES: usize = 256 << 20;

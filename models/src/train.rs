@@ -143,7 +143,7 @@ impl CheckpointFiles {
             let s = field(k)?.as_str().ok_or_else(|| {
                 candle_core::Error::Msg(format!("{}: field {k:?} is not a string", p.display()))
             })?;
-            streamer_core::sibling_file(dir, s, &format!("{}: field {k:?}", p.display()))
+            streamer_device::sibling_file(dir, s, &format!("{}: field {k:?}", p.display()))
         };
         let step = field("step")?.as_u64().ok_or_else(|| {
             candle_core::Error::Msg(format!("{}: field \"step\" is not an integer", p.display()))
@@ -155,14 +155,6 @@ impl CheckpointFiles {
             optimizer: file("optimizer")?,
         })
     }
-}
-
-/// Writes `text` to `path` through `<path>.tmp` and a rename
-/// ([`streamer_core::replace_atomic`]).
-pub fn write_atomic(path: &Path, text: &str) -> Result<()> {
-    streamer_core::replace_atomic(path, |tmp| {
-        std::fs::write(tmp, text).map_err(candle_core::Error::wrap)
-    })
 }
 
 /// Trains a [`Llama`] with AdamW ([`OptimizerPlace`]) over all of its
@@ -499,7 +491,7 @@ impl LmTrainer {
     /// pointing at a complete save.
     ///
     /// Every file is flushed to the disk before the rename that publishes it, and
-    /// the folder after it ([`streamer_core::replace_atomic`]), so a power loss
+    /// the folder after it ([`streamer_device::replace_atomic`]), so a power loss
     /// cannot leave `checkpoint.json` naming files that are not on the disk.
     /// Files of saves that were interrupted before their `checkpoint.json`
     /// (`weights-*`, `optimizer-*` and their `.tmp`) are removed too.
@@ -511,10 +503,10 @@ impl LmTrainer {
                 candle_core::Error::Msg(format!("cannot create {}: {e}", dir.display()))
             })?;
             // The new folder's own entry, so that it survives with its files.
-            streamer_core::sync_dir(dir.parent().unwrap_or(Path::new(".")))?;
+            streamer_device::sync_dir(dir.parent().unwrap_or(Path::new(".")))?;
         }
         let previous = CheckpointFiles::read(dir).ok();
-        write_atomic(&dir.join("config.json"), &self.model.config().to_json()?)?;
+        streamer_device::write_atomic(&dir.join("config.json"), &self.model.config().to_json()?)?;
         let w = format!("weights-{:08}.safetensors", self.step);
         let o = format!("optimizer-{:08}.safetensors", self.step);
         self.model.save_safetensors(dir.join(&w))?;
@@ -525,7 +517,7 @@ impl LmTrainer {
             "weights": w,
             "optimizer": o,
         });
-        write_atomic(&dir.join("checkpoint.json"), &pointer.to_string())?;
+        streamer_device::write_atomic(&dir.join("checkpoint.json"), &pointer.to_string())?;
         if let Some(p) = previous {
             for f in [p.weights, p.optimizer] {
                 if f != dir.join(&w) && f != dir.join(&o) {

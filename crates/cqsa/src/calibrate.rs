@@ -399,7 +399,7 @@ impl Calibration {
             })?;
         }
         let text = serde_json::to_string_pretty(self).map_err(candle_core::Error::wrap)?;
-        streamer_core::replace_atomic(path, |tmp| {
+        streamer_device::replace_atomic(path, |tmp| {
             std::fs::write(tmp, text.as_bytes()).map_err(candle_core::Error::wrap)
         })?;
         forget(path);
@@ -561,16 +561,16 @@ pub fn calibrate(dev: &Device, opts: &CalibrateOptions) -> Result<Calibration> {
         }
     }
     let reps = opts.reps.max(1);
-    use streamer_core::CopyDirection::{DeviceToHost, HostToDevice};
-    let h2d = streamer_core::measure_copy_gbps(dev, HostToDevice, opts.bytes, reps)? * 1e9;
+    use streamer_device::CopyDirection::{DeviceToHost, HostToDevice};
+    let h2d = streamer_device::measure_copy_gbps(dev, HostToDevice, opts.bytes, reps)? * 1e9;
     say("host to device", h2d / 1e9, "GB/s");
-    let d2h = streamer_core::measure_copy_gbps(dev, DeviceToHost, opts.bytes, reps)? * 1e9;
+    let d2h = streamer_device::measure_copy_gbps(dev, DeviceToHost, opts.bytes, reps)? * 1e9;
     say("device to host", d2h / 1e9, "GB/s");
-    let pin = streamer_core::measure_pin_gbps(dev, opts.bytes, reps)?.map(|g| g * 1e9);
+    let pin = streamer_device::measure_pin_gbps(dev, opts.bytes, reps)?.map(|g| g * 1e9);
     if let Some(p) = pin {
         say("page-locking in place", p / 1e9, "GB/s");
     }
-    let alloc = streamer_core::measure_pinned_alloc_gbps(dev, opts.bytes, reps)?.map(|g| g * 1e9);
+    let alloc = streamer_device::measure_pinned_alloc_gbps(dev, opts.bytes, reps)?.map(|g| g * 1e9);
     if let Some(a) = alloc {
         say("page-locked allocation", a / 1e9, "GB/s");
     }

@@ -32,7 +32,7 @@
 use candle_core::backend::BackendStorage;
 use std::ffi::c_void;
 
-use candle_core::cuda_backend::cudarc::driver::sys::{self, CUfunction_attribute};
+use candle_core::cuda_backend::cudarc::driver::sys;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr,
     DriverError, LaunchArgs, LaunchConfig, PinnedHostSlice, PushKernelArg,
@@ -43,7 +43,8 @@ use candle_core::{
     bail, CpuStorage, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor,
 };
 use half::{bf16, f16};
-use streamer_core::pages::{alloc_readable_f32, page_pieces, PinnedRegion};
+pub(crate) use streamer_device::allow_smem;
+use streamer_device::pages::{alloc_readable_f32, page_pieces, PinnedRegion};
 use streamer_kernels::ATTENTION;
 
 use crate::segs::Segs;
@@ -104,19 +105,6 @@ fn bwd_smem(d: usize) -> u32 {
     ((2 * bc * ld + 4 * bq * ld + bq * lds) * 2 + 4 * bq * 4) as u32
 }
 
-/// Lets `func` use `smem` bytes of dynamic shared memory (raising the 48 KiB
-/// default when needed; the H200 allows up to 227 KiB per block).
-pub(crate) fn allow_smem(func: &CudaFunction, smem: u32) -> Result<()> {
-    if smem > 48 * 1024 {
-        func.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .w()?;
-    }
-    Ok(())
-}
-
 /// Whether the tensor-core kernels apply: f16/bf16, head dim 64 or 128, and every
 /// element offset a multiple of 8 (16-byte vector loads).
 fn use_mma(dtype: DType, d: usize, offsets: &[usize]) -> bool {
@@ -126,7 +114,7 @@ fn use_mma(dtype: DType, d: usize, offsets: &[usize]) -> bool {
 }
 
 fn suffix(dtype: DType) -> Result<&'static str> {
-    streamer_core::kernel_suffix(dtype, "cqsa attention")
+    streamer_device::kernel_suffix(dtype, "cqsa attention")
 }
 
 /// The contiguous part of `s` described by `l`, and its element offset.
@@ -762,7 +750,7 @@ impl<'a> ChunkFeed<'a> {
         for s in sources {
             let (ptr, bytes) = host_span(s)?;
             // Only the whole pages inside the storage are registered (OS page
-            // size; see `streamer_core::pages`).
+            // size; see `streamer_device::pages`).
             // SAFETY: `ptr..ptr + bytes` is the live allocation of a host storage
             // borrowed for 'a; the region is dropped in `release` (from `finish`
             // or `drop`), so before the borrow ends.

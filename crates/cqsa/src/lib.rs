@@ -57,7 +57,7 @@
 //! Candle allocates through CUDA's stream-ordered pool, which by default returns
 //! freed memory to the driver at every synchronisation, so a loop of short calls
 //! maps its buffers again each time. Keeping freed memory pooled, as PyTorch's
-//! caching allocator does (`streamer_core::retain_freed_device_memory`, or the
+//! caching allocator does (`streamer_device::retain_freed_device_memory`, or the
 //! pool's release threshold), avoids that; the attention bench runs that way.
 //!
 //! ```
@@ -340,7 +340,7 @@ impl Call {
     /// Contiguous copies of the inputs on the compute device (a view moves only
     /// its own elements).
     fn on_exec(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let to = |t: &Tensor| streamer_core::to_device_compact(t, &self.exec)?.contiguous();
+        let to = |t: &Tensor| streamer_device::to_device_compact(t, &self.exec)?.contiguous();
         Ok((to(q)?, to(k)?, to(v)?))
     }
 

@@ -122,7 +122,7 @@ impl Budget {
         shape.check()?;
         let need = shape.resident_bytes();
         if device.is_cuda() {
-            let idle = streamer_core::pooled_idle_bytes(device).unwrap_or(0);
+            let idle = streamer_device::pooled_idle_bytes(device).unwrap_or(0);
             if Self::usable(idle) + inputs >= need {
                 return Ok(true);
             }
@@ -150,7 +150,7 @@ impl Budget {
                 // from it) but no tensor uses: `cuMemGetInfo` counts it as taken,
                 // yet our allocations get it. Zero when the query fails (an older
                 // driver): the budget is then only smaller.
-                free + streamer_core::pooled_idle_bytes(device).unwrap_or(0)
+                free + streamer_device::pooled_idle_bytes(device).unwrap_or(0)
             }
             #[allow(unreachable_patterns)]
             other => bail!(
@@ -163,7 +163,7 @@ impl Budget {
 
 /// `MemAvailable` from `/proc/meminfo`, or a large default where that is missing.
 fn host_available() -> usize {
-    streamer_core::host_available_memory().unwrap_or(64 << 30)
+    streamer_device::host_available_memory().unwrap_or(64 << 30)
 }
 
 /// What the planner decided for one call.

@@ -143,7 +143,7 @@ impl SavedAttention {
                 packed,
                 device,
             } => {
-                let g = streamer_core::to_device_compact(grad_o, q.device())?;
+                let g = streamer_device::to_device_compact(grad_o, q.device())?;
                 let (dq, dk, dv) =
                     op::backward_packed([q, k, v, o, &g, lse], scores, packed.as_deref())?;
                 let back = |t: Tensor| -> Result<Tensor> {

@@ -64,7 +64,7 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, op: StreamOp) -> Res
 
 /// A contiguous host copy of `t` (itself when it already is one).
 fn host(t: &Tensor) -> Result<Tensor> {
-    streamer_core::to_device_compact(t, &Device::Cpu)?.contiguous()
+    streamer_device::to_device_compact(t, &Device::Cpu)?.contiguous()
 }
 
 /// Host result `t` on the device of `like`.

@@ -280,7 +280,7 @@ pub(crate) fn attention(
     }
     let (out, packed) = forward_saved((q, k, v), docs, inner)?;
     let packed = Arc::new(packed);
-    streamer_core::with_backward3("cqsa-attention-varlen", q, k, v, out, move |g| {
+    streamer_device::with_backward3("cqsa-attention-varlen", q, k, v, out, move |g| {
         let (dq, dk, dv) = packed.backward(g)?;
         Ok((Some(dq), Some(dk), Some(dv)))
     })

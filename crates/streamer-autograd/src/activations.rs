@@ -98,7 +98,7 @@ impl ActivationPolicy {
             Self::Keep { device_bytes: 0 } => candle_core::bail!(
                 "ActivationPolicy::Keep with a budget of 0 bytes keeps nothing: use Recompute"
             ),
-            Self::Keep { device_bytes } => match streamer_core::free_device_memory(device)? {
+            Self::Keep { device_bytes } => match streamer_device::free_device_memory(device)? {
                 Some(free) if device_bytes > free => candle_core::bail!(
                     "ActivationPolicy::Keep budget of {device_bytes} bytes ({:.2} GiB) exceeds the \
                      {free} bytes ({:.2} GiB) free on the device",
@@ -121,7 +121,7 @@ impl ActivationPolicy {
         Ok(match *self {
             Self::Recompute | Self::OffloadInputs => 0,
             Self::Keep { device_bytes } => device_bytes,
-            Self::Auto { fraction } => streamer_core::free_device_memory(device)?
+            Self::Auto { fraction } => streamer_device::free_device_memory(device)?
                 .map_or(0, |free| (free as f64 * fraction) as usize),
         })
     }

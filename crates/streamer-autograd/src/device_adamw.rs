@@ -514,12 +514,14 @@ impl DeviceAdamW {
                 Device::Cuda(_) => {
                     let var = self.vars[*i].clone();
                     let p = var.as_tensor().to_device(&self.device)?;
-                    let addr = streamer_core::cuda_address(&p)?;
+                    let mem = streamer_device::CudaMemory::of(&p)?;
+                    let addr = mem.address()?;
                     // SAFETY: `addr` is `p`'s memory (contiguous): the var's
                     // own when it lives on the device (written only on the
                     // compute stream, in order with every Candle op on it), or
                     // a fresh copy of a host var.
-                    unsafe { self.launch_update(*i, addr, var.dtype(), g)? };
+                    unsafe { self.launch_update(*i, addr.get(), var.dtype(), g)? };
+                    drop((addr, mem));
                     if var.device().is_cpu() {
                         var.set(&p.to_device(&Device::Cpu)?)?;
                     }
@@ -614,13 +616,14 @@ impl DeviceAdamW {
     /// Enqueues the finite check of param `i`'s gradient into its flag.
     fn flag_nonfinite(&mut self, i: usize, g: &Tensor) -> Result<()> {
         let g = g.contiguous()?;
-        let ga = streamer_core::cuda_address(&g)?;
         let flag = self.flag_address(i)?;
         let dev = self.device.as_cuda_device()?.clone();
+        let mem = streamer_device::CudaMemory::of(&g)?;
+        let ga = mem.address()?;
         // SAFETY: `ga` holds g's elements (contiguous, alive until the stream
         // passes the kernel: `g` is dropped after the enqueue, and Candle frees
         // stream-ordered); `flag` lies in `self.flags` (one u32 per param).
-        unsafe { crate::device_kernels::nonfinite(&dev, ga, g.dtype(), g.elem_count(), flag) }
+        unsafe { crate::device_kernels::nonfinite(&dev, ga.get(), g.dtype(), g.elem_count(), flag) }
     }
 
     /// The params whose flag is set (waits for the device).
@@ -680,10 +683,12 @@ impl DeviceAdamW {
     /// As [`Self::step_device_copy`].
     unsafe fn launch_update(&mut self, i: usize, p: u64, p_dtype: DType, g: &Tensor) -> Result<()> {
         let (m, v, state) = self.moment_addresses(i)?;
+        let g_mem = streamer_device::CudaMemory::of(g)?;
+        let g_addr = g_mem.address()?;
         let b = crate::device_kernels::AdamBuffers {
             p,
             p_dtype,
-            g: streamer_core::cuda_address(g)?,
+            g: g_addr.get(),
             g_dtype: g.dtype(),
             m,
             v,
@@ -754,9 +759,10 @@ impl DeviceAdamW {
             let n = var.elem_count();
             let at = |k: u64| base + 4 * (3 * i as u64 + k);
             if var.device().is_cuda() {
-                let p = streamer_core::cuda_address(var.as_tensor())?;
+                let mem = streamer_device::CudaMemory::of(var.as_tensor())?;
+                let p = mem.address()?;
                 // SAFETY: the var's own contiguous memory and this call's flags.
-                unsafe { crate::device_kernels::nonfinite(d, p, var.dtype(), n, at(0))? };
+                unsafe { crate::device_kernels::nonfinite(d, p.get(), var.dtype(), n, at(0))? };
             }
             if let Moments::Cuda(mm, vv) = m {
                 let (pm, dt) = mm.address_ref(&s);

@@ -7,7 +7,7 @@ use cudarc::driver::PushKernelArg;
 use crate::adamw::AdamConsts;
 
 fn suffix(dt: DType) -> Result<&'static str> {
-    streamer_core::kernel_suffix(dt, "device AdamW")
+    streamer_device::kernel_suffix(dt, "device AdamW")
 }
 
 /// A kernel of `kernels/src/optim.cu`, loaded once per device.
@@ -36,7 +36,7 @@ pub(crate) unsafe fn nonfinite(
     b.arg(&g).arg(&n).arg(&flag);
     // SAFETY: the kernel reads n elements at g and writes one u32 at flag
     // (this fn's contract).
-    unsafe { b.launch(streamer_core::grid_stride(n)) }.map_err(candle_core::Error::wrap)?;
+    unsafe { b.launch(streamer_device::grid_stride(n)) }.map_err(candle_core::Error::wrap)?;
     Ok(())
 }
 
@@ -84,6 +84,6 @@ pub(crate) unsafe fn adamw(dev: &CudaDevice, b: &AdamBuffers, k: &AdamConsts) ->
     l.arg(&k.scale_m).arg(&k.scale_v);
     l.arg(&k.decay).arg(&k.eps).arg(&k.lr).arg(&b.seed);
     // SAFETY: the buffers are as the kernel expects (this fn's contract).
-    unsafe { l.launch(streamer_core::grid_stride(b.n)) }.map_err(candle_core::Error::wrap)?;
+    unsafe { l.launch(streamer_device::grid_stride(b.n)) }.map_err(candle_core::Error::wrap)?;
     Ok(())
 }

@@ -145,7 +145,7 @@ impl HostGrads {
     /// backward's partial gradients; gradients accumulated before stay intact.
     pub(crate) fn abort(&mut self) {
         if let Some(o) = &mut self.offloader {
-            let _ = o.synchronize();
+            o.settle();
         }
         self.wrote.iter_mut().for_each(|w| *w = false);
         self.landed.iter_mut().for_each(|w| *w = false);

@@ -126,10 +126,10 @@ impl<'a> StateWriter<'a> {
         ));
     }
 
-    /// Writes to `<path>.tmp`, then renames over `path` ([`streamer_core::replace_atomic`]).
+    /// Writes to `<path>.tmp`, then renames over `path` ([`streamer_device::replace_atomic`]).
     pub(crate) fn write(self, path: &Path) -> Result<()> {
         let views = self.entries.iter().map(|(n, e)| (n.as_str(), e));
-        streamer_core::replace_atomic(path, |tmp| {
+        streamer_device::replace_atomic(path, |tmp| {
             safetensors::serialize_to_file(views, Some(self.meta), tmp)
                 .map_err(|e| Error::Msg(format!("optimizer state: {e}")))
         })

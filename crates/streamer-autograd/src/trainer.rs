@@ -437,7 +437,9 @@ impl TrainableSequential {
         self.model.check_inputs(x, extras)?;
         let t0 = self.span_start();
         let mut st = self.lock()?;
-        let mut pool = self.model.lock_pool()?;
+        // SAFETY: the forward below releases every block it loads (on errors
+        // too) and keeps no slot view past its release (`run_blocks_with`).
+        let mut pool = unsafe { self.model.lock_pool_mut()? };
         let n = self.model.blocks().len();
         let base = self.next_seed.fetch_add(n as u64, Ordering::SeqCst);
         st.step_seeds = Some(base);
@@ -682,7 +684,9 @@ impl TrainableSequential {
         if g_outs.iter().all(Option::is_none) {
             return Ok(());
         }
-        let mut pool = self.model.lock_pool()?;
+        // SAFETY: the backward releases every block it loads (`release_all`
+        // on errors) and keeps only fresh gradients past a block's release.
+        let mut pool = unsafe { self.model.lock_pool_mut()? };
         pool.span_end(t0, || "backward checks".into());
         let trainable = st.trainable.clone();
         let mut host_inputs = std::mem::take(&mut st.host_inputs);
@@ -705,7 +709,7 @@ impl TrainableSequential {
                 if matches!(stepper, Stepper::Device(_)) {
                     // Masters already written back must be whole before anything
                     // reads them (their pageable ends land at synchronize).
-                    let _ = pool.synchronize();
+                    pool.settle();
                 }
                 st.grads.abort();
                 if let Some(&base) = saved.seeds.first() {

@@ -15,11 +15,15 @@ pub fn convert(t: &Tensor, dtype: DType) -> Result<Tensor> {
             let src = t.contiguous()?;
             let n = src.elem_count();
             let (dst, dst_ptr) = crate::cuda::alloc_flat(dev, dtype, n)?;
-            let src_ptr = crate::cuda::device_ptr(&src)?;
+            let mem = streamer_device::CudaMemory::of(&src)?;
+            let src_ptr = mem.address()?;
             let stream = dev.cuda_stream();
             // SAFETY: both buffers hold n elements and live (src via `src`, dst via
             // `dst`) past the kernel, which runs on the same stream as their users.
-            unsafe { crate::cuda::cast(dev, &stream, src.dtype(), src_ptr, dtype, dst_ptr, n)? };
+            unsafe {
+                crate::cuda::cast(dev, &stream, src.dtype(), src_ptr.get(), dtype, dst_ptr, n)?
+            };
+            drop((src_ptr, mem));
             return dst.reshape(t.shape());
         }
     }

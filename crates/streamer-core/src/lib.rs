@@ -33,7 +33,6 @@
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
-mod bandwidth;
 mod block;
 mod config;
 mod context;
@@ -41,46 +40,40 @@ mod convert;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 mod device_cap;
-mod device_memory;
 pub mod faults;
 mod host;
-mod host_memory;
 mod offload;
-pub mod pages;
 mod pool;
-mod precomputed;
 #[cfg(feature = "cuda")]
 mod reuse;
 mod sequential;
 mod source;
 mod stats;
 mod timeline;
-mod transfer;
 
-pub use bandwidth::{
-    measure_copy_gbps, measure_h2d_gbps, measure_pin_gbps, measure_pinned_alloc_gbps, CopyDirection,
-};
 pub use block::{
     mix_seed, Block, BlockCtx, BlockSpec, ManualBackward, ModuleBlock, SavedActivations,
 };
 pub use config::{AcrossCalls, StreamConfig};
 pub use context::{cuda_event_tracking, disable_cuda_event_tracking};
 pub use convert::convert;
-#[cfg(feature = "cuda")]
-pub use cuda::{cuda_address, grid_stride, kernel_suffix};
 pub use device_cap::{device_total_memory, DeviceCap};
-pub use device_memory::{
-    device_pool_stats, free_device_memory, pooled_idle_bytes, reset_device_pool_peaks,
-    retain_freed_device_memory, trim_device_memory, DevicePoolStats,
-};
 pub use host::{HostMasters, Master};
-pub use host_memory::host_available_memory;
 pub use offload::{OffloadMarker, Offloader};
 pub use pool::{BlockLayout, DeviceMaster, Entry, ResidencyPool};
-pub use precomputed::{with_backward3, Backward3};
-pub use sequential::{release_all, run_blocks_with, RunBlock, StreamedSequential};
-pub use source::{expand_paths, replace_atomic, save_atomic, WeightSource};
-pub use source::{sibling_file, sync_dir, temp_path};
+pub use sequential::{release_all, run_blocks_with, PoolView, RunBlock, StreamedSequential};
+pub use source::{expand_paths, WeightSource};
 pub use stats::{Observer, StreamStats, Transition, TransitionKind, TRANSITION_LOG_LEN};
 pub use timeline::{Timeline, TraceEvent, TraceKind};
-pub use transfer::{covers_storage, to_device_compact};
+// The device plumbing a streaming user reaches for beside the pool (memory
+// settings, copies, atomic saves) lives in `streamer-device`; its public
+// items stay reachable here under their old paths.
+pub use streamer_device::{
+    covers_storage, device_pool_stats, free_device_memory, host_available_memory,
+    measure_copy_gbps, measure_h2d_gbps, measure_pin_gbps, measure_pinned_alloc_gbps, pages,
+    pooled_idle_bytes, replace_atomic, reset_device_pool_peaks, retain_freed_device_memory,
+    save_atomic, sibling_file, sync_dir, temp_path, to_device_compact, trim_device_memory,
+    with_backward3, Backward3, CopyDirection, DevicePoolStats,
+};
+#[cfg(feature = "cuda")]
+pub use streamer_device::{grid_stride, kernel_suffix};

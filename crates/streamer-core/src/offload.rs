@@ -49,6 +49,9 @@ pub struct Offloader {
     pending: Vec<Pending>,
     bytes: u64,
     seconds: f64,
+    /// An error of [`Self::settle`], returned by the next call that enqueues
+    /// or waits.
+    deferred: Option<candle_core::Error>,
 }
 
 impl Offloader {
@@ -74,6 +77,7 @@ impl Offloader {
             pending: Vec::new(),
             bytes: 0,
             seconds: 0.0,
+            deferred: None,
         })
     }
 
@@ -121,6 +125,7 @@ impl Offloader {
     /// long as the offloader lives; any other buffer must outlive the copy).
     #[doc(hidden)]
     pub unsafe fn enqueue(&mut self, src: &Tensor, dst: &Tensor) -> Result<()> {
+        self.take_deferred()?;
         if src.shape() != dst.shape() || src.dtype() != dst.dtype() {
             candle_core::bail!(
                 "offload: source {:?} {:?} does not match host buffer {:?} {:?}",
@@ -146,12 +151,14 @@ impl Offloader {
                     .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                     .map_err(w)?;
                 let (host, n) = crate::host::host_bytes(dst)?;
-                let dev_ptr = crate::cuda::device_ptr(&src)?;
+                let mem = streamer_device::CudaMemory::of(&src)?;
+                let dev_ptr = mem.address()?;
                 // SAFETY: `src` is kept alive in `pending` until the compute stream
                 // waits on `done`; `dst` comes from `host_buffer` (page-aligned and
                 // page-locked whole) and is not touched before `synchronize` or a
                 // later marker's wait (this function's contract).
-                unsafe { crate::cuda::dtoh_async(host as *mut u8, dev_ptr, n, stream)? };
+                unsafe { crate::cuda::dtoh_async(host as *mut u8, dev_ptr.get(), n, stream)? };
+                drop((dev_ptr, mem));
                 let done = stream
                     .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                     .map_err(w)?;
@@ -234,6 +241,7 @@ impl Offloader {
     /// [`Self::synchronize`] or marker wait).
     #[doc(hidden)]
     pub unsafe fn fetch(&mut self, src: &Tensor) -> Result<Tensor> {
+        self.take_deferred()?;
         match &self.device {
             #[cfg(feature = "cuda")]
             Device::Cuda(d) => {
@@ -249,13 +257,15 @@ impl Offloader {
                     .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                     .map_err(w)?;
                 let (host, n) = crate::host::host_bytes(src)?;
-                let dev_ptr = crate::cuda::device_ptr(&dst)?;
+                let mem = streamer_device::CudaMemory::of(&dst)?;
+                let dev_ptr = mem.address()?;
                 // SAFETY: `dst` is freed (if at all) on the compute stream, which
                 // waits for `done` below first; `src` is page-locked memory of
                 // this offloader that the host leaves alone until the copy is
                 // done (this fn's contract), and earlier copies into it are
                 // ahead of this one on the same stream.
-                unsafe { crate::cuda::htod_async(dev_ptr, host, n, stream)? };
+                unsafe { crate::cuda::htod_async(dev_ptr.get(), host, n, stream)? };
+                drop((dev_ptr, mem));
                 let done = stream
                     .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                     .map_err(w)?;
@@ -274,9 +284,11 @@ impl Offloader {
 
     /// Waits for every copy; host buffers may be read afterwards.
     pub fn synchronize(&mut self) -> Result<()> {
+        self.take_deferred()?;
         #[cfg(feature = "cuda")]
         {
-            let w = candle_core::Error::wrap;
+            // Driver errors stay `Error::Cuda`, so `Drop` can record their code.
+            let w = |e: cudarc::driver::DriverError| candle_core::Error::Cuda(Box::new(e));
             self.release_sources()?;
             for p in self.pending.drain(..) {
                 p.done.synchronize().map_err(w)?;
@@ -284,6 +296,20 @@ impl Offloader {
             }
         }
         Ok(())
+    }
+
+    /// Waits for every copy, on a path that already has an error to return
+    /// (cleaning up after a failed step): an error of its own is kept and
+    /// returned by this offloader's next `enqueue`, `fetch` or `synchronize`.
+    pub fn settle(&mut self) {
+        if let Err(e) = self.synchronize() {
+            self.deferred.get_or_insert(e);
+        }
+    }
+
+    /// The error [`Self::settle`] kept, if any (taken).
+    fn take_deferred(&mut self) -> Result<()> {
+        self.deferred.take().map_or(Ok(()), Err)
     }
 
     /// Bytes and seconds of copies completed so far; resets the counters.
@@ -296,7 +322,16 @@ impl Offloader {
 }
 
 impl Drop for Offloader {
+    /// Waits for copies in flight (they write host buffers about to be freed).
+    /// No caller is left to take an error: on CUDA it is recorded on the
+    /// context (cudarc's `record_err`), whose next checked call returns it.
     fn drop(&mut self) {
-        let _ = self.synchronize();
+        let r = self.synchronize();
+        #[cfg(feature = "cuda")]
+        if let (Err(err), Some(stream)) = (&r, &self.stream) {
+            streamer_device::cuda::record_dropped_error(stream.context(), err);
+        }
+        // On the CPU there is nothing in flight and `synchronize` cannot fail.
+        debug_assert!(cfg!(feature = "cuda") || r.is_ok());
     }
 }

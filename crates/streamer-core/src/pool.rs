@@ -31,7 +31,7 @@ use crate::timeline::{Timeline, TraceKind};
 use candle_core::{DType, Device, Result, Shape, Tensor};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Offsets inside a slot are aligned to this many bytes (vector loads, tensor cores).
 const ALIGN_BYTES: usize = 256;
@@ -261,6 +261,9 @@ pub struct ResidencyPool {
     /// a runner that asks for the verdict before returning: `crate::run_blocks_with`).
     #[cfg(feature = "cuda")]
     reuse_open: bool,
+    /// An error of [`Self::settle`], returned by the next `load`,
+    /// `synchronize` or `stats`.
+    deferred: Option<candle_core::Error>,
 }
 
 impl ResidencyPool {
@@ -340,6 +343,7 @@ impl ResidencyPool {
             reuse_enabled: cfg.reuse_stepped_blocks,
             #[cfg(feature = "cuda")]
             reuse_open: false,
+            deferred: None,
         };
         pool.calibrate_host_clock()?;
         Ok(pool)
@@ -459,6 +463,7 @@ impl ResidencyPool {
 
     /// Issues the copy of `block`'s weights into a free slot.
     pub fn load(&mut self, block: usize) -> Result<()> {
+        self.take_deferred()?;
         self.check_loadable(block)?;
         #[cfg(feature = "cuda")]
         {
@@ -533,17 +538,15 @@ impl ResidencyPool {
         if let Some(d) = self.transfer_delay {
             std::thread::sleep(d);
         }
-        let dt = t0.elapsed();
-        self.stats.h2d_seconds += dt.as_secs_f64();
-        if let Some(tl) = &mut self.timeline {
-            let ts = (t0 - self.cpu_epoch).as_secs_f64() * 1e6;
-            tl.push(
-                TraceKind::Transfer,
-                &self.names[block],
-                ts,
-                dt.as_secs_f64() * 1e6,
-            );
-        }
+        let ts = (t0 - self.cpu_epoch).as_secs_f64() * 1e6;
+        let timeline = self.timeline.as_mut();
+        account_transfer(
+            &mut self.stats,
+            timeline,
+            &self.names[block],
+            ts,
+            t0.elapsed(),
+        );
         Ok(bytes)
     }
 
@@ -838,17 +841,10 @@ impl ResidencyPool {
         match &mut self.engine {
             Engine::Cpu => {
                 if let Some(t0) = self.slots[slot].cpu_compute_start.take() {
-                    let dt = t0.elapsed();
-                    self.stats.compute_seconds += dt.as_secs_f64();
-                    if let Some(tl) = &mut self.timeline {
-                        let ts = (t0 - self.cpu_epoch).as_secs_f64() * 1e6;
-                        tl.push(
-                            TraceKind::Compute,
-                            &self.names[block],
-                            ts,
-                            dt.as_secs_f64() * 1e6,
-                        );
-                    }
+                    let ts = (t0 - self.cpu_epoch).as_secs_f64() * 1e6;
+                    let (tl, name) = (self.timeline.as_mut(), &self.names[block]);
+                    let span = (ts, Duration::ZERO, t0.elapsed());
+                    account_compute(&mut self.stats, tl, name, span);
                 }
             }
             #[cfg(feature = "cuda")]
@@ -1006,10 +1002,13 @@ impl ResidencyPool {
     /// Waits for every copy and compute the pool issued (and completes the
     /// host side of [`Self::write_back_masters`]).
     pub fn synchronize(&mut self) -> Result<()> {
+        self.take_deferred()?;
         #[cfg(feature = "cuda")]
         if let Engine::Cuda(e) = &mut self.engine {
-            e.transfer.synchronize().map_err(candle_core::Error::wrap)?;
-            e.compute.synchronize().map_err(candle_core::Error::wrap)?;
+            // Driver errors stay `Error::Cuda`, so `Drop` can record their code.
+            let w = |e: cudarc::driver::DriverError| candle_core::Error::Cuda(Box::new(e));
+            e.transfer.synchronize().map_err(w)?;
+            e.compute.synchronize().map_err(w)?;
             // Comparisons of lent slots read slot and scratch memory.
             e.verifier.synchronize()?;
             for (dst, src, len) in e.bounce_pending.drain(..) {
@@ -1025,6 +1024,7 @@ impl ResidencyPool {
 
     /// Statistics so far (on CUDA this waits for the timing events issued so far).
     pub fn stats(&mut self) -> Result<StreamStats> {
+        self.take_deferred()?;
         self.resolve_timings(true)?;
         Ok(self.stats.clone())
     }
@@ -1055,6 +1055,20 @@ impl ResidencyPool {
         Ok(())
     }
 
+    /// Waits for every copy and compute, on a path that already has an error
+    /// to return (cleaning up after a failed step): an error of its own is
+    /// kept and returned by this pool's next `load`, `synchronize` or `stats`.
+    pub fn settle(&mut self) {
+        if let Err(e) = self.synchronize() {
+            self.deferred.get_or_insert(e);
+        }
+    }
+
+    /// The error [`Self::settle`] kept, if any (taken).
+    fn take_deferred(&mut self) -> Result<()> {
+        self.deferred.take().map_or(Ok(()), Err)
+    }
+
     /// Adds device-to-host traffic (gradients) to the statistics.
     pub fn add_d2h(&mut self, bytes: u64, seconds: f64) {
         self.stats.d2h_bytes += bytes;
@@ -1070,8 +1084,15 @@ impl ResidencyPool {
 impl Drop for ResidencyPool {
     fn drop(&mut self) {
         // Copies in flight read host masters and write slots: let them finish
-        // before either can be freed.
-        let _ = self.synchronize();
+        // before either can be freed. No caller is left to take an error: on
+        // CUDA it is recorded on the context (cudarc's `record_err`), whose
+        // next checked call returns it; on the CPU `synchronize` cannot fail.
+        let r = self.synchronize();
+        #[cfg(feature = "cuda")]
+        if let (Err(err), Engine::Cuda(e)) = (&r, &self.engine) {
+            streamer_device::cuda::record_dropped_error(e.compute.context(), err);
+        }
+        debug_assert!(cfg!(feature = "cuda") || r.is_ok());
         // Alias variables point into slot memory they do not own: dropping them
         // would free it a second time, so they are forgotten (a few bytes each).
         // A forgotten clone also keeps the variable's reference count above zero
@@ -1084,6 +1105,46 @@ impl Drop for ResidencyPool {
                 }
             }
         }
+    }
+}
+
+/// Adds a block's copy, which took `took` from `ts` µs on the timeline's
+/// axis, to the statistics and the timeline: one place for both engines.
+fn account_transfer(
+    stats: &mut StreamStats,
+    timeline: Option<&mut Timeline>,
+    name: &str,
+    ts: f64,
+    took: Duration,
+) {
+    stats.h2d_seconds += took.as_secs_f64();
+    if let Some(tl) = timeline {
+        tl.push(TraceKind::Transfer, name, ts, took.as_secs_f64() * 1e6);
+    }
+}
+
+/// Adds a block's compute to the statistics and the timeline: `(ts, stall,
+/// took)` is when its wait for the copy began (µs on the timeline's axis),
+/// how long it waited, then how long it computed.
+fn account_compute(
+    stats: &mut StreamStats,
+    timeline: Option<&mut Timeline>,
+    name: &str,
+    (ts, stall, took): (f64, Duration, Duration),
+) {
+    stats.stall_seconds += stall.as_secs_f64();
+    stats.compute_seconds += took.as_secs_f64();
+    if let Some(tl) = timeline {
+        let stall_us = stall.as_secs_f64() * 1e6;
+        if stall_us > 0.0 {
+            tl.push(TraceKind::Stall, name, ts, stall_us);
+        }
+        tl.push(
+            TraceKind::Compute,
+            name,
+            ts + stall_us,
+            took.as_secs_f64() * 1e6,
+        );
     }
 }
 
@@ -1153,7 +1214,7 @@ impl CudaEngine {
         // own ready/free events order its streams either way.
         let compute = dev.cuda_stream();
         if cfg.retain_device_memory {
-            crate::cuda::set_release_threshold(dev, u64::MAX)?;
+            streamer_device::retain_freed_device_memory(&candle_core::Device::Cuda(dev.clone()))?;
         }
         let transfer = compute
             .context()
@@ -1391,12 +1452,16 @@ impl CudaEngine {
             last.synchronize().map_err(w)?;
             match p {
                 PendingTiming::Load { block, start, end } => {
-                    let ms = start.elapsed_ms(&end).map_err(w)? as f64;
-                    stats.h2d_seconds += ms / 1e3;
-                    if let Some(tl) = timeline.as_deref_mut() {
-                        let ts = self.epoch.elapsed_ms(&start).map_err(w)? as f64 * 1e3;
-                        tl.push(TraceKind::Transfer, &names[block], ts, ms * 1e3);
-                    }
+                    let secs = start.elapsed_ms(&end).map_err(w)? as f64 / 1e3;
+                    let ts = self.epoch.elapsed_ms(&start).map_err(w)? as f64 * 1e3;
+                    let tl = timeline.as_deref_mut();
+                    account_transfer(
+                        stats,
+                        tl,
+                        &names[block],
+                        ts,
+                        Duration::from_secs_f64(secs.max(0.0)),
+                    );
                 }
                 PendingTiming::Compute {
                     block,
@@ -1404,22 +1469,13 @@ impl CudaEngine {
                     start,
                     end,
                 } => {
-                    let stall = wait.elapsed_ms(&start).map_err(w)? as f64;
-                    let ms = start.elapsed_ms(&end).map_err(w)? as f64;
-                    stats.stall_seconds += stall / 1e3;
-                    stats.compute_seconds += ms / 1e3;
-                    if let Some(tl) = timeline.as_deref_mut() {
-                        let ts_wait = self.epoch.elapsed_ms(&wait).map_err(w)? as f64 * 1e3;
-                        if stall > 0.0 {
-                            tl.push(TraceKind::Stall, &names[block], ts_wait, stall * 1e3);
-                        }
-                        tl.push(
-                            TraceKind::Compute,
-                            &names[block],
-                            ts_wait + stall * 1e3,
-                            ms * 1e3,
-                        );
-                    }
+                    let stall = wait.elapsed_ms(&start).map_err(w)? as f64 / 1e3;
+                    let secs = start.elapsed_ms(&end).map_err(w)? as f64 / 1e3;
+                    let ts_wait = self.epoch.elapsed_ms(&wait).map_err(w)? as f64 * 1e3;
+                    // Clamped: `from_secs_f64` panics below zero.
+                    let d = |x: f64| Duration::from_secs_f64(x.max(0.0));
+                    let tl = timeline.as_deref_mut();
+                    account_compute(stats, tl, &names[block], (ts_wait, d(stall), d(secs)));
                 }
             }
         }

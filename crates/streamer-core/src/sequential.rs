@@ -192,7 +192,26 @@ impl StreamedSequential {
             .into_iter()
             .map(|(k, v)| (k, v.as_tensor().clone()))
             .collect();
-        crate::source::save_atomic(&map, path)
+        streamer_device::save_atomic(&map, path)
+    }
+
+    /// Read-only access to the pool (its layout, the blocks loaded, its
+    /// window), under the lock a call holds: errors as [`Self::lock_pool_mut`].
+    pub fn lock_pool(&self) -> Result<PoolView<'_>> {
+        self.lock().map(PoolView)
+    }
+
+    /// Exclusive access to the pool, for the training crate, which drives the
+    /// window itself; errors as the private lock below.
+    ///
+    /// # Safety
+    /// Before the guard drops, the caller releases every block it loaded (on
+    /// an error too: [`release_all`]), keeps nothing `acquire_vars` handed out
+    /// past its block's release (that fn's contract), and leaves the
+    /// statistics and the window's bookkeeping to the pool's own methods.
+    #[doc(hidden)]
+    pub unsafe fn lock_pool_mut(&self) -> Result<MutexGuard<'_, ResidencyPool>> {
+        self.lock()
     }
 
     /// Exclusive access to the pool, or an error naming the misuse when another
@@ -201,7 +220,7 @@ impl StreamedSequential {
     /// reset first: every copy and compute it issued is waited for and its
     /// window emptied, so no call computes on half-released slots; if that
     /// reset fails, the error says the pool is poisoned.
-    pub fn lock_pool(&self) -> Result<MutexGuard<'_, ResidencyPool>> {
+    fn lock(&self) -> Result<MutexGuard<'_, ResidencyPool>> {
         match self.pool.try_lock() {
             Ok(g) => Ok(g),
             Err(TryLockError::Poisoned(p)) => {
@@ -273,7 +292,7 @@ impl StreamedSequential {
 
     fn forward_in(&self, x: &Tensor, extras: &[Tensor], kv_cache: bool) -> Result<Vec<Tensor>> {
         self.check_inputs(x, extras)?;
-        let mut pool = self.lock_pool()?;
+        let mut pool = self.lock()?;
         let r = run_blocks(
             &mut pool,
             &self.blocks,
@@ -291,24 +310,24 @@ impl StreamedSequential {
     /// Drops blocks loaded ahead for the next call (`prefetch_across_calls`), so
     /// the next call copies fresh weights; call after changing masters.
     pub fn evict_all(&self) -> Result<()> {
-        let mut pool = self.lock_pool()?;
+        let mut pool = self.lock()?;
         release_all(&mut pool);
         Ok(())
     }
 
     /// Statistics so far.
     pub fn stats(&self) -> Result<StreamStats> {
-        self.lock_pool()?.stats()
+        self.lock()?.stats()
     }
 
     /// Clears the statistics.
     pub fn reset_stats(&self) -> Result<()> {
-        self.lock_pool()?.reset_stats()
+        self.lock()?.reset_stats()
     }
 
     /// Sets the function called on every residency transition.
     pub fn set_observer(&self, observer: Option<Observer>) -> Result<()> {
-        self.lock_pool()?.set_observer(observer);
+        self.lock()?.set_observer(observer);
         Ok(())
     }
 
@@ -325,7 +344,7 @@ impl StreamedSequential {
         end: std::time::Instant,
     ) -> Result<()> {
         if self.cfg.timeline {
-            self.lock_pool()?.host_span(name, start, end);
+            self.lock()?.host_span(name, start, end);
         }
         Ok(())
     }
@@ -342,7 +361,7 @@ impl StreamedSequential {
             .map(Path::to_path_buf)
             .or_else(|| self.cfg.timeline_path.clone())
             .ok_or_else(|| candle_core::Error::Msg("no timeline path given".into()))?;
-        let mut pool = self.lock_pool()?;
+        let mut pool = self.lock()?;
         match pool.timeline()? {
             Some(t) => t.write(path),
             None => candle_core::bail!("the timeline is off: set StreamConfig.timeline = true"),
@@ -711,5 +730,17 @@ impl SimpleBackend for &Recorder<'_> {
 
     fn contains_tensor(&self, name: &str) -> bool {
         (**self).contains_tensor(name)
+    }
+}
+
+/// A read-only view of a model's pool ([`StreamedSequential::lock_pool`]):
+/// safe code may look at the window but not load, release or reset it.
+pub struct PoolView<'a>(MutexGuard<'a, ResidencyPool>);
+
+impl std::ops::Deref for PoolView<'_> {
+    type Target = ResidencyPool;
+
+    fn deref(&self) -> &ResidencyPool {
+        &self.0
     }
 }

@@ -265,8 +265,8 @@ impl DataParallel {
         let coll = &self.collectives[r];
         let dev = coll.device();
         // This rank's rows only (to_device would move the whole batch's storage).
-        let x = streamer_core::to_device_compact(&inputs.narrow(0, r * b, b)?, dev)?;
-        let t = streamer_core::to_device_compact(&targets.narrow(0, r * b, b)?, dev)?;
+        let x = streamer_device::to_device_compact(&inputs.narrow(0, r * b, b)?, dev)?;
+        let t = streamer_device::to_device_compact(&targets.narrow(0, r * b, b)?, dev)?;
         model.zero_grad()?;
         let out = model.forward(&x)?;
         let l = loss(r, &out, &t)?;

@@ -125,7 +125,7 @@ impl HostCollective {
     /// every rank's deposit in rank order.
     fn exchange(&self, op: &'static str, x: Option<&Tensor>) -> Result<Vec<Option<Tensor>>> {
         let tensor = match x {
-            Some(t) => Some(streamer_core::to_device_compact(t, &Device::Cpu)?.contiguous()?),
+            Some(t) => Some(streamer_device::to_device_compact(t, &Device::Cpu)?.contiguous()?),
             None => None,
         };
         let deposit = Deposit {

@@ -102,7 +102,7 @@ impl CustomOp3 for Precomputed {
 /// let (a, b, c) = (Var::new(&[1f32, 2.], &dev)?, Var::new(&[3f32], &dev)?, Var::new(&[4f32], &dev)?);
 /// // y = 2 a, computed outside the graph; its backward says so.
 /// let out = (a.as_tensor().detach() * 2.0)?;
-/// let y = streamer_core::with_backward3("double", a.as_tensor(), b.as_tensor(), c.as_tensor(), out, |g| {
+/// let y = streamer_device::with_backward3("double", a.as_tensor(), b.as_tensor(), c.as_tensor(), out, |g| {
 ///     Ok((Some((g * 2.0)?), None, None))
 /// })?;
 /// let grads = y.sum_all()?.backward()?;

@@ -39,18 +39,17 @@ pub fn measure_copy_gbps(
     match device {
         #[cfg(feature = "cuda")]
         Device::Cuda(dev) => {
-            use cudarc::driver::sys::CUevent_flags;
+            use cudarc::driver::{sys::CUevent_flags, DevicePtr};
             let ctx = dev.cuda_stream().context().clone();
             // SAFETY: `host` is a local Vec that outlives `_pin` (declared after it).
             let _pin =
                 unsafe { crate::pages::PinnedRegion::register(&ctx, host.as_mut_ptr(), bytes)? };
             let stream = ctx.new_stream().map_err(candle_core::Error::wrap)?;
-            let (dst, ptr) =
-                crate::cuda::alloc_flat(dev, candle_core::DType::F32, bytes.div_ceil(4))?;
-            dev.cuda_stream()
-                .synchronize()
-                .map_err(candle_core::Error::wrap)?;
             let w = candle_core::Error::wrap;
+            let dst = dev.cuda_stream().alloc_zeros::<u8>(bytes).map_err(w)?;
+            dev.cuda_stream().synchronize().map_err(w)?;
+            // Held across every copy below (the copies run on `stream`).
+            let (ptr, _dst_guard) = dst.device_ptr(&stream);
             for i in 0..iters + 2 {
                 let a = stream
                     .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
@@ -75,6 +74,7 @@ pub fn measure_copy_gbps(
                     times.push(a.elapsed_ms(&b).map_err(w)? as f64 / 1e3);
                 }
             }
+            drop(_dst_guard);
             drop(dst);
         }
         _ => {
@@ -128,7 +128,7 @@ pub fn measure_pin_gbps(device: &Device, bytes: usize, iters: usize) -> Result<O
 }
 
 /// Median rate in GB/s of allocating `bytes` of page-locked host memory
-/// (`cuMemHostAlloc` as `pages::alloc_readable_f32` makes it; the free
+/// (`cuMemHostAlloc` as [`crate::pages`]' `alloc_readable_f32` makes it; the free
 /// is not timed), over `iters` tries: what
 /// a streamed attention call pays for the staging buffers its results come
 /// back through, which are kept between calls rather than freed. `None` on the

@@ -10,10 +10,10 @@
 //! on some aarch64 systems such as GH200), never assumed.
 //!
 //! ```
-//! let page = streamer_core::pages::page_size();
+//! let page = streamer_device::pages::page_size();
 //! assert!(page.is_power_of_two());
 //! // A range from inside the first page to inside the fourth holds two whole pages.
-//! let (lo, hi) = streamer_core::pages::whole_pages(page + 1, 3 * page).unwrap();
+//! let (lo, hi) = streamer_device::pages::whole_pages(page + 1, 3 * page).unwrap();
 //! assert_eq!((lo, hi), (2 * page, 4 * page));
 //! ```
 use std::sync::OnceLock;
