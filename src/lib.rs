@@ -26,6 +26,7 @@ pub use streamer_core;
 pub use streamer_device;
 pub use streamer_dist;
 pub use streamer_models;
+pub use streamer_quant;
 
 pub mod cli;
 pub mod report;

@@ -4,10 +4,11 @@
 //! nearest code, packing follows bitsandbytes' nibble order, and malformed
 //! tensors are refused with typed errors naming the tensor.
 use anyhow::{ensure, Result};
+use candle_core::Device;
 use half::bf16;
 use streamer_quant::{
-    dynamic_map, e4m3_to_f32, f32_to_e4m3, Absmax, FourBit, FourBitType, Fp8, Fp8Scale, Int8Rows,
-    QuantError, FP4_CODE, NF4_CODE,
+    dynamic_map, e4m3_to_f32, f32_to_e4m3, Absmax, Dequantize, FourBit, FourBitType, Fp8, Fp8Scale,
+    Int8Rows, QuantError, FP4_CODE, NF4_CODE,
 };
 
 /// Values spread over several orders of magnitude, with signs (SplitMix64).
@@ -354,3 +355,48 @@ fn quantized_bad_inputs() -> Result<()> {
     );
     Ok(())
 }
+
+/// On a device every format dequantizes to the CPU reference's bf16 bits
+/// (on the GPU: the kernels of `kernels/src/dequant.cu`), of the tensor's
+/// shape, for NF4 and FP4 with plain and nested absmax and a partial last
+/// block, int8 rows and fp8 with row and tensor scales.
+fn dequantized_on_device_equals_reference(dev: &Device) -> Result<()> {
+    let bits = |t: candle_core::Tensor| -> Result<Vec<u16>> {
+        Ok(t.flatten_all()?
+            .to_vec1::<bf16>()?
+            .iter()
+            .map(|b| b.to_bits())
+            .collect())
+    };
+    let want = |v: Vec<bf16>| v.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
+    for (qt, double) in [
+        (FourBitType::Nf4, false),
+        (FourBitType::Nf4, true),
+        (FourBitType::Fp4, true),
+    ] {
+        let (rows, cols) = (130, 67);
+        let q = FourBit::quantize(&values(rows * cols, 17), &[rows, cols], qt, 64, double)?;
+        let t = q.dequantize_on(dev)?;
+        ensure!(t.dims() == [rows, cols], "{:?}", t.dims());
+        ensure!(
+            bits(t)? == want(q.dequantize_bf16()),
+            "{qt:?} double {double}"
+        );
+    }
+    let (rows, cols) = (48, 80);
+    let v = values(rows * cols, 19);
+    let q = Int8Rows::quantize(&v, (rows, cols))?;
+    ensure!(
+        bits(q.dequantize_on(dev)?)? == want(q.dequantize_bf16()),
+        "int8"
+    );
+    for per_row in [true, false] {
+        let q = Fp8::quantize(&v, (rows, cols), per_row)?;
+        ensure!(
+            bits(q.dequantize_on(dev)?)? == want(q.dequantize_bf16()),
+            "fp8 per_row {per_row}"
+        );
+    }
+    Ok(())
+}
+candle_streamer::test_device!(dequantized_on_device_equals_reference);

@@ -58,6 +58,11 @@ macro_rules! module {
 #[cfg(feature = "cuda")]
 pub const CAST: Module = module!("streamer_cast", "cast");
 
+/// Dequantization of quantized frozen weights (crate `streamer-quant`: NF4 and
+/// FP4 with plain or double-quantized absmax, int8 rows, fp8 e4m3) into bf16.
+#[cfg(feature = "cuda")]
+pub const DEQUANT: Module = module!("streamer_dequant", "dequant");
+
 /// A kernel that waits a given number of nanoseconds, enqueued on the transfer
 /// stream to simulate slow copies in tests.
 #[cfg(feature = "cuda")]

@@ -25,10 +25,13 @@
 //! let worst = w.iter().zip(&back).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
 //! assert!(worst <= 0.16 * 2.0);
 //! ```
+#[cfg(feature = "cuda")]
+mod cuda;
 mod error;
 mod four_bit;
 mod fp8;
 mod int8;
+mod on_device;
 
 pub use error::QuantError;
 pub use four_bit::{
@@ -36,6 +39,7 @@ pub use four_bit::{
 };
 pub use fp8::{e4m3_to_f32, f32_to_e4m3, Fp8, Fp8Scale};
 pub use int8::Int8Rows;
+pub use on_device::Dequantize;
 
 /// Results of this crate.
 pub type Result<T> = std::result::Result<T, QuantError>;

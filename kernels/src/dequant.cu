@@ -1,0 +1,75 @@
+// Dequantization of the frozen-weight formats of crate `streamer-quant` into
+// bf16, on the GPU, in bitsandbytes' order of operations so the result equals
+// its kernels bit for bit: one f32 product (no fused multiply-add: __fmul_rn
+// and __fadd_rn keep --use_fast_math from contracting), one rounding to bf16.
+// Grid-stride loops; memory-bound (a 4-bit weight reads half a byte and
+// writes two).
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+#define GRID_STRIDE(i, n) \
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
+       i += (size_t)blockDim.x * gridDim.x)
+
+// bitsandbytes' NF4 and FP4 code values, by 4-bit index.
+__constant__ float NF4[16] = {
+    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+    -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+    0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
+    0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
+__constant__ float FP4[16] = {
+    0.0f, 0.0625f / 12.0f, 8.0f / 12.0f, 1.0f, 4.0f / 12.0f, 6.0f / 12.0f, 2.0f / 12.0f, 3.0f / 12.0f,
+    -0.0f, -0.0625f / 12.0f, -8.0f / 12.0f, -1.0f, -4.0f / 12.0f, -6.0f / 12.0f, -2.0f / 12.0f,
+    -3.0f / 12.0f};
+
+// Double-quantized absmax: absmax[b] = map[codes[b]] * scales[b / per_scale] + offset.
+extern "C" __global__ void dequant_absmax(const uint8_t* __restrict__ codes,
+                                          const float* __restrict__ map,
+                                          const float* __restrict__ scales, float offset,
+                                          float* __restrict__ absmax, size_t blocks,
+                                          unsigned per_scale) {
+  GRID_STRIDE(b, blocks) {
+    absmax[b] = __fadd_rn(__fmul_rn(map[codes[b]], scales[b / per_scale]), offset);
+  }
+}
+
+// Two elements a byte (the first in the high nibble): out[i] = code[q] * absmax[i / blocksize].
+extern "C" __global__ void dequant_4bit_bf16(const uint8_t* __restrict__ packed,
+                                             const float* __restrict__ absmax, int fp4,
+                                             __nv_bfloat16* __restrict__ out, size_t n,
+                                             unsigned blocksize) {
+  const float* code = fp4 ? FP4 : NF4;
+  GRID_STRIDE(j, (n + 1) / 2) {
+    const uint8_t b = packed[j];
+    const size_t i = 2 * j;
+    // blocksize is even: both elements of a byte share a block.
+    const float s = absmax[i / blocksize];
+    out[i] = __float2bfloat16_rn(__fmul_rn(code[b >> 4], s));
+    if (i + 1 < n) out[i + 1] = __float2bfloat16_rn(__fmul_rn(code[b & 15], s));
+  }
+}
+
+// int8 rows: out = (q * scb[row]) * (1/127), as bitsandbytes' int8_vectorwise_dequant.
+extern "C" __global__ void dequant_int8_bf16(const int8_t* __restrict__ q,
+                                             const float* __restrict__ scb,
+                                             __nv_bfloat16* __restrict__ out, size_t n,
+                                             size_t cols) {
+  GRID_STRIDE(i, n) {
+    const float v = __fmul_rn(__fmul_rn((float)q[i], scb[i / cols]), 7.874015718698502e-3f);
+    out[i] = __float2bfloat16_rn(v);
+  }
+}
+
+// fp8 e4m3 with one scale per row (per_row) or per tensor: out = e4m3 * scale.
+extern "C" __global__ void dequant_fp8_bf16(const uint8_t* __restrict__ q,
+                                            const float* __restrict__ scale, int per_row,
+                                            __nv_bfloat16* __restrict__ out, size_t n,
+                                            size_t cols) {
+  GRID_STRIDE(i, n) {
+    __nv_fp8_e4m3 f;
+    f.__x = q[i];
+    const float s = scale[per_row ? i / cols : 0];
+    out[i] = __float2bfloat16_rn(__fmul_rn((float)f, s));
+  }
+}
