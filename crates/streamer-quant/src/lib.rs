@@ -39,7 +39,7 @@ pub use four_bit::{
 };
 pub use fp8::{e4m3_to_f32, f32_to_e4m3, Fp8, Fp8Scale};
 pub use int8::Int8Rows;
-pub use on_device::Dequantize;
+pub use on_device::{Dequantize, HostTensor, Uploaded};
 
 /// Results of this crate.
 pub type Result<T> = std::result::Result<T, QuantError>;
