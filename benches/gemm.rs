@@ -1,7 +1,7 @@
 //! Where the MLP block's training time goes, GEMM by GEMM: each of the six
 //! GEMMs of a `FusedMlp` forward and backward (cuBLASLt, with and without its
 //! epilogue) beside the same product through Candle's `matmul` (cuBLAS) and
-//! PyTorch (benches/gemm_torch.py, run first in the same session; its rows are
+//! PyTorch (benches/gemm_torch.py, run first in the same device call; its rows are
 //! merged here). Then a decoder layer's q/k/v projections as three GEMMs or
 //! one over concatenated weights. CUDA only: on the CPU it says so and exits.
 //!

@@ -1,4 +1,4 @@
-"""PyTorch reference for benches/gemm.rs, run in the same GPU session: the MLP
+"""PyTorch reference for benches/gemm.rs, run in the same GPU device call: the MLP
 block's GEMMs at the same shapes (bf16), as PyTorch's training step runs them
 (addmm with bias for the forward, plain mm for the backward products).
 

@@ -381,7 +381,7 @@ fn main() -> Result<()> {
             rows.push(serde_json::json!({ "preset": preset, "streamed_over_resident_tokens_per_s": s / r }));
         }
     }
-    // transformers' rows of this session (benches/lm_torch.py, run first by gpu-run.sh).
+    // transformers' rows of this device call (benches/lm_torch.py, run first by gpu-run.sh).
     let torch_path = common::results_path(&format!("lm-torch-{tag}.json"));
     if let Some(v) = std::fs::read_to_string(torch_path)
         .ok()

@@ -1,4 +1,4 @@
-"""transformers reference for benches/lm.rs, run in the same GPU session.
+"""transformers reference for benches/lm.rs, run in the same GPU device call.
 
 LlamaForCausalLM with the shapes of our presets (1b: 16 x 2048 wide, 3b: 28 x
 3072 wide; MLP 8192, 8 key-value heads, byte vocabulary of 256, tied

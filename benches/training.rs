@@ -1,7 +1,7 @@
 //! Training-step benchmark: MLP blocks `Linear(w,h), GELU, Linear(h,w)` trained
 //! streamed (f32 host masters, bf16 compute, CpuAdamW overlapped with backward)
 //! against PyTorch training the same blocks resident (benches/training_torch.py,
-//! run first by gpu-run.sh in the same session; its rows are merged here).
+//! run first by gpu-run.sh in the same device call; its rows are merged here).
 //!
 //! Rows of ours: `FusedMlp` blocks (hand-written backward, four cuBLASLt GEMMs)
 //! with activations recomputed or kept, and candle-nn `Linear` blocks through
@@ -195,7 +195,7 @@ fn env_list<T>(key: &str, default: &str, parse: impl Fn(&str) -> Option<T>) -> R
         .collect()
 }
 
-/// PyTorch's rows of this session, if its script ran (`training-torch-<tag>.json`).
+/// PyTorch's rows of this device call, if its script ran (`training-torch-<tag>.json`).
 fn torch_rows(tag: &str) -> Vec<serde_json::Value> {
     let path = common::results_path(&format!("training-torch-{tag}.json"));
     std::fs::read_to_string(path)
@@ -323,7 +323,7 @@ fn main() -> Result<()> {
     let out = serde_json::json!({
         "device": tag, "compute_dtype": "bf16", "prefetch_ahead": 1,
         "ours": "streamed: f32 host masters (master_dtype bf16: bf16 masters, DeviceAdamW only), bf16 compute; optimizer host = CpuAdamW (f32 state, host) overlapped with backward, device = DeviceAdamW (f32 moments on the GPU) stepping the staged masters in backward_step_device",
-        "pytorch": "resident bf16 weights, fused AdamW on the GPU (benches/training_torch.py, same session)",
+        "pytorch": "resident bf16 weights, fused AdamW on the GPU (benches/training_torch.py, same device call)",
         "statistic": format!("median of {} steps after {} warm-up", reps.1, reps.0),
         "timing": "a step from a device synchronise to the next, with none inside it (the host runs ahead of the GPU, as under PyTorch's events); forward_ms from the warm-up steps, which synchronise after the forward",
         "cublaslt_epilogue_fallbacks": fallbacks,

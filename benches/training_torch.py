@@ -1,4 +1,4 @@
-"""PyTorch reference for benches/training.rs, run in the same GPU session.
+"""PyTorch reference for benches/training.rs, run in the same GPU device call.
 
 The same MLP blocks (Linear(w,h), GELU tanh, Linear(h,w)), bf16 weights resident
 on the GPU, MSE loss in f32 against a random target, torch.optim.AdamW(fused=True)

@@ -30,9 +30,10 @@
 //! resident or streamed layers and the batch, whichever the device's measured
 //! copy and GEMM rates predict to be faster, printed with its memory by kind.
 //!
-//! Tokens: `--model`'s `tokenizer.json` (required), `--tokenizer FILE` with any
-//! source, a `tokenizer.json` inside `--checkpoint`'s folder (train_lm copies
-//! the one it fine-tuned with), or else bytes.
+//! Tokens: `--tokenizer FILE` with any source, else `--model`'s
+//! `tokenizer.json` (a weights-only folder needs `--tokenizer`), a
+//! `tokenizer.json` inside `--checkpoint`'s folder (train_lm copies the one it
+//! fine-tuned with), or else bytes.
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;

@@ -4,7 +4,7 @@
 //! `tokenizer.json`; the decoder layers streamed from host memory and AdamW on
 //! the host (full fine-tuning).
 //!
-//!     cargo run --release --example train_lm -- --preset tiny            # CPU, about a minute
+//!     cargo run --release --example train_lm -- --preset tiny            # CPU, 2-3 minutes on 2 cores
 //!     cargo run --release --example train_lm -- --model path/to/hf-folder --corpus data.jsonl --steps 100
 //!     cargo run --release --example train_lm -- --preset tiny --resume   # continue from the last save
 //!     cargo run --release --features cuda --example train_lm -- --preset 3b --gpu-weight-budget 2layers

@@ -4,7 +4,7 @@
 
 For each of 0.25, 1, 4 and 16 GiB: the rate of first-touching fresh pages, of
 cudaHostRegister and of cudaHostUnregister (twice), then four threads
-registering 4 GiB each. Measured on the H200 (benches/results/cuda-tests-h200-s18.txt)
+registering 4 GiB each. Measured on the H200 (benches/results/pin-probe-h200.txt)
 to find what a streamed attention call's setup costs.
 """
 import time, threading, torch, numpy as np

@@ -118,20 +118,43 @@ fn load_cpu(dir: &Path) -> candle_core::Result<Pretrained> {
     )
 }
 
-fn from_pretrained_mismatches_are_named(_dev: &Device) -> Result<()> {
-    // No tokenizer.json: the weights load without a tokenizer, and give the
-    // same logits as the whole folder.
-    let d = copy_fixture("no-tokenizer")?;
-    std::fs::remove_file(d.join("tokenizer.json"))?;
+fn from_pretrained_loads_a_weights_only_folder(_dev: &Device) -> Result<()> {
+    // A folder written with config.json and model.safetensors only (a base
+    // whose tokenizer lives elsewhere): it loads without a tokenizer, and
+    // gives the whole folder's logits on ids from a tokenizer read separately.
+    let whole_dir = fixture("llama-tokenizer")?;
+    let d = temp_dir("weights-only")?;
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(whole_dir.join(f), d.join(f))?;
+    }
     let bare = load_cpu(&d)?;
     ensure!(bare.tokenizer.is_none() && bare.files.tokenizer.is_none());
-    let whole = load_cpu(&fixture("llama-tokenizer")?)?;
-    let x = Tensor::new(&[[1u32, 5, 9, 2]], &Device::Cpu)?;
+    let tok = TextTokenizer::from_file(whole_dir.join("tokenizer.json"))?;
+    let ids = tok.encode("a single man in possession of a good fortune")?;
+    let x = Tensor::new(ids.as_slice(), &Device::Cpu)?.unsqueeze(0)?;
+    let whole = load_cpu(&whole_dir)?;
     let diff = (bare.model.forward(&x)? - whole.model.forward(&x)?)?
         .abs()?
         .max_all()?
         .to_scalar::<f32>()?;
     ensure!(diff == 0.0, "weights-only folder: logits differ by {diff}");
+    Ok(())
+}
+candle_streamer::test_device!(from_pretrained_loads_a_weights_only_folder);
+
+fn from_pretrained_names_a_bad_weights_file_once(_dev: &Device) -> Result<()> {
+    let d = copy_fixture("bad-weights")?;
+    let w = d.join("model.safetensors");
+    std::fs::write(&w, b"not a safetensors file")?;
+    let e = err_of(load_cpu(&d))?;
+    let path = w.display().to_string();
+    ensure!(e.matches(path.as_str()).count() == 1, "{e}");
+    ensure!(e.contains("cannot read safetensors"), "{e}");
+    Ok(())
+}
+candle_streamer::test_device!(from_pretrained_names_a_bad_weights_file_once);
+
+fn from_pretrained_mismatches_are_named(_dev: &Device) -> Result<()> {
     // A config whose vocabulary is smaller than the tokenizer's.
     let d = copy_fixture("small-vocab")?;
     let p = d.join("config.json");

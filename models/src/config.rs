@@ -146,7 +146,7 @@ impl LlamaConfig {
     }
 
     /// `tiny`: about 0.85 M parameters, 4 layers of width 128, 4 query / 2
-    /// key-value heads of 32; trains on a CPU in about a minute.
+    /// key-value heads of 32; trains on a 2-core CPU in 2-3 minutes.
     pub fn tiny() -> Self {
         Self {
             max_position_embeddings: 512,

@@ -20,8 +20,13 @@ impl WeightSource {
         let files = expand_paths(paths)?;
         // SAFETY: the files are mapped read-only; the caller must not truncate them
         // while the model is being built (the same contract as candle's VarBuilder).
-        let st = unsafe { MmapedSafetensors::multi(&files) }.map_err(|e| {
-            candle_core::Error::Msg(format!("cannot read safetensors {files:?}: {e}"))
+        let st = unsafe { MmapedSafetensors::multi(&files) }.map_err(|e| match e {
+            // Candle names the file that failed: name it once.
+            candle_core::Error::WithPath { inner, path } => candle_core::Error::Msg(format!(
+                "cannot read safetensors {}: {inner}",
+                path.display()
+            )),
+            e => candle_core::Error::Msg(format!("cannot read safetensors {files:?}: {e}")),
         })?;
         Ok(Self::Safetensors(st))
     }
