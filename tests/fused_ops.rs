@@ -6,28 +6,14 @@ use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Module, Tensor, Var};
 use streamer_models::{apply_rope, apply_rope_unfused, RmsNorm};
 
+use crate::common::rel_err as max_rel;
+
 /// The values of `t` as f64 on the CPU.
 fn f64s(t: &Tensor) -> Result<Vec<f64>> {
     Ok(t.to_dtype(DType::F64)?
         .to_device(&Device::Cpu)?
         .flatten_all()?
         .to_vec1()?)
-}
-
-/// Largest absolute difference over the largest magnitude of `want`.
-fn max_rel(got: &Tensor, want: &Tensor) -> Result<f64> {
-    let (a, b) = (f64s(got)?, f64s(want)?);
-    ensure!(
-        a.len() == b.len(),
-        "{} values, expected {}",
-        a.len(),
-        b.len()
-    );
-    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-12);
-    Ok(a.iter()
-        .zip(&b)
-        .fold(0f64, |m, (x, y)| m.max((x - y).abs()))
-        / scale)
 }
 
 /// Gradients of `sum(f(x, w) * g)` for `x` and `w`.

@@ -12,7 +12,6 @@ use candle_nn::{Optimizer, ParamsAdamW, VarBuilder};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use streamer_autograd::ActivationPolicy;
-use streamer_core::StreamConfig;
 use streamer_models::{Llama, LlamaConfig, LoraAdapters, LoraConfig};
 
 const TOL: f64 = 1e-4;
@@ -99,13 +98,7 @@ fn lora_peft_adapters_match_peft_resident_and_streamed(dev: &Device) -> Result<(
     let resident = Llama::load_resident(&[fx.weights()], &fx.cfg, DType::F32, dev)?;
     resident.set_lora(Some(LoraAdapters::load_peft(&fx.adapters, &fx.cfg, dev)?))?;
     matches_peft(&fx, &resident, dev, "resident")?;
-    let stream = StreamConfig {
-        device: dev.clone(),
-        prefetch_ahead: 1,
-        dtype: DType::F32,
-        master_dtype: Some(DType::F32),
-        ..Default::default()
-    };
+    let stream = crate::common::stream(dev, DType::F32, 1);
     let streamed = Llama::from_safetensors(&[fx.weights()], &fx.cfg, stream)?.into_trainable()?;
     streamed.set_lora(Some(LoraAdapters::load_peft(&fx.adapters, &fx.cfg, dev)?))?;
     let (x, y) = fx.inputs(dev)?;
@@ -190,13 +183,7 @@ candle_streamer::test_device!(lora_merge_and_save_round_trip);
 /// the base's weights do not change.
 fn lora_trains_adapters_on_a_frozen_streamed_base(dev: &Device) -> Result<()> {
     let fx = load()?;
-    let stream = StreamConfig {
-        device: dev.clone(),
-        prefetch_ahead: 0,
-        dtype: DType::F32,
-        master_dtype: Some(DType::F32),
-        ..Default::default()
-    };
+    let stream = crate::common::stream(dev, DType::F32, 0);
     let model = Llama::from_safetensors(&[fx.weights()], &fx.cfg, stream)?.into_trainable()?;
     let lcfg = LoraConfig::new(4, 16.0, 0.1, &["q_proj", "k_proj", "up_proj"])?;
     model.set_lora(Some(LoraAdapters::init(&lcfg, &fx.cfg, dev, 0)?))?;
@@ -337,13 +324,7 @@ candle_streamer::test_device!(lora_dropout_replays_piece_by_piece);
 
 fn lora_dropout_replays(dev: &Device, micro: Option<usize>) -> Result<()> {
     let fx = load()?;
-    let stream = StreamConfig {
-        device: dev.clone(),
-        prefetch_ahead: 1,
-        dtype: DType::F32,
-        master_dtype: Some(DType::F32),
-        ..Default::default()
-    };
+    let stream = crate::common::stream(dev, DType::F32, 1);
     let model = Llama::from_safetensors(&[fx.weights()], &fx.cfg, stream)?.into_trainable()?;
     let lcfg = LoraConfig::new(4, 8.0, 0.3, &["q_proj", "down_proj"])?;
     let adapters = LoraAdapters::load_peft(&fx.adapters, &fx.cfg, dev)?;

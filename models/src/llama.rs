@@ -621,13 +621,27 @@ impl Llama {
                     .with_lora(&lora, cfg.num_hidden_layers))
             })
             .collect::<Result<Vec<_>>>()?;
+        let outer = Outer::Resident { embed, norm, head };
+        let layers = Layers::Resident(layers);
+        Self::assemble(cfg, (vb.device(), vb.dtype()), outer, layers, kv, lora)
+    }
+
+    /// The model of these parts, with nothing fused, cached or adapted yet.
+    fn assemble(
+        cfg: &LlamaConfig,
+        (device, dtype): (&Device, DType),
+        outer: Outer,
+        layers: Layers,
+        kv: Arc<KvCache>,
+        lora: Arc<LoraSlot>,
+    ) -> Result<Self> {
         Ok(Self {
             cfg: cfg.clone(),
-            device: vb.device().clone(),
-            dtype: vb.dtype(),
-            rope: Rope::new(cfg, vb.dtype(), vb.device())?,
-            outer: Outer::Resident { embed, norm, head },
-            layers: Layers::Resident(layers),
+            device: device.clone(),
+            dtype,
+            rope: Rope::new(cfg, dtype, device)?,
+            outer,
+            layers,
             kv,
             fused: Default::default(),
             lora,
@@ -678,20 +692,8 @@ impl Llama {
         let lora = Arc::new(LoraSlot::default());
         let seq =
             StreamedSequential::from_source(src, layer_blocks(cfg, &kv, &lora), stream.clone())?;
-        Ok(Self {
-            cfg: cfg.clone(),
-            device: stream.device.clone(),
-            dtype: stream.dtype,
-            rope: Rope::new(cfg, stream.dtype, &stream.device)?,
-            outer,
-            layers: Layers::Streamed(Box::new(seq)),
-            kv,
-            fused: Default::default(),
-            lora,
-            resident_vars: Vec::new(),
-            loss_chunk: Default::default(),
-            outer_leaves: Default::default(),
-        })
+        let layers = Layers::Streamed(Box::new(seq));
+        Self::assemble(cfg, (&stream.device, stream.dtype), outer, layers, kv, lora)
     }
 
     /// [`Llama::streamed`] from safetensors files (or a

@@ -461,24 +461,10 @@ pub(crate) fn linear_raw(
     let g = forward_gemm(n, m, k);
     let keep = gelu && keep_z;
     let lens: &[usize] = if keep { &[n * m, n * m] } else { &[n * m] };
-    let ep = |i: &[CUdeviceptr], o: &[CUdeviceptr]| {
-        (
-            i[1],
-            i[0],
-            o[0],
-            Ep::Bias {
-                bias: i[2],
-                gelu,
-                aux: keep.then(|| o[1]),
-            },
-        )
-    };
-    if let Some(mut s) = call_raw(dev, dt, &[x, w, b], lens, g, &ep)? {
-        let z = keep.then(|| s.swap_remove(1));
-        return Ok((s.swap_remove(0), z));
-    }
-    let run = |gelu| -> Result<CudaStorage> {
-        let ep = |i: &[CUdeviceptr], o: &[CUdeviceptr]| {
+    // Operands [x, w, b], outputs [y] or [y, z].
+    let bias_ep = |gelu: bool, keep: bool| {
+        move |i: &[CUdeviceptr], o: &[CUdeviceptr]| {
+            let aux = keep.then(|| o[1]);
             (
                 i[1],
                 i[0],
@@ -486,11 +472,17 @@ pub(crate) fn linear_raw(
                 Ep::Bias {
                     bias: i[2],
                     gelu,
-                    aux: None,
+                    aux,
                 },
             )
-        };
-        let s = call_raw(dev, dt, &[x, w, b], &[n * m], g, &ep)?;
+        }
+    };
+    if let Some(mut s) = call_raw(dev, dt, &[x, w, b], lens, g, &bias_ep(gelu, keep))? {
+        let z = keep.then(|| s.swap_remove(1));
+        return Ok((s.swap_remove(0), z));
+    }
+    let run = |gelu| -> Result<CudaStorage> {
+        let s = call_raw(dev, dt, &[x, w, b], &[n * m], g, &bias_ep(gelu, false))?;
         s.map(|mut s| s.swap_remove(0)).ok_or_else(|| {
             candle_core::Error::Msg("cuBLASLt has no bias epilogue for this GEMM".into())
         })
