@@ -85,7 +85,12 @@ pub struct Report {
 }
 
 fn temp_dir(name: &str) -> Result<PathBuf> {
-    crate::common::temp_dir("fuzz", name)
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let k = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let d = std::env::temp_dir().join(format!("streamer-fuzz-{name}-{}-{k}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d)?;
+    Ok(d)
 }
 
 /// Builds the target `name` with its seeds, in a fresh temporary folder.

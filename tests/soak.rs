@@ -28,7 +28,7 @@ use candle_nn::{linear, ParamsAdamW, VarBuilder};
 use std::collections::HashMap;
 use std::time::Instant;
 use streamer_autograd::{CpuAdamW, Train, TrainableSequential};
-use streamer_core::{BlockSpec, StreamedSequential};
+use streamer_core::{BlockSpec, StreamConfig, StreamedSequential};
 
 /// What to train and for how long.
 #[derive(Clone, Debug)]
@@ -274,7 +274,13 @@ fn model(dev: &Device, o: &SoakOptions, compute: DType) -> Result<(TrainableSequ
             })
         })
         .collect();
-    let cfg = crate::common::stream(dev, compute, 1);
+    let cfg = StreamConfig {
+        device: dev.clone(),
+        prefetch_ahead: 1,
+        dtype: compute,
+        master_dtype: Some(DType::F32),
+        ..Default::default()
+    };
     let model = StreamedSequential::from_tensors(weights(o, DType::F32)?, blocks, cfg)?.train();
     let params = ParamsAdamW {
         lr: 1e-3,
@@ -326,7 +332,11 @@ pub fn run(
         o.steps,
         o.warmup
     );
-    let compute = crate::common::compute_dtype(dev);
+    let compute = if dev.is_cuda() {
+        DType::BF16
+    } else {
+        DType::F32
+    };
     let (model, mut opt) = model(dev, o, compute)?;
     let dir = std::env::temp_dir().join(format!("streamer-soak-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -457,7 +467,15 @@ fn soak_child_mode() -> Result<()> {
 /// it), the device memory held at step boundaries under 1 MiB; and the loss
 /// falls (the run really trains).
 fn soak_short_run_keeps_memory_flat(dev: &Device) -> Result<()> {
-    let out = crate::common::child_test(CHILD_TEST)?
+    let exe = std::env::current_exe()?;
+    let out = std::process::Command::new(&exe)
+        .args([
+            CHILD_TEST,
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+            "-q",
+        ])
         .env(CHILD_DEVICE, if dev.is_cuda() { "cuda" } else { "cpu" })
         .output()?;
     let text = String::from_utf8_lossy(&out.stdout);
