@@ -15,7 +15,7 @@ use cudarc::driver::LaunchConfig;
 const MAX_HIDDEN: usize = 32 * 256;
 
 /// A CUDA operand: its storage and layout.
-type Operand<'a> = (&'a CudaStorage, &'a Layout);
+pub(crate) type Operand<'a> = (&'a CudaStorage, &'a Layout);
 
 /// The operand as a kernel's `T*` from its layout's start.
 fn at<'a>((s, l): Operand<'a>) -> Arg<'a> {
@@ -333,10 +333,8 @@ pub(crate) fn rms_norm_backward(
 /// Per-row cross-entropy losses `(rows,)` f32 of contiguous `logits (rows,
 /// vocab)` against u32 `targets (rows,)` (NaN where a target is out of range).
 pub(crate) fn cross_entropy_fwd(
-    sx: &CudaStorage,
-    lx: &Layout,
-    st: &CudaStorage,
-    lt: &Layout,
+    (sx, lx): Operand<'_>,
+    (st, lt): Operand<'_>,
 ) -> Result<CudaStorage> {
     let (ox, ot) = (contiguous(lx, "logits")?, contiguous(lt, "targets")?);
     let (rows, vocab) = lx.shape().dims2()?;
@@ -357,12 +355,9 @@ pub(crate) fn cross_entropy_fwd(
 /// The logits' gradient `(rows, vocab)` in their dtype, from `aux = [loss;
 /// grad of loss]` (`2 rows` f32).
 pub(crate) fn cross_entropy_bwd(
-    sx: &CudaStorage,
-    lx: &Layout,
-    st: &CudaStorage,
-    lt: &Layout,
-    sa: &CudaStorage,
-    la: &Layout,
+    (sx, lx): Operand<'_>,
+    (st, lt): Operand<'_>,
+    (sa, la): Operand<'_>,
 ) -> Result<CudaStorage> {
     let (ox, ot, oa) = (
         contiguous(lx, "logits")?,
@@ -397,10 +392,8 @@ pub(crate) fn cross_entropy_bwd(
 /// `acc (vocab, hidden)` f32 with `acc[ids[t]] += g[t]` over the contiguous
 /// `ids (tokens,)` u32 and `g (tokens, hidden)`.
 pub(crate) fn embedding_bwd(
-    si: &CudaStorage,
-    li: &Layout,
-    sg: &CudaStorage,
-    lg: &Layout,
+    (si, li): Operand<'_>,
+    (sg, lg): Operand<'_>,
     vocab: usize,
 ) -> Result<CudaStorage> {
     let (oi, og) = (contiguous(li, "token ids")?, contiguous(lg, "gradient")?);
