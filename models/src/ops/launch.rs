@@ -86,11 +86,12 @@ pub(crate) fn device_ptr_mut<'s>(
     s: &'s mut CudaStorage,
     stream: &'s CudaStream,
 ) -> Result<(CUdeviceptr, SyncOnDrop<'s>)> {
+    let dt = s.dtype();
     Ok(match &mut s.slice {
         CudaStorageSlice::BF16(x) => x.device_ptr_mut(stream),
         CudaStorageSlice::F16(x) => x.device_ptr_mut(stream),
         CudaStorageSlice::F32(x) => x.device_ptr_mut(stream),
-        _ => bail!("kernel output: no kernel writes {:?}", s.dtype()),
+        _ => bail!("kernel output: no kernel writes {dt:?}"),
     })
 }
 
