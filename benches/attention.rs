@@ -410,32 +410,19 @@ fn plot(report: &Value, torch_json: &str, title: &str) -> String {
             .collect()
     };
     let rows = report["rows"].as_array().unwrap_or(&empty);
-    let mut series = vec![
-        (
-            "cqsa fwd".to_string(),
-            series_of(rows, false, "cqsa_fwd_tflops"),
-        ),
-        (
-            "cqsa fwd+bwd".to_string(),
-            series_of(rows, false, "cqsa_fwd_bwd_tflops"),
-        ),
-        (
-            "cqsa fwd, causal".to_string(),
-            series_of(rows, true, "cqsa_fwd_tflops"),
-        ),
-        (
-            "cqsa fwd+bwd, causal".to_string(),
-            series_of(rows, true, "cqsa_fwd_bwd_tflops"),
-        ),
-        (
-            "naive fwd".to_string(),
-            series_of(rows, false, "naive_fwd_tflops"),
-        ),
-        (
-            "naive fwd+bwd".to_string(),
-            series_of(rows, false, "naive_fwd_bwd_tflops"),
-        ),
+    // (label, causal, the rows' key), in the plot's order.
+    let ours = [
+        ("cqsa fwd", false, "cqsa_fwd_tflops"),
+        ("cqsa fwd+bwd", false, "cqsa_fwd_bwd_tflops"),
+        ("cqsa fwd, causal", true, "cqsa_fwd_tflops"),
+        ("cqsa fwd+bwd, causal", true, "cqsa_fwd_bwd_tflops"),
+        ("naive fwd", false, "naive_fwd_tflops"),
+        ("naive fwd+bwd", false, "naive_fwd_bwd_tflops"),
     ];
+    let mut series: Vec<_> = ours
+        .iter()
+        .map(|&(label, causal, key)| (label.to_string(), series_of(rows, causal, key)))
+        .collect();
     let torch: Option<Value> = std::fs::read_to_string(torch_json)
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok());

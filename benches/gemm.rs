@@ -237,12 +237,7 @@ mod cuda {
     }
 
     fn torch_rows(tag: &str) -> Vec<serde_json::Value> {
-        let path = common::results_path(&format!("gemm-torch-{tag}.json"));
-        std::fs::read_to_string(path)
-            .ok()
-            .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
-            .and_then(|v| v["results"].as_array().cloned())
-            .unwrap_or_default()
+        common::result_rows(&format!("gemm-torch-{tag}.json"))
     }
 
     pub fn run() -> Result<()> {
@@ -289,8 +284,7 @@ mod cuda {
             "command": "GPU_ONLY=gemm bash gpu-bundle/run.sh benches",
             "results": rows,
         });
-        let json = common::results_path(&format!("gemm-{tag}.json"));
-        std::fs::write(&json, serde_json::to_string_pretty(&out)?)?;
+        let json = common::write_json(&format!("gemm-{tag}.json"), &out)?;
         println!("wrote {}", json.display());
         Ok(())
     }

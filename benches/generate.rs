@@ -299,8 +299,7 @@ fn main() -> Result<()> {
         "held_before_model_gib": held as f64 / (1u64 << 30) as f64,
         "rows": rows,
     });
-    let path = common::results_path(&format!("generate-{}.json", common::device_tag(&dev)));
-    std::fs::write(&path, serde_json::to_string_pretty(&out)?)?;
+    let path = common::write_json(&format!("generate-{}.json", common::device_tag(&dev)), &out)?;
     println!("wrote {}", path.display());
     Ok(())
 }

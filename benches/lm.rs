@@ -399,8 +399,7 @@ fn main() -> Result<()> {
         "peak_device_note": "cuMemGetInfo sampled every 200 us above the level before the run, pool trimmed first",
         "results": rows,
     });
-    let path = common::results_path(&format!("lm-{tag}.json"));
-    std::fs::write(&path, serde_json::to_string_pretty(&out)?)?;
+    let path = common::write_json(&format!("lm-{tag}.json"), &out)?;
     println!("wrote {}", path.display());
     Ok(())
 }

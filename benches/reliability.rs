@@ -100,8 +100,7 @@ fn main() -> Result<()> {
         "soak": soak,
         "bad_inputs": bad,
     });
-    let path = common::results_path(&format!("reliability-{tag}.json"));
-    std::fs::write(&path, serde_json::to_string_pretty(&out)?)?;
+    let path = common::write_json(&format!("reliability-{tag}.json"), &out)?;
     println!(
         "faults survived {survived}/{injected}; bad inputs refused {}/{}; crash kills {}, recoveries {}; soak {} steps, pass {}: growth host RSS {}, device live {} (criterion), driver's used device memory {} (reported)",
         out["bad_inputs"]["refused"], out["bad_inputs"]["tried"], out["crash"]["kills"],

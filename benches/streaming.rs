@@ -248,8 +248,7 @@ fn main() -> Result<()> {
         "peak_memory_note": "device memory taken (cuMemGetInfo, so memory the pool keeps counts) sampled every 200 us on a side thread, above the baseline before the run, pool trimmed before each run (0 on CPU)",
         "results": rows,
     });
-    let json = common::results_path(&format!("streaming-{tag}.json"));
-    std::fs::write(&json, serde_json::to_string_pretty(&out)?)?;
+    let json = common::write_json(&format!("streaming-{tag}.json"), &out)?;
     let svg = common::results_path(&format!("streaming-{tag}.svg"));
     std::fs::write(
         &svg,

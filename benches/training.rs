@@ -197,12 +197,7 @@ fn env_list<T>(key: &str, default: &str, parse: impl Fn(&str) -> Option<T>) -> R
 
 /// PyTorch's rows of this device call, if its script ran (`training-torch-<tag>.json`).
 fn torch_rows(tag: &str) -> Vec<serde_json::Value> {
-    let path = common::results_path(&format!("training-torch-{tag}.json"));
-    std::fs::read_to_string(path)
-        .ok()
-        .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
-        .and_then(|v| v["results"].as_array().cloned())
-        .unwrap_or_default()
+    common::result_rows(&format!("training-torch-{tag}.json"))
 }
 
 fn main() -> Result<()> {
@@ -330,8 +325,7 @@ fn main() -> Result<()> {
         "command": "bash gpu-bundle/run.sh benches with GPU_ONLY=training (scripts/gpu-test.sh bundle)",
         "results": rows,
     });
-    let json = common::results_path(&format!("training-{tag}.json"));
-    std::fs::write(&json, serde_json::to_string_pretty(&out)?)?;
+    let json = common::write_json(&format!("training-{tag}.json"), &out)?;
     let svg = common::results_path(&format!("training-{tag}.svg"));
     std::fs::write(
         &svg,

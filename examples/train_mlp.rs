@@ -107,20 +107,12 @@ fn random_weights(a: &Args, rng: &mut StdRng, gain: f32) -> Result<HashMap<Strin
         Ok(())
     };
     for i in 0..a.blocks {
-        put(
-            format!("layers.{i}.up.weight"),
-            &[a.hidden, a.width],
-            gain / (a.width as f32).sqrt(),
-            rng,
-        )?;
-        put(format!("layers.{i}.up.bias"), &[a.hidden], 0.02, rng)?;
-        put(
-            format!("layers.{i}.down.weight"),
-            &[a.width, a.hidden],
-            gain / (a.hidden as f32).sqrt(),
-            rng,
-        )?;
-        put(format!("layers.{i}.down.bias"), &[a.width], 0.02, rng)?;
+        // Up, then down, each weight then bias: the order of the draws.
+        for (name, out, inp) in [("up", a.hidden, a.width), ("down", a.width, a.hidden)] {
+            let std = gain / (inp as f32).sqrt();
+            put(format!("layers.{i}.{name}.weight"), &[out, inp], std, rng)?;
+            put(format!("layers.{i}.{name}.bias"), &[out], 0.02, rng)?;
+        }
     }
     Ok(m)
 }

@@ -23,34 +23,37 @@ bundle=$root/gpu-bundle
 rm -rf "$bundle"
 mkdir -p "$bundle/bin"
 
-# Test binaries: cargo tells which executables it built.
-cargo test --release --workspace --features cuda --no-run --message-format=json 2>/dev/null \
-  | python3 -c '
+# The executables cargo says it built (its JSON messages on stdin): with
+# `tests`, "name<TAB>path" of each test binary; otherwise
+# "kind<TAB>name<TAB>path" of each example and bench.
+executables() {
+  python3 -c '
 import json, sys
+tests = sys.argv[1] == "tests"
 for line in sys.stdin:
     try:
         m = json.loads(line)
     except ValueError:
         continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+    if m.get("reason") != "compiler-artifact" or not m.get("executable"):
+        continue
+    kind = m.get("target", {}).get("kind", [""])[0]
+    if tests and m["profile"]["test"]:
         print(m["target"]["name"] + "\t" + m["executable"])
-' >"$bundle/tests.list" || true
+    elif not tests and kind in ("example", "bench"):
+        print(kind + "\t" + m["target"]["name"] + "\t" + m["executable"])
+' "$1"
+}
+
+# Test binaries: cargo tells which executables it built.
+cargo test --release --workspace --features cuda --no-run --message-format=json 2>/dev/null \
+  | executables tests >"$bundle/tests.list" || true
 # The listing above hides cargo's messages; this shows errors, if any, readably.
 cargo test --release --workspace --features cuda --no-run
 
 # Release binaries: examples and benches.
 cargo build --release --features cuda --examples --benches --message-format=json 2>/dev/null \
-  | python3 -c '
-import json, sys
-for line in sys.stdin:
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    kind = m.get("target", {}).get("kind", [""])[0]
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and kind in ("example", "bench"):
-        print(kind + "\t" + m["target"]["name"] + "\t" + m["executable"])
-' >"$bundle/release.list" || true
+  | executables release >"$bundle/release.list" || true
 cargo build --release --features cuda --examples --benches
 
 : >"$bundle/manifest"

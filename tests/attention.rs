@@ -115,9 +115,7 @@ fn rel_err(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((x - y).abs())) / scale
 }
 
-fn rel_err_t(a: &Tensor, b: &Tensor) -> Result<f64> {
-    Ok(rel_err(&host_f64(a)?, &host_f64(b)?))
-}
+use crate::common::rel_err as rel_err_t;
 
 /// (b, hq, hkv, nq, nk, d, causal)
 type Case = (usize, usize, usize, usize, usize, usize, bool);

@@ -18,13 +18,7 @@ use streamer_models::{
 };
 
 fn stream(dev: &Device) -> StreamConfig {
-    StreamConfig {
-        device: dev.clone(),
-        prefetch_ahead: 1,
-        dtype: DType::F32,
-        master_dtype: Some(DType::F32),
-        ..Default::default()
-    }
+    crate::common::stream(dev, DType::F32, 1)
 }
 
 /// The tiny preset, resident and streamed, from the same seeded weights.

@@ -18,12 +18,12 @@ use candle_core::{DType, Device};
 use candle_nn::ParamsAdamW;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use streamer_core::StreamConfig;
 use streamer_models::{
-    init_weights, train_loop, ByteCorpus, CheckpointFiles, Decay, Llama, LlamaConfig, LmTrainer,
+    init_weights, train_loop, ByteCorpus, CheckpointFiles, Llama, LlamaConfig, LmTrainer,
     LoopOptions,
 };
 
@@ -43,13 +43,7 @@ fn config() -> LlamaConfig {
 }
 
 fn stream() -> StreamConfig {
-    StreamConfig {
-        device: Device::Cpu,
-        prefetch_ahead: 1,
-        dtype: DType::F32,
-        master_dtype: Some(DType::F32),
-        ..Default::default()
-    }
+    crate::common::stream(&Device::Cpu, DType::F32, 1)
 }
 
 fn adam() -> ParamsAdamW {
@@ -67,16 +61,12 @@ fn corpus() -> ByteCorpus {
 /// `train_lm`'s loop options at this size: a save after every step.
 fn opts(steps: usize, dir: Option<PathBuf>) -> LoopOptions {
     LoopOptions {
-        steps,
-        batch: 2,
-        micro_batches: 1,
-        seq: 12,
         seed: 5,
         lr: 3e-3,
         warmup: 3,
-        decay: Decay::Constant,
         save_every: Some(1),
         checkpoint_dir: dir,
+        ..crate::common::loop_options(steps, 12)
     }
 }
 
@@ -174,20 +164,12 @@ fn collect_lines(child: &mut Child) -> Result<Lines> {
 /// Starts a child on `dir`, waits until it is ready, lets it run `delay`, then
 /// kills it with SIGKILL (unless it finished first).
 fn run_child(dir: &Path, delay: Duration) -> Result<ChildRun> {
-    let exe = std::env::current_exe()?;
-    let mut child = Command::new(&exe)
-        .args([
-            CHILD_TEST,
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-            "-q",
-        ])
+    let mut child = crate::common::child_test(CHILD_TEST)?
         .env(CHILD_DIR, dir)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .with_context(|| format!("starting the child {}", exe.display()))?;
+        .context("starting the child")?;
     let lines = collect_lines(&mut child)?;
     fn ready(l: &[(Instant, String)]) -> Option<&(Instant, String)> {
         l.iter().find(|(_, s)| s.starts_with("CRASH-READY"))

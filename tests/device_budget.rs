@@ -6,7 +6,7 @@
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::ParamsAdamW;
-use streamer_core::{device_total_memory, free_device_memory, DeviceCap, StreamConfig};
+use streamer_core::{device_total_memory, free_device_memory, DeviceCap};
 use streamer_models::{
     init_weights, DevicePlan, Llama, LlamaConfig, LmTrainer, StepRates, StepShape,
 };
@@ -53,13 +53,7 @@ fn budget_holds(dev: &Device) -> Result<()> {
     );
     let cap = DeviceCap::hold(dev, budget)?;
     let s = plan.settings;
-    let stream = StreamConfig {
-        device: dev.clone(),
-        prefetch_ahead: s.window - 1,
-        dtype: DType::BF16,
-        master_dtype: Some(DType::F32),
-        ..Default::default()
-    };
+    let stream = crate::common::stream(dev, DType::BF16, s.window - 1);
     let model = Llama::from_tensors(init_weights(&cfg, 0)?, &cfg, stream)?.into_trainable()?;
     let params = ParamsAdamW {
         lr: 1e-4,

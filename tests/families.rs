@@ -158,13 +158,7 @@ fn resident_matches(fx: &Fixture, dev: &Device, name: &str) -> Result<()> {
 
 /// Streamed through a window of two layers in `dtype`, f32 host masters.
 pub(crate) fn stream(dev: &Device, dtype: DType) -> StreamConfig {
-    StreamConfig {
-        device: dev.clone(),
-        prefetch_ahead: 1,
-        dtype,
-        master_dtype: Some(DType::F32),
-        ..Default::default()
-    }
+    crate::common::stream(dev, dtype, 1)
 }
 
 /// Streamed and trainable (host masters, recomputed or hand-written backward).

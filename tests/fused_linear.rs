@@ -12,17 +12,7 @@ fn gelu_tanh(z: f64) -> f64 {
 
 fn max_rel_err(got: &Tensor, want: &[f64]) -> Result<f64> {
     let got: Vec<f64> = got.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
-    ensure!(
-        got.len() == want.len(),
-        "{} values, expected {}",
-        got.len(),
-        want.len()
-    );
-    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-12);
-    Ok(got
-        .iter()
-        .zip(want)
-        .fold(0f64, |m, (a, b)| m.max((a - b).abs()) / scale))
+    crate::common::rel_err_vals(&got, want)
 }
 
 fn fused_linear_matches_f64_reference(dev: &Device) -> Result<()> {

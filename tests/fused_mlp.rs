@@ -10,31 +10,7 @@ use streamer_autograd::{ActivationPolicy, Train};
 use streamer_core::{Block, BlockSpec, ManualBackward, StreamConfig, StreamedSequential};
 use streamer_models::{fused_mlp, FusedMlp};
 
-/// Largest absolute difference over the largest reference magnitude (any
-/// devices, compared in f64 on the CPU).
-pub(crate) fn rel_err(got: &Tensor, want: &Tensor) -> Result<f64> {
-    let g: Vec<f64> = got
-        .to_dtype(DType::F64)?
-        .to_device(&Device::Cpu)?
-        .flatten_all()?
-        .to_vec1()?;
-    let w: Vec<f64> = want
-        .to_dtype(DType::F64)?
-        .to_device(&Device::Cpu)?
-        .flatten_all()?
-        .to_vec1()?;
-    ensure!(
-        g.len() == w.len(),
-        "{} values, expected {}",
-        g.len(),
-        w.len()
-    );
-    let scale = w.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
-    Ok(g.iter()
-        .zip(&w)
-        .fold(0f64, |m, (a, b)| m.max((a - b).abs()))
-        / scale)
-}
+pub(crate) use crate::common::rel_err;
 
 pub(crate) fn mlp_weights(
     dim: usize,
@@ -198,17 +174,8 @@ fn step_grads(
 fn streamed_fused_mlp_keep_and_recompute_match_autograd(dev: &Device) -> Result<()> {
     let (n, dim, hidden, rows) = (4, 32, 72, 40);
     let host = host_mlp(n, dim, hidden)?;
-    let dt = if dev.is_cuda() {
-        DType::BF16
-    } else {
-        DType::F32
-    };
-    let cfg = StreamConfig {
-        device: dev.clone(),
-        dtype: dt,
-        master_dtype: Some(DType::F32),
-        ..Default::default()
-    };
+    let dt = crate::common::compute_dtype(dev);
+    let cfg = crate::common::stream(dev, dt, 1);
     let x = Tensor::randn(0f32, 1.0, (rows, dim), &Device::Cpu)?
         .to_dtype(dt)?
         .to_device(dev)?;
@@ -429,17 +396,8 @@ candle_streamer::test_device!(kept_activations_may_not_alias_weights);
 fn offloaded_inputs_survive_buffer_reuse(dev: &Device) -> Result<()> {
     let (n, dim, hidden, rows) = (3, 16, 40, 24);
     let host = host_mlp(n, dim, hidden)?;
-    let dt = if dev.is_cuda() {
-        DType::BF16
-    } else {
-        DType::F32
-    };
-    let cfg = StreamConfig {
-        device: dev.clone(),
-        dtype: dt,
-        master_dtype: Some(DType::F32),
-        ..Default::default()
-    };
+    let dt = crate::common::compute_dtype(dev);
+    let cfg = crate::common::stream(dev, dt, 1);
     let blocks = || {
         (0..n)
             .map(|i| BlockSpec::new(format!("layers.{i}"), move |vb| fused_mlp(dim, hidden, vb)))

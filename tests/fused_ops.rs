@@ -1,10 +1,12 @@
 //! RMSNorm and the rotary embedding through candle-nn's fused kernels
-//! (`streamer_models::fused_ops`): values against f64 loops, gradients against
+//! (`streamer_models::ops::fused`): values against f64 loops, gradients against
 //! Candle autograd through the same operations in plain ops
 //! (`RmsNorm::forward_unfused`, `apply_rope_unfused`).
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Module, Tensor, Var};
 use streamer_models::{apply_rope, apply_rope_unfused, RmsNorm};
+
+use crate::common::rel_err as max_rel;
 
 /// The values of `t` as f64 on the CPU.
 fn f64s(t: &Tensor) -> Result<Vec<f64>> {
@@ -12,22 +14,6 @@ fn f64s(t: &Tensor) -> Result<Vec<f64>> {
         .to_device(&Device::Cpu)?
         .flatten_all()?
         .to_vec1()?)
-}
-
-/// Largest absolute difference over the largest magnitude of `want`.
-fn max_rel(got: &Tensor, want: &Tensor) -> Result<f64> {
-    let (a, b) = (f64s(got)?, f64s(want)?);
-    ensure!(
-        a.len() == b.len(),
-        "{} values, expected {}",
-        a.len(),
-        b.len()
-    );
-    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-12);
-    Ok(a.iter()
-        .zip(&b)
-        .fold(0f64, |m, (x, y)| m.max((x - y).abs()))
-        / scale)
 }
 
 /// Gradients of `sum(f(x, w) * g)` for `x` and `w`.
@@ -274,7 +260,7 @@ candle_streamer::test_device!(embedding_matches_reference);
 /// the same) to 1e-2 of the largest value. The round trip returns the input
 /// (a rotation and its inverse). Mis-shaped tables are refused, named.
 fn rope_layout_moves_match_reference(dev: &Device) -> Result<()> {
-    use streamer_models::fused_ops::{rope_into_heads, rope_into_rows};
+    use streamer_models::ops::fused::{rope_into_heads, rope_into_rows};
     let (b, n, h, d) = (2usize, 5usize, 3usize, 8usize);
     let half = d / 2;
     let p = Tensor::randn(0f32, 1.0, (b * n, h * d), &Device::Cpu)?;
@@ -332,14 +318,14 @@ fn rope_layout_moves_match_reference(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(rope_layout_moves_match_reference);
 
-/// `fused_ops::swiglu` and `fused_ops::add_rms_norm` (one kernel each on CUDA
+/// `ops::fused::swiglu` and `ops::fused::add_rms_norm` (one kernel each on CUDA
 /// with untracked inputs) against f64 loops over the same rounded inputs:
 /// f32 to 1e-5 and bf16 to 1e-2 of the largest value (one rounding of the
 /// output; the sum `s` of `add_rms_norm` is rounded once more before its
 /// statistics). Tracked inputs take plain ops: their gradients match f64
 /// autograd to 1e-5 (f32). Mismatched operands are refused, named.
 fn swiglu_and_add_rms_norm_match_reference(dev: &Device) -> Result<()> {
-    use streamer_models::fused_ops::{add_rms_norm, swiglu};
+    use streamer_models::ops::fused::{add_rms_norm, swiglu};
     let (rows, h, eps) = (37usize, 96usize, 1e-5);
     let cpu = Device::Cpu;
     let a = Tensor::randn(0f32, 2.0, (rows, h), &cpu)?;

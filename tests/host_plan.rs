@@ -6,7 +6,6 @@ use super::models::err_of;
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device};
 use candle_nn::ParamsAdamW;
-use streamer_core::StreamConfig;
 use streamer_models::{
     device_plan::host_plan, init_weights, DevicePlan, HostPlan, Llama, LlamaConfig, LmTrainer,
     OptimizerPlace, PlanChoices, PlanLimits, StateDtype, StepRates, StepSettings, StepShape,
@@ -29,12 +28,7 @@ fn host_plan_matches_the_trainers_buffers() -> Result<()> {
     let cfg = LlamaConfig::tiny();
     for state in [StateDtype::F32, StateDtype::Bf16] {
         let plan = HostPlan::for_training(&cfg, &setup(OptimizerPlace::Host, state));
-        let stream = StreamConfig {
-            device: Device::Cpu,
-            master_dtype: Some(DType::F32),
-            dtype: DType::F32,
-            ..Default::default()
-        };
+        let stream = crate::common::stream(&Device::Cpu, DType::F32, 1);
         let model = Llama::from_tensors(init_weights(&cfg, 0)?, &cfg, stream)?;
         let t = LmTrainer::new_with(model, ParamsAdamW::default(), OptimizerPlace::Host, state)?;
         let params = t.model().parameters();

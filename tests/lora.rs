@@ -12,7 +12,6 @@ use candle_nn::{Optimizer, ParamsAdamW, VarBuilder};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use streamer_autograd::ActivationPolicy;
-use streamer_core::StreamConfig;
 use streamer_models::{Llama, LlamaConfig, LoraAdapters, LoraConfig};
 
 const TOL: f64 = 1e-4;
@@ -99,13 +98,7 @@ fn lora_peft_adapters_match_peft_resident_and_streamed(dev: &Device) -> Result<(
     let resident = Llama::load_resident(&[fx.weights()], &fx.cfg, DType::F32, dev)?;
     resident.set_lora(Some(LoraAdapters::load_peft(&fx.adapters, &fx.cfg, dev)?))?;
     matches_peft(&fx, &resident, dev, "resident")?;
-    let stream = StreamConfig {
-        device: dev.clone(),
-        prefetch_ahead: 1,
-        dtype: DType::F32,
-        master_dtype: Some(DType::F32),
-        ..Default::default()
-    };
+    let stream = crate::common::stream(dev, DType::F32, 1);
     let streamed = Llama::from_safetensors(&[fx.weights()], &fx.cfg, stream)?.into_trainable()?;
     streamed.set_lora(Some(LoraAdapters::load_peft(&fx.adapters, &fx.cfg, dev)?))?;
     let (x, y) = fx.inputs(dev)?;
@@ -190,13 +183,7 @@ candle_streamer::test_device!(lora_merge_and_save_round_trip);
 /// the base's weights do not change.
 fn lora_trains_adapters_on_a_frozen_streamed_base(dev: &Device) -> Result<()> {
     let fx = load()?;
-    let stream = StreamConfig {
-        device: dev.clone(),
-        prefetch_ahead: 0,
-        dtype: DType::F32,
-        master_dtype: Some(DType::F32),
-        ..Default::default()
-    };
+    let stream = crate::common::stream(dev, DType::F32, 0);
     let model = Llama::from_safetensors(&[fx.weights()], &fx.cfg, stream)?.into_trainable()?;
     let lcfg = LoraConfig::new(4, 16.0, 0.1, &["q_proj", "k_proj", "up_proj"])?;
     model.set_lora(Some(LoraAdapters::init(&lcfg, &fx.cfg, dev, 0)?))?;
@@ -288,26 +275,25 @@ fn lora_bad_adapters_are_named(dev: &Device) -> Result<()> {
             "{field}: {e}"
         );
     }
-    // Adapters for another base: the shape error names the tensor.
-    let other = LlamaConfig {
+    // Adapters for another base: the error names the tensor or the layer.
+    let wider = LlamaConfig {
         intermediate_size: 96,
         ..fx.cfg.clone()
     };
-    let e = LoraAdapters::load_peft(&fx.adapters, &other, dev)
-        .unwrap_err()
-        .to_string();
-    ensure!(
-        e.contains("down_proj.lora_A.weight") && e.contains("shape"),
-        "{e}"
-    );
     let fewer = LlamaConfig {
         num_hidden_layers: 1,
         ..fx.cfg.clone()
     };
-    let e = LoraAdapters::load_peft(&fx.adapters, &fewer, dev)
-        .unwrap_err()
-        .to_string();
-    ensure!(e.contains("layers.1"), "{e}");
+    let bases: [(&LlamaConfig, &[&str]); 2] = [
+        (&wider, &["down_proj.lora_A.weight", "shape"]),
+        (&fewer, &["layers.1"]),
+    ];
+    for (base, needles) in bases {
+        let e = LoraAdapters::load_peft(&fx.adapters, base, dev)
+            .unwrap_err()
+            .to_string();
+        ensure!(needles.iter().all(|n| e.contains(n)), "{e}");
+    }
     let model = Llama::load_resident(&[fx.weights()], &fx.cfg, DType::F32, dev)?;
     let small = LoraAdapters::init(&LoraConfig::new(2, 4.0, 0.0, &["v_proj"])?, &fewer, dev, 0)?;
     ensure!(model
@@ -337,13 +323,7 @@ candle_streamer::test_device!(lora_dropout_replays_piece_by_piece);
 
 fn lora_dropout_replays(dev: &Device, micro: Option<usize>) -> Result<()> {
     let fx = load()?;
-    let stream = StreamConfig {
-        device: dev.clone(),
-        prefetch_ahead: 1,
-        dtype: DType::F32,
-        master_dtype: Some(DType::F32),
-        ..Default::default()
-    };
+    let stream = crate::common::stream(dev, DType::F32, 1);
     let model = Llama::from_safetensors(&[fx.weights()], &fx.cfg, stream)?.into_trainable()?;
     let lcfg = LoraConfig::new(4, 8.0, 0.3, &["q_proj", "down_proj"])?;
     let adapters = LoraAdapters::load_peft(&fx.adapters, &fx.cfg, dev)?;

@@ -8,6 +8,7 @@ mod batch_generate;
 mod bf16_state;
 mod calibrate;
 mod chat_template;
+mod common;
 mod crash;
 mod cross_entropy;
 mod cuda_chain;

@@ -6,7 +6,7 @@ use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
 use streamer_autograd::{ActivationPolicy, Train, TrainableSequential};
-use streamer_core::{BlockSpec, StreamConfig, StreamedSequential};
+use streamer_core::{BlockSpec, StreamedSequential};
 use streamer_models::fused_mlp;
 
 const N: usize = 3;
@@ -31,12 +31,7 @@ fn model(
     manual: bool,
     dev: &Device,
 ) -> Result<TrainableSequential> {
-    let cfg = StreamConfig {
-        device: dev.clone(),
-        dtype: DType::F32,
-        master_dtype: Some(DType::F32),
-        ..Default::default()
-    };
+    let cfg = crate::common::stream(dev, DType::F32, 1);
     Ok(StreamedSequential::from_tensors(host.clone(), blocks(manual), cfg)?.train())
 }
 

@@ -2,16 +2,16 @@
 //! the kv cache gives the logits of a full forward, checkpoints round-trip, bad
 //! checkpoints fail with the tensor's name, training resumes exactly, and the tiny
 //! preset learns.
+use crate::common::stream;
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{ParamsAdamW, VarBuilder, VarMap};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use streamer_core::{StreamConfig, WeightSource};
+use streamer_core::WeightSource;
 use streamer_models::{
     check_weights, generate, init_weights, parse_bytes, prefetch_for_budget, sample_token,
-    train_loop, ByteCorpus, Decay, Llama, LlamaConfig, LmTrainer, LoopOptions, OptimizerPlace,
-    SplitMix64,
+    train_loop, ByteCorpus, Llama, LlamaConfig, LmTrainer, LoopOptions, OptimizerPlace, SplitMix64,
 };
 
 /// A micro config: 3 layers of width 32, 4 query heads / 2 key-value heads of 8.
@@ -20,16 +20,6 @@ fn micro(tied: bool) -> LlamaConfig {
         max_position_embeddings: 64,
         tie_word_embeddings: tied,
         ..LlamaConfig::bytes(32, 3, 4, 2)
-    }
-}
-
-fn stream(dev: &Device, dtype: DType, prefetch: usize) -> StreamConfig {
-    StreamConfig {
-        device: dev.clone(),
-        prefetch_ahead: prefetch,
-        dtype,
-        master_dtype: Some(DType::F32),
-        ..Default::default()
     }
 }
 
@@ -47,12 +37,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
 }
 
 fn temp_dir(name: &str) -> Result<PathBuf> {
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let k = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let d = std::env::temp_dir().join(format!("streamer-models-{name}-{}-{k}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d)?;
-    Ok(d)
+    crate::common::temp_dir("models", name)
 }
 
 /// The error text of `r`, or an error when `r` succeeded.
@@ -332,46 +317,48 @@ fn llama_config_weight_mismatch_names_tensor(dev: &Device) -> Result<()> {
     let s = |c: &LlamaConfig, w: &HashMap<String, Tensor>| {
         Llama::from_tensors(w.clone(), c, stream(dev, DType::F32, 1))
     };
-    // Fewer key-value heads in the config than in the weights.
-    let c = LlamaConfig {
-        num_key_value_heads: Some(1),
-        ..cfg.clone()
-    };
-    let e = err_of(s(&c, &w))?;
-    ensure!(
-        e.contains("model.layers.0.self_attn.k_proj.weight") && e.contains("num_key_value_heads"),
-        "{e}"
-    );
-    // A wider MLP.
-    let c = LlamaConfig {
-        intermediate_size: 256,
-        ..cfg.clone()
-    };
-    let e = err_of(s(&c, &w))?;
-    ensure!(
-        e.contains("mlp.gate_proj.weight") && e.contains("intermediate_size"),
-        "{e}"
-    );
-    // More layers than the weights have.
-    let c = LlamaConfig {
-        num_hidden_layers: 4,
-        ..cfg.clone()
-    };
-    let e = err_of(s(&c, &w))?;
-    ensure!(
-        e.contains("model.layers.3.") && e.contains("num_hidden_layers = 4"),
-        "{e}"
-    );
-    // Fewer.
-    let c = LlamaConfig {
-        num_hidden_layers: 2,
-        ..cfg.clone()
-    };
-    let e = err_of(s(&c, &w))?;
-    ensure!(
-        e.contains("model.layers.2.") && e.contains("num_hidden_layers is 2"),
-        "{e}"
-    );
+    // Configs that disagree with the weights, and what each error must name.
+    let cases = [
+        // Fewer key-value heads in the config than in the weights.
+        (
+            LlamaConfig {
+                num_key_value_heads: Some(1),
+                ..cfg.clone()
+            },
+            [
+                "model.layers.0.self_attn.k_proj.weight",
+                "num_key_value_heads",
+            ],
+        ),
+        // A wider MLP.
+        (
+            LlamaConfig {
+                intermediate_size: 256,
+                ..cfg.clone()
+            },
+            ["mlp.gate_proj.weight", "intermediate_size"],
+        ),
+        // More layers than the weights have.
+        (
+            LlamaConfig {
+                num_hidden_layers: 4,
+                ..cfg.clone()
+            },
+            ["model.layers.3.", "num_hidden_layers = 4"],
+        ),
+        // Fewer.
+        (
+            LlamaConfig {
+                num_hidden_layers: 2,
+                ..cfg.clone()
+            },
+            ["model.layers.2.", "num_hidden_layers is 2"],
+        ),
+    ];
+    for (c, needles) in cases {
+        let e = err_of(s(&c, &w))?;
+        ensure!(needles.iter().all(|n| e.contains(n)), "{e}");
+    }
     // Untied config, tied weights: the head is missing.
     let mut v = w.clone();
     v.remove("lm_head.weight");
@@ -489,16 +476,12 @@ fn llama_resume_matches_uninterrupted(dev: &Device) -> Result<()> {
         ..Default::default()
     };
     let opts = |steps, dir: Option<PathBuf>| LoopOptions {
-        steps,
-        batch: 2,
-        micro_batches: 1,
-        seq: 16,
         seed: 11,
         lr: 3e-3,
         warmup: 3,
-        decay: Decay::Constant,
         save_every: Some(2),
         checkpoint_dir: dir,
+        ..crate::common::loop_options(steps, 16)
     };
     for overlap in [false, true] {
         let mut a = LmTrainer::new(
@@ -571,16 +554,12 @@ fn llama_device_optimizer_matches_host(dev: &Device) -> Result<()> {
         ..Default::default()
     };
     let opts = |steps, dir: Option<PathBuf>| LoopOptions {
-        steps,
-        batch: 2,
-        micro_batches: 1,
-        seq: 16,
         seed: 5,
         lr: 3e-3,
         warmup: 2,
-        decay: Decay::Constant,
         save_every: Some(2),
         checkpoint_dir: dir,
+        ..crate::common::loop_options(steps, 16)
     };
     let model = || {
         Llama::from_tensors(
@@ -649,18 +628,7 @@ fn llama_train_loop_reduces_loss_on_corpus(dev: &Device) -> Result<()> {
     ensure!(corpus.len() > 100_000);
     let model = Llama::from_tensors(init_weights(&cfg, 0)?, &cfg, stream(dev, DType::F32, 1))?;
     let mut t = LmTrainer::new(model, ParamsAdamW::default())?;
-    let opts = LoopOptions {
-        steps: 8,
-        batch: 2,
-        micro_batches: 1,
-        seq: 32,
-        seed: 0,
-        lr: 1e-2,
-        warmup: 0,
-        decay: Decay::Constant,
-        save_every: None,
-        checkpoint_dir: None,
-    };
+    let opts = crate::common::loop_options(8, 32);
     let losses = train_loop(&mut t, &corpus, &opts, |_| {})?;
     let first = losses[0].1;
     let last = losses[5..].iter().map(|l| l.1).sum::<f32>() / 3.0;
@@ -1230,16 +1198,8 @@ fn llama_loop_options_are_checked_before_work(_dev: &Device) -> Result<()> {
     let cfg = micro(false);
     let corpus = corpus()?;
     let ok = LoopOptions {
-        steps: 1,
-        batch: 2,
-        micro_batches: 1,
-        seq: 16,
-        seed: 0,
         lr: 1e-3,
-        warmup: 0,
-        decay: Decay::Constant,
-        save_every: None,
-        checkpoint_dir: None,
+        ..crate::common::loop_options(1, 16)
     };
     ok.check(&cfg, &corpus)?;
     for (o, want) in [

@@ -620,13 +620,8 @@ fn prefetch_across_calls_keeps_results_and_window(dev: &Device) -> Result<()> {
         for _ in 0..3 {
             let x = Tensor::randn(0f32, 1.0, (3, 8), dev)?;
             let want = resident_forward(&weights, &blocks, &x, &[], DType::F32, dev)?;
-            assert_close(
-                &model.forward(&x)?,
-                &want[0],
-                1e-5,
-                1e-5,
-                &format!("prefetch {prefetch}"),
-            )?;
+            let what = format!("prefetch {prefetch}");
+            assert_close(&model.forward(&x)?, &want[0], 1e-5, 1e-5, &what)?;
         }
         let st = model.stats()?;
         // The first blocks of the next call are already loading (or loaded).
@@ -664,13 +659,8 @@ fn changed_masters_are_seen_by_the_next_call(dev: &Device) -> Result<()> {
             }
         }
         let want = resident_forward(&weights, &blocks, &x, &[], DType::F32, dev)?;
-        assert_close(
-            &model.forward(&x)?,
-            &want[0],
-            1e-5,
-            1e-5,
-            &format!("prefetch {prefetch}"),
-        )?;
+        let what = format!("prefetch {prefetch}");
+        assert_close(&model.forward(&x)?, &want[0], 1e-5, 1e-5, &what)?;
     }
     Ok(())
 }

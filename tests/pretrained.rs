@@ -10,22 +10,13 @@ use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::ParamsAdamW;
 use std::path::{Path, PathBuf};
-use streamer_core::StreamConfig;
 use streamer_models::{
     train_loop, Decay, Llama, LmTrainer, LoopOptions, OptimizerPlace, Placement, Pretrained,
     TextTokenizer,
 };
 
 fn temp_dir(name: &str) -> Result<PathBuf> {
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let k = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let d = std::env::temp_dir().join(format!(
-        "streamer-pretrained-{name}-{}-{k}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d)?;
-    Ok(d)
+    crate::common::temp_dir("pretrained", name)
 }
 
 /// A copy of the tokenizer fixture's folder to edit.
@@ -231,13 +222,7 @@ candle_streamer::test_device!(tokenized_corpora_text_and_jsonl);
 /// tokenized by its tokenizer: the loss falls.
 fn from_pretrained_fine_tunes_on_its_tokenizer(dev: &Device) -> Result<()> {
     let dir = fixture("llama-tokenizer")?;
-    let stream = StreamConfig {
-        device: dev.clone(),
-        prefetch_ahead: 1,
-        dtype: DType::F32,
-        master_dtype: Some(DType::F32),
-        ..Default::default()
-    };
+    let stream = crate::common::stream(dev, DType::F32, 1);
     let p = Llama::from_pretrained(&dir, Placement::Streamed(stream))?;
     let d = temp_dir("finetune")?;
     let text = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife. ";
@@ -252,18 +237,7 @@ fn from_pretrained_fine_tunes_on_its_tokenizer(dev: &Device) -> Result<()> {
         ..Default::default()
     };
     let mut trainer = LmTrainer::new(p.model, adam)?;
-    let opts = LoopOptions {
-        steps: 12,
-        batch: 2,
-        micro_batches: 1,
-        seq: 16,
-        seed: 0,
-        lr: 1e-2,
-        warmup: 0,
-        decay: Decay::Constant,
-        save_every: None,
-        checkpoint_dir: None,
-    };
+    let opts = crate::common::loop_options(12, 16);
     let losses = train_loop(&mut trainer, &corpus, &opts, |_| {})?;
     let (first, last) = (losses[0].1, losses[losses.len() - 1].1);
     ensure!(last < 0.7 * first, "loss {first} -> {last}");
@@ -285,16 +259,9 @@ fn from_pretrained_resident_fine_tunes_as_streamed(dev: &Device) -> Result<()> {
         OptimizerPlace::Device
     };
     let opts = LoopOptions {
-        steps: 10,
-        batch: 2,
-        micro_batches: 1,
-        seq: 16,
-        seed: 0,
-        lr: 1e-2,
         warmup: 3,
         decay: Decay::Cosine { min_ratio: 0.1 },
-        save_every: None,
-        checkpoint_dir: None,
+        ..crate::common::loop_options(10, 16)
     };
     let adam = ParamsAdamW {
         lr: opts.lr,

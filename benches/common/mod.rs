@@ -64,6 +64,23 @@ pub fn results_path(name: &str) -> PathBuf {
     dir.join(name)
 }
 
+/// Writes `out` as pretty JSON to the results file `name`; returns its path.
+pub fn write_json(name: &str, out: &serde_json::Value) -> anyhow::Result<PathBuf> {
+    let path = results_path(name);
+    std::fs::write(&path, serde_json::to_string_pretty(out)?)?;
+    Ok(path)
+}
+
+/// The `results` rows of the results file `name` (a peer's, such as
+/// PyTorch's), none when it is missing or unreadable.
+pub fn result_rows(name: &str) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(results_path(name))
+        .ok()
+        .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+        .and_then(|v| v["results"].as_array().cloned())
+        .unwrap_or_default()
+}
+
 #[allow(unused_imports)]
 pub use candle_streamer::report::svg_plot;
 

@@ -9,23 +9,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+#include "convert.cuh"
 
 #define GRID_STRIDE(i, n) \
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
        i += (size_t)blockDim.x * gridDim.x)
 
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-
-template <typename T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <> __device__ __forceinline__ __half from_f32<__half>(float x) {
-  return __float2half_rn(x);
-}
 
 // Sets *flag when any element of g is NaN or infinite (by its bits: fast math
 // may not keep isfinite honest).
@@ -33,7 +22,7 @@ template <typename G>
 __device__ void nonfinite(const G* __restrict__ g, size_t n, unsigned* flag) {
   unsigned bad = 0;
   GRID_STRIDE(i, n) {
-    bad |= (__float_as_uint(to_f32(g[i])) & 0x7f800000u) == 0x7f800000u;
+    bad |= (__float_as_uint(to_f(g[i])) & 0x7f800000u) == 0x7f800000u;
   }
   if (bad) atomicOr(flag, 1u);
 }
@@ -82,9 +71,9 @@ __device__ void adamw(P* __restrict__ p, const G* __restrict__ g, S* __restrict_
                       float scale_v, float decay, float eps, float lr, unsigned seed) {
   if (*skip) return;
   GRID_STRIDE(i, n) {
-    const float gi = to_f32(g[i]);
-    const float mi = __fadd_rn(__fmul_rn(to_f32(m[i]), beta1), __fmul_rn(gi, one_minus_beta1));
-    const float vi = __fadd_rn(__fmul_rn(to_f32(v[i]), beta2),
+    const float gi = to_f(g[i]);
+    const float mi = __fadd_rn(__fmul_rn(to_f(m[i]), beta1), __fmul_rn(gi, one_minus_beta1));
+    const float vi = __fadd_rn(__fmul_rn(to_f(v[i]), beta2),
                                __fmul_rn(__fmul_rn(gi, gi), one_minus_beta2));
     // One hash gives m and v 16 random bits each (unused for f32 state).
     const unsigned r = noise_bits(seed, i);
@@ -92,9 +81,9 @@ __device__ void adamw(P* __restrict__ p, const G* __restrict__ g, S* __restrict_
     v[i] = store_state<S>(vi, r >> 16);
     const float m_hat = __fmul_rn(mi, scale_m);
     const float v_hat = __fmul_rn(vi, scale_v);
-    const float theta = __fmul_rn(to_f32(p[i]), decay);
+    const float theta = __fmul_rn(to_f(p[i]), decay);
     const float adjusted = __fdiv_rn(m_hat, __fadd_rn(__fsqrt_rn(v_hat), eps));
-    p[i] = from_f32<P>(__fsub_rn(theta, __fmul_rn(adjusted, lr)));
+    p[i] = from_f<P>(__fsub_rn(theta, __fmul_rn(adjusted, lr)));
   }
 }
 

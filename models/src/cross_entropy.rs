@@ -133,7 +133,7 @@ impl CustomOp2 for CeForward {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (rows, _) = l1.shape().dims2()?;
-        let loss = crate::decoder_kernels::cross_entropy_fwd(s1, l1, s2, l2)?;
+        let loss = crate::ops::decoder::cross_entropy_fwd((s1, l1), (s2, l2))?;
         Ok((loss, Shape::from(rows)))
     }
 
@@ -207,7 +207,7 @@ impl CustomOp3 for CeBackward {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let d = crate::decoder_kernels::cross_entropy_bwd(s1, l1, s2, l2, s3, l3)?;
+        let d = crate::ops::decoder::cross_entropy_bwd((s1, l1), (s2, l2), (s3, l3))?;
         Ok((d, l1.shape().clone()))
     }
 }

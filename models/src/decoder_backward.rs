@@ -35,9 +35,9 @@
 //! dropout's scaled mask, drawn as the autograd forward draws it); forward
 //! keeps `A`, `B`, `u = (m x) A^T` and the mask, and backward returns the
 //! gradients of `A` and `B` keyed by the extras that carried them.
-use crate::fused_ops::{add_rms_norm, norm_backward, swiglu};
 use crate::llama::DecoderLayer;
 use crate::lora::{LoraLayout, LoraSaved};
+use crate::ops::fused::{add_rms_norm, norm_backward, swiglu};
 use candle_core::{bail, DType, Result, Shape, Tensor};
 use streamer_core::{ManualBackward, SavedActivations};
 
@@ -117,7 +117,7 @@ impl DecoderLayer {
         (cos, sin): (&Tensor, &Tensor),
     ) -> Result<Tensor> {
         let heads = p.dim(1)? / self.head_dim;
-        crate::fused_ops::rope_into_heads(&self.normed_rows(p, norm)?, (b, n, heads), cos, sin)
+        crate::ops::fused::rope_into_heads(&self.normed_rows(p, norm)?, (b, n, heads), cos, sin)
     }
 
     /// The q/k norms, if the layer has them.
@@ -173,7 +173,7 @@ impl DecoderLayer {
         grads: &mut Vec<(Tensor, Tensor)>,
     ) -> Result<Tensor> {
         let (b, n) = (d.dim(0)?, d.dim(2)?);
-        let d = crate::fused_ops::rope_into_rows(d, cos, sin)?;
+        let d = crate::ops::fused::rope_into_rows(d, cos, sin)?;
         let Some((nm, pre)) = norm else { return Ok(d) };
         let width = d.dim(1)?;
         let rows = (b * n * width / self.head_dim, self.head_dim);
@@ -484,7 +484,7 @@ fn wants_grad(w: &Tensor) -> bool {
 fn swiglu_backward(d_act: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if d_act.device().is_cuda() {
-        return crate::decoder_kernels::swiglu_backward(d_act, gate, up);
+        return crate::ops::decoder::swiglu_backward(d_act, gate, up);
     }
     let dt = d_act.dtype();
     let (da, z, u) = (

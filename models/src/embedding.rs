@@ -82,7 +82,7 @@ impl CustomOp2 for Embed {
             else {
                 bail!("embedding backward: ids and gradient must be on the GPU");
             };
-            let acc = crate::decoder_kernels::embedding_bwd(si, li, sg, lg, vocab)?;
+            let acc = crate::ops::decoder::embedding_bwd((si, li), (sg, lg), vocab)?;
             let acc = Tensor::from_storage(
                 candle_core::Storage::Cuda(acc),
                 (vocab, hidden),

@@ -214,8 +214,16 @@ impl candle_core::CustomOp3 for LtOp {
             (sw, lw.start_offset()),
             (sb, lb.start_offset()),
         );
-        let (y, z) =
-            crate::lt::linear_raw(&dev, dt, ops.0, ops.1, ops.2, (n, m, k), gelu, self.keep_z)?;
+        let (y, z) = crate::ops::lt::linear_raw(
+            &dev,
+            dt,
+            ops.0,
+            ops.1,
+            ops.2,
+            (n, m, k),
+            gelu,
+            self.keep_z,
+        )?;
         if let Some(z) = z {
             let z = Tensor::from_storage(
                 candle_core::Storage::Cuda(z),
@@ -257,8 +265,8 @@ impl candle_core::CustomOp3 for LtOp {
         };
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            let (dx, _) = crate::lt::input_grad(&dz, w, None)?;
-            let (dw, db) = crate::lt::weight_grad(&dz, x, true)?;
+            let (dx, _) = crate::ops::lt::input_grad(&dz, w, None)?;
+            let (dw, db) = crate::ops::lt::weight_grad(&dz, x, true)?;
             return Ok((Some(dx), Some(dw), db));
         }
         let dx = dz.matmul(w)?;

@@ -132,7 +132,7 @@ impl FusedMlp {
         let (z, h) = if self.fused(&x2) {
             #[cfg(feature = "cuda")]
             {
-                let (h, z) = crate::lt::linear(&x2, &self.up_w, &self.up_b, true, true)?;
+                let (h, z) = crate::ops::lt::linear(&x2, &self.up_w, &self.up_b, true, true)?;
                 (z.expect("asked for the pre-activation"), h)
             }
             #[cfg(not(feature = "cuda"))]
@@ -154,7 +154,7 @@ impl ManualBackward for FusedMlp {
         let y = if self.fused(h) {
             #[cfg(feature = "cuda")]
             {
-                crate::lt::linear(h, &self.down_w, &self.down_b, false, false)?.0
+                crate::ops::lt::linear(h, &self.down_w, &self.down_b, false, false)?.0
             }
             #[cfg(not(feature = "cuda"))]
             unreachable!("no CUDA tensors without the cuda feature")
@@ -222,7 +222,7 @@ type MlpGrads = (Tensor, Tensor, Tensor, Tensor, Tensor);
 impl FusedMlp {
     #[cfg(feature = "cuda")]
     fn backward_fused(&self, x: &Tensor, z: &Tensor, h: &Tensor, g: &Tensor) -> Result<MlpGrads> {
-        use crate::lt::{input_grad, weight_grad};
+        use crate::ops::lt::{input_grad, weight_grad};
         let missing =
             || candle_core::Error::Msg("FusedMlp: cuBLASLt returned no bias gradient".into());
         let (dw2, db2) = weight_grad(g, h, true)?;
@@ -231,7 +231,7 @@ impl FusedMlp {
         // rows, H200); the bias gradient comes free from the next GEMM's
         // BGRADB instead.
         let (dh, _) = input_grad(g, &self.down_w, None)?;
-        let dz = crate::decoder_kernels::gelu_backward(&dh, z)?;
+        let dz = crate::ops::decoder::gelu_backward(&dh, z)?;
         drop(dh);
         let (dw1, db1) = weight_grad(&dz, x, true)?;
         let (dx, _) = input_grad(&dz, &self.up_w, None)?;

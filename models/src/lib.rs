@@ -21,7 +21,7 @@
 //!   every master, checkpoints an interrupted save cannot break, resume.
 //! - [`generate`] ([`sample`]): temperature and top-p sampling, feeding one token
 //!   per step through the model's kv cache ([`Llama::forward_cached`]).
-//! - [`FusedLinear`] ([`fused_linear`](mod@fused_linear)) and [`fused_ops`]: `Linear` with its bias
+//! - [`FusedLinear`] ([`fused_linear`](mod@fused_linear)) and [`ops::fused`]: `Linear` with its bias
 //!   and GELU in the GEMM's epilogue; RMSNorm and the rotary embedding through
 //!   candle-nn's fused kernels with a backward of their own. [`FusedMlp`]
 //!   ([`fused_mlp`](mod@fused_mlp)): the GELU MLP block whose streamed training backward is
@@ -57,19 +57,15 @@ pub mod checkpoint;
 pub mod config;
 pub mod cross_entropy;
 mod decoder_backward;
-#[cfg(feature = "cuda")]
-mod decoder_kernels;
 pub mod device_plan;
 pub mod embedding;
 pub mod fused_linear;
 pub mod fused_mlp;
-pub mod fused_ops;
 pub mod host_plan;
 mod kv_cache;
 pub mod llama;
 pub mod lora;
-#[cfg(feature = "cuda")]
-mod lt;
+pub mod ops;
 pub mod pretrained;
 pub mod prompt_file;
 mod resident_backward;
@@ -98,17 +94,19 @@ pub use host_plan::{HostPlan, TrainSetup};
 pub use llama::{apply_rope, apply_rope_unfused, DecoderLayer, Llama, LossChunk, RmsNorm, Rope};
 pub use lora::{LoraAdapters, LoraConfig, LORA_TARGETS};
 #[cfg(feature = "cuda")]
-pub use lt::epilogue_fallbacks;
+pub use ops::lt::epilogue_fallbacks;
 #[cfg(feature = "cuda")]
 #[doc(hidden)]
-pub use lt::{cached_handles as cached_cublaslt_handles, handle_probe as cublaslt_handle_probe};
+pub use ops::lt::{
+    cached_handles as cached_cublaslt_handles, handle_probe as cublaslt_handle_probe,
+};
 pub use step_rates::StepRates;
 /// The raw cuBLASLt GEMMs behind `FusedLinear` and `FusedMlp`, for
 /// `benches/gemm.rs` (which times each against cuBLAS and PyTorch).
 #[cfg(feature = "cuda")]
 #[doc(hidden)]
 pub mod lt_probe {
-    pub use crate::lt::{input_grad, linear, weight_grad};
+    pub use crate::ops::lt::{input_grad, linear, weight_grad};
 }
 pub use pretrained::{Placement, Pretrained, PretrainedFiles};
 pub use sample::{generate, sample_rows, sample_token, Sampling};

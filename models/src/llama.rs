@@ -23,7 +23,7 @@ use streamer_core::{
 ///
 /// [`Module::forward`] runs candle-nn's fused kernel (which multiplies by the
 /// weight before rounding to the input dtype), differentiable through
-/// [`crate::fused_ops::rms_norm`]; [`RmsNorm::forward_unfused`] spells it out in
+/// [`crate::ops::fused::rms_norm`]; [`RmsNorm::forward_unfused`] spells it out in
 /// plain ops in Hugging Face's order (the normalised value is rounded to the input
 /// dtype before the weight multiplies it).
 #[derive(Clone, Debug)]
@@ -65,7 +65,7 @@ impl Module for RmsNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match x.dtype() {
             DType::F32 | DType::F16 | DType::BF16 => {
-                crate::fused_ops::rms_norm(x, &self.weight, self.eps)
+                crate::ops::fused::rms_norm(x, &self.weight, self.eps)
             }
             _ => self.forward_unfused(x),
         }
@@ -75,13 +75,13 @@ impl Module for RmsNorm {
 /// Applies the rotary embedding in Hugging Face's "rotate half" layout:
 /// `x * cos + rotate_half(x) * sin` with `x` of shape `(batch, heads, seq, head_dim)`
 /// and `cos`, `sin` of shape `(seq, head_dim / 2)`: candle-nn's fused kernel,
-/// differentiable in `x` through [`crate::fused_ops::rope`].
+/// differentiable in `x` through [`crate::ops::fused::rope`].
 pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     if cos.track_op() || sin.track_op() {
         // Trainable tables: only the plain ops give their gradients.
         return apply_rope_unfused(x, cos, sin);
     }
-    crate::fused_ops::rope(x, cos, sin)
+    crate::ops::fused::rope(x, cos, sin)
 }
 
 /// [`apply_rope`] in plain differentiable Candle ops.
@@ -471,10 +471,10 @@ impl DecoderLayer {
         // The residual add with the norm after it, and SwiGLU: one kernel each
         // on CUDA when nothing is tracked (plain differentiable ops otherwise).
         let n2 = &self.post_attention_layernorm;
-        let (x, h) = crate::fused_ops::add_rms_norm(x, &attn, n2.weight(), n2.eps)?;
+        let (x, h) = crate::ops::fused::add_rms_norm(x, &attn, n2.weight(), n2.eps)?;
         let g = proj(4, &self.gate_proj, &h)?;
         let u = proj(5, &self.up_proj, &h)?;
-        let x = (&x + proj(6, &self.down_proj, &crate::fused_ops::swiglu(&g, &u)?)?)?;
+        let x = (&x + proj(6, &self.down_proj, &crate::ops::fused::swiglu(&g, &u)?)?)?;
         Ok(vec![x])
     }
 }
@@ -621,13 +621,27 @@ impl Llama {
                     .with_lora(&lora, cfg.num_hidden_layers))
             })
             .collect::<Result<Vec<_>>>()?;
+        let outer = Outer::Resident { embed, norm, head };
+        let layers = Layers::Resident(layers);
+        Self::assemble(cfg, (vb.device(), vb.dtype()), outer, layers, kv, lora)
+    }
+
+    /// The model of these parts, with nothing fused, cached or adapted yet.
+    fn assemble(
+        cfg: &LlamaConfig,
+        (device, dtype): (&Device, DType),
+        outer: Outer,
+        layers: Layers,
+        kv: Arc<KvCache>,
+        lora: Arc<LoraSlot>,
+    ) -> Result<Self> {
         Ok(Self {
             cfg: cfg.clone(),
-            device: vb.device().clone(),
-            dtype: vb.dtype(),
-            rope: Rope::new(cfg, vb.dtype(), vb.device())?,
-            outer: Outer::Resident { embed, norm, head },
-            layers: Layers::Resident(layers),
+            device: device.clone(),
+            dtype,
+            rope: Rope::new(cfg, dtype, device)?,
+            outer,
+            layers,
             kv,
             fused: Default::default(),
             lora,
@@ -678,20 +692,8 @@ impl Llama {
         let lora = Arc::new(LoraSlot::default());
         let seq =
             StreamedSequential::from_source(src, layer_blocks(cfg, &kv, &lora), stream.clone())?;
-        Ok(Self {
-            cfg: cfg.clone(),
-            device: stream.device.clone(),
-            dtype: stream.dtype,
-            rope: Rope::new(cfg, stream.dtype, &stream.device)?,
-            outer,
-            layers: Layers::Streamed(Box::new(seq)),
-            kv,
-            fused: Default::default(),
-            lora,
-            resident_vars: Vec::new(),
-            loss_chunk: Default::default(),
-            outer_leaves: Default::default(),
-        })
+        let layers = Layers::Streamed(Box::new(seq));
+        Self::assemble(cfg, (&stream.device, stream.dtype), outer, layers, kv, lora)
     }
 
     /// [`Llama::streamed`] from safetensors files (or a

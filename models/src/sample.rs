@@ -128,17 +128,15 @@ pub fn generate(
     }
     let was_training = model.is_training();
     model.set_training(false);
-    let r = model.clear_cache().and_then(|()| {
-        sample_loop(
-            model,
-            prompt,
-            max_new,
-            temperature,
-            top_p,
-            seed,
-            &mut on_token,
-        )
-    });
+    let mut rng = SplitMix64::new(seed);
+    let sampling = Sampling {
+        temperature,
+        top_p,
+        rng: &mut rng,
+    };
+    let r = model
+        .clear_cache()
+        .and_then(|()| sample_loop(model, prompt, max_new, sampling, &mut on_token));
     let cleared = model.clear_cache();
     model.set_training(was_training);
     let out = r?;
@@ -150,13 +148,10 @@ fn sample_loop(
     model: &Llama,
     prompt: &[u32],
     max_new: usize,
-    temperature: f64,
-    top_p: f64,
-    seed: u64,
+    s: Sampling<'_>,
     on_token: &mut impl FnMut(u32),
 ) -> Result<Vec<u32>> {
     let ctx = model.config().max_position_embeddings;
-    let mut rng = SplitMix64::new(seed);
     let mut all = prompt.to_vec();
     let mut out = Vec::with_capacity(max_new);
     // Tokens of `all` whose keys and values are in the model's cache.
@@ -179,7 +174,7 @@ fn sample_loop(
             let logits = model.forward(&tokens)?;
             logits.get(0)?.get(window.len() - 1)?
         };
-        let t = sample_token(&last, temperature, top_p, &mut rng)?;
+        let t = sample_token(&last, s.temperature, s.top_p, s.rng)?;
         on_token(t);
         all.push(t);
         out.push(t);

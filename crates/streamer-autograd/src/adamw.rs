@@ -4,12 +4,12 @@
 
 use std::borrow::Cow;
 
-use candle_core::{bail, Result, Tensor, Var};
+use candle_core::{bail, Result};
 use candle_nn::ParamsAdamW;
 
-use crate::host_optim::{BufferName, HostOptimizer, MetaValue, UpdateRule};
+use crate::host_optim::{BufferName, HostOptimizer, MetaValue, ParamStep, UpdateRule};
 use crate::host_update::{update_param, Kernel, Master};
-use crate::state::{Noise, StateBuf, StateElem};
+use crate::state::{Noise, StateElem};
 
 /// Rejects AdamW hyper-parameters that would write NaN or infinities into
 /// the parameters (or flip their sign through the decay), naming the value.
@@ -164,17 +164,9 @@ impl UpdateRule for AdamWUpdate {
 
     // The trait is sealed: its state types stay crate-private.
     #[allow(private_interfaces)]
-    fn update(
-        p: &ParamsAdamW,
-        t: usize,
-        var: &Var,
-        grad: &Tensor,
-        bufs: &mut [StateBuf],
-        first: bool,
-        noise: Noise,
-    ) -> Result<()> {
-        let k = AdamConsts::new(p, t);
-        update_param::<AdamKernel>("cpu-adamw", var, grad, bufs, first, (&k, noise))
+    fn update(p: &ParamsAdamW, s: ParamStep<'_>) -> Result<()> {
+        let k = AdamConsts::new(p, s.t);
+        update_param::<AdamKernel>("cpu-adamw", s.var, s.grad, s.bufs, s.first, (&k, s.noise))
     }
 }
 

@@ -53,20 +53,23 @@ pub trait UpdateRule: sealed::Sealed + Send + Sync + 'static {
     /// Reads the hyper-parameters back: `get(key, flag)` returns the value
     /// saved under `key` (a boolean where `flag`), or an error naming it.
     fn from_meta(get: &dyn Fn(&str, bool) -> Result<MetaValue>) -> Result<Self::Params>;
-    /// Updates one parameter in place with its f32 CPU gradient at step `t`:
-    /// `bufs` are its buffers in [`UpdateRule::buffers`] order, `first` says it
-    /// was never stepped before, `noise` seeds bf16 state's rounding.
+    /// Updates one parameter in place with its f32 CPU gradient (see
+    /// [`ParamStep`]).
     #[doc(hidden)]
     #[allow(private_interfaces)]
-    fn update(
-        p: &Self::Params,
-        t: usize,
-        var: &Var,
-        grad: &Tensor,
-        bufs: &mut [StateBuf],
-        first: bool,
-        noise: Noise,
-    ) -> Result<()>;
+    fn update(p: &Self::Params, s: ParamStep<'_>) -> Result<()>;
+}
+
+/// One parameter's update at step `t`: `bufs` are its buffers in
+/// [`UpdateRule::buffers`] order, `first` says it was never stepped before,
+/// `noise` seeds bf16 state's rounding.
+pub(crate) struct ParamStep<'a> {
+    pub(crate) t: usize,
+    pub(crate) var: &'a Var,
+    pub(crate) grad: &'a Tensor,
+    pub(crate) bufs: &'a mut [StateBuf],
+    pub(crate) first: bool,
+    pub(crate) noise: Noise,
 }
 
 /// A saved hyper-parameter.
@@ -299,7 +302,19 @@ impl<R: UpdateRule> HostOptimizer<R> {
             .enumerate()
             .try_for_each(|(i, (((var, bufs), last), grad))| {
                 let Some(grad) = grad else { return Ok(()) };
-                R::update(p, t, var, grad, bufs, *last == 0, Noise::new(t, i))?;
+                let first = *last == 0;
+                let noise = Noise::new(t, i);
+                R::update(
+                    p,
+                    ParamStep {
+                        t,
+                        var,
+                        grad,
+                        bufs,
+                        first,
+                        noise,
+                    },
+                )?;
                 *last = t;
                 Ok(())
             })

@@ -3,11 +3,11 @@
 
 use std::borrow::Cow;
 
-use candle_core::{bail, Result, Tensor, Var};
+use candle_core::{bail, Result};
 
-use crate::host_optim::{BufferName, HostOptimizer, MetaValue, UpdateRule};
+use crate::host_optim::{BufferName, HostOptimizer, MetaValue, ParamStep, UpdateRule};
 use crate::host_update::{update_param, Kernel, Master};
-use crate::state::{Noise, StateBuf, StateElem};
+use crate::state::{Noise, StateElem};
 
 /// Hyper-parameters of [`CpuSgd`], with PyTorch's `torch.optim.SGD` meaning.
 #[derive(Clone, Debug, PartialEq)]
@@ -192,17 +192,9 @@ impl UpdateRule for SgdUpdate {
 
     // The trait is sealed: its state types stay crate-private.
     #[allow(private_interfaces)]
-    fn update(
-        p: &ParamsSgd,
-        _t: usize,
-        var: &Var,
-        grad: &Tensor,
-        bufs: &mut [StateBuf],
-        first: bool,
-        noise: Noise,
-    ) -> Result<()> {
+    fn update(p: &ParamsSgd, s: ParamStep<'_>) -> Result<()> {
         let k = SgdConsts::new(p);
-        update_param::<SgdKernel>("cpu-sgd", var, grad, bufs, first, (&k, noise))
+        update_param::<SgdKernel>("cpu-sgd", s.var, s.grad, s.bufs, s.first, (&k, s.noise))
     }
 }
 

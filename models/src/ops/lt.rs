@@ -15,6 +15,7 @@
 //! device; callers check that. A cuBLASLt build that lacks an epilogue for a
 //! shape falls back to the plain GEMM plus Candle ops, counted by
 //! [`epilogue_fallbacks`] so a bench can show it.
+use super::launch::{alloc, device_ptr_mut, View};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Result, Storage, Tensor};
 use cudarc::cublaslt::{result, sys};
@@ -336,35 +337,37 @@ unsafe fn gemm(
     Ok(true)
 }
 
-/// Device pointers of CUDA operands of element type `T` (each a storage and
-/// the element offset where the operand starts) and fresh outputs of the given
+/// Device pointers of CUDA operands of dtype `dt` (each a storage and the
+/// element offset where the operand starts) and fresh outputs of the given
 /// lengths; runs `f` on them while every borrow is alive, returns the outputs.
-fn with_buffers<T, F>(
+fn with_buffers<F>(
     dev: &CudaDevice,
+    dt: DType,
     ins: &[(&CudaStorage, usize)],
     outs: &[usize],
     f: F,
-) -> Result<Vec<CudaSlice<T>>>
+) -> Result<Vec<CudaStorage>>
 where
-    T: candle_core::cuda_backend::CudaDType + cudarc::driver::DeviceRepr,
     F: FnOnce(&Arc<Handle>, &[CUdeviceptr], &[CUdeviceptr]) -> Result<()>,
 {
-    use cudarc::driver::DevicePtrMut;
     let h = handle(dev)?;
     let stream = dev.cuda_stream();
-    let mut views = Vec::with_capacity(ins.len());
-    for (cs, offset) in ins {
-        views.push(cs.as_cuda_slice::<T>()?.slice(*offset..));
-    }
+    let views = ins
+        .iter()
+        .map(|(cs, offset)| View::of(cs, *offset, dt))
+        .collect::<Result<Vec<_>>>()?;
     let in_ptrs: Vec<_> = views.iter().map(|v| v.device_ptr(&stream)).collect();
     let mut out = Vec::with_capacity(outs.len());
     for &n in outs {
         // SAFETY: every output is written in full by the GEMM or its epilogue
         // before anything reads it (the callers' contracts).
-        out.push(unsafe { dev.alloc::<T>(n) }?);
+        out.push(unsafe { alloc(dev, dt, n) }?);
     }
     {
-        let out_ptrs: Vec<_> = out.iter_mut().map(|o| o.device_ptr_mut(&stream)).collect();
+        let out_ptrs = out
+            .iter_mut()
+            .map(|o| device_ptr_mut(o, &stream))
+            .collect::<Result<Vec<_>>>()?;
         let a: Vec<CUdeviceptr> = in_ptrs.iter().map(|p| p.0).collect();
         let b: Vec<CUdeviceptr> = out_ptrs.iter().map(|p| p.0).collect();
         f(&h, &a, &b)?;
@@ -386,26 +389,15 @@ fn call_raw(
     g: Gemm,
     ep: EpFn<'_>,
 ) -> Result<Option<Vec<CudaStorage>>> {
+    data_type(dt)?;
     let mut ran = false;
-    macro_rules! go {
-        ($t:ty) => {{
-            let bufs = with_buffers::<$t, _>(dev, ins, lens, |h, i, o| {
-                let (a, b, d, e) = ep(i, o);
-                // SAFETY: the callers size every buffer for `g` (checked shapes,
-                // contiguous operands), and `with_buffers` keeps them alive.
-                ran = unsafe { gemm(h, dt, g, a, b, d, e) }?;
-                Ok(())
-            })?;
-            bufs.into_iter()
-                .map(|s| CudaStorage::wrap_cuda_slice(s, dev.clone()))
-                .collect::<Vec<_>>()
-        }};
-    }
-    let storages = match dt {
-        DType::BF16 => go!(half::bf16),
-        DType::F16 => go!(half::f16),
-        dt => candle_core::bail!("cuBLASLt fused GEMM takes bf16 or f16, got {dt:?}"),
-    };
+    let storages = with_buffers(dev, dt, ins, lens, |h, i, o| {
+        let (a, b, d, e) = ep(i, o);
+        // SAFETY: the callers size every buffer for `g` (checked shapes,
+        // contiguous operands), and `with_buffers` keeps them alive.
+        ran = unsafe { gemm(h, dt, g, a, b, d, e) }?;
+        Ok(())
+    })?;
     if !ran {
         FALLBACKS.fetch_add(1, Ordering::Relaxed);
         return Ok(None);
@@ -469,24 +461,10 @@ pub(crate) fn linear_raw(
     let g = forward_gemm(n, m, k);
     let keep = gelu && keep_z;
     let lens: &[usize] = if keep { &[n * m, n * m] } else { &[n * m] };
-    let ep = |i: &[CUdeviceptr], o: &[CUdeviceptr]| {
-        (
-            i[1],
-            i[0],
-            o[0],
-            Ep::Bias {
-                bias: i[2],
-                gelu,
-                aux: keep.then(|| o[1]),
-            },
-        )
-    };
-    if let Some(mut s) = call_raw(dev, dt, &[x, w, b], lens, g, &ep)? {
-        let z = keep.then(|| s.swap_remove(1));
-        return Ok((s.swap_remove(0), z));
-    }
-    let run = |gelu| -> Result<CudaStorage> {
-        let ep = |i: &[CUdeviceptr], o: &[CUdeviceptr]| {
+    // Operands [x, w, b], outputs [y] or [y, z].
+    let bias_ep = |gelu: bool, keep: bool| {
+        move |i: &[CUdeviceptr], o: &[CUdeviceptr]| {
+            let aux = keep.then(|| o[1]);
             (
                 i[1],
                 i[0],
@@ -494,11 +472,17 @@ pub(crate) fn linear_raw(
                 Ep::Bias {
                     bias: i[2],
                     gelu,
-                    aux: None,
+                    aux,
                 },
             )
-        };
-        let s = call_raw(dev, dt, &[x, w, b], &[n * m], g, &ep)?;
+        }
+    };
+    if let Some(mut s) = call_raw(dev, dt, &[x, w, b], lens, g, &bias_ep(gelu, keep))? {
+        let z = keep.then(|| s.swap_remove(1));
+        return Ok((s.swap_remove(0), z));
+    }
+    let run = |gelu| -> Result<CudaStorage> {
+        let s = call_raw(dev, dt, &[x, w, b], &[n * m], g, &bias_ep(gelu, false))?;
         s.map(|mut s| s.swap_remove(0)).ok_or_else(|| {
             candle_core::Error::Msg("cuBLASLt has no bias epilogue for this GEMM".into())
         })

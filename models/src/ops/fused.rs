@@ -36,7 +36,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     check_alike("swiglu", [("gate", gate), ("up", up)])?;
     #[cfg(feature = "cuda")]
     if gate.device().is_cuda() && kernel_dtype(gate.dtype()) && !gate.track_op() && !up.track_op() {
-        return crate::decoder_kernels::swiglu(gate, up);
+        return crate::ops::decoder::swiglu(gate, up);
     }
     gate.silu()? * up
 }
@@ -62,7 +62,7 @@ pub fn add_rms_norm(x: &Tensor, r: &Tensor, w: &Tensor, eps: f64) -> Result<(Ten
         && kernel_dtype(x.dtype())
         && !(x.track_op() || r.track_op() || w.track_op())
     {
-        return crate::decoder_kernels::add_rms_norm(x, r, w, eps);
+        return crate::ops::decoder::add_rms_norm(x, r, w, eps);
     }
     let s = (x + r)?;
     let y = candle_core::Module::forward(&crate::RmsNorm::from_weight(w.clone(), eps), &s)?;
@@ -131,7 +131,7 @@ pub fn rope_into_heads(
     check_tables("rope_into_heads", p, cos, sin, seq, d)?;
     #[cfg(feature = "cuda")]
     if p.device().is_cuda() {
-        return crate::decoder_kernels::rope_to_heads(p, (batch, seq, heads), cos, sin);
+        return crate::ops::decoder::rope_to_heads(p, (batch, seq, heads), cos, sin);
     }
     let x = p
         .reshape((batch, seq, heads, d))?
@@ -151,7 +151,7 @@ pub fn rope_into_rows(g: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> 
     check_tables("rope_into_rows", g, cos, sin, n, d)?;
     #[cfg(feature = "cuda")]
     if g.device().is_cuda() {
-        return crate::decoder_kernels::rope_to_rows(g, cos, sin);
+        return crate::ops::decoder::rope_to_rows(g, cos, sin);
     }
     rope_backward(g, cos, sin)?
         .transpose(1, 2)?
@@ -269,7 +269,7 @@ pub(crate) fn norm_backward(
 ) -> Result<(Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        if let Some(r) = crate::decoder_kernels::rms_norm_backward(x, w, g, res, eps)? {
+        if let Some(r) = crate::ops::decoder::rms_norm_backward(x, w, g, res, eps)? {
             return Ok(r);
         }
     }

@@ -1,0 +1,89 @@
+//! Fixtures and comparisons shared by the topics.
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Tensor};
+use streamer_core::StreamConfig;
+
+/// Streaming on `dev` in `dtype`, `prefetch` blocks ahead, f32 host masters.
+pub(crate) fn stream(dev: &Device, dtype: DType, prefetch: usize) -> StreamConfig {
+    StreamConfig {
+        device: dev.clone(),
+        prefetch_ahead: prefetch,
+        dtype,
+        master_dtype: Some(DType::F32),
+        ..Default::default()
+    }
+}
+
+/// The compute dtype of the mixed-precision tests: bf16 on CUDA, f32 on the CPU.
+pub(crate) fn compute_dtype(dev: &Device) -> DType {
+    if dev.is_cuda() {
+        DType::BF16
+    } else {
+        DType::F32
+    }
+}
+
+/// The largest absolute difference of two value lists relative to the
+/// largest magnitude of `want` (floored at 1e-12).
+pub(crate) fn rel_err_vals(got: &[f64], want: &[f64]) -> Result<f64> {
+    ensure!(
+        got.len() == want.len(),
+        "{} values, expected {}",
+        got.len(),
+        want.len()
+    );
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-12);
+    let diff = got
+        .iter()
+        .zip(want)
+        .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+    Ok(diff / scale)
+}
+
+/// [`rel_err_vals`] of two tensors of any float dtype and device.
+pub(crate) fn rel_err(got: &Tensor, want: &Tensor) -> Result<f64> {
+    let vals = |t: &Tensor| -> Result<Vec<f64>> {
+        Ok(t.to_dtype(DType::F64)?
+            .to_device(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f64>()?)
+    };
+    rel_err_vals(&vals(got)?, &vals(want)?)
+}
+
+/// A fresh empty directory under the system's temporary one, unique to this
+/// process and call: `streamer-{topic}-{name}-{pid}-{n}`.
+pub(crate) fn temp_dir(topic: &str, name: &str) -> Result<std::path::PathBuf> {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let k = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let pid = std::process::id();
+    let d = std::env::temp_dir().join(format!("streamer-{topic}-{name}-{pid}-{k}"));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d)?;
+    Ok(d)
+}
+
+/// This test binary run again on one test (`name`, exactly), single-threaded
+/// and quiet: a child process for the tests that must crash or measure one.
+pub(crate) fn child_test(name: &str) -> Result<std::process::Command> {
+    let mut c = std::process::Command::new(std::env::current_exe()?);
+    c.args([name, "--exact", "--nocapture", "--test-threads=1", "-q"]);
+    Ok(c)
+}
+
+/// The tests' training loop: batches of 2 rows of `seq` tokens, one micro
+/// batch, seed 0, a constant learning rate of 1e-2, no checkpoints.
+pub(crate) fn loop_options(steps: usize, seq: usize) -> streamer_models::LoopOptions {
+    streamer_models::LoopOptions {
+        steps,
+        batch: 2,
+        micro_batches: 1,
+        seq,
+        seed: 0,
+        lr: 1e-2,
+        warmup: 0,
+        decay: streamer_models::Decay::Constant,
+        save_every: None,
+        checkpoint_dir: None,
+    }
+}
