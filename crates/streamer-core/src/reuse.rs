@@ -126,7 +126,7 @@ impl Verifier {
                 // that reads the scratch waits for this copy, and the next
                 // refill waits for that comparison (above).
                 unsafe { crate::cuda::htod_async(at, src, len, transfer)? };
-                at += crate::pool::stage_len(n) as u64;
+                at += crate::pool::cuda::stage_len(n) as u64;
                 bytes += n as u64;
             }
             // The flag's reset and the copies come first.
@@ -141,7 +141,7 @@ impl Verifier {
                 unsafe {
                     crate::cuda::bytes_differ(dev, &self.check, (at, addr, n), self.flag_ptr)?
                 };
-                at += crate::pool::stage_len(n) as u64;
+                at += crate::pool::cuda::stage_len(n) as u64;
             }
             let done = Arc::new(event(&self.check)?);
             self.guards.push((*slot, done.clone()));

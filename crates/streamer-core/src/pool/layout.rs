@@ -1,0 +1,56 @@
+//! Where each of a block's weights sits in a slot.
+use candle_core::{DType, Shape};
+
+/// Offsets inside a slot are aligned to this many bytes (vector loads, tensor cores).
+const ALIGN_BYTES: usize = 256;
+
+/// One weight of a block, as laid out in a slot.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    /// Name relative to the block's prefix (what the block's `VarBuilder` asks for).
+    pub local: String,
+    /// Index of the host master.
+    pub master: usize,
+    /// Offset in the slot, in elements of the compute dtype.
+    pub offset: usize,
+    /// Shape of the weight.
+    pub shape: Shape,
+}
+
+/// Where each of a block's weights sits in a slot. Tied weights within a block
+/// share one entry offset and are copied once.
+#[derive(Debug, Clone, Default)]
+pub struct BlockLayout {
+    /// Every name the block uses.
+    pub entries: Vec<Entry>,
+    /// Distinct masters and their slot offsets: what one load copies.
+    pub unique: Vec<(usize, usize)>,
+    /// Elements of the slot this block occupies (compute dtype, with alignment).
+    pub elems: usize,
+}
+
+impl BlockLayout {
+    pub(crate) fn push(&mut self, local: String, master: usize, shape: Shape, dtype: DType) {
+        let offset = match self.unique.iter().find(|(m, _)| *m == master) {
+            Some(&(_, off)) => off,
+            None => {
+                let align = (ALIGN_BYTES / dtype.size_in_bytes()).max(1);
+                let off = self.elems.div_ceil(align) * align;
+                self.unique.push((master, off));
+                self.elems = off + shape.elem_count();
+                off
+            }
+        };
+        self.entries.push(Entry {
+            local,
+            master,
+            offset,
+            shape,
+        });
+    }
+
+    /// Bytes of device memory the block's weights occupy.
+    pub fn bytes(&self, dtype: DType) -> usize {
+        self.elems * dtype.size_in_bytes()
+    }
+}
