@@ -8,6 +8,7 @@ use candle_nn::{ParamsAdamW, VarBuilder, VarMap};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use streamer_core::{StreamConfig, WeightSource};
+use streamer_device::Error;
 use streamer_models::{
     check_weights, generate, init_weights, parse_bytes, prefetch_for_budget, sample_token,
     train_loop, ByteCorpus, Decay, Llama, LlamaConfig, LmTrainer, LoopOptions, OptimizerPlace,
@@ -60,6 +61,15 @@ pub(crate) fn err_of<T>(r: candle_core::Result<T>) -> Result<String> {
     match r {
         Ok(_) => anyhow::bail!("expected an error"),
         Err(e) => Ok(e.to_string()),
+    }
+}
+
+/// The error of `r`, which must fail, to match with
+/// `streamer_device::Error::find`.
+pub(crate) fn fail<T>(r: candle_core::Result<T>) -> Result<candle_core::Error> {
+    match r {
+        Ok(_) => anyhow::bail!("expected an error"),
+        Err(e) => Ok(e),
     }
 }
 
@@ -337,11 +347,13 @@ fn llama_config_weight_mismatch_names_tensor(dev: &Device) -> Result<()> {
         num_key_value_heads: Some(1),
         ..cfg.clone()
     };
-    let e = err_of(s(&c, &w))?;
+    let e = fail(s(&c, &w))?;
     ensure!(
-        e.contains("model.layers.0.self_attn.k_proj.weight") && e.contains("num_key_value_heads"),
+        matches!(Error::find(&e), Some(Error::Shape { what, .. })
+            if what.contains("model.layers.0.self_attn.k_proj.weight")),
         "{e}"
     );
+    ensure!(e.to_string().contains("num_key_value_heads"), "{e}");
     // A wider MLP.
     let c = LlamaConfig {
         intermediate_size: 256,
@@ -407,8 +419,12 @@ fn llama_config_weight_mismatch_names_tensor(dev: &Device) -> Result<()> {
         num_key_value_heads: Some(1),
         ..cfg.clone()
     };
-    let e = err_of(Llama::load_resident(&[&path], &c, DType::F32, dev))?;
-    ensure!(e.contains("k_proj.weight"), "{e}");
+    let e = fail(Llama::load_resident(&[&path], &c, DType::F32, dev))?;
+    ensure!(
+        matches!(Error::find(&e), Some(Error::Checkpoint { path: p, reason })
+            if p == &path && reason.contains("k_proj.weight")),
+        "{e}"
+    );
     // A config that is wrong in itself names the field.
     let e = err_of(LlamaConfig::from_json(r#"{"hidden_size": 32}"#))?;
     ensure!(e.contains("intermediate_size"), "{e}");
@@ -432,12 +448,15 @@ fn llama_truncated_or_foreign_file_errors_cleanly(dev: &Device) -> Result<()> {
     let bytes = std::fs::read(&path)?;
     let cut = dir.join("cut.safetensors");
     std::fs::write(&cut, &bytes[..bytes.len() / 2])?;
-    let e = err_of(Llama::from_safetensors(
+    let e = fail(Llama::from_safetensors(
         &[&cut],
         &cfg,
         stream(dev, DType::F32, 1),
     ))?;
-    ensure!(e.contains("cut.safetensors"), "{e}");
+    ensure!(
+        matches!(Error::find(&e), Some(Error::Checkpoint { path, .. }) if path == &cut),
+        "{e}"
+    );
     let e = err_of(Llama::load_resident(&[&cut], &cfg, DType::F32, dev))?;
     ensure!(e.contains("cut.safetensors"), "{e}");
     let text = dir.join("notes.safetensors");
@@ -454,12 +473,16 @@ fn llama_truncated_or_foreign_file_errors_cleanly(dev: &Device) -> Result<()> {
         &index,
         r#"{"weight_map": {"model.norm.weight": "gone.safetensors"}}"#,
     )?;
-    let e = err_of(Llama::from_safetensors(
+    let e = fail(Llama::from_safetensors(
         &[&index],
         &cfg,
         stream(dev, DType::F32, 1),
     ))?;
-    ensure!(e.contains("gone.safetensors"), "{e}");
+    ensure!(
+        matches!(Error::find(&e), Some(Error::Checkpoint { path, .. })
+            if path.ends_with("gone.safetensors")),
+        "{e}"
+    );
     // Nothing was written over.
     ensure!(std::fs::read(&path)? == bytes);
     let _ = std::fs::remove_dir_all(&dir);
@@ -1116,7 +1139,12 @@ fn llama_config_unsupported_fields_are_named(_dev: &Device) -> Result<()> {
         .into_iter()
         .chain(unsupported_cases_b());
     for (base, edits, want) in cases {
-        let e = err_of(parse(&with(base, edits.clone())))?;
+        let e = fail(parse(&with(base, edits.clone())))?;
+        ensure!(
+            matches!(Error::find(&e), Some(Error::Config { .. })),
+            "{edits}: {e}"
+        );
+        let e = e.to_string();
         ensure!(want.iter().all(|w| e.contains(w)), "{edits}: {e}");
     }
     // Fields that do not change the math are ignored.

@@ -180,11 +180,16 @@ impl DevicePlan {
         (places, state): (&[OptimizerPlace], StateDtype),
     ) -> Result<Self> {
         if budget > device_total {
-            bail!(
-                "device budget {:.1} GiB is larger than the device ({:.1} GiB)",
-                gib(budget),
-                gib(device_total)
-            );
+            return Err(streamer_device::Error::OutOfMemory {
+                needed: budget,
+                free: device_total,
+                what: format!(
+                    "device budget {:.1} GiB is larger than the device ({:.1} GiB)",
+                    gib(budget),
+                    gib(device_total)
+                ),
+            }
+            .into());
         }
         if shape.rows == 0 || shape.seq == 0 {
             bail!("a step of {} x {} tokens", shape.rows, shape.seq);
@@ -224,13 +229,18 @@ impl DevicePlan {
                 keep_bytes: 0,
             },
         );
-        bail!(
-            "device budget {:.1} GiB is below the smallest plan for {} x {} tokens a step: \
-             {smallest}",
-            gib(budget),
-            shape.rows,
-            shape.seq
-        )
+        Err(streamer_device::Error::OutOfMemory {
+            needed: smallest.total(),
+            free: budget,
+            what: format!(
+                "device budget {:.1} GiB is below the smallest plan for {} x {} tokens a step: \
+                 {smallest}",
+                gib(budget),
+                shape.rows,
+                shape.seq
+            ),
+        }
+        .into())
     }
 }
 
