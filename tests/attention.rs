@@ -871,6 +871,23 @@ fn attention_rejects_bad_input(dev: &Device) -> Result<()> {
     expect_err(attention(&q, &kv16, &kv, &o), &["F32", "F16"])?;
     let q64 = q.to_dtype(DType::F64)?;
     expect_err(attention(&q64, &kv, &kv, &o), &["F64"])?;
+    use streamer_device::Error;
+    let e = attention(&q64, &kv, &kv, &o).unwrap_err();
+    ensure!(
+        matches!(
+            Error::find(&e),
+            Some(&Error::Dtype {
+                got: DType::F64,
+                ..
+            })
+        ),
+        "{e}"
+    );
+    let e = attention(&q3, &kv, &kv, &o).unwrap_err();
+    ensure!(
+        matches!(Error::find(&e), Some(Error::Shape { got, .. }) if got == &[4, 8, 16]),
+        "{e}"
+    );
     // heads that do not divide
     let kv3 = t((1, 3, 8, 16), DType::F32)?;
     expect_err(
