@@ -551,10 +551,12 @@ fn attention_forward_only_needs_forward_host_memory(dev: &Device) -> Result<()> 
     let e = rel_err_t(&streamed, &resident)?;
     ensure!(e <= 1e-5, "forward-only streamed vs resident {e:e}");
     let qv = Var::from_tensor(&q)?;
-    let err = attention(qv.as_tensor(), &k, &v, &opts(Mode::Auto, Some(budget)))
-        .unwrap_err()
-        .to_string();
-    ensure!(err.contains("more for the backward"), "{err}");
+    let err = attention(qv.as_tensor(), &k, &v, &opts(Mode::Auto, Some(budget))).unwrap_err();
+    ensure!(
+        streamer_device::Error::is_out_of_memory(&err)
+            && err.to_string().contains("more for the backward"),
+        "{err}"
+    );
     Ok(())
 }
 candle_streamer::test_device!(attention_forward_only_needs_forward_host_memory);
@@ -867,6 +869,23 @@ fn attention_rejects_bad_input(dev: &Device) -> Result<()> {
     expect_err(attention(&q, &kv16, &kv, &o), &["F32", "F16"])?;
     let q64 = q.to_dtype(DType::F64)?;
     expect_err(attention(&q64, &kv, &kv, &o), &["F64"])?;
+    use streamer_device::Error;
+    let e = attention(&q64, &kv, &kv, &o).unwrap_err();
+    ensure!(
+        matches!(
+            Error::find(&e),
+            Some(&Error::Dtype {
+                got: DType::F64,
+                ..
+            })
+        ),
+        "{e}"
+    );
+    let e = attention(&q3, &kv, &kv, &o).unwrap_err();
+    ensure!(
+        matches!(Error::find(&e), Some(Error::Shape { got, .. }) if got == &[4, 8, 16]),
+        "{e}"
+    );
     // heads that do not divide
     let kv3 = t((1, 3, 8, 16), DType::F32)?;
     expect_err(

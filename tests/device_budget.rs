@@ -24,7 +24,12 @@ fn budget_holds(dev: &Device) -> Result<()> {
     let err = DeviceCap::hold(dev, total + (1 << 30))
         .err()
         .context("too large")?;
-    ensure!(err.to_string().contains("larger than the device"), "{err}");
+    ensure!(
+        matches!(streamer_device::Error::find(&err),
+            Some(&streamer_device::Error::OutOfMemory { needed, free, .. })
+                if needed == total + (1 << 30) && free == total),
+        "{err}"
+    );
     let cfg = LlamaConfig::preset("350m")?;
     let shape = StepShape {
         rows: 16,

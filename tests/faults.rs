@@ -641,6 +641,31 @@ fn injected_faults_fire_once_on_their_thread_only() -> Result<()> {
     Ok(())
 }
 
+/// An injected out-of-memory reaches the caller of a training step as
+/// `streamer_device::Error::OutOfMemory`, whichever allocation point failed.
+fn injected_out_of_memory_is_typed(dev: &Device) -> Result<()> {
+    let _gpu = device_lock(dev);
+    for point in [
+        FaultPoint::WeightLoad,
+        FaultPoint::GradientOffload,
+        FaultPoint::OptimizerGradient,
+    ] {
+        let m = model(dev, &SMALL, &Arc::new(Plan::default()))?;
+        let mut opt = optimizer(&m)?;
+        faults::inject_out_of_memory(point, 0);
+        let r = step(&m, &mut opt, &SMALL, 0);
+        faults::clear_injected_faults();
+        let e = r.err().context("the step must fail")?;
+        ensure!(
+            streamer_device::Error::find(e.as_ref())
+                .is_some_and(|e| matches!(e, streamer_device::Error::OutOfMemory { .. })),
+            "{point}: {e:#}"
+        );
+    }
+    Ok(())
+}
+candle_streamer::test_device!(injected_out_of_memory_is_typed);
+
 // ---- the decoder trainer ----------------------------------------------------------
 
 /// `LmTrainer` on a micro decoder (2 layers of width 16), streamed on `dev`.

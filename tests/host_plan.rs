@@ -2,10 +2,11 @@
 //! weight is loaded, against what the trainer then allocates; a plan larger
 //! than the host is refused with its numbers. `DevicePlan`: its device
 //! memory by part, and the settings chosen for a device budget.
-use super::models::err_of;
+use super::models::{err_of, fail};
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device};
 use candle_nn::ParamsAdamW;
+use streamer_device::Error;
 use streamer_models::{
     device_plan::host_plan, init_weights, DevicePlan, HostPlan, Llama, LlamaConfig, LmTrainer,
     OptimizerPlace, PlanChoices, PlanLimits, StateDtype, StepRates, StepSettings, StepShape,
@@ -78,7 +79,13 @@ fn host_plan_of_8b_and_its_refusal() -> Result<()> {
     ensure!(bf16.total() == 12 * n, "{bf16}");
     let layers = cfg.layer_params() * cfg.num_hidden_layers;
     ensure!(dev.total() == 4 * layers, "{dev}");
-    let err = err_of(f32s.check_fits(110 << 30))?;
+    let e = fail(f32s.check_fits(110 << 30))?;
+    ensure!(
+        matches!(Error::find(&e), Some(&Error::OutOfMemory { needed, free, .. })
+            if needed == f32s.total() && free == 110 << 30),
+        "{e}"
+    );
+    let err = e.to_string();
     ensure!(
         err.contains("110.0 GiB available") && err.contains("--optimizer-state bf16"),
         "{err:?}"
@@ -230,20 +237,23 @@ fn device_plan_choice_and_refusals() -> Result<()> {
             ensure!(p.total() <= gib << 30, "{gib} GiB: {p}");
         }
     }
-    let err = err_of(DevicePlan::choose(
+    let e = fail(DevicePlan::choose(
         &cfg,
         shape_8b(8),
         (200 << 30, 140 << 30),
     ))?;
     ensure!(
-        err.contains("200.0 GiB") && err.contains("140.0 GiB"),
-        "{err}"
+        matches!(Error::find(&e), Some(&Error::OutOfMemory { needed, free, .. })
+            if needed == 200 << 30 && free == 140 << 30),
+        "{e}"
     );
-    let err = err_of(DevicePlan::choose(&cfg, shape_8b(8), (4 << 30, 140 << 30)))?;
+    let e = fail(DevicePlan::choose(&cfg, shape_8b(8), (4 << 30, 140 << 30)))?;
     ensure!(
-        err.contains("below the smallest plan") && err.contains("4.0 GiB"),
-        "{err}"
+        matches!(Error::find(&e), Some(&Error::OutOfMemory { needed, free, .. })
+            if needed > free && free == 4 << 30),
+        "{e}"
     );
+    ensure!(e.to_string().contains("below the smallest plan"), "{e}");
     Ok(())
 }
 

@@ -9,6 +9,7 @@ use candle_nn::{ParamsAdamW, VarBuilder, VarMap};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use streamer_core::WeightSource;
+use streamer_device::Error;
 use streamer_models::{
     check_weights, generate, init_weights, parse_bytes, prefetch_for_budget, sample_token,
     train_loop, ByteCorpus, Llama, LlamaConfig, LmTrainer, LoopOptions, OptimizerPlace, SplitMix64,
@@ -45,6 +46,15 @@ pub(crate) fn err_of<T>(r: candle_core::Result<T>) -> Result<String> {
     match r {
         Ok(_) => anyhow::bail!("expected an error"),
         Err(e) => Ok(e.to_string()),
+    }
+}
+
+/// The error of `r`, which must fail, to match with
+/// `streamer_device::Error::find`.
+pub(crate) fn fail<T>(r: candle_core::Result<T>) -> Result<candle_core::Error> {
+    match r {
+        Ok(_) => anyhow::bail!("expected an error"),
+        Err(e) => Ok(e),
     }
 }
 
@@ -359,6 +369,17 @@ fn llama_config_weight_mismatch_names_tensor(dev: &Device) -> Result<()> {
         let e = err_of(s(&c, &w))?;
         ensure!(needles.iter().all(|n| e.contains(n)), "{e}");
     }
+    // The key-value heads' mismatch is a typed shape error naming the weight.
+    let c = LlamaConfig {
+        num_key_value_heads: Some(1),
+        ..cfg.clone()
+    };
+    let e = fail(s(&c, &w))?;
+    ensure!(
+        matches!(Error::find(&e), Some(Error::Shape { what, .. })
+            if what.contains("model.layers.0.self_attn.k_proj.weight")),
+        "{e}"
+    );
     // Untied config, tied weights: the head is missing.
     let mut v = w.clone();
     v.remove("lm_head.weight");
@@ -394,8 +415,12 @@ fn llama_config_weight_mismatch_names_tensor(dev: &Device) -> Result<()> {
         num_key_value_heads: Some(1),
         ..cfg.clone()
     };
-    let e = err_of(Llama::load_resident(&[&path], &c, DType::F32, dev))?;
-    ensure!(e.contains("k_proj.weight"), "{e}");
+    let e = fail(Llama::load_resident(&[&path], &c, DType::F32, dev))?;
+    ensure!(
+        matches!(Error::find(&e), Some(Error::Checkpoint { path: p, reason })
+            if p == &path && reason.contains("k_proj.weight")),
+        "{e}"
+    );
     // A config that is wrong in itself names the field.
     let e = err_of(LlamaConfig::from_json(r#"{"hidden_size": 32}"#))?;
     ensure!(e.contains("intermediate_size"), "{e}");
@@ -419,12 +444,15 @@ fn llama_truncated_or_foreign_file_errors_cleanly(dev: &Device) -> Result<()> {
     let bytes = std::fs::read(&path)?;
     let cut = dir.join("cut.safetensors");
     std::fs::write(&cut, &bytes[..bytes.len() / 2])?;
-    let e = err_of(Llama::from_safetensors(
+    let e = fail(Llama::from_safetensors(
         &[&cut],
         &cfg,
         stream(dev, DType::F32, 1),
     ))?;
-    ensure!(e.contains("cut.safetensors"), "{e}");
+    ensure!(
+        matches!(Error::find(&e), Some(Error::Checkpoint { path, .. }) if path == &cut),
+        "{e}"
+    );
     let e = err_of(Llama::load_resident(&[&cut], &cfg, DType::F32, dev))?;
     ensure!(e.contains("cut.safetensors"), "{e}");
     let text = dir.join("notes.safetensors");
@@ -441,12 +469,16 @@ fn llama_truncated_or_foreign_file_errors_cleanly(dev: &Device) -> Result<()> {
         &index,
         r#"{"weight_map": {"model.norm.weight": "gone.safetensors"}}"#,
     )?;
-    let e = err_of(Llama::from_safetensors(
+    let e = fail(Llama::from_safetensors(
         &[&index],
         &cfg,
         stream(dev, DType::F32, 1),
     ))?;
-    ensure!(e.contains("gone.safetensors"), "{e}");
+    ensure!(
+        matches!(Error::find(&e), Some(Error::Checkpoint { path, .. })
+            if path.ends_with("gone.safetensors")),
+        "{e}"
+    );
     // Nothing was written over.
     ensure!(std::fs::read(&path)? == bytes);
     let _ = std::fs::remove_dir_all(&dir);
@@ -1084,7 +1116,12 @@ fn llama_config_unsupported_fields_are_named(_dev: &Device) -> Result<()> {
         .into_iter()
         .chain(unsupported_cases_b());
     for (base, edits, want) in cases {
-        let e = err_of(parse(&with(base, edits.clone())))?;
+        let e = fail(parse(&with(base, edits.clone())))?;
+        ensure!(
+            matches!(Error::find(&e), Some(Error::Config { .. })),
+            "{edits}: {e}"
+        );
+        let e = e.to_string();
         ensure!(want.iter().all(|w| e.contains(w)), "{edits}: {e}");
     }
     // Fields that do not change the math are ignored.

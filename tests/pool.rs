@@ -539,22 +539,26 @@ fn construction_errors_name_the_problem(dev: &Device) -> Result<()> {
         "layers.0.up.weight".into(),
         Tensor::zeros((16, 9), DType::F32, &Device::Cpu)?,
     );
-    let e = err_text(StreamedSequential::from_tensors(
-        w,
-        blocks.clone(),
-        cfg(dev, DType::F32, 1),
-    ));
+    let e = StreamedSequential::from_tensors(w, blocks.clone(), cfg(dev, DType::F32, 1))
+        .err()
+        .expect("a mis-shaped weight is refused");
     assert!(
-        e.contains("layers.0.up.weight") && e.contains("[16, 9]") && e.contains("[16, 8]"),
+        matches!(streamer_device::Error::find(&e),
+            Some(streamer_device::Error::Shape { what, got, .. })
+                if what.contains("layers.0.up.weight") && got == &[16, 9]),
         "{e}"
     );
+    assert!(e.to_string().contains("[16, 8]"), "{e}");
     // A non-float dtype request.
-    let e = err_text(StreamedSequential::from_tensors(
-        weights.clone(),
-        blocks.clone(),
-        cfg(dev, DType::U32, 1),
-    ));
-    assert!(e.contains("float") && e.contains("U32"), "{e}");
+    let e =
+        StreamedSequential::from_tensors(weights.clone(), blocks.clone(), cfg(dev, DType::U32, 1))
+            .err()
+            .expect("a U32 model is refused");
+    assert!(
+        matches!(streamer_device::Error::find(&e),
+            Some(streamer_device::Error::Config { field, .. }) if field == "StreamConfig.dtype"),
+        "{e}"
+    );
     Ok(())
 }
 candle_streamer::test_device!(construction_errors_name_the_problem);
@@ -569,8 +573,20 @@ fn call_errors_come_before_any_copy(dev: &Device) -> Result<()> {
     )?;
     // Wrong dtype.
     let x16 = Tensor::zeros((2, 8), DType::F16, dev)?;
-    let e = err_text(model.forward(&x16));
-    assert!(e.contains("F16") && e.contains("F32"), "{e}");
+    let e = model
+        .forward(&x16)
+        .expect_err("an f16 input into an f32 model");
+    assert!(
+        matches!(
+            streamer_device::Error::find(&e),
+            Some(&streamer_device::Error::Dtype {
+                got: DType::F16,
+                ..
+            })
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("F32"), "{e}");
     // Wrong device (a CPU tensor into a CUDA model).
     if dev.is_cuda() {
         let e = err_text(model.forward(&Tensor::zeros((2, 8), DType::F32, &Device::Cpu)?));

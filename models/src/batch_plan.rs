@@ -8,7 +8,7 @@
 //! sequence's rows), and one step's activations (at most `step_rows` rows
 //! through a decoder layer, and the logits of every sequence), plus a
 //! margin for cuBLAS workspaces and the allocator.
-use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use std::time::Instant;
 
 use crate::checkpoint::layer_bytes;
@@ -118,11 +118,16 @@ pub fn sequences_for_budget(
     let fits = |n| BatchMemory::of(cfg, dtype, window, shape(n)).total() <= budget;
     if !fits(1) {
         let one = BatchMemory::of(cfg, dtype, window, shape(1));
-        bail!(
-            "a device budget of {:.2} GiB holds no sequence of {capacity} positions: one needs {one} \
-             (lower the step's rows or the window, or raise the budget)",
-            budget as f64 / (1u64 << 30) as f64
-        );
+        return Err(streamer_device::Error::OutOfMemory {
+            needed: one.total(),
+            free: budget,
+            what: format!(
+                "a device budget of {:.2} GiB holds no sequence of {capacity} positions: one needs \
+                 {one} (lower the step's rows or the window, or raise the budget)",
+                budget as f64 / (1u64 << 30) as f64
+            ),
+        }
+        .into());
     }
     // `fits` is monotone in the count: bisect.
     let (mut lo, mut hi) = (1, max.max(1));

@@ -9,7 +9,10 @@ use streamer_core::WeightSource;
 /// shapes and float dtypes, before anything is loaded. Errors name the tensor
 /// and the config fields its shape comes from; unexpected layers are reported
 /// against `num_hidden_layers`. A tied model's `lm_head.weight`, when present,
-/// is allowed and ignored (some published checkpoints store it).
+/// is allowed and ignored (some published checkpoints store it). A tensor of
+/// the wrong shape or dtype is a [`streamer_device::Error::Shape`] or
+/// [`streamer_device::Error::Dtype`]; loading from files, every mismatch is a
+/// [`streamer_device::Error::Checkpoint`] naming the file.
 pub fn check_weights(src: &WeightSource, cfg: &LlamaConfig) -> Result<()> {
     let expected = cfg.weight_shapes();
     let mut missing = Vec::new();
@@ -20,14 +23,20 @@ pub fn check_weights(src: &WeightSource, cfg: &LlamaConfig) -> Result<()> {
         }
         let (got, dt) = src.meta(name)?;
         if got.dims() != shape.as_slice() {
-            bail!(
-                "the config does not match the weights: tensor {name:?} has shape {:?} but the \
-                 config ({fields}) implies {shape:?}",
-                got.dims()
-            );
+            return Err(streamer_device::Error::Shape {
+                what: format!("the config does not match the weights: tensor {name:?}"),
+                got: got.dims().to_vec(),
+                expected: format!("{shape:?}, as the config ({fields}) implies"),
+            }
+            .into());
         }
         if !dt.is_float() {
-            bail!("tensor {name:?} has dtype {dt:?}; weights must be f16, bf16, f32 or f64");
+            return Err(streamer_device::Error::Dtype {
+                what: format!("weight {name:?}"),
+                got: dt,
+                expected: "f16, bf16, f32 or f64".into(),
+            }
+            .into());
         }
     }
     if !missing.is_empty() {

@@ -27,6 +27,15 @@ pub struct RopeScaling {
     pub original_max_position_embeddings: usize,
 }
 
+/// An invalid or unsupported `config.json` field: "config field {field} {reason}".
+fn field_error(field: impl Into<String>, reason: impl Into<String>) -> candle_core::Error {
+    streamer_device::Error::Config {
+        field: field.into(),
+        reason: reason.into(),
+    }
+    .into()
+}
+
 fn one() -> f64 {
     1.0
 }
@@ -280,10 +289,12 @@ impl LlamaConfig {
     /// Reads and validates a `config.json` file.
     pub fn from_json_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| candle_core::Error::Msg(format!("cannot read {}: {e}", path.display())))?;
-        Self::from_json(&text)
-            .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", path.display())))
+        let text =
+            std::fs::read_to_string(path).map_err(|e| streamer_device::Error::Checkpoint {
+                path: path.to_path_buf(),
+                reason: format!("cannot read: {e}"),
+            })?;
+        Self::from_json(&text).map_err(|e| streamer_device::Error::prefixed(e, path.display()))
     }
 
     /// The configuration as `config.json` text (with `architectures` so
@@ -379,10 +390,13 @@ impl LlamaConfig {
             ),
         ] {
             if v == 0 {
-                bail!("config field {field} must be positive, got 0");
+                return Err(field_error(field, "must be positive, got 0"));
             }
             if v > max {
-                bail!("config field {field} = {v} is beyond this decoder's limit of {max}");
+                return Err(field_error(
+                    field,
+                    format!("= {v} is beyond this decoder's limit of {max}"),
+                ));
             }
         }
         Ok(())
@@ -392,25 +406,34 @@ impl LlamaConfig {
     /// dimension is one the attention kernels and the rotary embedding take.
     fn validate_heads(&self) -> Result<()> {
         if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
-            bail!(
-                "config field hidden_size = {} is not a multiple of num_attention_heads = {} (and no head_dim is given)",
-                self.hidden_size,
-                self.num_attention_heads
-            );
+            return Err(field_error(
+                "hidden_size",
+                format!(
+                    "= {} is not a multiple of num_attention_heads = {} (and no head_dim is given)",
+                    self.hidden_size, self.num_attention_heads
+                ),
+            ));
         }
         if self.num_attention_heads % self.num_kv_heads() != 0 {
-            bail!(
-                "config field num_attention_heads = {} is not a multiple of num_key_value_heads = {}",
-                self.num_attention_heads,
-                self.num_kv_heads()
-            );
+            return Err(field_error(
+                "num_attention_heads",
+                format!(
+                    "= {} is not a multiple of num_key_value_heads = {}",
+                    self.num_attention_heads,
+                    self.num_kv_heads()
+                ),
+            ));
         }
         let d = self.head_dim();
         if d == 0 || d % 2 == 1 || d > cqsa::MAX_HEAD_DIM {
-            bail!(
-                "config head dimension {d} (head_dim or hidden_size / num_attention_heads) must be even and at most {}",
-                cqsa::MAX_HEAD_DIM
-            );
+            return Err(field_error(
+                "head_dim",
+                format!(
+                    "(head dimension {d}, or hidden_size / num_attention_heads) must be even \
+                     and at most {}",
+                    cqsa::MAX_HEAD_DIM
+                ),
+            ));
         }
         Ok(())
     }
@@ -419,16 +442,16 @@ impl LlamaConfig {
     /// every comparison with NaN is false, so it is checked first).
     fn validate_eps_and_theta(&self) -> Result<()> {
         if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
-            bail!(
-                "config field rms_norm_eps must be positive, got {}",
-                self.rms_norm_eps
-            );
+            return Err(field_error(
+                "rms_norm_eps",
+                format!("must be positive, got {}", self.rms_norm_eps),
+            ));
         }
         if self.rope_theta.is_nan() || self.rope_theta <= 1.0 {
-            bail!(
-                "config field rope_theta must be above 1, got {}",
-                self.rope_theta
-            );
+            return Err(field_error(
+                "rope_theta",
+                format!("must be above 1, got {}", self.rope_theta),
+            ));
         }
         Ok(())
     }
@@ -436,11 +459,17 @@ impl LlamaConfig {
     /// The MLP is the one this decoder implements: no biases, SiLU.
     fn validate_mlp(&self) -> Result<()> {
         if self.mlp_bias {
-            bail!("config field mlp_bias = true is not supported (no MLP biases yet)");
+            return Err(field_error(
+                "mlp_bias",
+                "= true is not supported (no MLP biases yet)",
+            ));
         }
         if let Some(act) = &self.hidden_act {
             if act != "silu" {
-                bail!("config field hidden_act = {act:?} is not supported (only \"silu\")");
+                return Err(field_error(
+                    "hidden_act",
+                    format!("= {act:?} is not supported (only \"silu\")"),
+                ));
             }
         }
         Ok(())
@@ -450,10 +479,13 @@ impl LlamaConfig {
     fn validate_rope_scaling(&self) -> Result<()> {
         if let Some(s) = &self.rope_scaling {
             if !["llama3", "linear", "default"].contains(&s.rope_type.as_str()) {
-                bail!(
-                    "config field rope_scaling.rope_type = {:?} is not supported (\"default\", \"linear\" or \"llama3\")",
-                    s.rope_type
-                );
+                return Err(field_error(
+                    "rope_scaling.rope_type",
+                    format!(
+                        "= {:?} is not supported (\"default\", \"linear\" or \"llama3\")",
+                        s.rope_type
+                    ),
+                ));
             }
             if s.factor.is_nan()
                 || s.factor <= 0.0
@@ -461,9 +493,7 @@ impl LlamaConfig {
                     && s.high_freq_factor.partial_cmp(&s.low_freq_factor)
                         != Some(std::cmp::Ordering::Greater))
             {
-                bail!(
-                    "config field rope_scaling: need factor > 0 (and for llama3 high_freq_factor > low_freq_factor), got {s:?}"
-                );
+                return Err(field_error("rope_scaling", format!("needs factor > 0 (and for llama3 high_freq_factor > low_freq_factor), got {s:?}")));
             }
         }
         Ok(())
@@ -473,33 +503,48 @@ impl LlamaConfig {
     /// family has none of, the sliding window and `layer_types`.
     fn validate_family(&self) -> Result<()> {
         if !MODEL_TYPES.contains(&self.model_type.as_str()) {
-            bail!(
-                "config field model_type = {:?} is not supported (one of {MODEL_TYPES:?})",
-                self.model_type
-            );
+            return Err(field_error(
+                "model_type",
+                format!(
+                    "= {:?} is not supported (one of {MODEL_TYPES:?})",
+                    self.model_type
+                ),
+            ));
         }
         if self.attention_bias && (self.model_type == "mistral" || self.model_type == "qwen2") {
-            bail!(
-                "config field attention_bias = true is not supported for model_type {:?} (its \
+            return Err(field_error(
+                "attention_bias",
+                format!(
+                    "= true is not supported for model_type {:?} (its \
                  attention biases are fixed by the family)",
-                self.model_type
-            );
+                    self.model_type
+                ),
+            ));
         }
         if self.sliding_window == Some(0) {
-            bail!("config field sliding_window must be positive or null, got 0");
+            return Err(field_error(
+                "sliding_window",
+                "must be positive or null, got 0",
+            ));
         }
         if !self.layer_types.is_empty() && self.layer_types.len() != self.num_hidden_layers {
-            bail!(
-                "config field layer_types has {} entries but num_hidden_layers = {}",
-                self.layer_types.len(),
-                self.num_hidden_layers
-            );
+            return Err(field_error(
+                "layer_types",
+                format!(
+                    "has {} entries but num_hidden_layers = {}",
+                    self.layer_types.len(),
+                    self.num_hidden_layers
+                ),
+            ));
         }
         for (i, t) in self.layer_types.iter().enumerate() {
             if t != "full_attention" && t != "sliding_attention" {
-                bail!(
-                    "config field layer_types[{i}] = {t:?} is not supported (\"full_attention\" or \"sliding_attention\")"
-                );
+                return Err(field_error(
+                    format!("layer_types[{i}]"),
+                    format!(
+                        "= {t:?} is not supported (\"full_attention\" or \"sliding_attention\")"
+                    ),
+                ));
             }
         }
         Ok(())
@@ -640,8 +685,8 @@ impl LlamaConfig {
 /// into the one layout [`LlamaConfig`] deserialises (top-level `rope_theta` and
 /// `rope_scaling`), refusing every field whose math this decoder lacks.
 mod hf_layout {
-    use super::RopeScaling;
-    use candle_core::{bail, Result};
+    use super::{field_error, RopeScaling};
+    use candle_core::Result;
     use serde_json::{Map, Value};
 
     type Obj = Map<String, Value>;
@@ -680,10 +725,10 @@ mod hf_layout {
         match o.get("model_type") {
             None | Some(Value::Null) => Ok("llama".into()),
             Some(Value::String(t)) if super::MODEL_TYPES.contains(&t.as_str()) => Ok(t.clone()),
-            Some(t) => bail!(
-                "config field model_type = {t} is not supported (one of {:?})",
-                super::MODEL_TYPES
-            ),
+            Some(t) => Err(field_error(
+                "model_type",
+                format!("= {t} is not supported (one of {:?})", super::MODEL_TYPES),
+            )),
         }
     }
 
@@ -700,7 +745,12 @@ mod hf_layout {
             None | Some(Value::Null) => None,
             Some(v) => match v.as_u64() {
                 Some(w) if w > 0 => Some(w),
-                _ => bail!("config field sliding_window = {v} is not a positive integer or null"),
+                _ => {
+                    return Err(field_error(
+                        "sliding_window",
+                        format!("= {v} is not a positive integer or null"),
+                    ))
+                }
             },
         };
         if !is_qwen(family) {
@@ -709,7 +759,10 @@ mod hf_layout {
         match o.get("use_sliding_window") {
             None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(None),
             Some(Value::Bool(true)) => Ok(w),
-            Some(v) => bail!("config field use_sliding_window = {v} is not a boolean"),
+            Some(v) => Err(field_error(
+                "use_sliding_window",
+                format!("= {v} is not a boolean"),
+            )),
         }
     }
 
@@ -722,10 +775,10 @@ mod hf_layout {
             None | Some(Value::Null) => Vec::new(),
             Some(Value::Array(types)) => {
                 if let Some(n) = layers.filter(|n| types.len() as u64 != *n) {
-                    bail!(
-                        "config field layer_types has {} entries but num_hidden_layers = {n}",
-                        types.len()
-                    );
+                    return Err(field_error(
+                        "layer_types",
+                        format!("has {} entries but num_hidden_layers = {n}", types.len()),
+                    ));
                 }
                 let mut out = Vec::with_capacity(types.len());
                 for (i, t) in types.iter().enumerate() {
@@ -733,15 +786,20 @@ mod hf_layout {
                         Some(s @ ("full_attention" | "sliding_attention")) => {
                             out.push(s.to_string())
                         }
-                        _ => bail!(
-                            "config field layer_types[{i}] = {t} is not supported \
+                        _ => {
+                            return Err(field_error(
+                                format!("layer_types[{i}]"),
+                                format!(
+                                    "= {t} is not supported \
                              (\"full_attention\" or \"sliding_attention\")"
-                        ),
+                                ),
+                            ))
+                        }
                     }
                 }
                 out
             }
-            Some(v) => bail!("config field layer_types = {v} is not a list"),
+            Some(v) => return Err(field_error("layer_types", format!("= {v} is not a list"))),
         };
         if window.is_none() {
             return Ok(Vec::new());
@@ -750,9 +808,10 @@ mod hf_layout {
             let first = match o.get("max_window_layers") {
                 None | Some(Value::Null) => QWEN_DEFAULT_MAX_WINDOW_LAYERS,
                 Some(v) => v.as_u64().ok_or_else(|| {
-                    candle_core::Error::Msg(format!(
-                        "config field max_window_layers = {v} is not a non-negative integer"
-                    ))
+                    field_error(
+                        "max_window_layers",
+                        format!("= {v} is not a non-negative integer"),
+                    )
                 })?,
             };
             let n = layers.unwrap_or(0);
@@ -775,7 +834,10 @@ mod hf_layout {
         match o.get(field) {
             None | Some(Value::Null) => Ok(()),
             Some(v) if v.as_f64() == Some(0.0) => Ok(()),
-            Some(v) => bail!("config field {field} = {v} is not supported (must be 0)"),
+            Some(v) => Err(field_error(
+                field,
+                format!("= {v} is not supported (must be 0)"),
+            )),
         }
     }
 
@@ -785,7 +847,10 @@ mod hf_layout {
             None | Some(Value::Null) => Ok(None),
             Some(v) => match v.as_f64() {
                 Some(x) if x.is_finite() => Ok(Some(x)),
-                _ => bail!("config field {field}.{key} = {v} is not a finite number"),
+                _ => Err(field_error(
+                    format!("{field}.{key}"),
+                    format!("= {v} is not a finite number"),
+                )),
             },
         }
     }
@@ -795,19 +860,28 @@ mod hf_layout {
     pub(super) fn parse_rope(field: &str, r: &Obj) -> Result<Option<RopeScaling>> {
         let ty = match (r.get("rope_type"), r.get("type")) {
             (Some(a), Some(b)) if a != b => {
-                bail!("config field {field}: rope_type = {a} and type = {b} disagree")
+                return Err(field_error(
+                    format!("{field}.rope_type"),
+                    format!("= {a} disagrees with its type = {b}"),
+                ));
             }
             (Some(t), _) | (None, Some(t)) => match t.as_str() {
                 Some(s) => s.to_string(),
-                None => bail!("config field {field}.rope_type = {t} is not a string"),
+                None => {
+                    return Err(field_error(
+                        format!("{field}.rope_type"),
+                        format!("= {t} is not a string"),
+                    ))
+                }
             },
             (None, None) => "default".to_string(),
         };
         if let Some(p) = number(r, field, "partial_rotary_factor")? {
             if p != 1.0 {
-                bail!(
-                    "config field {field}.partial_rotary_factor = {p} is not supported (must be 1)"
-                );
+                return Err(field_error(
+                    format!("{field}.partial_rotary_factor"),
+                    format!("= {p} is not supported (must be 1)"),
+                ));
             }
         }
         match ty.as_str() {
@@ -824,9 +898,12 @@ mod hf_layout {
                     None | Some(Value::Null) => super::default_original_max(),
                     Some(v) => match v.as_u64() {
                         Some(n) => n as usize,
-                        None => bail!(
-                            "config field {field}.original_max_position_embeddings = {v} is not a non-negative integer"
-                        ),
+                        None => {
+                            return Err(field_error(
+                                format!("{field}.original_max_position_embeddings"),
+                                format!("= {v} is not a non-negative integer"),
+                            ))
+                        }
                     },
                 };
                 Ok(Some(RopeScaling {
@@ -837,9 +914,10 @@ mod hf_layout {
                     original_max_position_embeddings: orig,
                 }))
             }
-            other => bail!(
-                "config field {field}.rope_type = {other:?} is not supported (\"default\", \"linear\" or \"llama3\")"
-            ),
+            other => Err(field_error(
+                format!("{field}.rope_type"),
+                format!("= {other:?} is not supported (\"default\", \"linear\" or \"llama3\")"),
+            )),
         }
     }
 
@@ -856,10 +934,13 @@ mod hf_layout {
         };
         for (k, v) in it {
             if v != first {
-                bail!(
-                    "config field rope_parameters: layer types {first_key:?} and {k:?} have different \
+                return Err(field_error(
+                    "rope_parameters",
+                    format!(
+                        "gives layer types {first_key:?} and {k:?} different \
                      rotary embeddings ({first} vs {v}); per-layer-type ropes are not supported"
-                );
+                    ),
+                ));
             }
         }
         match first {
@@ -876,7 +957,12 @@ mod hf_layout {
         let top_scaling = match o.get("rope_scaling") {
             None | Some(Value::Null) => None,
             Some(Value::Object(r)) => parse_rope("rope_scaling", r)?,
-            Some(v) => bail!("config field rope_scaling = {v} is not an object or null"),
+            Some(v) => {
+                return Err(field_error(
+                    "rope_scaling",
+                    format!("= {v} is not an object or null"),
+                ))
+            }
         };
         let (theta, scaling) = match o.remove("rope_parameters") {
             None | Some(Value::Null) => (top_theta, top_scaling),
@@ -886,17 +972,26 @@ mod hf_layout {
                 let scaling = parse_rope("rope_parameters", &rp)?;
                 if let (Some(a), Some(b)) = (top_theta, theta) {
                     if a != b {
-                        bail!("config fields rope_theta = {a} and rope_parameters.rope_theta = {b} disagree");
+                        return Err(field_error(
+                            "rope_parameters.rope_theta",
+                            format!("= {b} disagrees with rope_theta = {a}"),
+                        ));
                     }
                 }
                 if o.get("rope_scaling").is_some_and(|v| !v.is_null()) && top_scaling != scaling {
-                    bail!(
-                        "config fields rope_scaling = {top_scaling:?} and rope_parameters = {scaling:?} disagree"
-                    );
+                    return Err(field_error(
+                        "rope_parameters",
+                        format!("= {scaling:?} disagrees with rope_scaling = {top_scaling:?}"),
+                    ));
                 }
                 (theta.or(top_theta), scaling)
             }
-            Some(v) => bail!("config field rope_parameters = {v} is not an object or null"),
+            Some(v) => {
+                return Err(field_error(
+                    "rope_parameters",
+                    format!("= {v} is not an object or null"),
+                ))
+            }
         };
         o.remove("rope_theta");
         if let Some(t) = theta {

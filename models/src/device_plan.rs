@@ -223,13 +223,18 @@ impl DevicePlan {
                 keep_bytes: 0,
             },
         );
-        candle_core::Error::Msg(format!(
-            "device budget {:.1} GiB is below the smallest plan for {} x {} tokens a step: \
-             {smallest}",
-            gib(limits.device_budget),
-            shape.rows,
-            shape.seq
-        ))
+        streamer_device::Error::OutOfMemory {
+            needed: smallest.total(),
+            free: limits.device_budget,
+            what: format!(
+                "device budget {:.1} GiB is below the smallest plan for {} x {} tokens a step: \
+                 {smallest}",
+                gib(limits.device_budget),
+                shape.rows,
+                shape.seq
+            ),
+        }
+        .into()
     }
 }
 
@@ -250,11 +255,16 @@ impl PlanLimits {
     /// Refuses a budget over the device and an empty step.
     fn check(&self, shape: StepShape) -> Result<()> {
         if self.device_budget > self.device_total {
-            bail!(
-                "device budget {:.1} GiB is larger than the device ({:.1} GiB)",
-                gib(self.device_budget),
-                gib(self.device_total)
-            );
+            return Err(streamer_device::Error::OutOfMemory {
+                needed: self.device_budget,
+                free: self.device_total,
+                what: format!(
+                    "device budget {:.1} GiB is larger than the device ({:.1} GiB)",
+                    gib(self.device_budget),
+                    gib(self.device_total)
+                ),
+            }
+            .into());
         }
         if shape.rows == 0 || shape.seq == 0 {
             bail!("a step of {} x {} tokens", shape.rows, shape.seq);

@@ -1,7 +1,7 @@
 //! What a streamed full fine-tune holds in host memory, said before anything
 //! is loaded or page-locked, and refused when the host does not have it.
 use crate::config::LlamaConfig;
-use candle_core::{bail, DType, Result};
+use candle_core::{DType, Result};
 use streamer_autograd::{OptimizerPlace, StateDtype};
 
 /// The settings of a streamed full fine-tune that decide its host memory.
@@ -71,11 +71,16 @@ impl HostPlan {
         if self.total() <= available {
             return Ok(());
         }
-        bail!(
-            "the host has {:.1} GiB available but training needs {self}; bf16 moments \
-             (--optimizer-state bf16) or the device optimizer (--optimizer device) need less",
-            gib(available)
-        )
+        Err(streamer_device::Error::OutOfMemory {
+            needed: self.total(),
+            free: available,
+            what: format!(
+                "the host has {:.1} GiB available but training needs {self}; bf16 moments \
+                 (--optimizer-state bf16) or the device optimizer (--optimizer device) need less",
+                gib(available)
+            ),
+        }
+        .into())
     }
 }
 

@@ -662,7 +662,8 @@ impl Llama {
     ) -> Result<Self> {
         cfg.validate()?;
         let files = streamer_core::expand_paths(paths)?;
-        check_weights(&WeightSource::safetensors(&files)?, cfg)?;
+        let src = WeightSource::safetensors(&files)?;
+        check_weights(&src, cfg).map_err(|e| checkpoint_mismatch(paths, e))?;
         // SAFETY: the files are mapped read-only and must not be truncated while
         // the model is built (candle's own contract for mmaped VarBuilders).
         let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, device)? };
@@ -703,7 +704,10 @@ impl Llama {
         cfg: &LlamaConfig,
         stream: StreamConfig,
     ) -> Result<Self> {
-        Self::streamed(&WeightSource::safetensors(paths)?, cfg, stream)
+        let src = WeightSource::safetensors(paths)?;
+        cfg.validate()?;
+        check_weights(&src, cfg).map_err(|e| checkpoint_mismatch(paths, e))?;
+        Self::streamed(&src, cfg, stream)
     }
 
     /// [`Llama::streamed`] from named in-memory tensors.
@@ -1351,4 +1355,21 @@ impl Llama {
     pub fn save_safetensors(&self, path: impl AsRef<Path>) -> Result<()> {
         streamer_device::save_atomic(&self.weights()?, path.as_ref())
     }
+}
+
+/// A mismatch between the files `paths` (the first of them named) and the
+/// config, from [`check_weights`]: a [`streamer_device::Error::Checkpoint`].
+fn checkpoint_mismatch<P: AsRef<Path>>(paths: &[P], e: candle_core::Error) -> candle_core::Error {
+    let Some(path) = paths.first() else {
+        return e;
+    };
+    let reason = match streamer_device::Error::find(&e) {
+        Some(typed) => typed.to_string(),
+        None => e.to_string(),
+    };
+    streamer_device::Error::Checkpoint {
+        path: path.as_ref().to_path_buf(),
+        reason,
+    }
+    .into()
 }

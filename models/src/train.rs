@@ -129,25 +129,30 @@ impl CheckpointFiles {
     pub fn read(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref();
         let p = dir.join("checkpoint.json");
-        let text = std::fs::read_to_string(&p)
-            .map_err(|e| candle_core::Error::Msg(format!("cannot read {}: {e}", p.display())))?;
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
-            candle_core::Error::Msg(format!("{} is not valid JSON: {e}", p.display()))
-        })?;
+        let bad = |reason: String| -> candle_core::Error {
+            streamer_device::Error::Checkpoint {
+                path: p.clone(),
+                reason,
+            }
+            .into()
+        };
+        let text = std::fs::read_to_string(&p).map_err(|e| bad(format!("cannot read: {e}")))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
         let field = |k: &str| -> Result<&serde_json::Value> {
-            v.get(k).ok_or_else(|| {
-                candle_core::Error::Msg(format!("{} has no field {k:?}", p.display()))
-            })
+            v.get(k).ok_or_else(|| bad(format!("no field {k:?}")))
         };
         let file = |k: &str| -> Result<PathBuf> {
-            let s = field(k)?.as_str().ok_or_else(|| {
-                candle_core::Error::Msg(format!("{}: field {k:?} is not a string", p.display()))
-            })?;
-            streamer_device::sibling_file(dir, s, &format!("{}: field {k:?}", p.display()))
+            let s = field(k)?
+                .as_str()
+                .ok_or_else(|| bad(format!("field {k:?} is not a string")))?;
+            streamer_device::sibling_file(dir, s, &format!("field {k:?}"))
+                .map_err(|e| bad(e.to_string()))
         };
-        let step = field("step")?.as_u64().ok_or_else(|| {
-            candle_core::Error::Msg(format!("{}: field \"step\" is not an integer", p.display()))
-        })? as usize;
+        let step = field("step")?
+            .as_u64()
+            .ok_or_else(|| bad("field \"step\" is not an integer".into()))?
+            as usize;
         Ok(Self {
             step,
             config: file("config")?,
@@ -277,12 +282,15 @@ impl LmTrainer {
         t.opt.load(&files.optimizer)?;
         t.opt.set_learning_rate(lr);
         if t.opt.step_count() != files.step {
-            bail!(
-                "{}: the optimizer state is at step {} but checkpoint.json says {}",
-                files.optimizer.display(),
-                t.opt.step_count(),
-                files.step
-            );
+            return Err(streamer_device::Error::Checkpoint {
+                path: files.optimizer.clone(),
+                reason: format!(
+                    "the optimizer state is at step {} but checkpoint.json says {}",
+                    t.opt.step_count(),
+                    files.step
+                ),
+            }
+            .into());
         }
         t.step = files.step;
         Ok(t)

@@ -587,11 +587,11 @@ fn fit_chunks(
         } else if can_q {
             cq = cq.div_ceil(2);
         } else {
-            bail!(
+            let needed = s.chunk_bytes(cq, ck, true);
+            let what = format!(
                 "cqsa: nothing fits: a resident call needs {resident} device bytes and the smallest \
-                 streamed subproblem ({cq} query rows x {ck} keys) needs {} bytes, the budget is {} bytes \
-                 (shape b={} hq={} hkv={} nq={} nk={} d={} {:?})",
-                s.chunk_bytes(cq, ck, true),
+                 streamed subproblem ({cq} query rows x {ck} keys) needs {needed} bytes, the budget \
+                 is {} bytes (shape b={} hq={} hkv={} nq={} nk={} d={} {:?})",
                 budget.device_bytes,
                 s.b,
                 s.hq,
@@ -600,7 +600,13 @@ fn fit_chunks(
                 s.nk,
                 s.d,
                 s.dtype
-            )
+            );
+            return Err(streamer_device::Error::OutOfMemory {
+                needed,
+                free: budget.device_bytes,
+                what,
+            }
+            .into());
         }
     }
 }
@@ -615,7 +621,7 @@ fn check_host_fits(plan: &Plan, budget: &Budget, backward: bool) -> Result<()> {
             0
         };
     if host > budget.host_bytes {
-        bail!(
+        let what = format!(
             "cqsa: nothing fits: streamed mode holds {host} host bytes ({} for the forward{}), \
              the host budget is {} bytes",
             plan.host_bytes,
@@ -625,7 +631,13 @@ fn check_host_fits(plan: &Plan, budget: &Budget, backward: bool) -> Result<()> {
                 String::new()
             },
             budget.host_bytes
-        )
+        );
+        return Err(streamer_device::Error::OutOfMemory {
+            needed: host,
+            free: budget.host_bytes,
+            what,
+        }
+        .into());
     }
     Ok(())
 }

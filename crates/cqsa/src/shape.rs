@@ -8,6 +8,7 @@
 //! [`AttentionShape::check`] before anything is allocated or launched. Errors name
 //! the tensor, its shape and dtype, and the rule that failed.
 use candle_core::{bail, DType, Result, Tensor};
+use streamer_device::Error;
 
 use crate::MAX_HEAD_DIM;
 
@@ -51,25 +52,32 @@ impl AttentionShape {
     pub fn of(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Self> {
         for (name, t) in [("q", q), ("k", k), ("v", v)] {
             if t.rank() != 4 {
-                bail!(
-                    "cqsa: {} must have rank 4 (batch, heads, seq, head_dim)",
-                    describe(name, t)
-                )
+                return Err(Error::Shape {
+                    what: format!("cqsa: {name} ({:?})", t.dtype()),
+                    got: t.dims().to_vec(),
+                    expected: "rank 4 (batch, heads, seq, head_dim)".into(),
+                }
+                .into());
             }
             if !supported(t.dtype()) {
-                bail!(
-                    "cqsa: {} has an unsupported dtype, supported are f32, f16 and bf16",
-                    describe(name, t)
-                )
+                return Err(Error::Dtype {
+                    what: format!("cqsa: {name} (shape {:?})", t.dims()),
+                    got: t.dtype(),
+                    expected: "f32, f16 or bf16".into(),
+                }
+                .into());
             }
         }
-        if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
-            bail!(
-                "cqsa: q, k, v must share one dtype, got {:?}, {:?}, {:?}",
-                q.dtype(),
-                k.dtype(),
-                v.dtype()
-            )
+        if let Some((name, t)) = [("k", k), ("v", v)]
+            .into_iter()
+            .find(|(_, t)| t.dtype() != q.dtype())
+        {
+            return Err(Error::Dtype {
+                what: format!("cqsa: {name} (shape {:?})", t.dims()),
+                got: t.dtype(),
+                expected: format!("{:?}, q's (q, k, v must share one dtype)", q.dtype()),
+            }
+            .into());
         }
         if !q.device().same_device(k.device()) || !q.device().same_device(v.device()) {
             bail!(
@@ -82,11 +90,12 @@ impl AttentionShape {
         let (b, hq, nq, d) = q.dims4()?;
         let (bk, hkv, nk, dk) = k.dims4()?;
         if k.dims() != v.dims() {
-            bail!(
-                "cqsa: k and v must have the same shape, got {} and {}",
-                describe("k", k),
-                describe("v", v)
-            )
+            return Err(Error::Shape {
+                what: "cqsa: v".into(),
+                got: v.dims().to_vec(),
+                expected: format!("{:?}, k's shape (k and v must have one shape)", k.dims()),
+            }
+            .into());
         }
         if b != bk {
             bail!(

@@ -386,8 +386,9 @@ impl DeviceAdamW {
     /// before anything changes.
     pub fn load<P: AsRef<std::path::Path>>(&mut self, path: P) -> Result<()> {
         let saved = SavedState::read(path.as_ref(), ADAMW, self.vars.len())?;
-        let params = AdamWUpdate::from_meta(&|key, _| Ok(MetaValue::F64(saved.meta_f64(key)?)))?;
-        check_adamw_params(WHAT, &params)?;
+        let meta = |key: &str, _: bool| Ok(MetaValue::F64(saved.meta_f64(key)?));
+        let params = saved.blame(AdamWUpdate::from_meta(&meta))?;
+        saved.blame(check_adamw_params(WHAT, &params))?;
         let st = saved.tensors()?;
         let mut bufs = Vec::with_capacity(self.vars.len());
         for (name, var) in self.names.iter().zip(&self.vars) {

@@ -349,25 +349,31 @@ impl<R: UpdateRule> HostOptimizer<R> {
     /// changes; errors name the offending tensor or value.
     pub fn load<P: AsRef<std::path::Path>>(&mut self, path: P) -> Result<()> {
         let saved = SavedState::read(path.as_ref(), R::KIND, self.vars.len())?;
-        let params = R::from_meta(&|key, flag| {
+        let params = saved.blame(R::from_meta(&|key, flag| {
             Ok(if flag {
                 match saved.meta_str(key)?.as_str() {
                     "true" => MetaValue::Bool(true),
                     "false" => MetaValue::Bool(false),
-                    other => bail!("optimizer state: metadata {key:?} = {other:?} is not a bool"),
+                    other => {
+                        return Err(saved.bad(format!(
+                            "optimizer state: metadata {key:?} = {other:?} is not a bool"
+                        )))
+                    }
                 }
             } else {
                 MetaValue::F64(saved.meta_f64(key)?)
             })
-        })?;
-        R::check(&params)?;
+        }))?;
+        saved.blame(R::check(&params))?;
         let labels = R::buffers(&params);
         let st = saved.tensors()?;
         for (prefix, _) in R::ALL_BUFFERS.iter().filter(|b| !labels.contains(b)) {
             for name in &self.names {
                 let name = format!("{prefix}.{name}");
                 if SavedState::has_tensor(&st, &name) {
-                    bail!("optimizer state: tensor {name:?} present but {params:?} use no {prefix} buffer")
+                    return Err(saved.bad(format!(
+                        "optimizer state: tensor {name:?} present but {params:?} use no {prefix} buffer"
+                    )));
                 }
             }
         }

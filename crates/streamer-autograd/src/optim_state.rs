@@ -131,7 +131,7 @@ impl<'a> StateWriter<'a> {
         let views = self.entries.iter().map(|(n, e)| (n.as_str(), e));
         streamer_device::replace_atomic(path, |tmp| {
             safetensors::serialize_to_file(views, Some(self.meta), tmp)
-                .map_err(|e| Error::Msg(format!("optimizer state: {e}")))
+                .map_err(|e| bad_state(tmp, format!("optimizer state: {e}")))
         })
     }
 }
@@ -147,12 +147,36 @@ pub(crate) struct SavedState {
     pub(crate) last_step: Vec<usize>,
 }
 
+/// A state file that cannot be read, written or used: a
+/// [`streamer_device::Error::Checkpoint`] naming `path`.
+pub(crate) fn bad_state(path: &Path, reason: String) -> Error {
+    streamer_device::Error::Checkpoint {
+        path: path.to_path_buf(),
+        reason,
+    }
+    .into()
+}
+
 impl SavedState {
+    /// A problem with this file ([`bad_state`]).
+    pub(crate) fn bad(&self, reason: String) -> Error {
+        bad_state(&self.path, reason)
+    }
+
+    /// `r`, with an error that is not typed yet (a hyper-parameter the file
+    /// holds, checked elsewhere) turned into a problem with this file.
+    pub(crate) fn blame<T>(&self, r: Result<T>) -> Result<T> {
+        r.map_err(|e| match streamer_device::Error::find(&e) {
+            Some(_) => e,
+            None => self.bad(format!("optimizer state: {e}")),
+        })
+    }
+
     pub(crate) fn read(path: &Path, kind: &str, num_params: usize) -> Result<Self> {
         let bytes = std::fs::read(path)
-            .map_err(|e| Error::Msg(format!("reading optimizer state {}: {e}", path.display())))?;
+            .map_err(|e| bad_state(path, format!("cannot read the optimizer state: {e}")))?;
         let (_, metadata) = SafeTensors::read_metadata(&bytes)
-            .map_err(|e| Error::Msg(format!("parsing optimizer state {}: {e}", path.display())))?;
+            .map_err(|e| bad_state(path, format!("cannot parse the optimizer state: {e}")))?;
         let meta = metadata.metadata().clone().unwrap_or_default();
         let mut s = Self {
             path: path.to_path_buf(),
@@ -163,26 +187,21 @@ impl SavedState {
         };
         let found = s.meta_str("kind")?;
         if found != kind {
-            bail!(
-                "optimizer state {} is for {found}, not {kind}",
-                path.display()
-            )
+            return Err(s.bad(format!("optimizer state is for {found}, not {kind}")));
         }
         let n: usize = s.parse("num_params")?;
         if n != num_params {
-            bail!(
-                "optimizer state {} has {n} params, the optimizer {num_params}",
-                path.display()
-            )
+            return Err(s.bad(format!(
+                "optimizer state has {n} params, the optimizer {num_params}"
+            )));
         }
         s.step = s.parse("step")?;
         if s.step > i64::MAX as usize {
-            bail!(
-                "optimizer state {}: metadata \"step\" = {} is beyond {} (steps are counted in i64)",
-                path.display(),
+            return Err(s.bad(format!(
+                "optimizer state: metadata \"step\" = {} is beyond {} (steps are counted in i64)",
                 s.step,
                 i64::MAX
-            )
+            )));
         }
         let st = s.tensors()?;
         let view = s.view(&st, "last_step", Dtype::I64, &[num_params])?;
@@ -192,12 +211,10 @@ impl SavedState {
             .map(|x| usize::try_from(x).unwrap_or(usize::MAX))
             .collect();
         if let Some(bad) = last_step.iter().position(|&x| x > s.step) {
-            bail!(
-                "optimizer state {}: last_step[{bad}] = {} is beyond step {}",
-                path.display(),
-                last_step[bad],
-                s.step
-            )
+            return Err(s.bad(format!(
+                "optimizer state: last_step[{bad}] = {} is beyond step {}",
+                last_step[bad], s.step
+            )));
         }
         s.last_step = last_step;
         Ok(s)
@@ -205,12 +222,8 @@ impl SavedState {
 
     /// The parsed tensors (parse once, then look up many).
     pub(crate) fn tensors(&self) -> Result<SafeTensors<'_>> {
-        SafeTensors::deserialize(&self.bytes).map_err(|e| {
-            Error::Msg(format!(
-                "parsing optimizer state {}: {e}",
-                self.path.display()
-            ))
-        })
+        SafeTensors::deserialize(&self.bytes)
+            .map_err(|e| self.bad(format!("cannot parse the optimizer state: {e}")))
     }
 
     fn view<'b>(
@@ -220,19 +233,15 @@ impl SavedState {
         dtype: Dtype,
         shape: &[usize],
     ) -> Result<&'b [u8]> {
-        let view = st.tensor(name).map_err(|e| {
-            Error::Msg(format!(
-                "optimizer state {}: tensor {name:?}: {e}",
-                self.path.display()
-            ))
-        })?;
+        let view = st
+            .tensor(name)
+            .map_err(|e| self.bad(format!("optimizer state: tensor {name:?}: {e}")))?;
         if view.dtype() != dtype || view.shape() != shape {
-            bail!(
-                "optimizer state {}: tensor {name:?} is {:?} {:?}, expected {dtype:?} {shape:?}",
-                self.path.display(),
+            return Err(self.bad(format!(
+                "optimizer state: tensor {name:?} is {:?} {:?}, expected {dtype:?} {shape:?}",
                 view.dtype(),
                 view.shape()
-            )
+            )));
         }
         Ok(view.data())
     }
@@ -241,10 +250,7 @@ impl SavedState {
     pub(crate) fn meta_str(&self, key: &str) -> Result<String> {
         match self.meta.get(key) {
             Some(v) => Ok(v.clone()),
-            None => bail!(
-                "optimizer state {}: metadata {key:?} is missing",
-                self.path.display()
-            ),
+            None => Err(self.bad(format!("optimizer state: metadata {key:?} is missing"))),
         }
     }
 
@@ -252,10 +258,9 @@ impl SavedState {
         let s = self.meta_str(key)?;
         match s.parse() {
             Ok(v) => Ok(v),
-            Err(_) => bail!(
-                "optimizer state {}: metadata {key:?} = {s:?} does not parse",
-                self.path.display()
-            ),
+            Err(_) => Err(self.bad(format!(
+                "optimizer state: metadata {key:?} = {s:?} does not parse"
+            ))),
         }
     }
 
@@ -264,10 +269,9 @@ impl SavedState {
     pub(crate) fn meta_f64(&self, key: &str) -> Result<f64> {
         let v: f64 = self.parse(key)?;
         if !v.is_finite() {
-            bail!(
-                "optimizer state {}: metadata {key:?} = {v} is not a finite number",
-                self.path.display()
-            )
+            return Err(self.bad(format!(
+                "optimizer state: metadata {key:?} = {v} is not a finite number"
+            )));
         }
         Ok(v)
     }

@@ -114,13 +114,19 @@ impl StreamConfig {
     pub fn validate(&self) -> candle_core::Result<()> {
         for (what, dt) in [("dtype", self.dtype), ("master_dtype", self.master_dtype())] {
             if !dt.is_float() {
-                candle_core::bail!(
-                    "StreamConfig.{what} must be a float dtype (f16, bf16, f32, f64), got {dt:?}"
-                );
+                return Err(streamer_device::Error::Config {
+                    field: format!("StreamConfig.{what}"),
+                    reason: format!("must be a float dtype (f16, bf16, f32, f64), got {dt:?}"),
+                }
+                .into());
             }
         }
         if self.slot_budget_bytes == Some(0) {
-            candle_core::bail!("StreamConfig.slot_budget_bytes must be positive, got 0");
+            return Err(streamer_device::Error::Config {
+                field: "StreamConfig.slot_budget_bytes".into(),
+                reason: "must be positive, got 0".into(),
+            }
+            .into());
         }
         Ok(())
     }

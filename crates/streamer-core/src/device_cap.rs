@@ -3,6 +3,8 @@
 //! not fit then fails with the driver's out-of-memory error instead of
 //! quietly using more (`train_lm --device-budget`, the benches' caps).
 use candle_core::{bail, Device, Result};
+#[cfg(feature = "cuda")]
+use streamer_device::Error::{self, OutOfMemory};
 
 /// Device memory held back until dropped.
 pub struct DeviceCap {
@@ -40,25 +42,35 @@ impl DeviceCap {
                 .mem_get_info()
                 .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
             if budget > total {
-                bail!(
-                    "device budget {:.1} GiB is larger than the device ({:.1} GiB)",
-                    gib(budget),
-                    gib(total)
-                );
+                return Err(OutOfMemory {
+                    needed: budget,
+                    free: total,
+                    what: format!(
+                        "device budget {:.1} GiB is larger than the device ({:.1} GiB)",
+                        gib(budget),
+                        gib(total)
+                    ),
+                }
+                .into());
             }
             let used = total - free;
             if budget <= used {
-                bail!(
-                    "device budget {:.1} GiB is not above the {:.1} GiB the process uses already",
-                    gib(budget),
-                    gib(used)
-                );
+                return Err(OutOfMemory {
+                    needed: used,
+                    free: budget,
+                    what: format!(
+                        "device budget {:.1} GiB is not above the {:.1} GiB the process uses already",
+                        gib(budget),
+                        gib(used)
+                    ),
+                }
+                .into());
             }
             let held = free - (budget - used);
             let slice = d
                 .cuda_stream()
                 .alloc_zeros::<u8>(held.max(1))
-                .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+                .map_err(|e| Error::from_driver(e, "holding back device memory", held.max(1)))?;
             return Ok(Self {
                 _held: Some(slice),
                 held,

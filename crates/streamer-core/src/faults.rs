@@ -15,7 +15,8 @@
 //! inject_out_of_memory(FaultPoint::GradientOffload, 1); // the second pass fails
 //! assert!(check(FaultPoint::GradientOffload, || "first".into()).is_ok());
 //! let e = check(FaultPoint::GradientOffload, || "weight 3".into()).unwrap_err();
-//! assert!(e.to_string().contains("out of memory") && e.to_string().contains("weight 3"));
+//! assert!(streamer_device::Error::is_out_of_memory(&e));
+//! assert!(e.to_string().contains("weight 3"));
 //! assert!(check(FaultPoint::GradientOffload, || "again".into()).is_ok()); // one-shot
 //! # }
 //! ```
@@ -97,10 +98,12 @@ pub fn check(point: FaultPoint, what: impl FnOnce() -> String) -> Result<()> {
         return Ok(());
     }
     FIRED.with(|f| f.set(f.get() + 1));
-    Err(Error::Msg(format!(
-        "out of memory (injected fault at the {point}: {})",
-        what()
-    )))
+    Err(streamer_device::Error::OutOfMemory {
+        needed: 0,
+        free: 0,
+        what: format!("out of memory (injected fault at the {point}: {})", what()),
+    }
+    .into())
 }
 
 /// A pass through `point`: without the `fault-injection` feature nothing can

@@ -253,12 +253,12 @@ impl StreamedSequential {
             );
         }
         if x.dtype() != self.cfg.dtype {
-            candle_core::bail!(
-                "input has dtype {:?} but the model computes in {:?} (shape {:?})",
-                x.dtype(),
-                self.cfg.dtype,
-                x.dims()
-            );
+            return Err(streamer_device::Error::Dtype {
+                what: format!("StreamedSequential input (shape {:?})", x.dims()),
+                got: x.dtype(),
+                expected: format!("{:?}, the dtype the model computes in", self.cfg.dtype),
+            }
+            .into());
         }
         for (i, e) in extras.iter().enumerate() {
             if !e.device().same_device(&self.cfg.device) {
@@ -610,12 +610,12 @@ impl Recorder<'_> {
         let t = st.masters.get(idx).var.as_tensor().clone();
         if let Some(s) = expected {
             if t.shape() != s {
-                candle_core::bail!(
-                    "block {:?}: weight {name:?} has shape {:?} but the block expects {:?}",
-                    self.block.name,
-                    t.dims(),
-                    s.dims()
-                );
+                return Err(streamer_device::Error::Shape {
+                    what: format!("block {:?}: weight {name:?}", self.block.name),
+                    got: t.dims().to_vec(),
+                    expected: format!("{:?}, as the block expects", s.dims()),
+                }
+                .into());
             }
         }
         st.requested.push((local, idx, t.shape().clone()));
@@ -678,7 +678,7 @@ fn discover(
     {
         let vb = VarBuilder::from_backend(Box::new(&rec), cfg.dtype, Device::Cpu).pp(&block.prefix);
         block.build(vb).map_err(|e| {
-            candle_core::Error::Msg(format!("building block {:?}: {e}", block.name))
+            streamer_device::Error::prefixed(e, format_args!("building block {:?}", block.name))
         })?;
     }
     let st = rec

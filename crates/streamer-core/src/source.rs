@@ -22,11 +22,13 @@ impl WeightSource {
         // while the model is being built (the same contract as candle's VarBuilder).
         let st = unsafe { MmapedSafetensors::multi(&files) }.map_err(|e| match e {
             // Candle names the file that failed: name it once.
-            candle_core::Error::WithPath { inner, path } => candle_core::Error::Msg(format!(
-                "cannot read safetensors {}: {inner}",
-                path.display()
-            )),
-            e => candle_core::Error::Msg(format!("cannot read safetensors {files:?}: {e}")),
+            candle_core::Error::WithPath { inner, path } => {
+                bad_file(&path, format!("cannot read it as safetensors: {inner}"))
+            }
+            e => bad_file(
+                files[0].parent().unwrap_or(Path::new(".")),
+                format!("cannot read the safetensors files {files:?}: {e}"),
+            ),
         })?;
         Ok(Self::Safetensors(st))
     }
@@ -108,9 +110,8 @@ pub fn expand_paths<P: AsRef<Path>>(paths: &[P]) -> Result<Vec<PathBuf>> {
     for p in paths {
         let p = p.as_ref();
         if p.extension().is_some_and(|e| e == "json") {
-            let text = std::fs::read_to_string(p).map_err(|e| {
-                candle_core::Error::Msg(format!("cannot read index {}: {e}", p.display()))
-            })?;
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| bad_file(p, format!("cannot read the index: {e}")))?;
             out.extend(parse_index(p, &text)?);
         } else {
             out.push(p.to_path_buf());
@@ -125,31 +126,41 @@ pub fn expand_paths<P: AsRef<Path>>(paths: &[P]) -> Result<Vec<PathBuf>> {
 /// The shard files named by the text of the index file `index`, sorted and
 /// without repeats.
 fn parse_index(index: &Path, text: &str) -> Result<Vec<PathBuf>> {
-    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| {
-        candle_core::Error::Msg(format!("{} is not valid JSON: {e}", index.display()))
-    })?;
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| bad_file(index, format!("not valid JSON: {e}")))?;
     let map = v
         .get("weight_map")
         .and_then(|m| m.as_object())
-        .ok_or_else(|| {
-            candle_core::Error::Msg(format!("{} has no \"weight_map\" object", index.display()))
-        })?;
+        .ok_or_else(|| bad_file(index, "no \"weight_map\" object".into()))?;
     let what = format!("{}: weight_map", index.display());
     let mut shards = BTreeSet::new();
     for (tensor, shard) in map {
         let Some(name) = shard.as_str() else {
-            candle_core::bail!(
-                "{what}: tensor {tensor:?} maps to {shard}, which is not a file name string"
-            );
+            return Err(bad_file(
+                index,
+                format!("weight_map: tensor {tensor:?} maps to {shard}, which is not a file name string"),
+            ));
         };
         shards.insert(name);
     }
     if shards.is_empty() {
-        candle_core::bail!("{what} is empty: the index names no shard files");
+        return Err(bad_file(
+            index,
+            "weight_map is empty: the index names no shard files".into(),
+        ));
     }
     let dir = index.parent().unwrap_or(Path::new("."));
     shards
         .into_iter()
         .map(|s| sibling_file(dir, s, &what))
         .collect()
+}
+
+/// A weights file or index that cannot be read or used.
+fn bad_file(path: &Path, reason: String) -> candle_core::Error {
+    streamer_device::Error::Checkpoint {
+        path: path.to_path_buf(),
+        reason,
+    }
+    .into()
 }

@@ -5,14 +5,62 @@
 //! address under a guard that lives across the launch using it.
 use crate::pages::page_pieces;
 use candle_core::{CudaDevice, DType, Result, Storage, Tensor};
-use cudarc::driver::{sys, CudaFunction, CudaStream, DevicePtr, LaunchConfig, SyncOnDrop};
+use cudarc::driver::{
+    sys, CudaFunction, CudaStream, DevicePtr, DriverError, LaunchConfig, SyncOnDrop,
+};
 use std::sync::{Arc, RwLockReadGuard};
 
 pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        candle_core::bail!("CUDA error in {what}: {r:?}")
+        Err(crate::Error::from_driver(DriverError(r), what, 0).into())
+    }
+}
+
+impl crate::Error {
+    /// A failed driver call as an error callers can match: the driver's
+    /// out-of-memory as [`crate::Error::OutOfMemory`] (with `needed` bytes and
+    /// what the current context has free), anything else as
+    /// [`crate::Error::Cuda`].
+    pub fn from_driver(e: DriverError, what: &str, needed: usize) -> Self {
+        if e.0 != sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            return Self::Cuda {
+                what: what.to_string(),
+                source: Box::new(e),
+            };
+        }
+        let free = cudarc::driver::result::mem_get_info().map_or(0, |(free, _)| free);
+        Self::OutOfMemory {
+            needed,
+            free,
+            what: format!(
+                "out of device memory in {what}: {needed} bytes asked for, {free} free ({e})"
+            ),
+        }
+    }
+}
+
+/// The driver error inside `err`, from candle's own CUDA calls or ours,
+/// through candle's context, path and backtrace layers.
+pub(crate) fn driver_error(err: &candle_core::Error) -> Option<&DriverError> {
+    use candle_core::Error as C;
+    match err {
+        C::Cuda(b) => {
+            b.downcast_ref::<DriverError>().or_else(|| match b
+                .downcast_ref::<candle_core::cuda_backend::CudaError>(
+            )? {
+                candle_core::cuda_backend::CudaError::Cuda(d) => Some(d),
+                _ => None,
+            })
+        }
+        C::Context { inner, .. } | C::WithPath { inner, .. } | C::WithBacktrace { inner, .. } => {
+            driver_error(inner)
+        }
+        C::WrappedContext { wrapped, .. } => wrapped
+            .downcast_ref::<candle_core::Error>()
+            .and_then(driver_error),
+        _ => None,
     }
 }
 

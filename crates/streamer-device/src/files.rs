@@ -2,6 +2,7 @@
 //! optimizer state, checkpoint pointers, configs) goes through
 //! [`replace_atomic`], and files a checkpoint or an index names are checked to
 //! stay in its folder ([`sibling_file`]).
+use crate::Error;
 use candle_core::{Result, Tensor};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -39,18 +40,21 @@ pub fn temp_path(path: &Path) -> PathBuf {
 pub fn replace_atomic(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let tmp = temp_path(path);
     let written = write(&tmp)
-        .map_err(|e| candle_core::Error::Msg(format!("cannot write {}: {e}", tmp.display())))
+        .map_err(|e| match Error::find(&e) {
+            // Typed already (out of memory while gathering what to write).
+            Some(_) => Error::prefixed(e, format_args!("cannot write {}", tmp.display())),
+            None => file_error(&tmp, format_args!("cannot write: {e}")),
+        })
         .and_then(|()| sync_file(&tmp));
     if let Err(e) = written {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
     std::fs::rename(&tmp, path).map_err(|e| {
-        candle_core::Error::Msg(format!(
-            "cannot rename {} to {}: {e}",
-            tmp.display(),
-            path.display()
-        ))
+        file_error(
+            path,
+            format_args!("cannot rename {} here: {e}", tmp.display()),
+        )
     })?;
     sync_dir(path.parent().unwrap_or(Path::new(".")))
 }
@@ -61,7 +65,16 @@ fn sync_file(path: &Path) -> Result<()> {
         .write(true)
         .open(path)
         .and_then(|f| f.sync_all())
-        .map_err(|e| candle_core::Error::Msg(format!("cannot fsync {}: {e}", path.display())))
+        .map_err(|e| file_error(path, format_args!("cannot fsync: {e}")))
+}
+
+/// A file that cannot be written or read: [`Error::Checkpoint`].
+fn file_error(path: &Path, reason: std::fmt::Arguments<'_>) -> candle_core::Error {
+    Error::Checkpoint {
+        path: path.to_path_buf(),
+        reason: reason.to_string(),
+    }
+    .into()
 }
 
 /// Flushes a folder's entries (files created, renamed or removed in it) to the
@@ -78,9 +91,7 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
         };
         std::fs::File::open(dir)
             .and_then(|f| f.sync_all())
-            .map_err(|e| {
-                candle_core::Error::Msg(format!("cannot fsync folder {}: {e}", dir.display()))
-            })
+            .map_err(|e| file_error(dir, format_args!("cannot fsync the folder: {e}")))
     }
     #[cfg(not(unix))]
     {

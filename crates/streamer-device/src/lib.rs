@@ -9,6 +9,8 @@
 //!   ([`pooled_idle_bytes`], [`retain_freed_device_memory`], ...), host memory
 //!   ([`host_available_memory`]) and copy bandwidths ([`measure_copy_gbps`]).
 //! - Files written whole or not at all ([`replace_atomic`], [`write_atomic`]).
+//! - [`Error`]: the kinds of failure callers match on (out of memory, shape,
+//!   dtype, checkpoint, configuration, CUDA), inside `candle_core::Error`.
 //! - [`with_backward3`]: a graph node with a hand-written backward.
 //! - `cuda` (with the `cuda` feature): the raw copies, kernel launch helpers
 //!   (`kernel_suffix`, `grid_stride`, `allow_smem`) and `CudaMemory`, which
@@ -36,6 +38,7 @@ mod bandwidth;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod device_memory;
+pub mod error;
 mod files;
 mod host_memory;
 pub mod pages;
@@ -53,6 +56,7 @@ pub use device_memory::{
     device_pool_stats, free_device_memory, pooled_idle_bytes, reset_device_pool_peaks,
     retain_freed_device_memory, trim_device_memory, DevicePoolStats,
 };
+pub use error::Error;
 pub use files::{replace_atomic, save_atomic, sibling_file, sync_dir, temp_path, write_atomic};
 pub use host_memory::host_available_memory;
 pub use precomputed::{with_backward3, Backward3};
