@@ -46,7 +46,7 @@ pub(super) struct Parts<'a> {
 /// optimizer steps in place, lends to the next forward or aliases as
 /// variables; the defaults are an engine without any (the CPU's, whose
 /// masters are the host tensors themselves).
-pub(super) trait Engine {
+pub(super) trait Engine: Send {
     /// Issues the copy of `target`'s block's masters into its slot: `(block,
     /// slot, the slot's memory)`; returns the bytes read and the copy's timing when it is known now.
     fn copy_in(
