@@ -5,7 +5,7 @@
 //! other before loading, places the model resident or streamed, and the model
 //! fine-tunes on a corpus tokenized by its own tokenizer.
 use super::families::fixture;
-use super::models::err_of;
+use super::models::{err_of, fail};
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::ParamsAdamW;
@@ -137,10 +137,16 @@ fn from_pretrained_names_a_bad_weights_file_once(_dev: &Device) -> Result<()> {
     let d = copy_fixture("bad-weights")?;
     let w = d.join("model.safetensors");
     std::fs::write(&w, b"not a safetensors file")?;
-    let e = err_of(load_cpu(&d))?;
+    let err = fail(load_cpu(&d))?;
+    ensure!(
+        matches!(streamer_device::Error::find(&err),
+            Some(streamer_device::Error::Checkpoint { path, .. }) if *path == w),
+        "{err}"
+    );
+    let e = err.to_string();
     let path = w.display().to_string();
     ensure!(e.matches(path.as_str()).count() == 1, "{e}");
-    ensure!(e.contains("cannot read safetensors"), "{e}");
+    ensure!(e.contains("cannot read it as safetensors"), "{e}");
     Ok(())
 }
 candle_streamer::test_device!(from_pretrained_names_a_bad_weights_file_once);
