@@ -34,7 +34,7 @@ use std::ffi::c_void;
 
 use candle_core::cuda_backend::cudarc::driver::sys;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr,
+    CudaEvent, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr,
     DriverError, LaunchArgs, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};

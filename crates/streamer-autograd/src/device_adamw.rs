@@ -522,7 +522,8 @@ impl DeviceAdamW {
                     // compute stream, in order with every Candle op on it), or
                     // a fresh copy of a host var.
                     unsafe { self.launch_update(*i, addr.get(), var.dtype(), g)? };
-                    drop((addr, mem));
+                    drop(addr);
+                    drop(mem);
                     if var.device().is_cpu() {
                         var.set(&p.to_device(&Device::Cpu)?)?;
                     }

@@ -23,7 +23,8 @@ pub fn convert(t: &Tensor, dtype: DType) -> Result<Tensor> {
             unsafe {
                 crate::cuda::cast(dev, &stream, src.dtype(), src_ptr.get(), dtype, dst_ptr, n)?
             };
-            drop((src_ptr, mem));
+            drop(src_ptr);
+            drop(mem);
             return dst.reshape(t.shape());
         }
     }

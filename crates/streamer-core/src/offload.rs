@@ -158,7 +158,8 @@ impl Offloader {
                 // page-locked whole) and is not touched before `synchronize` or a
                 // later marker's wait (this function's contract).
                 unsafe { crate::cuda::dtoh_async(host as *mut u8, dev_ptr.get(), n, stream)? };
-                drop((dev_ptr, mem));
+                drop(dev_ptr);
+                drop(mem);
                 let done = stream
                     .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                     .map_err(w)?;
@@ -265,7 +266,8 @@ impl Offloader {
                 // done (this fn's contract), and earlier copies into it are
                 // ahead of this one on the same stream.
                 unsafe { crate::cuda::htod_async(dev_ptr.get(), host, n, stream)? };
-                drop((dev_ptr, mem));
+                drop(dev_ptr);
+                drop(mem);
                 let done = stream
                     .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                     .map_err(w)?;
