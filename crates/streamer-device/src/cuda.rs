@@ -8,7 +8,7 @@ use candle_core::{CudaDevice, DType, Result, Storage, Tensor};
 use cudarc::driver::{
     sys, CudaFunction, CudaStream, DevicePtr, DriverError, LaunchConfig, SyncOnDrop,
 };
-use std::sync::{Arc, RwLockReadGuard};
+use std::sync::Arc;
 
 pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
@@ -268,7 +268,7 @@ pub(crate) fn reset_pool_peaks(dev: &CudaDevice) -> Result<()> {
 /// unsafe { launch(g_addr.get()) }?;
 /// ```
 pub struct CudaMemory<'t> {
-    storage: RwLockReadGuard<'t, Storage>,
+    storage: candle_core::StorageRef<'t>,
     /// Bytes from the start of the storage to the tensor's first element.
     offset: u64,
     dtype: DType,
