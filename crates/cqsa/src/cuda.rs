@@ -34,8 +34,8 @@ use std::ffi::c_void;
 
 use candle_core::cuda_backend::cudarc::driver::sys;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaEvent, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr,
-    DriverError, LaunchArgs, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    CudaEvent, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, DriverError,
+    LaunchArgs, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;

@@ -53,13 +53,13 @@ impl DeviceTensor {
     /// `host` copied to `dev` as it is stored.
     pub(crate) fn new(dev: &CudaDevice, host: &HostTensor) -> Result<Self> {
         let s = dev.cuda_stream();
-        let up = |v: &[f32]| s.memcpy_stod(v).map_err(wrap);
+        let up = |v: &[f32]| s.clone_htod(v).map_err(wrap);
         let (data, format, shape) = match host {
             HostTensor::FourBit(q) => {
                 let scales = match q.absmax() {
                     Absmax::Plain(a) => Scales::Plain(up(a)?),
                     Absmax::Nested(n) => Scales::Nested {
-                        codes: s.memcpy_stod(&n.codes).map_err(wrap)?,
+                        codes: s.clone_htod(&n.codes).map_err(wrap)?,
                         map: up(&n.map)?,
                         scales: up(&n.absmax)?,
                         offset: n.offset,
@@ -74,7 +74,7 @@ impl DeviceTensor {
                     blocksize,
                 };
                 (
-                    s.memcpy_stod(q.packed()).map_err(wrap)?,
+                    s.clone_htod(q.packed()).map_err(wrap)?,
                     f,
                     q.shape().to_vec(),
                 )
@@ -84,7 +84,7 @@ impl DeviceTensor {
                 let bytes: Vec<u8> = q.data().iter().map(|&b| b as u8).collect();
                 let (r, c) = q.dims();
                 (
-                    s.memcpy_stod(&bytes).map_err(wrap)?,
+                    s.clone_htod(&bytes).map_err(wrap)?,
                     Format::Int8(up(q.scb())?),
                     vec![r, c],
                 )
@@ -99,7 +99,7 @@ impl DeviceTensor {
                     scales: up(&scales)?,
                     per_row,
                 };
-                (s.memcpy_stod(q.data()).map_err(wrap)?, f, vec![r, c])
+                (s.clone_htod(q.data()).map_err(wrap)?, f, vec![r, c])
             }
         };
         Ok(Self {
@@ -185,8 +185,8 @@ impl DeviceTensor {
         ))
     }
 
-    /// Nested absmax dequantized into f32 on the device (`None`: plain).
-    fn absmax(&self, stream: &Arc<CudaStream>, scales: &Scales) -> Result<Option<CudaSlice<f32>>> {
+    /// Nested absmax dequantized into f32 on the device.
+    fn nested_absmax(&self, stream: &Arc<CudaStream>, scales: &Scales) -> Result<CudaSlice<f32>> {
         let Scales::Nested {
             codes,
             map,
@@ -195,7 +195,7 @@ impl DeviceTensor {
             per_scale,
         } = scales
         else {
-            return Ok(None);
+            candle_core::bail!("plain absmax needs no dequantization");
         };
         let blocks = codes.len();
         // SAFETY: the kernel below writes every one of the `blocks` values.
