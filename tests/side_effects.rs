@@ -182,13 +182,21 @@ fn pinning_uses_the_os_page_size() -> Result<()> {
         );
     }
     // No crate keeps a page size of its own.
-    for dir in [
+    let mut dirs: Vec<std::path::PathBuf> = [
+        "crates/streamer-device/src",
         "crates/streamer-core/src",
         "crates/cqsa/src",
         "crates/streamer-autograd/src",
-    ] {
-        for entry in std::fs::read_dir(dir)? {
+    ]
+    .map(Into::into)
+    .to_vec();
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir)? {
             let path = entry?.path();
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
             let text = std::fs::read_to_string(&path)?;
             ensure!(
                 !text.contains("const PAGE"),
