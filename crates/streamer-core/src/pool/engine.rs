@@ -42,11 +42,14 @@ pub(super) struct Parts<'a> {
 /// calls this in the protocol's order: `copy_in` (`load`), `begin_compute`
 /// (`acquire`), `end_compute` (`release`).
 ///
+/// `Send + Sync`, as the pool was with both engines inline (models move
+/// across threads).
+///
 /// The methods with defaults are the device copies of masters that an
 /// optimizer steps in place, lends to the next forward or aliases as
 /// variables; the defaults are an engine without any (the CPU's, whose
 /// masters are the host tensors themselves).
-pub(super) trait Engine: Send {
+pub(super) trait Engine: Send + Sync {
     /// Issues the copy of `target`'s block's masters into its slot: `(block,
     /// slot, the slot's memory)`; returns the bytes read and the copy's timing when it is known now.
     fn copy_in(

@@ -1,5 +1,6 @@
 //! Where each of a block's weights sits in a slot.
-use candle_core::{DType, Shape};
+use crate::host::HostMasters;
+use candle_core::{DType, Result, Shape};
 
 /// Offsets inside a slot are aligned to this many bytes (vector loads, tensor cores).
 const ALIGN_BYTES: usize = 256;
@@ -47,6 +48,37 @@ impl BlockLayout {
             offset,
             shape,
         });
+    }
+
+    /// Fails unless every weight lies inside the block's `elems`, at an
+    /// aligned offset, and has its master's element count: the CUDA engine
+    /// copies and aliases by raw address, so a layout built by hand (its
+    /// fields are public) must not place a weight outside its slot.
+    pub(crate) fn check(&self, masters: &HostMasters, dtype: DType, name: &str) -> Result<()> {
+        let align = (ALIGN_BYTES / dtype.size_in_bytes()).max(1);
+        let bad = |what: String| candle_core::bail!("block {name:?}'s layout {what}");
+        for &(m, off) in &self.unique {
+            if m >= masters.len() {
+                return bad(format!("names master {m} of {}", masters.len()));
+            }
+            let n = masters.get(m).shape().elem_count();
+            if off % align != 0 || off + n > self.elems {
+                return bad(format!(
+                    "places master {m} ({n} elements) at {off}, unaligned or past its {} elements",
+                    self.elems
+                ));
+            }
+        }
+        for e in &self.entries {
+            let fits = (self.unique.iter()).any(|&(m, off)| m == e.master && off == e.offset);
+            if !fits || e.shape.elem_count() != masters.get(e.master).shape().elem_count() {
+                return bad(format!(
+                    "entry {:?} disagrees with its master {}",
+                    e.local, e.master
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Bytes of device memory the block's weights occupy.

@@ -185,6 +185,12 @@ impl ResidencyPool {
                 }
             }
         }
+        if names.len() != layouts.len() {
+            candle_core::bail!("{} block names for {} layouts", names.len(), layouts.len());
+        }
+        for (l, name) in layouts.iter().zip(&names) {
+            l.check(&masters, dtype, name)?;
+        }
         let slot_elems = largest.max(1);
         let window = cfg.window();
         let (engine, flats): (Box<dyn Engine>, _) = match &cfg.device {
