@@ -2,8 +2,7 @@
 //! kernels (`streamer_kernels::DEQUANT`): the packed bytes and scales are
 //! copied up as they are stored; each dequantization writes a new bf16
 //! tensor.
-use crate::on_device::HostTensor;
-use crate::{Absmax, FourBitType, Fp8Scale};
+use crate::{Absmax, FourBitType, Fp8Scale, HostTensor};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, Result, Storage, Tensor};
 use cudarc::driver::{CudaSlice, CudaStream, PushKernelArg};

@@ -30,6 +30,7 @@ mod cuda;
 mod error;
 mod four_bit;
 mod fp8;
+mod host_tensor;
 mod int8;
 mod on_device;
 
@@ -38,8 +39,9 @@ pub use four_bit::{
     dynamic_map, Absmax, FourBit, FourBitType, NestedAbsmax, BLOCK_SIZES, FP4_CODE, NF4_CODE,
 };
 pub use fp8::{e4m3_to_f32, f32_to_e4m3, Fp8, Fp8Scale};
+pub use host_tensor::HostTensor;
 pub use int8::Int8Rows;
-pub use on_device::{Dequantize, HostTensor, Uploaded};
+pub use on_device::{Dequantize, Uploaded};
 
 /// Results of this crate.
 pub type Result<T> = std::result::Result<T, QuantError>;

@@ -3,7 +3,7 @@
 //! kernels of `kernels/src/dequant.cu` (the same bits). A tensor moves to
 //! the device in its packed form ([`Dequantize::upload`]); only the
 //! dequantized copy is dense, made when it is needed.
-use crate::{FourBit, Fp8, Int8Rows};
+use crate::{FourBit, Fp8, HostTensor, Int8Rows};
 use candle_core::{Device, Result, Tensor};
 
 /// A quantized tensor that can be made dense on a device.
@@ -24,17 +24,6 @@ pub enum Uploaded {
     /// On a GPU: its packed bytes and scales in device memory.
     #[cfg(feature = "cuda")]
     Cuda(crate::cuda::DeviceTensor),
-}
-
-/// A quantized tensor in host memory, of any format.
-#[derive(Clone, Debug)]
-pub enum HostTensor {
-    /// NF4 or FP4.
-    FourBit(FourBit),
-    /// int8 rows.
-    Int8(Int8Rows),
-    /// fp8 e4m3.
-    Fp8(Fp8),
 }
 
 impl Uploaded {
