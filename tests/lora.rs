@@ -155,8 +155,8 @@ fn lora_merge_and_save_round_trip(dev: &Device) -> Result<()> {
         fx.get("logits_merged")?,
     )?;
     // Our save has PEFT's tensor names and config, and reads back exactly.
-    let dir = std::env::temp_dir().join(format!("streamer-lora-save-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    // Its own folder: the CPU and CUDA variants of this test run at once.
+    let dir = super::common::temp_dir("lora", "save")?;
     let adapters = model.lora()?.context("adapters")?;
     adapters.save_peft(&dir, Some("llama-4x"))?;
     let ours = candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)?;
