@@ -359,7 +359,9 @@ fn quantized_bad_inputs() -> Result<()> {
 /// On a device every format dequantizes to the CPU reference's bf16 bits
 /// (on the GPU: the kernels of `kernels/src/dequant.cu`), of the tensor's
 /// shape, for NF4 and FP4 with plain and nested absmax and a partial last
-/// block, int8 rows and fp8 with row and tensor scales.
+/// block, int8 rows and fp8 with row and tensor scales. Each format runs at
+/// a shape the kernels take 16 elements a thread (whole, aligned vectors)
+/// and at one they take element by element.
 fn dequantized_on_device_equals_reference(dev: &Device) -> Result<()> {
     let bits = |t: candle_core::Tensor| -> Result<Vec<u16>> {
         Ok(t.flatten_all()?
@@ -369,33 +371,36 @@ fn dequantized_on_device_equals_reference(dev: &Device) -> Result<()> {
             .collect())
     };
     let want = |v: Vec<bf16>| v.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
-    for (qt, double) in [
-        (FourBitType::Nf4, false),
-        (FourBitType::Nf4, true),
-        (FourBitType::Fp4, true),
-    ] {
-        let (rows, cols) = (130, 67);
-        let q = FourBit::quantize(&values(rows * cols, 17), &[rows, cols], qt, 64, double)?;
-        let t = q.dequantize_on(dev)?;
-        ensure!(t.dims() == [rows, cols], "{:?}", t.dims());
-        ensure!(
-            bits(t)? == want(q.dequantize_bf16()),
-            "{qt:?} double {double}"
-        );
+    for (rows, cols) in [(130, 67), (96, 128)] {
+        for (qt, double) in [
+            (FourBitType::Nf4, false),
+            (FourBitType::Nf4, true),
+            (FourBitType::Fp4, true),
+        ] {
+            let v = values(rows * cols, 17);
+            let q = FourBit::quantize(&v, &[rows, cols], qt, 64, double)?;
+            let t = q.dequantize_on(dev)?;
+            ensure!(t.dims() == [rows, cols], "{:?}", t.dims());
+            ensure!(
+                bits(t)? == want(q.dequantize_bf16()),
+                "{qt:?} double {double} at {rows}x{cols}"
+            );
+        }
     }
-    let (rows, cols) = (48, 80);
-    let v = values(rows * cols, 19);
-    let q = Int8Rows::quantize(&v, (rows, cols))?;
-    ensure!(
-        bits(q.dequantize_on(dev)?)? == want(q.dequantize_bf16()),
-        "int8"
-    );
-    for per_row in [true, false] {
-        let q = Fp8::quantize(&v, (rows, cols), per_row)?;
+    for (rows, cols) in [(48, 80), (47, 81)] {
+        let v = values(rows * cols, 19);
+        let q = Int8Rows::quantize(&v, (rows, cols))?;
         ensure!(
             bits(q.dequantize_on(dev)?)? == want(q.dequantize_bf16()),
-            "fp8 per_row {per_row}"
+            "int8 at {rows}x{cols}"
         );
+        for per_row in [true, false] {
+            let q = Fp8::quantize(&v, (rows, cols), per_row)?;
+            ensure!(
+                bits(q.dequantize_on(dev)?)? == want(q.dequantize_bf16()),
+                "fp8 per_row {per_row} at {rows}x{cols}"
+            );
+        }
     }
     Ok(())
 }

@@ -149,7 +149,7 @@ impl DeviceTensor {
                     .arg(blocksize);
                 // SAFETY: `FourBit::new` checked the packed bytes (ceil(n / 2))
                 // and one absmax per block of an even size; out holds n.
-                unsafe { b.launch(grid_stride(n.div_ceil(2))) }.map_err(wrap)?;
+                unsafe { b.launch(grid_stride(n.div_ceil(16))) }.map_err(wrap)?;
             }
             Format::Int8(scb) => {
                 let func = self.function("dequant_int8_bf16")?;
@@ -158,7 +158,7 @@ impl DeviceTensor {
                 b.arg(&self.data).arg(scb).arg(&mut out).arg(&n).arg(&cols);
                 // SAFETY: `Int8Rows::new` checked rows x cols bytes and one
                 // scale a row; out holds n.
-                unsafe { b.launch(grid_stride(n)) }.map_err(wrap)?;
+                unsafe { b.launch(grid_stride(n.div_ceil(16))) }.map_err(wrap)?;
             }
             Format::Fp8 { scales, per_row } => {
                 let func = self.function("dequant_fp8_bf16")?;
@@ -172,7 +172,7 @@ impl DeviceTensor {
                     .arg(&cols);
                 // SAFETY: `Fp8::new` checked rows x cols bytes and one scale a
                 // row (or one); out holds n.
-                unsafe { b.launch(grid_stride(n)) }.map_err(wrap)?;
+                unsafe { b.launch(grid_stride(n.div_ceil(16))) }.map_err(wrap)?;
             }
         }
         let storage = CudaStorage::wrap_cuda_slice(out, self.dev.clone());
