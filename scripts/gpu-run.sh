@@ -51,6 +51,13 @@ pack_logs() {
 current="(before any binary)"
 trap 'echo "STOPPED    $current: SIGTERM (a time limit); its log so far is in the logs tarball" | tee -a "$summary"; pack_logs; exit 124' TERM
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >>"$summary" 2>&1 || true
+# Benches name their result files after the GPU (h100, h200); the tag comes
+# from the card's name unless BENCH_DEVICE_TAG is set.
+if [ -z "${BENCH_DEVICE_TAG:-}" ]; then
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+  tag=$(grep -oE '[HAB][0-9]{2,3}' <<<"$card" | head -n 1 | tr 'A-Z' 'a-z')
+  [ -n "$tag" ] && export BENCH_DEVICE_TAG=$tag
+fi
 echo "$nccl_note" >>"$summary"
 # Test binaries run once per topic (GPU_TEST_TOPICS, default: every module of
 # tests/main.rs), so a crash in one topic cannot hide the others' results.

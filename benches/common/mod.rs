@@ -18,7 +18,9 @@ pub fn device() -> Device {
     Device::Cpu
 }
 
-/// A short tag for file names: "h200" for an H200, "cpu" otherwise.
+/// A short tag for file names: on a GPU `BENCH_DEVICE_TAG` (the bundle's
+/// run.sh sets it from the card's name, e.g. "h100"; "h200" when unset),
+/// "cpu" otherwise.
 pub fn device_tag(dev: &Device) -> String {
     if dev.is_cuda() {
         std::env::var("BENCH_DEVICE_TAG").unwrap_or_else(|_| "h200".into())
