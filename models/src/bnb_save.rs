@@ -2,7 +2,7 @@
 //! `config.json` (with the `quantization_config` transformers'
 //! `BitsAndBytesConfig` writes) and `model.safetensors` holding every tensor
 //! under the names and dtypes bitsandbytes' `Linear4bit` / `Linear8bitLt`
-//! state dicts use ([`crate::bnb_layout`]), so that transformers with
+//! state dicts use (held in one module for the reader and this writer), so that transformers with
 //! bitsandbytes loads it back, and [`read_quantized`] does.
 //!
 //! [`read_quantized`]: crate::read_quantized
@@ -70,8 +70,10 @@ fn f32_entry(values: &[f32]) -> Entry<'static> {
 /// must be of `qc`'s method (and, for 4-bit, its quant type and double
 /// quantization), named `<module>.weight`, outside `qc`'s skipped modules;
 /// anything else is an error naming the tensor, before any file is written.
-/// The 4-bit quant states name `weights.weight_dtype` (float32 when `None`)
-/// as the dtype bitsandbytes dequantizes to.
+/// The 4-bit quant states name `weights.weight_dtype` as the dtype
+/// bitsandbytes dequantizes to, and `config.json` names it as the model's
+/// dtype; when it is `None`, the dense tensors' dtype (float32 if they
+/// differ).
 pub fn save_bnb(
     dir: impl AsRef<Path>,
     cfg: &LlamaConfig,
@@ -79,7 +81,9 @@ pub fn save_bnb(
     weights: &QuantizedWeights,
 ) -> Result<()> {
     let dir = dir.as_ref();
-    let dtype = weights.weight_dtype.unwrap_or(DType::F32);
+    let dtype = weights
+        .weight_dtype
+        .unwrap_or_else(|| dense_dtype(&weights.dense));
     let mut entries: Vec<(String, Entry)> = Vec::new();
     let mut names: Vec<&String> = weights.quantized.keys().collect();
     names.sort();
@@ -105,6 +109,15 @@ pub fn save_bnb(
         let refs = entries.iter().map(|(n, e)| (n.as_str(), e));
         safetensors::serialize_to_file(refs, Some(info), tmp).map_err(candle_core::Error::wrap)
     })
+}
+
+/// The dtype every tensor of `dense` has, else f32.
+fn dense_dtype(dense: &HashMap<String, Tensor>) -> DType {
+    let mut dtypes = dense.values().map(Tensor::dtype);
+    match dtypes.next() {
+        Some(first) if dtypes.all(|d| d == first) => first,
+        _ => DType::F32,
+    }
 }
 
 fn bad(path: &Path, reason: String) -> candle_core::Error {

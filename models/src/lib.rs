@@ -17,6 +17,11 @@
 //! - [`Llama::from_pretrained`] ([`pretrained`]) and [`TextTokenizer`]
 //!   ([`tokenizer`]): a Hugging Face model folder (`config.json`, weights,
 //!   `tokenizer.json`) checked as a whole, then placed resident or streamed.
+//! - [`QuantizationConfig`] ([`quantization_config`]), [`read_quantized`]
+//!   ([`quantized_checkpoint`]) and [`save_bnb`] ([`bnb_save`]):
+//!   transformers checkpoints with a `quantization_config` (bitsandbytes
+//!   4-bit and 8-bit, fp8) read into `streamer_quant` host tensors by Hugging
+//!   Face weight name, and written in bitsandbytes' layout.
 //! - [`LmTrainer`], [`train_loop`], [`TokenCorpus`] ([`train`]): host AdamW over
 //!   every master, checkpoints an interrupted save cannot break, resume.
 //! - [`generate`] ([`sample`]): temperature and top-p sampling, feeding one token

@@ -73,7 +73,7 @@ pub fn read_quantized<P: AsRef<Path>>(
         dense.insert(name, t);
     }
     let weight_dtype = plans.iter().find_map(|p| match &p.kind {
-        Kind::FourBit { dtype, .. } => Some(*dtype),
+        Kind::FourBit(f) => Some(f.dtype),
         _ => None,
     });
     Ok(QuantizedWeights {
@@ -92,13 +92,16 @@ struct Plan {
     kind: Kind,
 }
 
+/// A 4-bit weight's tensor names and quant state.
+struct FourBitPlan {
+    names: FourBitNames,
+    state: QuantStateJson,
+    quant_type: FourBitType,
+    dtype: DType,
+}
+
 enum Kind {
-    FourBit {
-        names: FourBitNames,
-        state: QuantStateJson,
-        quant_type: FourBitType,
-        dtype: DType,
-    },
+    FourBit(Box<FourBitPlan>),
     Int8 {
         scb: String,
         dims: (usize, usize),
@@ -274,12 +277,12 @@ impl Reader<'_> {
         Ok(Plan {
             weight: weight.to_string(),
             parts,
-            kind: Kind::FourBit {
+            kind: Kind::FourBit(Box::new(FourBitPlan {
                 names,
                 state,
                 quant_type,
                 dtype,
-            },
+            })),
         })
     }
 
@@ -489,12 +492,7 @@ impl Reader<'_> {
     fn build(&self, p: &Plan) -> Result<HostTensor> {
         let w = &p.weight;
         match &p.kind {
-            Kind::FourBit {
-                names,
-                state,
-                quant_type,
-                ..
-            } => self.build_four_bit(w, names, state, *quant_type),
+            Kind::FourBit(f) => self.build_four_bit(w, &f.names, &f.state, f.quant_type),
             Kind::Int8 { scb, dims } => {
                 let data = self.view(w, w)?.data().iter().map(|&b| b as i8).collect();
                 let scb = floats(Dtype::F32, self.view(w, scb)?.data());
