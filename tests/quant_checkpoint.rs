@@ -17,7 +17,7 @@ use streamer_models::{
     init_weights, read_quantized, save_bnb, Fp8Layout, LlamaConfig, QuantMethod,
     QuantizationConfig, QuantizedWeights,
 };
-use streamer_quant::{Absmax, FourBit, FourBitType, Fp8, HostTensor, Int8Rows};
+use streamer_quant::{Absmax, FourBitType, Fp8, HostTensor};
 
 /// A 2-layer byte Llama of width 64 (q_proj: 4096 elements, 64 blocks).
 pub(crate) fn tiny() -> LlamaConfig {
@@ -43,66 +43,13 @@ pub(crate) fn four_bit(quant_type: FourBitType, double_quant: bool) -> QuantMeth
     }
 }
 
-/// `q` under the name `name` (quantization names it after itself).
-fn named(name: &str, q: HostTensor) -> Result<HostTensor> {
-    Ok(match q {
-        HostTensor::FourBit(q) => HostTensor::FourBit(FourBit::new(
-            name,
-            q.shape(),
-            (q.quant_type(), q.blocksize()),
-            q.packed().to_vec(),
-            q.absmax().clone(),
-        )?),
-        HostTensor::Int8(q) => HostTensor::Int8(Int8Rows::new(
-            name,
-            q.dims(),
-            q.data().to_vec(),
-            q.scb().to_vec(),
-        )?),
-        HostTensor::Fp8(q) => HostTensor::Fp8(Fp8::new(
-            name,
-            q.dims(),
-            q.data().to_vec(),
-            q.scale().clone(),
-        )?),
-    })
-}
-
-/// Seeded weights of `cfg`, every decoder-layer projection quantized as
-/// `method` says and the rest dense (f32).
+/// Seeded bf16 weights of `cfg`, quantized on load as `method` says.
 pub(crate) fn quantized_model(cfg: &LlamaConfig, method: &QuantMethod) -> Result<QuantizedWeights> {
-    let mut quantized = HashMap::new();
-    let mut dense = HashMap::new();
-    for (name, t) in init_weights(cfg, 7)? {
-        let linear = name.starts_with("model.layers.") && name.ends_with("_proj.weight");
-        if !linear {
-            dense.insert(name, t);
-            continue;
-        }
-        let (rows, cols) = t.dims2()?;
-        let v = t.flatten_all()?.to_vec1::<f32>()?;
-        let q = match method {
-            QuantMethod::FourBit {
-                quant_type,
-                double_quant,
-                ..
-            } => HostTensor::FourBit(FourBit::quantize(
-                &v,
-                &[rows, cols],
-                *quant_type,
-                64,
-                *double_quant,
-            )?),
-            QuantMethod::Int8 => HostTensor::Int8(Int8Rows::quantize(&v, (rows, cols))?),
-            QuantMethod::Fp8(_) => HostTensor::Fp8(Fp8::quantize(&v, (rows, cols), true)?),
-        };
-        quantized.insert(name.clone(), named(&name, q)?);
+    let mut weights = init_weights(cfg, 7)?;
+    for t in weights.values_mut() {
+        *t = t.to_dtype(DType::BF16)?;
     }
-    Ok(QuantizedWeights {
-        quantized,
-        dense,
-        weight_dtype: Some(DType::BF16),
-    })
+    Ok(QuantizedWeights::quantize(weights, &bnb(method.clone()))?)
 }
 
 /// Reads the folder `dir` as its `config.json` says.
@@ -133,10 +80,8 @@ fn same_dense(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) -> Resul
         let u = b
             .get(name)
             .with_context(|| format!("{name} not read back"))?;
-        let (x, y) = (
-            t.flatten_all()?.to_vec1::<f32>()?,
-            u.flatten_all()?.to_vec1::<f32>()?,
-        );
+        let f32s = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
+        let (x, y) = (f32s(t)?, f32s(u)?);
         ensure!(x == y, "{name} differs");
     }
     Ok(())
@@ -159,10 +104,12 @@ fn bnb_save_read_round_trip() -> Result<()> {
         let qc = bnb(method.clone());
         let w = quantized_model(&cfg, &method)?;
         ensure!(w.quantized.len() == 14, "{} quantized", w.quantized.len());
+        w.check(&cfg)?;
         let dir = temp_dir("quant_checkpoint", "round_trip")?;
         save_bnb(&dir, &cfg, &qc, &w)?;
         let (qc2, back) = read_dir(&dir)?;
         ensure!(qc2 == qc, "{qc2:?} against {qc:?}");
+        back.check(&cfg)?;
         ensure!(back.weight_dtype == w.weight_dtype || method == QuantMethod::Int8);
         ensure!(back.quantized.len() == w.quantized.len());
         for (name, q) in &w.quantized {
@@ -230,12 +177,14 @@ fn bnb_layout_names_and_quant_state() -> Result<()> {
     let text = format!(
         "{{\"quant_type\": \"nf4\", \"blocksize\": 64, \"dtype\": \"bfloat16\", \"shape\": [64, 256], \
          \"nested_blocksize\": 256, \"nested_dtype\": \"float32\", \"nested_offset\": {}}}",
-        n.offset as f64
+        // Shortest round-trip digits, as Python's repr (Rust's Display
+        // rounds a tie in the 17th digit up where both round it to even).
+        serde_json::to_string(&(n.offset as f64))?
     );
     let state = st.tensor(&format!("{q}.quant_state.bitsandbytes__nf4"))?;
     ensure!(
         state.data() == text.as_bytes(),
-        "{}",
+        "{} against {text}",
         String::from_utf8_lossy(state.data())
     );
     let config: serde_json::Value =
@@ -424,7 +373,8 @@ fn quant_state(
 /// A truncated packed tensor, absmax of the wrong length, an unknown quant
 /// type or block size, a missing quant map, a quant state that disagrees with
 /// the config, a uint8 tensor without a quant state: each an error naming the
-/// tensor (or the config field), before any weight is copied.
+/// tensor (or the config field), before any weight is copied; weights that
+/// do not match the model's config are refused by `QuantizedWeights::check`.
 #[test]
 fn quantized_checkpoint_bad_inputs() -> Result<()> {
     let cfg = tiny();

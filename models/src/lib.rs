@@ -21,7 +21,9 @@
 //!   ([`quantized_checkpoint`]) and [`save_bnb`] ([`bnb_save`]):
 //!   transformers checkpoints with a `quantization_config` (bitsandbytes
 //!   4-bit and 8-bit, fp8) read into `streamer_quant` host tensors by Hugging
-//!   Face weight name, and written in bitsandbytes' layout.
+//!   Face weight name, checked against a config ([`QuantizedWeights::check`]),
+//!   made from dense weights ([`QuantizedWeights::quantize`],
+//!   [`quantize_on_load`]) and written in bitsandbytes' layout.
 //! - [`LmTrainer`], [`train_loop`], [`TokenCorpus`] ([`train`]): host AdamW over
 //!   every master, checkpoints an interrupted save cannot break, resume.
 //! - [`generate`] ([`sample`]): temperature and top-p sampling, feeding one token
@@ -77,6 +79,7 @@ pub mod ops;
 pub mod pretrained;
 pub mod prompt_file;
 pub mod quantization_config;
+pub mod quantize_on_load;
 pub mod quantized_checkpoint;
 mod resident_backward;
 pub mod sample;

@@ -9,9 +9,10 @@
 //! malformed weight is an error naming its tensor before any weight data is
 //! copied.
 use crate::bnb_layout::{int8_names, FourBitNames, QuantStateJson, QUANT_STATE};
+use crate::config::LlamaConfig;
 use crate::quantization_config::{parse_torch_dtype, Fp8Layout, QuantMethod, QuantizationConfig};
 use candle_core::safetensors::MmapedSafetensors;
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{bail, DType, Device, Result, Tensor};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 use std::collections::{BTreeSet, HashMap};
@@ -32,6 +33,55 @@ pub struct QuantizedWeights {
     /// The dtype bitsandbytes' 4-bit quant states dequantize to (the
     /// model's dtype when it was quantized); `None` for other formats.
     pub weight_dtype: Option<DType>,
+}
+
+/// The shape of a quantized tensor.
+fn host_shape(q: &HostTensor) -> Vec<usize> {
+    match q {
+        HostTensor::FourBit(q) => q.shape().to_vec(),
+        HostTensor::Int8(q) => vec![q.dims().0, q.dims().1],
+        HostTensor::Fp8(q) => vec![q.dims().0, q.dims().1],
+    }
+}
+
+impl QuantizedWeights {
+    /// Checks the weights against `cfg` as [`crate::check_weights`] checks a
+    /// dense checkpoint: every tensor the config implies is here, dense or
+    /// quantized (not both), with its shape, and there is no other (a tied
+    /// model's `lm_head.weight` aside). Errors name the tensor and the
+    /// config fields its shape comes from.
+    pub fn check(&self, cfg: &LlamaConfig) -> Result<()> {
+        let expected = cfg.weight_shapes();
+        for (name, shape, fields) in &expected {
+            let got = match (self.dense.get(name), self.quantized.get(name)) {
+                (Some(t), None) => t.dims().to_vec(),
+                (None, Some(q)) => host_shape(q),
+                (None, None) => {
+                    bail!("the weights lack {name} {shape:?} (from the config's {fields})")
+                }
+                (Some(_), Some(_)) => bail!("{name} is both dense and quantized"),
+            };
+            if &got != shape {
+                return Err(streamer_device::Error::Shape {
+                    what: format!("the config does not match the weights: tensor {name:?}"),
+                    got,
+                    expected: format!("{shape:?}, as the config ({fields}) implies"),
+                }
+                .into());
+            }
+        }
+        let known: BTreeSet<&str> = expected.iter().map(|(n, _, _)| n.as_str()).collect();
+        let extra = self
+            .dense
+            .keys()
+            .chain(self.quantized.keys())
+            .filter(|n| !known.contains(n.as_str()))
+            .find(|n| !(cfg.tie_word_embeddings && *n == "lm_head.weight"));
+        match extra {
+            Some(n) => bail!("the weights hold {n}, which this config does not use"),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Reads the safetensors `files` (or a `model.safetensors.index.json`) of a
