@@ -153,7 +153,11 @@ impl QuantizationConfig {
         match v.get("quantization_config") {
             None | Some(Value::Null) => Ok(None),
             Some(Value::Object(o)) => Self::from_object(o).map(Some),
-            Some(v) => Err(field_error("", format!("= {v} is not an object"))),
+            Some(v) => Err(streamer_device::Error::Config {
+                field: "quantization_config".into(),
+                reason: format!("= {v} is not an object"),
+            }
+            .into()),
         }
     }
 
@@ -233,17 +237,23 @@ pub(crate) fn torch_dtype_name(dt: DType) -> &'static str {
 
 /// The dtype of a torch name (`bfloat16`, `torch.bfloat16`): float16,
 /// bfloat16 or float32.
-pub(crate) fn parse_torch_dtype(field: &str, v: &Value) -> Result<DType> {
-    let name = v.as_str().map(|s| s.trim_start_matches("torch."));
-    match name {
-        Some("bfloat16") => Ok(DType::BF16),
-        Some("float16") => Ok(DType::F16),
-        Some("float32") => Ok(DType::F32),
-        _ => Err(field_error(
+pub(crate) fn torch_dtype(name: &str) -> Option<DType> {
+    match name.trim_start_matches("torch.") {
+        "bfloat16" => Some(DType::BF16),
+        "float16" => Some(DType::F16),
+        "float32" => Some(DType::F32),
+        _ => None,
+    }
+}
+
+/// A dtype field ([`torch_dtype`]).
+fn parse_torch_dtype(field: &str, v: &Value) -> Result<DType> {
+    v.as_str().and_then(torch_dtype).ok_or_else(|| {
+        field_error(
             field,
             format!("= {v} is not supported (\"float32\", \"bfloat16\" or \"float16\")"),
-        )),
-    }
+        )
+    })
 }
 
 /// Which of `load_in_4bit` / `load_in_8bit` (and their `_`-prefixed twins,

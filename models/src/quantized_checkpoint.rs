@@ -10,7 +10,7 @@
 //! copied.
 use crate::bnb_layout::{int8_names, FourBitNames, QuantStateJson, QUANT_STATE};
 use crate::config::LlamaConfig;
-use crate::quantization_config::{parse_torch_dtype, Fp8Layout, QuantMethod, QuantizationConfig};
+use crate::quantization_config::{torch_dtype, Fp8Layout, QuantMethod, QuantizationConfig};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{bail, DType, Device, Result, Tensor};
 use safetensors::tensor::TensorView;
@@ -315,8 +315,12 @@ impl Reader<'_> {
                 format!("= {double_quant} but {weight}'s quant state says otherwise"),
             ));
         }
-        let dtype = parse_torch_dtype("dtype", &state.dtype.clone().into())
-            .map_err(|e| self.bad(format!("{qs_name}: {e}")))?;
+        let dtype = torch_dtype(&state.dtype).ok_or_else(|| {
+            self.bad(format!(
+                "{qs_name}: dtype {:?} is not supported (float32, bfloat16 or float16)",
+                state.dtype
+            ))
+        })?;
         let names = FourBitNames::new(weight, &state.quant_type);
         self.check_four_bit(weight, &names, &state, quant_type)?;
         let parts = names
