@@ -8,6 +8,34 @@
 //! to which weight, dtypes, shapes, lengths, the 4-bit quant states); a
 //! malformed weight is an error naming its tensor before any weight data is
 //! copied.
+//!
+//! ```
+//! use candle_core::DType;
+//! use streamer_models::{init_weights, read_quantized, save_bnb, LlamaConfig};
+//! use streamer_models::{QuantMethod, QuantizationConfig, QuantizedWeights};
+//! use streamer_quant::{FourBitType, HostTensor};
+//!
+//! let cfg = LlamaConfig { max_position_embeddings: 16, ..LlamaConfig::bytes(64, 1, 4, 2) };
+//! let method = QuantMethod::FourBit {
+//!     quant_type: FourBitType::Nf4,
+//!     double_quant: true,
+//!     compute_dtype: DType::BF16,
+//! };
+//! let qc = QuantizationConfig { method, skip_modules: None };
+//! // A bf16 -> NF4 folder in bitsandbytes' layout, and back.
+//! let weights = QuantizedWeights::quantize(init_weights(&cfg, 0)?, &qc)?;
+//! let dir = std::env::temp_dir().join(format!("streamer-doc-nf4-{}", std::process::id()));
+//! save_bnb(&dir, &cfg, &qc, &weights)?;
+//! let text = std::fs::read_to_string(dir.join("config.json")).map_err(candle_core::Error::wrap)?;
+//! let qc = QuantizationConfig::from_config_json(&text)?.expect("a quantization_config");
+//! let back = read_quantized(&[dir.join("model.safetensors")], &qc)?;
+//! back.check(&cfg)?;
+//! let q = &back.quantized["model.layers.0.self_attn.q_proj.weight"];
+//! assert!(matches!(q, HostTensor::FourBit(f) if f.shape() == [64, 64]));
+//! assert!(back.dense.contains_key("model.embed_tokens.weight"));
+//! # std::fs::remove_dir_all(&dir).ok();
+//! # Ok::<(), candle_core::Error>(())
+//! ```
 use crate::bnb_layout::{int8_names, FourBitNames, QuantStateJson, QUANT_STATE};
 use crate::config::LlamaConfig;
 use crate::quantization_config::{torch_dtype, Fp8Layout, QuantMethod, QuantizationConfig};
