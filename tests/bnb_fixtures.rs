@@ -132,9 +132,11 @@ fn dense_model(
     Ok(all)
 }
 
-/// Logits of the dense model against the script's, within the stated
-/// tolerance; the relative error measured.
-fn compare_logits(d: &Path, all: HashMap<String, Tensor>, dev: &Device, tol: f64) -> Result<f64> {
+/// Logits of the dense model (on the CPU, the reference whatever device
+/// dequantized) against the script's, within the stated tolerance; the
+/// relative error measured.
+fn compare_logits(d: &Path, all: HashMap<String, Tensor>, tol: f64) -> Result<f64> {
+    let dev = &Device::Cpu;
     let saved = candle_core::safetensors::load(d.join("logits.safetensors"), &Device::Cpu)?;
     let cfg = LlamaConfig::from_json_file(d.join("config.json"))?;
     let vb = candle_nn::VarBuilder::from_tensors(all, DType::F32, dev);
@@ -150,7 +152,8 @@ fn compare_logits(d: &Path, all: HashMap<String, Tensor>, dev: &Device, tol: f64
     Ok(err)
 }
 
-/// Every variant under `dir`: weights compared, logits where present. With
+/// Every variant under `dir`: weights checked against its config and
+/// compared, logits where present. With
 /// `resave`, each folder read is saved again into `<variant>/resaved` (for
 /// the script's transformers round trip). The tensors compared.
 fn check_fixtures(dir: &Path, dev: &Device, resave: bool) -> Result<usize> {
@@ -161,6 +164,8 @@ fn check_fixtures(dir: &Path, dev: &Device, resave: bool) -> Result<usize> {
             continue;
         }
         let (qc, w) = read_dir(&d)?;
+        let cfg = LlamaConfig::from_json_file(d.join("config.json"))?;
+        w.check(&cfg).with_context(|| variant.to_string())?;
         let want = candle_core::safetensors::load(d.join("dequantized.safetensors"), &Device::Cpu)?;
         ensure!(
             want.len() == w.quantized.len(),
@@ -181,11 +186,10 @@ fn check_fixtures(dir: &Path, dev: &Device, resave: bool) -> Result<usize> {
             } else {
                 LOGITS_TOL_4BIT
             };
-            let err = compare_logits(&d, dense_model(&w, &want)?, dev, tol)?;
+            let err = compare_logits(&d, dense_model(&w, &want)?, tol)?;
             println!("{variant}: logits within {err:.3e} of the fixture's (tolerance {tol:.0e})");
         }
         if resave {
-            let cfg = LlamaConfig::from_json_file(d.join("config.json"))?;
             save_bnb(d.join("resaved"), &cfg, &qc, &w)?;
         }
     }
