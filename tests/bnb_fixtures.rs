@@ -23,7 +23,7 @@ use candle_core::{DType, Device, Tensor};
 use half::bf16;
 use std::collections::HashMap;
 use std::path::Path;
-use streamer_models::{save_bnb, Llama, LlamaConfig, QuantMethod, QuantizedWeights};
+use streamer_models::{save_bnb, Llama, LlamaConfig, QuantMethod, QuantizedCheckpoint};
 use streamer_quant::{Dequantize, FourBitType, HostTensor};
 
 /// Largest relative logit difference against bitsandbytes' 4-bit model: it
@@ -122,7 +122,7 @@ fn compare(name: &str, q: &HostTensor, want: &Tensor, dev: &Device) -> Result<()
 /// The quantized weights and dense tensors as one dense f32 map of the
 /// values bitsandbytes dequantizes to.
 fn dense_model(
-    w: &QuantizedWeights,
+    w: &QuantizedCheckpoint,
     want: &HashMap<String, Tensor>,
 ) -> Result<HashMap<String, Tensor>> {
     let mut all = HashMap::new();

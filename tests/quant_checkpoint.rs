@@ -15,7 +15,7 @@ use std::path::Path;
 use streamer_device::Error as TypedError;
 use streamer_models::{
     init_weights, read_quantized, save_bnb, Fp8Layout, LlamaConfig, QuantMethod,
-    QuantizationConfig, QuantizedWeights,
+    QuantizationConfig, QuantizedCheckpoint,
 };
 use streamer_quant::{Absmax, FourBitType, Fp8, HostTensor};
 
@@ -44,16 +44,22 @@ pub(crate) fn four_bit(quant_type: FourBitType, double_quant: bool) -> QuantMeth
 }
 
 /// Seeded bf16 weights of `cfg`, quantized on load as `method` says.
-pub(crate) fn quantized_model(cfg: &LlamaConfig, method: &QuantMethod) -> Result<QuantizedWeights> {
+pub(crate) fn quantized_model(
+    cfg: &LlamaConfig,
+    method: &QuantMethod,
+) -> Result<QuantizedCheckpoint> {
     let mut weights = init_weights(cfg, 7)?;
     for t in weights.values_mut() {
         *t = t.to_dtype(DType::BF16)?;
     }
-    Ok(QuantizedWeights::quantize(weights, &bnb(method.clone()))?)
+    Ok(QuantizedCheckpoint::quantize(
+        weights,
+        &bnb(method.clone()),
+    )?)
 }
 
 /// Reads the folder `dir` as its `config.json` says.
-pub(crate) fn read_dir(dir: &Path) -> Result<(QuantizationConfig, QuantizedWeights)> {
+pub(crate) fn read_dir(dir: &Path) -> Result<(QuantizationConfig, QuantizedCheckpoint)> {
     let text = std::fs::read_to_string(dir.join("config.json"))?;
     let qc = QuantizationConfig::from_config_json(&text)?.context("no quantization_config")?;
     let w = read_quantized(&[dir.join("model.safetensors")], &qc)?;
@@ -374,7 +380,7 @@ fn quant_state(
 /// type or block size, a missing quant map, a quant state that disagrees with
 /// the config, a uint8 tensor without a quant state: each an error naming the
 /// tensor (or the config field), before any weight is copied; weights that
-/// do not match the model's config are refused by `QuantizedWeights::check`.
+/// do not match the model's config are refused by `QuantizedCheckpoint::check`.
 #[test]
 fn quantized_checkpoint_bad_inputs() -> Result<()> {
     let cfg = tiny();

@@ -9,7 +9,7 @@
 use crate::bnb_layout::{int8_names, FourBitNames, QuantStateJson};
 use crate::config::LlamaConfig;
 use crate::quantization_config::{torch_dtype_name, QuantMethod, QuantizationConfig};
-use crate::quantized_checkpoint::QuantizedWeights;
+use crate::quantized_checkpoint::QuantizedCheckpoint;
 use candle_core::{DType, Result, Tensor};
 use safetensors::tensor::View;
 use safetensors::Dtype;
@@ -78,7 +78,7 @@ pub fn save_bnb(
     dir: impl AsRef<Path>,
     cfg: &LlamaConfig,
     qc: &QuantizationConfig,
-    weights: &QuantizedWeights,
+    weights: &QuantizedCheckpoint,
 ) -> Result<()> {
     let dir = dir.as_ref();
     let dtype = weights

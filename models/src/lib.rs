@@ -21,8 +21,8 @@
 //!   ([`quantized_checkpoint`]) and [`save_bnb`] ([`bnb_save`]):
 //!   transformers checkpoints with a `quantization_config` (bitsandbytes
 //!   4-bit and 8-bit, fp8) read into `streamer_quant` host tensors by Hugging
-//!   Face weight name, checked against a config ([`QuantizedWeights::check`]),
-//!   made from dense weights ([`QuantizedWeights::quantize`],
+//!   Face weight name, checked against a config ([`QuantizedCheckpoint::check`]),
+//!   made from dense weights ([`QuantizedCheckpoint::quantize`],
 //!   [`quantize_on_load`]) and written in bitsandbytes' layout.
 //! - [`LmTrainer`], [`train_loop`], [`TokenCorpus`] ([`train`]): host AdamW over
 //!   every master, checkpoints an interrupted save cannot break, resume.
@@ -115,7 +115,7 @@ pub use ops::lt::{
     cached_handles as cached_cublaslt_handles, handle_probe as cublaslt_handle_probe,
 };
 pub use quantization_config::{Fp8Layout, QuantMethod, QuantizationConfig};
-pub use quantized_checkpoint::{read_quantized, QuantizedWeights};
+pub use quantized_checkpoint::{read_quantized, QuantizedCheckpoint};
 pub use step_rates::StepRates;
 /// The raw cuBLASLt GEMMs behind `FusedLinear` and `FusedMlp`, for
 /// `benches/gemm.rs` (which times each against cuBLAS and PyTorch).

@@ -3,7 +3,7 @@
 //! [`QuantizationConfig`] names, the rest stays dense; the result saves in
 //! bitsandbytes' layout with [`crate::save_bnb`].
 use crate::quantization_config::{QuantMethod, QuantizationConfig};
-use crate::quantized_checkpoint::QuantizedWeights;
+use crate::quantized_checkpoint::QuantizedCheckpoint;
 use candle_core::{DType, Result, Tensor};
 use std::collections::HashMap;
 use streamer_quant::{FourBit, Fp8, HostTensor, Int8Rows, QuantError};
@@ -60,7 +60,7 @@ fn is_layer_linear(name: &str, t: &Tensor) -> bool {
     name.starts_with("model.layers.") && name.ends_with(".weight") && t.rank() == 2
 }
 
-impl QuantizedWeights {
+impl QuantizedCheckpoint {
     /// `tensors` (Hugging Face names) quantized as `qc` says: every 2-D
     /// weight of a decoder layer outside `qc`'s skipped modules, NF4/FP4 in
     /// blocks of 64 (bitsandbytes' default), int8 by rows, fp8 with a scale

@@ -12,7 +12,7 @@
 //! ```
 //! use candle_core::DType;
 //! use streamer_models::{init_weights, read_quantized, save_bnb, LlamaConfig};
-//! use streamer_models::{QuantMethod, QuantizationConfig, QuantizedWeights};
+//! use streamer_models::{QuantMethod, QuantizationConfig, QuantizedCheckpoint};
 //! use streamer_quant::{FourBitType, HostTensor};
 //!
 //! let cfg = LlamaConfig { max_position_embeddings: 16, ..LlamaConfig::bytes(64, 1, 4, 2) };
@@ -23,7 +23,7 @@
 //! };
 //! let qc = QuantizationConfig { method, skip_modules: None };
 //! // A bf16 -> NF4 folder in bitsandbytes' layout, and back.
-//! let weights = QuantizedWeights::quantize(init_weights(&cfg, 0)?, &qc)?;
+//! let weights = QuantizedCheckpoint::quantize(init_weights(&cfg, 0)?, &qc)?;
 //! let dir = std::env::temp_dir().join(format!("streamer-doc-nf4-{}", std::process::id()));
 //! save_bnb(&dir, &cfg, &qc, &weights)?;
 //! let text = std::fs::read_to_string(dir.join("config.json")).map_err(candle_core::Error::wrap)?;
@@ -52,7 +52,7 @@ use streamer_quant::{
 
 /// A quantized checkpoint read into host memory.
 #[derive(Debug)]
-pub struct QuantizedWeights {
+pub struct QuantizedCheckpoint {
     /// The quantized weights, by Hugging Face weight name.
     pub quantized: HashMap<String, HostTensor>,
     /// Every other tensor (embeddings, norms, a dense head, skipped
@@ -72,7 +72,7 @@ fn host_shape(q: &HostTensor) -> Vec<usize> {
     }
 }
 
-impl QuantizedWeights {
+impl QuantizedCheckpoint {
     /// Checks the weights against `cfg` as [`crate::check_weights`] checks a
     /// dense checkpoint: every tensor the config implies is here, dense or
     /// quantized (not both), with its shape, and there is no other (a tied
@@ -122,7 +122,7 @@ impl QuantizedWeights {
 pub fn read_quantized<P: AsRef<Path>>(
     files: &[P],
     qc: &QuantizationConfig,
-) -> Result<QuantizedWeights> {
+) -> Result<QuantizedCheckpoint> {
     let paths = streamer_core::expand_paths(files)?;
     // SAFETY: the files are mapped read-only and copied out before this
     // function returns; the caller must not truncate them meanwhile.
@@ -154,7 +154,7 @@ pub fn read_quantized<P: AsRef<Path>>(
         Kind::FourBit(f) => Some(f.dtype),
         _ => None,
     });
-    Ok(QuantizedWeights {
+    Ok(QuantizedCheckpoint {
         quantized,
         dense,
         weight_dtype,
