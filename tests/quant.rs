@@ -49,7 +49,7 @@ fn reference_absmax(q: &FourBit) -> Vec<f32> {
 }
 
 /// `code[nibble] * absmax[block]` in f64, rounded once to f32.
-fn reference_4bit(q: &FourBit) -> Vec<f32> {
+pub(crate) fn reference_4bit(q: &FourBit) -> Vec<f32> {
     let code = q.quant_type().code();
     let absmax = reference_absmax(q);
     (0..q.elements())
@@ -61,7 +61,7 @@ fn reference_4bit(q: &FourBit) -> Vec<f32> {
         .collect()
 }
 
-fn same_bits(a: &[f32], b: &[f32]) -> Result<()> {
+pub(crate) fn same_bits(a: &[f32], b: &[f32]) -> Result<()> {
     ensure!(
         a.len() == b.len(),
         "{} against {} elements",
@@ -184,6 +184,18 @@ fn nested_absmax_map() -> Result<()> {
     Ok(())
 }
 
+/// `(q * SCB) * (1/127)` in f64, rounded to f32 where bitsandbytes rounds
+/// (after the product, at the end).
+pub(crate) fn reference_int8(q: &Int8Rows) -> Vec<f32> {
+    let inv = 7.874015718698502e-3f64 as f32 as f64;
+    let cols = q.dims().1;
+    q.data()
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| f32_of(f32_of(d as f64 * q.scb()[i / cols] as f64) as f64 * inv))
+        .collect()
+}
+
 /// int8 rows: `(q * SCB) * (1/127)` in f32, as the f64 reference rounded
 /// at the same two points; quantization rounds to nearest.
 #[test]
@@ -191,14 +203,7 @@ fn int8_rows_dequantize_as_the_reference() -> Result<()> {
     let (rows, cols) = (37, 96);
     let v = values(rows * cols, 3);
     let q = Int8Rows::quantize(&v, (rows, cols))?;
-    let inv = 7.874015718698502e-3f64 as f32 as f64;
-    let want: Vec<f32> = q
-        .data()
-        .iter()
-        .enumerate()
-        .map(|(i, &d)| f32_of(f32_of(d as f64 * q.scb()[i / cols] as f64) as f64 * inv))
-        .collect();
-    same_bits(&q.dequantize_f32(), &want)?;
+    same_bits(&q.dequantize_f32(), &reference_int8(&q))?;
     for (i, (&x, &d)) in v.iter().zip(q.data()).enumerate() {
         let exact = x as f64 * 127.0 / q.scb()[i / cols] as f64;
         ensure!(

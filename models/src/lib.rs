@@ -17,6 +17,13 @@
 //! - [`Llama::from_pretrained`] ([`pretrained`]) and [`TextTokenizer`]
 //!   ([`tokenizer`]): a Hugging Face model folder (`config.json`, weights,
 //!   `tokenizer.json`) checked as a whole, then placed resident or streamed.
+//! - [`QuantizationConfig`] ([`quantization_config`]), [`read_quantized`]
+//!   ([`quantized_checkpoint`]) and [`save_bnb`] ([`bnb_save`]):
+//!   transformers checkpoints with a `quantization_config` (bitsandbytes
+//!   4-bit and 8-bit, fp8) read into `streamer_quant` host tensors by Hugging
+//!   Face weight name, checked against a config ([`QuantizedCheckpoint::check`]),
+//!   made from dense weights ([`QuantizedCheckpoint::quantize`],
+//!   [`quantize_on_load`]) and written in bitsandbytes' layout.
 //! - [`LmTrainer`], [`train_loop`], [`TokenCorpus`] ([`train`]): host AdamW over
 //!   every master, checkpoints an interrupted save cannot break, resume.
 //! - [`generate`] ([`sample`]): temperature and top-p sampling, feeding one token
@@ -52,6 +59,8 @@
 pub mod batch_generate;
 mod batch_kv;
 pub mod batch_plan;
+mod bnb_layout;
+pub mod bnb_save;
 pub mod chat_template;
 pub mod checkpoint;
 pub mod config;
@@ -59,6 +68,7 @@ pub mod cross_entropy;
 mod decoder_backward;
 pub mod device_plan;
 pub mod embedding;
+mod fp8_config;
 pub mod fused_linear;
 pub mod fused_mlp;
 pub mod host_plan;
@@ -68,6 +78,9 @@ pub mod lora;
 pub mod ops;
 pub mod pretrained;
 pub mod prompt_file;
+pub mod quantization_config;
+pub mod quantize_on_load;
+pub mod quantized_checkpoint;
 mod resident_backward;
 pub mod sample;
 pub mod step_rates;
@@ -82,6 +95,7 @@ pub use batch_plan::{
     plan_batch, request_flops, sequences_for_budget, BatchMemory, BatchPlacement, BatchPlan,
     BatchRun, BatchShape, DecodeRates,
 };
+pub use bnb_save::save_bnb;
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budget, SplitMix64};
 pub use config::{LlamaConfig, RopeScaling};
@@ -100,6 +114,8 @@ pub use ops::lt::epilogue_fallbacks;
 pub use ops::lt::{
     cached_handles as cached_cublaslt_handles, handle_probe as cublaslt_handle_probe,
 };
+pub use quantization_config::{Fp8Layout, QuantMethod, QuantizationConfig};
+pub use quantized_checkpoint::{read_quantized, QuantizedCheckpoint};
 pub use step_rates::StepRates;
 /// The raw cuBLASLt GEMMs behind `FusedLinear` and `FusedMlp`, for
 /// `benches/gemm.rs` (which times each against cuBLAS and PyTorch).
