@@ -14,9 +14,23 @@ use streamer_core::WeightSource;
 /// [`streamer_device::Error::Dtype`]; loading from files, every mismatch is a
 /// [`streamer_device::Error::Checkpoint`] naming the file.
 pub fn check_weights(src: &WeightSource, cfg: &LlamaConfig) -> Result<()> {
+    check_weights_except(src, cfg, &[])
+}
+
+/// [`check_weights`] with the names in `packed` (quantized weights, checked
+/// on their own by `QuantizedWeights::check`) left out of the shape and
+/// dtype checks.
+pub(crate) fn check_weights_except(
+    src: &WeightSource,
+    cfg: &LlamaConfig,
+    packed: &[String],
+) -> Result<()> {
     let expected = cfg.weight_shapes();
     let mut missing = Vec::new();
     for (name, shape, fields) in &expected {
+        if packed.contains(name) {
+            continue;
+        }
         if !src.contains(name) {
             missing.push(format!("{name} {shape:?}"));
             continue;

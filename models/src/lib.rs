@@ -57,6 +57,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod cross_entropy;
 mod decoder_backward;
+mod dequant_backend;
 pub mod device_plan;
 pub mod embedding;
 pub mod fused_linear;
@@ -68,6 +69,7 @@ pub mod lora;
 pub mod ops;
 pub mod pretrained;
 pub mod prompt_file;
+pub mod quantized_weights;
 mod resident_backward;
 pub mod sample;
 pub mod step_rates;
@@ -109,6 +111,7 @@ pub mod lt_probe {
     pub use crate::ops::lt::{input_grad, linear, weight_grad};
 }
 pub use pretrained::{Placement, Pretrained, PretrainedFiles};
+pub use quantized_weights::{QuantizedWeights, QUANTIZABLE};
 pub use sample::{generate, sample_rows, sample_token, Sampling};
 /// Where [`LmTrainer`]'s AdamW runs (re-exported from streamer-autograd).
 pub use streamer_autograd::{OptimizerPlace, StateDtype};
