@@ -30,6 +30,7 @@ mod optim;
 mod pool;
 mod pretrained;
 mod quant;
+mod quant_stream;
 mod report;
 mod side_effects;
 mod soak;

@@ -871,7 +871,11 @@ impl Llama {
         let Layers::Trainable(t) = &self.layers else {
             return Ok(());
         };
-        let names: Vec<String> = t.parameters().into_iter().map(|(n, _)| n).collect();
+        // Quantized (packed) weights stay frozen either way.
+        let names: Vec<String> = (t.parameters().into_iter())
+            .filter(|(_, v)| v.dtype().is_float())
+            .map(|(n, _)| n)
+            .collect();
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         t.set_trainable(&names, self.lora.adapters()?.is_none())
     }
