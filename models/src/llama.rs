@@ -710,6 +710,20 @@ impl Llama {
         Ok(model)
     }
 
+    /// [`Llama::streamed_quantized`] with every linear weight of the decoder
+    /// layers read from `src` and quantized with `scheme` as it is loaded,
+    /// one tensor at a time ([`QuantizedWeights::quantize_source`]).
+    pub fn streamed_quantize_on_load(
+        src: &WeightSource,
+        scheme: streamer_quant::QuantScheme,
+        cfg: &LlamaConfig,
+        stream: StreamConfig,
+    ) -> Result<Self> {
+        check_weights(src, cfg)?;
+        let quant = QuantizedWeights::quantize_source(src, cfg, scheme)?;
+        Self::streamed_quantized(src, &quant, cfg, stream)
+    }
+
     /// [`Llama::streamed`], the names in `quant` (when given) packed in `src`.
     fn streamed_over(
         src: &WeightSource,
