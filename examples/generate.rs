@@ -43,12 +43,12 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use streamer_core::{StreamConfig, WeightSource};
-use streamer_quant::QuantScheme;
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
     generate, init_weights, parse_bytes, prefetch_for_budget, BatchPlacement, ByteCorpus,
     CheckpointFiles, Llama, LlamaConfig, LoraAdapters, Placement, TextTokenizer, DEFAULT_STEP_ROWS,
 };
+use streamer_quant::QuantScheme;
 
 #[derive(Parser, Debug)]
 #[command(about = "Sample text from a Llama-family checkpoint or Hugging Face model folder")]

@@ -33,7 +33,6 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use streamer_autograd::ActivationPolicy;
 use streamer_core::{DeviceCap, StreamConfig, WeightSource};
-use streamer_quant::QuantScheme;
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
     generate, init_weights, parse_bytes, prefetch_for_budget, train_loop, ByteCorpus,
@@ -41,6 +40,7 @@ use streamer_models::{
     LoraConfig, OptimizerPlace, Placement, PlanChoices, PlanLimits, PretrainedFiles, StateDtype,
     StepRates, StepShape, TextTokenizer, TokenCorpus, TrainSetup,
 };
+use streamer_quant::QuantScheme;
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a streamed Llama-style decoder on a byte-level text corpus")]

@@ -151,6 +151,17 @@ fn hash_name(seed: u64, name: &str) -> u64 {
 /// projections (`o_proj`, `down_proj`) scaled by `1 / sqrt(2 * layers)`, norms
 /// at one. Each tensor depends only on `seed` and its name.
 pub fn init_weights(cfg: &LlamaConfig, seed: u64) -> Result<HashMap<String, Tensor>> {
+    init_weights_where(cfg, seed, |_| true)
+}
+
+/// [`init_weights`] of the weights whose names `keep` accepts only (each
+/// the same as `init_weights` makes it): the dense rest of a model whose
+/// linear weights are quantized, without the dense model in memory.
+pub fn init_weights_where(
+    cfg: &LlamaConfig,
+    seed: u64,
+    keep: impl Fn(&str) -> bool + Sync,
+) -> Result<HashMap<String, Tensor>> {
     cfg.validate()?;
     let out_scale = 1.0 / (2.0 * cfg.num_hidden_layers as f64).sqrt();
     // Tensors are independent (each has its own generator), so they are made in
@@ -158,6 +169,7 @@ pub fn init_weights(cfg: &LlamaConfig, seed: u64) -> Result<HashMap<String, Tens
     use rayon::prelude::*;
     cfg.weight_shapes()
         .into_par_iter()
+        .filter(|(name, _, _)| keep(name))
         .map(|(name, shape, _)| {
             let n: usize = shape.iter().product();
             let data: Vec<f32> = if name.ends_with("norm.weight") {

@@ -85,7 +85,9 @@ pub use batch_plan::{
     BatchRun, BatchShape, DecodeRates,
 };
 pub use chat_template::{ChatMessage, ChatTemplate};
-pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budget, SplitMix64};
+pub use checkpoint::{
+    check_weights, init_weights, init_weights_where, parse_bytes, prefetch_for_budget, SplitMix64,
+};
 pub use config::{LlamaConfig, RopeScaling};
 pub use cross_entropy::cross_entropy;
 pub use device_plan::{DevicePlan, Expectation, PlanChoices, PlanLimits, StepSettings, StepShape};
@@ -111,7 +113,7 @@ pub mod lt_probe {
     pub use crate::ops::lt::{input_grad, linear, weight_grad};
 }
 pub use pretrained::{Placement, Pretrained, PretrainedFiles};
-pub use quantized_weights::{QuantizedWeights, QUANTIZABLE};
+pub use quantized_weights::{is_quantizable, QuantizedWeights, QUANTIZABLE};
 pub use sample::{generate, sample_rows, sample_token, Sampling};
 /// Where [`LmTrainer`]'s AdamW runs (re-exported from streamer-autograd).
 pub use streamer_autograd::{OptimizerPlace, StateDtype};

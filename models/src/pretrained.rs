@@ -183,8 +183,11 @@ fn place(weights: &Path, cfg: &LlamaConfig, placement: Placement) -> Result<Llam
             };
             Llama::from_safetensors(&[weights], cfg, stream)
         }
-        Placement::Quantized { stream, scheme } => {
-            Llama::streamed_quantize_on_load(&WeightSource::safetensors(&[weights])?, scheme, cfg, stream)
-        }
+        Placement::Quantized { stream, scheme } => Llama::streamed_quantize_on_load(
+            &WeightSource::safetensors(&[weights])?,
+            scheme,
+            cfg,
+            stream,
+        ),
     }
 }

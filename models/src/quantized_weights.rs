@@ -183,15 +183,18 @@ impl QuantizedWeights {
     }
 }
 
+/// Whether the Hugging Face name `name` is a quantizable weight
+/// (`model.layers.{i}.` and one of [`QUANTIZABLE`]).
+pub fn is_quantizable(name: &str) -> bool {
+    name.strip_prefix("model.layers.")
+        .and_then(|rest| rest.split_once('.'))
+        .is_some_and(|(_, local)| QUANTIZABLE.contains(&local))
+}
+
 /// The quantizable weights of `cfg` and their shapes, layer by layer.
 fn quantizable(cfg: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
-    let is_linear = |n: &str| {
-        n.strip_prefix("model.layers.")
-            .and_then(|rest| rest.split_once('.'))
-            .is_some_and(|(_, local)| QUANTIZABLE.contains(&local))
-    };
     (cfg.weight_shapes().into_iter())
-        .filter(|(n, _, _)| is_linear(n))
+        .filter(|(n, _, _)| is_quantizable(n))
         .map(|(n, s, _)| (n, s))
         .collect()
 }
