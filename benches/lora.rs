@@ -307,6 +307,10 @@ fn run(
     (shape, micro): ((usize, usize, usize), usize),
 ) -> Result<serde_json::Value> {
     let cfg = config(name)?;
+    let scheme = quantize_scheme()?;
+    if scheme.is_some() && mode != "lora" {
+        bail!("LORA_BENCH_QUANTIZE: a quantized base trains LoRA adapters only (LORA_BENCH_MODES=lora)");
+    }
     let dtype = if dev.is_cuda() {
         DType::BF16
     } else {
@@ -365,10 +369,6 @@ fn run(
     }
     // Each setup phase says how long it took: at 8B shapes they are most of a
     // run, and a run cut by a time limit then still says where it was.
-    let scheme = quantize_scheme()?;
-    if scheme.is_some() && mode != "lora" {
-        bail!("LORA_BENCH_QUANTIZE: a quantized base trains LoRA adapters only (LORA_BENCH_MODES=lora)");
-    }
     let t0 = std::time::Instant::now();
     let (model, packed) = build_model(&cfg, stream, scheme)?;
     let model = model.into_trainable()?;
