@@ -3,6 +3,7 @@
 //! copied up as they are stored; each dequantization writes a new bf16
 //! tensor.
 use crate::{Absmax, FourBitType, Fp8Scale, HostTensor, PackedFormat, PackedLayout};
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, Result, Storage, Tensor};
@@ -273,6 +274,25 @@ impl Kernels<'_> {
     }
 }
 
+/// `count` f32 values from byte `at` of `buf`, a packed buffer that starts
+/// 4-byte aligned.
+fn f32_section<'a>(
+    buf: &CudaView<'a, u8>,
+    at: usize,
+    count: usize,
+    name: &str,
+) -> Result<CudaView<'a, f32>> {
+    if at % 4 != 0 || at + 4 * count > buf.len() {
+        candle_core::bail!("{name}: f32 section at byte {at} of {count} values is misplaced");
+    }
+    let bytes = buf.slice(at..at + 4 * count);
+    // SAFETY: the section lies inside `buf` (checked above), starts 4-byte
+    // aligned (the buffer does, and `at` is a multiple of 4) and every bit
+    // pattern is a valid f32.
+    unsafe { bytes.transmute::<f32>(count) }
+        .ok_or_else(|| candle_core::Error::Msg(format!("{name}: short f32 section")))
+}
+
 /// [`crate::dequantize`] on CUDA: the kernels read the sections of the
 /// packed buffer in place.
 pub(crate) fn dequantize_packed(bytes: &Tensor, layout: &PackedLayout) -> Result<Tensor> {
@@ -299,16 +319,7 @@ pub(crate) fn dequantize_packed(bytes: &Tensor, layout: &PackedLayout) -> Result
             );
         }
     }
-    // SAFETY (each f32 view below): the section lies inside `buf` (its
-    // offsets come from the layout whose length `dequantize` checked), starts
-    // 4-byte aligned (the buffer is, and f32 sections come first) and every
-    // bit pattern is a valid f32.
-    let f32s =
-        |at: usize, count: usize| unsafe { buf.slice(at..at + 4 * count).transmute::<f32>(count) };
-    let f32s = |at, count| {
-        f32s(at, count)
-            .ok_or_else(|| candle_core::Error::Msg(format!("{}: short section", layout.name())))
-    };
+    let f32s = |at, count| f32_section(&buf, at, count, layout.name());
     let k = Kernels {
         dev,
         n: layout.elements(),
