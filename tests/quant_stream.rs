@@ -273,3 +273,32 @@ fn quant_stream_bad_input_names_the_tensor(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(quant_stream_bad_input_names_the_tensor);
+
+fn quant_stream_masters_share_the_packed_buffers(dev: &Device) -> Result<()> {
+    let (cfg, w, q) = base(schemes()[0].1)?;
+    let stream = crate::common::stream(dev, crate::common::compute_dtype(dev), 1);
+    let model = Llama::streamed_quantized(&WeightSource::Tensors(w), &q, &cfg, stream)?;
+    // The host masters are the packed buffers themselves (no second copy).
+    let name = "model.layers.2.mlp.up_proj.weight";
+    let theirs = model.weights()?.remove(name).context("master")?;
+    let ours = q.dequantized()?.remove(name).context("packed")?;
+    ensure!(
+        theirs.dtype() == DType::U8,
+        "master of {name} is {:?}",
+        theirs.dtype()
+    );
+    let (a, b) = (
+        theirs.storage_and_layout().0,
+        q.packed_tensor(name)
+            .context("packed")?
+            .storage_and_layout()
+            .0,
+    );
+    ensure!(
+        std::ptr::eq(&*a, &*b),
+        "{name}: the master is a copy of the packed buffer"
+    );
+    ensure!(ours.dims() == [384, 128], "{:?}", ours.dims());
+    Ok(())
+}
+candle_streamer::test_device!(quant_stream_masters_share_the_packed_buffers);

@@ -56,7 +56,11 @@ impl QuantizedWeights {
     pub fn insert_packed(&mut self, layout: PackedLayout, bytes: Vec<u8>) -> Result<()> {
         layout.check_len(bytes.len()).map_err(quant)?;
         let n = bytes.len();
-        let t = Tensor::from_vec(bytes, n, &Device::Cpu)?;
+        // A variable from the start: the streamed model's host master is then
+        // this buffer itself, not a copy (a 70B NF4 base is 39 GB).
+        let t = candle_core::Var::from_vec(bytes, n, &Device::Cpu)?
+            .as_tensor()
+            .clone();
         self.entries.insert(layout.name().to_string(), (layout, t));
         Ok(())
     }
@@ -114,6 +118,11 @@ impl QuantizedWeights {
     /// The layout of `name`, if quantized.
     pub fn layout(&self, name: &str) -> Option<&PackedLayout> {
         self.entries.get(name).map(|(l, _)| l)
+    }
+
+    /// The packed buffer of `name` (a 1-D u8 host tensor), if quantized.
+    pub fn packed_tensor(&self, name: &str) -> Option<&Tensor> {
+        self.entries.get(name).map(|(_, t)| t)
     }
 
     /// Bytes of every packed buffer: what streaming the quantized weights
