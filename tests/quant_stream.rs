@@ -302,3 +302,48 @@ fn quant_stream_masters_share_the_packed_buffers(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(quant_stream_masters_share_the_packed_buffers);
+
+fn quant_stream_packed_buffer_dequantizes_as_its_tensor(dev: &Device) -> Result<()> {
+    let values: Vec<f32> = (0..96 * 64)
+        .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 4e3)
+        .collect();
+    let mut all = schemes();
+    all.push(("fp4", QuantScheme::parse("fp4")?));
+    all.push(("fp8 tensor scale", QuantScheme::Fp8 { per_row: false }));
+    for (what, scheme) in all {
+        let t = scheme.quantize("w", &values, &[96, 64])?;
+        let layout = t.layout();
+        let bytes = t.to_bytes();
+        ensure!(
+            bytes.len() == layout.bytes(),
+            "{what}: {} bytes",
+            bytes.len()
+        );
+        ensure!(
+            layout == scheme.layout("w", &[96, 64])?,
+            "{what}: layout without data differs"
+        );
+        let want = Tensor::from_vec(t.dequantize_bf16(), (96, 64), &Device::Cpu)?;
+        let on_dev = Tensor::from_vec(bytes.clone(), bytes.len(), dev)?;
+        let got = streamer_quant::dequantize(&on_dev, &layout)?;
+        ensure!(
+            got.dtype() == DType::BF16 && got.dims() == [96, 64],
+            "{what}: {:?}",
+            got.shape()
+        );
+        ensure!(max_abs_diff(&got, &want)? == 0.0, "{what}: not bit for bit");
+        // Bad buffers: another dtype, another length.
+        let f = on_dev.to_dtype(DType::F32)?;
+        ensure!(
+            streamer_quant::dequantize(&f, &layout).is_err(),
+            "{what}: f32 buffer accepted"
+        );
+        let short = on_dev.narrow(0, 0, bytes.len() - 1)?;
+        let e = streamer_quant::dequantize(&short, &layout)
+            .err()
+            .context("short buffer accepted")?;
+        ensure!(e.to_string().contains("w:"), "{what}: {e}");
+    }
+    Ok(())
+}
+candle_streamer::test_device!(quant_stream_packed_buffer_dequantizes_as_its_tensor);
