@@ -424,6 +424,12 @@ fn run(
             let r = env_or("LORA_BENCH_R", 16);
             let lcfg = LoraConfig::new(r, 2.0 * r as f64, 0.0, &targets)?;
             model.set_lora(Some(LoraAdapters::init(&lcfg, &cfg, dev, 0)?))?;
+            if let Some(policy) = policy {
+                (model.trainable_layers())
+                    .expect("a trainable streamed model")
+                    .set_activation_policy(policy)?;
+                println!("  activations: {policy:?}");
+            }
             let vars: Vec<_> = model.lora()?.map(|a| a.vars()).unwrap_or_default();
             let n = vars.iter().map(|(_, v)| v.elem_count()).sum();
             let mut opt = candle_nn::AdamW::new(
