@@ -11,8 +11,13 @@
 //!
 //! `LORA_BENCH=8b,3b` picks the models (GPU default; CPU default `tiny`): `8b`
 //! has Llama 3.1 8B's shapes and real-size vocabulary (128256, llama3 rope) with
-//! random weights in the real layout, `14b` Qwen2.5 14B's, `3b` is the
-//! preset of that name.
+//! random weights in the real layout, `70b` Llama 3.1 70B's, `14b` Qwen2.5
+//! 14B's, `3b` is the preset of that name.
+//! `LORA_BENCH_QUANTIZE=nf4|fp4|int8|fp8` (LoRA rows; QLoRA): the base's
+//! linear weights are packed quantized masters made from random codes layer
+//! by layer (`QuantizedWeights::synthetic`, never a dense copy), streamed as
+//! packed bytes and dequantized on the device; the rest is random init in the
+//! compute dtype. A 70B NF4 base takes about 39 GB of host memory.
 //! `LORA_BENCH_MODES` (default `lora,full`), `LORA_BENCH_R` (16),
 //! `LORA_BENCH_TARGETS` (`q_proj,k_proj,v_proj,o_proj`), `LORA_BENCH_BATCH` /
 //! `LORA_BENCH_SEQ` (8 x 2048 on a GPU), `LORA_BENCH_STEPS` (3 timed after 1
@@ -45,12 +50,13 @@ use candle_nn::{Optimizer, ParamsAdamW};
 use std::collections::HashMap;
 use std::time::Instant;
 use streamer_autograd::ActivationPolicy;
-use streamer_core::{device_total_memory, free_device_memory, StreamConfig};
+use streamer_core::{device_total_memory, free_device_memory, StreamConfig, WeightSource};
 use streamer_models::{
-    init_weights, ByteCorpus, DevicePlan, Expectation, HostPlan, Llama, LlamaConfig, LmTrainer,
-    LoraAdapters, LoraConfig, OptimizerPlace, PlanChoices, PlanLimits, StateDtype, StepRates,
-    StepShape, TrainSetup,
+    init_weights, init_weights_where, is_quantizable, ByteCorpus, DevicePlan, Expectation,
+    HostPlan, Llama, LlamaConfig, LmTrainer, LoraAdapters, LoraConfig, OptimizerPlace, PlanChoices,
+    PlanLimits, QuantizedWeights, StateDtype, StepRates, StepShape, TrainSetup,
 };
+use streamer_quant::QuantScheme;
 
 fn env_or(key: &str, default: usize) -> usize {
     std::env::var(key)
@@ -62,6 +68,7 @@ fn env_or(key: &str, default: usize) -> usize {
 fn config(name: &str) -> Result<LlamaConfig> {
     Ok(match name {
         "8b" => LlamaConfig::llama31_8b(),
+        "70b" => LlamaConfig::llama31_70b(),
         "14b" => LlamaConfig::qwen25_14b(),
         other => LlamaConfig::preset(other)?,
     })
@@ -151,6 +158,46 @@ fn random_init(cfg: &LlamaConfig) -> Result<HashMap<String, Tensor>> {
         }
         _ => Ok(w),
     }
+}
+
+/// LORA_BENCH_QUANTIZE=nf4|fp4|int8|fp8: the LoRA rows' base quantized
+/// (unset: dense).
+fn quantize_scheme() -> Result<Option<QuantScheme>> {
+    Ok(std::env::var("LORA_BENCH_QUANTIZE")
+        .ok()
+        .map(|s| QuantScheme::parse(&s))
+        .transpose()?)
+}
+
+/// The streamed model of `cfg` from random weights: dense, or with `scheme`
+/// its linear weights packed quantized masters of random codes (made one
+/// tensor at a time, so a 70B base needs about its packed size of host
+/// memory) and the rest random init in the compute dtype. Returns the packed
+/// bytes too (0 when dense).
+fn build_model(
+    cfg: &LlamaConfig,
+    stream: StreamConfig,
+    scheme: Option<QuantScheme>,
+) -> Result<(Llama, usize)> {
+    let t0 = std::time::Instant::now();
+    let Some(scheme) = scheme else {
+        let weights = random_init(cfg)?;
+        println!("  random init: {:.1} s", t0.elapsed().as_secs_f64());
+        return Ok((Llama::from_tensors(weights, cfg, stream)?, 0));
+    };
+    let dense = init_weights_where(cfg, 0, |n| !is_quantizable(n))?
+        .into_iter()
+        .map(|(k, t)| Ok((k, t.to_dtype(stream.dtype)?)))
+        .collect::<candle_core::Result<HashMap<_, _>>>()?;
+    let quant = QuantizedWeights::synthetic(cfg, scheme, 0, 0.05)?;
+    let packed = quant.packed_bytes();
+    println!(
+        "  random init, linear weights {scheme:?} ({:.2} GiB packed): {:.1} s",
+        packed as f64 / (1u64 << 30) as f64,
+        t0.elapsed().as_secs_f64()
+    );
+    let model = Llama::streamed_quantized(&WeightSource::Tensors(dense), &quant, cfg, stream)?;
+    Ok((model, packed))
 }
 
 /// Where a full fine-tune's step went, averaged over `steps` (the pool's
@@ -260,6 +307,10 @@ fn run(
     (shape, micro): ((usize, usize, usize), usize),
 ) -> Result<serde_json::Value> {
     let cfg = config(name)?;
+    let scheme = quantize_scheme()?;
+    if scheme.is_some() && mode != "lora" {
+        bail!("LORA_BENCH_QUANTIZE: a quantized base trains LoRA adapters only (LORA_BENCH_MODES=lora)");
+    }
     let dtype = if dev.is_cuda() {
         DType::BF16
     } else {
@@ -319,10 +370,8 @@ fn run(
     // Each setup phase says how long it took: at 8B shapes they are most of a
     // run, and a run cut by a time limit then still says where it was.
     let t0 = std::time::Instant::now();
-    let weights = random_init(&cfg)?;
-    println!("  random init: {:.1} s", t0.elapsed().as_secs_f64());
-    let t0 = std::time::Instant::now();
-    let model = Llama::from_tensors(weights, &cfg, stream)?.into_trainable()?;
+    let (model, packed) = build_model(&cfg, stream, scheme)?;
+    let model = model.into_trainable()?;
     if micro > 1 && mode == "lora" {
         let layers = model
             .trainable_layers()
@@ -375,6 +424,12 @@ fn run(
             let r = env_or("LORA_BENCH_R", 16);
             let lcfg = LoraConfig::new(r, 2.0 * r as f64, 0.0, &targets)?;
             model.set_lora(Some(LoraAdapters::init(&lcfg, &cfg, dev, 0)?))?;
+            if let Some(policy) = policy {
+                (model.trainable_layers())
+                    .expect("a trainable streamed model")
+                    .set_activation_policy(policy)?;
+                println!("  activations: {policy:?}");
+            }
             let vars: Vec<_> = model.lora()?.map(|a| a.vars()).unwrap_or_default();
             let n = vars.iter().map(|(_, v)| v.elem_count()).sum();
             let mut opt = candle_nn::AdamW::new(
@@ -417,6 +472,8 @@ fn run(
         "host_plan_gib": plan.map(|p| gib(p.total())),
         "device_cap_gib": std::env::var("LORA_BENCH_DEVICE_CAP_GIB").ok(),
         "dtype": format!("{dtype:?}"), "losses": m.loss,
+        "format": std::env::var("LORA_BENCH_QUANTIZE").unwrap_or_else(|_| "dense".into()),
+        "packed_gib": (packed > 0).then(|| gib(packed)),
         "mfu": 6.0 * cfg.num_params() as f64 * tokens / 989e12,
         "optimizer_place": full_setup.map(|(p, _)| format!("{p:?}")),
         "state_dtypes": full_setup.map(|(_, s)| format!("masters F32, moments {s:?}")),

@@ -42,12 +42,13 @@ use clap::Parser;
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use streamer_core::StreamConfig;
+use streamer_core::{StreamConfig, WeightSource};
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
     generate, init_weights, parse_bytes, prefetch_for_budget, BatchPlacement, ByteCorpus,
     CheckpointFiles, Llama, LlamaConfig, LoraAdapters, Placement, TextTokenizer, DEFAULT_STEP_ROWS,
 };
+use streamer_quant::QuantScheme;
 
 #[derive(Parser, Debug)]
 #[command(about = "Sample text from a Llama-family checkpoint or Hugging Face model folder")]
@@ -98,6 +99,11 @@ struct Args {
     /// Stream the decoder layers from host memory even if they would fit.
     #[arg(long)]
     streamed: bool,
+    /// Quantize the decoder layers' linear weights as they load (nf4, fp4,
+    /// int8, fp8) and stream them: the pool copies the packed bytes, the
+    /// device dequantizes them (implies --streamed).
+    #[arg(long)]
+    quantize: Option<String>,
     /// Device memory for decoder-layer weights (bytes, "2GiB", "1.5G"); a model
     /// whose layers exceed it is streamed with as many layers as fit.
     #[arg(long)]
@@ -306,15 +312,22 @@ fn from_folder(
         .as_deref()
         .map(parse_bytes)
         .transpose()?;
+    let scheme = a.quantize.as_deref().map(QuantScheme::parse).transpose()?;
     let stream = |prefetch_ahead| {
-        Placement::Streamed(StreamConfig {
+        let stream = StreamConfig {
             device: dev.clone(),
             prefetch_ahead,
             dtype,
             ..Default::default()
-        })
+        };
+        match scheme {
+            Some(scheme) => Placement::Quantized { stream, scheme },
+            None => Placement::Streamed(stream),
+        }
     };
-    let placement = match (planned, a.streamed, budget) {
+    let streamed = a.streamed || scheme.is_some();
+    let planned = planned.filter(|p| !(scheme.is_some() && *p == BatchPlacement::Resident));
+    let placement = match (planned, streamed, budget) {
         (Some(BatchPlacement::Resident), ..) | (None, false, None) => Placement::Resident {
             device: dev.clone(),
             dtype,
@@ -849,12 +862,17 @@ fn place(
         .as_deref()
         .map(parse_bytes)
         .transpose()?;
-    let streamed = match planned {
-        Some(p) => p != BatchPlacement::Resident,
-        None => a.streamed || budget.is_some_and(|b| layers_bytes > b),
-    };
+    let scheme = a.quantize.as_deref().map(QuantScheme::parse).transpose()?;
+    let streamed = scheme.is_some()
+        || match planned {
+            Some(p) => p != BatchPlacement::Resident,
+            None => a.streamed || budget.is_some_and(|b| layers_bytes > b),
+        };
     Ok(if streamed {
         let prefetch = match (planned, budget) {
+            (Some(BatchPlacement::Resident), _) if scheme.is_some() => {
+                cli::prefetch("--prefetch", a.prefetch, cfg.num_hidden_layers)?
+            }
             (Some(p), _) => p.window(cfg) - 1,
             (None, Some(b)) => prefetch_for_budget(cfg, dtype, b)?,
             (None, None) => cli::prefetch("--prefetch", a.prefetch, cfg.num_hidden_layers)?,
@@ -872,9 +890,15 @@ fn place(
             dtype,
             ..Default::default()
         };
-        match from {
-            From::Files(w) => Llama::from_safetensors(&w, cfg, stream)?,
-            From::Init(t) => Llama::from_tensors(t, cfg, stream)?,
+        match (from, scheme) {
+            (From::Files(w), None) => Llama::from_safetensors(&w, cfg, stream)?,
+            (From::Init(t), None) => Llama::from_tensors(t, cfg, stream)?,
+            (From::Files(w), Some(s)) => {
+                Llama::streamed_quantize_on_load(&WeightSource::safetensors(&w)?, s, cfg, stream)?
+            }
+            (From::Init(t), Some(s)) => {
+                Llama::streamed_quantize_on_load(&WeightSource::Tensors(t), s, cfg, stream)?
+            }
         }
     } else {
         eprintln!(

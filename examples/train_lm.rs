@@ -32,7 +32,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use streamer_autograd::ActivationPolicy;
-use streamer_core::{DeviceCap, StreamConfig};
+use streamer_core::{DeviceCap, StreamConfig, WeightSource};
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
     generate, init_weights, parse_bytes, prefetch_for_budget, train_loop, ByteCorpus,
@@ -40,6 +40,7 @@ use streamer_models::{
     LoraConfig, OptimizerPlace, Placement, PlanChoices, PlanLimits, PretrainedFiles, StateDtype,
     StepRates, StepShape, TextTokenizer, TokenCorpus, TrainSetup,
 };
+use streamer_quant::QuantScheme;
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a streamed Llama-style decoder on a byte-level text corpus")]
@@ -142,6 +143,12 @@ struct Args {
     /// tokenizer.json).
     #[arg(long)]
     merge: bool,
+    /// With --lora-r: quantize the base's linear weights as they load
+    /// (nf4, fp4: bitsandbytes' block size 64 without double quantization;
+    /// int8 rows; fp8 e4m3 with row scales). The pool streams the packed
+    /// bytes and the GPU dequantizes them (QLoRA).
+    #[arg(long)]
+    quantize: Option<String>,
     /// Step the optimizer after backward instead of overlapping it with backward.
     #[arg(long)]
     no_overlap: bool,
@@ -448,10 +455,7 @@ fn main() -> Result<()> {
                  their AdamW already live on the device"
             );
         }
-        let model = match &a.model {
-            Some(dir) => Llama::from_pretrained(dir, Placement::Streamed(stream))?.model,
-            None => Llama::from_tensors(init_weights(&cfg, a.seed)?, &cfg, stream)?,
-        };
+        let model = lora_base(&a, &cfg, stream)?;
         let run = Run {
             label,
             prefetch,
@@ -618,8 +622,38 @@ fn optimizer_state(a: &Args) -> Result<Option<StateDtype>> {
         .transpose()
 }
 
-/// `--lora-*` checked before any work (`None` without `--lora-r`).
+/// The frozen base of a LoRA run: `--model` or a seeded init, quantized on
+/// load with `--quantize`.
+fn lora_base(a: &Args, cfg: &LlamaConfig, stream: StreamConfig) -> Result<Llama> {
+    let scheme = a.quantize.as_deref().map(QuantScheme::parse).transpose()?;
+    Ok(match (&a.model, scheme) {
+        (Some(dir), Some(scheme)) => {
+            Llama::from_pretrained(dir, Placement::Quantized { stream, scheme })?.model
+        }
+        (Some(dir), None) => Llama::from_pretrained(dir, Placement::Streamed(stream))?.model,
+        (None, Some(scheme)) => {
+            let src = WeightSource::Tensors(init_weights(cfg, a.seed)?);
+            Llama::streamed_quantize_on_load(&src, scheme, cfg, stream)?
+        }
+        (None, None) => Llama::from_tensors(init_weights(cfg, a.seed)?, cfg, stream)?,
+    })
+}
+
+/// `--lora-*` and `--quantize` checked before any work (`None` without
+/// `--lora-r`).
 fn lora_config(a: &Args) -> Result<Option<LoraConfig>> {
+    if let Some(q) = &a.quantize {
+        QuantScheme::parse(q)?;
+        if a.lora_r.is_none() {
+            bail!(
+                "--quantize makes a frozen base: it trains LoRA adapters (--lora-r), \
+                 full fine-tuning of quantized weights is not possible"
+            );
+        }
+        if a.merge {
+            bail!("--merge folds adapters into dense base weights: it cannot go with --quantize");
+        }
+    }
     let Some(r) = a.lora_r else {
         if a.merge {
             bail!("--merge folds LoRA adapters into the base: it needs --lora-r");

@@ -32,6 +32,7 @@ mod pool;
 mod pretrained;
 mod quant;
 mod quant_checkpoint;
+mod quant_stream;
 mod report;
 mod side_effects;
 mod soak;

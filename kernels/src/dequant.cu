@@ -23,14 +23,17 @@ __constant__ float FP4[16] = {
     -0.0f, -0.0625f / 12.0f, -8.0f / 12.0f, -1.0f, -4.0f / 12.0f, -6.0f / 12.0f, -2.0f / 12.0f,
     -3.0f / 12.0f};
 
-// Double-quantized absmax: absmax[b] = map[codes[b]] * scales[b / per_scale] + offset.
+// Double-quantized absmax: absmax[b] = map[codes[b]] * scales[b / per_scale] + *offset
+// (the offset read on the device: a packed buffer holds it beside the scales).
 extern "C" __global__ void dequant_absmax(const uint8_t* __restrict__ codes,
                                           const float* __restrict__ map,
-                                          const float* __restrict__ scales, float offset,
+                                          const float* __restrict__ scales,
+                                          const float* __restrict__ offset,
                                           float* __restrict__ absmax, size_t blocks,
                                           unsigned per_scale) {
+  const float off = *offset;
   GRID_STRIDE(b, blocks) {
-    absmax[b] = __fadd_rn(__fmul_rn(map[codes[b]], scales[b / per_scale]), offset);
+    absmax[b] = __fadd_rn(__fmul_rn(map[codes[b]], scales[b / per_scale]), off);
   }
 }
 

@@ -14,9 +14,23 @@ use streamer_core::WeightSource;
 /// [`streamer_device::Error::Dtype`]; loading from files, every mismatch is a
 /// [`streamer_device::Error::Checkpoint`] naming the file.
 pub fn check_weights(src: &WeightSource, cfg: &LlamaConfig) -> Result<()> {
+    check_weights_except(src, cfg, &[])
+}
+
+/// [`check_weights`] with the names in `packed` (quantized weights, checked
+/// on their own by `QuantizedWeights::check`) left out of the shape and
+/// dtype checks.
+pub(crate) fn check_weights_except(
+    src: &WeightSource,
+    cfg: &LlamaConfig,
+    packed: &[String],
+) -> Result<()> {
     let expected = cfg.weight_shapes();
     let mut missing = Vec::new();
     for (name, shape, fields) in &expected {
+        if packed.contains(name) {
+            continue;
+        }
         if !src.contains(name) {
             missing.push(format!("{name} {shape:?}"));
             continue;
@@ -137,6 +151,17 @@ fn hash_name(seed: u64, name: &str) -> u64 {
 /// projections (`o_proj`, `down_proj`) scaled by `1 / sqrt(2 * layers)`, norms
 /// at one. Each tensor depends only on `seed` and its name.
 pub fn init_weights(cfg: &LlamaConfig, seed: u64) -> Result<HashMap<String, Tensor>> {
+    init_weights_where(cfg, seed, |_| true)
+}
+
+/// [`init_weights`] of the weights whose names `keep` accepts only (each
+/// the same as `init_weights` makes it): the dense rest of a model whose
+/// linear weights are quantized, without the dense model in memory.
+pub fn init_weights_where(
+    cfg: &LlamaConfig,
+    seed: u64,
+    keep: impl Fn(&str) -> bool + Sync,
+) -> Result<HashMap<String, Tensor>> {
     cfg.validate()?;
     let out_scale = 1.0 / (2.0 * cfg.num_hidden_layers as f64).sqrt();
     // Tensors are independent (each has its own generator), so they are made in
@@ -144,6 +169,7 @@ pub fn init_weights(cfg: &LlamaConfig, seed: u64) -> Result<HashMap<String, Tens
     use rayon::prelude::*;
     cfg.weight_shapes()
         .into_par_iter()
+        .filter(|(name, _, _)| keep(name))
         .map(|(name, shape, _)| {
             let n: usize = shape.iter().product();
             let data: Vec<f32> = if name.ends_with("norm.weight") {

@@ -213,6 +213,23 @@ impl LlamaConfig {
         }
     }
 
+    /// Llama 3.1 70B's shapes (random-weight benchmarks, quantized bases): 80
+    /// layers of width 8192, 64 heads of 128 over 8 key-value heads, MLP
+    /// 28672, vocabulary 128256, llama3 rope scaling, untied head; 70.6 B
+    /// parameters.
+    pub fn llama31_70b() -> Self {
+        Self {
+            intermediate_size: 28672,
+            ..Self {
+                hidden_size: 8192,
+                num_hidden_layers: 80,
+                num_attention_heads: 64,
+                num_key_value_heads: Some(8),
+                ..Self::llama31_8b()
+            }
+        }
+    }
+
     /// Qwen2.5 14B's shapes (random-weight benchmarks): 48 layers of width
     /// 5120, 40 heads of 128 over 8 key-value heads, q/k/v biases, MLP 13824,
     /// vocabulary 152064, untied head; 14.77 B parameters.

@@ -23,7 +23,7 @@
 //!   4-bit and 8-bit, fp8) read into `streamer_quant` host tensors by Hugging
 //!   Face weight name, checked against a config ([`QuantizedCheckpoint::check`]),
 //!   made from dense weights ([`QuantizedCheckpoint::quantize`],
-//!   [`quantize_on_load`]) and written in bitsandbytes' layout.
+//!   [`quantize_checkpoint`]) and written in bitsandbytes' layout.
 //! - [`LmTrainer`], [`train_loop`], [`TokenCorpus`] ([`train`]): host AdamW over
 //!   every master, checkpoints an interrupted save cannot break, resume.
 //! - [`generate`] ([`sample`]): temperature and top-p sampling, feeding one token
@@ -66,6 +66,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod cross_entropy;
 mod decoder_backward;
+mod dequant_backend;
 pub mod device_plan;
 pub mod embedding;
 mod fp8_config;
@@ -79,8 +80,9 @@ pub mod ops;
 pub mod pretrained;
 pub mod prompt_file;
 pub mod quantization_config;
-pub mod quantize_on_load;
+pub mod quantize_checkpoint;
 pub mod quantized_checkpoint;
+pub mod quantized_weights;
 mod resident_backward;
 pub mod sample;
 pub mod step_rates;
@@ -97,7 +99,9 @@ pub use batch_plan::{
 };
 pub use bnb_save::save_bnb;
 pub use chat_template::{ChatMessage, ChatTemplate};
-pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budget, SplitMix64};
+pub use checkpoint::{
+    check_weights, init_weights, init_weights_where, parse_bytes, prefetch_for_budget, SplitMix64,
+};
 pub use config::{LlamaConfig, RopeScaling};
 pub use cross_entropy::cross_entropy;
 pub use device_plan::{DevicePlan, Expectation, PlanChoices, PlanLimits, StepSettings, StepShape};
@@ -125,6 +129,7 @@ pub mod lt_probe {
     pub use crate::ops::lt::{input_grad, linear, weight_grad};
 }
 pub use pretrained::{Placement, Pretrained, PretrainedFiles};
+pub use quantized_weights::{is_quantizable, QuantizedWeights, QUANTIZABLE};
 pub use sample::{generate, sample_rows, sample_token, Sampling};
 /// Where [`LmTrainer`]'s AdamW runs (re-exported from streamer-autograd).
 pub use streamer_autograd::{OptimizerPlace, StateDtype};

@@ -6,6 +6,7 @@ use crate::checkpoint::check_weights;
 use crate::config::LlamaConfig;
 use crate::kv_cache::KvCache;
 use crate::lora::{LoraAdapters, LoraLayout, LoraSlot};
+use crate::quantized_weights::QuantizedWeights;
 use crate::resident_backward::{layer_node, WeightGrads};
 use candle_core::backprop::GradStore;
 use candle_core::{bail, DType, Device, Module, Result, Tensor, Var, D};
@@ -564,6 +565,8 @@ pub struct Llama {
     /// A resident model made trainable ([`Llama::into_trainable`]): its
     /// weights as variables, under their Hugging Face names.
     resident_vars: Vec<(String, Var)>,
+    /// The weights held quantized ([`Llama::streamed_quantized`]), sorted.
+    quantized: Vec<String>,
     /// Rows per chunk of the head and loss ([`Llama::set_loss_chunk`]; 0: auto).
     loss_chunk: Arc<std::sync::atomic::AtomicUsize>,
     /// The last training forward's device copies of host masters, as leaf
@@ -583,12 +586,20 @@ pub enum LossChunk {
     Rows(usize),
 }
 
-fn layer_blocks(cfg: &LlamaConfig, cache: &Arc<KvCache>, lora: &Arc<LoraSlot>) -> Vec<BlockSpec> {
+/// The streamed decoder layers; a layer with quantized weights in `quant`
+/// dequantizes them from its slot when it is built.
+fn layer_blocks(
+    cfg: &LlamaConfig,
+    (cache, lora): (&Arc<KvCache>, &Arc<LoraSlot>),
+    quant: Option<&QuantizedWeights>,
+) -> Vec<BlockSpec> {
     let layers = cfg.num_hidden_layers;
     (0..layers)
         .map(|i| {
             let (c, cache, lora) = (cfg.clone(), cache.clone(), lora.clone());
+            let packed = Arc::new(quant.map(|q| q.layer_layouts(i)).unwrap_or_default());
             BlockSpec::new(format!("model.layers.{i}"), move |vb| {
+                let vb = crate::dequant_backend::dequantizing(vb, &packed);
                 Ok(DecoderLayer::for_layer(&c, i, vb)?
                     .with_cache(&cache, i)
                     .with_lora(&lora, layers))
@@ -646,6 +657,7 @@ impl Llama {
             fused: Default::default(),
             lora,
             resident_vars: Vec::new(),
+            quantized: Vec::new(),
             loss_chunk: Default::default(),
             outer_leaves: Default::default(),
         })
@@ -675,9 +687,57 @@ impl Llama {
     /// `stream.prefetch_ahead + 1` layers; the embedding, norm and head are host
     /// masters too. `src` is checked against `cfg` first.
     pub fn streamed(src: &WeightSource, cfg: &LlamaConfig, stream: StreamConfig) -> Result<Self> {
+        Self::streamed_over(src, None, cfg, stream)
+    }
+
+    /// [`Llama::streamed`] over a quantized base: the weights in `quant`
+    /// (Hugging Face names; linear weights of the decoder layers) are host
+    /// masters of packed bytes, copied as such and dequantized into bf16 on
+    /// the device when their layer is built; every other weight comes from
+    /// `src` as in [`Llama::streamed`] (a dense copy of a quantized weight in
+    /// `src` is ignored). Checked before anything loads: `quant` against
+    /// `cfg` ([`QuantizedWeights::check`]), `src` for the rest. Such a model
+    /// trains LoRA adapters only ([`Llama::set_lora`]): a training forward
+    /// without adapters is an error naming a quantized weight.
+    pub fn streamed_quantized(
+        src: &WeightSource,
+        quant: &QuantizedWeights,
+        cfg: &LlamaConfig,
+        stream: StreamConfig,
+    ) -> Result<Self> {
+        let mut model = Self::streamed_over(&quant.over(src)?, Some(quant), cfg, stream)?;
+        model.quantized = quant.names();
+        Ok(model)
+    }
+
+    /// [`Llama::streamed_quantized`] with every linear weight of the decoder
+    /// layers read from `src` and quantized with `scheme` as it is loaded,
+    /// one tensor at a time ([`QuantizedWeights::quantize_source`]).
+    pub fn streamed_quantize_on_load(
+        src: &WeightSource,
+        scheme: streamer_quant::QuantScheme,
+        cfg: &LlamaConfig,
+        stream: StreamConfig,
+    ) -> Result<Self> {
+        check_weights(src, cfg)?;
+        let quant = QuantizedWeights::quantize_source(src, cfg, scheme)?;
+        Self::streamed_quantized(src, &quant, cfg, stream)
+    }
+
+    /// [`Llama::streamed`], the names in `quant` (when given) packed in `src`.
+    fn streamed_over(
+        src: &WeightSource,
+        quant: Option<&QuantizedWeights>,
+        cfg: &LlamaConfig,
+        stream: StreamConfig,
+    ) -> Result<Self> {
         cfg.validate()?;
         stream.validate()?;
-        check_weights(src, cfg)?;
+        let packed = quant.map(QuantizedWeights::names).unwrap_or_default();
+        if let Some(q) = quant {
+            q.check(cfg)?;
+        }
+        crate::checkpoint::check_weights_except(src, cfg, &packed)?;
         let md = stream.master_dtype();
         let host = |name: &str| -> Result<Var> { Var::from_tensor(&src.load(name, md)?) };
         let outer = Outer::Host {
@@ -691,8 +751,8 @@ impl Llama {
         };
         let kv = Arc::new(KvCache::new(cfg.num_hidden_layers));
         let lora = Arc::new(LoraSlot::default());
-        let seq =
-            StreamedSequential::from_source(src, layer_blocks(cfg, &kv, &lora), stream.clone())?;
+        let blocks = layer_blocks(cfg, (&kv, &lora), quant);
+        let seq = StreamedSequential::from_source(src, blocks, stream.clone())?;
         let layers = Layers::Streamed(Box::new(seq));
         Self::assemble(cfg, (&stream.device, stream.dtype), outer, layers, kv, lora)
     }
@@ -825,7 +885,11 @@ impl Llama {
         let Layers::Trainable(t) = &self.layers else {
             return Ok(());
         };
-        let names: Vec<String> = t.parameters().into_iter().map(|(n, _)| n).collect();
+        // Quantized (packed) weights stay frozen either way.
+        let names: Vec<String> = (t.parameters().into_iter())
+            .filter(|(_, v)| v.dtype().is_float())
+            .map(|(n, _)| n)
+            .collect();
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         t.set_trainable(&names, self.lora.adapters()?.is_none())
     }
@@ -833,11 +897,36 @@ impl Llama {
     /// Every weight with the adapters folded in (`W += scale * B A`), as
     /// [`Llama::weights`] gives them: what a merged checkpoint holds.
     pub fn merged_weights(&self) -> Result<HashMap<String, Tensor>> {
+        self.require_dense("merging LoRA adapters into the base weights")?;
         let mut w = self.weights()?;
         if let Some(a) = self.lora.adapters()? {
             a.merge_into(&mut w)?;
         }
         Ok(w)
+    }
+
+    /// The weights held quantized (packed bytes; [`Llama::streamed_quantized`]),
+    /// sorted; empty for a dense model.
+    pub fn quantized_weights(&self) -> &[String] {
+        &self.quantized
+    }
+
+    /// Fails, naming the first quantized weight, when the model has any:
+    /// `what` needs every base weight dense.
+    pub fn require_dense(&self, what: &str) -> Result<()> {
+        match self.quantized.first() {
+            None => Ok(()),
+            Some(name) => Err(streamer_device::Error::Dtype {
+                what: format!("{what}: weight {name:?}"),
+                got: DType::U8,
+                expected: format!(
+                    "a dense float weight; it is quantized (as are {} others), a frozen base \
+                     that only LoRA adapters train on",
+                    self.quantized.len() - 1
+                ),
+            }
+            .into()),
+        }
     }
 
     /// The configuration.
@@ -1104,6 +1193,9 @@ impl Llama {
         mut extras: Vec<Tensor>,
         kv: bool,
     ) -> Result<(Tensor, Tensor)> {
+        if self.is_training() && self.lora.adapters()?.is_none() {
+            self.require_dense("full fine-tuning (training without LoRA adapters)")?;
+        }
         // The hand-written resident path is a training forward: no cache, no adapters.
         let fused = self.fused.enabled() && !kv && self.lora.adapters()?.is_none();
         if let Some(a) = self.lora.adapters()? {

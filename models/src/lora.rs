@@ -579,8 +579,26 @@ impl LoraAdapters {
 
     /// Folds the adapters into base weights (Hugging Face names):
     /// `W += scale * B A` for every adapted projection, in `W`'s dtype.
+    /// A target held quantized (packed u8 bytes) is an error naming it,
+    /// before any weight is changed.
     pub fn merge_into(&self, weights: &mut HashMap<String, Tensor>) -> Result<()> {
         let scale = self.cfg.scale();
+        for a in &self.adapters {
+            let name = format!(
+                "{}.weight",
+                a.prefix.trim_start_matches("base_model.model.")
+            );
+            if weights.get(&name).is_some_and(|w| !w.dtype().is_float()) {
+                return Err(streamer_device::Error::Dtype {
+                    what: format!("LoRA merge target {name:?}"),
+                    got: weights[&name].dtype(),
+                    expected: "a dense float weight (it is quantized: merge into a dequantized \
+                               copy, or keep the adapter separate)"
+                        .into(),
+                }
+                .into());
+            }
+        }
         for a in &self.adapters {
             let name = format!(
                 "{}.weight",

@@ -35,6 +35,16 @@ pub enum Placement {
         /// Device bytes for decoder-layer weights.
         budget: usize,
     },
+    /// Streamed as `stream` says, every linear weight of the decoder layers
+    /// quantized on load with `scheme`, one tensor at a time
+    /// ([`Llama::streamed_quantize_on_load`]):
+    /// a frozen base for LoRA adapters, or for inference.
+    Quantized {
+        /// The streaming settings.
+        stream: StreamConfig,
+        /// How the linear weights are quantized.
+        scheme: streamer_quant::QuantScheme,
+    },
 }
 
 /// The files of a Hugging Face model folder.
@@ -173,5 +183,11 @@ fn place(weights: &Path, cfg: &LlamaConfig, placement: Placement) -> Result<Llam
             };
             Llama::from_safetensors(&[weights], cfg, stream)
         }
+        Placement::Quantized { stream, scheme } => Llama::streamed_quantize_on_load(
+            &WeightSource::safetensors(&[weights])?,
+            scheme,
+            cfg,
+            stream,
+        ),
     }
 }

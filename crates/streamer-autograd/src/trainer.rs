@@ -235,9 +235,11 @@ impl Train for StreamedSequential {
 }
 
 impl TrainableSequential {
-    /// Wraps `model`; every weight is trainable and the model is in training mode.
+    /// Wraps `model`; every float weight is trainable (packed, quantized
+    /// ones never are) and the model is in training mode.
     pub fn new(model: StreamedSequential) -> Self {
         let n = model.masters().len();
+        let trainable = model.masters().iter().map(|m| !m.is_packed()).collect();
         Self {
             training: AtomicBool::new(true),
             next_seed: AtomicU64::new(0x5EED),
@@ -246,7 +248,7 @@ impl TrainableSequential {
                 saved_training: true,
                 grads: HostGrads::new(n),
                 host_inputs: Default::default(),
-                trainable: vec![true; n],
+                trainable,
                 stepped: vec![false; n],
                 optimizer_seconds: 0.0,
                 optimizer_pool: None,
@@ -330,15 +332,29 @@ impl TrainableSequential {
     }
 
     /// Freezes (or unfreezes) the named weights: frozen ones get no gradient
-    /// and cost no device-to-host transfer.
+    /// and cost no device-to-host transfer. A packed (quantized) weight
+    /// cannot be made trainable: that is an error naming it, with nothing
+    /// changed.
     pub fn set_trainable(&self, names: &[&str], trainable: bool) -> Result<()> {
         let mut st = self.lock()?;
+        let mut which = Vec::with_capacity(names.len());
         for n in names {
             let i = self.model.masters().index_of(n).ok_or_else(|| {
                 candle_core::Error::Msg(format!("no weight named {n:?} in the model"))
             })?;
-            st.trainable[i] = trainable;
+            if trainable && self.model.masters().get(i).is_packed() {
+                return Err(streamer_device::Error::Dtype {
+                    what: format!("weight {n:?}"),
+                    got: candle_core::DType::U8,
+                    expected: "a float dtype: it is quantized (packed bytes) and cannot be \
+                               trained; train LoRA adapters on it instead"
+                        .into(),
+                }
+                .into());
+            }
+            which.push(i);
         }
+        which.into_iter().for_each(|i| st.trainable[i] = trainable);
         Ok(())
     }
 

@@ -1,7 +1,7 @@
 //! Raw CUDA work of the pool: launches of our conversion, comparison and
 //! delay kernels, slot allocation and views over slots. The copies and the
 //! memory-pool queries are `streamer_device`'s.
-use candle_core::{CudaDevice, DType, Result};
+use candle_core::{CudaDevice, DType, Result, Tensor};
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 pub(crate) use streamer_device::cuda::{dtoh_async, htod_async};
 use streamer_device::grid_stride;
@@ -121,12 +121,32 @@ pub(crate) fn delay(dev: &CudaDevice, stream: &CudaStream, ns: u64) -> Result<()
     Ok(())
 }
 
-/// A Candle variable over existing device memory at `ptr` (a piece of a slot).
+/// A u8 Candle tensor over `len` bytes of existing device memory at `ptr`
+/// (a packed master in a slot).
 ///
 /// # Safety
-/// `ptr` must point to `shape.elem_count()` elements of `dtype` inside an
-/// allocation that outlives the variable, and the variable must never be
-/// dropped (it would free memory it does not own): the pool forgets it.
+/// `ptr` must point to `len` bytes inside an allocation that outlives the
+/// tensor, and the tensor's storage must never be dropped (it would free
+/// memory it does not own): the pool forgets a clone of it.
+pub(crate) unsafe fn alias_bytes(dev: &CudaDevice, ptr: u64, len: usize) -> Result<Tensor> {
+    use candle_core::{op::BackpropOp, CudaStorage, Storage};
+    // SAFETY: `ptr` holds `len` bytes inside an allocation that outlives the
+    // slice, which is never dropped (the caller forgets it): this fn's contract.
+    let slice = unsafe { dev.cuda_stream().upgrade_device_ptr::<u8>(ptr, len) };
+    let storage = CudaStorage::wrap_cuda_slice(slice, dev.clone());
+    Ok(Tensor::from_storage(
+        Storage::Cuda(storage),
+        len,
+        BackpropOp::none(),
+        false,
+    ))
+}
+
+/// A variable of `dtype` and `shape` over device memory at `ptr` (see
+/// [`alias_bytes`] for the contract: the same, for variables).
+///
+/// # Safety
+/// As [`alias_bytes`].
 pub(crate) unsafe fn alias_var(
     dev: &CudaDevice,
     ptr: u64,

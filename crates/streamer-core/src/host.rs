@@ -24,6 +24,20 @@ impl Master {
         self.var.shape()
     }
 
+    /// Whether the master is packed bytes (a quantized weight, never
+    /// trainable; see `is_packed`).
+    pub fn is_packed(&self) -> bool {
+        crate::packed::is_packed(self.var.dtype())
+    }
+
+    /// Elements of a slot of `dtype` the master occupies.
+    pub fn slot_elems(&self, dtype: DType) -> usize {
+        match self.is_packed() {
+            true => crate::packed::packed_elems(self.bytes(), dtype),
+            false => self.var.elem_count(),
+        }
+    }
+
     /// Bytes of the master as stored on the host.
     pub fn bytes(&self) -> usize {
         self.var.elem_count() * self.var.dtype().size_in_bytes()
@@ -110,6 +124,12 @@ impl HostMasters {
         {
             i
         } else {
+            // Packed (u8) weights stay bytes; everything else is a master
+            // in the master dtype.
+            let dtype = match src.meta(name)?.1 {
+                DType::U8 => DType::U8,
+                _ => dtype,
+            };
             let t = src.load(name, dtype)?;
             let var = Var::from_tensor(&t)?;
             drop(t);

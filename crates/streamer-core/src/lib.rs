@@ -43,6 +43,7 @@ mod device_cap;
 pub mod faults;
 mod host;
 mod offload;
+mod packed;
 mod pool;
 #[cfg(feature = "cuda")]
 mod reuse;
@@ -60,6 +61,7 @@ pub use convert::convert;
 pub use device_cap::{device_total_memory, DeviceCap};
 pub use host::{HostMasters, Master};
 pub use offload::{OffloadMarker, Offloader};
+pub use packed::is_packed;
 pub use pool::{BlockLayout, DeviceMaster, Entry, ResidencyPool};
 pub use sequential::{release_all, run_blocks_with, PoolView, RunBlock, StreamedSequential};
 pub use source::{expand_paths, WeightSource};

@@ -618,6 +618,17 @@ impl Recorder<'_> {
                 .into());
             }
         }
+        if crate::packed::is_packed(t.dtype()) != crate::packed::is_packed(dtype) {
+            return Err(streamer_device::Error::Dtype {
+                what: format!("block {:?}: weight {name:?}", self.block.name),
+                got: t.dtype(),
+                expected: match crate::packed::is_packed(t.dtype()) {
+                    true => "u8: it is packed (quantized); read it as u8 and dequantize it".into(),
+                    false => format!("{dtype:?}: a float weight cannot be read as packed bytes"),
+                },
+            }
+            .into());
+        }
         st.requested.push((local, idx, t.shape().clone()));
         if t.dtype() == dtype {
             Ok(t)
@@ -706,7 +717,8 @@ fn discover(
     let mut seen = BTreeSet::new();
     for (local, idx, shape) in st.requested {
         if seen.insert(local.clone()) {
-            layout.push(local, idx, shape, cfg.dtype);
+            let elems = st.masters.get(idx).slot_elems(cfg.dtype);
+            layout.push(local, (idx, elems), shape, cfg.dtype);
         }
     }
     Ok(layout)

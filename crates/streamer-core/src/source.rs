@@ -73,6 +73,11 @@ impl WeightSource {
                 .to_device(&Device::Cpu)?,
             Self::Safetensors(st) => st.load(name, &Device::Cpu)?,
         };
+        if crate::packed::is_packed(t.dtype()) && dtype == t.dtype() && t.is_contiguous() {
+            // Packed bytes are never written in place: share them (a 70B
+            // model's would not fit the host twice).
+            return Ok(t);
+        }
         let t = if t.dtype() == dtype {
             t
         } else {

@@ -2,12 +2,13 @@
 //! kernels (`streamer_kernels::DEQUANT`): the packed bytes and scales are
 //! copied up as they are stored; each dequantization writes a new bf16
 //! tensor.
-use crate::{Absmax, FourBitType, Fp8Scale, HostTensor};
+use crate::{Absmax, FourBitType, Fp8Scale, HostTensor, PackedFormat, PackedLayout};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, Result, Storage, Tensor};
-use cudarc::driver::{CudaSlice, CudaStream, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, PushKernelArg};
 use half::bf16;
-use std::sync::Arc;
 use streamer_device::grid_stride;
 
 fn wrap<E: std::error::Error + Send + Sync + 'static>(e: E) -> candle_core::Error {
@@ -21,7 +22,7 @@ enum Scales {
         codes: CudaSlice<u8>,
         map: CudaSlice<f32>,
         scales: CudaSlice<f32>,
-        offset: f32,
+        offset: CudaSlice<f32>,
         per_scale: u32,
     },
 }
@@ -61,7 +62,7 @@ impl DeviceTensor {
                         codes: s.clone_htod(&n.codes).map_err(wrap)?,
                         map: up(&n.map)?,
                         scales: up(&n.absmax)?,
-                        offset: n.offset,
+                        offset: up(&[n.offset])?,
                         per_scale: n.blocksize as u32,
                     },
                 };
@@ -120,96 +121,238 @@ impl DeviceTensor {
 
     /// The dense bf16 tensor.
     pub fn dequantize(&self) -> Result<Tensor> {
-        let stream = self.dev.cuda_stream();
-        let n = self.elements();
-        // SAFETY: every kernel below writes all n elements before anything
-        // reads them (same stream).
-        let mut out = unsafe { stream.alloc::<bf16>(n.max(1)) }.map_err(wrap)?;
-        match &self.format {
+        let k = Kernels {
+            dev: &self.dev,
+            n: self.elements(),
+            cols: self.cols(),
+        };
+        let data = self.data.slice(..);
+        let out = match &self.format {
             Format::FourBit {
                 scales,
                 fp4,
                 blocksize,
-            } => {
-                let nested;
-                let absmax = match scales {
-                    Scales::Plain(a) => a,
-                    Scales::Nested { .. } => {
-                        nested = self.nested_absmax(&stream, scales)?;
-                        &nested
-                    }
-                };
-                let func = self.function("dequant_4bit_bf16")?;
-                let mut b = stream.launch_builder(&func);
-                b.arg(&self.data)
-                    .arg(absmax)
-                    .arg(fp4)
-                    .arg(&mut out)
-                    .arg(&n)
-                    .arg(blocksize);
-                // SAFETY: `FourBit::new` checked the packed bytes (ceil(n / 2))
-                // and one absmax per block of an even size; out holds n.
-                unsafe { b.launch(grid_stride(n.div_ceil(16))) }.map_err(wrap)?;
-            }
-            Format::Int8(scb) => {
-                let func = self.function("dequant_int8_bf16")?;
-                let cols = self.cols();
-                let mut b = stream.launch_builder(&func);
-                b.arg(&self.data).arg(scb).arg(&mut out).arg(&n).arg(&cols);
-                // SAFETY: `Int8Rows::new` checked rows x cols bytes and one
-                // scale a row; out holds n.
-                unsafe { b.launch(grid_stride(n.div_ceil(16))) }.map_err(wrap)?;
-            }
+            } => match scales {
+                Scales::Plain(a) => k.four_bit(&data, &a.slice(..), *fp4, *blocksize)?,
+                Scales::Nested {
+                    codes,
+                    map,
+                    scales,
+                    offset,
+                    per_scale,
+                } => {
+                    let nested = (&codes.slice(..), &map.slice(..), &scales.slice(..));
+                    let absmax = k.nested_absmax(nested, &offset.slice(..), *per_scale)?;
+                    k.four_bit(&data, &absmax.slice(..), *fp4, *blocksize)?
+                }
+            },
+            Format::Int8(scb) => k.rows("dequant_int8_bf16", &data, &scb.slice(..), None)?,
             Format::Fp8 { scales, per_row } => {
-                let func = self.function("dequant_fp8_bf16")?;
-                let cols = self.cols();
-                let mut b = stream.launch_builder(&func);
-                b.arg(&self.data)
-                    .arg(scales)
-                    .arg(per_row)
-                    .arg(&mut out)
-                    .arg(&n)
-                    .arg(&cols);
-                // SAFETY: `Fp8::new` checked rows x cols bytes and one scale a
-                // row (or one); out holds n.
-                unsafe { b.launch(grid_stride(n.div_ceil(16))) }.map_err(wrap)?;
+                k.rows("dequant_fp8_bf16", &data, &scales.slice(..), Some(*per_row))?
             }
-        }
-        let storage = CudaStorage::wrap_cuda_slice(out, self.dev.clone());
-        Ok(Tensor::from_storage(
-            Storage::Cuda(storage),
-            self.shape.as_slice(),
-            BackpropOp::none(),
-            false,
-        ))
+        };
+        k.wrap(out, &self.shape)
+    }
+}
+
+/// The dequantization kernels' launches for one tensor of `n` elements
+/// (`cols` a row for int8 and fp8), on the device's stream. Their buffers
+/// are views: the [`DeviceTensor`]'s own slices, or sections of one packed
+/// buffer ([`dequantize_packed`]).
+struct Kernels<'a> {
+    dev: &'a CudaDevice,
+    n: usize,
+    cols: usize,
+}
+
+impl Kernels<'_> {
+    fn function(&self, name: &str) -> Result<streamer_kernels::Kernel> {
+        streamer_kernels::function(self.dev, &streamer_kernels::DEQUANT, name)
     }
 
-    /// Nested absmax dequantized into f32 on the device.
-    fn nested_absmax(&self, stream: &Arc<CudaStream>, scales: &Scales) -> Result<CudaSlice<f32>> {
-        let Scales::Nested {
-            codes,
-            map,
-            scales,
-            offset,
-            per_scale,
-        } = scales
-        else {
-            candle_core::bail!("plain absmax needs no dequantization");
+    /// A bf16 buffer of the n elements, written in full by the caller's kernel.
+    fn alloc_out(&self) -> Result<CudaSlice<bf16>> {
+        // SAFETY: every caller's kernel writes all n elements before anything
+        // reads them (same stream).
+        unsafe { self.dev.cuda_stream().alloc::<bf16>(self.n.max(1)) }.map_err(wrap)
+    }
+
+    /// 4-bit codes (two a byte) times their block's f32 absmax.
+    fn four_bit(
+        &self,
+        packed: &CudaView<u8>,
+        absmax: &CudaView<f32>,
+        fp4: i32,
+        blocksize: u32,
+    ) -> Result<CudaSlice<bf16>> {
+        let n = self.n;
+        let bs = blocksize as usize;
+        if packed.len() < n.div_ceil(2) || absmax.len() < n.div_ceil(bs) || bs % 2 != 0 {
+            candle_core::bail!("4-bit dequantization: buffers too short for {n} elements");
+        }
+        let mut out = self.alloc_out()?;
+        let func = self.function("dequant_4bit_bf16")?;
+        let stream = self.dev.cuda_stream();
+        let mut b = stream.launch_builder(&func);
+        b.arg(packed).arg(absmax).arg(&fp4).arg(&mut out);
+        b.arg(&n).arg(&blocksize);
+        // SAFETY: checked above: ceil(n / 2) packed bytes, one absmax per
+        // block of an even size; out holds n.
+        // 16 elements a thread on the kernels' vector path.
+        unsafe { b.launch(grid_stride(n.div_ceil(16))) }.map_err(wrap)?;
+        Ok(out)
+    }
+
+    /// Row-scaled bytes: int8 (`per_row` None: one scale a row) or fp8
+    /// (`Some(per_row)`: a scale a row, or one for the tensor).
+    fn rows(
+        &self,
+        kernel: &str,
+        data: &CudaView<u8>,
+        scales: &CudaView<f32>,
+        per_row: Option<i32>,
+    ) -> Result<CudaSlice<bf16>> {
+        let (n, cols) = (self.n, self.cols);
+        let need = match per_row {
+            Some(0) => 1,
+            _ => n.div_ceil(cols),
         };
+        if data.len() < n || scales.len() < need {
+            candle_core::bail!("{kernel}: buffers too short for {n} elements");
+        }
+        let mut out = self.alloc_out()?;
+        let func = self.function(kernel)?;
+        let stream = self.dev.cuda_stream();
+        let mut b = stream.launch_builder(&func);
+        b.arg(data).arg(scales);
+        if let Some(p) = &per_row {
+            b.arg(p);
+        }
+        b.arg(&mut out).arg(&n).arg(&cols);
+        // SAFETY: checked above: n bytes and a scale for every row (or one);
+        // out holds n.
+        unsafe { b.launch(grid_stride(n.div_ceil(16))) }.map_err(wrap)?;
+        Ok(out)
+    }
+
+    /// Double-quantized absmax (`codes`, `map`, `scales`) in f32.
+    fn nested_absmax(
+        &self,
+        (codes, map, scales): (&CudaView<u8>, &CudaView<f32>, &CudaView<f32>),
+        offset: &CudaView<f32>,
+        per_scale: u32,
+    ) -> Result<CudaSlice<f32>> {
         let blocks = codes.len();
+        if offset.is_empty()
+            || map.len() < 256
+            || per_scale == 0
+            || scales.len() < blocks.div_ceil(per_scale as usize)
+        {
+            candle_core::bail!("nested absmax: buffers too short for {blocks} codes");
+        }
+        let stream = self.dev.cuda_stream();
         // SAFETY: the kernel below writes every one of the `blocks` values.
         let mut out = unsafe { stream.alloc::<f32>(blocks.max(1)) }.map_err(wrap)?;
         let func = self.function("dequant_absmax")?;
         let mut b = stream.launch_builder(&func);
         b.arg(codes).arg(map).arg(scales).arg(offset);
-        b.arg(&mut out).arg(&blocks).arg(per_scale);
-        // SAFETY: `FourBit::new` checked the codes (one a block), the map
-        // (256) and one scale per `per_scale` codes; out holds `blocks`.
+        b.arg(&mut out).arg(&blocks).arg(&per_scale);
+        // SAFETY: checked above: the offset, the map's 256 values and a scale per
+        // `per_scale` codes; out holds `blocks`.
         unsafe { b.launch(grid_stride(blocks)) }.map_err(wrap)?;
         Ok(out)
     }
 
-    fn function(&self, name: &str) -> Result<streamer_kernels::Kernel> {
-        streamer_kernels::function(&self.dev, &streamer_kernels::DEQUANT, name)
+    /// `out` as a Candle tensor of `shape`.
+    fn wrap(&self, out: CudaSlice<bf16>, shape: &[usize]) -> Result<Tensor> {
+        let storage = CudaStorage::wrap_cuda_slice(out, self.dev.clone());
+        Ok(Tensor::from_storage(
+            Storage::Cuda(storage),
+            shape,
+            BackpropOp::none(),
+            false,
+        ))
     }
+}
+
+/// `count` f32 values from byte `at` of `buf`, a packed buffer that starts
+/// 4-byte aligned.
+fn f32_section<'a>(
+    buf: &CudaView<'a, u8>,
+    at: usize,
+    count: usize,
+    name: &str,
+) -> Result<CudaView<'a, f32>> {
+    if at % 4 != 0 || at + 4 * count > buf.len() {
+        candle_core::bail!("{name}: f32 section at byte {at} of {count} values is misplaced");
+    }
+    let bytes = buf.slice(at..at + 4 * count);
+    // SAFETY: the section lies inside `buf` (checked above), starts 4-byte
+    // aligned (the buffer does, and `at` is a multiple of 4) and every bit
+    // pattern is a valid f32.
+    unsafe { bytes.transmute::<f32>(count) }
+        .ok_or_else(|| candle_core::Error::Msg(format!("{name}: short f32 section")))
+}
+
+/// [`crate::dequantize`] on CUDA: the kernels read the sections of the
+/// packed buffer in place.
+pub(crate) fn dequantize_packed(bytes: &Tensor, layout: &PackedLayout) -> Result<Tensor> {
+    let (storage, l) = bytes.storage_and_layout();
+    let Storage::Cuda(cs) = &*storage else {
+        candle_core::bail!(
+            "{}: the packed buffer is not on a CUDA device",
+            layout.name()
+        );
+    };
+    let CudaStorageSlice::U8(all) = &cs.slice else {
+        candle_core::bail!("{}: the packed buffer is not u8", layout.name());
+    };
+    let s = layout.sections();
+    let buf = all.slice(l.start_offset()..l.start_offset() + s.total);
+    let dev = cs.device();
+    let stream = dev.cuda_stream();
+    {
+        let (ptr, _guard) = buf.device_ptr(&stream);
+        if ptr % 4 != 0 {
+            candle_core::bail!(
+                "{}: the packed buffer starts at a device address not aligned to 4 bytes",
+                layout.name()
+            );
+        }
+    }
+    let f32s = |at, count| f32_section(&buf, at, count, layout.name());
+    let k = Kernels {
+        dev,
+        n: layout.elements(),
+        cols: layout.shape().last().copied().unwrap_or(1).max(1),
+    };
+    let data = buf.slice(s.data..s.data + s.data_len);
+    let scales = f32s(s.scales, s.scale_count)?;
+    let out = match layout.format() {
+        PackedFormat::FourBit {
+            kind,
+            blocksize,
+            nested,
+        } => {
+            let fp4 = i32::from(*kind == FourBitType::Fp4);
+            match (nested, s.nested) {
+                (Some(nb), Some((offset, map, codes))) => {
+                    let offset = f32s(offset, 1)?;
+                    let codes = buf.slice(codes..codes + k.n.div_ceil(*blocksize));
+                    let map = f32s(map, 256)?;
+                    let absmax = k.nested_absmax((&codes, &map, &scales), &offset, *nb as u32)?;
+                    k.four_bit(&data, &absmax.slice(..), fp4, *blocksize as u32)?
+                }
+                _ => k.four_bit(&data, &scales, fp4, *blocksize as u32)?,
+            }
+        }
+        PackedFormat::Int8 => k.rows("dequant_int8_bf16", &data, &scales, None)?,
+        PackedFormat::Fp8 { per_row } => k.rows(
+            "dequant_fp8_bf16",
+            &data,
+            &scales,
+            Some(i32::from(*per_row)),
+        )?,
+    };
+    k.wrap(out, layout.shape())
 }

@@ -31,6 +31,16 @@ pub enum QuantError {
         /// What is.
         supported: &'static str,
     },
+    /// A packed buffer that is not a contiguous 1-D u8 tensor.
+    #[error("{tensor}: a packed buffer must be a contiguous 1-D u8 tensor, got {dtype} of shape {shape:?}")]
+    NotBytes {
+        /// The tensor.
+        tensor: String,
+        /// The buffer's dtype.
+        dtype: String,
+        /// The buffer's shape.
+        shape: Vec<usize>,
+    },
     /// A value that cannot scale a block (NaN or infinite).
     #[error("{tensor}: {part} holds a non-finite value at {index}")]
     NonFinite {

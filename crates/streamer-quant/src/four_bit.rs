@@ -376,6 +376,11 @@ impl FourBit {
         }
     }
 
+    /// Renames the tensor.
+    pub(crate) fn set_name(&mut self, name: &str) {
+        self.name = name.to_string();
+    }
+
     /// The tensor's name (or what made it).
     pub fn name(&self) -> &str {
         &self.name

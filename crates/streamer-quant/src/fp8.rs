@@ -158,6 +158,11 @@ impl Fp8 {
         }
     }
 
+    /// Renames the tensor.
+    pub(crate) fn set_name(&mut self, name: &str) {
+        self.name = name.to_string();
+    }
+
     /// The tensor's name.
     pub fn name(&self) -> &str {
         &self.name

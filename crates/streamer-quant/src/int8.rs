@@ -82,6 +82,11 @@ impl Int8Rows {
             .collect()
     }
 
+    /// Renames the tensor.
+    pub(crate) fn set_name(&mut self, name: &str) {
+        self.name = name.to_string();
+    }
+
     /// The tensor's name.
     pub fn name(&self) -> &str {
         &self.name

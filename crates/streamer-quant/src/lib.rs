@@ -12,6 +12,11 @@
 //!   transformers' fp8 checkpoints (`fbgemm_fp8`, `compressed-tensors`) hold
 //!   them.
 //!
+//! A streamed layer keeps each quantized weight as ONE byte buffer
+//! ([`HostTensor::to_bytes`], laid out as [`PackedLayout`] says): the pool
+//! copies those bytes, and [`dequantize`] turns the buffer on the device
+//! into a bf16 tensor. [`QuantScheme`] quantizes dense weights on load.
+//!
 //! Dequantization follows the order of operations of bitsandbytes' CUDA
 //! kernels (f32 products, one rounding to the output type), so a dequantized
 //! tensor equals theirs bit for bit.
@@ -27,13 +32,17 @@
 //! ```
 #[cfg(feature = "cuda")]
 mod cuda;
+mod dequantize;
 mod error;
 mod four_bit;
 mod fp8;
 mod host_tensor;
 mod int8;
 mod on_device;
+mod packed;
+mod scheme;
 
+pub use dequantize::dequantize;
 pub use error::QuantError;
 pub use four_bit::{
     dynamic_map, Absmax, FourBit, FourBitType, NestedAbsmax, BLOCK_SIZES, FP4_CODE, NF4_CODE,
@@ -42,6 +51,8 @@ pub use fp8::{e4m3_to_f32, f32_to_e4m3, Fp8, Fp8Scale};
 pub use host_tensor::HostTensor;
 pub use int8::Int8Rows;
 pub use on_device::{Dequantize, Uploaded};
+pub use packed::{PackedFormat, PackedLayout, Sections};
+pub use scheme::QuantScheme;
 
 /// Results of this crate.
 pub type Result<T> = std::result::Result<T, QuantError>;

@@ -23,7 +23,7 @@ pub enum Uploaded {
     Cpu(HostTensor),
     /// On a GPU: its packed bytes and scales in device memory.
     #[cfg(feature = "cuda")]
-    Cuda(crate::cuda::DeviceTensor),
+    Cuda(Box<crate::cuda::DeviceTensor>),
 }
 
 impl Uploaded {
@@ -48,7 +48,9 @@ impl Uploaded {
 fn upload(host: HostTensor, dev: &Device) -> Result<Uploaded> {
     match dev {
         #[cfg(feature = "cuda")]
-        Device::Cuda(d) => Ok(Uploaded::Cuda(crate::cuda::DeviceTensor::new(d, &host)?)),
+        Device::Cuda(d) => Ok(Uploaded::Cuda(Box::new(crate::cuda::DeviceTensor::new(
+            d, &host,
+        )?))),
         Device::Cpu => Ok(Uploaded::Cpu(host)),
         other => candle_core::bail!(
             "quantized tensors dequantize on the CPU or a CUDA GPU, not {:?}",

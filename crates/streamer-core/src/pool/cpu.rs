@@ -49,7 +49,11 @@ impl Engine for CpuEngine {
         for &(m, off) in &p.layouts[block].unique {
             let master = p.masters.get(m).var.as_tensor();
             bytes += (master.elem_count() * master.dtype().size_in_bytes()) as u64;
-            let src = master.flatten_all()?.to_dtype(p.dtype)?;
+            let src = match p.masters.get(m).is_packed() {
+                // Raw bytes, never converted.
+                true => crate::packed::bytes_as(&master.flatten_all()?.to_vec1::<u8>()?, p.dtype)?,
+                false => master.flatten_all()?.to_dtype(p.dtype)?,
+            };
             flat.slice_set(&src, 0, off)?;
         }
         if let Some(d) = self.delay {

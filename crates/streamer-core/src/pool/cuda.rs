@@ -5,7 +5,7 @@
 //! written back, and lent to the next forward behind a check (`crate::reuse`).
 use super::engine::{Engine, Parts, Timing};
 use super::write_back::WriteBack;
-use super::{storage_key, BlockLayout, DeviceMaster};
+use super::{storage_key, BlockLayout, DeviceMaster, Entry};
 use crate::config::StreamConfig;
 use crate::host::HostMasters;
 use crate::reuse::{Copies, Verifier};
@@ -33,6 +33,9 @@ struct CudaSlot {
     /// Autograd variables aliasing this slot's memory, per block (see
     /// `acquire_vars`). Never dropped normally: they do not own their memory.
     alias_vars: HashMap<usize, Vec<(usize, Var)>>,
+    /// u8 tensors aliasing this slot's packed masters, per `(block, master)`
+    /// (see `packed_view`). Never dropped normally, as `alias_vars`.
+    packed_views: HashMap<(usize, usize), Tensor>,
     /// Staging for a whole block's masters when their dtype differs from the
     /// compute dtype, and its address: the transfer stream only copies into
     /// it and converts behind the copies. (A conversion waits for SMs behind
@@ -120,6 +123,7 @@ impl CudaEngine {
             .iter()
             .map(|l| {
                 (l.unique.iter())
+                    .filter(|&&(m, _)| !masters.get(m).is_packed())
                     .map(|&(m, _)| stage_len(masters.get(m).bytes()))
                     .sum::<usize>()
             })
@@ -181,6 +185,12 @@ impl CudaEngine {
             bytes += n as u64;
             let dst = s.ptr + off as u64 * es;
             match &s.stage {
+                // Packed masters are raw bytes: straight into the slot.
+                _ if master.is_packed() => {
+                    // SAFETY: as below (the layout sized the slot for the
+                    // master's bytes).
+                    unsafe { crate::cuda::htod_async(dst, src, n, &self.transfer)? }
+                }
                 None => {
                     // SAFETY: dst lies in the slot (offset + size <= slot elems by layout);
                     // the master stays alive and unmodified until the transfer stream is
@@ -228,14 +238,13 @@ impl CudaEngine {
     /// master's dtype: its staging piece, or its place in the slot.
     fn copy_address(&self, slot: usize, block: usize, m: usize, p: Parts) -> Option<u64> {
         let s = &self.slots[slot];
-        match s.stage {
-            Some(_) => s.staged.iter().find(|(k, _)| *k == m).map(|x| x.1),
-            None => p.layouts[block]
-                .unique
-                .iter()
+        let staged = s.staged.iter().find(|(k, _)| *k == m).map(|x| x.1);
+        // Unstaged: in the slot (no staging, or a packed master).
+        staged.or_else(|| {
+            (p.layouts[block].unique.iter())
                 .find(|(k, _)| *k == m)
-                .map(|&(_, off)| s.ptr + (off * p.dtype.size_in_bytes()) as u64),
-        }
+                .map(|&(_, off)| s.ptr + (off * p.dtype.size_in_bytes()) as u64)
+        })
     }
 
     /// A finished timing record as the pool accounts it.
@@ -481,7 +490,9 @@ impl Engine for CudaEngine {
         let s = &mut self.slots[slot];
         if !s.alias_vars.contains_key(&block) {
             let mut made = Vec::new();
-            for &(m, off) in &p.layouts[block].unique {
+            let float =
+                (p.layouts[block].unique.iter()).filter(|(m, _)| !p.masters.get(*m).is_packed());
+            for &(m, off) in float {
                 let shape = p.masters.get(m).shape().clone();
                 let ptr = s.ptr + (off * p.dtype.size_in_bytes()) as u64;
                 // SAFETY: [ptr, ptr + shape bytes) lies inside the slot, which
@@ -492,6 +503,26 @@ impl Engine for CudaEngine {
             s.alias_vars.insert(block, made);
         }
         Ok(s.alias_vars[&block].clone())
+    }
+
+    fn packed_view(
+        &mut self,
+        (block, slot, _flat): (usize, usize, &Tensor),
+        e: &Entry,
+        p: Parts,
+    ) -> Result<Tensor> {
+        let s = &mut self.slots[slot];
+        if let Some(t) = s.packed_views.get(&(block, e.master)) {
+            return Ok(t.clone());
+        }
+        let ptr = s.ptr + (e.offset * p.dtype.size_in_bytes()) as u64;
+        let len = p.masters.get(e.master).bytes();
+        // SAFETY: the layout places the master's bytes at this offset inside
+        // the slot, which outlives the tensor (forgotten in Drop, never freed
+        // by it).
+        let t = unsafe { crate::cuda::alias_bytes(&self.dev, ptr, len)? };
+        s.packed_views.insert((block, e.master), t.clone());
+        Ok(t)
     }
 
     fn aliases(&self, key: usize) -> bool {
@@ -568,6 +599,9 @@ impl Drop for CudaEngine {
             for (_, vars) in s.alias_vars.drain() {
                 vars.into_iter().for_each(std::mem::forget);
             }
+            s.packed_views
+                .drain()
+                .for_each(|(_, t)| std::mem::forget(t));
         }
     }
 }

@@ -1,6 +1,6 @@
 //! The one trait the pool drives a device through: copies into slots, the
 //! compute's ordering after them, synchronisation and timing.
-use super::{BlockLayout, DeviceMaster};
+use super::{BlockLayout, DeviceMaster, Entry};
 use crate::host::HostMasters;
 use crate::stats::StreamStats;
 use candle_core::{DType, Result, Tensor, Var};
@@ -83,6 +83,21 @@ pub(super) trait Engine: Send + Sync {
 
     /// Keeps an error that no caller will see (the pool's `Drop`).
     fn record_dropped(&self, err: &candle_core::Error);
+
+    /// The packed master of entry `e` of the block in `slot` (whose memory
+    /// is `flat`), as a u8 tensor of the master's bytes. This default copies
+    /// the bytes out (the CPU's slots are host memory); an engine may alias
+    /// the slot instead.
+    fn packed_view(
+        &mut self,
+        (_block, _slot, flat): (usize, usize, &Tensor),
+        e: &Entry,
+        p: Parts,
+    ) -> Result<Tensor> {
+        let master = p.masters.get(e.master);
+        let elems = master.slot_elems(p.dtype);
+        crate::packed::as_bytes(&flat.narrow(0, e.offset, elems)?, master.bytes())
+    }
 
     /// Whether the free `slot` holds a block's stepped copy, worth keeping.
     fn holds_stepped_copy(&self, _slot: usize) -> bool {

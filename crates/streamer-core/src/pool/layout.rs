@@ -31,14 +31,22 @@ pub struct BlockLayout {
 }
 
 impl BlockLayout {
-    pub(crate) fn push(&mut self, local: String, master: usize, shape: Shape, dtype: DType) {
+    /// Adds `local`, of master `master` (of `shape`, taking `elems` elements
+    /// of the slot), placing the master on its first use.
+    pub(crate) fn push(
+        &mut self,
+        local: String,
+        (master, elems): (usize, usize),
+        shape: Shape,
+        dtype: DType,
+    ) {
         let offset = match self.unique.iter().find(|(m, _)| *m == master) {
             Some(&(_, off)) => off,
             None => {
                 let align = (ALIGN_BYTES / dtype.size_in_bytes()).max(1);
                 let off = self.elems.div_ceil(align) * align;
                 self.unique.push((master, off));
-                self.elems = off + shape.elem_count();
+                self.elems = off + elems;
                 off
             }
         };
@@ -61,7 +69,7 @@ impl BlockLayout {
             if m >= masters.len() {
                 return bad(format!("names master {m} of {}", masters.len()));
             }
-            let n = masters.get(m).shape().elem_count();
+            let n = masters.get(m).slot_elems(dtype);
             if off % align != 0 || off + n > self.elems {
                 return bad(format!(
                     "places master {m} ({n} elements) at {off}, unaligned or past its {} elements",

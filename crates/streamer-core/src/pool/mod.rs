@@ -399,9 +399,13 @@ impl ResidencyPool {
         let flat = &self.slots[slot].flat;
         let mut views = HashMap::with_capacity(self.layouts[block].entries.len());
         for e in &self.layouts[block].entries {
-            let v = flat
-                .narrow(0, e.offset, e.shape.elem_count())?
-                .reshape(e.shape.clone())?;
+            let v = if self.masters.get(e.master).is_packed() {
+                let p = parts!(self);
+                self.engine.packed_view((block, slot, flat), e, p)?
+            } else {
+                flat.narrow(0, e.offset, e.shape.elem_count())?
+                    .reshape(e.shape.clone())?
+            };
             views.insert(e.local.clone(), v);
         }
         self.transition(block, slot, TransitionKind::ComputeStart);

@@ -1,57 +1,38 @@
-//! Quantizing a dense checkpoint as it is loaded: the decoder layers'
-//! `Linear` weights become [`HostTensor`]s in the format a
+//! Quantizing a dense checkpoint for saving in a peer's layout: the decoder
+//! layers' `Linear` weights become [`HostTensor`]s in the format a
 //! [`QuantizationConfig`] names, the rest stays dense; the result saves in
 //! bitsandbytes' layout with [`crate::save_bnb`].
 use crate::quantization_config::{QuantMethod, QuantizationConfig};
 use crate::quantized_checkpoint::QuantizedCheckpoint;
 use candle_core::{DType, Result, Tensor};
 use std::collections::HashMap;
-use streamer_quant::{FourBit, Fp8, HostTensor, Int8Rows, QuantError};
+use streamer_quant::{HostTensor, QuantScheme};
 
-/// bitsandbytes' default 4-bit block size (transformers passes no other).
-const BLOCK: usize = 64;
-
-/// `q` under the name `name` (quantization names it after the format).
-fn named(name: &str, q: HostTensor) -> std::result::Result<HostTensor, QuantError> {
-    Ok(match q {
-        HostTensor::FourBit(q) => HostTensor::FourBit(FourBit::new(
-            name,
-            q.shape(),
-            (q.quant_type(), q.blocksize()),
-            q.packed().to_vec(),
-            q.absmax().clone(),
-        )?),
-        HostTensor::Int8(q) => HostTensor::Int8(Int8Rows::new(
-            name,
-            q.dims(),
-            q.data().to_vec(),
-            q.scb().to_vec(),
-        )?),
-        HostTensor::Fp8(q) => HostTensor::Fp8(Fp8::new(
-            name,
-            q.dims(),
-            q.data().to_vec(),
-            q.scale().clone(),
-        )?),
-    })
+/// How `method` quantizes a weight: bitsandbytes' 4-bit blocks of 64 (the
+/// only size transformers passes), its int8 rows, fp8 with a scale per row.
+fn scheme(method: &QuantMethod) -> QuantScheme {
+    match method {
+        QuantMethod::FourBit {
+            quant_type,
+            double_quant,
+            ..
+        } => QuantScheme::FourBit {
+            kind: *quant_type,
+            blocksize: 64,
+            double: *double_quant,
+        },
+        QuantMethod::Int8 => QuantScheme::Int8,
+        QuantMethod::Fp8(_) => QuantScheme::Fp8 { per_row: true },
+    }
 }
 
 /// `t` (2-D) quantized as `method` says.
 fn quantize_one(name: &str, t: &Tensor, method: &QuantMethod) -> Result<HostTensor> {
     let (rows, cols) = t.dims2()?;
     let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    let q = match method {
-        QuantMethod::FourBit {
-            quant_type,
-            double_quant,
-            ..
-        } => FourBit::quantize(&v, &[rows, cols], *quant_type, BLOCK, *double_quant)
-            .map(HostTensor::FourBit),
-        QuantMethod::Int8 => Int8Rows::quantize(&v, (rows, cols)).map(HostTensor::Int8),
-        QuantMethod::Fp8(_) => Fp8::quantize(&v, (rows, cols), true).map(HostTensor::Fp8),
-    };
-    q.and_then(|q| named(name, q))
-        .map_err(|e| candle_core::Error::Msg(format!("quantizing {name}: {e}")))
+    scheme(method)
+        .quantize(name, &v, &[rows, cols])
+        .map_err(candle_core::Error::wrap)
 }
 
 /// Whether `name` is the weight of a decoder layer's `Linear` (the layers

@@ -1,0 +1,81 @@
+//! A `VarBuilder` that dequantizes: a decoder layer built over it reads its
+//! quantized weights as dense bf16 tensors, made on the device from the
+//! packed bytes its streamed slot holds (`streamer_quant::dequantize`), and
+//! every other weight as the slot holds it. The layer's code (forward and
+//! hand-written backward) is the dense layer's, unchanged; the dequantized
+//! tensors are fresh (no variable, no autograd node), so the base gets no
+//! weight gradient while adapters' gradients flow through them.
+use candle_core::{DType, Device, Result, Shape, Tensor};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::{Init, VarBuilder};
+use std::collections::HashMap;
+use std::sync::Arc;
+use streamer_quant::PackedLayout;
+
+/// Reads the names in `layouts` (relative to `inner`'s prefix) as packed
+/// buffers and dequantizes them; everything else comes from `inner`.
+struct Dequantizing<'a> {
+    inner: VarBuilder<'a>,
+    layouts: Arc<HashMap<String, PackedLayout>>,
+}
+
+impl Dequantizing<'_> {
+    /// The dense tensor of `name` (packed as `layout`) in `dtype`, checked
+    /// against the shape asked for (when one is).
+    fn dense(
+        &self,
+        name: &str,
+        layout: &PackedLayout,
+        want: Option<&Shape>,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        if let Some(s) = want.filter(|s| s.dims() != layout.shape()) {
+            return Err(streamer_device::Error::Shape {
+                what: format!("quantized tensor {:?}", layout.name()),
+                got: layout.shape().to_vec(),
+                expected: format!("{:?}, as the layer expects", s.dims()),
+            }
+            .into());
+        }
+        let bytes =
+            (self.inner).get_with_hints_dtype(layout.bytes(), name, Init::Const(0.), DType::U8)?;
+        streamer_quant::dequantize(&bytes, layout)?.to_dtype(dtype)
+    }
+}
+
+impl SimpleBackend for Dequantizing<'_> {
+    fn get(&self, s: Shape, name: &str, h: Init, dtype: DType, _dev: &Device) -> Result<Tensor> {
+        match self.layouts.get(name) {
+            Some(l) => self.dense(name, l, Some(&s), dtype),
+            None => self.inner.get_with_hints_dtype(s, name, h, dtype),
+        }
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, _dev: &Device) -> Result<Tensor> {
+        match self.layouts.get(name) {
+            Some(l) => self.dense(name, l, None, dtype),
+            None => self.inner.get_unchecked_dtype(name, dtype),
+        }
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.inner.contains_tensor(name)
+    }
+}
+
+/// `vb` with the names in `layouts` (relative to `vb`'s prefix) read as
+/// packed buffers and dequantized; with no layouts, `vb` itself.
+pub(crate) fn dequantizing<'a>(
+    vb: VarBuilder<'a>,
+    layouts: &Arc<HashMap<String, PackedLayout>>,
+) -> VarBuilder<'a> {
+    if layouts.is_empty() {
+        return vb;
+    }
+    let (dtype, device) = (vb.dtype(), vb.device().clone());
+    let backend = Dequantizing {
+        inner: vb,
+        layouts: layouts.clone(),
+    };
+    VarBuilder::from_backend(Box::new(backend), dtype, device)
+}

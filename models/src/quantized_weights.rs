@@ -1,0 +1,209 @@
+//! A quantized base (QLoRA's frozen weights): the seven linear weights of
+//! every decoder layer as packed byte buffers (`streamer_quant`'s
+//! [`PackedLayout`]), by Hugging Face name. A streamed model keeps each as
+//! a u8 host master, the pool copies the packed bytes, and the layer's
+//! builder dequantizes them on the device into bf16
+//! ([`Llama::streamed_quantized`](crate::Llama::streamed_quantized)).
+//! Everything else (norms, embedding, head, biases) stays dense.
+use crate::config::LlamaConfig;
+use candle_core::{DType, Device, Result, Tensor};
+use std::collections::{BTreeMap, HashMap};
+use streamer_core::WeightSource;
+use streamer_quant::{HostTensor, PackedLayout, QuantScheme};
+
+/// The weights of a decoder layer that may be quantized, relative to the
+/// layer (`model.layers.{i}.`).
+pub const QUANTIZABLE: [&str; 7] = [
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+];
+
+fn quant(e: streamer_quant::QuantError) -> candle_core::Error {
+    candle_core::Error::wrap(e)
+}
+
+/// Quantized linear weights by Hugging Face name, each a packed u8 buffer on
+/// the host and its layout. Cloning shares the buffers.
+#[derive(Clone, Default)]
+pub struct QuantizedWeights {
+    entries: BTreeMap<String, (PackedLayout, Tensor)>,
+}
+
+impl QuantizedWeights {
+    /// Quantized tensors by Hugging Face name (a loader's output), packed
+    /// one at a time (each host tensor is dropped once packed).
+    pub fn from_host(tensors: HashMap<String, HostTensor>) -> Result<Self> {
+        let mut out = Self::default();
+        for (name, t) in tensors {
+            out.insert_host(&name, t)?;
+        }
+        Ok(out)
+    }
+
+    /// Adds `t` under `name`.
+    pub fn insert_host(&mut self, name: &str, t: HostTensor) -> Result<()> {
+        let t = t.with_name(name);
+        self.insert_packed(t.layout(), t.to_bytes())
+    }
+
+    /// Adds a packed buffer of `layout` (named by it); a buffer of another
+    /// length is an error naming the tensor.
+    pub fn insert_packed(&mut self, layout: PackedLayout, bytes: Vec<u8>) -> Result<()> {
+        layout.check_len(bytes.len()).map_err(quant)?;
+        let n = bytes.len();
+        // A variable from the start: the streamed model's host master is then
+        // this buffer itself, not a copy (a 70B NF4 base is 39 GB).
+        let t = candle_core::Var::from_vec(bytes, n, &Device::Cpu)?
+            .as_tensor()
+            .clone();
+        self.entries.insert(layout.name().to_string(), (layout, t));
+        Ok(())
+    }
+
+    /// Every quantizable weight of `cfg` read from `src` (any float dtype)
+    /// and quantized with `scheme`, one tensor at a time: the dense model is
+    /// never in memory at once.
+    pub fn quantize_source(
+        src: &WeightSource,
+        cfg: &LlamaConfig,
+        scheme: QuantScheme,
+    ) -> Result<Self> {
+        let mut out = Self::default();
+        for (name, shape) in quantizable(cfg) {
+            let values = src
+                .load(&name, DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let t = scheme.quantize(&name, &values, &shape).map_err(quant)?;
+            drop(values);
+            out.insert_host(&name, t)?;
+        }
+        Ok(out)
+    }
+
+    /// Every quantizable weight of `cfg` as a valid packed buffer of random
+    /// codes whose values lie within about `±magnitude` (made layer by
+    /// layer, without dense weights): a quantized base of any size for
+    /// benches, in about its packed bytes of host memory.
+    pub fn synthetic(
+        cfg: &LlamaConfig,
+        scheme: QuantScheme,
+        seed: u64,
+        magnitude: f32,
+    ) -> Result<Self> {
+        let mut out = Self::default();
+        for (k, (name, shape)) in quantizable(cfg).into_iter().enumerate() {
+            let layout = scheme.layout(&name, &shape).map_err(quant)?;
+            let bytes = layout.synthetic(seed.wrapping_add(k as u64), magnitude);
+            out.insert_packed(layout, bytes)?;
+        }
+        Ok(out)
+    }
+
+    /// Whether `name` is quantized here.
+    pub fn contains(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
+    }
+
+    /// The quantized weights' names, sorted.
+    pub fn names(&self) -> Vec<String> {
+        self.entries.keys().cloned().collect()
+    }
+
+    /// The layout of `name`, if quantized.
+    pub fn layout(&self, name: &str) -> Option<&PackedLayout> {
+        self.entries.get(name).map(|(l, _)| l)
+    }
+
+    /// The packed buffer of `name` (a 1-D u8 host tensor), if quantized.
+    pub fn packed_tensor(&self, name: &str) -> Option<&Tensor> {
+        self.entries.get(name).map(|(_, t)| t)
+    }
+
+    /// Bytes of every packed buffer: what streaming the quantized weights
+    /// once copies.
+    pub fn packed_bytes(&self) -> usize {
+        self.entries.values().map(|(l, _)| l.bytes()).sum()
+    }
+
+    /// Every quantized weight dequantized on the CPU (bf16, of its shape):
+    /// the dense reference the streamed path is compared with.
+    pub fn dequantized(&self) -> Result<HashMap<String, Tensor>> {
+        (self.entries.iter())
+            .map(|(n, (l, t))| Ok((n.clone(), streamer_quant::dequantize(t, l)?)))
+            .collect()
+    }
+
+    /// One source of every weight: the packed buffers (u8, shared, not
+    /// copied) and `src`'s other tensors (read into memory in their own
+    /// dtype; a dense copy of a quantized weight in `src` is skipped).
+    pub(crate) fn over(&self, src: &WeightSource) -> Result<WeightSource> {
+        let mut all: HashMap<String, Tensor> = (self.entries.iter())
+            .map(|(n, (_, t))| (n.clone(), t.clone()))
+            .collect();
+        for name in src.names().into_iter().filter(|n| !self.contains(n)) {
+            let dtype = src.meta(&name)?.1;
+            let t = src.load(&name, dtype)?;
+            all.insert(name, t);
+        }
+        Ok(WeightSource::Tensors(all))
+    }
+
+    /// Layer `i`'s layouts by name relative to the layer.
+    pub(crate) fn layer_layouts(&self, i: usize) -> HashMap<String, PackedLayout> {
+        let prefix = format!("model.layers.{i}.");
+        (self.entries.iter())
+            .filter_map(|(n, (l, _))| Some((n.strip_prefix(&prefix)?.to_string(), l.clone())))
+            .collect()
+    }
+
+    /// Fails unless every quantized weight is a linear weight of a decoder
+    /// layer of `cfg` (norms, embedding, head and biases stay dense) of the
+    /// shape `cfg` implies; errors name the tensor.
+    pub fn check(&self, cfg: &LlamaConfig) -> Result<()> {
+        let expected: HashMap<String, Vec<usize>> = quantizable(cfg).into_iter().collect();
+        for (name, (layout, _)) in &self.entries {
+            let Some(shape) = expected.get(name) else {
+                return Err(streamer_device::Error::Config {
+                    field: format!("quantized tensor {name:?}"),
+                    reason: format!(
+                        "is not a linear weight of a decoder layer of this config ({} layers; \
+                         quantizable: {QUANTIZABLE:?}): norms, embedding, head and biases stay dense",
+                        cfg.num_hidden_layers
+                    ),
+                }
+                .into());
+            };
+            if layout.shape() != shape.as_slice() {
+                return Err(streamer_device::Error::Shape {
+                    what: format!("quantized tensor {name:?}"),
+                    got: layout.shape().to_vec(),
+                    expected: format!("{shape:?}, as the config implies"),
+                }
+                .into());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether the Hugging Face name `name` is a quantizable weight
+/// (`model.layers.{i}.` and one of [`QUANTIZABLE`]).
+pub fn is_quantizable(name: &str) -> bool {
+    name.strip_prefix("model.layers.")
+        .and_then(|rest| rest.split_once('.'))
+        .is_some_and(|(_, local)| QUANTIZABLE.contains(&local))
+}
+
+/// The quantizable weights of `cfg` and their shapes, layer by layer.
+fn quantizable(cfg: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
+    (cfg.weight_shapes().into_iter())
+        .filter(|(n, _, _)| is_quantizable(n))
+        .map(|(n, s, _)| (n, s))
+        .collect()
+}
