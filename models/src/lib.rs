@@ -71,6 +71,7 @@ pub mod prompt_file;
 mod resident_backward;
 pub mod sample;
 pub mod step_rates;
+mod step_shape;
 pub mod tokenizer;
 pub mod train;
 
@@ -86,7 +87,7 @@ pub use chat_template::{ChatMessage, ChatTemplate};
 pub use checkpoint::{check_weights, init_weights, parse_bytes, prefetch_for_budget, SplitMix64};
 pub use config::{LlamaConfig, RopeScaling};
 pub use cross_entropy::cross_entropy;
-pub use device_plan::{DevicePlan, Expectation, PlanChoices, PlanLimits, StepSettings, StepShape};
+pub use device_plan::{DevicePlan, Expectation, PlanChoices, PlanLimits, StepSettings};
 pub use embedding::embedding;
 pub use fused_linear::{fused_linear, Epilogue, FusedLinear};
 pub use fused_mlp::{fused_mlp, FusedMlp};
@@ -101,6 +102,7 @@ pub use ops::lt::{
     cached_handles as cached_cublaslt_handles, handle_probe as cublaslt_handle_probe,
 };
 pub use step_rates::StepRates;
+pub use step_shape::StepShape;
 /// The raw cuBLASLt GEMMs behind `FusedLinear` and `FusedMlp`, for
 /// `benches/gemm.rs` (which times each against cuBLAS and PyTorch).
 #[cfg(feature = "cuda")]
