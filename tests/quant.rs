@@ -7,8 +7,8 @@ use anyhow::{ensure, Result};
 use candle_core::Device;
 use half::bf16;
 use streamer_quant::{
-    dynamic_map, e4m3_to_f32, f32_to_e4m3, Absmax, Dequantize, FourBit, FourBitType, Fp8, Fp8Scale,
-    Int8Rows, QuantError, FP4_CODE, NF4_CODE,
+    dynamic_map, e4m3_to_f32, f32_to_e4m3, Absmax, Dequantize, DequantizeHost, FourBit,
+    FourBitType, Fp8, Fp8Scale, Int8Rows, QuantError, FP4_CODE, NF4_CODE,
 };
 
 /// Values spread over several orders of magnitude, with signs (SplitMix64).

@@ -17,7 +17,7 @@
 //! tensor equals theirs bit for bit.
 //!
 //! ```
-//! use streamer_quant::{FourBit, FourBitType};
+//! use streamer_quant::{DequantizeHost, FourBit, FourBitType};
 //! let w: Vec<f32> = (0..256).map(|i| (i as f32 - 128.0) / 64.0).collect();
 //! let q = FourBit::quantize(&w, &[4, 64], FourBitType::Nf4, 64, false).unwrap();
 //! assert_eq!(q.packed().len(), 128);
@@ -27,6 +27,7 @@
 //! ```
 #[cfg(feature = "cuda")]
 mod cuda;
+mod dequantize_host;
 mod error;
 mod four_bit;
 mod fp8;
@@ -34,6 +35,7 @@ mod host_tensor;
 mod int8;
 mod on_device;
 
+pub use dequantize_host::DequantizeHost;
 pub use error::QuantError;
 pub use four_bit::{
     dynamic_map, Absmax, FourBit, FourBitType, NestedAbsmax, BLOCK_SIZES, FP4_CODE, NF4_CODE,
