@@ -9,6 +9,15 @@ use std::sync::Arc;
 use std::time::Instant;
 use streamer_core::DeviceCap;
 
+/// The setting `key` from the environment as a count; `default` when it is
+/// unset or not a number (benches/README.md lists the settings).
+pub fn env_usize(key: &str, default: usize) -> usize {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// The first CUDA GPU when built with `cuda` and one is present, else the CPU.
 pub fn device() -> Device {
     #[cfg(feature = "cuda")]

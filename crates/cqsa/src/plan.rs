@@ -141,11 +141,7 @@ impl Budget {
             Device::Cpu => host_available(),
             #[cfg(feature = "cuda")]
             Device::Cuda(c) => {
-                let (free, _total) = c
-                    .cuda_stream()
-                    .context()
-                    .mem_get_info()
-                    .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+                let (free, _total) = streamer_device::cuda::memory_info(c)?;
                 // Memory CUDA's default pool keeps for reuse (Candle allocates
                 // from it) but no tensor uses: `cuMemGetInfo` counts it as taken,
                 // yet our allocations get it. Zero when the query fails (an older
