@@ -5,6 +5,7 @@
 //! models must match at f32 relative error <= 1e-4 (max abs difference over the
 //! reference's max abs value, per tensor); bf16 within 3e-2.
 use super::fused_mlp::rel_err;
+use crate::common::ensure_close as check;
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
@@ -92,18 +93,6 @@ impl Fixture {
         }
         Ok(vars)
     }
-}
-
-fn check(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> Result<()> {
-    ensure!(
-        got.dims() == want.dims(),
-        "{what}: shape {:?} vs transformers' {:?}",
-        got.dims(),
-        want.dims()
-    );
-    let e = rel_err(got, want)?;
-    ensure!(e <= tol, "{what}: relative error {e:.2e} > {tol:.0e}");
-    Ok(())
 }
 
 /// Resident (variables, plain Candle autograd) against every reference tensor.

@@ -275,21 +275,19 @@ fn quantized_bad_inputs() -> Result<()> {
         }) => Ok((tensor, part, got, expected)),
         other => Err(anyhow::anyhow!("expected a length error, got {other:?}")),
     };
-    let (t, part, got, want) = len(FourBit::new(
-        name,
-        &[128, 2],
-        nf4,
-        vec![0; 127],
-        Absmax::Plain(vec![1.0; 4]),
-    ))?;
+    // A (128, 2) NF4 tensor of `packed` bytes and `absmax` scales.
+    let nf4_of = |packed: usize, absmax: usize| {
+        FourBit::new(
+            name,
+            &[128, 2],
+            nf4,
+            vec![0; packed],
+            Absmax::Plain(vec![1.0; absmax]),
+        )
+    };
+    let (t, part, got, want) = len(nf4_of(127, 4))?;
     ensure!(t == name && part == "packed data" && got == 127 && want == 128);
-    let (_, part, got, want) = len(FourBit::new(
-        name,
-        &[128, 2],
-        nf4,
-        vec![0; 128],
-        Absmax::Plain(vec![1.0; 3]),
-    ))?;
+    let (_, part, got, want) = len(nf4_of(128, 3))?;
     ensure!(part == "absmax" && got == 3 && want == 4);
     let err = FourBit::new(
         name,

@@ -287,14 +287,7 @@ fn input_extras_and_dropout_replay(dev: &Device) -> Result<()> {
     let w = 10;
     let mut weights = HashMap::new();
     for i in 0..3 {
-        weights.insert(
-            format!("b{i}.lin.weight"),
-            Tensor::randn(0f32, 0.4, (w, w), &Device::Cpu)?,
-        );
-        weights.insert(
-            format!("b{i}.lin.bias"),
-            Tensor::randn(0f32, 0.1, w, &Device::Cpu)?,
-        );
+        crate::common::insert_linear(&mut weights, &format!("b{i}.lin"), (w, w), 0.4)?;
     }
     let blocks: Vec<BlockSpec> = (0..3)
         .map(|i| {
