@@ -85,6 +85,36 @@ pub(crate) fn insert_linear(
     Ok(())
 }
 
+/// A VarBuilder in `dtype` on `dev` over the variables `vars`, by name: a
+/// resident model built on it trains them.
+pub(crate) fn var_builder(
+    vars: &std::collections::HashMap<String, candle_core::Var>,
+    dtype: DType,
+    dev: &Device,
+) -> candle_nn::VarBuilder<'static> {
+    let tensors = vars
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect();
+    candle_nn::VarBuilder::from_tensors(tensors, dtype, dev)
+}
+
+/// `weights` as variables on `dev` (the parameters of a resident reference).
+pub(crate) fn vars_on(
+    weights: &std::collections::HashMap<String, Tensor>,
+    dev: &Device,
+) -> Result<std::collections::HashMap<String, candle_core::Var>> {
+    weights
+        .iter()
+        .map(|(k, v)| {
+            Ok((
+                k.clone(),
+                candle_core::Var::from_tensor(&v.to_device(dev)?)?,
+            ))
+        })
+        .collect()
+}
+
 /// A fresh empty directory under the system's temporary one, unique to this
 /// process and call: `streamer-{topic}-{name}-{pid}-{n}`.
 pub(crate) fn temp_dir(topic: &str, name: &str) -> Result<std::path::PathBuf> {

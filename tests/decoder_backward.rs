@@ -40,11 +40,7 @@ fn decoder_manual_backward_matches_autograd(dev: &Device) -> Result<()> {
                 );
             }
         }
-        let tensors = vars
-            .iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-            .collect();
-        let layer = DecoderLayer::new(&cfg, VarBuilder::from_tensors(tensors, dt, dev))?;
+        let layer = DecoderLayer::new(&cfg, crate::common::var_builder(&vars, dt, dev))?;
         let extras = Rope::new(&cfg, dt, dev)?.extras(n)?;
         let x = Var::from_tensor(
             &Tensor::randn(0f32, 1.0, (b, n, 64), &Device::Cpu)?

@@ -8,7 +8,6 @@ use super::fused_mlp::rel_err;
 use crate::common::ensure_close as check;
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use streamer_core::StreamConfig;
@@ -105,14 +104,8 @@ impl Fixture {
 
     /// A resident model (f32, Candle autograd) over `vars`.
     fn resident(&self, vars: &HashMap<String, Var>, dev: &Device) -> Result<Llama> {
-        let tensors = vars
-            .iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-            .collect();
-        Ok(Llama::resident(
-            VarBuilder::from_tensors(tensors, DType::F32, dev),
-            &self.cfg,
-        )?)
+        let vb = crate::common::var_builder(vars, DType::F32, dev);
+        Ok(Llama::resident(vb, &self.cfg)?)
     }
 
     /// Every checkpoint tensor as an f32 variable on `dev`.
@@ -299,13 +292,9 @@ fn family_layer_manual_backward_matches_autograd(dev: &Device) -> Result<()> {
                 })
                 .map(|(k, v)| Ok((k, Var::from_tensor(&v.as_tensor().to_dtype(dt)?)?)))
                 .collect::<Result<_>>()?;
-            let tensors = vars
-                .iter()
-                .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-                .collect();
             let layer = streamer_models::DecoderLayer::new(
                 &fx.cfg,
-                VarBuilder::from_tensors(tensors, dt, dev),
+                crate::common::var_builder(&vars, dt, dev),
             )?;
             let n = 13;
             let extras = streamer_models::Rope::new(&fx.cfg, dt, dev)?.extras(n)?;
