@@ -295,8 +295,11 @@ fn main() -> Result<()> {
         "held_before_model_gib": held as f64 / (1u64 << 30) as f64,
         "rows": rows,
     });
-    let path = common::write_json(&format!("generate-{}.json", common::device_tag(&dev)), &out)?;
-    println!("wrote {}", path.display());
+    common::write_results(
+        &format!("generate-{}", common::device_tag(&dev)),
+        &out,
+        None,
+    )?;
     Ok(())
 }
 

@@ -73,6 +73,25 @@ pub fn results_path(name: &str) -> PathBuf {
     dir.join(name)
 }
 
+/// Writes the results `out` to `<stem>.json` and, given one, the plot to
+/// `<stem>.svg` (both in [`results_path`]), and says where.
+pub fn write_results(
+    stem: &str,
+    out: &serde_json::Value,
+    plot: Option<String>,
+) -> anyhow::Result<()> {
+    let json = write_json(&format!("{stem}.json"), out)?;
+    match plot {
+        Some(svg) => {
+            let path = results_path(&format!("{stem}.svg"));
+            std::fs::write(&path, svg)?;
+            println!("wrote {} and {}", json.display(), path.display());
+        }
+        None => println!("wrote {}", json.display()),
+    }
+    Ok(())
+}
+
 /// Writes `out` as pretty JSON to the results file `name`; returns its path.
 pub fn write_json(name: &str, out: &serde_json::Value) -> anyhow::Result<PathBuf> {
     let path = results_path(name);
