@@ -34,8 +34,10 @@ pub(crate) struct KernelArgs {
     hkv: i32,
     nq: i32,
     nk: i32,
-    d: i32,
-    scale: f32,
+    /// The head dim (the delta kernel takes it alone).
+    pub(crate) d: i32,
+    /// The score scale (the dq conversion takes it alone).
+    pub(crate) scale: f32,
     lo: i32,
     hi: i32,
     cap: f32,
