@@ -66,7 +66,10 @@ mod cuda {
         let host: Vec<f32> = w32.flatten_all()?.to_vec1()?;
         let w = w32.to_dtype(DType::BF16)?.to_device(dev)?;
         let x = Tensor::randn(0f32, 1.0, (tokens, inp), dev)?.to_dtype(DType::BF16)?;
-        let bf16 = common::time_median(dev, 3, reps, || Ok(drop(x.matmul(&w.t()?)?)))?;
+        let bf16 = common::time_median(dev, 3, reps, || {
+            x.matmul(&w.t()?)?;
+            Ok(())
+        })?;
         let flops = 2.0 * (tokens * out * inp) as f64;
         println!(
             "{name} {out}x{inp}, {tokens} tokens: bf16 GEMM {:.3} ms ({:.0} TFLOP/s)",
@@ -75,9 +78,14 @@ mod cuda {
         );
         let mut rows = Vec::new();
         for (format, up, bytes) in formats(&host, (out, inp), dev)? {
-            let dq = common::time_median(dev, 3, reps, || Ok(drop(up.dequantize()?)))?;
-            let both =
-                common::time_median(dev, 3, reps, || Ok(drop(x.matmul(&up.dequantize()?.t()?)?)))?;
+            let dq = common::time_median(dev, 3, reps, || {
+                up.dequantize()?;
+                Ok(())
+            })?;
+            let both = common::time_median(dev, 3, reps, || {
+                x.matmul(&up.dequantize()?.t()?)?;
+                Ok(())
+            })?;
             println!(
                 "  {format}: dequantize {:.3} ms, dequantize + GEMM {:.3} ms = {:.3}x bf16 ({:.2} bytes a weight)",
                 dq * 1e3,
