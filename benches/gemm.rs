@@ -284,8 +284,6 @@ mod cuda {
             "command": "GPU_ONLY=gemm bash gpu-bundle/run.sh benches",
             "results": rows,
         });
-        let json = common::write_json(&format!("gemm-{tag}.json"), &out)?;
-        println!("wrote {}", json.display());
-        Ok(())
+        common::write_results(&format!("gemm-{tag}"), &out, None)
     }
 }

@@ -39,13 +39,6 @@ use streamer_models::{
     PretrainedFiles, SplitMix64, DEFAULT_STEP_ROWS,
 };
 
-fn env_or(key: &str, default: usize) -> usize {
-    std::env::var(key)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 /// The host weights in `dtype` and the model's name and configuration:
 /// `GEN_BENCH_MODEL`'s folder (read into host memory) or a random preset.
 fn host_weights(
@@ -240,8 +233,11 @@ fn main() -> Result<()> {
         DType::F32
     };
     let (p, g) = if dev.is_cuda() { (512, 32) } else { (24, 6) };
-    let pg = (env_or("GEN_BENCH_PROMPT", p), env_or("GEN_BENCH_NEW", g));
-    let step_rows = env_or("GEN_BENCH_STEP_ROWS", DEFAULT_STEP_ROWS);
+    let pg = (
+        common::env_usize("GEN_BENCH_PROMPT", p),
+        common::env_usize("GEN_BENCH_NEW", g),
+    );
+    let step_rows = common::env_usize("GEN_BENCH_STEP_ROWS", DEFAULT_STEP_ROWS);
     let budget_gib = std::env::var("GEN_BENCH_DEVICE_BUDGET_GIB")
         .ok()
         .map(|v| v.parse::<usize>().context("GEN_BENCH_DEVICE_BUDGET_GIB"))
@@ -299,8 +295,11 @@ fn main() -> Result<()> {
         "held_before_model_gib": held as f64 / (1u64 << 30) as f64,
         "rows": rows,
     });
-    let path = common::write_json(&format!("generate-{}.json", common::device_tag(&dev)), &out)?;
-    println!("wrote {}", path.display());
+    common::write_results(
+        &format!("generate-{}", common::device_tag(&dev)),
+        &out,
+        None,
+    )?;
     Ok(())
 }
 

@@ -399,7 +399,5 @@ fn main() -> Result<()> {
         "peak_device_note": "cuMemGetInfo sampled every 200 us above the level before the run, pool trimmed first",
         "results": rows,
     });
-    let path = common::write_json(&format!("lm-{tag}.json"), &out)?;
-    println!("wrote {}", path.display());
-    Ok(())
+    common::write_results(&format!("lm-{tag}"), &out, None)
 }

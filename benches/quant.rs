@@ -40,13 +40,6 @@ mod cuda {
         ("down_proj", 4096, 14336),
     ];
 
-    fn env(key: &str, default: usize) -> usize {
-        std::env::var(key)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    }
-
     /// The weight in each format, uploaded packed.
     fn formats(
         w: &[f32],
@@ -116,9 +109,13 @@ mod cuda {
             println!("quant: no CUDA device; nothing to measure");
             return Ok(());
         }
+        // Freed memory stays in the pool between repetitions, as a streamed
+        // model keeps it (`StreamConfig::retain_device_memory`): otherwise
+        // every dequantized weight and GEMM output is mapped afresh.
+        streamer_device::retain_freed_device_memory(&dev)?;
         let (tokens, reps) = (
-            env("QUANT_BENCH_TOKENS", 16384),
-            env("QUANT_BENCH_REPS", 10),
+            common::env_usize("QUANT_BENCH_TOKENS", 16384),
+            common::env_usize("QUANT_BENCH_REPS", 10),
         );
         let mut rows = Vec::new();
         for shape in SHAPES {

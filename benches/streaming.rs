@@ -248,17 +248,11 @@ fn main() -> Result<()> {
         "peak_memory_note": "device memory taken (cuMemGetInfo, so memory the pool keeps counts) sampled every 200 us on a side thread, above the baseline before the run, pool trimmed before each run (0 on CPU)",
         "results": rows,
     });
-    let json = common::write_json(&format!("streaming-{tag}.json"), &out)?;
-    let svg = common::results_path(&format!("streaming-{tag}.svg"));
-    std::fs::write(
-        &svg,
-        common::svg_plot(
-            "streamed / resident time (bf16, prefetch 1)",
-            "tokens",
-            "ratio",
-            &series,
-        ),
-    )?;
-    println!("wrote {} and {}", json.display(), svg.display());
-    Ok(())
+    let plot = common::svg_plot(
+        "streamed / resident time (bf16, prefetch 1)",
+        "tokens",
+        "ratio",
+        &series,
+    );
+    common::write_results(&format!("streaming-{tag}"), &out, Some(plot))
 }

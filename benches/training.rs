@@ -325,18 +325,12 @@ fn main() -> Result<()> {
         "command": "bash gpu-bundle/run.sh benches with GPU_ONLY=training (scripts/gpu-test.sh bundle)",
         "results": rows,
     });
-    let json = common::write_json(&format!("training-{tag}.json"), &out)?;
-    let svg = common::results_path(&format!("training-{tag}.svg"));
-    std::fs::write(
-        &svg,
-        candle_streamer::report::svg_plot_axes(
-            false,
-            "streamed step / PyTorch resident (FusedMlp recompute, keep per optimizer; last: candle-nn)",
-            "case",
-            "ratio",
-            &bars,
-        ),
-    )?;
-    println!("wrote {} and {}", json.display(), svg.display());
-    Ok(())
+    let plot = candle_streamer::report::svg_plot_axes(
+        false,
+        "streamed step / PyTorch resident (FusedMlp recompute, keep per optimizer; last: candle-nn)",
+        "case",
+        "ratio",
+        &bars,
+    );
+    common::write_results(&format!("training-{tag}"), &out, Some(plot))
 }

@@ -34,11 +34,15 @@
 //! `tokenizer.json` (a weights-only folder needs `--tokenizer`), a
 //! `tokenizer.json` inside `--checkpoint`'s folder (train_lm copies the one it
 //! fine-tuned with), or else bytes.
+#[path = "common/device_flags.rs"]
+mod device_flags;
+
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_streamer::cli;
 use clap::Parser;
+use device_flags::DeviceFlags;
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -111,12 +115,8 @@ struct Args {
     /// Layers loaded ahead when streamed without a budget (default 1).
     #[arg(long)]
     prefetch: Option<usize>,
-    /// Compute dtype: f32, bf16 or f16 (default: f32 on CPU, bf16 on CUDA).
-    #[arg(long)]
-    dtype: Option<String>,
-    /// Device: cpu or cuda (default: cuda when built with it and present).
-    #[arg(long)]
-    device: Option<String>,
+    #[command(flatten)]
+    run_on: DeviceFlags,
     /// A JSONL file of prompts to run in batches (needs --out).
     #[arg(long)]
     prompts: Option<PathBuf>,
@@ -384,12 +384,7 @@ fn main() -> Result<()> {
         eprintln!("every prompt already has its result in --out: nothing to run");
         return Ok(());
     }
-    let dev = cli::device(a.device.as_deref())?;
-    let dtype = match a.dtype.as_deref() {
-        Some(s) => cli::parse_dtype(s)?,
-        None if dev.is_cuda() => DType::BF16,
-        None => DType::F32,
-    };
+    let (dev, dtype) = a.run_on.resolve()?;
     let lora = match &a.lora {
         Some(d) => Some(LoraAdapters::load_peft(d, &model_config(&a)?, &dev)?),
         None => None,

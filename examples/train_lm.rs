@@ -22,12 +22,16 @@
 //! On a small or busy CPU, `RAYON_NUM_THREADS=1` can be several times faster:
 //! Candle's CPU thread pool spin-waits, which starves other threads when cores
 //! are oversubscribed (measured: 0.27 s vs 1.5 s a step for `tiny` on 2 shared cores).
+#[path = "common/device_flags.rs"]
+mod device_flags;
+
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use candle_nn::ParamsAdamW;
 use candle_streamer::cli;
 use candle_streamer::report::Progress;
 use clap::Parser;
+use device_flags::DeviceFlags;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -102,12 +106,8 @@ struct Args {
     /// "<n>layers". Sets the window to as many layers as fit (overrides --prefetch).
     #[arg(long)]
     gpu_weight_budget: Option<String>,
-    /// Compute dtype: f32, bf16 or f16 (default: f32 on CPU, bf16 on CUDA).
-    #[arg(long)]
-    dtype: Option<String>,
-    /// Device: cpu or cuda (default: cuda when built with it and present).
-    #[arg(long)]
-    device: Option<String>,
+    #[command(flatten)]
+    run_on: DeviceFlags,
     /// Output folder.
     #[arg(long, default_value = "runs/train_lm")]
     out: PathBuf,
@@ -390,12 +390,7 @@ fn sample(model: &Llama, tok: Option<&TextTokenizer>, a: &Args) -> Result<String
 
 fn main() -> Result<()> {
     let a = Args::parse();
-    let dev = cli::device(a.device.as_deref())?;
-    let dtype = match &a.dtype {
-        Some(s) => cli::parse_dtype(s)?,
-        None if dev.is_cuda() => DType::BF16,
-        None => DType::F32,
-    };
+    let (dev, dtype) = a.run_on.resolve()?;
     let ckpt = a.out.join("checkpoint");
     let (cfg, label) = resolve_config(&a, &ckpt)?;
     let lora = lora_config(&a)?;

@@ -10,12 +10,16 @@
 //! writes the step's two files, then `progress.json` naming them (each
 //! atomically), then removes the previous save's: a run killed at any moment
 //! resumes from a complete, consistent save.
+#[path = "common/device_flags.rs"]
+mod device_flags;
+
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Optimizer, ParamsAdamW};
 use candle_streamer::cli;
 use candle_streamer::report::Progress;
 use clap::Parser;
+use device_flags::DeviceFlags;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::collections::HashMap;
 use std::io::Write;
@@ -52,12 +56,8 @@ struct Args {
     /// Blocks loaded ahead of the one computing (window = prefetch + 1; default 1).
     #[arg(long)]
     prefetch: Option<usize>,
-    /// Compute dtype: f32, bf16 or f16 (default: f32 on CPU, bf16 on CUDA).
-    #[arg(long)]
-    dtype: Option<String>,
-    /// Device: cpu or cuda (default: cuda when built with it and present).
-    #[arg(long)]
-    device: Option<String>,
+    #[command(flatten)]
+    run_on: DeviceFlags,
     /// Output folder.
     #[arg(long, default_value = "runs/train_mlp")]
     out: PathBuf,
@@ -344,15 +344,10 @@ fn batch(a: &Args, step: usize, dev: &Device) -> Result<Tensor> {
 fn main() -> Result<()> {
     let a = Args::parse();
     let prefetch = check_args(&a)?;
-    let dev = cli::device(a.device.as_deref())?;
+    let (dev, dtype) = a.run_on.resolve()?;
     let policy = cli::activation_policy(&a.activations, &dev)?;
     // Checked here, before any work; `optimizer` parses it again.
     let _: OptimizerPlace = a.optimizer.parse().context("--optimizer")?;
-    let dtype = match &a.dtype {
-        Some(s) => cli::parse_dtype(s)?,
-        None if dev.is_cuda() => DType::BF16,
-        None => DType::F32,
-    };
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let cfg = StreamConfig {
         device: dev.clone(),

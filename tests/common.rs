@@ -51,6 +51,70 @@ pub(crate) fn rel_err(got: &Tensor, want: &Tensor) -> Result<f64> {
     rel_err_vals(&vals(got)?, &vals(want)?)
 }
 
+/// Fails, naming `what`, unless `got` has `want`'s shape and is within `tol`
+/// of it ([`rel_err`]).
+pub(crate) fn ensure_close(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> Result<()> {
+    ensure!(
+        got.dims() == want.dims(),
+        "{what}: shape {:?} vs {:?}",
+        got.dims(),
+        want.dims()
+    );
+    let e = rel_err(got, want)?;
+    ensure!(e <= tol, "{what}: relative error {e:.2e} > {tol:.0e}");
+    Ok(())
+}
+
+/// Random CPU weights of a linear layer `(out, inp)` under `prefix`
+/// (`{prefix}.weight` ~ N(0, `std`), `{prefix}.bias` ~ N(0, 0.1)), added to `m`.
+pub(crate) fn insert_linear(
+    m: &mut std::collections::HashMap<String, Tensor>,
+    prefix: &str,
+    (out, inp): (usize, usize),
+    std: f32,
+) -> Result<()> {
+    let cpu = &Device::Cpu;
+    m.insert(
+        format!("{prefix}.weight"),
+        Tensor::randn(0f32, std, (out, inp), cpu)?,
+    );
+    m.insert(
+        format!("{prefix}.bias"),
+        Tensor::randn(0f32, 0.1, out, cpu)?,
+    );
+    Ok(())
+}
+
+/// A VarBuilder in `dtype` on `dev` over the variables `vars`, by name: a
+/// resident model built on it trains them.
+pub(crate) fn var_builder(
+    vars: &std::collections::HashMap<String, candle_core::Var>,
+    dtype: DType,
+    dev: &Device,
+) -> candle_nn::VarBuilder<'static> {
+    let tensors = vars
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect();
+    candle_nn::VarBuilder::from_tensors(tensors, dtype, dev)
+}
+
+/// `weights` as variables on `dev` (the parameters of a resident reference).
+pub(crate) fn vars_on(
+    weights: &std::collections::HashMap<String, Tensor>,
+    dev: &Device,
+) -> Result<std::collections::HashMap<String, candle_core::Var>> {
+    weights
+        .iter()
+        .map(|(k, v)| {
+            Ok((
+                k.clone(),
+                candle_core::Var::from_tensor(&v.to_device(dev)?)?,
+            ))
+        })
+        .collect()
+}
+
 /// A fresh empty directory under the system's temporary one, unique to this
 /// process and call: `streamer-{topic}-{name}-{pid}-{n}`.
 pub(crate) fn temp_dir(topic: &str, name: &str) -> Result<std::path::PathBuf> {

@@ -2,6 +2,7 @@
 //! runs) against Candle autograd through the layer's ordinary forward, for the
 //! input and every weight, in f32 and (on CUDA) bf16.
 use super::fused_mlp::rel_err;
+use crate::common::ensure_close;
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
@@ -39,11 +40,7 @@ fn decoder_manual_backward_matches_autograd(dev: &Device) -> Result<()> {
                 );
             }
         }
-        let tensors = vars
-            .iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-            .collect();
-        let layer = DecoderLayer::new(&cfg, VarBuilder::from_tensors(tensors, dt, dev))?;
+        let layer = DecoderLayer::new(&cfg, crate::common::var_builder(&vars, dt, dev))?;
         let extras = Rope::new(&cfg, dt, dev)?.extras(n)?;
         let x = Var::from_tensor(
             &Tensor::randn(0f32, 1.0, (b, n, 64), &Device::Cpu)?
@@ -234,14 +231,7 @@ fn recompute_saves_what_forward_saves(dev: &Device) -> Result<()> {
                 want.0.len()
             );
             for (k, (a, b)) in got.0.iter().zip(&want.0).enumerate() {
-                ensure!(
-                    a.dims() == b.dims(),
-                    "{what}: saved {k} {:?} vs {:?}",
-                    a.dims(),
-                    b.dims()
-                );
-                let e = rel_err(a, b)?;
-                ensure!(e <= 1e-6, "{what}: saved {k} differs by {e:.2e}");
+                ensure_close(&format!("{what}: saved {k}"), a, b, 1e-6)?;
             }
             Ok(())
         };

@@ -5,9 +5,9 @@
 //! models must match at f32 relative error <= 1e-4 (max abs difference over the
 //! reference's max abs value, per tensor); bf16 within 3e-2.
 use super::fused_mlp::rel_err;
+use crate::common::ensure_close as check;
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use streamer_core::StreamConfig;
@@ -81,6 +81,33 @@ impl Fixture {
         Ok(self.get("tokens")?.dim(1)?)
     }
 
+    /// `got` against the reference tensor `key`, at the f32 bound.
+    fn check(&self, what: &str, got: &Tensor, key: &str) -> Result<()> {
+        check(what, got, self.get(key)?, F32_TOL)
+    }
+
+    /// Each parameter's gradient in `grads` against the reference `grad.<name>`.
+    fn check_grads<'a>(
+        &self,
+        what: &str,
+        grads: &candle_core::backprop::GradStore,
+        params: impl IntoIterator<Item = (&'a String, &'a Var)>,
+    ) -> Result<()> {
+        for (p, v) in params {
+            let g = grads
+                .get(v.as_tensor())
+                .with_context(|| format!("{what}: no gradient for {p}"))?;
+            self.check(&format!("{what} grad {p}"), g, &format!("grad.{p}"))?;
+        }
+        Ok(())
+    }
+
+    /// A resident model (f32, Candle autograd) over `vars`.
+    fn resident(&self, vars: &HashMap<String, Var>, dev: &Device) -> Result<Llama> {
+        let vb = crate::common::var_builder(vars, DType::F32, dev);
+        Ok(Llama::resident(vb, &self.cfg)?)
+    }
+
     /// Every checkpoint tensor as an f32 variable on `dev`.
     fn vars(&self, dev: &Device) -> Result<HashMap<String, Var>> {
         let files = streamer_core::expand_paths(&[&self.weights])?;
@@ -94,40 +121,15 @@ impl Fixture {
     }
 }
 
-fn check(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> Result<()> {
-    ensure!(
-        got.dims() == want.dims(),
-        "{what}: shape {:?} vs transformers' {:?}",
-        got.dims(),
-        want.dims()
-    );
-    let e = rel_err(got, want)?;
-    ensure!(e <= tol, "{what}: relative error {e:.2e} > {tol:.0e}");
-    Ok(())
-}
-
 /// Resident (variables, plain Candle autograd) against every reference tensor.
 fn resident_matches(fx: &Fixture, dev: &Device, name: &str) -> Result<()> {
     let vars = fx.vars(dev)?;
-    let tensors = vars
-        .iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-        .collect();
-    let model = Llama::resident(VarBuilder::from_tensors(tensors, DType::F32, dev), &fx.cfg)?;
+    let model = fx.resident(&vars, dev)?;
     let (x, y) = fx.inputs(dev, fx.seq()?)?;
-    check(
-        &format!("{name} resident logits"),
-        &model.forward(&x)?,
-        fx.get("logits")?,
-        F32_TOL,
-    )?;
+    let logits = model.forward(&x)?;
+    fx.check(&format!("{name} resident logits"), &logits, "logits")?;
     let loss = model.loss(&x, &y)?;
-    check(
-        &format!("{name} resident loss"),
-        &loss,
-        fx.get("loss")?,
-        F32_TOL,
-    )?;
+    fx.check(&format!("{name} resident loss"), &loss, "loss")?;
     let grads = model.backward(&loss)?;
     let mut n = 0;
     for (k, want) in fx.reference.iter().filter(|(k, _)| k.starts_with("grad.")) {
@@ -147,12 +149,8 @@ fn resident_matches(fx: &Fixture, dev: &Device, name: &str) -> Result<()> {
     );
     // The file loader gives the same logits.
     let loaded = Llama::load_resident(&[&fx.weights], &fx.cfg, DType::F32, dev)?;
-    check(
-        &format!("{name} load_resident logits"),
-        &loaded.forward(&x)?,
-        fx.get("logits")?,
-        F32_TOL,
-    )?;
+    let logits = loaded.forward(&x)?;
+    fx.check(&format!("{name} load_resident logits"), &logits, "logits")?;
     Ok(())
 }
 
@@ -167,12 +165,7 @@ fn streamed_matches(fx: &Fixture, dev: &Device, name: &str) -> Result<()> {
         .into_trainable()?;
     let (x, y) = fx.inputs(dev, fx.seq()?)?;
     let loss = model.loss(&x, &y)?;
-    check(
-        &format!("{name} streamed loss"),
-        &loss,
-        fx.get("loss")?,
-        F32_TOL,
-    )?;
+    fx.check(&format!("{name} streamed loss"), &loss, "loss")?;
     let grads = model.backward(&loss)?;
     let params = model.parameters();
     ensure!(
@@ -180,57 +173,27 @@ fn streamed_matches(fx: &Fixture, dev: &Device, name: &str) -> Result<()> {
         "{name}: {} parameters",
         params.len()
     );
-    for (p, v) in params {
-        let g = grads
-            .get(v.as_tensor())
-            .with_context(|| format!("{name}: no gradient for {p}"))?;
-        check(
-            &format!("{name} streamed grad {p}"),
-            g,
-            fx.get(&format!("grad.{p}"))?,
-            F32_TOL,
-        )?;
-    }
-    model.set_training(false);
-    check(
-        &format!("{name} streamed logits"),
-        &model.forward(&x)?,
-        fx.get("logits")?,
-        F32_TOL,
+    fx.check_grads(
+        &format!("{name} streamed"),
+        &grads,
+        params.iter().map(|(p, v)| (p, v)),
     )?;
+    model.set_training(false);
+    let logits = model.forward(&x)?;
+    fx.check(&format!("{name} streamed logits"), &logits, "logits")?;
     Ok(())
 }
 
 /// Resident with the hand-written layer backward (`Llama::set_fused_backward`).
 fn resident_fused_matches(fx: &Fixture, dev: &Device, name: &str) -> Result<()> {
     let vars = fx.vars(dev)?;
-    let tensors = vars
-        .iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-        .collect();
-    let model = Llama::resident(VarBuilder::from_tensors(tensors, DType::F32, dev), &fx.cfg)?;
+    let model = fx.resident(&vars, dev)?;
     model.set_fused_backward(true)?;
     let (x, y) = fx.inputs(dev, fx.seq()?)?;
     let loss = model.loss(&x, &y)?;
-    check(
-        &format!("{name} fused loss"),
-        &loss,
-        fx.get("loss")?,
-        F32_TOL,
-    )?;
+    fx.check(&format!("{name} fused loss"), &loss, "loss")?;
     let grads = model.backward(&loss)?;
-    for (p, v) in &vars {
-        let g = grads
-            .get(v.as_tensor())
-            .with_context(|| format!("{name}: no fused gradient for {p}"))?;
-        check(
-            &format!("{name} fused grad {p}"),
-            g,
-            fx.get(&format!("grad.{p}"))?,
-            F32_TOL,
-        )?;
-    }
-    Ok(())
+    fx.check_grads(&format!("{name} fused"), &grads, &vars)
 }
 
 fn family_matches_transformers(name: &str, dev: &Device) -> Result<()> {
@@ -329,13 +292,9 @@ fn family_layer_manual_backward_matches_autograd(dev: &Device) -> Result<()> {
                 })
                 .map(|(k, v)| Ok((k, Var::from_tensor(&v.as_tensor().to_dtype(dt)?)?)))
                 .collect::<Result<_>>()?;
-            let tensors = vars
-                .iter()
-                .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-                .collect();
             let layer = streamer_models::DecoderLayer::new(
                 &fx.cfg,
-                VarBuilder::from_tensors(tensors, dt, dev),
+                crate::common::var_builder(&vars, dt, dev),
             )?;
             let n = 13;
             let extras = streamer_models::Rope::new(&fx.cfg, dt, dev)?.extras(n)?;

@@ -197,45 +197,20 @@ fn streamed_fused_mlp_keep_and_recompute_match_autograd(dev: &Device) -> Result<
         Tensor::zeros(dim, dt, dev)?,
     )?
     .saved_bytes(x.shape(), dt);
-    let (l_ref, g_ref, k_ref) = step_grads(
-        &host,
-        autograd(),
-        cfg.clone(),
-        ActivationPolicy::Keep {
-            device_bytes: 1 << 30,
-        },
-        &x,
-    )?;
+    // One step of these blocks under this policy, on the same weights and input.
+    let run = |blocks, policy| step_grads(&host, blocks, cfg.clone(), policy, &x);
+    let keep = |device_bytes| ActivationPolicy::Keep { device_bytes };
+    let (l_ref, g_ref, k_ref) = run(autograd(), keep(1 << 30))?;
     ensure!(k_ref == 0, "autograd blocks kept {k_ref} activations");
-    let (l_rec, g_rec, k_rec) = step_grads(
-        &host,
-        manual(),
-        cfg.clone(),
-        ActivationPolicy::Recompute,
-        &x,
-    )?;
+    let (l_rec, g_rec, k_rec) = run(manual(), ActivationPolicy::Recompute)?;
     ensure!(k_rec == 0, "recompute kept {k_rec}");
     // A budget for exactly two blocks: the first two keep, the last two recompute.
-    let (l_keep, g_keep, k_keep) = step_grads(
-        &host,
-        manual(),
-        cfg.clone(),
-        ActivationPolicy::Keep {
-            device_bytes: 2 * per_block + 1,
-        },
-        &x,
-    )?;
+    let (l_keep, g_keep, k_keep) = run(manual(), keep(2 * per_block + 1))?;
     ensure!(k_keep == 2, "kept {k_keep} blocks, expected 2");
     // Inputs through host memory and back: the same recompute on the same
     // bytes, for the hand-written and the autograd blocks alike.
     for (blocks, want) in [(manual(), &g_rec), (autograd(), &g_ref)] {
-        let (_, g_off, k_off) = step_grads(
-            &host,
-            blocks,
-            cfg.clone(),
-            ActivationPolicy::OffloadInputs,
-            &x,
-        )?;
+        let (_, g_off, k_off) = run(blocks, ActivationPolicy::OffloadInputs)?;
         ensure!(k_off == 0, "offload kept {k_off}");
         for (name, w) in want {
             let err = rel_err(&g_off[name], w)?;

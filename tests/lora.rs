@@ -54,15 +54,7 @@ impl Fx {
 }
 
 fn check(what: &str, got: &Tensor, want: &Tensor) -> Result<()> {
-    ensure!(
-        got.dims() == want.dims(),
-        "{what}: {:?} vs {:?}",
-        got.dims(),
-        want.dims()
-    );
-    let e = rel_err(got, want)?;
-    ensure!(e <= TOL, "{what}: relative error {e:.2e} > {TOL:.0e}");
-    Ok(())
+    crate::common::ensure_close(what, got, want, TOL)
 }
 
 /// Logits, loss and each adapter's gradient of `model` (adapters on) against PEFT.

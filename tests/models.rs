@@ -965,15 +965,8 @@ fn llama_sliding_window_masks_beyond_the_window(dev: &Device) -> Result<()> {
         at += n;
     }
     // Gradients: streamed trainable (hand-written backward) vs resident autograd.
-    let vars: HashMap<String, Var> = w
-        .iter()
-        .map(|(k, t)| Ok((k.clone(), Var::from_tensor(&t.to_device(dev)?)?)))
-        .collect::<Result<_>>()?;
-    let tensors = vars
-        .iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-        .collect();
-    let resident = Llama::resident(VarBuilder::from_tensors(tensors, DType::F32, dev), &cfg)?;
+    let vars = crate::common::vars_on(&w, dev)?;
+    let resident = Llama::resident(crate::common::var_builder(&vars, DType::F32, dev), &cfg)?;
     let y = tokens(dev, 2, 20, 2)?;
     let want = resident.loss(&x, &y)?.backward()?;
     let trainable = Llama::from_tensors(w, &cfg, stream(dev, DType::F32, 1))?.into_trainable()?;

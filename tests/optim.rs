@@ -8,7 +8,9 @@ use anyhow::Result;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, SGD};
-use candle_streamer::streamer_autograd::{CpuAdamW, CpuSgd, DeviceAdamW, ParamsSgd};
+use candle_streamer::streamer_autograd::{
+    CpuAdamW, CpuSgd, DeviceAdamW, HostOptimizer, ParamsSgd, UpdateRule,
+};
 
 /// Shapes covering a scalar-ish bias, a small matrix, and one larger than the
 /// optimizers' 64K-element parallel chunk (so the chunked path runs).
@@ -83,16 +85,38 @@ fn adamw_params() -> ParamsAdamW {
     }
 }
 
+/// Steps `a` (over `va`) and `b` (over `vb`) with the same gradients, those
+/// of `steps` made on `dev`, each stored on the device given beside it.
+fn step_together<A: Optimizer, B: Optimizer>(
+    (a, va, da): (&mut A, &[Var], &Device),
+    (b, vb, db): (&mut B, &[Var], &Device),
+    steps: std::ops::Range<usize>,
+    dev: &Device,
+) -> Result<()> {
+    for step in steps {
+        let g = make_grads(va, step, dev)?;
+        a.step(&store(va, &g, da)?)?;
+        b.step(&store(vb, &g, db)?)?;
+    }
+    Ok(())
+}
+
+/// SGD with momentum 0.9 over `vars`.
+fn momentum_sgd(vars: &[Var]) -> Result<CpuSgd> {
+    let params = ParamsSgd {
+        momentum: 0.9,
+        ..Default::default()
+    };
+    Ok(CpuSgd::new(vars.to_vec(), params)?)
+}
+
 fn cpu_adamw_matches_candle_nn_adamw_20_steps(dev: &Device) -> Result<()> {
     let ours = make_vars(1.0)?;
     let theirs = clone_vars(&ours)?;
     let mut a = CpuAdamW::new(ours.clone(), adamw_params())?;
     let mut b = AdamW::new(theirs.clone(), adamw_params())?;
-    for step in 0..20 {
-        let g = make_grads(&ours, step, dev)?;
-        a.step(&store(&ours, &g, dev)?)?;
-        b.step(&store(&theirs, &g, &Device::Cpu)?)?;
-    }
+    let cpu = &Device::Cpu;
+    step_together((&mut a, &ours, dev), (&mut b, &theirs, cpu), 0..20, dev)?;
     let rel = max_rel(&values(&ours)?, &values(&theirs)?);
     assert!(rel <= 1e-6, "CpuAdamW vs candle-nn AdamW: max rel {rel}");
     assert_eq!(a.step_count(), 20);
@@ -138,11 +162,8 @@ fn cpu_sgd_plain_matches_candle_nn_sgd(dev: &Device) -> Result<()> {
     };
     let mut a = CpuSgd::new(ours.clone(), params)?;
     let mut b = SGD::new(theirs.clone(), 0.05)?;
-    for step in 0..10 {
-        let g = make_grads(&ours, step, dev)?;
-        a.step(&store(&ours, &g, dev)?)?;
-        b.step(&store(&theirs, &g, &Device::Cpu)?)?;
-    }
+    let cpu = &Device::Cpu;
+    step_together((&mut a, &ours, dev), (&mut b, &theirs, cpu), 0..10, dev)?;
     let rel = max_rel(&values(&ours)?, &values(&theirs)?);
     assert!(rel <= 1e-6, "CpuSgd vs candle-nn SGD: max rel {rel}");
     Ok(())
@@ -229,6 +250,38 @@ fn temp_path(name: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("optim-{}-{name}.safetensors", std::process::id()))
 }
 
+/// Steps `opt` (over `vars`) `steps` times with the test gradients, then
+/// saves its state to the temporary file `name`; returns its path.
+fn step_and_save<R: UpdateRule>(
+    opt: &mut HostOptimizer<R>,
+    vars: &[Var],
+    steps: usize,
+    name: &str,
+    dev: &Device,
+) -> Result<std::path::PathBuf> {
+    for step in 0..steps {
+        opt.step(&store(vars, &make_grads(vars, step, dev)?, dev)?)?;
+    }
+    let path = temp_path(name);
+    opt.save(&path)?;
+    Ok(path)
+}
+
+/// Steps `a` (over `first`) and `b` (over `second`) with the same gradient,
+/// that of step `step`: the parameters agree exactly.
+fn step_both_agree<R: UpdateRule>(
+    (a, first): (&mut HostOptimizer<R>, &[Var]),
+    (b, second): (&mut HostOptimizer<R>, &[Var]),
+    step: usize,
+    dev: &Device,
+) -> Result<()> {
+    let g = make_grads(first, step, dev)?;
+    a.step(&store(first, &g, dev)?)?;
+    b.step(&store(second, &g, dev)?)?;
+    assert_eq!(values(first)?, values(second)?);
+    Ok(())
+}
+
 fn cpu_adamw_state_resume_gives_same_next_step(dev: &Device) -> Result<()> {
     let names: Vec<String> = ["bias", "small.weight", "big.weight"]
         .map(String::from)
@@ -236,11 +289,7 @@ fn cpu_adamw_state_resume_gives_same_next_step(dev: &Device) -> Result<()> {
     let first = make_vars(1.0)?;
     let mut a = CpuAdamW::new(first.clone(), adamw_params())?;
     a.set_param_names(names.clone())?;
-    for step in 0..5 {
-        a.step(&store(&first, &make_grads(&first, step, dev)?, dev)?)?;
-    }
-    let path = temp_path(&format!("adamw-{}", dev_tag(dev)));
-    a.save(&path)?;
+    let path = step_and_save(&mut a, &first, 5, &format!("adamw-{}", dev_tag(dev)), dev)?;
 
     // A fresh optimizer over a copy of the params, with other hyper-params:
     // load restores the saved ones.
@@ -251,10 +300,7 @@ fn cpu_adamw_state_resume_gives_same_next_step(dev: &Device) -> Result<()> {
     assert_eq!(b.step_count(), 5);
     assert_eq!(b.params().weight_decay, 0.1);
 
-    let g = make_grads(&first, 5, dev)?;
-    a.step(&store(&first, &g, dev)?)?;
-    b.step(&store(&second, &g, dev)?)?;
-    assert_eq!(values(&first)?, values(&second)?);
+    step_both_agree((&mut a, &first), (&mut b, &second), 5, dev)?;
     for i in 0..first.len() {
         assert_eq!(a.moments(i), b.moments(i));
     }
@@ -300,19 +346,12 @@ fn cpu_sgd_state_resume_gives_same_next_step(dev: &Device) -> Result<()> {
     };
     let first = make_vars(1.0)?;
     let mut a = CpuSgd::new(first.clone(), params.clone())?;
-    for step in 0..3 {
-        a.step(&store(&first, &make_grads(&first, step, dev)?, dev)?)?;
-    }
-    let path = temp_path(&format!("sgd-{}", dev_tag(dev)));
-    a.save(&path)?;
+    let path = step_and_save(&mut a, &first, 3, &format!("sgd-{}", dev_tag(dev)), dev)?;
     let second = clone_vars(&first)?;
     let mut b = CpuSgd::new(second.clone(), ParamsSgd::default())?;
     b.load(&path)?;
     assert_eq!(b.params(), &params);
-    let g = make_grads(&first, 3, dev)?;
-    a.step(&store(&first, &g, dev)?)?;
-    b.step(&store(&second, &g, dev)?)?;
-    assert_eq!(values(&first)?, values(&second)?);
+    step_both_agree((&mut a, &first), (&mut b, &second), 3, dev)?;
     std::fs::remove_file(&path)?;
     Ok(())
 }
@@ -337,13 +376,7 @@ fn shape_mismatch_errors_and_leaves_params_untouched(dev: &Device) -> Result<()>
         .moments(0)
         .is_some_and(|(m, _)| m.iter().all(|&x| x == 0.0)));
 
-    let mut s = CpuSgd::new(
-        vars.clone(),
-        ParamsSgd {
-            momentum: 0.9,
-            ..Default::default()
-        },
-    )?;
+    let mut s = momentum_sgd(&vars)?;
     let err = s.step(&grads).unwrap_err().to_string();
     assert!(err.contains("param 2"), "{err}");
     assert_eq!(values(&vars)?, before);
@@ -421,10 +454,7 @@ fn non_finite_gradient_is_refused_and_changes_nothing(dev: &Device) -> Result<()
     let twin = clone_vars(&vars)?;
     let mut b = CpuAdamW::new(twin.clone(), adamw_params())?;
     b.set_param_names(a.param_names().to_vec())?;
-    for step in 0..3 {
-        a.step(&store(&vars, &make_grads(&vars, step, dev)?, dev)?)?;
-        b.step(&store(&twin, &make_grads(&twin, step, dev)?, dev)?)?;
-    }
+    step_together((&mut a, &vars, dev), (&mut b, &twin, dev), 0..3, dev)?;
     // The bad value in the small param, and in the last 64K chunk of the big one.
     for (param, elem) in [(1usize, 3usize), (2, 300 * 230 - 5)] {
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
@@ -465,18 +495,11 @@ fn non_finite_gradient_is_refused_and_changes_nothing(dev: &Device) -> Result<()
         }
     }
     // The next good step is the one a run that never saw a bad gradient takes.
-    a.step(&store(&vars, &make_grads(&vars, 3, dev)?, dev)?)?;
-    b.step(&store(&twin, &make_grads(&twin, 3, dev)?, dev)?)?;
+    step_together((&mut a, &vars, dev), (&mut b, &twin, dev), 3..4, dev)?;
     assert!(adamw_snapshot(&vars, &a)? == adamw_snapshot(&twin, &b)?);
     a.check_finite()?;
 
-    let mut s = CpuSgd::new(
-        vars.clone(),
-        ParamsSgd {
-            momentum: 0.9,
-            ..Default::default()
-        },
-    )?;
+    let mut s = momentum_sgd(&vars)?;
     let mut g = make_grads(&vars, 0, dev)?;
     g[0] = g[0].affine(0.0, f64::NAN)?;
     let before = values(&vars)?;
@@ -644,6 +667,13 @@ fn state_files_of_the_documented_format_load(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(state_files_of_the_documented_format_load);
 
+/// Copies of `vars` on `dev`.
+fn copies_on(vars: &[Var], dev: &Device) -> Result<Vec<Var>> {
+    vars.iter()
+        .map(|v| Ok(Var::from_tensor(&v.as_tensor().to_device(dev)?)?))
+        .collect()
+}
+
 /// `DeviceAdamW` on params living on `dev` (f32 and bf16) against `CpuAdamW`
 /// on host copies, 10 steps: its kernel rounds each operation as the host
 /// optimizer does, so f32 params agree to 1e-6 relative (bit-equal in
@@ -654,17 +684,11 @@ fn device_adamw_matches_cpu_adamw(dev: &Device) -> Result<()> {
             .iter()
             .map(|v| Ok(Var::from_tensor(&v.as_tensor().to_dtype(dtype)?)?))
             .collect::<Result<Vec<_>>>()?;
-        let on_dev = host
-            .iter()
-            .map(|v| Ok(Var::from_tensor(&v.as_tensor().to_device(dev)?)?))
-            .collect::<Result<Vec<_>>>()?;
+        let on_dev = copies_on(&host, dev)?;
         let mut a = CpuAdamW::new(host.clone(), adamw_params())?;
         let mut b = DeviceAdamW::new(on_dev.clone(), adamw_params(), dev)?;
-        for step in 0..10 {
-            let g = make_grads(&host, step, dev)?;
-            a.step(&store(&host, &g, &Device::Cpu)?)?;
-            b.step(&store(&on_dev, &g, dev)?)?;
-        }
+        let cpu = &Device::Cpu;
+        step_together((&mut a, &host, cpu), (&mut b, &on_dev, dev), 0..10, dev)?;
         let f32s = |vs: &[Var]| -> Result<Vec<Vec<f32>>> {
             vs.iter()
                 .map(|v| {
@@ -689,10 +713,7 @@ candle_streamer::test_device!(device_adamw_matches_cpu_adamw);
 /// A NaN in one gradient refuses the whole `DeviceAdamW` step, naming the
 /// param; no param, moment or step count changes.
 fn device_adamw_refuses_non_finite_and_changes_nothing(dev: &Device) -> Result<()> {
-    let vars = make_vars(1.0)?
-        .iter()
-        .map(|v| Ok(Var::from_tensor(&v.as_tensor().to_device(dev)?)?))
-        .collect::<Result<Vec<_>>>()?;
+    let vars = copies_on(&make_vars(1.0)?, dev)?;
     let mut opt = DeviceAdamW::new(vars.clone(), adamw_params(), dev)?;
     opt.step(&store(&vars, &make_grads(&vars, 0, dev)?, dev)?)?;
     let before = values(&vars)?;
@@ -721,17 +742,11 @@ candle_streamer::test_device!(device_adamw_refuses_non_finite_and_changes_nothin
 /// the other, and the next step agrees (1e-6 relative).
 fn device_adamw_state_interchanges_with_cpu_adamw(dev: &Device) -> Result<()> {
     let host = make_vars(1.0)?;
-    let on_dev = host
-        .iter()
-        .map(|v| Ok(Var::from_tensor(&v.as_tensor().to_device(dev)?)?))
-        .collect::<Result<Vec<_>>>()?;
+    let on_dev = copies_on(&host, dev)?;
     let mut a = CpuAdamW::new(host.clone(), adamw_params())?;
     let mut b = DeviceAdamW::new(on_dev.clone(), adamw_params(), dev)?;
-    for step in 0..3 {
-        let g = make_grads(&host, step, dev)?;
-        a.step(&store(&host, &g, &Device::Cpu)?)?;
-        b.step(&store(&on_dev, &g, dev)?)?;
-    }
+    let cpu = &Device::Cpu;
+    step_together((&mut a, &host, cpu), (&mut b, &on_dev, dev), 0..3, dev)?;
     let (pa, pb) = (
         temp_path(&format!("xchg-a-{}", dev_tag(dev))),
         temp_path(&format!("xchg-b-{}", dev_tag(dev))),
@@ -749,9 +764,7 @@ fn device_adamw_state_interchanges_with_cpu_adamw(dev: &Device) -> Result<()> {
     let mut b2 = DeviceAdamW::new(dev2.clone(), ParamsAdamW::default(), dev)?;
     b2.load(&pa)?;
     assert_eq!((a2.step_count(), b2.step_count()), (3, 3));
-    let g = make_grads(&host, 3, dev)?;
-    a2.step(&store(&host2, &g, &Device::Cpu)?)?;
-    b2.step(&store(&dev2, &g, dev)?)?;
+    step_together((&mut a2, &host2, cpu), (&mut b2, &dev2, dev), 3..4, dev)?;
     let rel = max_rel(&values(&dev2)?, &values(&host2)?);
     assert!(rel <= 1e-6, "resumed across optimizers: max rel {rel}");
     std::fs::remove_file(pa)?;

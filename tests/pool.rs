@@ -1,5 +1,6 @@
 //! streamer-core: `StreamedSequential` against plain resident Candle, the window,
 //! ties, loading, statistics and every construction/call error.
+use crate::common::insert_linear;
 use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{linear, Linear, VarBuilder};
@@ -64,22 +65,8 @@ pub fn mlp_weights(w: usize, hidden: &[usize]) -> Result<HashMap<String, Tensor>
     for (i, &h) in hidden.iter().enumerate() {
         let s1 = 1.0 / (w as f64).sqrt();
         let s2 = 1.0 / (h as f64).sqrt();
-        m.insert(
-            format!("layers.{i}.up.weight"),
-            Tensor::randn(0f32, s1 as f32, (h, w), &Device::Cpu)?,
-        );
-        m.insert(
-            format!("layers.{i}.up.bias"),
-            Tensor::randn(0f32, 0.1, h, &Device::Cpu)?,
-        );
-        m.insert(
-            format!("layers.{i}.down.weight"),
-            Tensor::randn(0f32, s2 as f32, (w, h), &Device::Cpu)?,
-        );
-        m.insert(
-            format!("layers.{i}.down.bias"),
-            Tensor::randn(0f32, 0.1, w, &Device::Cpu)?,
-        );
+        insert_linear(&mut m, &format!("layers.{i}.up"), (h, w), s1 as f32)?;
+        insert_linear(&mut m, &format!("layers.{i}.down"), (w, h), s2 as f32)?;
     }
     Ok(m)
 }
@@ -190,14 +177,7 @@ fn heterogeneous_blocks_extras_and_tuple_outputs(dev: &Device) -> Result<()> {
     let mut blocks = Vec::new();
     for i in 0..dims.len() - 1 {
         let (a, b) = (dims[i], dims[i + 1]);
-        weights.insert(
-            format!("b{i}.lin.weight"),
-            Tensor::randn(0f32, 0.3, (b, a), &Device::Cpu)?,
-        );
-        weights.insert(
-            format!("b{i}.lin.bias"),
-            Tensor::randn(0f32, 0.1, b, &Device::Cpu)?,
-        );
+        insert_linear(&mut weights, &format!("b{i}.lin"), (b, a), 0.3)?;
         weights.insert(
             format!("b{i}.scale"),
             Tensor::rand(0.5f32, 1.5, b, &Device::Cpu)?,

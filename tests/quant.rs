@@ -7,8 +7,8 @@ use anyhow::{ensure, Result};
 use candle_core::Device;
 use half::bf16;
 use streamer_quant::{
-    dynamic_map, e4m3_to_f32, f32_to_e4m3, Absmax, Dequantize, FourBit, FourBitType, Fp8, Fp8Scale,
-    Int8Rows, QuantError, FP4_CODE, NF4_CODE,
+    dynamic_map, e4m3_to_f32, f32_to_e4m3, Absmax, Dequantize, DequantizeHost, FourBit,
+    FourBitType, Fp8, Fp8Scale, Int8Rows, QuantError, FP4_CODE, NF4_CODE,
 };
 
 /// Values spread over several orders of magnitude, with signs (SplitMix64).
@@ -280,21 +280,19 @@ fn quantized_bad_inputs() -> Result<()> {
         }) => Ok((tensor, part, got, expected)),
         other => Err(anyhow::anyhow!("expected a length error, got {other:?}")),
     };
-    let (t, part, got, want) = len(FourBit::new(
-        name,
-        &[128, 2],
-        nf4,
-        vec![0; 127],
-        Absmax::Plain(vec![1.0; 4]),
-    ))?;
+    // A (128, 2) NF4 tensor of `packed` bytes and `absmax` scales.
+    let nf4_of = |packed: usize, absmax: usize| {
+        FourBit::new(
+            name,
+            &[128, 2],
+            nf4,
+            vec![0; packed],
+            Absmax::Plain(vec![1.0; absmax]),
+        )
+    };
+    let (t, part, got, want) = len(nf4_of(127, 4))?;
     ensure!(t == name && part == "packed data" && got == 127 && want == 128);
-    let (_, part, got, want) = len(FourBit::new(
-        name,
-        &[128, 2],
-        nf4,
-        vec![0; 128],
-        Absmax::Plain(vec![1.0; 3]),
-    ))?;
+    let (_, part, got, want) = len(nf4_of(128, 3))?;
     ensure!(part == "absmax" && got == 3 && want == 4);
     let err = FourBit::new(
         name,

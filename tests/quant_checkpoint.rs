@@ -17,7 +17,7 @@ use streamer_models::{
     init_weights, read_quantized, save_bnb, Fp8Layout, LlamaConfig, QuantMethod,
     QuantizationConfig, QuantizedCheckpoint,
 };
-use streamer_quant::{Absmax, FourBitType, Fp8, HostTensor};
+use streamer_quant::{Absmax, DequantizeHost, FourBitType, Fp8, HostTensor};
 
 /// A 2-layer byte Llama of width 64 (q_proj: 4096 elements, 64 blocks).
 pub(crate) fn tiny() -> LlamaConfig {

@@ -323,7 +323,7 @@ fn quant_stream_packed_buffer_dequantizes_as_its_tensor(dev: &Device) -> Result<
             layout == scheme.layout("w", &[96, 64])?,
             "{what}: layout without data differs"
         );
-        let want = Tensor::from_vec(t.dequantize_bf16(), (96, 64), &Device::Cpu)?;
+        let want = Tensor::from_vec(t.dequantize_bf16(), (96, 64), dev)?;
         let on_dev = Tensor::from_vec(bytes.clone(), bytes.len(), dev)?;
         let got = streamer_quant::dequantize(&on_dev, &layout)?;
         ensure!(

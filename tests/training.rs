@@ -44,13 +44,7 @@ fn resident_grads(
             ))
         })
         .collect::<Result<_>>()?;
-    let vb = VarBuilder::from_tensors(
-        vars.iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-            .collect(),
-        dtype,
-        dev,
-    );
+    let vb = crate::common::var_builder(&vars, dtype, dev);
     let xv = Var::from_tensor(&x.to_dtype(dtype)?.to_device(dev)?)?;
     let prev = Var::from_tensor(&pre.to_dtype(dtype)?.to_device(dev)?)?;
     let headv = Var::from_tensor(&head.to_dtype(dtype)?.to_device(dev)?)?;
@@ -166,6 +160,51 @@ fn setup(w: usize, hidden: &[usize]) -> Result<(HashMap<String, Tensor>, Tensor,
     let pre = Tensor::randn(0f32, 0.3, (w, w), &Device::Cpu)?;
     let head = Tensor::randn(0f32, 0.3, (w, 3), &Device::Cpu)?;
     Ok((weights, x, pre, head))
+}
+
+/// Weights, input, pre-projection, head, blocks and AdamW settings.
+type TiedSetup = (
+    HashMap<String, Tensor>,
+    Tensor,
+    Tensor,
+    Tensor,
+    Vec<BlockSpec>,
+    ParamsAdamW,
+);
+
+/// The step comparisons' model: three blocks of hidden 16 with a weight tied
+/// across blocks 0 and 2 (it completes only at the end of a backward), its
+/// weights and inputs ([`setup`]), and the AdamW settings they step with.
+fn tied_setup() -> Result<TiedSetup> {
+    let hidden = [16, 16, 16];
+    let (mut weights, x, pre, head) = setup(8, &hidden)?;
+    let shared = weights["layers.0.up.bias"].clone();
+    weights.insert("layers.2.up.bias".into(), shared);
+    let params = ParamsAdamW {
+        lr: 1e-2,
+        weight_decay: 0.01,
+        ..Default::default()
+    };
+    Ok((weights, x, pre, head, mlp_blocks(8, &hidden), params))
+}
+
+/// Every parameter of `got` within `(atol, rtol)` of the same one of `want`.
+fn params_close(
+    got: &TrainableSequential,
+    want: &TrainableSequential,
+    (atol, rtol): (f64, f64),
+    what: &str,
+) -> Result<()> {
+    for ((n, vw), (_, vg)) in want.parameters().iter().zip(got.parameters().iter()) {
+        assert_close(
+            vg.as_tensor(),
+            vw.as_tensor(),
+            atol,
+            rtol,
+            &format!("{what} {n}"),
+        )?;
+    }
+    Ok(())
 }
 
 fn gradients_match_resident(dev: &Device) -> Result<()> {
@@ -287,14 +326,7 @@ fn input_extras_and_dropout_replay(dev: &Device) -> Result<()> {
     let w = 10;
     let mut weights = HashMap::new();
     for i in 0..3 {
-        weights.insert(
-            format!("b{i}.lin.weight"),
-            Tensor::randn(0f32, 0.4, (w, w), &Device::Cpu)?,
-        );
-        weights.insert(
-            format!("b{i}.lin.bias"),
-            Tensor::randn(0f32, 0.1, w, &Device::Cpu)?,
-        );
+        crate::common::insert_linear(&mut weights, &format!("b{i}.lin"), (w, w), 0.4)?;
     }
     let blocks: Vec<BlockSpec> = (0..3)
         .map(|i| {
@@ -310,17 +342,8 @@ fn input_extras_and_dropout_replay(dev: &Device) -> Result<()> {
     let extra = Var::from_tensor(&Tensor::randn(0f32, 0.5, (1, w), dev)?)?;
     // Resident reference with the same dropout seeds (block i uses seed + i).
     let seed = 1234u64;
-    let vars: HashMap<String, Var> = weights
-        .iter()
-        .map(|(k, v)| Ok((k.clone(), Var::from_tensor(&v.to_device(dev)?)?)))
-        .collect::<Result<_>>()?;
-    let vb = VarBuilder::from_tensors(
-        vars.iter()
-            .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-            .collect(),
-        DType::F32,
-        dev,
-    );
+    let vars = crate::common::vars_on(&weights, dev)?;
+    let vb = crate::common::var_builder(&vars, DType::F32, dev);
     let mut h = x.as_tensor().clone();
     for (i, b) in blocks.iter().enumerate() {
         let block = b.build(vb.pp(b.prefix()))?;
@@ -514,17 +537,8 @@ fn train_student(
             model.zero_grad()?;
         }
     } else {
-        let vars: HashMap<String, Var> = student
-            .iter()
-            .map(|(k, v)| Ok((k.clone(), Var::from_tensor(&v.to_device(dev)?)?)))
-            .collect::<Result<_>>()?;
-        let vb = VarBuilder::from_tensors(
-            vars.iter()
-                .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-                .collect(),
-            DType::F32,
-            dev,
-        );
+        let vars = crate::common::vars_on(&student, dev)?;
+        let vb = crate::common::var_builder(&vars, DType::F32, dev);
         let mut opt = candle_nn::AdamW::new(vars.values().cloned().collect(), params)?;
         for _ in 0..steps {
             let mut h = x.clone();
@@ -614,32 +628,14 @@ fn optimizer_state_resume_gives_same_next_step(dev: &Device) -> Result<()> {
     let mut opt_b = CpuAdamW::new(b.trainable_vars()?, params)?;
     opt_b.load(dir.join("opt.safetensors"))?;
     step(&b, &mut opt_b)?;
-    for ((n, va), (_, vb)) in a.parameters().iter().zip(b.parameters().iter()) {
-        assert_close(
-            va.as_tensor(),
-            vb.as_tensor(),
-            0.0,
-            0.0,
-            &format!("resumed {n}"),
-        )?;
-    }
+    params_close(&a, &b, (0.0, 0.0), "resumed")?;
     std::fs::remove_dir_all(dir)?;
     Ok(())
 }
 candle_streamer::test_device!(optimizer_state_resume_gives_same_next_step);
 
 fn overlapped_step_equals_plain_step(dev: &Device) -> Result<()> {
-    let hidden = [16, 16, 16];
-    let (mut weights, x, pre, head) = setup(8, &hidden)?;
-    // A weight tied across blocks 0 and 2: it completes only at the end.
-    let shared = weights["layers.0.up.bias"].clone();
-    weights.insert("layers.2.up.bias".into(), shared);
-    let blocks = mlp_blocks(8, &hidden);
-    let params = ParamsAdamW {
-        lr: 1e-2,
-        weight_decay: 0.01,
-        ..Default::default()
-    };
+    let (weights, x, pre, head, blocks, params) = tied_setup()?;
     let (xd, pred, headd) = (x.to_device(dev)?, pre.to_device(dev)?, head.to_device(dev)?);
     let loss_of = |m: &TrainableSequential| -> Result<Tensor> {
         Ok(m.forward(&xd.matmul(&pred)?)?
@@ -664,15 +660,7 @@ fn overlapped_step_equals_plain_step(dev: &Device) -> Result<()> {
         b.zero_grad()?;
     }
     assert_eq!(opt_b.step_count(), 3);
-    for ((n, va), (_, vb)) in a.parameters().iter().zip(b.parameters().iter()) {
-        assert_close(
-            vb.as_tensor(),
-            va.as_tensor(),
-            0.0,
-            0.0,
-            &format!("overlapped {n}"),
-        )?;
-    }
+    params_close(&b, &a, (0.0, 0.0), "overlapped")?;
     Ok(())
 }
 candle_streamer::test_device!(overlapped_step_equals_plain_step);
@@ -818,16 +806,7 @@ impl MseOf {
 /// absolute). Checked with masters in the compute dtype (stepped in the slot)
 /// and with f32 masters under bf16 compute (stepped in the staging buffer).
 fn device_step_equals_host_step(dev: &Device) -> Result<()> {
-    let hidden = [16, 16, 16];
-    let (mut weights, x, pre, head) = setup(8, &hidden)?;
-    let shared = weights["layers.0.up.bias"].clone();
-    weights.insert("layers.2.up.bias".into(), shared);
-    let blocks = mlp_blocks(8, &hidden);
-    let params = ParamsAdamW {
-        lr: 1e-2,
-        weight_decay: 0.01,
-        ..Default::default()
-    };
+    let (weights, x, pre, head, blocks, params) = tied_setup()?;
     for &compute in step_dtypes(dev) {
         let mse = MseOf::new((&x, &pre, &head), dev, compute)?;
         let loss_of = |m: &TrainableSequential| mse.of(m);
@@ -856,15 +835,7 @@ fn device_step_equals_host_step(dev: &Device) -> Result<()> {
         let st = b.stats()?;
         let lent = if dev.is_cuda() { 2 } else { 0 };
         assert_eq!((st.reused_loads, st.stale_reuses), (lent, 0), "{compute:?}");
-        for ((n, va), (_, vb)) in a.parameters().iter().zip(b.parameters().iter()) {
-            assert_close(
-                vb.as_tensor(),
-                va.as_tensor(),
-                1e-7,
-                1e-6,
-                &format!("device step {compute:?} {n}"),
-            )?;
-        }
+        params_close(&b, &a, (1e-7, 1e-6), &format!("device step {compute:?}"))?;
         // The moments agree too (the state a checkpoint would save).
         for i in 0..opt_a.vars().len() {
             let (ma, va) = opt_a.moments(i).expect("stepped");

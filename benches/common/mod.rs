@@ -9,6 +9,15 @@ use std::sync::Arc;
 use std::time::Instant;
 use streamer_core::DeviceCap;
 
+/// The setting `key` from the environment as a count; `default` when it is
+/// unset or not a number (benches/README.md lists the settings).
+pub fn env_usize(key: &str, default: usize) -> usize {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// The first CUDA GPU when built with `cuda` and one is present, else the CPU.
 pub fn device() -> Device {
     #[cfg(feature = "cuda")]
@@ -64,6 +73,25 @@ pub fn results_path(name: &str) -> PathBuf {
         });
     let _ = std::fs::create_dir_all(&dir);
     dir.join(name)
+}
+
+/// Writes the results `out` to `<stem>.json` and, given one, the plot to
+/// `<stem>.svg` (both in [`results_path`]), and says where.
+pub fn write_results(
+    stem: &str,
+    out: &serde_json::Value,
+    plot: Option<String>,
+) -> anyhow::Result<()> {
+    let json = write_json(&format!("{stem}.json"), out)?;
+    match plot {
+        Some(svg) => {
+            let path = results_path(&format!("{stem}.svg"));
+            std::fs::write(&path, svg)?;
+            println!("wrote {} and {}", json.display(), path.display());
+        }
+        None => println!("wrote {}", json.display()),
+    }
+    Ok(())
 }
 
 /// Writes `out` as pretty JSON to the results file `name`; returns its path.

@@ -75,6 +75,18 @@ fn targets_of(s: &CpuStorage, l: &Layout, vocab: usize) -> Result<Vec<usize>> {
     Ok(t.iter().map(|&k| k as usize).collect())
 }
 
+/// The inputs both CPU passes read: `(rows, vocab)`, the logits row-major in
+/// f64 and each row's target.
+type CpuInputs = (usize, usize, Vec<f64>, Vec<usize>);
+
+fn logits_and_targets(
+    (s1, l1): (&CpuStorage, &Layout),
+    (s2, l2): (&CpuStorage, &Layout),
+) -> Result<CpuInputs> {
+    let (rows, vocab) = l1.shape().dims2()?;
+    Ok((rows, vocab, rows_of(s1, l1)?, targets_of(s2, l2, vocab)?))
+}
+
 /// The u32 ids of a CPU tensor, each checked to be below `vocab`; an error
 /// names the first other as "`{what}` {id} of `{unit}` {index}".
 pub(crate) fn token_ids<'a>(
@@ -112,9 +124,7 @@ impl CustomOp2 for CeForward {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (rows, vocab) = l1.shape().dims2()?;
-        let x = rows_of(s1, l1)?;
-        let t = targets_of(s2, l2, vocab)?;
+        let (rows, vocab, x, t) = logits_and_targets((s1, l1), (s2, l2))?;
         let loss = (0..rows)
             .map(|r| {
                 let row = &x[r * vocab..(r + 1) * vocab];
@@ -169,9 +179,7 @@ impl CustomOp3 for CeBackward {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (rows, vocab) = l1.shape().dims2()?;
-        let x = rows_of(s1, l1)?;
-        let t = targets_of(s2, l2, vocab)?;
+        let (rows, vocab, x, t) = logits_and_targets((s1, l1), (s2, l2))?;
         let CpuStorage::F32(aux) = s3 else {
             bail!("cross_entropy backward: aux must be f32");
         };

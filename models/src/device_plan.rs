@@ -11,6 +11,7 @@
 use crate::config::LlamaConfig;
 use crate::host_plan::{HostPlan, TrainSetup};
 use crate::step_rates::StepRates;
+use crate::step_shape::StepShape;
 use candle_core::{bail, DType, Result};
 use streamer_autograd::{ActivationPolicy, OptimizerPlace, StateDtype};
 
@@ -85,17 +86,6 @@ pub struct DevicePlan {
     pub kept: usize,
     /// CUDA context, library workspaces, allocator slack.
     pub runtime: usize,
-}
-
-/// A step's shape: sequences, tokens each, compute dtype.
-#[derive(Clone, Copy, Debug)]
-pub struct StepShape {
-    /// Sequences a step.
-    pub rows: usize,
-    /// Tokens a sequence.
-    pub seq: usize,
-    /// Compute dtype.
-    pub dtype: DType,
 }
 
 impl DevicePlan {

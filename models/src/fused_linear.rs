@@ -11,6 +11,7 @@
 //! gradient another whose epilogue also sums the bias gradient (`BGRADB`),
 //! and GELU' is one f32 pass over the kept pre-activation. A whole MLP whose
 //! GELU' also lives in a GEMM epilogue is [`crate::FusedMlp`].
+use crate::ops::gelu::gelu_grad;
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
@@ -139,20 +140,6 @@ fn cpu_tensor(s: &candle_core::CpuStorage, l: &candle_core::Layout) -> Result<Te
     let all = Tensor::from_storage(Storage::Cpu(s.clone()), len, BackpropOp::none(), false);
     all.narrow(0, l.start_offset(), l.shape().elem_count())?
         .reshape(l.shape())
-}
-
-/// `d gelu(z) / dz` for the tanh form, in f32.
-pub(crate) fn gelu_grad(z: &Tensor) -> Result<Tensor> {
-    const C: f64 = 0.797_884_560_802_865_4; // sqrt(2 / pi)
-    const A: f64 = 0.044_715;
-    let z = z.to_dtype(DType::F32)?;
-    let z2 = z.sqr()?;
-    let u = ((&z * (z2.affine(A, 1.0)?))? * C)?;
-    let t = u.tanh()?;
-    let du = (z2.affine(3.0 * A, 1.0)? * C)?;
-    let left = (t.affine(0.5, 0.5))?;
-    let right = ((&z * 0.5)? * ((t.sqr()?.affine(-1.0, 1.0))? * du)?)?;
-    left + right
 }
 
 /// The op over `(x: (rows, in), w: (out, in), b: (out,))`: cuBLASLt on CUDA,

@@ -18,7 +18,7 @@
 //! pass on the H200 (`benches/results/gemm-h200.json`). Elsewhere (the CPU, f32) the
 //! same formulas run as Candle ops: that path is the reference the tests hold
 //! the CUDA path to.
-use crate::fused_linear::gelu_grad;
+use crate::ops::gelu::gelu_grad;
 use crate::{Epilogue, FusedLinear};
 use candle_core::{DType, Module, Result, Shape, Tensor};
 use candle_nn::VarBuilder;

@@ -86,6 +86,7 @@ pub mod quantized_weights;
 mod resident_backward;
 pub mod sample;
 pub mod step_rates;
+mod step_shape;
 pub mod tokenizer;
 pub mod train;
 
@@ -104,7 +105,7 @@ pub use checkpoint::{
 };
 pub use config::{LlamaConfig, RopeScaling};
 pub use cross_entropy::cross_entropy;
-pub use device_plan::{DevicePlan, Expectation, PlanChoices, PlanLimits, StepSettings, StepShape};
+pub use device_plan::{DevicePlan, Expectation, PlanChoices, PlanLimits, StepSettings};
 pub use embedding::embedding;
 pub use fused_linear::{fused_linear, Epilogue, FusedLinear};
 pub use fused_mlp::{fused_mlp, FusedMlp};
@@ -121,6 +122,7 @@ pub use ops::lt::{
 pub use quantization_config::{Fp8Layout, QuantMethod, QuantizationConfig};
 pub use quantized_checkpoint::{read_quantized, QuantizedCheckpoint};
 pub use step_rates::StepRates;
+pub use step_shape::StepShape;
 /// The raw cuBLASLt GEMMs behind `FusedLinear` and `FusedMlp`, for
 /// `benches/gemm.rs` (which times each against cuBLAS and PyTorch).
 #[cfg(feature = "cuda")]

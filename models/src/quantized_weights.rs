@@ -96,10 +96,19 @@ impl QuantizedWeights {
         seed: u64,
         magnitude: f32,
     ) -> Result<Self> {
+        use rayon::prelude::*;
+        // Tensor by tensor on every core: a 70B base is 36 GiB of codes.
+        let made = quantizable(cfg)
+            .into_par_iter()
+            .enumerate()
+            .map(|(k, (name, shape))| {
+                let layout = scheme.layout(&name, &shape).map_err(quant)?;
+                let bytes = layout.synthetic(seed.wrapping_add(k as u64), magnitude);
+                Ok((layout, bytes))
+            })
+            .collect::<Result<Vec<_>>>()?;
         let mut out = Self::default();
-        for (k, (name, shape)) in quantizable(cfg).into_iter().enumerate() {
-            let layout = scheme.layout(&name, &shape).map_err(quant)?;
-            let bytes = layout.synthetic(seed.wrapping_add(k as u64), magnitude);
+        for (layout, bytes) in made {
             out.insert_packed(layout, bytes)?;
         }
         Ok(out)

@@ -4,8 +4,8 @@
 //! host<->device copy bandwidths.
 use crate::config::LlamaConfig;
 use crate::cross_entropy::{linear_cross_entropy, linear_cross_entropy_chunk};
-use crate::device_plan::StepShape;
 use crate::llama::{DecoderLayer, Rope};
+use crate::step_shape::StepShape;
 use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;

@@ -42,6 +42,7 @@ use std::time::{Instant, SystemTime};
 use candle_core::{bail, DType, Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
+use crate::timing::time_median;
 use crate::{attention_forward_with, AttentionShape, Scores};
 
 /// The cache file format this build reads and writes.
@@ -599,36 +600,18 @@ pub fn calibrate(dev: &Device, opts: &CalibrateOptions) -> Result<Calibration> {
     })
 }
 
-/// Median seconds of `reps` runs of `f` after one warm-up, each timed by the
-/// host clock to the end of a device synchronise.
-pub(crate) fn time_median(
-    dev: &Device,
-    reps: usize,
-    mut f: impl FnMut() -> Result<()>,
-) -> Result<f64> {
-    time_median_prepared(dev, reps, || Ok(()), |()| f())
-}
-
-/// As [`time_median`], with `prepare` run untimed before each run to make the
-/// input that `f` consumes.
-pub(crate) fn time_median_prepared<I>(
-    dev: &Device,
-    reps: usize,
-    mut prepare: impl FnMut() -> Result<I>,
-    mut f: impl FnMut(I) -> Result<()>,
-) -> Result<f64> {
-    f(prepare()?)?;
-    dev.synchronize()?;
-    let mut t = Vec::with_capacity(reps.max(1));
-    for _ in 0..reps.max(1) {
-        let input = prepare()?;
-        let s = Instant::now();
-        f(input)?;
-        dev.synchronize()?;
-        t.push(s.elapsed().as_secs_f64());
+/// Nominal forward FLOP/s of a device for a dtype: the plan's rates where no
+/// calibration exists (see the `plan` module docs), and the first guess of a
+/// calibration's call length.
+pub(crate) fn nominal_flops(s: &AttentionShape, cuda: bool) -> f64 {
+    match (cuda, s.dtype) {
+        // The tensor-core kernels (f16/bf16 at the tuned head dims).
+        (true, DType::F16 | DType::BF16) if s.d == 64 || s.d == 128 => 300e12,
+        // The simple kernels: guesses, never measured.
+        (true, DType::F32) => 15e12,
+        (true, _) => 50e12,
+        (false, _) => 4e9 * rayon::current_num_threads() as f64,
     }
-    t.sort_by(f64::total_cmp);
-    Ok(t[t.len() / 2].max(1e-9))
 }
 
 /// The length (a multiple of 64 from 64 to `max_tokens`) whose call of `shape`
@@ -662,7 +645,7 @@ fn kernel_rates(
         dtype,
         causal,
     };
-    let mut rate = crate::plan::nominal_flops(&shape, dev.is_cuda());
+    let mut rate = nominal_flops(&shape, dev.is_cuda());
     let mut seconds = opts.call_seconds.clone();
     seconds.sort_by(f64::total_cmp);
     let mut rates: Vec<KernelRate> = Vec::new();

@@ -21,9 +21,9 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, DType, Result};
 use streamer_kernels::ATTENTION_HOPPER;
 
-use crate::cuda::{allow_smem, grid, to_i32, Backward, KernelArgs};
+use crate::launch::{allow_smem, grid, to_i32, Backward, KernelArgs};
+use crate::packed::Fused;
 use crate::segs::Segs;
-use crate::varlen::Fused;
 use crate::AttentionShape;
 
 /// Query rows per block (`hopper::FwdCfg::BR`: two consumer warpgroups of 64).

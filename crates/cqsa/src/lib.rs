@@ -91,9 +91,12 @@ mod cuda;
 pub mod doctor;
 #[cfg(feature = "cuda")]
 mod hopper;
+#[cfg(feature = "cuda")]
+mod launch;
 mod mask;
 mod merge;
 mod op;
+mod packed;
 mod plan;
 mod saved;
 #[cfg(feature = "cuda")]
@@ -101,6 +104,7 @@ mod segs;
 mod shape;
 pub mod staging;
 mod stream;
+mod timing;
 mod varlen;
 
 use candle_core::{Device, Result, Tensor};

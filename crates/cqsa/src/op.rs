@@ -12,7 +12,7 @@ use candle_core::{
     bail, CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor,
 };
 
-use crate::varlen::Fused;
+use crate::packed::Fused;
 use crate::{cpu, AttentionShape, Scores};
 
 /// The attention custom op for one call: its scores and mask (a packed call's

@@ -35,7 +35,7 @@ use std::path::PathBuf;
 
 use candle_core::{bail, DType, Device, Result};
 
-use crate::calibrate::{Rates, RatesSource};
+use crate::calibrate::{nominal_flops, Rates, RatesSource};
 use crate::mask::Coverage;
 use crate::{AttentionOpts, AttentionShape, Scores};
 
@@ -141,11 +141,7 @@ impl Budget {
             Device::Cpu => host_available(),
             #[cfg(feature = "cuda")]
             Device::Cuda(c) => {
-                let (free, _total) = c
-                    .cuda_stream()
-                    .context()
-                    .mem_get_info()
-                    .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+                let (free, _total) = streamer_device::cuda::memory_info(c)?;
                 // Memory CUDA's default pool keeps for reuse (Candle allocates
                 // from it) but no tensor uses: `cuMemGetInfo` counts it as taken,
                 // yet our allocations get it. Zero when the query fails (an older
@@ -279,18 +275,6 @@ fn shape_scores(s: &AttentionShape) -> Scores {
     Scores {
         hi: s.causal.then_some(s.nk as i64 - s.nq as i64),
         ..Scores::dense(1.0)
-    }
-}
-
-/// Nominal forward FLOP/s of a device for a dtype (see the module docs).
-pub(crate) fn nominal_flops(s: &AttentionShape, cuda: bool) -> f64 {
-    match (cuda, s.dtype) {
-        // The tensor-core kernels (f16/bf16 at the tuned head dims).
-        (true, DType::F16 | DType::BF16) if s.d == 64 || s.d == 128 => 300e12,
-        // The simple kernels: guesses, never measured.
-        (true, DType::F32) => 15e12,
-        (true, _) => 50e12,
-        (false, _) => 4e9 * rayon::current_num_threads() as f64,
     }
 }
 

@@ -13,7 +13,7 @@ use candle_core::{bail, Device, Result, Tensor};
 
 use std::sync::Arc;
 
-use crate::varlen::Fused;
+use crate::packed::Fused;
 use crate::{op, shape, stream, varlen, AttentionOpts, AttentionShape, Call, Mode, Scores};
 
 /// What the backward of one [`attention_saved`] call needs.

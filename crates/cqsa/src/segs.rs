@@ -11,8 +11,8 @@ use candle_core::cuda_backend::cudarc::driver::CudaSlice;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Result};
 
-use crate::cuda::kernel_band;
-use crate::varlen::Fused;
+use crate::launch::kernel_band;
+use crate::packed::Fused;
 
 /// A table the kernels read on the device: `len` entries of `width` i32 each.
 pub(crate) struct Table {

@@ -307,12 +307,12 @@ pub(crate) fn measure_merges(dev: &Device, bytes: usize, reps: usize) -> Result<
     let o2 = Tensor::randn(0f32, 1.0, (1, h, n, d), dev)?.to_dtype(DType::BF16)?;
     let l1 = Tensor::randn(0f32, 1.0, (1, h, n), dev)?;
     let l2 = Tensor::randn(0f32, 1.0, (1, h, n), dev)?;
-    let device = crate::calibrate::time_median(dev, reps, || {
+    let device = crate::timing::time_median(dev, reps, || {
         merge_by_lse(&o1, &l1, &o2.to_dtype(DType::F32)?, &l2).map(|_| ())
     })?;
     let chunk: Vec<f32> = (0..n * h * d).map(|i| (i % 7) as f32).collect();
     let cpu = Device::Cpu;
-    let host = crate::calibrate::time_median(&cpu, reps, || {
+    let host = crate::timing::time_median(&cpu, reps, || {
         let mut sink = Sink::new(chunk.len(), n, 0.0);
         land(&mut sink, &chunk, (h, n, d), 0, false)?;
         std::hint::black_box(&sink.data);
@@ -320,7 +320,7 @@ pub(crate) fn measure_merges(dev: &Device, bytes: usize, reps: usize) -> Result<
     })?;
     // The forward's output lands converted to the inputs' dtype (bf16 here).
     let like = CpuStorage::BF16(Vec::new());
-    let converted = crate::calibrate::time_median(&cpu, reps, || {
+    let converted = crate::timing::time_median(&cpu, reps, || {
         let mut sink = Sink::written_as(chunk.len(), n, &like)?;
         land(&mut sink, &chunk, (h, n, d), 0, false)?;
         std::hint::black_box(&sink.data);

@@ -24,21 +24,10 @@ use std::sync::Arc;
 
 use candle_core::{bail, DType, Device, Result, Tensor};
 
+use crate::packed::{Document, Fused};
 use crate::{
     attention_saved, op, AttentionOpts, AttentionShape, Call, Mode, SavedAttention, Scores,
 };
-
-/// One document: its query rows `q0..q1` and keys `k0..k1`.
-pub(crate) type Document = ((usize, usize), (usize, usize));
-
-/// A packed call that one launch of the tensor-core kernels serves: the documents
-/// and each one's band `(lo, hi)` (as in [`Scores`]) relative to its own rows
-/// and keys, the call's masks aligned bottom-right to it.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // read by the CUDA launches
-pub(crate) struct Fused {
-    pub(crate) docs: Vec<Document>,
-    pub(crate) bands: Vec<(Option<i64>, Option<i64>)>,
-}
 
 /// The packed call as one launch, when it runs resident (`call`) on CUDA where
 /// the tensor-core kernels serve it forward and backward (f16/bf16, head dim

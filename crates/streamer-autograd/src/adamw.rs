@@ -114,6 +114,8 @@ impl Kernel for AdamKernel {
 #[derive(Debug)]
 pub struct AdamWUpdate;
 
+impl crate::host_optim::sealed::Sealed for AdamWUpdate {}
+
 pub(crate) const ADAMW: &str = "CpuAdamW";
 const MOMENTS: &[BufferName] = &[("m", "first moment m"), ("v", "second moment v")];
 

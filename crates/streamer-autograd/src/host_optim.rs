@@ -18,10 +18,10 @@ use crate::optim_state::{self, SavedState, StateWriter};
 use crate::state::{Noise, StateBuf, StateDtype};
 use std::borrow::Cow;
 
-mod sealed {
+/// Each rule implements it beside its definition (`adamw`, `sgd`), so that
+/// this skeleton does not depend on the rules built on it.
+pub(crate) mod sealed {
     pub trait Sealed {}
-    impl Sealed for crate::adamw::AdamWUpdate {}
-    impl Sealed for crate::sgd::SgdUpdate {}
 }
 
 /// One state buffer of an update rule: the prefix its saved tensors carry

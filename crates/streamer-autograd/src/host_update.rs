@@ -251,6 +251,20 @@ pub(crate) fn first_non_finite(x: &[f32]) -> Option<(usize, f32)> {
         .map(|j| (start + j, x[start + j]))
 }
 
+impl StateBuf {
+    /// The first NaN or infinity, with its index (here beside the parallel
+    /// scan it uses, so that `state` stays below the update kernels).
+    pub(crate) fn first_non_finite(&self) -> Option<(usize, f32)> {
+        match self {
+            Self::F32(v) => first_non_finite(v),
+            Self::Bf16(v) => v
+                .iter()
+                .position(|x| !x.is_finite())
+                .map(|i| (i, v[i].to_f32())),
+        }
+    }
+}
+
 /// [`first_non_finite`] over a CPU tensor's elements (f32, bf16 or f16, read
 /// in place: no copy).
 pub(crate) fn first_non_finite_tensor(t: &Tensor) -> Result<Option<(usize, f32)>> {

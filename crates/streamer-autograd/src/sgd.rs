@@ -142,6 +142,8 @@ impl Kernel for SgdKernel {
 #[derive(Debug)]
 pub struct SgdUpdate;
 
+impl crate::host_optim::sealed::Sealed for SgdUpdate {}
+
 const MOMENTUM: &[BufferName] = &[("momentum", "momentum buffer")];
 
 impl UpdateRule for SgdUpdate {

@@ -107,17 +107,6 @@ impl StateBuf {
             Self::Bf16(v) => v.into_iter().map(|x| x.to_f32()).collect(),
         }
     }
-
-    /// The first NaN or infinity, with its index.
-    pub(crate) fn first_non_finite(&self) -> Option<(usize, f32)> {
-        match self {
-            Self::F32(v) => crate::host_update::first_non_finite(v),
-            Self::Bf16(v) => v
-                .iter()
-                .position(|x| !x.is_finite())
-                .map(|i| (i, v[i].to_f32())),
-        }
-    }
 }
 
 /// A state element the update kernels read and write; the math is f32.

@@ -6,6 +6,11 @@ use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 pub(crate) use streamer_device::cuda::{dtoh_async, htod_async};
 use streamer_device::grid_stride;
 
+/// Bytes a master takes in a staging buffer (256-byte aligned for the casts).
+pub(crate) fn stage_len(bytes: usize) -> usize {
+    bytes.div_ceil(256) * 256
+}
+
 /// Whether our cast kernel covers this conversion.
 pub(crate) fn has_cast(from: DType, to: DType) -> bool {
     matches!(

@@ -36,11 +36,7 @@ impl DeviceCap {
         #[cfg(feature = "cuda")]
         if let Device::Cuda(d) = device {
             crate::trim_device_memory(device)?;
-            let (free, total) = d
-                .cuda_stream()
-                .context()
-                .mem_get_info()
-                .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+            let (free, total) = streamer_device::cuda::memory_info(d)?;
             if budget > total {
                 return Err(OutOfMemory {
                     needed: budget,
@@ -87,19 +83,4 @@ impl DeviceCap {
     pub fn held(&self) -> usize {
         self.held
     }
-}
-
-/// The device's memory in all (bytes); `None` on the CPU.
-pub fn device_total_memory(device: &Device) -> Result<Option<usize>> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(d) = device {
-        let (_, total) = d
-            .cuda_stream()
-            .context()
-            .mem_get_info()
-            .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
-        return Ok(Some(total));
-    }
-    let _ = device;
-    Ok(None)
 }

@@ -58,7 +58,7 @@ pub use block::{
 pub use config::{AcrossCalls, StreamConfig};
 pub use context::{cuda_event_tracking, disable_cuda_event_tracking};
 pub use convert::convert;
-pub use device_cap::{device_total_memory, DeviceCap};
+pub use device_cap::DeviceCap;
 pub use host::{HostMasters, Master};
 pub use offload::{OffloadMarker, Offloader};
 pub use packed::is_packed;
@@ -71,11 +71,11 @@ pub use timeline::{Timeline, TraceEvent, TraceKind};
 // settings, copies, atomic saves) lives in `streamer-device`; its public
 // items stay reachable here under their old paths.
 pub use streamer_device::{
-    covers_storage, device_pool_stats, free_device_memory, host_available_memory,
-    measure_copy_gbps, measure_h2d_gbps, measure_pin_gbps, measure_pinned_alloc_gbps, pages,
-    pooled_idle_bytes, replace_atomic, reset_device_pool_peaks, retain_freed_device_memory,
-    save_atomic, sibling_file, sync_dir, temp_path, to_device_compact, trim_device_memory,
-    with_backward3, Backward3, CopyDirection, DevicePoolStats,
+    covers_storage, device_pool_stats, device_total_memory, free_device_memory,
+    host_available_memory, measure_copy_gbps, measure_h2d_gbps, measure_pin_gbps,
+    measure_pinned_alloc_gbps, pages, pooled_idle_bytes, replace_atomic, reset_device_pool_peaks,
+    retain_freed_device_memory, save_atomic, sibling_file, sync_dir, temp_path, to_device_compact,
+    trim_device_memory, with_backward3, Backward3, CopyDirection, DevicePoolStats,
 };
 #[cfg(feature = "cuda")]
 pub use streamer_device::{grid_stride, kernel_suffix};

@@ -140,16 +140,10 @@ impl Offloader {
         match &self.device {
             #[cfg(feature = "cuda")]
             Device::Cuda(d) => {
-                use cudarc::driver::sys::CUevent_flags;
-                let w = candle_core::Error::wrap;
                 let src = src.contiguous()?;
                 let stream = self.stream.as_ref().expect("cuda offloader has a stream");
                 let compute = d.cuda_stream();
-                let ready = compute.record_event(None).map_err(w)?;
-                stream.wait(&ready).map_err(w)?;
-                let start = stream
-                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .map_err(w)?;
+                let start = copy_start(stream, &compute)?;
                 let (host, n) = crate::host::host_bytes(dst)?;
                 let mem = streamer_device::CudaMemory::of(&src)?;
                 let dev_ptr = mem.address()?;
@@ -160,9 +154,7 @@ impl Offloader {
                 unsafe { crate::cuda::dtoh_async(host as *mut u8, dev_ptr.get(), n, stream)? };
                 drop(dev_ptr);
                 drop(mem);
-                let done = stream
-                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .map_err(w)?;
+                let done = timed_event(stream)?;
                 self.pending.push(Pending {
                     keep: vec![src],
                     done,
@@ -246,17 +238,12 @@ impl Offloader {
         match &self.device {
             #[cfg(feature = "cuda")]
             Device::Cuda(d) => {
-                use cudarc::driver::sys::CUevent_flags;
                 let w = candle_core::Error::wrap;
                 let stream = self.stream.as_ref().expect("cuda offloader has a stream");
                 let compute = d.cuda_stream();
                 // Allocated (and zeroed) on the compute stream: the copy waits for that.
                 let dst = Tensor::zeros(src.shape(), src.dtype(), &self.device)?;
-                let ready = compute.record_event(None).map_err(w)?;
-                stream.wait(&ready).map_err(w)?;
-                let start = stream
-                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .map_err(w)?;
+                let start = copy_start(stream, &compute)?;
                 let (host, n) = crate::host::host_bytes(src)?;
                 let mem = streamer_device::CudaMemory::of(&dst)?;
                 let dev_ptr = mem.address()?;
@@ -268,9 +255,7 @@ impl Offloader {
                 unsafe { crate::cuda::htod_async(dev_ptr.get(), host, n, stream)? };
                 drop(dev_ptr);
                 drop(mem);
-                let done = stream
-                    .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .map_err(w)?;
+                let done = timed_event(stream)?;
                 compute.wait(&done).map_err(w)?;
                 self.bytes += n as u64;
                 self.pending.push(Pending {
@@ -321,6 +306,29 @@ impl Offloader {
         self.seconds = 0.0;
         r
     }
+}
+
+/// Makes the copy `stream` wait for the work queued so far on `compute` (the
+/// tensors a copy reads or writes), and marks there where the copy starts.
+#[cfg(feature = "cuda")]
+fn copy_start(
+    stream: &cudarc::driver::CudaStream,
+    compute: &cudarc::driver::CudaStream,
+) -> Result<cudarc::driver::CudaEvent> {
+    let ready = compute
+        .record_event(None)
+        .map_err(candle_core::Error::wrap)?;
+    stream.wait(&ready).map_err(candle_core::Error::wrap)?;
+    timed_event(stream)
+}
+
+/// An event on `stream` that can time the copies between two of them.
+#[cfg(feature = "cuda")]
+fn timed_event(stream: &cudarc::driver::CudaStream) -> Result<cudarc::driver::CudaEvent> {
+    use cudarc::driver::sys::CUevent_flags;
+    stream
+        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .map_err(candle_core::Error::wrap)
 }
 
 impl Drop for Offloader {

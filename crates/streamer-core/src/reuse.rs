@@ -24,6 +24,7 @@
 //! On the compute stream right after the lent block, it would make the second
 //! block wait for the scratch copy, which with f32 masters lands after the
 //! lent block's compute (two blocks' copies against one block's compute).
+use crate::cuda::stage_len;
 use candle_core::Result;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use std::sync::Arc;
@@ -126,7 +127,7 @@ impl Verifier {
                 // that reads the scratch waits for this copy, and the next
                 // refill waits for that comparison (above).
                 unsafe { crate::cuda::htod_async(at, src, len, transfer)? };
-                at += crate::pool::cuda::stage_len(n) as u64;
+                at += stage_len(n) as u64;
                 bytes += n as u64;
             }
             // The flag's reset and the copies come first.
@@ -141,7 +142,7 @@ impl Verifier {
                 unsafe {
                     crate::cuda::bytes_differ(dev, &self.check, (at, addr, n), self.flag_ptr)?
                 };
-                at += crate::pool::cuda::stage_len(n) as u64;
+                at += stage_len(n) as u64;
             }
             let done = Arc::new(event(&self.check)?);
             self.guards.push((*slot, done.clone()));

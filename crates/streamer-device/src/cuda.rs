@@ -10,6 +10,16 @@ use cudarc::driver::{
 };
 use std::sync::Arc;
 
+/// `(free, total)` bytes of the device's memory as the driver counts them
+/// (`cuMemGetInfo` in its context; memory CUDA's pool keeps idle counts as
+/// used).
+pub fn memory_info(d: &CudaDevice) -> Result<(usize, usize)> {
+    d.cuda_stream()
+        .context()
+        .mem_get_info()
+        .map_err(|e| candle_core::Error::Cuda(Box::new(e)))
+}
+
 pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())

@@ -53,12 +53,18 @@ pub fn pooled_idle_bytes(device: &Device) -> Result<usize> {
 pub fn free_device_memory(device: &Device) -> Result<Option<usize>> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = device {
-        let (free, _total) = d
-            .cuda_stream()
-            .context()
-            .mem_get_info()
-            .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+        let (free, _total) = crate::cuda::memory_info(d)?;
         return Ok(Some(free + crate::cuda::pool_idle_bytes(d)?));
+    }
+    let _ = device;
+    Ok(None)
+}
+
+/// The device's memory in all (bytes); `None` on the CPU.
+pub fn device_total_memory(device: &Device) -> Result<Option<usize>> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        return Ok(Some(crate::cuda::memory_info(d)?.1));
     }
     let _ = device;
     Ok(None)

@@ -53,8 +53,8 @@ pub use cuda::{
     allow_smem, grid_stride, kernel_suffix, record_dropped_error, CudaMemory, DeviceAddress,
 };
 pub use device_memory::{
-    device_pool_stats, free_device_memory, pooled_idle_bytes, reset_device_pool_peaks,
-    retain_freed_device_memory, trim_device_memory, DevicePoolStats,
+    device_pool_stats, device_total_memory, free_device_memory, pooled_idle_bytes,
+    reset_device_pool_peaks, retain_freed_device_memory, trim_device_memory, DevicePoolStats,
 };
 pub use error::Error;
 pub use files::{replace_atomic, save_atomic, sibling_file, sync_dir, temp_path, write_atomic};

@@ -30,6 +30,24 @@ impl Precomputed {
         let out = self.out.lock().unwrap_or_else(|p| p.into_inner()).take();
         out.ok_or_else(|| candle_core::Error::Msg(format!("{}: forward ran twice", self.name)))
     }
+
+    /// The forward on either device: a copy of the taken result's storage,
+    /// which `own` picks out when it is of the inputs' `device` kind.
+    fn forward<S>(
+        &self,
+        device: &str,
+        own: impl FnOnce(&Storage, &Layout) -> Option<Result<S>>,
+    ) -> Result<(S, Shape)> {
+        let out = self.take()?;
+        let (s, l) = out.storage_and_layout();
+        match own(&s, l) {
+            Some(copy) => Ok((copy?, l.shape().clone())),
+            None => bail!(
+                "{}: the precomputed result is not on the inputs' device ({device})",
+                self.name
+            ),
+        }
+    }
 }
 
 impl CustomOp3 for Precomputed {
@@ -46,15 +64,10 @@ impl CustomOp3 for Precomputed {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let out = self.take()?;
-        let (s, l) = out.storage_and_layout();
-        match &*s {
-            Storage::Cpu(c) => Ok((c.try_clone(l)?, l.shape().clone())),
-            _ => bail!(
-                "{}: the precomputed result is not on the inputs' device (CPU)",
-                self.name
-            ),
-        }
+        self.forward("CPU", |s, l| match s {
+            Storage::Cpu(c) => Some(c.try_clone(l)),
+            _ => None,
+        })
     }
 
     #[cfg(feature = "cuda")]
@@ -67,15 +80,10 @@ impl CustomOp3 for Precomputed {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = self.take()?;
-        let (s, l) = out.storage_and_layout();
-        match &*s {
-            Storage::Cuda(c) => Ok((c.try_clone(l)?, l.shape().clone())),
-            _ => bail!(
-                "{}: the precomputed result is not on the inputs' device (CUDA)",
-                self.name
-            ),
-        }
+        self.forward("CUDA", |s, l| match s {
+            Storage::Cuda(c) => Some(c.try_clone(l)),
+            _ => None,
+        })
     }
 
     fn bwd(

@@ -6,8 +6,8 @@
 //! values themselves are stored in 8 bits: their mean is subtracted and the
 //! rest quantized blockwise (256 a block) against bitsandbytes' signed
 //! dynamic map.
+use crate::DequantizeHost;
 use crate::{elements, QuantError, Result};
-use half::bf16;
 use rayon::prelude::*;
 use std::borrow::Cow;
 
@@ -337,37 +337,6 @@ impl FourBit {
         Self::new(&what, shape, (quant_type, blocksize), packed, absmax)
     }
 
-    /// Every element as `code[index] * absmax[block]` in f32.
-    pub fn dequantize_f32(&self) -> Vec<f32> {
-        self.dequantize_with(|v| v)
-    }
-
-    /// Every element as bitsandbytes' `dequantize_4bit` gives it in bf16: the
-    /// f32 product rounded once to nearest even.
-    pub fn dequantize_bf16(&self) -> Vec<bf16> {
-        self.dequantize_with(bf16::from_f32)
-    }
-
-    fn dequantize_with<T: Send>(&self, round: impl Fn(f32) -> T + Send + Sync) -> Vec<T> {
-        let code = self.quant_type.code();
-        let absmax = self.absmax_f32();
-        let n = self.elements();
-        let half = self.blocksize / 2;
-        let mut out: Vec<T> = self
-            .packed
-            .par_chunks(half)
-            .zip(absmax.par_iter())
-            .flat_map_iter(|(bytes, &scale)| {
-                bytes
-                    .iter()
-                    .flat_map(move |&b| [b >> 4, b & 15].map(|q| code[q as usize] * scale))
-            })
-            .map(&round)
-            .collect();
-        out.truncate(n);
-        out
-    }
-
     /// The blocks' absmax in f32 (dequantized when nested).
     pub fn absmax_f32(&self) -> Cow<'_, [f32]> {
         match &self.absmax {
@@ -424,5 +393,27 @@ impl FourBit {
                 Absmax::Plain(a) => 4 * a.len(),
                 Absmax::Nested(n) => n.codes.len() + 4 * (n.absmax.len() + n.map.len() + 1),
             }
+    }
+}
+
+impl DequantizeHost for FourBit {
+    fn dequantize_with<T: Send>(&self, round: impl Fn(f32) -> T + Send + Sync) -> Vec<T> {
+        let code = self.quant_type.code();
+        let absmax = self.absmax_f32();
+        let n = self.elements();
+        let half = self.blocksize / 2;
+        let mut out: Vec<T> = self
+            .packed
+            .par_chunks(half)
+            .zip(absmax.par_iter())
+            .flat_map_iter(|(bytes, &scale)| {
+                bytes
+                    .iter()
+                    .flat_map(move |&b| [b >> 4, b & 15].map(|q| code[q as usize] * scale))
+            })
+            .map(&round)
+            .collect();
+        out.truncate(n);
+        out
     }
 }

@@ -3,8 +3,8 @@
 //! output row, as transformers' fp8 checkpoints store weights
 //! (`weight` in e4m3, `weight_scale` of shape `[]`, `[1]` or `[rows, 1]`):
 //! an element is `e4m3 * scale` in f32.
+use crate::DequantizeHost;
 use crate::{QuantError, Result};
-use half::bf16;
 use rayon::prelude::*;
 
 /// The largest finite e4m3 value.
@@ -128,28 +128,6 @@ impl Fp8 {
         Self::new(what, (rows, cols), data, scale)
     }
 
-    /// Every element in f32.
-    pub fn dequantize_f32(&self) -> Vec<f32> {
-        self.dequantize_with(|v| v)
-    }
-
-    /// Every element rounded once to bf16.
-    pub fn dequantize_bf16(&self) -> Vec<bf16> {
-        self.dequantize_with(bf16::from_f32)
-    }
-
-    fn dequantize_with<T: Send>(&self, round: impl Fn(f32) -> T + Send + Sync) -> Vec<T> {
-        self.data
-            .par_chunks(self.cols.max(1))
-            .enumerate()
-            .flat_map_iter(|(r, row)| {
-                let s = self.row_scale(r);
-                row.iter().map(move |&b| e4m3_to_f32(b) * s)
-            })
-            .map(round)
-            .collect()
-    }
-
     /// Row `r`'s scale.
     pub fn row_scale(&self, r: usize) -> f32 {
         match &self.scale {
@@ -190,5 +168,19 @@ impl Fp8 {
                 Fp8Scale::Tensor(_) => 1,
                 Fp8Scale::Rows(s) => s.len(),
             }
+    }
+}
+
+impl DequantizeHost for Fp8 {
+    fn dequantize_with<T: Send>(&self, round: impl Fn(f32) -> T + Send + Sync) -> Vec<T> {
+        self.data
+            .par_chunks(self.cols.max(1))
+            .enumerate()
+            .flat_map_iter(|(r, row)| {
+                let s = self.row_scale(r);
+                row.iter().map(move |&b| e4m3_to_f32(b) * s)
+            })
+            .map(round)
+            .collect()
     }
 }

@@ -1,5 +1,5 @@
 //! A quantized tensor of any format, as held in host memory.
-use crate::{FourBit, Fp8, Int8Rows};
+use crate::{DequantizeHost, FourBit, Fp8, Int8Rows};
 use half::bf16;
 
 /// A quantized tensor in host memory, of any format.

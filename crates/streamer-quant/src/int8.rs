@@ -2,8 +2,8 @@
 //! `rows x cols` stored as int8 with one f32 absmax per row (`SCB`);
 //! an element is `q * SCB[row] / 127`, computed as bitsandbytes does:
 //! `(q * SCB[row]) * 7.874015718698502e-3` in f32.
+use crate::DequantizeHost;
 use crate::{QuantError, Result};
-use half::bf16;
 use rayon::prelude::*;
 
 /// 1/127 as bitsandbytes multiplies by it.
@@ -63,25 +63,6 @@ impl Int8Rows {
         Self::new(what, (rows, cols), data, scb)
     }
 
-    /// Every element in f32.
-    pub fn dequantize_f32(&self) -> Vec<f32> {
-        self.dequantize_with(|v| v)
-    }
-
-    /// Every element rounded once to bf16.
-    pub fn dequantize_bf16(&self) -> Vec<bf16> {
-        self.dequantize_with(bf16::from_f32)
-    }
-
-    fn dequantize_with<T: Send>(&self, round: impl Fn(f32) -> T + Send + Sync) -> Vec<T> {
-        self.data
-            .par_chunks(self.cols.max(1))
-            .zip(self.scb.par_iter())
-            .flat_map_iter(|(row, &s)| row.iter().map(move |&q| (q as f32 * s) * INV_127))
-            .map(round)
-            .collect()
-    }
-
     /// Renames the tensor.
     pub(crate) fn set_name(&mut self, name: &str) {
         self.name = name.to_string();
@@ -110,5 +91,16 @@ impl Int8Rows {
     /// Bytes a copy moves.
     pub fn stored_bytes(&self) -> usize {
         self.data.len() + 4 * self.scb.len()
+    }
+}
+
+impl DequantizeHost for Int8Rows {
+    fn dequantize_with<T: Send>(&self, round: impl Fn(f32) -> T + Send + Sync) -> Vec<T> {
+        self.data
+            .par_chunks(self.cols.max(1))
+            .zip(self.scb.par_iter())
+            .flat_map_iter(|(row, &s)| row.iter().map(move |&q| (q as f32 * s) * INV_127))
+            .map(round)
+            .collect()
     }
 }

@@ -22,7 +22,7 @@
 //! tensor equals theirs bit for bit.
 //!
 //! ```
-//! use streamer_quant::{FourBit, FourBitType};
+//! use streamer_quant::{DequantizeHost, FourBit, FourBitType};
 //! let w: Vec<f32> = (0..256).map(|i| (i as f32 - 128.0) / 64.0).collect();
 //! let q = FourBit::quantize(&w, &[4, 64], FourBitType::Nf4, 64, false).unwrap();
 //! assert_eq!(q.packed().len(), 128);
@@ -33,6 +33,7 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 mod dequantize;
+mod dequantize_host;
 mod error;
 mod four_bit;
 mod fp8;
@@ -43,6 +44,7 @@ mod packed;
 mod scheme;
 
 pub use dequantize::dequantize;
+pub use dequantize_host::DequantizeHost;
 pub use error::QuantError;
 pub use four_bit::{
     dynamic_map, Absmax, FourBit, FourBitType, NestedAbsmax, BLOCK_SIZES, FP4_CODE, NF4_CODE,

@@ -3,7 +3,7 @@
 //! kernels of `kernels/src/dequant.cu` (the same bits). A tensor moves to
 //! the device in its packed form ([`Dequantize::upload`]); only the
 //! dequantized copy is dense, made when it is needed.
-use crate::{FourBit, Fp8, HostTensor, Int8Rows};
+use crate::{DequantizeHost, FourBit, Fp8, HostTensor, Int8Rows};
 use candle_core::{Device, Result, Tensor};
 
 /// A quantized tensor that can be made dense on a device.

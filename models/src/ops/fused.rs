@@ -182,23 +182,26 @@ fn check_tables(
     Ok(())
 }
 
-/// The output itself (a copy of argument `y` of the op), for the pass-through
-/// ops below.
-fn copy_cpu(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+/// The output of the pass-through ops below: argument `y` itself (a copy),
+/// after checking that its layout is the fresh contiguous tensor it should
+/// be (`try_clone` copies the whole storage, so an offset or a stride would
+/// mean the output is not `y`).
+fn pass_through_cpu(s: &CpuStorage, l: &Layout, what: &str) -> Result<(CpuStorage, Shape)> {
+    fresh(l, what)?;
     Ok((s.try_clone(l)?, l.shape().clone()))
 }
 
+/// [`pass_through_cpu`] on CUDA.
 #[cfg(feature = "cuda")]
-fn copy_cuda(
+fn pass_through_cuda(
     s: &candle_core::CudaStorage,
     l: &Layout,
+    what: &str,
 ) -> Result<(candle_core::CudaStorage, Shape)> {
+    fresh(l, what)?;
     Ok((s.try_clone(l)?, l.shape().clone()))
 }
 
-/// Checks that a pass-through output is the fresh contiguous tensor it should
-/// be: `try_clone` copies the whole storage, so an offset or a stride would mean
-/// the output is not `y`.
 fn fresh(l: &Layout, what: &str) -> Result<()> {
     if !l.is_contiguous() || l.start_offset() != 0 {
         bail!("{what}: internal error, pass-through output has layout {l:?}")
@@ -225,8 +228,7 @@ impl CustomOp3 for RmsNormGrad {
         s: &CpuStorage,
         l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        fresh(l, self.name())?;
-        copy_cpu(s, l)
+        pass_through_cpu(s, l, self.name())
     }
 
     #[cfg(feature = "cuda")]
@@ -239,8 +241,7 @@ impl CustomOp3 for RmsNormGrad {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        fresh(l, self.name())?;
-        copy_cuda(s, l)
+        pass_through_cuda(s, l, self.name())
     }
 
     fn bwd(
@@ -328,8 +329,7 @@ impl CustomOp2 for RopeGrad {
         s: &CpuStorage,
         l: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        fresh(l, self.name())?;
-        copy_cpu(s, l)
+        pass_through_cpu(s, l, self.name())
     }
 
     #[cfg(feature = "cuda")]
@@ -340,8 +340,7 @@ impl CustomOp2 for RopeGrad {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        fresh(l, self.name())?;
-        copy_cuda(s, l)
+        pass_through_cuda(s, l, self.name())
     }
 
     fn bwd(

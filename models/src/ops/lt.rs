@@ -611,7 +611,7 @@ pub fn input_grad(
     })?
     .expect("plain GEMMs always run")
     .swap_remove(0);
-    let dz = (dh.to_dtype(DType::F32)? * crate::fused_linear::gelu_grad(z)?)?;
+    let dz = (dh.to_dtype(DType::F32)? * super::gelu::gelu_grad(z)?)?;
     let db = dz.sum(0)?.to_dtype(g.dtype())?;
     Ok((dz.to_dtype(g.dtype())?, Some(db)))
 }

@@ -9,7 +9,9 @@
 //!   `FusedMlp` train with.
 //! - `launch` (CUDA): the one launch helper and the typed views of Candle's
 //!   CUDA storages the other two use.
+//! - `gelu`: the tanh GELU's derivative the fused layers' backwards share.
 pub mod fused;
+pub(crate) mod gelu;
 
 #[cfg(feature = "cuda")]
 pub(crate) mod decoder;

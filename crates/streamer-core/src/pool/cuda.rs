@@ -7,6 +7,7 @@ use super::engine::{Engine, Parts, Timing};
 use super::write_back::WriteBack;
 use super::{storage_key, BlockLayout, DeviceMaster, Entry};
 use crate::config::StreamConfig;
+use crate::cuda::stage_len;
 use crate::host::HostMasters;
 use crate::reuse::{Copies, Verifier};
 use crate::stats::StreamStats;
@@ -88,11 +89,6 @@ enum PendingTiming {
         start: CudaEvent,
         end: Arc<CudaEvent>,
     },
-}
-
-/// Bytes a master takes in a staging buffer (256-byte aligned for the casts).
-pub(crate) fn stage_len(bytes: usize) -> usize {
-    bytes.div_ceil(256) * 256
 }
 
 fn event(stream: &CudaStream) -> Result<CudaEvent> {
