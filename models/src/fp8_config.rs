@@ -4,27 +4,42 @@
 //! [`streamer_quant::Fp8`] holds exactly) and refused, naming the field,
 //! otherwise. Why activation settings are accepted: see
 //! [`crate::quantization_config`].
-use crate::quantization_config::{
-    field_error, flag, names, only_known, require, Fp8Layout, Obj, QuantMethod, QuantizationConfig,
-};
+use crate::config_fields::{field_error, flag, names, only_known, require, Obj};
 use candle_core::Result;
 use serde_json::{json, Value};
 
-/// The `quantization_config` of method `method` (`fbgemm_fp8`, `fp8` or
-/// `compressed-tensors`).
-pub(crate) fn parse_fp8(method: &str, o: &Obj) -> Result<QuantizationConfig> {
-    let (layout, skip) = match method {
-        "fbgemm_fp8" => fbgemm(o)?,
-        "fp8" => fine_grained(o)?,
-        _ => compressed_tensors(o)?,
-    };
-    Ok(QuantizationConfig {
-        method: QuantMethod::Fp8(layout),
-        skip_modules: skip,
-    })
+/// The fp8 layout and skipped modules of a `quantization_config` of method
+/// `method` (`fbgemm_fp8`, `fp8` or `compressed-tensors`).
+pub(crate) fn parse_fp8(method: &str, o: &Obj) -> Result<Parsed> {
+    match method {
+        "fbgemm_fp8" => fbgemm(o),
+        "fp8" => fine_grained(o),
+        _ => compressed_tensors(o),
+    }
 }
 
-type Parsed = (Fp8Layout, Option<Vec<String>>);
+/// Where an fp8 checkpoint keeps its scales.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8Layout {
+    /// `fbgemm_fp8`: `weight_scale` of shape `[rows, 1]`.
+    Fbgemm,
+    /// `fp8` (transformers' fine-grained fp8): `weight_scale_inv`, one per
+    /// block of `weight_block_size` (`None`: one per tensor). Only blocks
+    /// our [`streamer_quant::Fp8`] holds exactly are accepted: whole rows
+    /// (`[1, n]` with `n` at least the row length) or the whole tensor.
+    FineGrained {
+        /// `weight_block_size`.
+        block: Option<[usize; 2]>,
+    },
+    /// `compressed-tensors` float-quantized: `weight_scale` per tensor or
+    /// per output channel.
+    CompressedTensors {
+        /// `strategy: "channel"` (else `"tensor"`).
+        per_channel: bool,
+    },
+}
+
+pub(crate) type Parsed = (Fp8Layout, Option<Vec<String>>);
 
 fn fbgemm(o: &Obj) -> Result<Parsed> {
     only_known(

@@ -64,6 +64,7 @@ pub mod bnb_save;
 pub mod chat_template;
 pub mod checkpoint;
 pub mod config;
+mod config_fields;
 pub mod cross_entropy;
 mod decoder_backward;
 mod dequant_backend;
@@ -107,6 +108,7 @@ pub use config::{LlamaConfig, RopeScaling};
 pub use cross_entropy::cross_entropy;
 pub use device_plan::{DevicePlan, Expectation, PlanChoices, PlanLimits, StepSettings};
 pub use embedding::embedding;
+pub use fp8_config::Fp8Layout;
 pub use fused_linear::{fused_linear, Epilogue, FusedLinear};
 pub use fused_mlp::{fused_mlp, FusedMlp};
 pub use host_plan::{HostPlan, TrainSetup};
@@ -119,7 +121,7 @@ pub use ops::lt::epilogue_fallbacks;
 pub use ops::lt::{
     cached_handles as cached_cublaslt_handles, handle_probe as cublaslt_handle_probe,
 };
-pub use quantization_config::{Fp8Layout, QuantMethod, QuantizationConfig};
+pub use quantization_config::{QuantMethod, QuantizationConfig};
 pub use quantized_checkpoint::{read_quantized, QuantizedCheckpoint};
 pub use step_rates::StepRates;
 pub use step_shape::StepShape;

@@ -13,12 +13,11 @@
 //! weights are the same whatever they say. Static activation scales
 //! (calibrated values stored in the checkpoint) are refused: ignoring them
 //! would change the model.
-use crate::fp8_config::parse_fp8;
+use crate::config_fields::{field_error, flag, names, only_known, require, Obj};
+use crate::fp8_config::{parse_fp8, Fp8Layout};
 use candle_core::{DType, Result};
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 use streamer_quant::FourBitType;
-
-pub(crate) type Obj = Map<String, Value>;
 
 /// The quantized layout of a checkpoint.
 #[derive(Clone, Debug, PartialEq)]
@@ -47,84 +46,6 @@ pub enum QuantMethod {
     Int8,
     /// float8 e4m3 weights with per-tensor or per-row scales.
     Fp8(Fp8Layout),
-}
-
-/// Where an fp8 checkpoint keeps its scales.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Fp8Layout {
-    /// `fbgemm_fp8`: `weight_scale` of shape `[rows, 1]`.
-    Fbgemm,
-    /// `fp8` (transformers' fine-grained fp8): `weight_scale_inv`, one per
-    /// block of `weight_block_size` (`None`: one per tensor). Only blocks
-    /// our [`streamer_quant::Fp8`] holds exactly are accepted: whole rows
-    /// (`[1, n]` with `n` at least the row length) or the whole tensor.
-    FineGrained {
-        /// `weight_block_size`.
-        block: Option<[usize; 2]>,
-    },
-    /// `compressed-tensors` float-quantized: `weight_scale` per tensor or
-    /// per output channel.
-    CompressedTensors {
-        /// `strategy: "channel"` (else `"tensor"`).
-        per_channel: bool,
-    },
-}
-
-/// A `quantization_config` field error: "config field
-/// quantization_config.{field} {reason}".
-pub(crate) fn field_error(field: &str, reason: impl Into<String>) -> candle_core::Error {
-    streamer_device::Error::Config {
-        field: format!("quantization_config.{field}"),
-        reason: reason.into(),
-    }
-    .into()
-}
-
-/// Errors for every key of `o` not in `known` (a field whose math is not
-/// implemented here: refused rather than ignored).
-pub(crate) fn only_known(o: &Obj, prefix: &str, known: &[&str]) -> Result<()> {
-    match o.keys().find(|k| !known.contains(&k.as_str())) {
-        None => Ok(()),
-        Some(k) => Err(field_error(
-            &format!("{prefix}{k}"),
-            format!("= {} is not supported (known fields: {known:?})", o[k]),
-        )),
-    }
-}
-
-/// A boolean field (`default` when absent or null).
-pub(crate) fn flag(o: &Obj, field: &str, default: bool) -> Result<bool> {
-    match o.get(field) {
-        None | Some(Value::Null) => Ok(default),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(v) => Err(field_error(field, format!("= {v} is not a boolean"))),
-    }
-}
-
-/// A field that must be `want` when present.
-pub(crate) fn require(o: &Obj, field: &str, want: &Value) -> Result<()> {
-    match o.get(field) {
-        None | Some(Value::Null) => Ok(()),
-        Some(v) if v == want => Ok(()),
-        Some(v) => Err(field_error(
-            field,
-            format!("= {v} is not supported (must be {want})"),
-        )),
-    }
-}
-
-/// A list of module names (`null` is `None`).
-pub(crate) fn names(o: &Obj, field: &str) -> Result<Option<Vec<String>>> {
-    let bad = |v: &Value| field_error(field, format!("= {v} is not a list of module names"));
-    match o.get(field) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|s| s.as_str().map(String::from).ok_or_else(|| bad(s)))
-            .collect::<Result<Vec<_>>>()
-            .map(Some),
-        Some(v) => Err(bad(v)),
-    }
 }
 
 /// Fields of transformers' `BitsAndBytesConfig.to_dict()`.
@@ -165,7 +86,13 @@ impl QuantizationConfig {
     pub fn from_object(o: &Obj) -> Result<Self> {
         match o.get("quant_method").and_then(Value::as_str) {
             Some("bitsandbytes") => parse_bnb(o),
-            Some(m @ ("fbgemm_fp8" | "fp8" | "compressed-tensors")) => parse_fp8(m, o),
+            Some(m @ ("fbgemm_fp8" | "fp8" | "compressed-tensors")) => {
+                let (layout, skip_modules) = parse_fp8(m, o)?;
+                Ok(QuantizationConfig {
+                    method: QuantMethod::Fp8(layout),
+                    skip_modules,
+                })
+            }
             _ => Err(field_error(
                 "quant_method",
                 format!(

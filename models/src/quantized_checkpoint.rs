@@ -38,7 +38,8 @@
 //! ```
 use crate::bnb_layout::{int8_names, FourBitNames, QuantStateJson, QUANT_STATE};
 use crate::config::LlamaConfig;
-use crate::quantization_config::{torch_dtype, Fp8Layout, QuantMethod, QuantizationConfig};
+use crate::fp8_config::Fp8Layout;
+use crate::quantization_config::{torch_dtype, QuantMethod, QuantizationConfig};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{bail, DType, Device, Result, Tensor};
 use safetensors::tensor::TensorView;
@@ -328,7 +329,7 @@ impl Reader<'_> {
             return Err(self.bad(format!("{qs_name}: holds quant_type {}", state.quant_type)));
         }
         if quant_type != cfg_type {
-            return Err(crate::quantization_config::field_error(
+            return Err(crate::config_fields::field_error(
                 "bnb_4bit_quant_type",
                 format!(
                     "= {} but {weight} is {}",
@@ -338,7 +339,7 @@ impl Reader<'_> {
             ));
         }
         if state.nested_offset.is_some() != double_quant {
-            return Err(crate::quantization_config::field_error(
+            return Err(crate::config_fields::field_error(
                 "bnb_4bit_use_double_quant",
                 format!("= {double_quant} but {weight}'s quant state says otherwise"),
             ));
@@ -386,7 +387,7 @@ impl Reader<'_> {
         let n: usize = state.shape.iter().product();
         let packed = self.view(weight, weight)?;
         if packed.dtype() != Dtype::U8 {
-            return Err(crate::quantization_config::field_error(
+            return Err(crate::config_fields::field_error(
                 "bnb_4bit_quant_storage",
                 format!(
                     "{weight} is stored as {:?}; only uint8 is supported",
