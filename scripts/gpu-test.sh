@@ -9,7 +9,9 @@
 # Building from a second worktree while another builds in this one: set
 # CUDA_TOOLCHAIN_DIR to this checkout's .cuda and CARGO_TARGET_DIR to its
 # target/cuda, so both builds use the same paths in RUSTFLAGS and share the
-# compiled dependencies instead of rebuilding each other's.
+# compiled dependencies instead of rebuilding each other's. Tests that read
+# fixtures through CARGO_MANIFEST_DIR look for them at the path of the
+# checkout that built them: run such a bundle from that checkout.
 #
 # run.sh writes each binary's output and a one-screen summary under $OUT
 # (or ./gpu-out) and exits non-zero when anything failed. Extra arguments to
