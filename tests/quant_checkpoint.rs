@@ -554,3 +554,50 @@ fn fp8_checkpoints_read() -> Result<()> {
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
+
+/// A bitsandbytes folder loads through `Llama::from_pretrained` as a streamed
+/// model over its packed weights: its logits equal (exactly, the same
+/// dequantized values through the same code) those of the streamed model
+/// built from the dense tensors and the quantized ones dequantized on the
+/// CPU. A resident placement, or quantizing it again, is refused naming
+/// `quantization_config`.
+#[test]
+fn quantized_folder_loads_streamed() -> Result<()> {
+    use streamer_core::WeightSource;
+    use streamer_models::{Llama, Placement, QuantizedWeights};
+    let cfg = tiny();
+    let dev = Device::Cpu;
+    let stream = crate::common::stream(&dev, DType::F32, 1);
+    let ids: Vec<u32> = (0..32u32).map(|i| (i * 37 + 11) % 256).collect();
+    let x = Tensor::from_vec(ids, (2, 16), &dev)?;
+    for method in [four_bit(FourBitType::Nf4, true), QuantMethod::Int8] {
+        let w = quantized_model(&cfg, &method)?;
+        let dir = temp_dir("quant_checkpoint", "from_pretrained")?;
+        save_bnb(&dir, &cfg, &bnb(method.clone()), &w)?;
+        let loaded = Llama::from_pretrained(&dir, Placement::Streamed(stream.clone()))?.model;
+        let mut dense = w.dense.clone();
+        for (name, t) in QuantizedWeights::from_host(w.quantized.clone())?.dequantized()? {
+            dense.insert(name, t);
+        }
+        let reference = Llama::streamed(&WeightSource::Tensors(dense), &cfg, stream.clone())?;
+        let d = (loaded.forward(&x)? - reference.forward(&x)?)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        ensure!(d == 0.0, "{method:?}: logits differ by {d}");
+        let resident = Placement::Resident {
+            device: dev.clone(),
+            dtype: DType::F32,
+        };
+        let e = Llama::from_pretrained(&dir, resident)
+            .err()
+            .context("a resident quantized folder was accepted")?;
+        ensure!(
+            matches!(TypedError::find(&e), Some(TypedError::Config { field, .. }) if field == "quantization_config"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir)?;
+    }
+    Ok(())
+}

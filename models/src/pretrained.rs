@@ -6,6 +6,9 @@
 use crate::checkpoint::{check_weights, layer_bytes, prefetch_for_budget};
 use crate::config::LlamaConfig;
 use crate::llama::Llama;
+use crate::quantization_config::QuantizationConfig;
+use crate::quantized_checkpoint::read_quantized;
+use crate::quantized_weights::QuantizedWeights;
 use crate::tokenizer::TextTokenizer;
 use candle_core::{bail, DType, Device, Result};
 use std::path::{Path, PathBuf};
@@ -147,10 +150,16 @@ impl Llama {
             }
             None => None,
         };
-        let src = WeightSource::safetensors(&[&files.weights])?;
-        check_weights(&src, &cfg)
-            .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", files.weights.display())))?;
-        let model = place(&files.weights, &cfg, placement)?;
+        let model = match QuantizationConfig::from_config_json(&text)? {
+            Some(qc) => place_quantized(&files.weights, &cfg, &qc, placement)?,
+            None => {
+                let src = WeightSource::safetensors(&[&files.weights])?;
+                check_weights(&src, &cfg).map_err(|e| {
+                    candle_core::Error::Msg(format!("{}: {e}", files.weights.display()))
+                })?;
+                place(&files.weights, &cfg, placement)?
+            }
+        };
         Ok(Pretrained {
             model,
             tokenizer,
@@ -190,4 +199,52 @@ fn place(weights: &Path, cfg: &LlamaConfig, placement: Placement) -> Result<Llam
             stream,
         ),
     }
+}
+
+/// A folder whose `config.json` has a `quantization_config` (bitsandbytes
+/// 4-bit or 8-bit, fp8): its quantized weights become the packed masters of
+/// a streamed model ([`Llama::streamed_quantized`]), the rest loads dense.
+/// Such a model streams: a resident placement, or quantizing it again, is an
+/// error naming the field.
+fn place_quantized(
+    weights: &Path,
+    cfg: &LlamaConfig,
+    qc: &QuantizationConfig,
+    placement: Placement,
+) -> Result<Llama> {
+    let stream = match placement {
+        Placement::Streamed(stream) => stream,
+        Placement::Budget {
+            device,
+            dtype,
+            budget,
+        } => StreamConfig {
+            device,
+            // Dense layer sizes: the packed layers are smaller, so the window fits.
+            prefetch_ahead: prefetch_for_budget(cfg, dtype, budget)?,
+            dtype,
+            master_dtype: Some(dtype),
+            ..Default::default()
+        },
+        Placement::Resident { .. } => {
+            return Err(quantized_placement(
+                "a resident placement (quantized weights stream)",
+            ))
+        }
+        Placement::Quantized { .. } => {
+            return Err(quantized_placement("quantizing again on load (--quantize)"))
+        }
+    };
+    let ckpt = read_quantized(&[weights], qc)?;
+    ckpt.check(cfg)?;
+    let quant = QuantizedWeights::from_host(ckpt.quantized)?;
+    Llama::streamed_quantized(&WeightSource::Tensors(ckpt.dense), &quant, cfg, stream)
+}
+
+fn quantized_placement(what: &str) -> candle_core::Error {
+    streamer_device::Error::Config {
+        field: "quantization_config".into(),
+        reason: format!("the folder is already quantized; {what} is not supported"),
+    }
+    .into()
 }
