@@ -99,7 +99,17 @@ def build(name):
 def qlora(model, r):
     import peft
 
-    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+    # from_pretrained(quantization_config=...) sets these; PEFT enables
+    # gradient checkpointing only for a model that says it is loaded in 4 bits.
+    model.is_loaded_in_4bit = True
+    model.is_quantized = True
+    model = peft.prepare_model_for_kbit_training(
+        model,
+        use_gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
+    if not model.is_gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lcfg = peft.LoraConfig(
         r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM"
     )
@@ -110,7 +120,12 @@ def run(name, args):
     torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     model = qlora(build(name), args.r)
-    print(f"{name}: built and adapted in {time.time() - t0:.1f} s", flush=True)
+    print(
+        f"{name}: built and adapted in {time.time() - t0:.1f} s, "
+        f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, "
+        f"gradient checkpointing {model.base_model.model.is_gradient_checkpointing}",
+        flush=True,
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     g = torch.Generator(device="cuda").manual_seed(0)
