@@ -101,8 +101,11 @@ def qlora(model, r):
 
     # from_pretrained(quantization_config=...) sets these; PEFT enables
     # gradient checkpointing only for a model that says it is loaded in 4 bits.
-    model.is_loaded_in_4bit = True
-    model.is_quantized = True
+    for flag in ("is_loaded_in_4bit", "is_quantized"):
+        try:
+            setattr(model, flag, True)
+        except AttributeError:  # a read-only property in some versions
+            pass
     model = peft.prepare_model_for_kbit_training(
         model,
         use_gradient_checkpointing=True,
@@ -110,6 +113,7 @@ def qlora(model, r):
     )
     if not model.is_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
     lcfg = peft.LoraConfig(
         r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM"
     )
