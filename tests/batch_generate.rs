@@ -21,14 +21,22 @@ fn stream(dev: &Device) -> StreamConfig {
     crate::common::stream(dev, DType::F32, 1)
 }
 
-/// The tiny preset, resident and streamed, from the same seeded weights.
+/// The tiny preset, resident and streamed, from the same seeded weights, and
+/// streamed over an NF4 base quantized from them (the quantized bases
+/// decode through the same batched path).
 fn tiny_models(dev: &Device) -> Result<Vec<(&'static str, Llama)>> {
     let cfg = LlamaConfig::preset("tiny")?;
     let w = init_weights(&cfg, 11)?;
+    let nf4 = streamer_quant::QuantScheme::parse("nf4")?;
+    let src = streamer_core::WeightSource::Tensors(w.clone());
     Ok(vec![
         (
             "resident",
             Llama::resident(VarBuilder::from_tensors(w.clone(), DType::F32, dev), &cfg)?,
+        ),
+        (
+            "streamed nf4",
+            Llama::streamed_quantize_on_load(&src, nf4, &cfg, stream(dev))?,
         ),
         ("streamed", Llama::from_tensors(w, &cfg, stream(dev))?),
     ])
