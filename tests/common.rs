@@ -151,3 +151,32 @@ pub(crate) fn loop_options(steps: usize, seq: usize) -> streamer_models::LoopOpt
         checkpoint_dir: None,
     }
 }
+
+/// Trains the adapters of `model` (a frozen base with LoRA set) for `steps`
+/// steps of `opt` on `(x, y)` and returns the losses. At the first step no
+/// parameter of the base has a gradient: it is frozen outside the layers too
+/// (no gradient is made for the embedding, final norm or head).
+pub(crate) fn train_adapters(
+    model: &streamer_models::Llama,
+    opt: &mut impl candle_nn::Optimizer,
+    (x, y): (&Tensor, &Tensor),
+    steps: usize,
+) -> Result<Vec<f32>> {
+    let mut losses = Vec::new();
+    for s in 0..steps {
+        let loss = model.loss(x, y)?;
+        losses.push(loss.to_scalar::<f32>()?);
+        let grads = model.backward(&loss)?;
+        if s == 0 {
+            for (name, v) in model.parameters() {
+                ensure!(
+                    grads.get(v.as_tensor()).is_none(),
+                    "a gradient for frozen {name}"
+                );
+            }
+        }
+        opt.step(&grads)?;
+        model.zero_grad()?;
+    }
+    Ok(losses)
+}
