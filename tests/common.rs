@@ -65,6 +65,23 @@ pub(crate) fn ensure_close(what: &str, got: &Tensor, want: &Tensor, tol: f64) ->
     Ok(())
 }
 
+/// Fails unless `r` is an error whose message mentions every one of `needles`.
+pub(crate) fn expect_err<T: std::fmt::Debug, E: std::fmt::Display>(
+    r: std::result::Result<T, E>,
+    needles: &[&str],
+) -> Result<()> {
+    match r {
+        Ok(t) => anyhow::bail!("expected an error, got {t:?}"),
+        Err(e) => {
+            let msg = e.to_string();
+            for n in needles {
+                ensure!(msg.contains(n), "error {msg:?} does not mention {n:?}");
+            }
+            Ok(())
+        }
+    }
+}
+
 /// Random CPU weights of a linear layer `(out, inp)` under `prefix`
 /// (`{prefix}.weight` ~ N(0, `std`), `{prefix}.bias` ~ N(0, 0.1)), added to `m`.
 pub(crate) fn insert_linear(

@@ -81,12 +81,14 @@ fn quant_stream_logits_equal_the_dequantized_model(dev: &Device) -> Result<()> {
         );
         // Resident: the same math, its own kernels' order of operations
         // (f32 on the CPU, bf16 on CUDA).
-        let rel = crate::common::rel_err(&got, &resident.forward(&x)?)?;
         let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
-        ensure!(
-            rel <= tol,
-            "{what}: vs resident dequantized, relative error {rel} > {tol}"
-        );
+        let want = resident.forward(&x)?;
+        crate::common::ensure_close(
+            &format!("{what}: vs resident dequantized"),
+            &got,
+            &want,
+            tol,
+        )?;
     }
     Ok(())
 }
