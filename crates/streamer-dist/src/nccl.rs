@@ -12,8 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use candle_core::cuda::CudaDType;
-use candle_core::op::BackpropOp;
-use candle_core::{CudaDevice, CudaStorage, DType, Device, Result, Storage, Tensor};
+use candle_core::{CudaDevice, DType, Device, Result, Storage, Tensor};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::{Comm, ReduceOp};
 
@@ -384,13 +383,7 @@ fn alloc<T: DeviceRepr + ValidAsZeroBits>(
 
 fn dst_tensor<T: CudaDType>(dst: CudaSlice<T>, dev: &CudaDevice) -> Result<Tensor> {
     let n = dst.len();
-    let s = CudaStorage::wrap_cuda_slice(dst, dev.clone());
-    Ok(Tensor::from_storage(
-        Storage::Cuda(s),
-        n,
-        BackpropOp::none(),
-        false,
-    ))
+    Ok(streamer_device::slice_tensor(dst, dev, n))
 }
 
 fn check_devices(devices: &[Device]) -> Result<Vec<CudaDevice>> {
