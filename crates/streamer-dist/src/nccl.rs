@@ -22,23 +22,14 @@ use crate::collective::{check_gather, check_scatter, err, Collective};
 /// bound, for whichever type `typed` holds.
 macro_rules! each_type {
     ($typed:expr, |$src:ident, $dst:ident| $body:expr) => {
+        each_type!(@arms $typed, $src, $dst, $body; F32 F64 F16 BF16)
+    };
+    (@arms $typed:expr, $src:ident, $dst:ident, $body:expr; $($ty:ident)*) => {
         match $typed {
-            Typed::F32(s, r, $dst) => {
+            $(Typed::$ty(s, r, $dst) => {
                 let $src = s.slice(r);
                 $body
-            }
-            Typed::F64(s, r, $dst) => {
-                let $src = s.slice(r);
-                $body
-            }
-            Typed::F16(s, r, $dst) => {
-                let $src = s.slice(r);
-                $body
-            }
-            Typed::BF16(s, r, $dst) => {
-                let $src = s.slice(r);
-                $body
-            }
+            })*
         }
     };
 }
