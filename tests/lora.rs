@@ -27,8 +27,7 @@ fn load() -> Result<Fx> {
     let base = fixture("llama-4x")?;
     let adapters = base.with_file_name("lora-peft");
     let cfg = LlamaConfig::from_json_file(base.join("config.json"))?;
-    let reference =
-        candle_core::safetensors::load(adapters.join("reference.safetensors"), &Device::Cpu)?;
+    let reference = crate::families::reference(&adapters)?;
     Ok(Fx {
         base,
         adapters,
