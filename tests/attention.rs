@@ -463,13 +463,7 @@ fn attention_streamed_equals_resident(dev: &Device) -> Result<()> {
     }
     // Explicit small chunks, bf16, and the grads of a seq_q > seq_k causal call
     // against the resident op's grads.
-    let opts = AttentionOpts {
-        causal: true,
-        mode: Mode::Streamed,
-        q_chunk: Some(16),
-        kv_chunk: Some(24),
-        ..Default::default()
-    };
+    let opts = crate::common::streamed_opts(true, (16, 24));
     let q = Var::from_tensor(&rand_t((1, 2, 50, 32), DType::BF16, dev, 31)?)?;
     let k = Var::from_tensor(&rand_t((1, 1, 40, 32), DType::BF16, dev, 32)?)?;
     let v = Var::from_tensor(&rand_t((1, 1, 40, 32), DType::BF16, dev, 33)?)?;

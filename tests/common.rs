@@ -82,6 +82,18 @@ pub(crate) fn expect_err<T: std::fmt::Debug, E: std::fmt::Display>(
     }
 }
 
+/// Streamed attention options with explicit `(q_chunk, kv_chunk)` chunks,
+/// causal or not, the rest default.
+pub(crate) fn streamed_opts(causal: bool, (q, kv): (usize, usize)) -> cqsa::AttentionOpts {
+    cqsa::AttentionOpts {
+        causal,
+        mode: cqsa::Mode::Streamed,
+        q_chunk: Some(q),
+        kv_chunk: Some(kv),
+        ..Default::default()
+    }
+}
+
 /// Random CPU weights of a linear layer `(out, inp)` under `prefix`
 /// (`{prefix}.weight` ~ N(0, `std`), `{prefix}.bias` ~ N(0, 0.1)), added to `m`.
 pub(crate) fn insert_linear(
