@@ -32,6 +32,8 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from torch_common import event_times_ms, median, warm_up
+
 # Every flex shape compiles twice (with and without grad); past dynamo's limit
 # (8) a call falls back, with one warning, to flex's unfused reference, and the
 # varlen row, compiled last, measured that (1 TFLOP/s) once the window rows had
@@ -46,19 +48,8 @@ REPS = 5
 
 def median_ms(fn, warmup=2, reps=None):
     reps = reps or REPS
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    warm_up(fn, warmup, reset_peak=False)
+    return median(event_times_ms(fn, reps))
 
 
 def visible_pairs(n, window, causal):

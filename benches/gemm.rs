@@ -11,18 +11,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use anyhow::Result;
-
-#[cfg(not(feature = "cuda"))]
-fn main() -> Result<()> {
-    println!("gemm: the cuBLASLt GEMMs exist only with --features cuda; nothing to measure");
-    Ok(())
-}
-
-#[cfg(feature = "cuda")]
-fn main() -> Result<()> {
-    cuda::run()
-}
+common::cuda_only_main!("gemm: the cuBLASLt GEMMs exist only with --features cuda");
 
 #[cfg(feature = "cuda")]
 mod cuda {

@@ -11,10 +11,11 @@ torch.optim.AdamW(fused=True) on the GPU, 16 x 2048 tokens per step; eager
 """
 import argparse
 import json
-import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from torch_common import median, wall_times_s, warm_up
 
 PRESETS = {"1b": (2048, 16, 32), "3b": (3072, 28, 24)}
 PEAK = 990e12
@@ -42,18 +43,8 @@ def run(preset, ckpt, batch=16, seq=2048, warmup=2, steps=5):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    times.sort()
-    med = times[len(times) // 2]
+    warm_up(step, warmup)
+    med = median(wall_times_s(step, steps))
     tps = batch * seq / med
     row = {"system": "transformers", "preset": preset, "mode": "resident_ckpt" if ckpt else "resident",
            "params": params, "tokens_per_step": batch * seq, "median_step_s": med, "tokens_per_s": tps,

@@ -12,18 +12,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use anyhow::Result;
-
-#[cfg(not(feature = "cuda"))]
-fn main() -> Result<()> {
-    println!("quant: the GPU dequantization exists only with --features cuda; nothing to measure");
-    Ok(())
-}
-
-#[cfg(feature = "cuda")]
-fn main() -> Result<()> {
-    cuda::run()
-}
+common::cuda_only_main!("quant: the GPU dequantization exists only with --features cuda");
 
 #[cfg(feature = "cuda")]
 mod cuda {

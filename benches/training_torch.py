@@ -13,6 +13,8 @@ import json
 import torch
 import torch.nn as nn
 
+from torch_common import event_times_ms, median, warm_up
+
 
 CONFIGS = [(4096, 16384, 8, 32768), (8192, 32768, 4, 32768)]
 
@@ -34,23 +36,12 @@ def step_ms(w, h, n, tokens, warmup=2, reps=5):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
+    warm_up(step, warmup)
+    ms = median(event_times_ms(step, reps))
     peak = torch.cuda.max_memory_allocated() / 2**30
     del model, opt, x, target
     torch.cuda.empty_cache()
-    return times[len(times) // 2], peak
+    return ms, peak
 
 
 def main():

@@ -295,6 +295,17 @@ fn run(a: &Args, model: &Llama, tokens: &Tokens) -> Result<()> {
     Ok(())
 }
 
+/// `--gpu-weight-budget` in bytes and the `--quantize` scheme, parsed.
+fn budget_and_scheme(a: &Args) -> Result<(Option<usize>, Option<QuantScheme>)> {
+    let budget = a
+        .gpu_weight_budget
+        .as_deref()
+        .map(parse_bytes)
+        .transpose()?;
+    let scheme = a.quantize.as_deref().map(QuantScheme::parse).transpose()?;
+    Ok((budget, scheme))
+}
+
 /// `--model DIR`: the folder's config, weights and tokenizer, placed as
 /// `planned` says (a `--device-budget` plan), else by `--streamed` /
 /// `--gpu-weight-budget`.
@@ -307,12 +318,7 @@ fn from_folder(
     if a.checkpoint.is_some() || !a.weights.is_empty() || a.preset.is_some() || a.config.is_some() {
         bail!("--model takes its config and weights from the folder: drop --checkpoint, --weights, --preset and --config");
     }
-    let budget = a
-        .gpu_weight_budget
-        .as_deref()
-        .map(parse_bytes)
-        .transpose()?;
-    let scheme = a.quantize.as_deref().map(QuantScheme::parse).transpose()?;
+    let (budget, scheme) = budget_and_scheme(a)?;
     let stream = |prefetch_ahead| {
         let stream = StreamConfig {
             device: dev.clone(),
@@ -852,12 +858,7 @@ fn place(
     planned: Option<BatchPlacement>,
 ) -> Result<Llama> {
     let layers_bytes = layer_bytes(cfg, dtype) * cfg.num_hidden_layers;
-    let budget = a
-        .gpu_weight_budget
-        .as_deref()
-        .map(parse_bytes)
-        .transpose()?;
-    let scheme = a.quantize.as_deref().map(QuantScheme::parse).transpose()?;
+    let (budget, scheme) = budget_and_scheme(a)?;
     let streamed = scheme.is_some()
         || match planned {
             Some(p) => p != BatchPlacement::Resident,

@@ -115,7 +115,7 @@ fn rel_err(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((x - y).abs())) / scale
 }
 
-use crate::common::rel_err as rel_err_t;
+use crate::common::{ensure_close, expect_err, rel_err as rel_err_t};
 
 /// (b, hq, hkv, nq, nk, d, causal)
 type Case = (usize, usize, usize, usize, usize, usize, bool);
@@ -463,13 +463,7 @@ fn attention_streamed_equals_resident(dev: &Device) -> Result<()> {
     }
     // Explicit small chunks, bf16, and the grads of a seq_q > seq_k causal call
     // against the resident op's grads.
-    let opts = AttentionOpts {
-        causal: true,
-        mode: Mode::Streamed,
-        q_chunk: Some(16),
-        kv_chunk: Some(24),
-        ..Default::default()
-    };
+    let opts = crate::common::streamed_opts(true, (16, 24));
     let q = Var::from_tensor(&rand_t((1, 2, 50, 32), DType::BF16, dev, 31)?)?;
     let k = Var::from_tensor(&rand_t((1, 1, 40, 32), DType::BF16, dev, 32)?)?;
     let v = Var::from_tensor(&rand_t((1, 1, 40, 32), DType::BF16, dev, 33)?)?;
@@ -842,19 +836,6 @@ fn attention_varlen_saved_matches_documents(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(attention_varlen_saved_matches_documents);
-
-fn expect_err(r: candle_core::Result<Tensor>, needles: &[&str]) -> Result<()> {
-    match r {
-        Ok(t) => anyhow::bail!("expected an error, got a tensor {:?}", t.dims()),
-        Err(e) => {
-            let msg = e.to_string();
-            for n in needles {
-                ensure!(msg.contains(n), "error {msg:?} does not mention {n:?}");
-            }
-            Ok(())
-        }
-    }
-}
 
 fn attention_rejects_bad_input(dev: &Device) -> Result<()> {
     let o = AttentionOpts::default();
@@ -1665,11 +1646,8 @@ fn attention_masked_streamed_equals_resident(dev: &Device) -> Result<()> {
             };
             let gtol = if dtype == DType::F32 { 1e-4 } else { 5e-2 };
             for (x, y) in grads(&streamed)?.iter().zip(&grads(&resident)?) {
-                let err = rel_err_t(x, y)?;
-                ensure!(
-                    err <= gtol,
-                    "{dtype:?} {mask:?}: streamed vs resident grads {err:e}"
-                );
+                let what = format!("{dtype:?} {mask:?}: streamed vs resident grads");
+                ensure_close(&what, x, y, gtol)?;
             }
         }
     }

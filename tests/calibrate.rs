@@ -7,7 +7,9 @@ use cqsa::calibrate::{
     cache_path_for, calibrate, device_name, CalibrateOptions, Calibration, KernelRate, Rates,
     CACHE_DIR_ENV, FORMAT, KERNEL_VERSION,
 };
-use cqsa::{estimate, estimate_with, AttentionOpts, AttentionShape, Budget, Mode, RatesSource};
+use cqsa::{estimate, estimate_with, AttentionShape, Budget, RatesSource};
+#[cfg(feature = "cuda")]
+use cqsa::{AttentionOpts, Mode};
 
 fn temp_dir(tag: &str) -> Result<std::path::PathBuf> {
     let d = std::env::temp_dir().join(format!("cqsa-cal-{tag}-{}", std::process::id()));
@@ -311,12 +313,7 @@ fn planner_checks(dir: &std::path::Path) -> Result<()> {
 /// rates.
 fn streamed_check(name: &str, path: &std::path::Path, budget: &Budget) -> Result<()> {
     let s = shape(1024, false);
-    let opts = AttentionOpts {
-        mode: Mode::Streamed,
-        q_chunk: Some(1024),
-        kv_chunk: Some(512),
-        ..Default::default()
-    };
+    let opts = crate::common::streamed_opts(false, (1024, 512));
     let p = estimate_with(&s, &opts, budget)?;
     ensure!(
         p.subproblems == 2 && p.rates == RatesSource::Calibrated(path.to_path_buf()),
@@ -451,13 +448,7 @@ fn staging_checks() -> Result<()> {
         dtype: DType::F32,
         causal: true,
     };
-    let opts = AttentionOpts {
-        causal: true,
-        mode: Mode::Streamed,
-        q_chunk: Some(256),
-        kv_chunk: Some(256),
-        ..Default::default()
-    };
+    let opts = crate::common::streamed_opts(true, (256, 256));
     let budget = Budget::new(1 << 40);
     let warm = estimate_with(&shape, &opts, &budget)?.forward_seconds;
     // The second call reuses the buffers (no more are kept) and gives the same bits.

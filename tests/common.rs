@@ -65,6 +65,35 @@ pub(crate) fn ensure_close(what: &str, got: &Tensor, want: &Tensor, tol: f64) ->
     Ok(())
 }
 
+/// Fails unless `r` is an error whose message mentions every one of `needles`.
+pub(crate) fn expect_err<T: std::fmt::Debug, E: std::fmt::Display>(
+    r: std::result::Result<T, E>,
+    needles: &[&str],
+) -> Result<()> {
+    match r {
+        Ok(t) => anyhow::bail!("expected an error, got {t:?}"),
+        Err(e) => {
+            let msg = e.to_string();
+            for n in needles {
+                ensure!(msg.contains(n), "error {msg:?} does not mention {n:?}");
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Streamed attention options with explicit `(q_chunk, kv_chunk)` chunks,
+/// causal or not, the rest default.
+pub(crate) fn streamed_opts(causal: bool, (q, kv): (usize, usize)) -> cqsa::AttentionOpts {
+    cqsa::AttentionOpts {
+        causal,
+        mode: cqsa::Mode::Streamed,
+        q_chunk: Some(q),
+        kv_chunk: Some(kv),
+        ..Default::default()
+    }
+}
+
 /// Random CPU weights of a linear layer `(out, inp)` under `prefix`
 /// (`{prefix}.weight` ~ N(0, `std`), `{prefix}.bias` ~ N(0, 0.1)), added to `m`.
 pub(crate) fn insert_linear(
@@ -150,4 +179,33 @@ pub(crate) fn loop_options(steps: usize, seq: usize) -> streamer_models::LoopOpt
         save_every: None,
         checkpoint_dir: None,
     }
+}
+
+/// Trains the adapters of `model` (a frozen base with LoRA set) for `steps`
+/// steps of `opt` on `(x, y)` and returns the losses. At the first step no
+/// parameter of the base has a gradient: it is frozen outside the layers too
+/// (no gradient is made for the embedding, final norm or head).
+pub(crate) fn train_adapters(
+    model: &streamer_models::Llama,
+    opt: &mut impl candle_nn::Optimizer,
+    (x, y): (&Tensor, &Tensor),
+    steps: usize,
+) -> Result<Vec<f32>> {
+    let mut losses = Vec::new();
+    for s in 0..steps {
+        let loss = model.loss(x, y)?;
+        losses.push(loss.to_scalar::<f32>()?);
+        let grads = model.backward(&loss)?;
+        if s == 0 {
+            for (name, v) in model.parameters() {
+                ensure!(
+                    grads.get(v.as_tensor()).is_none(),
+                    "a gradient for frozen {name}"
+                );
+            }
+        }
+        opt.step(&grads)?;
+        model.zero_grad()?;
+    }
+    Ok(losses)
 }

@@ -37,6 +37,35 @@ fn on_ranks<C: Sync, T: Send>(
     })
 }
 
+/// [`on_ranks`], which must return within 10 s (a failed or absent rank
+/// releases the others).
+fn on_ranks_promptly<C: Sync, T: Send>(
+    ranks: &[C],
+    f: impl Fn(&C) -> candle_core::Result<T> + Sync,
+) -> Vec<candle_core::Result<T>> {
+    let t = Instant::now();
+    let out = on_ranks(ranks, f);
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        t.elapsed()
+    );
+    out
+}
+
+/// Asserts that rank `r`'s result in `out` is an error naming the rank, the
+/// collective `op` and every one of `more`.
+fn assert_rank_failed<T>(out: &[candle_core::Result<T>], r: usize, op: &str, more: &[&str]) {
+    let Err(e) = &out[r] else {
+        panic!("rank {r}'s {op} must fail")
+    };
+    let e = e.to_string();
+    assert!(e.contains(&format!("rank {r}")) && e.contains(op), "{e}");
+    for m in more {
+        assert!(e.contains(m), "{e}");
+    }
+}
+
 fn all_ok<T>(v: Vec<candle_core::Result<T>>) -> Result<Vec<T>> {
     Ok(v.into_iter().collect::<candle_core::Result<Vec<_>>>()?)
 }
@@ -108,29 +137,16 @@ fn host_collectives_match_definitions_world_1_to_4() -> Result<()> {
 fn host_collective_timeout_names_rank_op_and_missing_ranks() -> Result<()> {
     let ranks = HostCollective::group(3, Duration::from_millis(300))?;
     let x = Tensor::ones(4, DType::F32, &Device::Cpu)?;
-    let t = Instant::now();
-    let out = on_ranks(&ranks, |c| {
+    let out = on_ranks_promptly(&ranks, |c| {
         if c.rank() == 2 {
             Ok(None)
         } else {
             c.all_reduce_sum(&x).map(Some)
         }
     });
-    assert!(
-        t.elapsed() < Duration::from_secs(10),
-        "took {:?}",
-        t.elapsed()
-    );
-    for (r, o) in out.iter().enumerate().take(2) {
-        let e = o
-            .as_ref()
-            .expect_err("a rank waiting for rank 2 must fail")
-            .to_string();
-        assert!(
-            e.contains(&format!("rank {r}")) && e.contains("all_reduce_sum"),
-            "{e}"
-        );
-        assert!(e.contains("timed out") && e.contains("[2]"), "{e}");
+    // The ranks waiting for rank 2 fail.
+    for r in 0..2 {
+        assert_rank_failed(&out, r, "all_reduce_sum", &["timed out", "[2]"]);
     }
     // Rank 2 arrives late: the group has failed, it is told so at once.
     let e = ranks[2].all_reduce_sum(&x).unwrap_err().to_string();
@@ -142,8 +158,7 @@ fn host_collective_timeout_names_rank_op_and_missing_ranks() -> Result<()> {
 fn host_collective_abort_reaches_every_waiting_rank() -> Result<()> {
     let ranks = HostCollective::group(3, Duration::from_secs(60))?;
     let x = Tensor::ones(4, DType::F32, &Device::Cpu)?;
-    let t = Instant::now();
-    let out = on_ranks(&ranks, |c| {
+    let out = on_ranks_promptly(&ranks, |c| {
         if c.rank() == 1 {
             std::thread::sleep(Duration::from_millis(50));
             c.abort("out of memory in block 3");
@@ -151,18 +166,9 @@ fn host_collective_abort_reaches_every_waiting_rank() -> Result<()> {
         }
         c.all_gather(&x).map(|_| ())
     });
-    assert!(
-        t.elapsed() < Duration::from_secs(10),
-        "abort took {:?}",
-        t.elapsed()
-    );
     for r in [0, 2] {
-        let e = out[r].as_ref().unwrap_err().to_string();
-        assert!(
-            e.contains(&format!("rank {r}")) && e.contains("all_gather"),
-            "{e}"
-        );
-        assert!(e.contains("rank 1 failed: out of memory in block 3"), "{e}");
+        let why = "rank 1 failed: out of memory in block 3";
+        assert_rank_failed(&out, r, "all_gather", &[why]);
     }
     Ok(())
 }

@@ -9,7 +9,7 @@ use crate::common::ensure_close as check;
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use streamer_core::StreamConfig;
 use streamer_models::{Llama, LlamaConfig};
 
@@ -49,13 +49,18 @@ fn load(name: &str) -> Result<Fixture> {
     } else {
         dir.join("model.safetensors")
     };
-    let reference =
-        candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu)?;
     Ok(Fixture {
         cfg,
         weights,
-        reference,
+        reference: reference(&dir)?,
     })
+}
+
+/// The transformers outputs that a fixture folder keeps
+/// (`reference.safetensors`), on the CPU.
+pub(crate) fn reference(dir: &Path) -> Result<HashMap<String, Tensor>> {
+    let path = dir.join("reference.safetensors");
+    Ok(candle_core::safetensors::load(path, &Device::Cpu)?)
 }
 
 impl Fixture {

@@ -88,18 +88,9 @@ fn fused_linear_gradients_match_candle_autograd(dev: &Device) -> Result<()> {
             .sum_all()?;
         let g = loss.backward()?;
         for (name, v) in [("x", &x), ("weight", &w), ("bias", &b)] {
-            let want: Vec<f64> = g_ref
-                .get(v.as_tensor())
-                .expect("reference gradient")
-                .to_dtype(DType::F64)?
-                .flatten_all()?
-                .to_vec1()?;
+            let want = g_ref.get(v.as_tensor()).expect("reference gradient");
             let got = g.get(v.as_tensor()).expect("fused gradient");
-            let err = max_rel_err(got, &want)?;
-            ensure!(
-                err <= tol,
-                "grad of {name} {dt:?}: error {err:.2e} > {tol:.0e}"
-            );
+            crate::common::ensure_close(&format!("grad of {name} {dt:?}"), got, want, tol)?;
         }
     }
     Ok(())
@@ -120,10 +111,8 @@ fn fused_linear_rejects_bad_input(dev: &Device) -> Result<()> {
         .forward(&Tensor::zeros((2, 5), DType::F32, dev)?)
         .expect_err("wrong in-features");
     ensure!(err.to_string().contains("in-features 3"), "{err}");
-    let err = lin
-        .forward(&Tensor::zeros((2, 3), DType::F64, dev)?)
-        .expect_err("wrong dtype");
-    ensure!(err.to_string().contains("F64"), "{err}");
+    let wrong_dtype = lin.forward(&Tensor::zeros((2, 3), DType::F64, dev)?);
+    crate::common::expect_err(wrong_dtype, &["F64"])?;
     Ok(())
 }
 candle_streamer::test_device!(fused_linear_rejects_bad_input);

@@ -351,8 +351,7 @@ fn adamw_target(dir: &Path) -> Result<(Vec<Vec<u8>>, Check)> {
     let mut o = fresh()?;
     for _ in 0..2 {
         o.step(&grads_of(&vars)?)?;
-        o.save(&seed_path)?;
-        seeds.push(std::fs::read(&seed_path)?);
+        seeds.push(saved_bytes(&seed_path, |p| o.save(p))?);
     }
     let path = dir.join("adamw.safetensors");
     let check = Box::new(move |bytes: &[u8]| {
@@ -378,6 +377,15 @@ fn adamw_target(dir: &Path) -> Result<(Vec<Vec<u8>>, Check)> {
     Ok((seeds, check))
 }
 
+/// The bytes that `save` writes to `path`.
+fn saved_bytes(
+    path: &Path,
+    save: impl FnOnce(&Path) -> candle_core::Result<()>,
+) -> Result<Vec<u8>> {
+    save(path)?;
+    Ok(std::fs::read(path)?)
+}
+
 fn sgd_target(dir: &Path) -> Result<(Vec<Vec<u8>>, Check)> {
     let (vars, names) = optimizer_vars()?;
     let fresh = {
@@ -400,8 +408,7 @@ fn sgd_target(dir: &Path) -> Result<(Vec<Vec<u8>>, Check)> {
     for momentum in [0.9, 0.0] {
         let mut o = fresh(momentum)?;
         o.step(&grads_of(&vars)?)?;
-        o.save(&seed_path)?;
-        seeds.push(std::fs::read(&seed_path)?);
+        seeds.push(saved_bytes(&seed_path, |p| o.save(p))?);
     }
     let path = dir.join("sgd.safetensors");
     let check = Box::new(move |bytes: &[u8]| {
@@ -860,37 +867,24 @@ fn seed_set(name: &str) -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn fuzz_config_json_only_errors() -> Result<()> {
-    seed_set("config_json")
+/// One test a seed set: `name: "target"` runs [`seed_set`] on the target.
+macro_rules! seed_set_tests {
+    ($($name:ident: $target:literal,)*) => {
+        $(
+            #[test]
+            fn $name() -> Result<()> {
+                seed_set($target)
+            }
+        )*
+    };
 }
 
-#[test]
-fn fuzz_shard_index_only_errors() -> Result<()> {
-    seed_set("shard_index")
-}
-
-#[test]
-fn fuzz_checkpoint_json_only_errors() -> Result<()> {
-    seed_set("checkpoint_json")
-}
-
-#[test]
-fn fuzz_adamw_state_only_errors() -> Result<()> {
-    seed_set("adamw_state")
-}
-
-#[test]
-fn fuzz_sgd_state_only_errors() -> Result<()> {
-    seed_set("sgd_state")
-}
-
-#[test]
-fn fuzz_parse_bytes_only_errors() -> Result<()> {
-    seed_set("parse_bytes")
-}
-
-#[test]
-fn fuzz_cli_flags_only_errors() -> Result<()> {
-    seed_set("cli_flags")
+seed_set_tests! {
+    fuzz_config_json_only_errors: "config_json",
+    fuzz_shard_index_only_errors: "shard_index",
+    fuzz_checkpoint_json_only_errors: "checkpoint_json",
+    fuzz_adamw_state_only_errors: "adamw_state",
+    fuzz_sgd_state_only_errors: "sgd_state",
+    fuzz_parse_bytes_only_errors: "parse_bytes",
+    fuzz_cli_flags_only_errors: "cli_flags",
 }

@@ -27,8 +27,7 @@ fn load() -> Result<Fx> {
     let base = fixture("llama-4x")?;
     let adapters = base.with_file_name("lora-peft");
     let cfg = LlamaConfig::from_json_file(base.join("config.json"))?;
-    let reference =
-        candle_core::safetensors::load(adapters.join("reference.safetensors"), &Device::Cpu)?;
+    let reference = crate::families::reference(&adapters)?;
     Ok(Fx {
         base,
         adapters,
@@ -193,24 +192,7 @@ fn lora_trains_adapters_on_a_frozen_streamed_base(dev: &Device) -> Result<()> {
         },
     )?;
     let (x, y) = fx.inputs(dev)?;
-    let mut losses = Vec::new();
-    for s in 0..15 {
-        let loss = model.loss(&x, &y)?;
-        losses.push(loss.to_scalar::<f32>()?);
-        let grads = model.backward(&loss)?;
-        if s == 0 {
-            // The base is frozen outside the layers too: no gradient is made
-            // for the embedding, final norm or head.
-            for (name, v) in model.parameters() {
-                ensure!(
-                    grads.get(v.as_tensor()).is_none(),
-                    "a gradient for frozen {name}"
-                );
-            }
-        }
-        opt.step(&grads)?;
-        model.zero_grad()?;
-    }
+    let losses = crate::common::train_adapters(&model, &mut opt, (&x, &y), 15)?;
     ensure!(losses[14] < 0.8 * losses[0], "loss {losses:?}");
     let after: Vec<Vec<f32>> = model
         .parameters()

@@ -40,10 +40,7 @@ impl Curve {
         Ok(Self {
             cfg: LlamaConfig::from_json_file(dir.join("config.json"))?,
             weights: dir.join("model.safetensors"),
-            reference: candle_core::safetensors::load(
-                dir.join("reference.safetensors"),
-                &Device::Cpu,
-            )?,
+            reference: crate::families::reference(&dir)?,
         })
     }
 

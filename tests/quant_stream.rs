@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::{Optimizer, ParamsAdamW, VarBuilder};
 use std::collections::HashMap;
 use streamer_core::WeightSource;
-use streamer_models::{init_weights, Llama, LlamaConfig, LoraAdapters, LoraConfig};
+use streamer_models::{init_weights, Llama, LlamaConfig, LoraAdapters, LoraConfig, LORA_TARGETS};
 use streamer_models::{QuantizedWeights, QUANTIZABLE};
 use streamer_quant::{FourBitType, QuantScheme};
 
@@ -81,12 +81,14 @@ fn quant_stream_logits_equal_the_dequantized_model(dev: &Device) -> Result<()> {
         );
         // Resident: the same math, its own kernels' order of operations
         // (f32 on the CPU, bf16 on CUDA).
-        let rel = crate::common::rel_err(&got, &resident.forward(&x)?)?;
         let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
-        ensure!(
-            rel <= tol,
-            "{what}: vs resident dequantized, relative error {rel} > {tol}"
-        );
+        let want = resident.forward(&x)?;
+        crate::common::ensure_close(
+            &format!("{what}: vs resident dequantized"),
+            &got,
+            &want,
+            tol,
+        )?;
     }
     Ok(())
 }
@@ -128,16 +130,7 @@ candle_streamer::test_device!(quant_stream_copies_the_packed_bytes);
 /// Losses of 20 LoRA steps (r 4 on every projection, no dropout) on `model`.
 fn lora_losses(model: Llama, cfg: &LlamaConfig, dev: &Device) -> Result<Vec<f32>> {
     let model = model.into_trainable()?;
-    let targets = [
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    ];
-    let lcfg = LoraConfig::new(4, 8.0, 0.0, &targets)?;
+    let lcfg = LoraConfig::new(4, 8.0, 0.0, &LORA_TARGETS)?;
     model.set_lora(Some(LoraAdapters::init(&lcfg, cfg, dev, 3)?))?;
     let vars = model.lora()?.context("adapters")?.vars();
     let params = ParamsAdamW {
@@ -146,23 +139,7 @@ fn lora_losses(model: Llama, cfg: &LlamaConfig, dev: &Device) -> Result<Vec<f32>
     };
     let mut opt = candle_nn::AdamW::new(vars.iter().map(|(_, v)| v.clone()).collect(), params)?;
     let (x, y) = tokens(dev)?;
-    let mut losses = Vec::new();
-    for step in 0..20 {
-        let loss = model.loss(&x, &y)?;
-        losses.push(loss.to_scalar::<f32>()?);
-        let grads = model.backward(&loss)?;
-        if step == 0 {
-            for (name, v) in model.parameters() {
-                ensure!(
-                    grads.get(v.as_tensor()).is_none(),
-                    "a gradient for frozen {name}"
-                );
-            }
-        }
-        opt.step(&grads)?;
-        model.zero_grad()?;
-    }
-    Ok(losses)
+    crate::common::train_adapters(&model, &mut opt, (&x, &y), 20)
 }
 
 fn quant_stream_qlora_follows_lora_on_the_dequantized_base(dev: &Device) -> Result<()> {

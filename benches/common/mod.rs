@@ -9,6 +9,27 @@ use std::sync::Arc;
 use std::time::Instant;
 use streamer_core::DeviceCap;
 
+/// `main` of a bench that measures CUDA code only: with `--features cuda` it
+/// runs the bench's `cuda::run()`; without, it prints `$without` (what
+/// needs the feature) and that there is nothing to measure.
+#[allow(unused_macros)]
+macro_rules! cuda_only_main {
+    ($without:literal) => {
+        #[cfg(not(feature = "cuda"))]
+        fn main() -> anyhow::Result<()> {
+            println!(concat!($without, "; nothing to measure"));
+            Ok(())
+        }
+
+        #[cfg(feature = "cuda")]
+        fn main() -> anyhow::Result<()> {
+            cuda::run()
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use cuda_only_main;
+
 /// The setting `key` from the environment as a count; `default` when it is
 /// unset or not a number (benches/README.md lists the settings).
 pub fn env_usize(key: &str, default: usize) -> usize {

@@ -112,11 +112,7 @@ impl serde_json::ser::Formatter for PythonSpacing {
         w: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            w.write_all(b", ")
-        }
+        comma(w, first)
     }
 
     fn begin_object_key<W: ?Sized + std::io::Write>(
@@ -124,14 +120,19 @@ impl serde_json::ser::Formatter for PythonSpacing {
         w: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            w.write_all(b", ")
-        }
+        comma(w, first)
     }
 
     fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
         w.write_all(b": ")
+    }
+}
+
+/// Python's item separator `", "` before every item but the first.
+fn comma<W: ?Sized + std::io::Write>(w: &mut W, first: bool) -> std::io::Result<()> {
+    if first {
+        Ok(())
+    } else {
+        w.write_all(b", ")
     }
 }

@@ -36,14 +36,10 @@ pub(crate) fn check_weights_except(
             continue;
         }
         let (got, dt) = src.meta(name)?;
-        if got.dims() != shape.as_slice() {
-            return Err(streamer_device::Error::Shape {
-                what: format!("the config does not match the weights: tensor {name:?}"),
-                got: got.dims().to_vec(),
-                expected: format!("{shape:?}, as the config ({fields}) implies"),
-            }
-            .into());
-        }
+        streamer_device::Error::check_shape(got.dims(), shape, || {
+            let what = format!("the config does not match the weights: tensor {name:?}");
+            (what, format!("{shape:?}, as the config ({fields}) implies"))
+        })?;
         if !dt.is_float() {
             return Err(streamer_device::Error::Dtype {
                 what: format!("weight {name:?}"),

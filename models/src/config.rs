@@ -608,12 +608,9 @@ impl LlamaConfig {
         let attn = "hidden_size, num_attention_heads, head_dim";
         let kv_f = "hidden_size, num_key_value_heads, head_dim";
         let mlp = "hidden_size, intermediate_size";
+        let norm = |name: &str| (format!("{p}.{name}.weight"), vec![h], "hidden_size");
         let mut w = vec![
-            (
-                format!("{p}.input_layernorm.weight"),
-                vec![h],
-                "hidden_size",
-            ),
+            norm("input_layernorm"),
             (format!("{p}.self_attn.q_proj.weight"), vec![q, h], attn),
             (format!("{p}.self_attn.k_proj.weight"), vec![kv, h], kv_f),
             (format!("{p}.self_attn.v_proj.weight"), vec![kv, h], kv_f),
@@ -639,11 +636,7 @@ impl LlamaConfig {
             w.push((format!("{p}.self_attn.k_norm.weight"), vec![d], why));
         }
         w.extend([
-            (
-                format!("{p}.post_attention_layernorm.weight"),
-                vec![h],
-                "hidden_size",
-            ),
+            norm("post_attention_layernorm"),
             (format!("{p}.mlp.gate_proj.weight"), vec![m, h], mlp),
             (format!("{p}.mlp.up_proj.weight"), vec![m, h], mlp),
             (format!("{p}.mlp.down_proj.weight"), vec![h, m], mlp),

@@ -29,13 +29,11 @@ impl Dequantizing<'_> {
         want: Option<&Shape>,
         dtype: DType,
     ) -> Result<Tensor> {
-        if let Some(s) = want.filter(|s| s.dims() != layout.shape()) {
-            return Err(streamer_device::Error::Shape {
-                what: format!("quantized tensor {:?}", layout.name()),
-                got: layout.shape().to_vec(),
-                expected: format!("{:?}, as the layer expects", s.dims()),
-            }
-            .into());
+        if let Some(s) = want {
+            streamer_device::Error::check_shape(layout.shape(), s.dims(), || {
+                let what = format!("quantized tensor {:?}", layout.name());
+                (what, format!("{:?}, as the layer expects", s.dims()))
+            })?;
         }
         let bytes =
             (self.inner).get_with_hints_dtype(layout.bytes(), name, Init::Const(0.), DType::U8)?;

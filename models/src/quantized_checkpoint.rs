@@ -90,14 +90,10 @@ impl QuantizedCheckpoint {
                 }
                 (Some(_), Some(_)) => bail!("{name} is both dense and quantized"),
             };
-            if &got != shape {
-                return Err(streamer_device::Error::Shape {
-                    what: format!("the config does not match the weights: tensor {name:?}"),
-                    got,
-                    expected: format!("{shape:?}, as the config ({fields}) implies"),
-                }
-                .into());
-            }
+            streamer_device::Error::check_shape(&got, shape, || {
+                let what = format!("the config does not match the weights: tensor {name:?}");
+                (what, format!("{shape:?}, as the config ({fields}) implies"))
+            })?;
         }
         let known: BTreeSet<&str> = expected.iter().map(|(n, _, _)| n.as_str()).collect();
         let extra = self

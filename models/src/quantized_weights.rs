@@ -188,14 +188,10 @@ impl QuantizedWeights {
                 }
                 .into());
             };
-            if layout.shape() != shape.as_slice() {
-                return Err(streamer_device::Error::Shape {
-                    what: format!("quantized tensor {name:?}"),
-                    got: layout.shape().to_vec(),
-                    expected: format!("{shape:?}, as the config implies"),
-                }
-                .into());
-            }
+            streamer_device::Error::check_shape(layout.shape(), shape, || {
+                let what = format!("quantized tensor {name:?}");
+                (what, format!("{shape:?}, as the config implies"))
+            })?;
         }
         Ok(())
     }

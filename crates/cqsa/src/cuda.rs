@@ -38,7 +38,6 @@ use candle_core::cuda_backend::cudarc::driver::{
     LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::op::BackpropOp;
 use candle_core::{
     bail, CpuStorage, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor,
 };
@@ -717,12 +716,7 @@ impl<'a> ChunkFeed<'a> {
             }
         }
         let copied = self.transfer.record_event(None).w()?;
-        let tensor = Tensor::from_storage(
-            Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, self.dev.clone())),
-            (b, h, c, d),
-            BackpropOp::none(),
-            false,
-        );
+        let tensor = streamer_device::slice_tensor(slice, &self.dev, (b, h, c, d));
         Ok(Fetched { tensor, copied })
     }
 

@@ -94,7 +94,6 @@ impl Drop for Philox {
 fn cuda_uniform(dev: &candle_core::CudaDevice, seed: u64, shape: &[usize]) -> Result<Tensor> {
     use candle_core::cuda_backend::cudarc::curand::{result, sys};
     use candle_core::cuda_backend::cudarc::driver::DevicePtrMut;
-    use candle_core::{op::BackpropOp, CudaStorage, Storage};
     let w = |e: result::CurandError| candle_core::Error::Msg(format!("curand: {e:?}"));
     let n: usize = shape.iter().product();
     if n == 0 {
@@ -119,13 +118,7 @@ fn cuda_uniform(dev: &candle_core::CudaDevice, seed: u64, shape: &[usize]) -> Re
         // SAFETY: `ptr` holds n f32s of a live allocation, enqueued on `stream`.
         unsafe { result::generate::uniform_f32(gen.0, ptr as *mut f32, n) }.map_err(w)?;
     }
-    let storage = CudaStorage::wrap_cuda_slice(slice, dev.clone());
-    Ok(Tensor::from_storage(
-        Storage::Cuda(storage),
-        shape,
-        BackpropOp::none(),
-        false,
-    ))
+    Ok(streamer_device::slice_tensor(slice, dev, shape))
 }
 
 /// Inverted dropout with probability `p` (kept values scaled by `1 / (1 - p)`),

@@ -2,7 +2,7 @@
 //! GPU ([`DeviceAdamW`]), chosen at run time (a trainer's `--optimizer` flag),
 //! behind one set of calls. Both save the same state files.
 use candle_core::backprop::GradStore;
-use candle_core::{bail, Device, Result, Tensor, Var};
+use candle_core::{Device, Result, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW};
 
 use crate::{CpuAdamW, DeviceAdamW, StateDtype, TrainableSequential};
@@ -24,11 +24,8 @@ impl std::str::FromStr for OptimizerPlace {
 
     /// `host` or `device`; anything else is an error naming the value.
     fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "host" => Ok(Self::Host),
-            "device" => Ok(Self::Device),
-            other => bail!("optimizer placement {other:?}: expected host or device"),
-        }
+        let choices = [("host", Self::Host), ("device", Self::Device)];
+        crate::state::parse_choice("optimizer placement", s, &choices)
     }
 }
 

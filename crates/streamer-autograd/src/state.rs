@@ -36,10 +36,22 @@ impl std::str::FromStr for StateDtype {
 
     /// `f32` or `bf16`.
     fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "f32" => Ok(Self::F32),
-            "bf16" => Ok(Self::Bf16),
-            other => bail!("optimizer state dtype {other:?}: expected f32 or bf16"),
+        parse_choice(
+            "optimizer state dtype",
+            s,
+            &[("f32", Self::F32), ("bf16", Self::Bf16)],
+        )
+    }
+}
+
+/// `s` as the value of the choice of that name in `choices`; anything else is
+/// an error naming `what`, the value and the names expected.
+pub(crate) fn parse_choice<T: Copy>(what: &str, s: &str, choices: &[(&str, T)]) -> Result<T> {
+    match choices.iter().find(|(name, _)| *name == s) {
+        Some(&(_, value)) => Ok(value),
+        None => {
+            let names: Vec<&str> = choices.iter().map(|(name, _)| *name).collect();
+            bail!("{what} {s:?}: expected {}", names.join(" or "))
         }
     }
 }

@@ -134,17 +134,10 @@ pub(crate) fn delay(dev: &CudaDevice, stream: &CudaStream, ns: u64) -> Result<()
 /// tensor, and the tensor's storage must never be dropped (it would free
 /// memory it does not own): the pool forgets a clone of it.
 pub(crate) unsafe fn alias_bytes(dev: &CudaDevice, ptr: u64, len: usize) -> Result<Tensor> {
-    use candle_core::{op::BackpropOp, CudaStorage, Storage};
     // SAFETY: `ptr` holds `len` bytes inside an allocation that outlives the
     // slice, which is never dropped (the caller forgets it): this fn's contract.
     let slice = unsafe { dev.cuda_stream().upgrade_device_ptr::<u8>(ptr, len) };
-    let storage = CudaStorage::wrap_cuda_slice(slice, dev.clone());
-    Ok(Tensor::from_storage(
-        Storage::Cuda(storage),
-        len,
-        BackpropOp::none(),
-        false,
-    ))
+    Ok(streamer_device::slice_tensor(slice, dev, len))
 }
 
 /// A variable of `dtype` and `shape` over device memory at `ptr` (see

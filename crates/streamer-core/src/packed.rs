@@ -24,23 +24,10 @@ pub(crate) fn bytes_as(bytes: &[u8], dtype: DType) -> Result<Tensor> {
     let n = packed_elems(bytes.len(), dtype);
     let mut padded = bytes.to_vec();
     padded.resize(n * dtype.size_in_bytes(), 0);
-    let two = |c: &[u8]| u16::from_le_bytes([c[0], c[1]]);
     let cpu = &Device::Cpu;
     match dtype {
-        DType::BF16 => {
-            let v: Vec<bf16> = padded
-                .chunks_exact(2)
-                .map(|c| bf16::from_bits(two(c)))
-                .collect();
-            Tensor::from_vec(v, n, cpu)
-        }
-        DType::F16 => {
-            let v: Vec<f16> = padded
-                .chunks_exact(2)
-                .map(|c| f16::from_bits(two(c)))
-                .collect();
-            Tensor::from_vec(v, n, cpu)
-        }
+        DType::BF16 => Tensor::from_vec(halves(&padded, bf16::from_bits), n, cpu),
+        DType::F16 => Tensor::from_vec(halves(&padded, f16::from_bits), n, cpu),
         DType::F32 => {
             let v: Vec<f32> = (padded.chunks_exact(4))
                 .map(|c| f32::from_bits(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
@@ -52,6 +39,13 @@ pub(crate) fn bytes_as(bytes: &[u8], dtype: DType) -> Result<Tensor> {
             candle_core::bail!("packed masters ride in slots of bf16, f16, f32 or u8, not {dt:?}")
         }
     }
+}
+
+/// `bytes` read two at a time (little-endian) as the bits of a 16-bit float.
+fn halves<T>(bytes: &[u8], from_bits: fn(u16) -> T) -> Vec<T> {
+    (bytes.chunks_exact(2))
+        .map(|c| from_bits(u16::from_le_bytes([c[0], c[1]])))
+        .collect()
 }
 
 /// The first `len` bytes of the 1-D CPU tensor `t`'s data, as a u8 tensor

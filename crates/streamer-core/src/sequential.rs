@@ -609,14 +609,10 @@ impl Recorder<'_> {
         let idx = st.masters.resolve(self.src, name, dt)?;
         let t = st.masters.get(idx).var.as_tensor().clone();
         if let Some(s) = expected {
-            if t.shape() != s {
-                return Err(streamer_device::Error::Shape {
-                    what: format!("block {:?}: weight {name:?}", self.block.name),
-                    got: t.dims().to_vec(),
-                    expected: format!("{:?}, as the block expects", s.dims()),
-                }
-                .into());
-            }
+            streamer_device::Error::check_shape(t.dims(), s.dims(), || {
+                let what = format!("block {:?}: weight {name:?}", self.block.name);
+                (what, format!("{:?}, as the block expects", s.dims()))
+            })?;
         }
         if crate::packed::is_packed(t.dtype()) != crate::packed::is_packed(dtype) {
             return Err(streamer_device::Error::Dtype {

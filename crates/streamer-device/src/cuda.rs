@@ -6,7 +6,7 @@
 use crate::pages::page_pieces;
 use candle_core::{CudaDevice, DType, Result, Storage, StorageRef, Tensor};
 use cudarc::driver::{
-    sys, CudaFunction, CudaStream, DevicePtr, DriverError, LaunchConfig, SyncOnDrop,
+    sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DriverError, LaunchConfig, SyncOnDrop,
 };
 use std::sync::Arc;
 
@@ -18,6 +18,22 @@ pub fn memory_info(d: &CudaDevice) -> Result<(usize, usize)> {
         .context()
         .mem_get_info()
         .map_err(|e| candle_core::Error::Cuda(Box::new(e)))
+}
+
+/// `slice` as a Candle tensor of `shape` on `dev`: no gradient op, not a
+/// variable. The tensor owns the slice (frees it when dropped).
+pub fn slice_tensor<T: candle_core::cuda_backend::CudaDType>(
+    slice: CudaSlice<T>,
+    dev: &CudaDevice,
+    shape: impl Into<candle_core::Shape>,
+) -> Tensor {
+    let storage = candle_core::CudaStorage::wrap_cuda_slice(slice, dev.clone());
+    Tensor::from_storage(
+        Storage::Cuda(storage),
+        shape,
+        candle_core::op::BackpropOp::none(),
+        false,
+    )
 }
 
 pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<()> {

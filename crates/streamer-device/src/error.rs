@@ -153,6 +153,26 @@ impl Error {
         false
     }
 
+    /// `Ok` where `got` is `want`; else an [`Error::Shape`] of `got`, with
+    /// the `(what, expected)` that `describe` makes (only then).
+    pub fn check_shape(
+        got: &[usize],
+        want: &[usize],
+        describe: impl FnOnce() -> (String, String),
+    ) -> candle_core::Result<()> {
+        if got == want {
+            return Ok(());
+        }
+        let (what, expected) = describe();
+        let got = got.to_vec();
+        Err(Error::Shape {
+            what,
+            got,
+            expected,
+        }
+        .into())
+    }
+
     /// `err` with `prefix` in front of its message (`"{prefix}: {err}"`),
     /// keeping the [`Error`] inside it for [`Error::find`]. For the file or
     /// step an error happened in, where candle's own `context` would put the

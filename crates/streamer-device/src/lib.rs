@@ -50,7 +50,8 @@ pub use bandwidth::{
 };
 #[cfg(feature = "cuda")]
 pub use cuda::{
-    allow_smem, grid_stride, kernel_suffix, record_dropped_error, CudaMemory, DeviceAddress,
+    allow_smem, grid_stride, kernel_suffix, record_dropped_error, slice_tensor, CudaMemory,
+    DeviceAddress,
 };
 pub use device_memory::{
     device_pool_stats, device_total_memory, free_device_memory, pooled_idle_bytes,

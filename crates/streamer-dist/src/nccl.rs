@@ -12,8 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use candle_core::cuda::CudaDType;
-use candle_core::op::BackpropOp;
-use candle_core::{CudaDevice, CudaStorage, DType, Device, Result, Storage, Tensor};
+use candle_core::{CudaDevice, DType, Device, Result, Storage, Tensor};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::{Comm, ReduceOp};
 
@@ -23,23 +22,14 @@ use crate::collective::{check_gather, check_scatter, err, Collective};
 /// bound, for whichever type `typed` holds.
 macro_rules! each_type {
     ($typed:expr, |$src:ident, $dst:ident| $body:expr) => {
+        each_type!(@arms $typed, $src, $dst, $body; F32 F64 F16 BF16)
+    };
+    (@arms $typed:expr, $src:ident, $dst:ident, $body:expr; $($ty:ident)*) => {
         match $typed {
-            Typed::F32(s, r, $dst) => {
+            $(Typed::$ty(s, r, $dst) => {
                 let $src = s.slice(r);
                 $body
-            }
-            Typed::F64(s, r, $dst) => {
-                let $src = s.slice(r);
-                $body
-            }
-            Typed::F16(s, r, $dst) => {
-                let $src = s.slice(r);
-                $body
-            }
-            Typed::BF16(s, r, $dst) => {
-                let $src = s.slice(r);
-                $body
-            }
+            })*
         }
     };
 }
@@ -384,13 +374,7 @@ fn alloc<T: DeviceRepr + ValidAsZeroBits>(
 
 fn dst_tensor<T: CudaDType>(dst: CudaSlice<T>, dev: &CudaDevice) -> Result<Tensor> {
     let n = dst.len();
-    let s = CudaStorage::wrap_cuda_slice(dst, dev.clone());
-    Ok(Tensor::from_storage(
-        Storage::Cuda(s),
-        n,
-        BackpropOp::none(),
-        false,
-    ))
+    Ok(streamer_device::slice_tensor(dst, dev, n))
 }
 
 fn check_devices(devices: &[Device]) -> Result<Vec<CudaDevice>> {

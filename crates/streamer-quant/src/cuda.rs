@@ -5,8 +5,7 @@
 use crate::{Absmax, FourBitType, Fp8Scale, HostTensor, PackedFormat, PackedLayout};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::CudaStorageSlice;
-use candle_core::op::BackpropOp;
-use candle_core::{CudaDevice, CudaStorage, Result, Storage, Tensor};
+use candle_core::{CudaDevice, Result, Storage, Tensor};
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, PushKernelArg};
 use half::bf16;
 use streamer_device::grid_stride;
@@ -265,13 +264,7 @@ impl Kernels<'_> {
 
     /// `out` as a Candle tensor of `shape`.
     fn wrap(&self, out: CudaSlice<bf16>, shape: &[usize]) -> Result<Tensor> {
-        let storage = CudaStorage::wrap_cuda_slice(out, self.dev.clone());
-        Ok(Tensor::from_storage(
-            Storage::Cuda(storage),
-            shape,
-            BackpropOp::none(),
-            false,
-        ))
+        Ok(streamer_device::slice_tensor(out, self.dev, shape))
     }
 }
 

@@ -136,21 +136,6 @@ impl Fp8 {
         }
     }
 
-    /// Renames the tensor.
-    pub(crate) fn set_name(&mut self, name: &str) {
-        self.name = name.to_string();
-    }
-
-    /// The tensor's name.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// `(rows, cols)`.
-    pub fn dims(&self) -> (usize, usize) {
-        (self.rows, self.cols)
-    }
-
     /// The e4m3 bytes, row-major.
     pub fn data(&self) -> &[u8] {
         &self.data
@@ -170,6 +155,8 @@ impl Fp8 {
             }
     }
 }
+
+matrix_accessors!(Fp8);
 
 impl DequantizeHost for Fp8 {
     fn dequantize_with<T: Send>(&self, round: impl Fn(f32) -> T + Send + Sync) -> Vec<T> {

@@ -63,21 +63,6 @@ impl Int8Rows {
         Self::new(what, (rows, cols), data, scb)
     }
 
-    /// Renames the tensor.
-    pub(crate) fn set_name(&mut self, name: &str) {
-        self.name = name.to_string();
-    }
-
-    /// The tensor's name.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// `(rows, cols)`.
-    pub fn dims(&self) -> (usize, usize) {
-        (self.rows, self.cols)
-    }
-
     /// The int8 data, row-major.
     pub fn data(&self) -> &[i8] {
         &self.data
@@ -93,6 +78,8 @@ impl Int8Rows {
         self.data.len() + 4 * self.scb.len()
     }
 }
+
+matrix_accessors!(Int8Rows);
 
 impl DequantizeHost for Int8Rows {
     fn dequantize_with<T: Send>(&self, round: impl Fn(f32) -> T + Send + Sync) -> Vec<T> {

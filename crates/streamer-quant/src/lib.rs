@@ -30,6 +30,30 @@
 //! let worst = w.iter().zip(&back).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
 //! assert!(worst <= 0.16 * 2.0);
 //! ```
+
+/// The accessors of a row-scaled quantized matrix (a type with the fields
+/// `name`, `rows` and `cols`): its name and `(rows, cols)`.
+macro_rules! matrix_accessors {
+    ($t:ty) => {
+        impl $t {
+            /// Renames the tensor.
+            pub(crate) fn set_name(&mut self, name: &str) {
+                self.name = name.to_string();
+            }
+
+            /// The tensor's name.
+            pub fn name(&self) -> &str {
+                &self.name
+            }
+
+            /// `(rows, cols)`.
+            pub fn dims(&self) -> (usize, usize) {
+                (self.rows, self.cols)
+            }
+        }
+    };
+}
+
 #[cfg(feature = "cuda")]
 mod cuda;
 mod dequantize;

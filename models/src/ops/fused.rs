@@ -209,6 +209,32 @@ fn fresh(l: &Layout, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// `cpu_fwd` and `cuda_fwd` of a pass-through op: the inputs named here come
+/// first and are not read; the output is the last input, as
+/// [`pass_through_cpu`] / [`pass_through_cuda`] give it.
+macro_rules! pass_through_fwd {
+    ($($unused:tt),*) => {
+        fn cpu_fwd(
+            &self,
+            $($unused: &CpuStorage, _: &Layout,)*
+            s: &CpuStorage,
+            l: &Layout,
+        ) -> Result<(CpuStorage, Shape)> {
+            pass_through_cpu(s, l, self.name())
+        }
+
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            $($unused: &candle_core::CudaStorage, _: &Layout,)*
+            s: &candle_core::CudaStorage,
+            l: &Layout,
+        ) -> Result<(candle_core::CudaStorage, Shape)> {
+            pass_through_cuda(s, l, self.name())
+        }
+    };
+}
+
 /// `(x, w, y) -> y`, with the RMSNorm backward.
 struct RmsNormGrad {
     eps: f64,
@@ -219,30 +245,7 @@ impl CustomOp3 for RmsNormGrad {
         "rms-norm-grad"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        s: &CpuStorage,
-        l: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        pass_through_cpu(s, l, self.name())
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        s: &candle_core::CudaStorage,
-        l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        pass_through_cuda(s, l, self.name())
-    }
+    pass_through_fwd!(_x, _w);
 
     fn bwd(
         &self,
@@ -322,26 +325,7 @@ impl CustomOp2 for RopeGrad {
         "rope-grad"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        s: &CpuStorage,
-        l: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        pass_through_cpu(s, l, self.name())
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        s: &candle_core::CudaStorage,
-        l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        pass_through_cuda(s, l, self.name())
-    }
+    pass_through_fwd!(_x);
 
     fn bwd(
         &self,
