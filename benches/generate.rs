@@ -12,8 +12,8 @@
 //! run's FLOPs, `batch_plan::request_flops`, at the rate of a dense GEMM of
 //! the layer's MLP shape on this GPU).
 //!
-//! `GEN_BENCH` (preset: `8b` = Llama 3.1 8B shapes, random init; default `8b`
-//! on a GPU, `tiny` on the CPU) or `GEN_BENCH_MODEL=DIR` (a Hugging Face
+//! `GEN_BENCH` (`8b`, `70b`, `14b` or a preset: `common::model_config`;
+//! random init; default `8b` on a GPU, `tiny` on the CPU) or `GEN_BENCH_MODEL=DIR` (a Hugging Face
 //! folder, as the transformers peer `scripts/generate_torch.py --batches`
 //! reads); `GEN_BENCH_BATCHES` (sequences in flight, default `1,64,256,1024`
 //! on a GPU); `GEN_BENCH_STEP_ROWS` (`BatchLimits::step_rows`);
@@ -21,7 +21,11 @@
 //! much, counting what the process held before the model, as `generate
 //! --device-budget` counts it: `batch_plan::plan_batch`'s streamed plan, and
 //! its choice between resident and streamed, each with the prediction it made
-//! from `DecodeRates` measured here).
+//! from `DecodeRates` measured here). `GEN_BENCH_QUANTIZE=nf4|fp4|int8|fp8`
+//! (with a preset, without a budget): the decoder layers' linear weights are
+//! packed quantized masters of random codes, streamed as packed bytes and
+//! dequantized on the device; each row also gives the packed bytes' PCIe
+//! floor (`h2d_gb` at the measured H2D rate) and how close it came to it.
 //!
 //!     GPU_ONLY=bench-generate bash gpu-bundle/run.sh benches
 #[path = "common/mod.rs"]
@@ -32,11 +36,12 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use std::time::Instant;
-use streamer_core::StreamConfig;
+use streamer_core::{StreamConfig, WeightSource};
 use streamer_models::{
-    generate_batch, init_weights, plan_batch, request_flops, BatchLimits, BatchMemory, BatchOutput,
-    BatchPlacement, BatchRequest, BatchRun, BatchShape, BatchSink, DecodeRates, Llama, LlamaConfig,
-    PretrainedFiles, SplitMix64, DEFAULT_STEP_ROWS,
+    generate_batch, init_weights, init_weights_where, is_quantizable, plan_batch, request_flops,
+    BatchLimits, BatchMemory, BatchOutput, BatchPlacement, BatchRequest, BatchRun, BatchShape,
+    BatchSink, DecodeRates, Llama, LlamaConfig, PretrainedFiles, QuantizedWeights, SplitMix64,
+    DEFAULT_STEP_ROWS,
 };
 
 /// The host weights in `dtype` and the model's name and configuration:
@@ -44,8 +49,14 @@ use streamer_models::{
 fn host_weights(
     dtype: DType,
     dev: &Device,
+    quantized: bool,
 ) -> Result<(HashMap<String, Tensor>, String, LlamaConfig)> {
     if let Ok(dir) = std::env::var("GEN_BENCH_MODEL") {
+        anyhow::ensure!(
+            !quantized,
+            "GEN_BENCH_QUANTIZE takes a preset (GEN_BENCH), not GEN_BENCH_MODEL={dir}: \
+             `generate --model DIR --quantize` quantizes a folder"
+        );
         let files =
             PretrainedFiles::in_dir(&dir).with_context(|| format!("GEN_BENCH_MODEL={dir}"))?;
         let cfg = LlamaConfig::from_json_file(&files.config)?;
@@ -59,12 +70,16 @@ fn host_weights(
     }
     let name = std::env::var("GEN_BENCH")
         .unwrap_or_else(|_| if dev.is_cuda() { "8b" } else { "tiny" }.into());
-    let cfg = match name.as_str() {
-        "8b" => LlamaConfig::llama31_8b(),
-        other => LlamaConfig::preset(other)?,
-    };
+    let cfg = common::model_config(&name)?;
     use rayon::prelude::*;
-    let w = init_weights(&cfg, 0)?
+    // A quantized base's linear weights are made packed (`QuantizedWeights::
+    // synthetic`): only the rest is dense.
+    let dense = if quantized {
+        init_weights_where(&cfg, 0, |n| !is_quantizable(n))?
+    } else {
+        init_weights(&cfg, 0)?
+    };
+    let w = dense
         .into_par_iter()
         .map(|(k, t)| Ok((k, t.to_dtype(dtype)?)))
         .collect::<candle_core::Result<_>>()?;
@@ -77,6 +92,7 @@ fn place(
     cfg: &LlamaConfig,
     (dev, dtype): (&Device, DType),
     placement: BatchPlacement,
+    quant: Option<&QuantizedWeights>,
 ) -> Result<Llama> {
     let t = Instant::now();
     let model = match placement {
@@ -90,7 +106,11 @@ fn place(
                 dtype,
                 ..Default::default()
             };
-            Llama::from_tensors(w.clone(), cfg, stream)?
+            let src = WeightSource::Tensors(w.clone());
+            match quant {
+                Some(q) => Llama::streamed_quantized(&src, q, cfg, stream)?,
+                None => Llama::streamed(&src, cfg, stream)?,
+            }
         }
     };
     println!(
@@ -145,6 +165,8 @@ struct Setup<'a> {
     model: &'a Llama,
     name: &'a str,
     dtype: DType,
+    /// `bf16`, or the quantized base's format.
+    format: &'a str,
     placement: BatchPlacement,
     pg: (usize, usize),
     step_rows: usize,
@@ -191,9 +213,12 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
     let compute_s = n as f64 * request_flops(cfg, s.pg.0, s.pg.1) / s.rates.flops_per_s;
     let bound_s = h2d_s.max(compute_s);
     let tps = count.tokens as f64 / wall;
+    let h2d_bytes = (after.h2d_bytes - before.h2d_bytes) as f64;
+    // The bytes moved at the measured H2D rate: the PCIe floor of the run.
+    let h2d_floor_s = h2d_bytes / s.rates.h2d_bytes_per_s;
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     let r = serde_json::json!({
-        "system": "ours", "model": s.name, "format": format!("{:?}", s.dtype).to_lowercase(),
+        "system": "ours", "model": s.name, "format": s.format,
         "placement": describe(s.placement),
         "batch": batch, "prompts": n, "prompt_len": s.pg.0, "gen_len": s.pg.1,
         "step_rows": s.step_rows, "steps": count.steps, "generated": count.tokens,
@@ -201,7 +226,8 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
         "device_budget_gib": s.budget_gib, "kv_place": "device",
         "planned_device_gib": gib(plan.total()), "peak_device_gib": gib(peak.saturating_sub(base)),
         "peak_process_device_gib": gib(peak),
-        "h2d_gb": (after.h2d_bytes - before.h2d_bytes) as f64 / 1e9, "h2d_s": h2d_s,
+        "h2d_gb": h2d_bytes / 1e9, "h2d_s": h2d_s, "h2d_floor_s": h2d_floor_s,
+        "of_h2d_floor": h2d_floor_s / wall,
         "compute_bound_s": compute_s, "gemm_tflops": s.rates.flops_per_s / 1e12,
         "h2d_gbps": s.rates.h2d_bytes_per_s / 1e9,
         "bound_tokens_per_s": count.tokens as f64 / bound_s, "of_bound": bound_s / wall,
@@ -247,7 +273,24 @@ fn main() -> Result<()> {
     streamer_core::trim_device_memory(&dev)?;
     let held = common::used_now(&dev);
     let t = Instant::now();
-    let (w, name, cfg) = host_weights(dtype, &dev)?;
+    let scheme = common::quant_scheme("GEN_BENCH_QUANTIZE")?;
+    anyhow::ensure!(
+        scheme.is_none() || budget_gib.is_none(),
+        "GEN_BENCH_QUANTIZE rows are streamed without a budget: unset GEN_BENCH_DEVICE_BUDGET_GIB"
+    );
+    let (w, name, cfg) = host_weights(dtype, &dev, scheme.is_some())?;
+    let quant = scheme
+        .map(|s| QuantizedWeights::synthetic(&cfg, s, 0, 0.05))
+        .transpose()?;
+    let format = match &quant {
+        Some(q) => {
+            let f = std::env::var("GEN_BENCH_QUANTIZE")?;
+            let gib = q.packed_bytes() as f64 / (1u64 << 30) as f64;
+            println!("{name}: linear weights {f}, {gib:.2} GiB packed");
+            f
+        }
+        None => format!("{dtype:?}").to_lowercase(),
+    };
     println!("{name}: host weights in {:.1} s", t.elapsed().as_secs_f64());
     let rates = DecodeRates::measure(&cfg, dtype, &dev)?;
     println!(
@@ -259,13 +302,14 @@ fn main() -> Result<()> {
     let streamed = BatchPlacement::Streamed { window: 2 };
     let mut rows = Vec::new();
     {
-        let model = place(&w, &cfg, (&dev, dtype), streamed)?;
+        let model = place(&w, &cfg, (&dev, dtype), streamed, quant.as_ref())?;
         warm_up(&model)?;
         let setup = Setup {
             dev: &dev,
             model: &model,
             name: &name,
             dtype,
+            format: &format,
             placement: streamed,
             pg,
             step_rows,
@@ -295,11 +339,12 @@ fn main() -> Result<()> {
         "held_before_model_gib": held as f64 / (1u64 << 30) as f64,
         "rows": rows,
     });
-    common::write_results(
-        &format!("generate-{}", common::device_tag(&dev)),
-        &out,
-        None,
-    )?;
+    // Quantized rows get their own file: `generate-nf4-<dev>.json`.
+    let file = match &quant {
+        Some(_) => format!("generate-{format}-{}", common::device_tag(&dev)),
+        None => format!("generate-{}", common::device_tag(&dev)),
+    };
+    common::write_results(&file, &out, None)?;
     Ok(())
 }
 
@@ -332,13 +377,15 @@ fn budget_row(
     println!("--device-budget {gib}GiB ({held} bytes held before the model): {plan}");
     streamer_core::trim_device_memory(dev)?;
     let _cap = common::cap_device_memory(dev, Some(gib << 30))?;
-    let model = place(w, cfg, (dev, dtype), plan.placement)?;
+    let model = place(w, cfg, (dev, dtype), plan.placement, None)?;
     warm_up(&model)?;
+    let format = format!("{dtype:?}").to_lowercase();
     let setup = Setup {
         dev,
         model: &model,
         name,
         dtype,
+        format: &format,
         placement: plan.placement,
         pg,
         step_rows,

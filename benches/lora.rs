@@ -58,22 +58,6 @@ use streamer_models::{
 };
 use streamer_quant::QuantScheme;
 
-fn env_or(key: &str, default: usize) -> usize {
-    std::env::var(key)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn config(name: &str) -> Result<LlamaConfig> {
-    Ok(match name {
-        "8b" => LlamaConfig::llama31_8b(),
-        "70b" => LlamaConfig::llama31_70b(),
-        "14b" => LlamaConfig::qwen25_14b(),
-        other => LlamaConfig::preset(other)?,
-    })
-}
-
 struct Measured {
     step_s: Vec<f64>,
     loss: Vec<f32>,
@@ -158,15 +142,6 @@ fn random_init(cfg: &LlamaConfig) -> Result<HashMap<String, Tensor>> {
         }
         _ => Ok(w),
     }
-}
-
-/// LORA_BENCH_QUANTIZE=nf4|fp4|int8|fp8: the LoRA rows' base quantized
-/// (unset: dense).
-fn quantize_scheme() -> Result<Option<QuantScheme>> {
-    Ok(std::env::var("LORA_BENCH_QUANTIZE")
-        .ok()
-        .map(|s| QuantScheme::parse(&s))
-        .transpose()?)
 }
 
 /// The streamed model of `cfg` from random weights: dense, or with `scheme`
@@ -306,8 +281,8 @@ fn run(
     dev: &Device,
     (shape, micro): ((usize, usize, usize), usize),
 ) -> Result<serde_json::Value> {
-    let cfg = config(name)?;
-    let scheme = quantize_scheme()?;
+    let cfg = common::model_config(name)?;
+    let scheme = common::quant_scheme("LORA_BENCH_QUANTIZE")?;
     if scheme.is_some() && mode != "lora" {
         bail!("LORA_BENCH_QUANTIZE: a quantized base trains LoRA adapters only (LORA_BENCH_MODES=lora)");
     }
@@ -322,7 +297,7 @@ fn run(
     };
     let (micro, window) = match &planned {
         Some((p, _)) => (shape.0 / p.settings.piece_rows, p.settings.window),
-        None => (micro, env_or("LORA_BENCH_WINDOW", 2).max(1)),
+        None => (micro, common::env_usize("LORA_BENCH_WINDOW", 2).max(1)),
     };
     let (place, state, policy) = match &planned {
         Some((p, _)) => (
@@ -421,7 +396,7 @@ fn run(
             let targets = std::env::var("LORA_BENCH_TARGETS")
                 .unwrap_or_else(|_| "q_proj,k_proj,v_proj,o_proj".into());
             let targets: Vec<&str> = targets.split(',').collect();
-            let r = env_or("LORA_BENCH_R", 16);
+            let r = common::env_usize("LORA_BENCH_R", 16);
             let lcfg = LoraConfig::new(r, 2.0 * r as f64, 0.0, &targets)?;
             model.set_lora(Some(LoraAdapters::init(&lcfg, &cfg, dev, 0)?))?;
             if let Some(policy) = policy {
@@ -491,11 +466,11 @@ fn main() -> Result<()> {
     let models =
         std::env::var("LORA_BENCH").unwrap_or_else(|_| if gpu { "8b,3b" } else { "tiny" }.into());
     let modes = std::env::var("LORA_BENCH_MODES").unwrap_or_else(|_| "lora,full".into());
-    let micro = env_or("LORA_BENCH_MICRO", 1).max(1);
+    let micro = common::env_usize("LORA_BENCH_MICRO", 1).max(1);
     let shape = (
-        env_or("LORA_BENCH_BATCH", if gpu { 8 } else { 4 }) * micro,
-        env_or("LORA_BENCH_SEQ", if gpu { 2048 } else { 64 }),
-        env_or("LORA_BENCH_STEPS", 3).max(1),
+        common::env_usize("LORA_BENCH_BATCH", if gpu { 8 } else { 4 }) * micro,
+        common::env_usize("LORA_BENCH_SEQ", if gpu { 2048 } else { 64 }),
+        common::env_usize("LORA_BENCH_STEPS", 3).max(1),
     );
     let mut rows = Vec::new();
     for name in models.split(',') {

@@ -5,6 +5,11 @@ of `benches/lora.rs` (`LORA_BENCH_QUANTIZE=nf4`), at the same shapes and
 tokens per step.
 
     python3 benches/qlora_torch.py [--models 8b,70b] [--batch 8] [--seq 2048] [--steps 3] [--r 16]
+        [--modes lora,generate] [--prompt-len 512] [--gen-len 32]
+
+`--modes generate` adds the peer of `benches/generate.rs` with
+`GEN_BENCH_QUANTIZE=nf4`: the same NF4 base resident, batch 1, greedy,
+--gen-len new tokens after a random prompt of --prompt-len, kv cache on.
 
 bitsandbytes is not installed on the GPU machine: install the repacked wheel
 first (`scripts/bnb-wheel.sh` here, then `pip install --no-deps --target DIR`
@@ -168,14 +173,56 @@ def run(name, args):
     return row
 
 
+def generate(name, args):
+    """Batch-1 greedy decoding of the resident NF4 base (no adapters)."""
+    torch.cuda.reset_peak_memory_stats()
+    model = build(name).eval()
+    model.config.use_cache = True
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, 128256, (1, args.prompt_len), device="cuda", generator=g)
+    kw = dict(do_sample=False, use_cache=True, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids[:, :8], max_new_tokens=2, min_new_tokens=2, **kw)
+        torch.cuda.synchronize()
+        t = time.time()
+        out = model.generate(ids, max_new_tokens=args.gen_len, min_new_tokens=args.gen_len, **kw)
+        torch.cuda.synchronize()
+    secs = time.time() - t
+    new = out.shape[1] - ids.shape[1]
+    row = {
+        "system": "transformers+bitsandbytes",
+        "model": name,
+        "format": "nf4",
+        "mode": "generate",
+        "batch": 1,
+        "prompt_len": args.prompt_len,
+        "gen_len": new,
+        "placement": "resident",
+        "device_budget_gib": None,
+        "tokens_per_s": new / secs,
+        "peak_device_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
+    print(json.dumps(row), flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--modes", default="lora")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen-len", type=int, default=32)
     ap.add_argument("--models", default="8b")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--r", type=int, default=16)
     args = ap.parse_args()
+    for mode in args.modes.split(","):
+        if mode not in ("lora", "generate"):
+            ap.error(f"--modes: unknown mode {mode!r} (lora, generate)")
     import bitsandbytes
     import peft
     import transformers
@@ -189,13 +236,16 @@ def main():
     }
     print(versions, flush=True)
     rows = []
-    for name in args.models.split(","):
-        try:
-            rows.append(run(name, args))
-        except torch.cuda.OutOfMemoryError as e:
-            print(f"{name}: out of memory: {e}", flush=True)
-            rows.append({"system": "transformers+peft+bitsandbytes", "model": name, "error": "out of memory"})
-            torch.cuda.empty_cache()
+    modes = {"lora": run, "generate": generate}
+    for mode in args.modes.split(","):
+        for name in args.models.split(","):
+            try:
+                rows.append(modes[mode](name, args))
+            except torch.cuda.OutOfMemoryError as e:
+                print(f"{name} {mode}: out of memory: {e}", flush=True)
+                rows.append({"system": "transformers+peft+bitsandbytes", "model": name,
+                             "mode": mode, "error": "out of memory"})
+                torch.cuda.empty_cache()
     out = os.environ.get("BENCH_RESULTS_DIR", "benches/results")
     tag = os.environ.get("BENCH_DEVICE_TAG", "h200")
     os.makedirs(out, exist_ok=True)

@@ -39,6 +39,27 @@ pub fn env_usize(key: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+/// The model shapes a bench names: `8b` and `70b` (Llama 3.1), `14b`
+/// (Qwen2.5-14B), or a preset (`tiny`, `1b`, ...).
+pub fn model_config(name: &str) -> anyhow::Result<streamer_models::LlamaConfig> {
+    use streamer_models::LlamaConfig;
+    Ok(match name {
+        "8b" => LlamaConfig::llama31_8b(),
+        "70b" => LlamaConfig::llama31_70b(),
+        "14b" => LlamaConfig::qwen25_14b(),
+        other => LlamaConfig::preset(other)?,
+    })
+}
+
+/// The quantized base the setting `key` asks for (`nf4`, `fp4`, `int8`,
+/// `fp8`); `None` when it is unset (a dense base).
+pub fn quant_scheme(key: &str) -> anyhow::Result<Option<streamer_quant::QuantScheme>> {
+    std::env::var(key)
+        .ok()
+        .map(|s| streamer_quant::QuantScheme::parse(&s).map_err(|e| anyhow::anyhow!("{key}: {e}")))
+        .transpose()
+}
+
 /// The first CUDA GPU when built with `cuda` and one is present, else the CPU.
 pub fn device() -> Device {
     #[cfg(feature = "cuda")]
