@@ -22,10 +22,12 @@
 //! --device-budget` counts it: `batch_plan::plan_batch`'s streamed plan, and
 //! its choice between resident and streamed, each with the prediction it made
 //! from `DecodeRates` measured here). `GEN_BENCH_QUANTIZE=nf4|fp4|int8|fp8`
-//! (with a preset, without a budget): the decoder layers' linear weights are
-//! packed quantized masters of random codes, streamed as packed bytes and
-//! dequantized on the device; each row also gives the packed bytes' PCIe
-//! floor (`h2d_gb` at the measured H2D rate) and how close it came to it.
+//! (with a preset): the decoder layers' linear weights are packed quantized
+//! masters of random codes, streamed as packed bytes and dequantized on the
+//! device (with a budget: the streamed plan only, counting the packed
+//! layers); each row also gives the packed bytes' PCIe floor (`h2d_gb` at
+//! the measured H2D rate) and how close it came to it. An empty
+//! `GEN_BENCH_BATCHES` runs only the budget's rows.
 //!
 //!     GPU_ONLY=bench-generate bash gpu-bundle/run.sh benches
 #[path = "common/mod.rs"]
@@ -40,8 +42,8 @@ use streamer_core::{StreamConfig, WeightSource};
 use streamer_models::{
     generate_batch, init_weights, init_weights_where, is_quantizable, plan_batch, request_flops,
     BatchLimits, BatchMemory, BatchOutput, BatchPlacement, BatchRequest, BatchRun, BatchShape,
-    BatchSink, DecodeRates, Llama, LlamaConfig, PretrainedFiles, QuantizedWeights, SplitMix64,
-    DEFAULT_STEP_ROWS,
+    BatchSink, DecodeRates, LayerFootprint, Llama, LlamaConfig, PretrainedFiles, QuantizedWeights,
+    SplitMix64, DEFAULT_STEP_ROWS,
 };
 
 /// The host weights in `dtype` and the model's name and configuration:
@@ -86,17 +88,28 @@ fn host_weights(
     Ok((w, name, cfg))
 }
 
+/// The host weights of the bench's model: dense tensors, and the packed
+/// linear weights of a quantized base.
+struct Base<'a> {
+    w: &'a HashMap<String, Tensor>,
+    quant: Option<&'a QuantizedWeights>,
+    /// `bf16`, or the quantized base's format.
+    format: &'a str,
+    layer: LayerFootprint,
+}
+
 /// The model placed as `placement` says.
 fn place(
-    w: &HashMap<String, Tensor>,
+    base: &Base,
     cfg: &LlamaConfig,
     (dev, dtype): (&Device, DType),
     placement: BatchPlacement,
-    quant: Option<&QuantizedWeights>,
 ) -> Result<Llama> {
     let t = Instant::now();
+    let w = base.w;
     let model = match placement {
         BatchPlacement::Resident => {
+            anyhow::ensure!(base.quant.is_none(), "a quantized base only streams");
             Llama::resident(VarBuilder::from_tensors(w.clone(), dtype, dev), cfg)?
         }
         BatchPlacement::Streamed { window } => {
@@ -107,7 +120,7 @@ fn place(
                 ..Default::default()
             };
             let src = WeightSource::Tensors(w.clone());
-            match quant {
+            match base.quant {
                 Some(q) => Llama::streamed_quantized(&src, q, cfg, stream)?,
                 None => Llama::streamed(&src, cfg, stream)?,
             }
@@ -167,6 +180,8 @@ struct Setup<'a> {
     dtype: DType,
     /// `bf16`, or the quantized base's format.
     format: &'a str,
+    /// A decoder layer's device bytes (packed, for a quantized base).
+    layer: LayerFootprint,
     placement: BatchPlacement,
     pg: (usize, usize),
     step_rows: usize,
@@ -190,7 +205,8 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
         capacity: s.pg.0 + s.pg.1,
         step_rows: s.step_rows,
     };
-    let plan = BatchMemory::of(cfg, s.dtype, s.placement.window(cfg), shape);
+    let window = (s.placement.window(cfg), s.layer);
+    let plan = BatchMemory::of(cfg, s.dtype, window, shape);
     println!("batch {batch}, {n} prompts: plan {plan}");
     streamer_core::trim_device_memory(s.dev)?;
     let base = common::used_now(s.dev);
@@ -274,10 +290,6 @@ fn main() -> Result<()> {
     let held = common::used_now(&dev);
     let t = Instant::now();
     let scheme = common::quant_scheme("GEN_BENCH_QUANTIZE")?;
-    anyhow::ensure!(
-        scheme.is_none() || budget_gib.is_none(),
-        "GEN_BENCH_QUANTIZE rows are streamed without a budget: unset GEN_BENCH_DEVICE_BUDGET_GIB"
-    );
     let (w, name, cfg) = host_weights(dtype, &dev, scheme.is_some())?;
     let quant = scheme
         .map(|s| QuantizedWeights::synthetic(&cfg, s, 0, 0.05))
@@ -291,6 +303,16 @@ fn main() -> Result<()> {
         }
         None => format!("{dtype:?}").to_lowercase(),
     };
+    let layer = match scheme {
+        Some(s) => LayerFootprint::quantized(&cfg, dtype, s, |_| false)?,
+        None => LayerFootprint::dense(&cfg, dtype),
+    };
+    let base = Base {
+        w: &w,
+        quant: quant.as_ref(),
+        format: &format,
+        layer,
+    };
     println!("{name}: host weights in {:.1} s", t.elapsed().as_secs_f64());
     let rates = DecodeRates::measure(&cfg, dtype, &dev)?;
     println!(
@@ -301,8 +323,9 @@ fn main() -> Result<()> {
     );
     let streamed = BatchPlacement::Streamed { window: 2 };
     let mut rows = Vec::new();
-    {
-        let model = place(&w, &cfg, (&dev, dtype), streamed, quant.as_ref())?;
+    let unbudgeted = batches(&dev)?;
+    if !unbudgeted.is_empty() {
+        let model = place(&base, &cfg, (&dev, dtype), streamed)?;
         warm_up(&model)?;
         let setup = Setup {
             dev: &dev,
@@ -310,6 +333,7 @@ fn main() -> Result<()> {
             name: &name,
             dtype,
             format: &format,
+            layer,
             placement: streamed,
             pg,
             step_rows,
@@ -317,15 +341,21 @@ fn main() -> Result<()> {
             budget_gib: None,
             expected: None,
         };
-        for b in batches(&dev)? {
+        for b in unbudgeted {
             rows.push(row(&setup, b)?);
         }
     }
     if let Some(b) = budget_gib {
-        for streamed_only in [true, false] {
+        // A quantized base only streams: one plan.
+        let only = if quant.is_some() {
+            &[true][..]
+        } else {
+            &[true, false]
+        };
+        for &streamed_only in only {
             let setup = (&dev, name.as_str(), dtype, pg, step_rows);
             rows.push(budget_row(
-                &w,
+                &base,
                 &cfg,
                 setup,
                 (b, held, streamed_only),
@@ -359,7 +389,7 @@ fn warm_up(model: &Llama) -> Result<()> {
 /// the model included), with the GPU capped at the budget: the streamed plan,
 /// or the faster of resident and streamed.
 fn budget_row(
-    w: &HashMap<String, Tensor>,
+    base: &Base,
     cfg: &LlamaConfig,
     (dev, name, dtype, pg, step_rows): (&Device, &str, DType, (usize, usize), usize),
     (gib, held, streamed_only): (usize, usize, bool),
@@ -373,19 +403,25 @@ fn budget_row(
         new_tokens: pg.1 as f64,
     };
     let left = (gib << 30).saturating_sub(held);
-    let plan = plan_batch(cfg, dtype, (left, 2, streamed_only), run, &rates)?;
+    let plan = plan_batch(
+        cfg,
+        (dtype, base.layer),
+        (left, 2, streamed_only),
+        run,
+        &rates,
+    )?;
     println!("--device-budget {gib}GiB ({held} bytes held before the model): {plan}");
     streamer_core::trim_device_memory(dev)?;
     let _cap = common::cap_device_memory(dev, Some(gib << 30))?;
-    let model = place(w, cfg, (dev, dtype), plan.placement, None)?;
+    let model = place(base, cfg, (dev, dtype), plan.placement)?;
     warm_up(&model)?;
-    let format = format!("{dtype:?}").to_lowercase();
     let setup = Setup {
         dev,
         model: &model,
         name,
         dtype,
-        format: &format,
+        format: base.format,
+        layer: base.layer,
         placement: plan.placement,
         pg,
         step_rows,

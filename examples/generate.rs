@@ -50,7 +50,8 @@ use streamer_core::{StreamConfig, WeightSource};
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
     generate, init_weights, parse_bytes, prefetch_for_budget, BatchPlacement, ByteCorpus,
-    CheckpointFiles, Llama, LlamaConfig, LoraAdapters, Placement, TextTokenizer, DEFAULT_STEP_ROWS,
+    CheckpointFiles, LayerFootprint, Llama, LlamaConfig, LoraAdapters, Placement,
+    QuantizationConfig, TextTokenizer, DEFAULT_STEP_ROWS,
 };
 use streamer_quant::QuantScheme;
 
@@ -304,6 +305,28 @@ fn budget_and_scheme(a: &Args) -> Result<(Option<usize>, Option<QuantScheme>)> {
         .transpose()?;
     let scheme = a.quantize.as_deref().map(QuantScheme::parse).transpose()?;
     Ok((budget, scheme))
+}
+
+/// The device bytes of a decoder layer of the model `a` loads: packed when
+/// it is quantized (`--quantize`, or a folder whose `config.json` has a
+/// `quantization_config`), else dense in `dtype`.
+fn layer_footprint(a: &Args, cfg: &LlamaConfig, dtype: DType) -> Result<LayerFootprint> {
+    let (_, scheme) = budget_and_scheme(a)?;
+    if let Some(scheme) = scheme {
+        return Ok(LayerFootprint::quantized(cfg, dtype, scheme, |_| false)?);
+    }
+    if let Some(dir) = &a.model {
+        let files = streamer_models::PretrainedFiles::in_dir(dir)?;
+        let text = std::fs::read_to_string(&files.config)
+            .with_context(|| format!("reading {}", files.config.display()))?;
+        if let Some(qc) = QuantizationConfig::from_config_json(&text)? {
+            let scheme = qc.method.scheme();
+            return Ok(LayerFootprint::quantized(cfg, dtype, scheme, |n| {
+                qc.skips(n)
+            })?);
+        }
+    }
+    Ok(LayerFootprint::dense(cfg, dtype))
 }
 
 /// `--model DIR`: the folder's config, weights and tokenizer, placed as
@@ -694,7 +717,8 @@ mod batch {
         let rates = DecodeRates::measure(cfg, dtype, dev)?;
         let window =
             candle_streamer::cli::prefetch("--prefetch", a.prefetch, cfg.num_hidden_layers)? + 1;
-        let p = plan_batch(cfg, dtype, (left, window, a.streamed), run, &rates)
+        let layer = super::layer_footprint(a, cfg, dtype)?;
+        let p = plan_batch(cfg, (dtype, layer), (left, window, a.streamed), run, &rates)
             .with_context(|| format!("--device-budget {budget}"))?;
         eprintln!(
             "--device-budget {budget} ({:.2} GiB held already): {p} (rates: H2D {:.1} GB/s, \

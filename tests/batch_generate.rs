@@ -453,19 +453,26 @@ fn output_file_resumes_after_a_cut_last_line() -> Result<()> {
 #[test]
 fn batch_plan_sequences_for_budget() -> Result<()> {
     use streamer_models::batch_plan::kv_bytes_per_sequence;
-    use streamer_models::{sequences_for_budget, BatchMemory, BatchShape};
+    use streamer_models::{sequences_for_budget, BatchMemory, BatchShape, LayerFootprint};
     let cfg = LlamaConfig::llama31_8b();
+    let window = (2, LayerFootprint::dense(&cfg, DType::BF16));
     let (capacity, step_rows) = (544, 16384);
     // 32 layers, 8 kv heads of 128, 544 positions, bf16.
     ensure!(kv_bytes_per_sequence(&cfg, DType::BF16, capacity) == 2 * 32 * 8 * 128 * 544 * 2);
     ensure!(kv_bytes_per_sequence(&cfg, DType::BF16, 530) == 2 * 32 * 8 * 128 * 544 * 2);
     let budget = 24usize << 30;
-    let n = sequences_for_budget(&cfg, DType::BF16, 2, (capacity, step_rows, 1 << 14), budget)?;
+    let n = sequences_for_budget(
+        &cfg,
+        DType::BF16,
+        window,
+        (capacity, step_rows, 1 << 14),
+        budget,
+    )?;
     let total = |sequences| {
         BatchMemory::of(
             &cfg,
             DType::BF16,
-            2,
+            window,
             BatchShape {
                 sequences,
                 capacity,
@@ -479,7 +486,7 @@ fn batch_plan_sequences_for_budget() -> Result<()> {
     let m = BatchMemory::of(
         &cfg,
         DType::BF16,
-        2,
+        window,
         BatchShape {
             sequences: n,
             capacity,
@@ -490,8 +497,10 @@ fn batch_plan_sequences_for_budget() -> Result<()> {
     ensure!(m.weights == 2 * cfg.layer_params() * 2 + outer, "{m:?}");
     ensure!((250..300).contains(&n), "{n} sequences in 24 GiB");
     // Capped by the caller's most.
-    ensure!(sequences_for_budget(&cfg, DType::BF16, 2, (capacity, step_rows, 10), budget)? == 10);
-    let e = sequences_for_budget(&cfg, DType::BF16, 2, (capacity, step_rows, 8), 4 << 30)
+    ensure!(
+        sequences_for_budget(&cfg, DType::BF16, window, (capacity, step_rows, 10), budget)? == 10
+    );
+    let e = sequences_for_budget(&cfg, DType::BF16, window, (capacity, step_rows, 8), 4 << 30)
         .expect_err("4 GiB holds the weights but not one step");
     ensure!(
         matches!(streamer_device::Error::find(&e),
@@ -509,7 +518,9 @@ fn batch_plan_sequences_for_budget() -> Result<()> {
 /// decode steps' floor, added when resident, overlapped when streamed).
 #[test]
 fn batch_plan_picks_resident_or_streamed() -> Result<()> {
-    use streamer_models::{plan_batch, request_flops, BatchPlacement, BatchRun, DecodeRates};
+    use streamer_models::{
+        plan_batch, request_flops, BatchPlacement, BatchRun, DecodeRates, LayerFootprint,
+    };
     let cfg = LlamaConfig::llama31_8b();
     let rates = DecodeRates {
         h2d_bytes_per_s: 50e9,
@@ -533,6 +544,7 @@ fn batch_plan_picks_resident_or_streamed() -> Result<()> {
     let got = request_flops(&cfg, 512, 32);
     ensure!((got / want - 1.0).abs() < 1e-12, "{got} vs {want}");
     let layers = 32.0 * cfg.layer_params() as f64 * 2.0;
+    let bf16 = (DType::BF16, LayerFootprint::dense(&cfg, DType::BF16));
     let expect = |p: &streamer_models::BatchPlan| {
         let compute = want / rates.flops_per_s;
         let s = p.sequences as f64;
@@ -546,12 +558,12 @@ fn batch_plan_picks_resident_or_streamed() -> Result<()> {
     };
     // 24 GiB: the whole model fits with room for a batch, and copying
     // nothing beats a batch three times larger that copies 16 GB a step.
-    let p = plan_batch(&cfg, DType::BF16, (24 << 30, 2, false), run, &rates)?;
+    let p = plan_batch(&cfg, bf16, (24 << 30, 2, false), run, &rates)?;
     ensure!(p.placement == BatchPlacement::Resident, "{p}");
     ensure!(p.memory.total() <= 24 << 30 && p.sequences > 50, "{p}");
     ensure!((p.tokens_per_s / expect(&p) - 1.0).abs() < 1e-9, "{p}");
     // Streamed only: the most sequences 24 GiB holds with two layers.
-    let s = plan_batch(&cfg, DType::BF16, (24 << 30, 2, true), run, &rates)?;
+    let s = plan_batch(&cfg, bf16, (24 << 30, 2, true), run, &rates)?;
     ensure!(s.placement == BatchPlacement::Streamed { window: 2 }, "{s}");
     ensure!(
         s.sequences > 3 * p.sequences && s.tokens_per_s < p.tokens_per_s,
@@ -560,21 +572,86 @@ fn batch_plan_picks_resident_or_streamed() -> Result<()> {
     ensure!((s.tokens_per_s / expect(&s) - 1.0).abs() < 1e-9, "{s}");
     ensure!(s.limits().sequences == s.sequences && s.limits().step_rows == 16384);
     // 16 GiB cannot hold the model's 15 GiB of weights and a step: streamed.
-    let q = plan_batch(&cfg, DType::BF16, (16 << 30, 2, false), run, &rates)?;
+    let q = plan_batch(&cfg, bf16, (16 << 30, 2, false), run, &rates)?;
     ensure!(q.placement == BatchPlacement::Streamed { window: 2 }, "{q}");
     // With PCIe as fast as device memory, more sequences win.
     let fast = DecodeRates {
         h2d_bytes_per_s: 3e12,
         ..rates
     };
-    let f = plan_batch(&cfg, DType::BF16, (24 << 30, 2, false), run, &fast)?;
+    let f = plan_batch(&cfg, bf16, (24 << 30, 2, false), run, &fast)?;
     ensure!(f.placement == BatchPlacement::Streamed { window: 2 }, "{f}");
     // Nothing fits: the streamed plan's error names the budget.
-    let e = plan_batch(&cfg, DType::BF16, (4 << 30, 2, false), run, &rates)
-        .expect_err("4 GiB holds no plan");
+    let e =
+        plan_batch(&cfg, bf16, (4 << 30, 2, false), run, &rates).expect_err("4 GiB holds no plan");
     ensure!(
         streamer_device::Error::is_out_of_memory(&e) && e.to_string().contains("4.00 GiB"),
         "{e}"
     );
+    Ok(())
+}
+
+/// A quantized base's layers count as their packed bytes in a window slot
+/// plus one layer dequantized while it computes: the footprint equals the
+/// packed buffers `QuantizedWeights::synthetic` makes, and for 8B shapes in
+/// NF4 (block size 64, an f32 absmax a block) 0.5625 bytes a linear weight.
+/// A quantized plan streams (its layers cannot be resident), holds more
+/// sequences than the dense streamed plan in the same budget, and predicts
+/// its PCIe floor from the packed bytes.
+#[test]
+fn batch_plan_counts_packed_layers() -> Result<()> {
+    use streamer_models::{
+        plan_batch, BatchPlacement, BatchRun, DecodeRates, LayerFootprint, QuantizedWeights,
+    };
+    use streamer_quant::QuantScheme;
+    let nf4 = QuantScheme::parse("nf4")?;
+    let tiny = LlamaConfig::preset("tiny")?;
+    for scheme in ["nf4", "int8", "fp8"] {
+        let scheme = QuantScheme::parse(scheme)?;
+        let q = QuantizedWeights::synthetic(&tiny, scheme, 0, 0.05)?;
+        let f = LayerFootprint::quantized(&tiny, DType::BF16, scheme, |_| false)?;
+        let norms = 2 * tiny.hidden_size * 2;
+        let linear = tiny.layer_params() - 2 * tiny.hidden_size;
+        ensure!(
+            f.slot * tiny.num_hidden_layers == q.packed_bytes() + norms * tiny.num_hidden_layers,
+            "{scheme:?}: {f:?} against {} packed bytes",
+            q.packed_bytes()
+        );
+        ensure!(f.scratch == linear * 2 && f.quantized, "{f:?}");
+    }
+    let cfg = LlamaConfig::llama31_8b();
+    let linear = cfg.layer_params() - 2 * 4096;
+    let f = LayerFootprint::quantized(&cfg, DType::BF16, nf4, |_| false)?;
+    ensure!(f.slot == linear * 9 / 16 + 2 * 4096 * 2, "{f:?}");
+    // Weights kept dense (a checkpoint's skip_modules) count in full.
+    let skip = LayerFootprint::quantized(&cfg, DType::BF16, nf4, |n| n.contains("down_proj"))?;
+    let down = 4096 * 14336;
+    ensure!(skip.slot == f.slot + down * 2 - down * 9 / 16, "{skip:?}");
+    ensure!(skip.scratch == f.scratch - down * 2, "{skip:?}");
+    let rates = DecodeRates {
+        h2d_bytes_per_s: 50e9,
+        device_bytes_per_s: 3e12,
+        flops_per_s: 700e12,
+    };
+    let run = BatchRun {
+        capacity: 544,
+        step_rows: 16384,
+        most: 4096,
+        prompt_len: 512.0,
+        new_tokens: 32.0,
+    };
+    let budget = (24 << 30, 2, false);
+    let p = plan_batch(&cfg, (DType::BF16, f), budget, run, &rates)?;
+    ensure!(p.placement == BatchPlacement::Streamed { window: 2 }, "{p}");
+    let outer = (2 * 128256 * 4096 + 4096) * 2;
+    ensure!(p.memory.weights == 2 * f.slot + f.scratch + outer, "{p}");
+    let dense = (DType::BF16, LayerFootprint::dense(&cfg, DType::BF16));
+    let d = plan_batch(&cfg, dense, (24 << 30, 2, true), run, &rates)?;
+    ensure!(p.sequences > d.sequences, "{p} against {d}");
+    // Streamed: the request's FLOPs or its share of the packed copies.
+    let compute = streamer_models::request_flops(&cfg, 512, 32) / rates.flops_per_s;
+    let floor = 32.0 * (32 * f.slot) as f64 / rates.h2d_bytes_per_s / p.sequences as f64;
+    let want = 32.0 / compute.max(floor);
+    ensure!((p.tokens_per_s / want - 1.0).abs() < 1e-9, "{p}: {want}");
     Ok(())
 }

@@ -3,8 +3,9 @@
 //! --device-budget` can choose its batch before anything loads.
 //!
 //! What a streamed batched decode keeps on the device: the layer window's
-//! weights, the embedding, final norm and head (copied once for the batch),
-//! the packed kv cache (`crate::batch_kv`: every slot reserves the longest
+//! weights (a quantized base's packed bytes, and the layer it computes
+//! dequantized: [`LayerFootprint`]), the embedding, final norm and head
+//! (copied once for the batch), the packed kv cache (`crate::batch_kv`: every slot reserves the longest
 //! sequence's rows), and one step's activations (at most `step_rows` rows
 //! through a decoder layer, and the logits of every sequence), plus a
 //! margin for cuBLAS workspaces and the allocator.
@@ -12,7 +13,67 @@ use candle_core::{DType, Device, Result, Tensor};
 use std::time::Instant;
 
 use crate::checkpoint::layer_bytes;
+use crate::quantized_weights::is_quantizable;
 use crate::{BatchLimits, LlamaConfig};
+use streamer_quant::QuantScheme;
+
+/// The device bytes of one decoder layer's weights: in a window slot, and
+/// beside the window while the layer computes (a quantized layer's linear
+/// weights dequantized into the compute dtype for its GEMMs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerFootprint {
+    /// Bytes of a layer in a slot (what a streamed step copies over PCIe).
+    pub slot: usize,
+    /// Bytes the computing layer holds besides its slot.
+    pub scratch: usize,
+    /// Packed quantized weights: the layers can only stream.
+    pub quantized: bool,
+}
+
+impl LayerFootprint {
+    /// Every weight dense in `dtype`.
+    pub fn dense(cfg: &LlamaConfig, dtype: DType) -> Self {
+        Self {
+            slot: layer_bytes(cfg, dtype),
+            scratch: 0,
+            quantized: false,
+        }
+    }
+
+    /// The linear weights packed as `scheme` (but those `keep_dense` names,
+    /// e.g. a checkpoint's `skip_modules`), the rest dense in `dtype`.
+    pub fn quantized(
+        cfg: &LlamaConfig,
+        dtype: DType,
+        scheme: QuantScheme,
+        keep_dense: impl Fn(&str) -> bool,
+    ) -> Result<Self> {
+        let e = dtype.size_in_bytes();
+        let (mut slot, mut scratch) = (0, 0);
+        for (name, shape, _) in cfg.layer_weights(0) {
+            let dense = shape.iter().product::<usize>() * e;
+            if is_quantizable(&name) && !keep_dense(&name) {
+                let layout = scheme
+                    .layout(&name, &shape)
+                    .map_err(candle_core::Error::wrap)?;
+                slot += layout.bytes();
+                scratch += dense;
+            } else {
+                slot += dense;
+            }
+        }
+        Ok(Self {
+            slot,
+            scratch,
+            quantized: true,
+        })
+    }
+
+    /// The device bytes of `window` layers in their slots and one computing.
+    fn device_bytes(&self, window: usize) -> usize {
+        window * self.slot + self.scratch
+    }
+}
 
 /// A margin for what the estimate does not count (cuBLAS workspaces, kernels
 /// loaded at first use, the allocator's rounding): 1 GiB, plus 1/20 of the kv
@@ -49,9 +110,14 @@ pub struct BatchShape {
 }
 
 impl BatchMemory {
-    /// The estimate for `cfg` computing in `dtype` with `window` layers on the
-    /// device (all of them when resident).
-    pub fn of(cfg: &LlamaConfig, dtype: DType, window: usize, shape: BatchShape) -> Self {
+    /// The estimate for `cfg` computing in `dtype` with `window` layers of
+    /// `layer` on the device (all of them when resident).
+    pub fn of(
+        cfg: &LlamaConfig,
+        dtype: DType,
+        (window, layer): (usize, LayerFootprint),
+        shape: BatchShape,
+    ) -> Self {
         let e = dtype.size_in_bytes();
         let outer: usize = cfg
             .outer_weights()
@@ -66,7 +132,7 @@ impl BatchMemory {
         let kv = shape.sequences * kv_bytes_per_sequence(cfg, dtype, shape.capacity);
         let activations = shape.step_rows * per_row + 2 * shape.sequences * cfg.vocab_size * e;
         Self {
-            weights: window * layer_bytes(cfg, dtype) + outer * e,
+            weights: layer.device_bytes(window) + outer * e,
             kv,
             activations,
             margin: MARGIN + (kv + activations) / MARGIN_SHARE,
@@ -101,12 +167,13 @@ pub fn kv_bytes_per_sequence(cfg: &LlamaConfig, dtype: DType, capacity: usize) -
     2 * cfg.num_hidden_layers * cfg.num_kv_heads() * cfg.head_dim() * rows * dtype.size_in_bytes()
 }
 
-/// The most sequences (at most `max`) whose batched decode fits `budget`
-/// bytes; an error naming the smallest budget that holds one when none fits.
+/// The most sequences (at most `max`) whose batched decode with `window`
+/// layers of `layer` on the device fits `budget` bytes; an error naming the
+/// smallest budget that holds one when none fits.
 pub fn sequences_for_budget(
     cfg: &LlamaConfig,
     dtype: DType,
-    window: usize,
+    window: (usize, LayerFootprint),
     (capacity, step_rows, max): (usize, usize, usize),
     budget: usize,
 ) -> Result<usize> {
@@ -285,12 +352,12 @@ impl BatchPlan {
     /// The plan of `placement` with the most sequences `budget` holds.
     fn of(
         cfg: &LlamaConfig,
-        dtype: DType,
+        (dtype, layer): (DType, LayerFootprint),
         (placement, budget): (BatchPlacement, usize),
         run: BatchRun,
         rates: &DecodeRates,
     ) -> Result<Self> {
-        let window = placement.window(cfg);
+        let window = (placement.window(cfg), layer);
         let most = (run.capacity, run.step_rows, run.most);
         let sequences = sequences_for_budget(cfg, dtype, window, most, budget)?;
         let shape = BatchShape {
@@ -302,7 +369,7 @@ impl BatchPlan {
         // Per request: its FLOPs, and its share of the decode steps' floor
         // (every layer copied over PCIe when streamed, read from device
         // memory when resident), whichever is longer.
-        let layers = (cfg.num_hidden_layers * layer_bytes(cfg, dtype)) as f64;
+        let layers = (cfg.num_hidden_layers * layer.slot) as f64;
         let step_floor = match placement {
             BatchPlacement::Resident => layers / rates.device_bytes_per_s,
             BatchPlacement::Streamed { .. } => layers / rates.h2d_bytes_per_s,
@@ -335,26 +402,28 @@ impl BatchPlan {
 
 /// The placement (resident, or streamed through `window` layers) and the
 /// batch that `budget` bytes hold with the most generated tokens/s `rates`
-/// predict; `streamed_only` leaves resident out. An error names what the
-/// smallest plan needs when none fits.
+/// predict, for layers of `layer` computing in `dtype`; `streamed_only`
+/// leaves resident out (as a quantized base always does: its packed layers
+/// only stream). An error names what the smallest plan needs when none fits.
 pub fn plan_batch(
     cfg: &LlamaConfig,
-    dtype: DType,
+    (dtype, layer): (DType, LayerFootprint),
     (budget, window, streamed_only): (usize, usize, bool),
     run: BatchRun,
     rates: &DecodeRates,
 ) -> Result<BatchPlan> {
+    let weights = (dtype, layer);
     let streamed = BatchPlan::of(
         cfg,
-        dtype,
+        weights,
         (BatchPlacement::Streamed { window }, budget),
         run,
         rates,
     );
-    if streamed_only {
+    if streamed_only || layer.quantized {
         return streamed;
     }
-    let resident = BatchPlan::of(cfg, dtype, (BatchPlacement::Resident, budget), run, rates);
+    let resident = BatchPlan::of(cfg, weights, (BatchPlacement::Resident, budget), run, rates);
     match (resident, streamed) {
         (Ok(r), Ok(s)) => Ok(if r.tokens_per_s >= s.tokens_per_s {
             r

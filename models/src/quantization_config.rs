@@ -17,7 +17,7 @@ use crate::config_fields::{field_error, flag, names, only_known, require, Obj};
 use crate::fp8_config::{parse_fp8, Fp8Layout};
 use candle_core::{DType, Result};
 use serde_json::{json, Value};
-use streamer_quant::FourBitType;
+use streamer_quant::{FourBitType, QuantScheme};
 
 /// The quantized layout of a checkpoint.
 #[derive(Clone, Debug, PartialEq)]
@@ -46,6 +46,27 @@ pub enum QuantMethod {
     Int8,
     /// float8 e4m3 weights with per-tensor or per-row scales.
     Fp8(Fp8Layout),
+}
+
+impl QuantMethod {
+    /// How this method quantizes a weight: bitsandbytes' 4-bit blocks of 64
+    /// (the only size transformers passes), its int8 rows, fp8 with a scale
+    /// per row.
+    pub fn scheme(&self) -> QuantScheme {
+        match self {
+            Self::FourBit {
+                quant_type,
+                double_quant,
+                ..
+            } => QuantScheme::FourBit {
+                kind: *quant_type,
+                blocksize: 64,
+                double: *double_quant,
+            },
+            Self::Int8 => QuantScheme::Int8,
+            Self::Fp8(_) => QuantScheme::Fp8 { per_row: true },
+        }
+    }
 }
 
 /// Fields of transformers' `BitsAndBytesConfig.to_dict()`.

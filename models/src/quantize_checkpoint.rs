@@ -6,31 +6,14 @@ use crate::quantization_config::{QuantMethod, QuantizationConfig};
 use crate::quantized_checkpoint::QuantizedCheckpoint;
 use candle_core::{DType, Result, Tensor};
 use std::collections::HashMap;
-use streamer_quant::{HostTensor, QuantScheme};
-
-/// How `method` quantizes a weight: bitsandbytes' 4-bit blocks of 64 (the
-/// only size transformers passes), its int8 rows, fp8 with a scale per row.
-fn scheme(method: &QuantMethod) -> QuantScheme {
-    match method {
-        QuantMethod::FourBit {
-            quant_type,
-            double_quant,
-            ..
-        } => QuantScheme::FourBit {
-            kind: *quant_type,
-            blocksize: 64,
-            double: *double_quant,
-        },
-        QuantMethod::Int8 => QuantScheme::Int8,
-        QuantMethod::Fp8(_) => QuantScheme::Fp8 { per_row: true },
-    }
-}
+use streamer_quant::HostTensor;
 
 /// `t` (2-D) quantized as `method` says.
 fn quantize_one(name: &str, t: &Tensor, method: &QuantMethod) -> Result<HostTensor> {
     let (rows, cols) = t.dims2()?;
     let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    scheme(method)
+    method
+        .scheme()
         .quantize(name, &v, &[rows, cols])
         .map_err(candle_core::Error::wrap)
 }
