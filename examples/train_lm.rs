@@ -24,6 +24,10 @@
 //! are oversubscribed (measured: 0.27 s vs 1.5 s a step for `tiny` on 2 shared cores).
 #[path = "common/device_flags.rs"]
 mod device_flags;
+#[path = "common/loss_curve.rs"]
+mod loss_curve;
+#[path = "common/save_flags.rs"]
+mod save_flags;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
@@ -32,7 +36,8 @@ use candle_streamer::cli;
 use candle_streamer::report::Progress;
 use clap::Parser;
 use device_flags::DeviceFlags;
-use std::io::Write;
+use loss_curve::{read_losses, write_curve, CurveLabels};
+use save_flags::SaveFlags;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use streamer_autograd::ActivationPolicy;
@@ -111,19 +116,11 @@ struct Args {
     /// Output folder.
     #[arg(long, default_value = "runs/train_lm")]
     out: PathBuf,
-    /// Continue from the checkpoint in <out>/checkpoint.
-    #[arg(long)]
-    resume: bool,
-    /// Save a checkpoint every N steps (and at the end).
-    #[arg(long, default_value_t = 100)]
-    save_every: usize,
+    #[command(flatten)]
+    save: SaveFlags,
     /// Seed of the initial weights and the data order.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// When stderr is not a terminal, a progress line (step, loss, tokens/s,
-    /// ETA) every N steps; 0: about 20 lines a run.
-    #[arg(long, default_value_t = 0)]
-    log_every: usize,
     /// LoRA fine-tuning of rank R instead of full fine-tuning: the base
     /// (streamed) is frozen, only the adapters train (AdamW on the device);
     /// adapters are saved in PEFT's layout in <out>/adapter.
@@ -221,7 +218,7 @@ fn resolve_config(a: &Args, ckpt: &Path) -> Result<(LlamaConfig, String)> {
         (None, None, None) => None,
         _ => bail!("give one of --config, --preset and --model"),
     };
-    let cfg = if a.resume {
+    let cfg = if a.save.resume {
         let saved = CheckpointFiles::read(ckpt)
             .with_context(|| format!("--resume: no checkpoint in {}", ckpt.display()))?;
         let cfg = LlamaConfig::from_json_file(&saved.config)?;
@@ -252,7 +249,7 @@ fn resolve_tokenizer(a: &Args, cfg: &LlamaConfig, ckpt: &Path) -> Result<Option<
                 m.display()
             ),
         },
-        (None, None) if a.resume && ckpt.join("tokenizer.json").is_file() => {
+        (None, None) if a.save.resume && ckpt.join("tokenizer.json").is_file() => {
             Some(ckpt.join("tokenizer.json"))
         }
         (None, None) => None,
@@ -313,7 +310,7 @@ fn loop_options(
         lr,
         warmup: a.warmup,
         decay: Decay::parse(&a.schedule).context("--schedule")?,
-        save_every: Some(cli::count("--save-every", a.save_every, 1 << 40)?),
+        save_every: Some(cli::count("--save-every", a.save.save_every, 1 << 40)?),
         checkpoint_dir: Some(ckpt.to_path_buf()),
     };
     if a.sample_tokens > 1 << 20 {
@@ -337,39 +334,13 @@ fn micro_batches(tokens: Option<usize>, batch: usize, seq: usize) -> Result<usiz
     Ok(t / per)
 }
 
-fn write_curve(out: &Path, losses: &[(usize, f32)], title: &str) -> Result<()> {
-    let mut csv = std::fs::File::create(out.join("loss.csv"))?;
-    writeln!(csv, "step,loss")?;
-    for (s, l) in losses {
-        writeln!(csv, "{s},{l}")?;
-    }
-    let pts = losses.iter().map(|&(s, l)| (s as f64, l as f64)).collect();
-    let svg = candle_streamer::report::svg_plot_axes(
-        false,
+/// The loss plot's labels of a run titled `title`.
+fn lm_labels(title: &str) -> CurveLabels<'_> {
+    CurveLabels {
         title,
-        "step",
-        "cross-entropy (nats/token)",
-        &[("train".into(), pts)],
-    );
-    std::fs::write(out.join("loss.svg"), svg)?;
-    Ok(())
-}
-
-fn read_losses(path: &Path, upto: usize) -> Result<Vec<(usize, f32)>> {
-    if !path.exists() {
-        return Ok(Vec::new());
+        ylabel: "cross-entropy (nats/token)",
+        series: "train",
     }
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let all: Vec<(usize, f32)> = text
-        .lines()
-        .skip(1)
-        .map(|l| -> Result<(usize, f32)> {
-            let (s, v) = l.split_once(',').context("malformed loss.csv line")?;
-            Ok((s.parse()?, v.parse()?))
-        })
-        .collect::<Result<_>>()?;
-    Ok(all.into_iter().filter(|(s, _)| *s <= upto).collect())
 }
 
 fn sample(model: &Llama, tok: Option<&TextTokenizer>, a: &Args) -> Result<String> {
@@ -478,7 +449,7 @@ fn main() -> Result<()> {
     if let Some(avail) = streamer_core::host_available_memory() {
         plan.check_fits(avail)?;
     }
-    let mut trainer = match (&a.model, a.resume) {
+    let mut trainer = match (&a.model, a.save.resume) {
         (_, true) => LmTrainer::resume_with(&ckpt, stream, adam, place, state)?,
         (Some(dir), false) => {
             let p = Llama::from_pretrained(dir, Placement::Streamed(stream))?;
@@ -504,7 +475,7 @@ fn main() -> Result<()> {
         layers.set_activation_policy(policy)?;
     }
     let start = trainer.steps_done();
-    let losses = if a.resume {
+    let losses = if a.save.resume {
         read_losses(&a.out.join("loss.csv"), start)?
     } else {
         Vec::new()
@@ -655,7 +626,7 @@ fn lora_config(a: &Args) -> Result<Option<LoraConfig>> {
         }
         return Ok(None);
     };
-    if a.resume {
+    if a.save.resume {
         bail!("--resume continues full fine-tuning; LoRA runs (--lora-r) start from the base");
     }
     let targets: Vec<&str> = a.lora_targets.split(',').map(str::trim).collect();
@@ -719,9 +690,10 @@ fn train(
         println!("sample before: {:?}", sample(trainer.model(), tok, a)?);
     }
     // A bar on a terminal; plain lines every --log-every steps in a log.
-    let progress = Progress::new(start, steps, a.log_every);
+    let progress = Progress::new(start, steps, a.save.log_every);
     let t0 = Instant::now();
     let title = format!("train_lm {label}: loss");
+    let labels = lm_labels(&title);
     let mut curve = losses.clone();
     let mut train_s = 0.0;
     let new = train_loop(trainer, corpus, opts, |r| {
@@ -730,7 +702,7 @@ fn train(
         progress.update(r.step, r.loss, r.tokens_per_s);
         if r.saved {
             // The curve follows the checkpoints (a resumed run continues it).
-            if let Err(e) = write_curve(&a.out, &curve, &title) {
+            if let Err(e) = write_curve(&a.out, &curve, &labels) {
                 progress.println(&format!("warning: cannot write the loss curve: {e}"));
             }
         }
@@ -738,7 +710,7 @@ fn train(
     progress.finish();
     let secs = t0.elapsed().as_secs_f64();
     losses.extend(new.iter().copied());
-    write_curve(&a.out, &losses, &title)?;
+    write_curve(&a.out, &losses, &labels)?;
     let first = new.first().map(|l| l.1).unwrap_or(f32::NAN);
     let last = new.last().map(|l| l.1).unwrap_or(f32::NAN);
     let tokens = new.len() * opts.micro_batches * a.batch * seq;
@@ -820,7 +792,7 @@ mod lora {
         let mut opt = candle_nn::AdamW::new(vars.iter().map(|(_, v)| v.clone()).collect(), params)?;
         let dir = a.out.join("adapter");
         let base = a.model.as_ref().map(|m| m.display().to_string());
-        let progress = Progress::new(0, opts.steps, a.log_every);
+        let progress = Progress::new(0, opts.steps, a.save.log_every);
         let (t0, mut losses) = (Instant::now(), Vec::new());
         for s in 0..opts.steps {
             let (x, y) = corpus.batch(opts.seed, s as u64, opts.batch, opts.seq, &dev)?;
@@ -841,11 +813,8 @@ mod lora {
             }
         }
         progress.finish();
-        write_curve(
-            &a.out,
-            &losses,
-            &format!("train_lm LoRA {}: loss", run.label),
-        )?;
+        let title = format!("train_lm LoRA {}: loss", run.label);
+        write_curve(&a.out, &losses, &super::lm_labels(&title))?;
         let (first, last) = (losses[0].1, losses[losses.len() - 1].1);
         println!(
             "loss {first:.4} -> {last:.4} over {} steps ({:.1} s); adapters in {}",

@@ -12,6 +12,10 @@
 //! resumes from a complete, consistent save.
 #[path = "common/device_flags.rs"]
 mod device_flags;
+#[path = "common/loss_curve.rs"]
+mod loss_curve;
+#[path = "common/save_flags.rs"]
+mod save_flags;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
@@ -20,9 +24,10 @@ use candle_streamer::cli;
 use candle_streamer::report::Progress;
 use clap::Parser;
 use device_flags::DeviceFlags;
+use loss_curve::{read_losses, write_curve, CurveLabels};
 use rand::{rngs::StdRng, Rng, SeedableRng};
+use save_flags::SaveFlags;
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 use streamer_autograd::{OptimizerPlace, PlacedAdamW, Train, TrainableSequential};
@@ -61,16 +66,8 @@ struct Args {
     /// Output folder.
     #[arg(long, default_value = "runs/train_mlp")]
     out: PathBuf,
-    /// Continue from the weights and optimizer state saved in --out.
-    #[arg(long)]
-    resume: bool,
-    /// Save weights and optimizer state every N steps (and at the end).
-    #[arg(long, default_value_t = 100)]
-    save_every: usize,
-    /// When stderr is not a terminal, a progress line (step, loss, tokens/s,
-    /// ETA) every N steps; 0: about 20 lines a run.
-    #[arg(long, default_value_t = 0)]
-    log_every: usize,
+    #[command(flatten)]
+    save: SaveFlags,
     /// Seed of the teacher, the initial student and the data.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -132,35 +129,12 @@ fn optimizer(a: &Args, student: &TrainableSequential) -> Result<PlacedAdamW> {
     Ok(opt)
 }
 
-fn write_curve(out: &std::path::Path, losses: &[(usize, f32)]) -> Result<()> {
-    let mut csv = std::fs::File::create(out.join("loss.csv"))?;
-    writeln!(csv, "step,loss")?;
-    for (s, l) in losses {
-        writeln!(csv, "{s},{l}")?;
-    }
-    let pts = losses.iter().map(|&(s, l)| (s as f64, l as f64)).collect();
-    let svg = candle_streamer::report::svg_plot_axes(
-        false,
-        "train_mlp: loss",
-        "step",
-        "MSE",
-        &[("student".into(), pts)],
-    );
-    std::fs::write(out.join("loss.svg"), svg)?;
-    Ok(())
-}
-
-fn read_losses(path: &std::path::Path) -> Result<Vec<(usize, f32)>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    text.lines()
-        .skip(1)
-        .map(|l| {
-            let (s, v) = l.split_once(',').context("malformed loss.csv line")?;
-            Ok((s.parse()?, v.parse()?))
-        })
-        .collect()
-}
+/// The loss plot's labels.
+const LABELS: CurveLabels = CurveLabels {
+    title: "train_mlp: loss",
+    ylabel: "MSE",
+    series: "student",
+};
 
 /// Every flag checked before any work: sizes positive and not absurd, a finite
 /// positive learning rate, `--prefetch` within the model. Returns the prefetch.
@@ -170,7 +144,7 @@ fn check_args(a: &Args) -> Result<usize> {
     cli::count("--hidden", a.hidden, 1 << 20)?;
     cli::count("--batch", a.batch, 1 << 24)?;
     cli::count("--steps", a.steps, 1 << 40)?;
-    cli::count("--save-every", a.save_every, 1 << 40)?;
+    cli::count("--save-every", a.save.save_every, 1 << 40)?;
     cli::learning_rate("--lr", a.lr)?;
     cli::weight_decay("--weight-decay", a.weight_decay, a.lr)?;
     let params = (2 * a.width * a.hidden + a.width + a.hidden) as u128 * a.blocks as u128;
@@ -255,7 +229,7 @@ fn save_run(
     let o = a.out.join(format!("optimizer-{step:08}.safetensors"));
     student.inner().save_safetensors(&w)?;
     opt.save(&o)?;
-    write_curve(&a.out, losses)?;
+    write_curve(&a.out, losses, &LABELS)?;
     let name = |p: &PathBuf| p.file_name().map(|n| n.to_string_lossy().into_owned());
     let progress = serde_json::json!({
         "step": step, "blocks": a.blocks, "width": a.width, "hidden": a.hidden,
@@ -284,7 +258,7 @@ type Student = (
 );
 
 fn student(a: &Args, cfg: &StreamConfig, rng: &mut StdRng) -> Result<Student> {
-    if !a.resume {
+    if !a.save.resume {
         let init = random_weights(a, rng, 1.0)?;
         let student = StreamedSequential::from_tensors(init, blocks(a), cfg.clone())?.train();
         let opt = optimizer(a, &student)?;
@@ -298,8 +272,7 @@ fn student(a: &Args, cfg: &StreamConfig, rng: &mut StdRng) -> Result<Student> {
     opt.load(&saved.optimizer)?;
     opt.set_learning_rate(a.lr);
     // loss.csv is written before progress.json: drop rows past the saved step.
-    let mut losses = read_losses(&a.out.join("loss.csv"))?;
-    losses.retain(|(s, _)| *s <= saved.step);
+    let losses = read_losses(&a.out.join("loss.csv"), saved.step)?;
     let files = Some((saved.weights, saved.optimizer));
     Ok((student, opt, saved.step, losses, files))
 }
@@ -378,7 +351,7 @@ fn main() -> Result<()> {
     }
     print_header(&a, &student, &cfg, start)?;
     // A bar on a terminal; plain lines every --log-every steps in a log.
-    let progress = Progress::new(start, a.steps, a.log_every);
+    let progress = Progress::new(start, a.steps, a.save.log_every);
     let t0 = Instant::now();
     for step in start..a.steps {
         let x = batch(&a, step, &dev)?.to_dtype(dtype)?;
@@ -400,7 +373,7 @@ fn main() -> Result<()> {
         let done = step + 1 - start;
         let tps = (done * a.batch) as f64 / t0.elapsed().as_secs_f64();
         progress.update(step + 1, l, tps);
-        if (step + 1) % a.save_every == 0 && step + 1 < a.steps {
+        if (step + 1) % a.save.save_every == 0 && step + 1 < a.steps {
             save_run(&a, &student, &opt, step + 1, &losses, &mut previous)?;
         }
     }

@@ -581,50 +581,30 @@ pub fn run_all(dev: &Device) -> Vec<KindReport> {
 
 // ---- the tests ------------------------------------------------------------------
 
-fn oom_in_forward_changes_nothing_and_retry_matches(dev: &Device) -> Result<()> {
-    survive_kind(dev, "oom_forward")
+/// A test on every device per fault kind: the run survives the fault
+/// (`survive_kind`).
+macro_rules! survive_tests {
+    ($($name:ident: $kind:literal,)*) => {
+        $(
+            fn $name(dev: &Device) -> Result<()> {
+                survive_kind(dev, $kind)
+            }
+            candle_streamer::test_device!($name);
+        )*
+    };
 }
-candle_streamer::test_device!(oom_in_forward_changes_nothing_and_retry_matches);
 
-fn oom_in_backward_recompute_changes_nothing_and_retry_matches(dev: &Device) -> Result<()> {
-    survive_kind(dev, "oom_backward_recompute")
+survive_tests! {
+    oom_in_forward_changes_nothing_and_retry_matches: "oom_forward",
+    oom_in_backward_recompute_changes_nothing_and_retry_matches: "oom_backward_recompute",
+    oom_in_block_backward_changes_nothing_and_retry_matches: "oom_backward_autograd",
+    oom_in_weight_loads_changes_nothing_and_retry_matches: "oom_weight_load",
+    oom_in_gradient_offload_changes_nothing_and_retry_matches: "oom_gradient_offload",
+    oom_in_optimizer_step_changes_nothing_and_retry_matches: "oom_optimizer_step",
+    block_panic_in_forward_is_reported_and_model_recovers: "panic_block_forward",
+    block_panic_in_backward_is_reported_and_model_recovers: "panic_block_backward",
+    escaped_panic_poisons_pool_and_next_call_resets_it: "panic_escaping_poisons_pool",
 }
-candle_streamer::test_device!(oom_in_backward_recompute_changes_nothing_and_retry_matches);
-
-fn oom_in_block_backward_changes_nothing_and_retry_matches(dev: &Device) -> Result<()> {
-    survive_kind(dev, "oom_backward_autograd")
-}
-candle_streamer::test_device!(oom_in_block_backward_changes_nothing_and_retry_matches);
-
-fn oom_in_weight_loads_changes_nothing_and_retry_matches(dev: &Device) -> Result<()> {
-    survive_kind(dev, "oom_weight_load")
-}
-candle_streamer::test_device!(oom_in_weight_loads_changes_nothing_and_retry_matches);
-
-fn oom_in_gradient_offload_changes_nothing_and_retry_matches(dev: &Device) -> Result<()> {
-    survive_kind(dev, "oom_gradient_offload")
-}
-candle_streamer::test_device!(oom_in_gradient_offload_changes_nothing_and_retry_matches);
-
-fn oom_in_optimizer_step_changes_nothing_and_retry_matches(dev: &Device) -> Result<()> {
-    survive_kind(dev, "oom_optimizer_step")
-}
-candle_streamer::test_device!(oom_in_optimizer_step_changes_nothing_and_retry_matches);
-
-fn block_panic_in_forward_is_reported_and_model_recovers(dev: &Device) -> Result<()> {
-    survive_kind(dev, "panic_block_forward")
-}
-candle_streamer::test_device!(block_panic_in_forward_is_reported_and_model_recovers);
-
-fn block_panic_in_backward_is_reported_and_model_recovers(dev: &Device) -> Result<()> {
-    survive_kind(dev, "panic_block_backward")
-}
-candle_streamer::test_device!(block_panic_in_backward_is_reported_and_model_recovers);
-
-fn escaped_panic_poisons_pool_and_next_call_resets_it(dev: &Device) -> Result<()> {
-    survive_kind(dev, "panic_escaping_poisons_pool")
-}
-candle_streamer::test_device!(escaped_panic_poisons_pool_and_next_call_resets_it);
 
 /// The injection points themselves: one-shot, per thread, and counted.
 #[test]

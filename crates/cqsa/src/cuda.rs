@@ -467,20 +467,9 @@ impl<T: CudaDType + DeviceRepr> Backward<'_, T> {
     /// The simple kernels: dq by query rows, dk and dv by key rows.
     fn simple(&mut self) -> Result<()> {
         let AttentionShape {
-            b, hq, hkv, nq, nk, ..
+            hq, hkv, nq, nk, ..
         } = self.dims;
-        let w = SIMPLE_WARPS as usize;
-        let block = (32 * SIMPLE_WARPS, 1, 1);
-        let func = streamer_kernels::function(
-            self.dev,
-            &ATTENTION,
-            &format!("cqsa_bwd_dq_simple_{}", self.sfx),
-        )?;
-        let cfg = LaunchConfig {
-            grid_dim: grid(nq.div_ceil(w), hq, b)?,
-            block_dim: block,
-            shared_mem_bytes: 0,
-        };
+        let (func, cfg) = self.simple_kernel("dq", nq, hq)?;
         {
             let mut builder = func.builder();
             builder
@@ -495,16 +484,7 @@ impl<T: CudaDType + DeviceRepr> Backward<'_, T> {
             // SAFETY: reads within the views' lengths, writes rows*d of dq; views live.
             unsafe { builder.launch(cfg) }.w()?;
         }
-        let func = streamer_kernels::function(
-            self.dev,
-            &ATTENTION,
-            &format!("cqsa_bwd_dkdv_simple_{}", self.sfx),
-        )?;
-        let cfg = LaunchConfig {
-            grid_dim: grid(nk.div_ceil(w), hkv, b)?,
-            block_dim: block,
-            shared_mem_bytes: 0,
-        };
+        let (func, cfg) = self.simple_kernel("dkdv", nk, hkv)?;
         let mut builder = func.builder();
         builder
             .arg(&self.q)
@@ -520,6 +500,24 @@ impl<T: CudaDType + DeviceRepr> Backward<'_, T> {
         // views live.
         unsafe { builder.launch(cfg) }.w()?;
         Ok(())
+    }
+
+    /// The simple kernel `cqsa_bwd_<what>_simple_<sfx>` and its launch shape:
+    /// a warp a row of `rows` rows of each of `heads` heads.
+    fn simple_kernel(
+        &self,
+        what: &str,
+        rows: usize,
+        heads: usize,
+    ) -> Result<(streamer_kernels::Kernel, LaunchConfig)> {
+        let name = format!("cqsa_bwd_{what}_simple_{}", self.sfx);
+        let func = streamer_kernels::function(self.dev, &ATTENTION, &name)?;
+        let cfg = LaunchConfig {
+            grid_dim: grid(rows.div_ceil(SIMPLE_WARPS as usize), heads, self.dims.b)?,
+            block_dim: (32 * SIMPLE_WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        Ok((func, cfg))
     }
 }
 
