@@ -13,8 +13,9 @@ use streamer_models::prompt_file::{
     completed_lines, find_stop, output_line, parse_prompt_line, LineOutcome, OutputFile,
 };
 use streamer_models::{
-    generate, generate_batch, init_weights, BatchLimits, BatchOutput, BatchRequest, BatchSink,
-    ChatMessage, Finish, Generated, Llama, LlamaConfig, Placement, SplitMix64,
+    generate, generate_batch, init_weights, BatchLimits, BatchOutput, BatchRequest, BatchRun,
+    BatchSink, ChatMessage, DecodeRates, Finish, Generated, Llama, LlamaConfig, Placement,
+    SplitMix64,
 };
 
 fn stream(dev: &Device) -> StreamConfig {
@@ -512,16 +513,10 @@ fn batch_plan_sequences_for_budget() -> Result<()> {
     Ok(())
 }
 
-/// The placement and batch `plan_batch` picks for 8B shapes, checked against
-/// the expected tokens/s computed here from the rates (f64 arithmetic of the
-/// same model: per request its FLOPs at the GEMM rate, and its share of the
-/// decode steps' floor, added when resident, overlapped when streamed).
-#[test]
-fn batch_plan_picks_resident_or_streamed() -> Result<()> {
-    use streamer_models::{
-        plan_batch, request_flops, BatchPlacement, BatchRun, DecodeRates, LayerFootprint,
-    };
-    let cfg = LlamaConfig::llama31_8b();
+/// Round rates of an H200-class GPU (50 GB/s over PCIe, 3 TB/s device
+/// memory, 700 TFLOP/s) and FlexGen's workload: prompts of 512 tokens, 32
+/// generated, up to 4096 sequences.
+fn rates_and_run() -> (DecodeRates, BatchRun) {
     let rates = DecodeRates {
         h2d_bytes_per_s: 50e9,
         device_bytes_per_s: 3e12,
@@ -534,6 +529,18 @@ fn batch_plan_picks_resident_or_streamed() -> Result<()> {
         prompt_len: 512.0,
         new_tokens: 32.0,
     };
+    (rates, run)
+}
+
+/// The placement and batch `plan_batch` picks for 8B shapes, checked against
+/// the expected tokens/s computed here from the rates (f64 arithmetic of the
+/// same model: per request its FLOPs at the GEMM rate, and its share of the
+/// decode steps' floor, added when resident, overlapped when streamed).
+#[test]
+fn batch_plan_picks_resident_or_streamed() -> Result<()> {
+    use streamer_models::{plan_batch, request_flops, BatchPlacement, LayerFootprint};
+    let cfg = LlamaConfig::llama31_8b();
+    let (rates, run) = rates_and_run();
     // FLOPs row by row: 2 x layer params per row and layer, 4 x width x
     // context for attention, the head on the 32 generated rows.
     let mut want = 0.0;
@@ -600,9 +607,7 @@ fn batch_plan_picks_resident_or_streamed() -> Result<()> {
 /// its PCIe floor from the packed bytes.
 #[test]
 fn batch_plan_counts_packed_layers() -> Result<()> {
-    use streamer_models::{
-        plan_batch, BatchPlacement, BatchRun, DecodeRates, LayerFootprint, QuantizedWeights,
-    };
+    use streamer_models::{plan_batch, BatchPlacement, LayerFootprint, QuantizedWeights};
     use streamer_quant::QuantScheme;
     let nf4 = QuantScheme::parse("nf4")?;
     let tiny = LlamaConfig::preset("tiny")?;
@@ -628,18 +633,7 @@ fn batch_plan_counts_packed_layers() -> Result<()> {
     let down = 4096 * 14336;
     ensure!(skip.slot == f.slot + down * 2 - down * 9 / 16, "{skip:?}");
     ensure!(skip.scratch == f.scratch - down * 2, "{skip:?}");
-    let rates = DecodeRates {
-        h2d_bytes_per_s: 50e9,
-        device_bytes_per_s: 3e12,
-        flops_per_s: 700e12,
-    };
-    let run = BatchRun {
-        capacity: 544,
-        step_rows: 16384,
-        most: 4096,
-        prompt_len: 512.0,
-        new_tokens: 32.0,
-    };
+    let (rates, run) = rates_and_run();
     let budget = (24 << 30, 2, false);
     let p = plan_batch(&cfg, (DType::BF16, f), budget, run, &rates)?;
     ensure!(p.placement == BatchPlacement::Streamed { window: 2 }, "{p}");

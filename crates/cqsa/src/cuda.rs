@@ -45,7 +45,7 @@ use half::{bf16, f16};
 use streamer_device::pages::{alloc_readable_f32, page_pieces, PinnedRegion};
 use streamer_kernels::ATTENTION;
 
-use crate::launch::{allow_smem, grid, Backward, KernelArgs};
+use crate::launch::{allow_smem, grid, Backward, BwdInputs, KernelArgs};
 use crate::packed::Fused;
 use crate::segs::Segs;
 use crate::{AttentionShape, Scores};
@@ -337,12 +337,14 @@ fn backward_t<'a, T: CudaDType + DeviceRepr>(
         dims: *dims,
         args: KernelArgs::new(dims, sc)?,
         packed,
-        q: qv,
-        k: kv,
-        v: vv,
-        g: gv,
-        lse: lv,
-        delta: unsafe { dev.alloc::<f32>(rows) }?,
+        inputs: BwdInputs {
+            q: qv,
+            k: kv,
+            v: vv,
+            g: gv,
+            lse: lv,
+            delta: unsafe { dev.alloc::<f32>(rows) }?,
+        },
         dq: unsafe { dev.alloc::<T>(rows * d) }?,
         dk: unsafe { dev.alloc::<T>(b * hkv * nk * d) }?,
         dv: unsafe { dev.alloc::<T>(b * hkv * nk * d) }?,
@@ -382,8 +384,8 @@ impl<T: CudaDType + DeviceRepr> Backward<'_, T> {
         let mut builder = func.builder();
         builder
             .arg(o)
-            .arg(&self.g)
-            .arg(&mut self.delta)
+            .arg(&self.inputs.g)
+            .arg(&mut self.inputs.delta)
             .arg(&rows_)
             .arg(&self.args.d);
         // SAFETY: reads rows*d elements of o and grad_o, writes rows of delta; views live.
@@ -418,16 +420,8 @@ impl<T: CudaDType + DeviceRepr> Backward<'_, T> {
         let null = 0u64;
         if blocks > 0 {
             let mut builder = func.builder();
-            builder
-                .arg(&self.q)
-                .arg(&self.k)
-                .arg(&self.v)
-                .arg(&self.g)
-                .arg(&self.lse)
-                .arg(&self.delta)
-                .arg(&mut dq_acc)
-                .arg(&mut self.dk)
-                .arg(&mut self.dv);
+            self.inputs.push(&mut builder);
+            builder.arg(&mut dq_acc).arg(&mut self.dk).arg(&mut self.dv);
             self.args.push(&mut builder, false);
             match &segs {
                 Some(s) => builder.arg(&s.table),
@@ -472,29 +466,16 @@ impl<T: CudaDType + DeviceRepr> Backward<'_, T> {
         let (func, cfg) = self.simple_kernel("dq", nq, hq)?;
         {
             let mut builder = func.builder();
-            builder
-                .arg(&self.q)
-                .arg(&self.k)
-                .arg(&self.v)
-                .arg(&self.g)
-                .arg(&self.lse)
-                .arg(&self.delta)
-                .arg(&mut self.dq);
+            self.inputs.push(&mut builder);
+            builder.arg(&mut self.dq);
             self.args.push(&mut builder, true);
             // SAFETY: reads within the views' lengths, writes rows*d of dq; views live.
             unsafe { builder.launch(cfg) }.w()?;
         }
         let (func, cfg) = self.simple_kernel("dkdv", nk, hkv)?;
         let mut builder = func.builder();
-        builder
-            .arg(&self.q)
-            .arg(&self.k)
-            .arg(&self.v)
-            .arg(&self.g)
-            .arg(&self.lse)
-            .arg(&self.delta)
-            .arg(&mut self.dk)
-            .arg(&mut self.dv);
+        self.inputs.push(&mut builder);
+        builder.arg(&mut self.dk).arg(&mut self.dv);
         self.args.push(&mut builder, true);
         // SAFETY: reads within the views' lengths, writes b*hkv*nk*d of dk and dv;
         // views live.

@@ -277,7 +277,7 @@ fn stats_kernel<T: DeviceRepr>(
     let (slices, nq_, nqt_, null) = ((b * hq) as i64, nq as i32, nqt as i32, 0u64);
     let func = streamer_kernels::function(bw.dev, &ATTENTION_HOPPER, "cqsa_bwd_stats_hopper")?;
     let mut builder = func.builder();
-    builder.arg(&bw.lse).arg(&bw.delta).arg(stats);
+    builder.arg(&bw.inputs.lse).arg(&bw.inputs.delta).arg(stats);
     builder.arg(&slices).arg(&nq_).arg(&nqt_);
     match tiles {
         Some(t) => builder.arg(t),
@@ -357,10 +357,10 @@ fn bwd_kernel<T: DeviceRepr>(
     };
     let stream = bw.dev.cuda_stream();
     // The guards record the reads on the stream when dropped, after the launch.
-    let (qp, _gq) = bw.q.device_ptr(&stream);
-    let (kp, _gk) = bw.k.device_ptr(&stream);
-    let (vp, _gv) = bw.v.device_ptr(&stream);
-    let (gp, _gg) = bw.g.device_ptr(&stream);
+    let (qp, _gq) = bw.inputs.q.device_ptr(&stream);
+    let (kp, _gk) = bw.inputs.k.device_ptr(&stream);
+    let (vp, _gv) = bw.inputs.v.device_ptr(&stream);
+    let (gp, _gg) = bw.inputs.g.device_ptr(&stream);
     let tq = tensor_map(qp, dtype, (b * hq, nq, d), BWD_QUERIES)?;
     let tg = tensor_map(gp, dtype, (b * hq, nq, d), BWD_QUERIES)?;
     let tk = tensor_map(kp, dtype, (b * hkv, nk, d), BWD_KEYS)?;

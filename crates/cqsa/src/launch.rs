@@ -103,6 +103,29 @@ impl KernelArgs {
     }
 }
 
+/// What every backward kernel reads, in the order of its first arguments.
+pub(crate) struct BwdInputs<'a, T> {
+    pub(crate) q: CudaView<'a, T>,
+    pub(crate) k: CudaView<'a, T>,
+    pub(crate) v: CudaView<'a, T>,
+    pub(crate) g: CudaView<'a, T>,
+    pub(crate) lse: CudaView<'a, f32>,
+    /// `do . o` per row, written by the delta kernel.
+    pub(crate) delta: CudaSlice<f32>,
+}
+
+impl<T> BwdInputs<'_, T> {
+    /// Pushes q, k, v, grad_o, lse and delta.
+    pub(crate) fn push<'b>(&'b self, b: &mut LaunchArgs<'b>) {
+        b.arg(&self.q)
+            .arg(&self.k)
+            .arg(&self.v)
+            .arg(&self.g)
+            .arg(&self.lse)
+            .arg(&self.delta);
+    }
+}
+
 /// The inputs of one backward call as device views, and its outputs.
 pub(crate) struct Backward<'a, T> {
     pub(crate) dev: &'a CudaDevice,
@@ -111,13 +134,7 @@ pub(crate) struct Backward<'a, T> {
     pub(crate) args: KernelArgs,
     /// A packed call's documents (tensor-core kernels only).
     pub(crate) packed: Option<&'a Fused>,
-    pub(crate) q: CudaView<'a, T>,
-    pub(crate) k: CudaView<'a, T>,
-    pub(crate) v: CudaView<'a, T>,
-    pub(crate) g: CudaView<'a, T>,
-    pub(crate) lse: CudaView<'a, f32>,
-    /// `do . o` per row, written by the delta kernel.
-    pub(crate) delta: CudaSlice<f32>,
+    pub(crate) inputs: BwdInputs<'a, T>,
     pub(crate) dq: CudaSlice<T>,
     pub(crate) dk: CudaSlice<T>,
     pub(crate) dv: CudaSlice<T>,
