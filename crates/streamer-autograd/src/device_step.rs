@@ -102,25 +102,24 @@ impl<'o> DeviceStep<'o> {
         Ok(())
     }
 
-    #[cfg(feature = "cuda")]
+    /// Steps the device copy `dm` of parameter `idx` with gradient `g`; the
+    /// caller keeps `dm` alive and untouched until the step has run.
     unsafe fn step_copy(
         &mut self,
         idx: usize,
         dm: streamer_core::DeviceMaster,
         g: &Tensor,
     ) -> Result<()> {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.opt.step_device_copy(idx, dm.address, dm.dtype, g) }
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    unsafe fn step_copy(
-        &mut self,
-        _idx: usize,
-        _dm: streamer_core::DeviceMaster,
-        _g: &Tensor,
-    ) -> Result<()> {
-        bail!("backward_step_device: a device copy without the cuda feature")
+        #[cfg(feature = "cuda")]
+        {
+            // SAFETY: forwarded from the caller.
+            unsafe { self.opt.step_device_copy(idx, dm.address, dm.dtype, g) }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (idx, dm, g);
+            bail!("backward_step_device: a device copy without the cuda feature")
+        }
     }
 
     /// After the backward (the pool synchronised): fails if a weight was left
