@@ -6,7 +6,9 @@
 # packed into one logs.tar.gz beside summary.txt.
 #   bash gpu-bundle/run.sh [tests] [benches] [examples]
 # RUN_TAG=x names the outputs summary-x.txt and logs-x.tar.gz (several runs
-# in one device call). GPU_ONLY=a,b runs only binaries whose name contains one of those words;
+# in one device call). RUN_TAR=all.tar appends both to $OUT/all.tar instead,
+# so any number of runs come back as one file, a run cut by a time limit
+# included (at most 8 files come back from a device call). GPU_ONLY=a,b runs only binaries whose name contains one of those words;
 # GPU_ARGS_<name> (e.g. GPU_ARGS_train_mlp) passes arguments to an example.
 # With `benches`, every benches/*_torch.py (PyTorch references) runs too, before
 # the benches, with arguments from PY_ARGS_<name> (e.g. PY_ARGS_adamw_torch=--full).
@@ -44,7 +46,12 @@ mkdir -p "$logs"
 fail=0
 pack_logs() {
   mkdir -p benches/results
-  tar -czf "$out/logs${RUN_TAG:+-$RUN_TAG}.tar.gz" -C "$work" logs -C "$PWD" benches/results 2>/dev/null
+  local logs_tgz=logs${RUN_TAG:+-$RUN_TAG}.tar.gz
+  tar -czf "$out/$logs_tgz" -C "$work" logs -C "$PWD" benches/results 2>/dev/null
+  if [ -n "${RUN_TAR:-}" ]; then
+    tar -C "$out" -rf "$out/$RUN_TAR" "$logs_tgz" "$(basename "$summary")" &&
+      rm -f "$out/$logs_tgz" "$summary"
+  fi
 }
 # A stage cut by `timeout` (SIGTERM to the whole group) still leaves what its
 # binaries logged so far, and says where it stopped.
