@@ -27,7 +27,8 @@
 //! device (with a budget: the streamed plan only, counting the packed
 //! layers); each row also gives the packed bytes' PCIe floor (`h2d_gb` at
 //! the measured H2D rate) and how close it came to it. An empty
-//! `GEN_BENCH_BATCHES` runs only the budget's rows.
+//! `GEN_BENCH_BATCHES` runs only the budget's rows. `GEN_BENCH_WINDOW`
+//! (default 2): the streamed rows' layers on the device.
 //!
 //!     GPU_ONLY=bench-generate bash gpu-bundle/run.sh benches
 #[path = "common/mod.rs"]
@@ -96,6 +97,8 @@ struct Base<'a> {
     /// `bf16`, or the quantized base's format.
     format: &'a str,
     layer: LayerFootprint,
+    /// Layers on the device when streamed (`GEN_BENCH_WINDOW`).
+    window: usize,
 }
 
 /// The model placed as `placement` says.
@@ -307,11 +310,14 @@ fn main() -> Result<()> {
         Some(s) => LayerFootprint::quantized(&cfg, dtype, s, |_| false)?,
         None => LayerFootprint::dense(&cfg, dtype),
     };
+    let window = common::env_usize("GEN_BENCH_WINDOW", 2);
+    anyhow::ensure!(window >= 1, "GEN_BENCH_WINDOW must be at least 1 layer");
     let base = Base {
         w: &w,
         quant: quant.as_ref(),
         format: &format,
         layer,
+        window,
     };
     println!("{name}: host weights in {:.1} s", t.elapsed().as_secs_f64());
     let rates = DecodeRates::measure(&cfg, dtype, &dev)?;
@@ -321,7 +327,7 @@ fn main() -> Result<()> {
         rates.device_bytes_per_s / 1e9,
         rates.flops_per_s / 1e12
     );
-    let streamed = BatchPlacement::Streamed { window: 2 };
+    let streamed = BatchPlacement::Streamed { window };
     let mut rows = Vec::new();
     let unbudgeted = batches(&dev)?;
     if !unbudgeted.is_empty() {
@@ -406,7 +412,7 @@ fn budget_row(
     let plan = plan_batch(
         cfg,
         (dtype, base.layer),
-        (left, 2, streamed_only),
+        (left, base.window, streamed_only),
         run,
         &rates,
     )?;
