@@ -181,10 +181,8 @@ struct Setup<'a> {
     model: &'a Llama,
     name: &'a str,
     dtype: DType,
-    /// `bf16`, or the quantized base's format.
-    format: &'a str,
-    /// A decoder layer's device bytes (packed, for a quantized base).
-    layer: LayerFootprint,
+    /// What the model was made of (its format and layer footprint).
+    base: &'a Base<'a>,
     placement: BatchPlacement,
     pg: (usize, usize),
     step_rows: usize,
@@ -208,7 +206,7 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
         capacity: s.pg.0 + s.pg.1,
         step_rows: s.step_rows,
     };
-    let window = (s.placement.window(cfg), s.layer);
+    let window = (s.placement.window(cfg), s.base.layer);
     let plan = BatchMemory::of(cfg, s.dtype, window, shape);
     println!("batch {batch}, {n} prompts: plan {plan}");
     streamer_core::trim_device_memory(s.dev)?;
@@ -237,7 +235,7 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
     let h2d_floor_s = h2d_bytes / s.rates.h2d_bytes_per_s;
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     let r = serde_json::json!({
-        "system": "ours", "model": s.name, "format": s.format,
+        "system": "ours", "model": s.name, "format": s.base.format,
         "placement": describe(s.placement),
         "batch": batch, "prompts": n, "prompt_len": s.pg.0, "gen_len": s.pg.1,
         "step_rows": s.step_rows, "steps": count.steps, "generated": count.tokens,
@@ -338,8 +336,7 @@ fn main() -> Result<()> {
             model: &model,
             name: &name,
             dtype,
-            format: &format,
-            layer,
+            base: &base,
             placement: streamed,
             pg,
             step_rows,
@@ -426,8 +423,7 @@ fn budget_row(
         model: &model,
         name,
         dtype,
-        format: base.format,
-        layer: base.layer,
+        base,
         placement: plan.placement,
         pg,
         step_rows,

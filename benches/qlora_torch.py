@@ -243,8 +243,9 @@ def main():
                 rows.append(modes[mode](name, args))
             except torch.cuda.OutOfMemoryError as e:
                 print(f"{name} {mode}: out of memory: {e}", flush=True)
-                rows.append({"system": "transformers+peft+bitsandbytes", "model": name,
-                             "mode": mode, "error": "out of memory"})
+                system = {"lora": "transformers+peft+bitsandbytes", "generate": "transformers+bitsandbytes"}
+                rows.append({"system": system[mode], "model": name, "mode": mode,
+                             "error": "out of memory"})
                 torch.cuda.empty_cache()
     out = os.environ.get("BENCH_RESULTS_DIR", "benches/results")
     tag = os.environ.get("BENCH_DEVICE_TAG", "h200")
