@@ -1,10 +1,10 @@
 //! Batched generation throughput (`generate_batch`) of a streamed model (and
 //! of the placement a device budget plans), on
 //! FlexGen's workload: prompts of `GEN_BENCH_PROMPT` tokens (512 on a GPU),
-//! `GEN_BENCH_NEW` new tokens each (32), greedy. Each row runs twice as many
-//! prompts as sequences in flight, so finished sequences hand their slots to
-//! queued ones as in a long job. Rows: `benches/results/generate-<dev>.json`
-//! (`system`, `model`, `format`, `batch`, `prompt_len`, `gen_len`,
+//! `GEN_BENCH_NEW` new tokens each (32), greedy. Each row runs
+//! `GEN_BENCH_JOB` (default 2) times as many prompts as sequences in flight,
+//! so finished sequences hand their slots to queued ones as in a long job.
+//! Rows: `benches/results/generate-<dev>.json` (`system`, `model`, `format`, `batch`, `prompt_len`, `gen_len`,
 //! `tokens_per_s` of generated tokens, `device_budget_gib`, `kv_place`,
 //! `peak_device_gib`, the plan's estimate), each beside its bounds measured in
 //! the same process: the PCIe bound (the copy stream's busy time, every
@@ -16,7 +16,8 @@
 //! random init; default `8b` on a GPU, `tiny` on the CPU) or `GEN_BENCH_MODEL=DIR` (a Hugging Face
 //! folder, as the transformers peer `scripts/generate_torch.py --batches`
 //! reads); `GEN_BENCH_BATCHES` (sequences in flight, default `1,64,256,1024`
-//! on a GPU); `GEN_BENCH_STEP_ROWS` (`BatchLimits::step_rows`);
+//! on a GPU); `GEN_BENCH_STEP_ROWS` (`BatchLimits::step_rows`; a budget
+//! row's plan may halve it);
 //! `GEN_BENCH_DEVICE_BUDGET_GIB` (two last rows with the GPU capped at that
 //! much, counting what the process held before the model, as `generate
 //! --device-budget` counts it: `batch_plan::plan_batch`'s streamed plan, and
@@ -28,7 +29,12 @@
 //! layers); each row also gives the packed bytes' PCIe floor (`h2d_gb` at
 //! the measured H2D rate) and how close it came to it. An empty
 //! `GEN_BENCH_BATCHES` runs only the budget's rows. `GEN_BENCH_WINDOW`
-//! (default 2): the streamed rows' layers on the device.
+//! (default 2): the streamed rows' layers on the device. Streamed rows load
+//! the next step's first layers behind this step's tail, as `generate` does
+//! (`StreamConfig::prefetch_across_calls`); `GEN_BENCH_ACROSS_CALLS=0` turns
+//! that off. `GEN_BENCH_TIMELINE=DIR` writes each streamed row's Chrome-trace
+//! timeline (copies, compute, one host span a step) to
+//! `DIR/generate-timeline-<format>-b<batch>-w<window>.json`.
 //!
 //!     GPU_ONLY=bench-generate bash gpu-bundle/run.sh benches
 #[path = "common/mod.rs"]
@@ -38,8 +44,9 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::time::Instant;
-use streamer_core::{StreamConfig, WeightSource};
+use streamer_core::{AcrossCalls, StreamConfig, StreamedSequential, WeightSource};
 use streamer_models::{
     generate_batch, init_weights, init_weights_where, is_quantizable, plan_batch, request_flops,
     BatchLimits, BatchMemory, BatchOutput, BatchPlacement, BatchRequest, BatchRun, BatchShape,
@@ -99,6 +106,10 @@ struct Base<'a> {
     layer: LayerFootprint,
     /// Layers on the device when streamed (`GEN_BENCH_WINDOW`).
     window: usize,
+    /// Load the next step's first layers behind this step (`GEN_BENCH_ACROSS_CALLS`).
+    across_calls: bool,
+    /// Where streamed rows write their timelines (`GEN_BENCH_TIMELINE`).
+    timeline: Option<PathBuf>,
 }
 
 /// The model placed as `placement` says.
@@ -116,10 +127,14 @@ fn place(
             Llama::resident(VarBuilder::from_tensors(w.clone(), dtype, dev), cfg)?
         }
         BatchPlacement::Streamed { window } => {
+            // SAFETY: the bench never changes a master of the model it built.
+            let across = unsafe { AcrossCalls::promise_masters_unchanged() };
             let stream = StreamConfig {
                 device: dev.clone(),
                 prefetch_ahead: window - 1,
                 dtype,
+                prefetch_across_calls: base.across_calls.then_some(across),
+                timeline: base.timeline.is_some(),
                 ..Default::default()
             };
             let src = WeightSource::Tensors(w.clone());
@@ -144,15 +159,17 @@ fn describe(p: BatchPlacement) -> String {
     }
 }
 
-/// Counts tokens and steps.
+/// Counts tokens and steps; with a timeline, records each step as a host span.
 #[derive(Default)]
-struct Count {
+struct Count<'a> {
     tokens: usize,
     steps: usize,
     failed: Vec<String>,
+    /// The streamed layers whose timeline gets the spans, and the last step's end.
+    spans: Option<(&'a StreamedSequential, Instant)>,
 }
 
-impl BatchSink for Count {
+impl BatchSink for Count<'_> {
     fn done(&mut self, out: BatchOutput) -> candle_core::Result<()> {
         match out.result {
             Ok(g) => self.tokens += g.tokens.len(),
@@ -162,6 +179,12 @@ impl BatchSink for Count {
     }
     fn step(&mut self, _: usize, _: usize) {
         self.steps += 1;
+        if let Some((layers, last)) = &mut self.spans {
+            let now = Instant::now();
+            // Only a poisoned pool lock fails, and the row then fails itself.
+            let _ = layers.record_host_span("decode step", *last, now);
+            *last = now;
+        }
     }
 }
 
@@ -190,12 +213,14 @@ struct Setup<'a> {
     budget_gib: Option<usize>,
     /// The plan's prediction, for rows a budget planned.
     expected: Option<f64>,
+    /// Prompts a row runs per sequence in flight (`GEN_BENCH_JOB`).
+    job: usize,
 }
 
 /// One row: `batch` sequences in flight over `2 x batch` prompts.
 fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
     let cfg = s.model.config();
-    let n = if batch == 1 { 1 } else { 2 * batch };
+    let n = if batch == 1 { 1 } else { s.job * batch };
     let reqs = requests(n, s.pg, cfg.vocab_size);
     let limits = BatchLimits {
         sequences: batch,
@@ -206,16 +231,22 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
         capacity: s.pg.0 + s.pg.1,
         step_rows: s.step_rows,
     };
-    let window = (s.placement.window(cfg), s.base.layer);
-    let plan = BatchMemory::of(cfg, s.dtype, window, shape);
+    let plan = BatchMemory::of(cfg, s.dtype, (s.placement, s.base.layer), shape);
     println!("batch {batch}, {n} prompts: plan {plan}");
     streamer_core::trim_device_memory(s.dev)?;
     let base = common::used_now(s.dev);
     let before = s.model.stats()?.unwrap_or_default();
     let sampler = common::MemSampler::start(s.dev);
-    let mut count = Count::default();
+    let traced = s
+        .model
+        .streamed_layers()
+        .filter(|_| s.base.timeline.is_some());
     s.dev.synchronize()?;
     let t = Instant::now();
+    let mut count = Count {
+        spans: traced.map(|l| (l, t)),
+        ..Default::default()
+    };
     generate_batch(s.model, reqs, limits, &[], &mut count)?;
     s.dev.synchronize()?;
     let wall = t.elapsed().as_secs_f64();
@@ -226,6 +257,14 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
         count.failed
     );
     let after = s.model.stats()?.unwrap_or_default();
+    if let (Some(layers), Some(dir)) = (traced, &s.base.timeline) {
+        let file = format!(
+            "generate-timeline-{}-b{batch}-w{}.json",
+            s.base.format,
+            s.placement.window(cfg)
+        );
+        layers.write_timeline(Some(&dir.join(file)))?;
+    }
     let h2d_s = after.h2d_seconds - before.h2d_seconds;
     let compute_s = n as f64 * request_flops(cfg, s.pg.0, s.pg.1) / s.rates.flops_per_s;
     let bound_s = h2d_s.max(compute_s);
@@ -237,8 +276,9 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
     let r = serde_json::json!({
         "system": "ours", "model": s.name, "format": s.base.format,
         "placement": describe(s.placement),
-        "batch": batch, "prompts": n, "prompt_len": s.pg.0, "gen_len": s.pg.1,
-        "step_rows": s.step_rows, "steps": count.steps, "generated": count.tokens,
+        "batch": batch, "prompts": n, "prompts_per_slot": s.job, "prompt_len": s.pg.0, "gen_len": s.pg.1,
+        "step_rows": s.step_rows, "steps": count.steps,
+        "across_calls": s.base.across_calls && s.placement != BatchPlacement::Resident, "generated": count.tokens,
         "wall_s": wall, "tokens_per_s": tps, "expected_tokens_per_s": s.expected,
         "device_budget_gib": s.budget_gib, "kv_place": "device",
         "planned_device_gib": gib(plan.total()), "peak_device_gib": gib(peak.saturating_sub(base)),
@@ -251,6 +291,11 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
     });
     println!("  {r}");
     Ok(r)
+}
+
+/// GEN_BENCH_JOB: prompts a row runs per sequence in flight.
+fn job() -> usize {
+    common::env_usize("GEN_BENCH_JOB", 2).max(1)
 }
 
 /// GEN_BENCH_BATCHES: the rows' sequences in flight (may be empty).
@@ -310,12 +355,18 @@ fn main() -> Result<()> {
     };
     let window = common::env_usize("GEN_BENCH_WINDOW", 2);
     anyhow::ensure!(window >= 1, "GEN_BENCH_WINDOW must be at least 1 layer");
+    let timeline = std::env::var_os("GEN_BENCH_TIMELINE").map(PathBuf::from);
+    if let Some(dir) = &timeline {
+        std::fs::create_dir_all(dir).with_context(|| format!("GEN_BENCH_TIMELINE={dir:?}"))?;
+    }
     let base = Base {
         w: &w,
         quant: quant.as_ref(),
         format: &format,
         layer,
         window,
+        across_calls: common::env_usize("GEN_BENCH_ACROSS_CALLS", 1) != 0,
+        timeline,
     };
     println!("{name}: host weights in {:.1} s", t.elapsed().as_secs_f64());
     let rates = DecodeRates::measure(&cfg, dtype, &dev)?;
@@ -343,6 +394,7 @@ fn main() -> Result<()> {
             rates,
             budget_gib: None,
             expected: None,
+            job: job(),
         };
         for b in unbudgeted {
             rows.push(row(&setup, b)?);
@@ -426,10 +478,11 @@ fn budget_row(
         base,
         placement: plan.placement,
         pg,
-        step_rows,
+        step_rows: plan.step_rows,
         rates,
         budget_gib: Some(gib),
         expected: Some(plan.tokens_per_s),
+        job: job(),
     };
     row(&setup, plan.sequences)
 }

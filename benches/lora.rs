@@ -175,12 +175,12 @@ fn build_model(
     Ok((model, packed))
 }
 
-/// Where a full fine-tune's step went, averaged over `steps` (the pool's
-/// statistics: copies each way, compute, waits for weights; the overlapped
-/// host optimizer's busy time in the last step), printed and as a JSON object.
-fn where_time_goes(t: &LmTrainer, steps: usize) -> Result<serde_json::Value> {
-    let layers = t
-        .model()
+/// Where a step went, averaged over `steps` (the pool's statistics: copies
+/// each way, compute, waits for weights; the overlapped host optimizer's busy
+/// time in the last step; the blocks whose activations the last forward
+/// kept), printed and as a JSON object.
+fn where_time_goes(model: &Llama, steps: usize) -> Result<serde_json::Value> {
+    let layers = model
         .trainable_layers()
         .expect("a trainable streamed model");
     let st = layers.stats()?;
@@ -191,6 +191,7 @@ fn where_time_goes(t: &LmTrainer, steps: usize) -> Result<serde_json::Value> {
         "compute_s": st.compute_seconds / n, "stall_s": st.stall_seconds / n,
         "host_wait_s": st.host_wait_seconds / n,
         "host_optimizer_s_last": layers.last_optimizer_seconds()?,
+        "kept_blocks": layers.kept_blocks()?, "spilled_blocks": layers.spilled_blocks()?,
     });
     println!("  a step on average: {v}");
     Ok(v)
@@ -358,7 +359,7 @@ fn run(
         t0.elapsed().as_secs_f64()
     );
     let mut full_setup = None;
-    let mut per_step = None;
+    let per_step;
     let (m, trainable) = match mode {
         "full" => {
             println!("  full fine-tune optimizer: {place:?}, {state:?} moments");
@@ -389,7 +390,7 @@ fn run(
                 t.set_learning_rate(lr);
                 Ok(t.step_micro(x, y, micro)?)
             })?;
-            per_step = Some(where_time_goes(&t, shape.2 + 1)?);
+            per_step = Some(where_time_goes(t.model(), shape.2 + 1)?);
             (m, cfg.num_params())
         }
         "lora" => {
@@ -421,6 +422,7 @@ fn run(
                 model.zero_grad()?;
                 Ok(loss.to_scalar::<f32>()?)
             })?;
+            per_step = Some(where_time_goes(&model, shape.2 + 1)?);
             (m, n)
         }
         other => bail!("unknown LORA_BENCH_MODES entry {other:?} (lora or full)"),

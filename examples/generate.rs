@@ -329,6 +329,21 @@ fn layer_footprint(a: &Args, cfg: &LlamaConfig, dtype: DType) -> Result<LayerFoo
     Ok(LayerFootprint::dense(cfg, dtype))
 }
 
+/// Streaming for inference: each decode step's first layers load behind the
+/// previous step's tail (norm, head, sampling), so the copies never pause.
+fn inference_stream(dev: &Device, prefetch_ahead: usize, dtype: DType) -> StreamConfig {
+    // SAFETY: this program never changes a master of the model it streams
+    // (LoRA adapters are set before the first forward and are not masters).
+    let across = unsafe { streamer_core::AcrossCalls::promise_masters_unchanged() };
+    StreamConfig {
+        device: dev.clone(),
+        prefetch_ahead,
+        dtype,
+        prefetch_across_calls: Some(across),
+        ..Default::default()
+    }
+}
+
 /// `--model DIR`: the folder's config, weights and tokenizer, placed as
 /// `planned` says (a `--device-budget` plan), else by `--streamed` /
 /// `--gpu-weight-budget`.
@@ -343,12 +358,7 @@ fn from_folder(
     }
     let (budget, scheme) = budget_and_scheme(a)?;
     let stream = |prefetch_ahead| {
-        let stream = StreamConfig {
-            device: dev.clone(),
-            prefetch_ahead,
-            dtype,
-            ..Default::default()
-        };
+        let stream = inference_stream(dev, prefetch_ahead, dtype);
         match scheme {
             Some(scheme) => Placement::Quantized { stream, scheme },
             None => Placement::Streamed(stream),
@@ -904,12 +914,7 @@ fn place(
             prefetch + 1,
             dev.location()
         );
-        let stream = StreamConfig {
-            device: dev.clone(),
-            prefetch_ahead: prefetch,
-            dtype,
-            ..Default::default()
-        };
+        let stream = inference_stream(dev, prefetch, dtype);
         match (from, scheme) {
             (From::Files(w), None) => Llama::from_safetensors(&w, cfg, stream)?,
             (From::Init(t), None) => Llama::from_tensors(t, cfg, stream)?,

@@ -454,9 +454,12 @@ fn output_file_resumes_after_a_cut_last_line() -> Result<()> {
 #[test]
 fn batch_plan_sequences_for_budget() -> Result<()> {
     use streamer_models::batch_plan::kv_bytes_per_sequence;
-    use streamer_models::{sequences_for_budget, BatchMemory, BatchShape, LayerFootprint};
+    use streamer_models::{
+        sequences_for_budget, BatchMemory, BatchPlacement, BatchShape, LayerFootprint,
+    };
     let cfg = LlamaConfig::llama31_8b();
-    let window = (2, LayerFootprint::dense(&cfg, DType::BF16));
+    let streamed = BatchPlacement::Streamed { window: 2 };
+    let window = (streamed, LayerFootprint::dense(&cfg, DType::BF16));
     let (capacity, step_rows) = (544, 16384);
     // 32 layers, 8 kv heads of 128, 544 positions, bf16.
     ensure!(kv_bytes_per_sequence(&cfg, DType::BF16, capacity) == 2 * 32 * 8 * 128 * 544 * 2);
@@ -483,19 +486,21 @@ fn batch_plan_sequences_for_budget() -> Result<()> {
         .total()
     };
     ensure!(total(n) <= budget && total(n + 1) > budget, "{n} sequences");
-    // Weights: two layers and the embedding and head (2 x 128256 x 4096) in bf16.
-    let m = BatchMemory::of(
-        &cfg,
-        DType::BF16,
-        window,
-        BatchShape {
-            sequences: n,
-            capacity,
-            step_rows,
-        },
-    );
-    let outer = (2 * 128256 * 4096 + 4096) * 2;
+    // Weights: two layers, the final norm and the head (128256 x 4096) in
+    // bf16; the embedding's rows are looked up on the host. Resident, every
+    // layer and the embedding too.
+    let shape = BatchShape {
+        sequences: n,
+        capacity,
+        step_rows,
+    };
+    let m = BatchMemory::of(&cfg, DType::BF16, window, shape);
+    let outer = (128256 * 4096 + 4096) * 2;
     ensure!(m.weights == 2 * cfg.layer_params() * 2 + outer, "{m:?}");
+    let resident = (BatchPlacement::Resident, window.1);
+    let r = BatchMemory::of(&cfg, DType::BF16, resident, shape);
+    let all = 32 * cfg.layer_params() * 2 + outer + 128256 * 4096 * 2;
+    ensure!(r.weights == all, "{r:?}");
     ensure!((250..300).contains(&n), "{n} sequences in 24 GiB");
     // Capped by the caller's most.
     ensure!(
@@ -535,10 +540,13 @@ fn rates_and_run() -> (DecodeRates, BatchRun) {
 /// The placement and batch `plan_batch` picks for 8B shapes, checked against
 /// the expected tokens/s computed here from the rates (f64 arithmetic of the
 /// same model: per request its FLOPs at the GEMM rate, and its share of the
-/// decode steps' floor, added when resident, overlapped when streamed).
+/// decode steps' floor, added when resident, overlapped when streamed; a
+/// step generates a token for at most 32 of every 544 of its rows).
 #[test]
 fn batch_plan_picks_resident_or_streamed() -> Result<()> {
-    use streamer_models::{plan_batch, request_flops, BatchPlacement, LayerFootprint};
+    use streamer_models::{
+        plan_batch, request_flops, sequences_for_budget, BatchPlacement, LayerFootprint,
+    };
     let cfg = LlamaConfig::llama31_8b();
     let (rates, run) = rates_and_run();
     // FLOPs row by row: 2 x layer params per row and layer, 4 x width x
@@ -554,7 +562,8 @@ fn batch_plan_picks_resident_or_streamed() -> Result<()> {
     let bf16 = (DType::BF16, LayerFootprint::dense(&cfg, DType::BF16));
     let expect = |p: &streamer_models::BatchPlan| {
         let compute = want / rates.flops_per_s;
-        let s = p.sequences as f64;
+        // A step's rows bound the tokens it generates: 32 of every 544 rows.
+        let s = (p.sequences as f64).min(p.step_rows as f64 * 32.0 / 544.0);
         let request = match p.placement {
             BatchPlacement::Resident => compute + 32.0 * layers / rates.device_bytes_per_s / s,
             BatchPlacement::Streamed { .. } => {
@@ -577,7 +586,26 @@ fn batch_plan_picks_resident_or_streamed() -> Result<()> {
         "{s} vs {p}"
     );
     ensure!((s.tokens_per_s / expect(&s) - 1.0).abs() < 1e-9, "{s}");
-    ensure!(s.limits().sequences == s.sequences && s.limits().step_rows == 16384);
+    ensure!(s.limits().sequences == s.sequences && s.limits().step_rows == s.step_rows);
+    // The step's rows are the best of 16384 halved down to the capacity
+    // (544): each choice's batch is the most the budget holds with its rows.
+    let window = (BatchPlacement::Streamed { window: 2 }, bf16.1);
+    let mut best = (0.0, 0);
+    for rows in [16384, 8192, 4096, 2048, 1024] {
+        let n = sequences_for_budget(&cfg, DType::BF16, window, (544, rows, 4096), 24 << 30)?;
+        let plan = streamer_models::BatchPlan {
+            sequences: n,
+            step_rows: rows,
+            ..s
+        };
+        if expect(&plan) > best.0 {
+            best = (expect(&plan), rows);
+        }
+    }
+    ensure!(
+        s.step_rows == best.1 && s.step_rows < 16384,
+        "{s}: best {best:?}"
+    );
     // 16 GiB cannot hold the model's 15 GiB of weights and a step: streamed.
     let q = plan_batch(&cfg, bf16, (16 << 30, 2, false), run, &rates)?;
     ensure!(q.placement == BatchPlacement::Streamed { window: 2 }, "{q}");
@@ -637,14 +665,16 @@ fn batch_plan_counts_packed_layers() -> Result<()> {
     let budget = (24 << 30, 2, false);
     let p = plan_batch(&cfg, (DType::BF16, f), budget, run, &rates)?;
     ensure!(p.placement == BatchPlacement::Streamed { window: 2 }, "{p}");
-    let outer = (2 * 128256 * 4096 + 4096) * 2;
+    // The final norm and head; the embedding stays on the host.
+    let outer = (128256 * 4096 + 4096) * 2;
     ensure!(p.memory.weights == 2 * f.slot + f.scratch + outer, "{p}");
     let dense = (DType::BF16, LayerFootprint::dense(&cfg, DType::BF16));
     let d = plan_batch(&cfg, dense, (24 << 30, 2, true), run, &rates)?;
     ensure!(p.sequences > d.sequences, "{p} against {d}");
     // Streamed: the request's FLOPs or its share of the packed copies.
     let compute = streamer_models::request_flops(&cfg, 512, 32) / rates.flops_per_s;
-    let floor = 32.0 * (32 * f.slot) as f64 / rates.h2d_bytes_per_s / p.sequences as f64;
+    let per_step = (p.sequences as f64).min(p.step_rows as f64 * 32.0 / 544.0);
+    let floor = 32.0 * (32 * f.slot) as f64 / rates.h2d_bytes_per_s / per_step;
     let want = 32.0 / compute.max(floor);
     ensure!((p.tokens_per_s / want - 1.0).abs() < 1e-9, "{p}: {want}");
     Ok(())

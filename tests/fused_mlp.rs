@@ -295,6 +295,29 @@ fn activation_policy_rejects_impossible_values(dev: &Device) -> Result<()> {
         "offload".parse::<ActivationPolicy>()? == ActivationPolicy::OffloadInputs,
         "offload parses"
     );
+    ensure!(
+        "spill:1GiB:3GiB".parse::<ActivationPolicy>()?
+            == ActivationPolicy::Spill {
+                device_bytes: 1 << 30,
+                host_bytes: 3 << 30
+            },
+        "spill:1GiB:3GiB"
+    );
+    let err = "spill:1GiB"
+        .parse::<ActivationPolicy>()
+        .expect_err("one size");
+    ensure!(err.to_string().contains("spill:DEVICE:HOST"), "{err}");
+    let err = "spill:1GiB:lots"
+        .parse::<ActivationPolicy>()
+        .expect_err("bad size");
+    ensure!(err.to_string().contains("\"lots\" is not a size"), "{err}");
+    let err = model
+        .set_activation_policy(ActivationPolicy::Spill {
+            device_bytes: 1 << 20,
+            host_bytes: 0,
+        })
+        .expect_err("no host bytes");
+    ensure!(err.to_string().contains("0 host bytes"), "{err}");
     Ok(())
 }
 candle_streamer::test_device!(activation_policy_rejects_impossible_values);
@@ -399,3 +422,84 @@ fn offloaded_inputs_survive_buffer_reuse(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(offloaded_inputs_survive_buffer_reuse);
+
+/// `Spill` over several steps of one model (host buffers reused, inputs
+/// different each step): the first block keeps its activations on the
+/// device, the second spills them to the host and brings them back, the
+/// third recomputes (no two blocks in a row spill), the fourth spills. Every
+/// step's loss and gradients equal those of a model keeping every block's
+/// activations on the device: on the CPU to 1e-6 (recompute and keep run the
+/// same ops), on CUDA within bf16 rounding (another GEMM kernel may serve the
+/// recompute); a stale or misplaced host buffer would be off by far more (the
+/// inputs change scale every step).
+fn spilled_activations_match_kept(dev: &Device) -> Result<()> {
+    // Saved tensors of (rows, hidden) are 2 MiB or more: large enough to move.
+    let (n, dim, hidden, rows) = (4, 64, 256, 4096);
+    let host = host_mlp(n, dim, hidden)?;
+    let dt = crate::common::compute_dtype(dev);
+    let cfg = crate::common::stream(dev, dt, 1);
+    let blocks = || {
+        (0..n)
+            .map(|i| BlockSpec::new(format!("layers.{i}"), move |vb| fused_mlp(dim, hidden, vb)))
+            .collect::<Vec<_>>()
+    };
+    let zeros = |s: &[usize]| Tensor::zeros(s, dt, dev);
+    let mlp = FusedMlp::new(
+        zeros(&[hidden, dim])?,
+        zeros(&[hidden])?,
+        zeros(&[dim, hidden])?,
+        zeros(&[dim])?,
+    )?;
+    let per_block = mlp.saved_bytes(&(rows, dim).into(), dt);
+    let spill = StreamedSequential::from_tensors(host.clone(), blocks(), cfg.clone())?.train();
+    spill.set_activation_policy(ActivationPolicy::Spill {
+        device_bytes: per_block + 1,
+        host_bytes: 3 * per_block,
+    })?;
+    let keep = StreamedSequential::from_tensors(host, blocks(), cfg)?.train();
+    keep.set_activation_policy(ActivationPolicy::Keep {
+        device_bytes: 1 << 30,
+    })?;
+    let tol = if dt == DType::F32 { 1e-6 } else { 2e-2 };
+    for step in 0..3 {
+        let x = (Tensor::randn(0f32, 1.0, (rows, dim), &Device::Cpu)? * (step + 1) as f64)?
+            .to_dtype(dt)?
+            .to_device(dev)?;
+        let mut got = Vec::new();
+        for m in [&spill, &keep] {
+            m.zero_grad()?;
+            let loss = m.forward(&x)?.to_dtype(DType::F32)?.sqr()?.mean_all()?;
+            let grads = m.backward(&loss)?;
+            let g: Vec<Tensor> = m
+                .parameters()
+                .iter()
+                .map(|(_, v)| grads.get(v.as_tensor()).expect("gradient").copy())
+                .collect::<candle_core::Result<_>>()?;
+            got.push((loss.to_scalar::<f32>()?, g));
+        }
+        let counts = (
+            spill.kept_blocks()?,
+            spill.spilled_blocks()?,
+            keep.kept_blocks()?,
+        );
+        ensure!(
+            counts == (3, 2, 4),
+            "step {step}: kept, spilled, kept: {counts:?}"
+        );
+        let (l_spill, l_keep) = (got[0].0, got[1].0);
+        ensure!(
+            ((l_spill - l_keep) / l_keep).abs() <= tol as f32,
+            "step {step}: loss {l_spill} vs {l_keep}"
+        );
+        for (k, (a, b)) in got[0].1.iter().zip(&got[1].1).enumerate() {
+            ensure_close(
+                &format!("step {step}, weight {k}: spill vs keep"),
+                a,
+                b,
+                tol,
+            )?;
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(spilled_activations_match_kept);

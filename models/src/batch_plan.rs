@@ -4,11 +4,15 @@
 //!
 //! What a streamed batched decode keeps on the device: the layer window's
 //! weights (a quantized base's packed bytes, and the layer it computes
-//! dequantized: [`LayerFootprint`]), the embedding, final norm and head
-//! (copied once for the batch), the packed kv cache (`crate::batch_kv`: every slot reserves the longest
-//! sequence's rows), and one step's activations (at most `step_rows` rows
-//! through a decoder layer, and the logits of every sequence), plus a
-//! margin for cuBLAS workspaces and the allocator.
+//! dequantized: [`LayerFootprint`]), the final norm and head (copied once
+//! for the batch; the embedding stays on the host, where each step looks
+//! its rows up, unless the head shares it), the packed kv cache
+//! (`crate::batch_kv`: every slot reserves the longest sequence's rows), and
+//! one step's activations (at most `step_rows` rows through a decoder layer,
+//! and the logits of every sequence), plus a margin for cuBLAS workspaces
+//! and the allocator. The step's rows are planned too: fewer rows free
+//! activations for the kv cache, as long as a step's rows still feed the
+//! prompts that replace finished sequences.
 use candle_core::{DType, Device, Result, Tensor};
 use std::time::Instant;
 
@@ -110,18 +114,24 @@ pub struct BatchShape {
 }
 
 impl BatchMemory {
-    /// The estimate for `cfg` computing in `dtype` with `window` layers of
-    /// `layer` on the device (all of them when resident).
+    /// The estimate for `cfg` computing in `dtype` with layers of `layer`
+    /// placed as `placement` says. A streamed decode looks the embedding's
+    /// rows up in host memory unless the head shares it (`Llama`'s cached
+    /// decode), so only the final norm and head count on the device then.
     pub fn of(
         cfg: &LlamaConfig,
         dtype: DType,
-        (window, layer): (usize, LayerFootprint),
+        (placement, layer): (BatchPlacement, LayerFootprint),
         shape: BatchShape,
     ) -> Self {
         let e = dtype.size_in_bytes();
+        let window = placement.window(cfg);
+        let host_embedding =
+            matches!(placement, BatchPlacement::Streamed { .. }) && !cfg.tie_word_embeddings;
         let outer: usize = cfg
             .outer_weights()
             .iter()
+            .filter(|(name, ..)| !(host_embedding && name == "model.embed_tokens.weight"))
             .map(|(_, dims, _)| dims.iter().product::<usize>())
             .sum();
         let (h, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
@@ -167,13 +177,13 @@ pub fn kv_bytes_per_sequence(cfg: &LlamaConfig, dtype: DType, capacity: usize) -
     2 * cfg.num_hidden_layers * cfg.num_kv_heads() * cfg.head_dim() * rows * dtype.size_in_bytes()
 }
 
-/// The most sequences (at most `max`) whose batched decode with `window`
-/// layers of `layer` on the device fits `budget` bytes; an error naming the
-/// smallest budget that holds one when none fits.
+/// The most sequences (at most `max`) whose batched decode with layers of
+/// `layer` placed as `placement` says fits `budget` bytes; an error naming
+/// the smallest budget that holds one when none fits.
 pub fn sequences_for_budget(
     cfg: &LlamaConfig,
     dtype: DType,
-    window: (usize, LayerFootprint),
+    window: (BatchPlacement, LayerFootprint),
     (capacity, step_rows, max): (usize, usize, usize),
     budget: usize,
 ) -> Result<usize> {
@@ -304,7 +314,9 @@ pub fn request_flops(cfg: &LlamaConfig, prompt: usize, new: usize) -> f64 {
 pub struct BatchRun {
     /// Positions each slot reserves (the longest prompt and output).
     pub capacity: usize,
-    /// Rows a step computes at most.
+    /// Rows a step computes at most: the plan may choose fewer (halving,
+    /// while a step still holds `capacity` rows) when the activations they
+    /// free hold more sequences.
     pub step_rows: usize,
     /// Sequences in flight at most.
     pub most: usize,
@@ -357,7 +369,7 @@ impl BatchPlan {
         run: BatchRun,
         rates: &DecodeRates,
     ) -> Result<Self> {
-        let window = (placement.window(cfg), layer);
+        let window = (placement, layer);
         let most = (run.capacity, run.step_rows, run.most);
         let sequences = sequences_for_budget(cfg, dtype, window, most, budget)?;
         let shape = BatchShape {
@@ -377,7 +389,11 @@ impl BatchPlan {
         let (p, g) = (run.prompt_len, run.new_tokens);
         let compute =
             request_flops(cfg, p.round() as usize, g.round() as usize) / rates.flops_per_s;
-        let floor = g * step_floor / sequences as f64;
+        // A step generates a token for each sequence, but its rows also feed
+        // the prompts that replace finished sequences: in a long run, g of
+        // every p + g rows are generated tokens.
+        let per_step = (sequences as f64).min(run.step_rows as f64 * g / (p + g).max(1.0));
+        let floor = g * step_floor / per_step.max(1.0);
         let request_s = match placement {
             BatchPlacement::Resident => compute + floor,
             BatchPlacement::Streamed { .. } => compute.max(floor),
@@ -400,12 +416,45 @@ impl BatchPlan {
     }
 }
 
-/// The placement (resident, or streamed through `window` layers) and the
-/// batch that `budget` bytes hold with the most generated tokens/s `rates`
-/// predict, for layers of `layer` computing in `dtype`; `streamed_only`
+/// The placement (resident, or streamed through `window` layers), the batch
+/// and the step's rows (at most `run.step_rows`) that `budget` bytes hold
+/// with the most generated tokens/s `rates` predict, for layers of `layer`
+/// computing in `dtype`; `streamed_only`
 /// leaves resident out (as a quantized base always does: its packed layers
 /// only stream). An error names what the smallest plan needs when none fits.
 pub fn plan_batch(
+    cfg: &LlamaConfig,
+    (dtype, layer): (DType, LayerFootprint),
+    (budget, window, streamed_only): (usize, usize, bool),
+    run: BatchRun,
+    rates: &DecodeRates,
+) -> Result<BatchPlan> {
+    // Halving the step's rows frees activations for the kv cache while a
+    // step still holds the longest request (a prompt is admitted whole).
+    let choices = std::iter::successors(Some(run.step_rows), |&r| {
+        Some(r / 2).filter(|&h| h >= run.capacity.max(1))
+    });
+    let mut best: Option<Result<BatchPlan>> = None;
+    for step_rows in choices {
+        let run = BatchRun { step_rows, ..run };
+        let p = plan_placement(
+            cfg,
+            (dtype, layer),
+            (budget, window, streamed_only),
+            run,
+            rates,
+        );
+        best = Some(match (best, p) {
+            (Some(Ok(b)), Ok(p)) if p.tokens_per_s <= b.tokens_per_s => Ok(b),
+            (Some(Ok(b)), Err(_)) => Ok(b),
+            (_, p) => p,
+        });
+    }
+    best.expect("the given step rows are always tried")
+}
+
+/// [`plan_batch`] for `run.step_rows` as given.
+fn plan_placement(
     cfg: &LlamaConfig,
     (dtype, layer): (DType, LayerFootprint),
     (budget, window, streamed_only): (usize, usize, bool),

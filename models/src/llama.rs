@@ -954,13 +954,19 @@ impl Llama {
         matches!(self.layers, Layers::Trainable(_))
     }
 
+    /// The streamed layers (trainable or not), for their timeline and
+    /// statistics; `None` when resident.
+    pub fn streamed_layers(&self) -> Option<&StreamedSequential> {
+        match &self.layers {
+            Layers::Resident(_) => None,
+            Layers::Streamed(s) => Some(s),
+            Layers::Trainable(t) => Some(t.inner()),
+        }
+    }
+
     /// The streamed layers' statistics (copies, stalls, residency), if streamed.
     pub fn stats(&self) -> Result<Option<StreamStats>> {
-        match &self.layers {
-            Layers::Resident(_) => Ok(None),
-            Layers::Streamed(s) => s.stats().map(Some),
-            Layers::Trainable(t) => t.stats().map(Some),
-        }
+        self.streamed_layers().map(|s| s.stats()).transpose()
     }
 
     /// Training mode: a trainable model's forwards save what backward needs,
@@ -999,6 +1005,43 @@ impl Llama {
                     leaves;
                 Ok((e, n, hd))
             }
+        }
+    }
+
+    /// A streamed model's embedding master, when a cached decode looks its
+    /// rows up on the host: an untied embedding still in host memory. It
+    /// then takes no device memory (2.1 GB at Llama 3.1 70B's shapes), and a
+    /// decode step copies only its rows.
+    fn host_embedding(&self, kv: bool) -> Option<&Var> {
+        match &self.outer {
+            Outer::Host {
+                embed,
+                head: Some(_),
+                ..
+            } if kv && !embed.device().same_device(&self.device) => Some(embed),
+            _ => None,
+        }
+    }
+
+    /// The outer weights a cached decode keeps on the device for its batch:
+    /// [`Self::device_weights`], but for an embedding looked up on the host
+    /// ([`Self::host_embedding`]), whose place holds an empty tensor.
+    fn decode_weights(&self) -> Result<(Tensor, Tensor, Tensor)> {
+        match (&self.outer, self.host_embedding(true)) {
+            (
+                Outer::Host {
+                    norm,
+                    head: Some(head),
+                    ..
+                },
+                Some(_),
+            ) => {
+                let mut leaves = Vec::new();
+                let empty = Tensor::zeros(0, self.dtype, &self.device)?;
+                let norm = self.device_copy(norm, &mut leaves)?;
+                Ok((empty, norm, self.device_copy(head, &mut leaves)?))
+            }
+            _ => self.device_weights(),
         }
     }
 
@@ -1116,7 +1159,8 @@ impl Llama {
             );
         }
         let extras = self.rope.extras_for(positions)?;
-        let tokens = Tensor::new(tokens, &self.device)?.unsqueeze(0)?;
+        // On the host: `hidden` copies them where the embedding is.
+        let tokens = Tensor::new(tokens, &Device::Cpu)?.unsqueeze(0)?;
         self.kv.begin_step(step)?;
         let r = self.hidden(&tokens, extras, true);
         self.kv.end_step(r.is_ok())?;
@@ -1201,9 +1245,9 @@ impl Llama {
         if let Some(a) = self.lora.adapters()? {
             extras.extend(a.extras(self.dtype, &self.device)?);
         }
-        let tokens = tokens.to_device(&self.device)?;
+        let host_embed = self.host_embedding(kv);
         let (embed, norm, head) = match &self.outer {
-            Outer::Host { .. } if kv => self.kv.outer_or(|| self.device_weights())?,
+            Outer::Host { .. } if kv => self.kv.outer_or(|| self.decode_weights())?,
             _ => self.device_weights()?,
         };
         // A trainable model's own weights are frozen while adapters are on: the
@@ -1215,7 +1259,13 @@ impl Llama {
         } else {
             (embed, norm, head)
         };
-        let x = crate::embedding(&embed, &tokens)?;
+        let x = match host_embed {
+            // The rows looked up on the host, then copied: a few KiB a step.
+            Some(table) => crate::embedding(table.as_tensor(), &tokens.to_device(&Device::Cpu)?)?
+                .to_device(&self.device)?
+                .to_dtype(self.dtype)?,
+            None => crate::embedding(&embed, &tokens.to_device(&self.device)?)?,
+        };
         let h = match &self.layers {
             Layers::Resident(ls) if fused && x.track_op() => {
                 self.fused.begin()?;

@@ -32,6 +32,22 @@ pub enum ActivationPolicy {
     /// it in reverse order runs its backward. For models whose saved inputs
     /// alone do not fit on the device. Same gradients as `Recompute`.
     OffloadInputs,
+    /// [`Self::Keep`] within `device_bytes`, then the next blocks' activations
+    /// in page-locked host memory while their total stays within
+    /// `host_bytes`: copied out on the offload stream while the next block
+    /// runs its forward and back while the block after it runs its backward,
+    /// so they are not recomputed; the rest are recomputed. No two blocks in
+    /// a row spill (a spill's copies drain while the next block runs, which
+    /// recomputes or keeps on the device). Worth it where
+    /// PCIe is idle during the step (a quantized or resident base: LoRA) and
+    /// the device budget is small. Beyond `device_bytes`, the device holds
+    /// the activations of up to two spilled blocks in flight.
+    Spill {
+        /// Device bytes the kept activations may take.
+        device_bytes: usize,
+        /// Host bytes the spilled activations may take.
+        host_bytes: usize,
+    },
 }
 
 impl Default for ActivationPolicy {
@@ -45,7 +61,8 @@ impl std::str::FromStr for ActivationPolicy {
     type Err = candle_core::Error;
 
     /// `recompute`, `keep:BYTES` (e.g. `keep:8GiB`, `keep:1000000`),
-    /// `auto[:FRACTION]` or `offload`.
+    /// `auto[:FRACTION]`, `offload` or `spill:DEVICE:HOST` (e.g.
+    /// `spill:8GiB:32GiB`).
     fn from_str(s: &str) -> Result<Self> {
         let (name, arg) = s.split_once(':').map_or((s, None), |(a, b)| (a, Some(b)));
         match (name, arg) {
@@ -54,19 +71,39 @@ impl std::str::FromStr for ActivationPolicy {
             ("auto", None) => Ok(Self::default()),
             ("auto", Some(f)) => {
                 let fraction = f.parse::<f64>().map_err(|_| {
-                    candle_core::Error::Msg(format!("activation policy {s:?}: {f:?} is not a number"))
+                    candle_core::Error::Msg(format!(
+                        "activation policy {s:?}: {f:?} is not a number"
+                    ))
                 })?;
                 Ok(Self::Auto { fraction })
             }
             ("keep", Some(b)) => Ok(Self::Keep {
-                device_bytes: parse_size(b)
-                    .ok_or_else(|| candle_core::Error::Msg(format!("activation policy {s:?}: {b:?} is not a size (like 8GiB)")))?,
+                device_bytes: size_in(s, b)?,
             }),
+            ("spill", Some(sizes)) => match sizes.split_once(':') {
+                Some((d, h)) => Ok(Self::Spill {
+                    device_bytes: size_in(s, d)?,
+                    host_bytes: size_in(s, h)?,
+                }),
+                None => candle_core::bail!(
+                    "activation policy {s:?}: expected spill:DEVICE:HOST (e.g. spill:8GiB:32GiB)"
+                ),
+            },
             _ => candle_core::bail!(
-                "unknown activation policy {s:?}: expected recompute, keep:BYTES (e.g. keep:8GiB), auto[:FRACTION] or offload"
+                "unknown activation policy {s:?}: expected recompute, keep:BYTES (e.g. keep:8GiB), \
+                 auto[:FRACTION], offload or spill:DEVICE:HOST"
             ),
         }
     }
+}
+
+/// The size `b` of the policy `s`, or an error naming both.
+fn size_in(s: &str, b: &str) -> Result<usize> {
+    parse_size(b).ok_or_else(|| {
+        candle_core::Error::Msg(format!(
+            "activation policy {s:?}: {b:?} is not a size (like 8GiB)"
+        ))
+    })
 }
 
 /// `123`, `4KiB`, `8MiB`, `2GiB` (binary units; `KB`/`MB`/`GB` decimal).
@@ -113,6 +150,13 @@ impl ActivationPolicy {
                 )
             }
             Self::Auto { .. } => Ok(()),
+            Self::Spill { host_bytes: 0, .. } => candle_core::bail!(
+                "ActivationPolicy::Spill with 0 host bytes spills nothing: use Keep"
+            ),
+            Self::Spill { device_bytes, .. } if device_bytes > 0 => {
+                Self::Keep { device_bytes }.validate(device)
+            }
+            Self::Spill { .. } => Ok(()),
         }
     }
 
@@ -120,9 +164,17 @@ impl ActivationPolicy {
     pub(crate) fn budget(&self, device: &Device) -> Result<usize> {
         Ok(match *self {
             Self::Recompute | Self::OffloadInputs => 0,
-            Self::Keep { device_bytes } => device_bytes,
+            Self::Keep { device_bytes } | Self::Spill { device_bytes, .. } => device_bytes,
             Self::Auto { fraction } => streamer_device::free_device_memory(device)?
                 .map_or(0, |free| (free as f64 * fraction) as usize),
         })
+    }
+
+    /// The host bytes spilled activations may take in one training forward.
+    pub(crate) fn host_budget(&self) -> usize {
+        match *self {
+            Self::Spill { host_bytes, .. } => host_bytes,
+            _ => 0,
+        }
     }
 }

@@ -102,20 +102,34 @@ struct Saved {
     pieces: Vec<Vec<Rows>>,
     /// Activations kept by blocks with a hand-written backward (no recompute),
     /// one entry per piece.
-    kept: Vec<Vec<Option<SavedActivations>>>,
+    kept: Vec<Vec<Option<Kept>>>,
+}
+
+/// A piece's kept activations: on the device, or spilled to the host
+/// ([`ActivationPolicy::Spill`]) until their block's backward nears.
+enum Kept {
+    Device(SavedActivations),
+    Host(crate::host_saved::Spilled),
 }
 
 impl Saved {
-    /// Block `i`'s input back on the device, if it was offloaded.
-    fn bring_input(
+    /// Block `i`'s input and spilled activations back on the device, where
+    /// they were offloaded.
+    fn bring_back(
         &mut self,
         i: usize,
-        host: &mut crate::host_inputs::HostInputs,
+        host: &mut crate::host_saved::HostSaved,
         device: &candle_core::Device,
     ) -> Result<()> {
         if self.on_host[i] {
             self.inputs[i] = host.fetch(&self.inputs[i], device)?;
             self.on_host[i] = false;
+        }
+        for k in self.kept[i].iter_mut() {
+            *k = match k.take() {
+                Some(Kept::Host(s)) => Some(Kept::Device(host.bring_acts(s, device)?)),
+                other => other,
+            };
         }
         Ok(())
     }
@@ -127,9 +141,11 @@ struct Record {
     inputs: Vec<Tensor>,
     on_host: Vec<bool>,
     pieces: Vec<Vec<Rows>>,
-    kept: Vec<Vec<Option<SavedActivations>>>,
-    /// Bytes of kept activations so far.
+    kept: Vec<Vec<Option<Kept>>>,
+    /// Bytes of kept activations so far, on the device and spilled.
     used: usize,
+    spilled: usize,
+    last_spill: Option<usize>,
 }
 
 impl Saved {
@@ -205,15 +221,17 @@ struct TrainState {
     saved_training: bool,
     grads: HostGrads,
     /// Host copies of block inputs under `OffloadInputs`.
-    host_inputs: crate::host_inputs::HostInputs,
+    host_saved: crate::host_saved::HostSaved,
     trainable: Vec<bool>,
     /// Weights the overlapped step already stepped in this backward.
     stepped: Vec<bool>,
     optimizer_seconds: f64,
     optimizer_pool: Option<std::sync::Arc<rayon::ThreadPool>>,
     policy: ActivationPolicy,
-    /// Blocks whose activations the last training forward kept.
+    /// Blocks whose activations the last training forward kept (on the
+    /// device or spilled), and of those the spilled ones.
     kept_blocks: usize,
+    spilled_blocks: usize,
     /// Rows of the batch a block runs over at a time (`None`: all at once).
     micro_rows: Option<usize>,
     /// The first dropout seed of the last training forward: given back if a
@@ -247,13 +265,14 @@ impl TrainableSequential {
                 saved: None,
                 saved_training: true,
                 grads: HostGrads::new(n),
-                host_inputs: Default::default(),
+                host_saved: Default::default(),
                 trainable,
                 stepped: vec![false; n],
                 optimizer_seconds: 0.0,
                 optimizer_pool: None,
                 policy: ActivationPolicy::default(),
                 kept_blocks: 0,
+                spilled_blocks: 0,
                 micro_rows: None,
                 step_seeds: None,
             }),
@@ -402,10 +421,16 @@ impl TrainableSequential {
         Ok(self.lock()?.micro_rows)
     }
 
-    /// How many blocks kept their activations in the last training forward
-    /// (the others recompute in backward).
+    /// How many blocks kept their activations in the last training forward,
+    /// on the device or spilled (the others recompute in backward).
     pub fn kept_blocks(&self) -> Result<usize> {
         Ok(self.lock()?.kept_blocks)
+    }
+
+    /// How many of [`Self::kept_blocks`] were spilled to the host
+    /// ([`ActivationPolicy::Spill`]).
+    pub fn spilled_blocks(&self) -> Result<usize> {
+        Ok(self.lock()?.spilled_blocks)
     }
 
     /// Training mode: forwards save what backward needs.
@@ -463,7 +488,7 @@ impl TrainableSequential {
         let mut rec = Record::default();
         let offload = st.policy == ActivationPolicy::OffloadInputs;
         let micro = st.micro_rows;
-        let budget = st.policy.budget(pool.device())?;
+        let budget = (st.policy.budget(pool.device())?, st.policy.host_budget());
         let x_det = x.detach();
         let extras_det: Vec<Tensor> = extras.iter().map(|e| e.detach()).collect();
         let r = run_recorded(
@@ -472,11 +497,11 @@ impl TrainableSequential {
             (&x_det, &extras_det),
             &seeds,
             (offload, micro, budget),
-            &mut st.host_inputs,
+            &mut st.host_saved,
             &mut rec,
         );
         clear_current_seed();
-        let r = r.and_then(|o| st.host_inputs.settle().map(|_| o));
+        let r = r.and_then(|o| st.host_saved.settle().map(|_| o));
         // Backward starts with the last blocks: start copying them now, so the
         // copies overlap whatever runs between this forward and its backward.
         let r = r.and_then(|o| load_last(&mut pool, n).map(|_| o));
@@ -506,11 +531,12 @@ impl TrainableSequential {
         outs: Vec<Tensor>,
         seeds: Vec<u64>,
     ) -> Result<Vec<Tensor>> {
-        st.kept_blocks = rec
-            .kept
-            .iter()
-            .filter(|k| k.iter().any(Option::is_some))
-            .count();
+        let count = |f: fn(&Kept) -> bool| {
+            let any = |k: &Vec<Option<Kept>>| k.iter().flatten().any(f);
+            rec.kept.iter().filter(|k| any(k)).count()
+        };
+        st.kept_blocks = count(|_| true);
+        st.spilled_blocks = count(|k| matches!(k, Kept::Host(_)));
         let outputs = outs
             .iter()
             .map(Var::from_tensor)
@@ -705,16 +731,16 @@ impl TrainableSequential {
         let mut pool = unsafe { self.model.lock_pool_mut()? };
         pool.span_end(t0, || "backward checks".into());
         let trainable = st.trainable.clone();
-        let mut host_inputs = std::mem::take(&mut st.host_inputs);
+        let mut host_saved = std::mem::take(&mut st.host_saved);
         let r = self.streamed_backward(
             &mut pool,
-            (&mut st.grads, &mut host_inputs),
+            (&mut st.grads, &mut host_saved),
             &trainable,
             &mut saved,
             g_outs,
             &mut stepper,
         );
-        st.host_inputs = host_inputs;
+        st.host_saved = host_saved;
         let (g_x, g_extras) = match r {
             Ok((g_x, g_extras, stepped)) => {
                 st.stepped = stepped;
@@ -790,7 +816,7 @@ impl TrainableSequential {
     fn streamed_backward(
         &self,
         pool: &mut ResidencyPool,
-        (host, inputs): (&mut HostGrads, &mut crate::host_inputs::HostInputs),
+        (host, inputs): (&mut HostGrads, &mut crate::host_saved::HostSaved),
         trainable: &[bool],
         saved: &mut Saved,
         g_outs: Vec<Option<Tensor>>,
@@ -807,7 +833,7 @@ impl TrainableSequential {
         let mut g_next = g_outs;
         let mut g_extras: Vec<Option<Tensor>> = vec![None; saved.extras.len()];
         if n > 0 {
-            saved.bring_input(n - 1, inputs, pool.device())?;
+            saved.bring_back(n - 1, inputs, pool.device())?;
         }
         pool.span_end(t0, || "backward setup".into());
         for i in (0..n).rev() {
@@ -971,7 +997,13 @@ fn piece_step(
     };
     match block.manual() {
         Some(man) => {
-            let kept = saved.kept[i][p].take();
+            let kept = match saved.kept[i][p].take() {
+                Some(Kept::Device(a)) => Some(a),
+                Some(Kept::Host(_)) => candle_core::bail!(
+                    "internal error: block {i}'s spilled activations were not brought back"
+                ),
+                None => None,
+            };
             manual_step(man, &piece, kept, &saved.extras_det, &g)
         }
         None => autograd_step(block, &piece, &saved.extras, &g),
@@ -1254,30 +1286,72 @@ fn fresh(pool: &ResidencyPool, t: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// Runs block `i` of a training forward with its dropout `seed`: keeps its
-/// activations in `kept` when it has a hand-written backward and they fit the
-/// activation budget (`used` of `budget` bytes so far), else runs it plainly.
+/// Where a training forward may keep activations: `device` and `host` are
+/// (budget, bytes used so far); spilled ones go through `saved`, and
+/// `last_spill` is the last block that spilled.
+struct Room<'a> {
+    device: (usize, &'a mut usize),
+    host: (usize, &'a mut usize),
+    last_spill: &'a mut Option<usize>,
+    saved: &'a mut crate::host_saved::HostSaved,
+}
+
+impl Room<'_> {
+    /// Takes `need` bytes for block `i` on the device, else on the host;
+    /// `None` when neither has room (the block recomputes). `Some(true)`: on
+    /// the host. No block spills right after a block that spilled: a spill's
+    /// copies (slower than the block's compute over PCIe) drain while the
+    /// block after it runs, so the forward does not wait for them.
+    fn take(&mut self, i: usize, need: usize) -> Option<bool> {
+        let fits = |(budget, used): &(usize, &mut usize)| *budget > 0 && **used + need <= *budget;
+        let follows_spill = i > 0 && *self.last_spill == Some(i - 1);
+        let host = if fits(&self.device) {
+            false
+        } else if fits(&self.host) && !follows_spill {
+            *self.last_spill = Some(i);
+            true
+        } else {
+            return None;
+        };
+        *(if host {
+            &mut self.host
+        } else {
+            &mut self.device
+        })
+        .1 += need;
+        Some(host)
+    }
+}
+
+/// Runs piece `p` of block `i` of a training forward with its dropout `seed`:
+/// keeps its activations in `kept` when it has a hand-written backward and
+/// they fit `room` (on the device, else spilled to the host), else runs it
+/// plainly.
 fn run_training_block(
     pool: &ResidencyPool,
-    (i, seed): (usize, u64),
+    (i, p, seed): (usize, usize, u64),
     block: &dyn Block,
     (h, extras): (&Tensor, &[Tensor]),
-    (budget, used): (usize, &mut usize),
-    kept: &mut Option<SavedActivations>,
+    room: &mut Room<'_>,
+    kept: &mut Option<Kept>,
 ) -> Result<Vec<Tensor>> {
     let plain = BlockCtx::training(i, pool.device(), seed, false);
     let Some(man) = block.manual() else {
         return block.forward_ctx(h, extras, &plain);
     };
-    let need = man.saved_bytes(h.shape(), h.dtype());
-    if budget == 0 || *used + need > budget {
+    let Some(on_host) = room.take(i, man.saved_bytes(h.shape(), h.dtype())) else {
         return block.forward_ctx(h, extras, &plain);
-    }
+    };
     let keep = BlockCtx::training(i, pool.device(), seed, true);
     let (y, acts) = man.forward_train_ctx(h, extras, &keep)?;
     check_saved(pool, &acts, i)?;
-    *used += need;
-    *kept = Some(acts);
+    *kept = Some(if on_host {
+        // The extras stay: a hand-written backward keys their gradients by id.
+        let ids: Vec<_> = extras.iter().map(Tensor::id).collect();
+        Kept::Host(room.saved.spill((i, p), acts, &ids)?)
+    } else {
+        Kept::Device(acts)
+    });
     Ok(vec![y])
 }
 
@@ -1290,8 +1364,8 @@ fn run_training_pieces(
     (i, seed): (usize, u64),
     block: &dyn Block,
     (h, extras): (&Tensor, &[Tensor]),
-    (micro, (budget, used)): (Option<usize>, (usize, &mut usize)),
-    kept: &mut Vec<Option<SavedActivations>>,
+    (micro, room): (Option<usize>, &mut Room<'_>),
+    kept: &mut Vec<Option<Kept>>,
 ) -> Result<(Vec<Tensor>, Vec<Rows>)> {
     let rows = rows_of(h, micro)?;
     *kept = rows.iter().map(|_| None).collect();
@@ -1300,10 +1374,9 @@ fn run_training_pieces(
         let seed = piece_seed(seed, p);
         set_current_seed(seed);
         let h = cut(h, r)?;
-        let room = (budget, &mut *used);
         outs.push(run_training_block(
             pool,
-            (i, seed),
+            (i, p, seed),
             block,
             (&h, extras),
             room,
@@ -1318,14 +1391,15 @@ fn run_training_pieces(
 /// (on the host under `offload`, but for the caller's input, which stays where
 /// it is) and its dropout seed set just before it runs, so the recompute can
 /// replay it; blocks with a hand-written backward keep their activations while
-/// `budget` allows. Returns the last block's outputs.
+/// `budget` allows (device bytes, then host bytes: spilled). Returns the last
+/// block's outputs.
 fn run_recorded(
     pool: &mut ResidencyPool,
     blocks: &[BlockSpec],
     (x, extras): (&Tensor, &[Tensor]),
     seeds: &[u64],
-    (offload, micro, budget): (bool, Option<usize>, usize),
-    host_inputs: &mut crate::host_inputs::HostInputs,
+    (offload, micro, (budget, host_budget)): (bool, Option<usize>, (usize, usize)),
+    host_saved: &mut crate::host_saved::HostSaved,
     rec: &mut Record,
 ) -> Result<Vec<Tensor>> {
     // SAFETY: the closure keeps the block's input (the previous block's
@@ -1346,19 +1420,33 @@ fn run_recorded(
                     // to this forward was stale) starts the record over.
                     *rec = Record::default();
                 }
+                if offload || host_budget > 0 {
+                    host_saved.next_block(h.device())?;
+                }
                 // The first input is the caller's: it stays where it is.
                 let to_host = offload && i > 0;
                 rec.inputs.push(if to_host {
-                    host_inputs.save(i, h)?
+                    host_saved.save(i, h)?
                 } else {
                     h.detach()
                 });
                 rec.on_host.push(to_host);
                 let mut kept = Vec::new();
-                let room = (micro, (budget, &mut rec.used));
+                let mut room = Room {
+                    device: (budget, &mut rec.used),
+                    host: (host_budget, &mut rec.spilled),
+                    last_spill: &mut rec.last_spill,
+                    saved: &mut *host_saved,
+                };
                 let run = (h, extras);
-                let (outs, rows) =
-                    run_training_pieces(pool, (i, seeds[i]), block, run, room, &mut kept)?;
+                let (outs, rows) = run_training_pieces(
+                    pool,
+                    (i, seeds[i]),
+                    block,
+                    run,
+                    (micro, &mut room),
+                    &mut kept,
+                )?;
                 rec.pieces.push(rows);
                 rec.kept.push(kept);
                 Ok(outs)
@@ -1404,7 +1492,7 @@ fn load_window_for_backward(pool: &mut ResidencyPool, n: usize) -> Result<()> {
 fn move_window_back(
     pool: &mut ResidencyPool,
     saved: &mut Saved,
-    inputs: &mut crate::host_inputs::HostInputs,
+    inputs: &mut crate::host_saved::HostSaved,
     i: usize,
     window: usize,
 ) -> Result<()> {
@@ -1413,7 +1501,7 @@ fn move_window_back(
     saved.drop_input(i)?;
     // Issued after block i's backward, so the copy overlaps it.
     if i > 0 {
-        saved.bring_input(i - 1, inputs, pool.device())?;
+        saved.bring_back(i - 1, inputs, pool.device())?;
     }
     pool.release(i)?;
     if i >= window {
@@ -1428,7 +1516,7 @@ fn move_window_back(
 fn finish_streamed_backward(
     pool: &mut ResidencyPool,
     host: &mut HostGrads,
-    inputs: &mut crate::host_inputs::HostInputs,
+    inputs: &mut crate::host_saved::HostSaved,
     stepper: &Stepper<'_, '_>,
 ) -> Result<()> {
     let t0 = pool.span_start();
