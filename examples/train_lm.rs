@@ -154,9 +154,11 @@ struct Args {
     /// parameter, the layers stepped there during backward). Default: host.
     #[arg(long)]
     optimizer: Option<String>,
-    /// What full fine-tuning keeps for the layers' backward: recompute,
-    /// offload (block inputs in page-locked host memory), keep:BYTES or
-    /// auto[:FRACTION] of free device memory. Default: auto.
+    /// What training keeps for the layers' backward: recompute, offload
+    /// (block inputs in page-locked host memory), keep:BYTES,
+    /// auto[:FRACTION] of free device memory, or spill:DEVICE:HOST (keep
+    /// DEVICE bytes on the GPU, then up to HOST bytes of activations in
+    /// page-locked host memory instead of recomputing them). Default: auto.
     #[arg(long)]
     activations: Option<String>,
     /// The most device memory the run may use in all ("24GiB"): full

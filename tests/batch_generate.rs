@@ -582,7 +582,7 @@ fn batch_plan_picks_resident_or_streamed() -> Result<()> {
     let s = plan_batch(&cfg, bf16, (24 << 30, 2, true), run, &rates)?;
     ensure!(s.placement == BatchPlacement::Streamed { window: 2 }, "{s}");
     ensure!(
-        s.sequences > 3 * p.sequences && s.tokens_per_s < p.tokens_per_s,
+        s.sequences > 2 * p.sequences && s.tokens_per_s < p.tokens_per_s,
         "{s} vs {p}"
     );
     ensure!((s.tokens_per_s / expect(&s) - 1.0).abs() < 1e-9, "{s}");
@@ -616,11 +616,20 @@ fn batch_plan_picks_resident_or_streamed() -> Result<()> {
     };
     let f = plan_batch(&cfg, bf16, (24 << 30, 2, false), run, &fast)?;
     ensure!(f.placement == BatchPlacement::Streamed { window: 2 }, "{f}");
+    // 4 GiB: two layers, the head and a few sequences, with the step's rows
+    // halved down to what a step needs (the embedding stays on the host).
+    let small = plan_batch(&cfg, bf16, (4 << 30, 2, false), run, &rates)?;
+    ensure!(
+        small.placement == BatchPlacement::Streamed { window: 2 }
+            && small.step_rows < 16384
+            && small.memory.total() <= 4 << 30,
+        "{small}"
+    );
     // Nothing fits: the streamed plan's error names the budget.
     let e =
-        plan_batch(&cfg, bf16, (4 << 30, 2, false), run, &rates).expect_err("4 GiB holds no plan");
+        plan_batch(&cfg, bf16, (2 << 30, 2, false), run, &rates).expect_err("2 GiB holds no plan");
     ensure!(
-        streamer_device::Error::is_out_of_memory(&e) && e.to_string().contains("4.00 GiB"),
+        streamer_device::Error::is_out_of_memory(&e) && e.to_string().contains("2.00 GiB"),
         "{e}"
     );
     Ok(())
@@ -668,9 +677,14 @@ fn batch_plan_counts_packed_layers() -> Result<()> {
     // The final norm and head; the embedding stays on the host.
     let outer = (128256 * 4096 + 4096) * 2;
     ensure!(p.memory.weights == 2 * f.slot + f.scratch + outer, "{p}");
-    let dense = (DType::BF16, LayerFootprint::dense(&cfg, DType::BF16));
-    let d = plan_batch(&cfg, dense, (24 << 30, 2, true), run, &rates)?;
-    ensure!(p.sequences > d.sequences, "{p} against {d}");
+    // At the same step rows, the packed layers leave room for more sequences
+    // (each plan may choose its own rows: a faster floor favours more rows).
+    let dense = LayerFootprint::dense(&cfg, DType::BF16);
+    let streamed = BatchPlacement::Streamed { window: 2 };
+    let most = (544, p.step_rows, 4096);
+    let fit =
+        |l| streamer_models::sequences_for_budget(&cfg, DType::BF16, (streamed, l), most, 24 << 30);
+    ensure!(fit(f)? == p.sequences && fit(dense)? < p.sequences, "{p}");
     // Streamed: the request's FLOPs or its share of the packed copies.
     let compute = streamer_models::request_flops(&cfg, 512, 32) / rates.flops_per_s;
     let per_step = (p.sequences as f64).min(p.step_rows as f64 * 32.0 / 544.0);
