@@ -378,6 +378,44 @@ fn kept_activations_may_not_alias_weights(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(kept_activations_may_not_alias_weights);
 
+/// `n` fused MLP blocks of `dim` -> `hidden` -> `dim` over `host`, streamed
+/// one layer ahead, trainable under `policy`.
+fn mlp_model(
+    host: &HashMap<String, Tensor>,
+    (n, dim, hidden): (usize, usize, usize),
+    cfg: StreamConfig,
+    policy: ActivationPolicy,
+) -> Result<streamer_autograd::TrainableSequential> {
+    let blocks = (0..n)
+        .map(|i| BlockSpec::new(format!("layers.{i}"), move |vb| fused_mlp(dim, hidden, vb)))
+        .collect();
+    let model = StreamedSequential::from_tensors(host.clone(), blocks, cfg)?.train();
+    model.set_activation_policy(policy)?;
+    Ok(model)
+}
+
+/// One step of `m` on `x` (gradients zeroed first): the loss (mean square
+/// of the output) and every weight's gradient in `parameters()` order.
+fn loss_and_grads(
+    m: &streamer_autograd::TrainableSequential,
+    x: &Tensor,
+) -> Result<(f32, Vec<Tensor>)> {
+    m.zero_grad()?;
+    let loss = m.forward(x)?.to_dtype(DType::F32)?.sqr()?.mean_all()?;
+    let grads = m.backward(&loss)?;
+    let g = (m.parameters().iter())
+        .map(|(_, v)| grads.get(v.as_tensor()).expect("gradient").copy())
+        .collect::<candle_core::Result<_>>()?;
+    Ok((loss.to_scalar::<f32>()?, g))
+}
+
+/// Input rows for step `step`: random, scaled by `step + 1`, so a buffer
+/// left from an earlier step gives far-off gradients.
+fn step_input(step: usize, (rows, dim): (usize, usize), dt: DType, dev: &Device) -> Result<Tensor> {
+    let x = (Tensor::randn(0f32, 1.0, (rows, dim), &Device::Cpu)? * (step + 1) as f64)?;
+    Ok(x.to_dtype(dt)?.to_device(dev)?)
+}
+
 /// `OffloadInputs` over several steps of one model (its host buffers reused,
 /// the inputs different each step) gives each step the gradients a
 /// `Recompute` model computes on the same input.
@@ -386,31 +424,12 @@ fn offloaded_inputs_survive_buffer_reuse(dev: &Device) -> Result<()> {
     let host = host_mlp(n, dim, hidden)?;
     let dt = crate::common::compute_dtype(dev);
     let cfg = crate::common::stream(dev, dt, 1);
-    let blocks = || {
-        (0..n)
-            .map(|i| BlockSpec::new(format!("layers.{i}"), move |vb| fused_mlp(dim, hidden, vb)))
-            .collect::<Vec<_>>()
-    };
-    let off = StreamedSequential::from_tensors(host.clone(), blocks(), cfg.clone())?.train();
-    off.set_activation_policy(ActivationPolicy::OffloadInputs)?;
-    let rec = StreamedSequential::from_tensors(host, blocks(), cfg)?.train();
-    rec.set_activation_policy(ActivationPolicy::Recompute)?;
+    let shape = (n, dim, hidden);
+    let off = mlp_model(&host, shape, cfg.clone(), ActivationPolicy::OffloadInputs)?;
+    let rec = mlp_model(&host, shape, cfg, ActivationPolicy::Recompute)?;
     for step in 0..3 {
-        let x = (Tensor::randn(0f32, 1.0, (rows, dim), &Device::Cpu)? * (step + 1) as f64)?
-            .to_dtype(dt)?
-            .to_device(dev)?;
-        let mut got = Vec::new();
-        for m in [&off, &rec] {
-            m.zero_grad()?;
-            let loss = m.forward(&x)?.to_dtype(DType::F32)?.sqr()?.mean_all()?;
-            let grads = m.backward(&loss)?;
-            let g: Vec<Tensor> = m
-                .parameters()
-                .iter()
-                .map(|(_, v)| grads.get(v.as_tensor()).expect("gradient").copy())
-                .collect::<candle_core::Result<_>>()?;
-            got.push(g);
-        }
+        let x = step_input(step, (rows, dim), dt, dev)?;
+        let got = [loss_and_grads(&off, &x)?.1, loss_and_grads(&rec, &x)?.1];
         for (a, b) in got[0].iter().zip(&got[1]) {
             let err = rel_err(a, b)?;
             ensure!(
@@ -438,11 +457,6 @@ fn spilled_activations_match_kept(dev: &Device) -> Result<()> {
     let host = host_mlp(n, dim, hidden)?;
     let dt = crate::common::compute_dtype(dev);
     let cfg = crate::common::stream(dev, dt, 1);
-    let blocks = || {
-        (0..n)
-            .map(|i| BlockSpec::new(format!("layers.{i}"), move |vb| fused_mlp(dim, hidden, vb)))
-            .collect::<Vec<_>>()
-    };
     let zeros = |s: &[usize]| Tensor::zeros(s, dt, dev);
     let mlp = FusedMlp::new(
         zeros(&[hidden, dim])?,
@@ -451,32 +465,20 @@ fn spilled_activations_match_kept(dev: &Device) -> Result<()> {
         zeros(&[dim])?,
     )?;
     let per_block = mlp.saved_bytes(&(rows, dim).into(), dt);
-    let spill = StreamedSequential::from_tensors(host.clone(), blocks(), cfg.clone())?.train();
-    spill.set_activation_policy(ActivationPolicy::Spill {
+    let shape = (n, dim, hidden);
+    let spill = ActivationPolicy::Spill {
         device_bytes: per_block + 1,
         host_bytes: 3 * per_block,
-    })?;
-    let keep = StreamedSequential::from_tensors(host, blocks(), cfg)?.train();
-    keep.set_activation_policy(ActivationPolicy::Keep {
+    };
+    let spill = mlp_model(&host, shape, cfg.clone(), spill)?;
+    let keep = ActivationPolicy::Keep {
         device_bytes: 1 << 30,
-    })?;
+    };
+    let keep = mlp_model(&host, shape, cfg, keep)?;
     let tol = if dt == DType::F32 { 1e-6 } else { 2e-2 };
     for step in 0..3 {
-        let x = (Tensor::randn(0f32, 1.0, (rows, dim), &Device::Cpu)? * (step + 1) as f64)?
-            .to_dtype(dt)?
-            .to_device(dev)?;
-        let mut got = Vec::new();
-        for m in [&spill, &keep] {
-            m.zero_grad()?;
-            let loss = m.forward(&x)?.to_dtype(DType::F32)?.sqr()?.mean_all()?;
-            let grads = m.backward(&loss)?;
-            let g: Vec<Tensor> = m
-                .parameters()
-                .iter()
-                .map(|(_, v)| grads.get(v.as_tensor()).expect("gradient").copy())
-                .collect::<candle_core::Result<_>>()?;
-            got.push((loss.to_scalar::<f32>()?, g));
-        }
+        let x = step_input(step, (rows, dim), dt, dev)?;
+        let got = [loss_and_grads(&spill, &x)?, loss_and_grads(&keep, &x)?];
         let counts = (
             spill.kept_blocks()?,
             spill.spilled_blocks()?,

@@ -419,9 +419,9 @@ impl BatchPlan {
 /// The placement (resident, or streamed through `window` layers), the batch
 /// and the step's rows (at most `run.step_rows`) that `budget` bytes hold
 /// with the most generated tokens/s `rates` predict, for layers of `layer`
-/// computing in `dtype`; `streamed_only`
-/// leaves resident out (as a quantized base always does: its packed layers
-/// only stream). An error names what the smallest plan needs when none fits.
+/// computing in `dtype`; `streamed_only` leaves resident out (as a quantized
+/// base always does: its packed layers only stream). Resident wins a tie. An
+/// error names what the smallest streamed plan needs when none fits.
 pub fn plan_batch(
     cfg: &LlamaConfig,
     (dtype, layer): (DType, LayerFootprint),
@@ -429,6 +429,12 @@ pub fn plan_batch(
     run: BatchRun,
     rates: &DecodeRates,
 ) -> Result<BatchPlan> {
+    let streamed = BatchPlacement::Streamed { window };
+    let placements = if streamed_only || layer.quantized {
+        vec![streamed]
+    } else {
+        vec![BatchPlacement::Resident, streamed]
+    };
     // Halving the step's rows frees activations for the kv cache while a
     // step still holds the longest request (a prompt is admitted whole).
     let choices = std::iter::successors(Some(run.step_rows), |&r| {
@@ -436,50 +442,15 @@ pub fn plan_batch(
     });
     let mut best: Option<Result<BatchPlan>> = None;
     for step_rows in choices {
-        let run = BatchRun { step_rows, ..run };
-        let p = plan_placement(
-            cfg,
-            (dtype, layer),
-            (budget, window, streamed_only),
-            run,
-            rates,
-        );
-        best = Some(match (best, p) {
-            (Some(Ok(b)), Ok(p)) if p.tokens_per_s <= b.tokens_per_s => Ok(b),
-            (Some(Ok(b)), Err(_)) => Ok(b),
-            (_, p) => p,
-        });
+        for &placement in &placements {
+            let run = BatchRun { step_rows, ..run };
+            let p = BatchPlan::of(cfg, (dtype, layer), (placement, budget), run, rates);
+            best = Some(match (best, p) {
+                (Some(Ok(b)), Ok(p)) if p.tokens_per_s <= b.tokens_per_s => Ok(b),
+                (Some(Ok(b)), Err(_)) => Ok(b),
+                (_, p) => p,
+            });
+        }
     }
     best.expect("the given step rows are always tried")
-}
-
-/// [`plan_batch`] for `run.step_rows` as given.
-fn plan_placement(
-    cfg: &LlamaConfig,
-    (dtype, layer): (DType, LayerFootprint),
-    (budget, window, streamed_only): (usize, usize, bool),
-    run: BatchRun,
-    rates: &DecodeRates,
-) -> Result<BatchPlan> {
-    let weights = (dtype, layer);
-    let streamed = BatchPlan::of(
-        cfg,
-        weights,
-        (BatchPlacement::Streamed { window }, budget),
-        run,
-        rates,
-    );
-    if streamed_only || layer.quantized {
-        return streamed;
-    }
-    let resident = BatchPlan::of(cfg, weights, (BatchPlacement::Resident, budget), run, rates);
-    match (resident, streamed) {
-        (Ok(r), Ok(s)) => Ok(if r.tokens_per_s >= s.tokens_per_s {
-            r
-        } else {
-            s
-        }),
-        (Ok(r), Err(_)) => Ok(r),
-        (Err(_), s) => s,
-    }
 }
