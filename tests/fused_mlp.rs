@@ -318,6 +318,18 @@ fn activation_policy_rejects_impossible_values(dev: &Device) -> Result<()> {
         })
         .expect_err("no host bytes");
     ensure!(err.to_string().contains("0 host bytes"), "{err}");
+    if streamer_core::host_available_memory().is_some() {
+        let err = model
+            .set_activation_policy(ActivationPolicy::Spill {
+                device_bytes: 0,
+                host_bytes: usize::MAX / 2,
+            })
+            .expect_err("more than the host has");
+        ensure!(
+            err.to_string().contains("of host memory available"),
+            "{err}"
+        );
+    }
     Ok(())
 }
 candle_streamer::test_device!(activation_policy_rejects_impossible_values);

@@ -97,6 +97,20 @@ impl std::str::FromStr for ActivationPolicy {
     }
 }
 
+/// Refuses a spill of `host_bytes` that the host's `available` memory
+/// (when known) cannot hold: the spilled activations are page-locked.
+fn check_host(host_bytes: usize, available: Option<usize>) -> Result<()> {
+    match available {
+        Some(avail) if host_bytes > avail => candle_core::bail!(
+            "ActivationPolicy::Spill of {host_bytes} host bytes ({:.2} GiB) exceeds the {avail} \
+             bytes ({:.2} GiB) of host memory available",
+            host_bytes as f64 / (1u64 << 30) as f64,
+            avail as f64 / (1u64 << 30) as f64
+        ),
+        _ => Ok(()),
+    }
+}
+
 /// The size `b` of the policy `s`, or an error naming both.
 fn size_in(s: &str, b: &str) -> Result<usize> {
     parse_size(b).ok_or_else(|| {
@@ -153,10 +167,16 @@ impl ActivationPolicy {
             Self::Spill { host_bytes: 0, .. } => candle_core::bail!(
                 "ActivationPolicy::Spill with 0 host bytes spills nothing: use Keep"
             ),
-            Self::Spill { device_bytes, .. } if device_bytes > 0 => {
-                Self::Keep { device_bytes }.validate(device)
+            Self::Spill {
+                device_bytes,
+                host_bytes,
+            } => {
+                check_host(host_bytes, streamer_device::host_available_memory())?;
+                match device_bytes {
+                    0 => Ok(()),
+                    _ => Self::Keep { device_bytes }.validate(device),
+                }
             }
-            Self::Spill { .. } => Ok(()),
         }
     }
 
