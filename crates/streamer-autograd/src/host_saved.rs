@@ -24,10 +24,10 @@ pub(crate) struct HostSaved {
     bufs: Vec<Option<Tensor>>,
     /// Spilled activations' host buffers, by block, piece and tensor.
     acts: Vec<Vec<Vec<Option<Tensor>>>>,
-    /// Copies the newest block enqueued: their sources stay on the device
-    /// until the next block's copies are issued, so the compute stream never
-    /// waits for a copy it has just issued.
-    newest: usize,
+    /// Copies each recent block enqueued, oldest first (the current block's
+    /// last): their sources stay on the device while the blocks after them
+    /// run, so the compute stream does not wait for copies still under way.
+    recent: std::collections::VecDeque<usize>,
 }
 
 /// A spilled piece's activations: host buffers at `moved`, device tensors elsewhere.
@@ -55,12 +55,25 @@ impl HostSaved {
         Ok(self.off.as_mut().expect("created above"))
     }
 
-    /// A new block's copies begin: the copies before the newest block's may
-    /// release their device sources now (issued a block ago, so the compute
-    /// stream does not stall on them).
-    pub(crate) fn next_block(&mut self, device: &Device) -> Result<()> {
-        let newest = std::mem::take(&mut self.newest);
-        self.off(device)?.release_sources_but(newest)
+    /// A new block begins: copies issued more than `lag` blocks ago release
+    /// their device sources (the compute stream waits for them from here).
+    /// One block suffices for a block input; a spilled block's activations
+    /// take longer over PCIe than a block's forward, so spills use two.
+    pub(crate) fn next_block(&mut self, device: &Device, lag: usize) -> Result<()> {
+        while self.recent.len() > lag {
+            self.recent.pop_front();
+        }
+        let keep = self.recent.iter().sum();
+        self.recent.push_back(0);
+        self.off(device)?.release_sources_but(keep)
+    }
+
+    /// Counts a copy of the current block.
+    fn count_copy(&mut self) {
+        match self.recent.back_mut() {
+            Some(n) => *n += 1,
+            None => self.recent.push_back(1),
+        }
     }
 
     /// Starts copying block `i`'s input `h` to its host buffer; returns that
@@ -77,7 +90,7 @@ impl HostSaved {
         // or writes it: only `fetch` reads it back, on the same stream after
         // this copy.
         unsafe { self.off(h.device())?.enqueue(h, &buf)? };
-        self.newest += 1;
+        self.count_copy();
         Ok(buf)
     }
 
@@ -111,7 +124,7 @@ impl HostSaved {
                 // SAFETY: as in `save`: the host leaves `buf` alone, and only
                 // `bring_acts` reads it, on the same stream after this copy.
                 unsafe { off.enqueue(t, &buf)? };
-                self.newest += 1;
+                self.count_copy();
                 *t = buf;
                 moved.push(k);
             }
@@ -136,7 +149,7 @@ impl HostSaved {
 
     /// Lets every offloaded tensor's device memory go (end of the forward).
     pub(crate) fn settle(&mut self) -> Result<()> {
-        self.newest = 0;
+        self.recent.clear();
         match &mut self.off {
             Some(o) => o.release_sources(),
             None => Ok(()),

@@ -1421,7 +1421,8 @@ fn run_recorded(
                     *rec = Record::default();
                 }
                 if offload || host_budget > 0 {
-                    host_saved.next_block(h.device())?;
+                    let lag = if host_budget > 0 { 2 } else { 1 };
+                    host_saved.next_block(h.device(), lag)?;
                 }
                 // The first input is the caller's: it stays where it is.
                 let to_host = offload && i > 0;
