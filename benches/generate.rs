@@ -16,8 +16,7 @@
 //! random init; default `8b` on a GPU, `tiny` on the CPU) or `GEN_BENCH_MODEL=DIR` (a Hugging Face
 //! folder, as the transformers peer `scripts/generate_torch.py --batches`
 //! reads); `GEN_BENCH_BATCHES` (sequences in flight, default `1,64,256,1024`
-//! on a GPU); `GEN_BENCH_STEP_ROWS` (`BatchLimits::step_rows`; a budget
-//! row's plan may halve it);
+//! on a GPU); `GEN_BENCH_STEP_ROWS` (`BatchLimits::step_rows`);
 //! `GEN_BENCH_DEVICE_BUDGET_GIB` (two last rows with the GPU capped at that
 //! much, counting what the process held before the model, as `generate
 //! --device-budget` counts it: `batch_plan::plan_batch`'s streamed plan, and
@@ -381,7 +380,7 @@ fn main() -> Result<()> {
     let unbudgeted = batches(&dev)?;
     if !unbudgeted.is_empty() {
         let model = place(&base, &cfg, (&dev, dtype), streamed)?;
-        warm_up(&model)?;
+        warm_up(&model, pg.0)?;
         let setup = Setup {
             dev: &dev,
             model: &model,
@@ -433,10 +432,27 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// Kernels loaded, the outer weights' path exercised.
-fn warm_up(model: &Llama) -> Result<()> {
-    let warm = requests(2, (8, 2), model.config().vocab_size);
-    generate_batch(model, warm, 2, &[], &mut Count::default())?;
+/// Kernels loaded, the outer weights' path exercised: two short requests
+/// batched, then one prompt of the rows' length, whose prefill GEMMs (and
+/// the kernels CUDA loads lazily at their first launch) the rows use; without
+/// it a batch-1 row's first step took 204 ms against 74.5 for the next ones
+/// (NF4, H100: `generate-timeline-nf4-b1-w2.json`).
+fn warm_up(model: &Llama, prompt: usize) -> Result<()> {
+    let vocab = model.config().vocab_size;
+    generate_batch(
+        model,
+        requests(2, (8, 2), vocab),
+        2,
+        &[],
+        &mut Count::default(),
+    )?;
+    generate_batch(
+        model,
+        requests(1, (prompt, 2), vocab),
+        1,
+        &[],
+        &mut Count::default(),
+    )?;
     Ok(())
 }
 
@@ -469,7 +485,7 @@ fn budget_row(
     streamer_core::trim_device_memory(dev)?;
     let _cap = common::cap_device_memory(dev, Some(gib << 30))?;
     let model = place(base, cfg, (dev, dtype), plan.placement)?;
-    warm_up(&model)?;
+    warm_up(&model, pg.0)?;
     let setup = Setup {
         dev,
         model: &model,

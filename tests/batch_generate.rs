@@ -313,9 +313,12 @@ candle_streamer::test_device!(batched_bad_requests_fail_alone_and_finish_reasons
 
 fn batched_matches_one_by_one_transformers_fixtures(dev: &Device) -> Result<()> {
     // A Hugging Face Llama with its tokenizer, and Mistral with a sliding
-    // window of 16 that prompts of 20 and generations of 12 cross.
+    // window of 16 that prompts of 20 and generations of 12 cross. Their
+    // embeddings are untied: streamed on a GPU, a cached decode looks its
+    // rows up in host memory, and its greedy tokens equal the resident ones.
     for name in ["llama-tokenizer", "mistral-window16", "qwen3"] {
         let dir = crate::families::fixture(name)?;
+        let mut each = Vec::new();
         for placement in [
             Placement::Resident {
                 device: dev.clone(),
@@ -328,7 +331,12 @@ fn batched_matches_one_by_one_transformers_fixtures(dev: &Device) -> Result<()> 
             let reqs = requests(&[20, 3, 8, 14, 1], &[12, 7], 0.0, vocab);
             let outs = run_batch(&model, &reqs, 2)?;
             check_against_alone(&model, &reqs, &outs, name)?;
+            each.push(outs);
         }
+        ensure!(
+            each[0] == each[1],
+            "{name}: streamed and resident outputs differ"
+        );
     }
     Ok(())
 }
@@ -486,20 +494,20 @@ fn batch_plan_sequences_for_budget() -> Result<()> {
         .total()
     };
     ensure!(total(n) <= budget && total(n + 1) > budget, "{n} sequences");
-    // Weights: two layers, the final norm and the head (128256 x 4096) in
-    // bf16; the embedding's rows are looked up on the host. Resident, every
-    // layer and the embedding too.
+    // Weights: two layers and the embedding and head (2 x 128256 x 4096) in
+    // bf16 (a streamed decode keeps the embedding on the host, and the
+    // estimate counts it as headroom); resident, every layer.
     let shape = BatchShape {
         sequences: n,
         capacity,
         step_rows,
     };
     let m = BatchMemory::of(&cfg, DType::BF16, window, shape);
-    let outer = (128256 * 4096 + 4096) * 2;
+    let outer = (2 * 128256 * 4096 + 4096) * 2;
     ensure!(m.weights == 2 * cfg.layer_params() * 2 + outer, "{m:?}");
     let resident = (BatchPlacement::Resident, window.1);
     let r = BatchMemory::of(&cfg, DType::BF16, resident, shape);
-    let all = 32 * cfg.layer_params() * 2 + outer + 128256 * 4096 * 2;
+    let all = 32 * cfg.layer_params() * 2 + outer;
     ensure!(r.weights == all, "{r:?}");
     ensure!((250..300).contains(&n), "{n} sequences in 24 GiB");
     // Capped by the caller's most.
@@ -544,9 +552,7 @@ fn rates_and_run() -> (DecodeRates, BatchRun) {
 /// step generates a token for at most 32 of every 544 of its rows).
 #[test]
 fn batch_plan_picks_resident_or_streamed() -> Result<()> {
-    use streamer_models::{
-        plan_batch, request_flops, sequences_for_budget, BatchPlacement, LayerFootprint,
-    };
+    use streamer_models::{plan_batch, request_flops, BatchPlacement, LayerFootprint};
     let cfg = LlamaConfig::llama31_8b();
     let (rates, run) = rates_and_run();
     // FLOPs row by row: 2 x layer params per row and layer, 4 x width x
@@ -582,30 +588,11 @@ fn batch_plan_picks_resident_or_streamed() -> Result<()> {
     let s = plan_batch(&cfg, bf16, (24 << 30, 2, true), run, &rates)?;
     ensure!(s.placement == BatchPlacement::Streamed { window: 2 }, "{s}");
     ensure!(
-        s.sequences > 2 * p.sequences && s.tokens_per_s < p.tokens_per_s,
+        s.sequences > 3 * p.sequences && s.tokens_per_s < p.tokens_per_s,
         "{s} vs {p}"
     );
     ensure!((s.tokens_per_s / expect(&s) - 1.0).abs() < 1e-9, "{s}");
-    ensure!(s.limits().sequences == s.sequences && s.limits().step_rows == s.step_rows);
-    // The step's rows are the best of 16384 halved down to the capacity
-    // (544): each choice's batch is the most the budget holds with its rows.
-    let window = (BatchPlacement::Streamed { window: 2 }, bf16.1);
-    let mut best = (0.0, 0);
-    for rows in [16384, 8192, 4096, 2048, 1024] {
-        let n = sequences_for_budget(&cfg, DType::BF16, window, (544, rows, 4096), 24 << 30)?;
-        let plan = streamer_models::BatchPlan {
-            sequences: n,
-            step_rows: rows,
-            ..s
-        };
-        if expect(&plan) > best.0 {
-            best = (expect(&plan), rows);
-        }
-    }
-    ensure!(
-        s.step_rows == best.1 && s.step_rows < 16384,
-        "{s}: best {best:?}"
-    );
+    ensure!(s.limits().sequences == s.sequences && s.limits().step_rows == 16384);
     // 16 GiB cannot hold the model's 15 GiB of weights and a step: streamed.
     let q = plan_batch(&cfg, bf16, (16 << 30, 2, false), run, &rates)?;
     ensure!(q.placement == BatchPlacement::Streamed { window: 2 }, "{q}");
@@ -616,20 +603,11 @@ fn batch_plan_picks_resident_or_streamed() -> Result<()> {
     };
     let f = plan_batch(&cfg, bf16, (24 << 30, 2, false), run, &fast)?;
     ensure!(f.placement == BatchPlacement::Streamed { window: 2 }, "{f}");
-    // 4 GiB: two layers, the head and a few sequences, with the step's rows
-    // halved down to what a step needs (the embedding stays on the host).
-    let small = plan_batch(&cfg, bf16, (4 << 30, 2, false), run, &rates)?;
-    ensure!(
-        small.placement == BatchPlacement::Streamed { window: 2 }
-            && small.step_rows < 16384
-            && small.memory.total() <= 4 << 30,
-        "{small}"
-    );
     // Nothing fits: the streamed plan's error names the budget.
     let e =
-        plan_batch(&cfg, bf16, (2 << 30, 2, false), run, &rates).expect_err("2 GiB holds no plan");
+        plan_batch(&cfg, bf16, (4 << 30, 2, false), run, &rates).expect_err("4 GiB holds no plan");
     ensure!(
-        streamer_device::Error::is_out_of_memory(&e) && e.to_string().contains("2.00 GiB"),
+        streamer_device::Error::is_out_of_memory(&e) && e.to_string().contains("4.00 GiB"),
         "{e}"
     );
     Ok(())
@@ -674,11 +652,9 @@ fn batch_plan_counts_packed_layers() -> Result<()> {
     let budget = (24 << 30, 2, false);
     let p = plan_batch(&cfg, (DType::BF16, f), budget, run, &rates)?;
     ensure!(p.placement == BatchPlacement::Streamed { window: 2 }, "{p}");
-    // The final norm and head; the embedding stays on the host.
-    let outer = (128256 * 4096 + 4096) * 2;
+    let outer = (2 * 128256 * 4096 + 4096) * 2;
     ensure!(p.memory.weights == 2 * f.slot + f.scratch + outer, "{p}");
-    // At the same step rows, the packed layers leave room for more sequences
-    // (each plan may choose its own rows: a faster floor favours more rows).
+    // The packed layers leave room for more sequences than dense ones.
     let dense = LayerFootprint::dense(&cfg, DType::BF16);
     let streamed = BatchPlacement::Streamed { window: 2 };
     let most = (544, p.step_rows, 4096);

@@ -4,15 +4,16 @@
 //!
 //! What a streamed batched decode keeps on the device: the layer window's
 //! weights (a quantized base's packed bytes, and the layer it computes
-//! dequantized: [`LayerFootprint`]), the final norm and head (copied once
-//! for the batch; the embedding stays on the host, where each step looks
-//! its rows up, unless the head shares it), the packed kv cache
-//! (`crate::batch_kv`: every slot reserves the longest sequence's rows), and
-//! one step's activations (at most `step_rows` rows through a decoder layer,
-//! and the logits of every sequence), plus a margin for cuBLAS workspaces
-//! and the allocator. The step's rows are planned too: fewer rows free
-//! activations for the kv cache, as long as a step's rows still feed the
-//! prompts that replace finished sequences.
+//! dequantized: [`LayerFootprint`]), the embedding, final norm and head
+//! (copied once for the batch), the packed kv cache (`crate::batch_kv`:
+//! every slot reserves the longest sequence's rows), and one step's
+//! activations (at most `step_rows` rows through a decoder layer, and the
+//! logits of every sequence), plus a margin for cuBLAS workspaces and the
+//! allocator. A streamed decode keeps an untied embedding in host memory,
+//! but the estimate still counts it: the room it leaves is headroom (a plan
+//! that spent it on the kv cache, with the step's rows halved as well, ran
+//! out of memory under a 24 GiB driver cap: `benches/results/README.md`,
+//! generate).
 use candle_core::{DType, Device, Result, Tensor};
 use std::time::Instant;
 
@@ -115,9 +116,7 @@ pub struct BatchShape {
 
 impl BatchMemory {
     /// The estimate for `cfg` computing in `dtype` with layers of `layer`
-    /// placed as `placement` says. A streamed decode looks the embedding's
-    /// rows up in host memory unless the head shares it (`Llama`'s cached
-    /// decode), so only the final norm and head count on the device then.
+    /// placed as `placement` says (see the module docs for what it counts).
     pub fn of(
         cfg: &LlamaConfig,
         dtype: DType,
@@ -126,12 +125,9 @@ impl BatchMemory {
     ) -> Self {
         let e = dtype.size_in_bytes();
         let window = placement.window(cfg);
-        let host_embedding =
-            matches!(placement, BatchPlacement::Streamed { .. }) && !cfg.tie_word_embeddings;
         let outer: usize = cfg
             .outer_weights()
             .iter()
-            .filter(|(name, ..)| !(host_embedding && name == "model.embed_tokens.weight"))
             .map(|(_, dims, _)| dims.iter().product::<usize>())
             .sum();
         let (h, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
@@ -314,9 +310,7 @@ pub fn request_flops(cfg: &LlamaConfig, prompt: usize, new: usize) -> f64 {
 pub struct BatchRun {
     /// Positions each slot reserves (the longest prompt and output).
     pub capacity: usize,
-    /// Rows a step computes at most: the plan may choose fewer (halving,
-    /// while a step still holds `capacity` rows) when the activations they
-    /// free hold more sequences.
+    /// Rows a step computes at most.
     pub step_rows: usize,
     /// Sequences in flight at most.
     pub most: usize,
@@ -416,10 +410,10 @@ impl BatchPlan {
     }
 }
 
-/// The placement (resident, or streamed through `window` layers), the batch
-/// and the step's rows (at most `run.step_rows`) that `budget` bytes hold
-/// with the most generated tokens/s `rates` predict, for layers of `layer`
-/// computing in `dtype`; `streamed_only` leaves resident out (as a quantized
+/// The placement (resident, or streamed through `window` layers) and the
+/// batch that `budget` bytes hold with the most generated tokens/s `rates`
+/// predict, for layers of `layer` computing in `dtype` and steps of at most
+/// `run.step_rows` rows; `streamed_only` leaves resident out (as a quantized
 /// base always does: its packed layers only stream). Resident wins a tie. An
 /// error names what the smallest streamed plan needs when none fits.
 pub fn plan_batch(
@@ -435,22 +429,14 @@ pub fn plan_batch(
     } else {
         vec![BatchPlacement::Resident, streamed]
     };
-    // Halving the step's rows frees activations for the kv cache while a
-    // step still holds the longest request (a prompt is admitted whole).
-    let choices = std::iter::successors(Some(run.step_rows), |&r| {
-        Some(r / 2).filter(|&h| h >= run.capacity.max(1))
-    });
     let mut best: Option<Result<BatchPlan>> = None;
-    for step_rows in choices {
-        for &placement in &placements {
-            let run = BatchRun { step_rows, ..run };
-            let p = BatchPlan::of(cfg, (dtype, layer), (placement, budget), run, rates);
-            best = Some(match (best, p) {
-                (Some(Ok(b)), Ok(p)) if p.tokens_per_s <= b.tokens_per_s => Ok(b),
-                (Some(Ok(b)), Err(_)) => Ok(b),
-                (_, p) => p,
-            });
-        }
+    for placement in placements {
+        let p = BatchPlan::of(cfg, (dtype, layer), (placement, budget), run, rates);
+        best = Some(match (best, p) {
+            (Some(Ok(b)), Ok(p)) if p.tokens_per_s <= b.tokens_per_s => Ok(b),
+            (Some(Ok(b)), Err(_)) => Ok(b),
+            (_, p) => p,
+        });
     }
-    best.expect("the given step rows are always tried")
+    best.expect("one placement at least is tried")
 }
