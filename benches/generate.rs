@@ -30,8 +30,7 @@
 //! `GEN_BENCH_BATCHES` runs only the budget's rows. `GEN_BENCH_WINDOW`
 //! (default 2): the streamed rows' layers on the device. Streamed rows load
 //! the next step's first layers behind this step's tail, as `generate` does
-//! (`StreamConfig::prefetch_across_calls`; not the budget rows, as
-//! `generate --device-budget` does not); `GEN_BENCH_ACROSS_CALLS=0` turns
+//! (`StreamConfig::prefetch_across_calls`); `GEN_BENCH_ACROSS_CALLS=0` turns
 //! that off. `GEN_BENCH_TIMELINE=DIR` writes each streamed row's Chrome-trace
 //! timeline (copies, compute, one host span a step) to
 //! `DIR/generate-timeline-<format>-b<batch>-w<window>.json`.
@@ -98,7 +97,6 @@ fn host_weights(
 
 /// The host weights of the bench's model: dense tensors, and the packed
 /// linear weights of a quantized base.
-#[derive(Clone)]
 struct Base<'a> {
     w: &'a HashMap<String, Tensor>,
     quant: Option<&'a QuantizedWeights>,
@@ -474,11 +472,6 @@ fn budget_row(
         most: 1 << 14,
         prompt_len: pg.0 as f64,
         new_tokens: pg.1 as f64,
-    };
-    // As `generate --device-budget` runs its plan: without loading across steps.
-    let base = &Base {
-        across_calls: false,
-        ..base.clone()
     };
     let left = (gib << 30).saturating_sub(held);
     let plan = plan_batch(

@@ -329,18 +329,9 @@ fn layer_footprint(a: &Args, cfg: &LlamaConfig, dtype: DType) -> Result<LayerFoo
     Ok(LayerFootprint::dense(cfg, dtype))
 }
 
-/// Streaming for inference. Unless a `--device-budget` plan placed the
-/// model, each decode step's first layers load behind the previous step's
-/// tail (norm, head, sampling), so the copies do not pause: a planned run
-/// keeps the loading its plan was measured with (the bench rows that load
-/// across steps peaked higher on the device, not yet explained:
-/// `benches/results/README.md`, quantized bases).
-fn inference_stream(
-    dev: &Device,
-    prefetch_ahead: usize,
-    dtype: DType,
-    planned: bool,
-) -> StreamConfig {
+/// Streaming for inference: each decode step's first layers load behind the
+/// previous step's tail (norm, head, sampling), so the copies never pause.
+fn inference_stream(dev: &Device, prefetch_ahead: usize, dtype: DType) -> StreamConfig {
     // SAFETY: this program never changes a master of the model it streams
     // (LoRA adapters are set before the first forward and are not masters).
     let across = unsafe { streamer_core::AcrossCalls::promise_masters_unchanged() };
@@ -348,7 +339,7 @@ fn inference_stream(
         device: dev.clone(),
         prefetch_ahead,
         dtype,
-        prefetch_across_calls: (!planned).then_some(across),
+        prefetch_across_calls: Some(across),
         ..Default::default()
     }
 }
@@ -367,7 +358,7 @@ fn from_folder(
     }
     let (budget, scheme) = budget_and_scheme(a)?;
     let stream = |prefetch_ahead| {
-        let stream = inference_stream(dev, prefetch_ahead, dtype, planned.is_some());
+        let stream = inference_stream(dev, prefetch_ahead, dtype);
         match scheme {
             Some(scheme) => Placement::Quantized { stream, scheme },
             None => Placement::Streamed(stream),
@@ -923,7 +914,7 @@ fn place(
             prefetch + 1,
             dev.location()
         );
-        let stream = inference_stream(dev, prefetch, dtype, planned.is_some());
+        let stream = inference_stream(dev, prefetch, dtype);
         match (from, scheme) {
             (From::Files(w), None) => Llama::from_safetensors(&w, cfg, stream)?,
             (From::Init(t), None) => Llama::from_tensors(t, cfg, stream)?,

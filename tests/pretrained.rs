@@ -84,8 +84,19 @@ fn from_pretrained_resident_and_streamed_agree(dev: &Device) -> Result<()> {
     let ids = tok.encode("a single man in possession of a good fortune")?;
     let x = Tensor::new(ids.as_slice(), dev)?.unsqueeze(0)?;
     let (a, b) = (resident.model.forward(&x)?, streamed.model.forward(&x)?);
-    let d = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    let d = (&a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
     ensure!(d < 1e-5, "resident vs streamed: {d}");
+    // A cached decode of the streamed model (on a GPU its untied embedding's
+    // rows are looked up in host memory) gives the same logits, and records
+    // no graph there: one would keep every layer's activations alive.
+    let c = streamed.model.forward_cached(&x)?;
+    streamed.model.clear_cache()?;
+    let d = (&a - &c)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    ensure!(d < 1e-5, "resident vs streamed, cached: {d}");
+    ensure!(
+        !(dev.is_cuda() && c.track_op()),
+        "a cached streamed decode recorded a graph"
+    );
     let big = Llama::from_pretrained(
         &dir,
         Placement::Budget {

@@ -1261,9 +1261,16 @@ impl Llama {
         };
         let x = match host_embed {
             // The rows looked up on the host, then copied: a few KiB a step.
-            Some(table) => crate::embedding(table.as_tensor(), &tokens.to_device(&Device::Cpu)?)?
-                .to_device(&self.device)?
-                .to_dtype(self.dtype)?,
+            // Detached: a lookup in the variable itself would make Candle
+            // record every layer's ops after it, keeping each layer's
+            // activations (and a quantized layer's dequantized weights) alive
+            // until the step's logits drop.
+            Some(table) => {
+                let ids = tokens.to_device(&Device::Cpu)?;
+                crate::embedding(&table.as_tensor().detach(), &ids)?
+                    .to_device(&self.device)?
+                    .to_dtype(self.dtype)?
+            }
             None => crate::embedding(&embed, &tokens.to_device(&self.device)?)?,
         };
         let h = match &self.layers {
