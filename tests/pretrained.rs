@@ -93,10 +93,7 @@ fn from_pretrained_resident_and_streamed_agree(dev: &Device) -> Result<()> {
     streamed.model.clear_cache()?;
     let d = (&a - &c)?.abs()?.max_all()?.to_scalar::<f32>()?;
     ensure!(d < 1e-5, "resident vs streamed, cached: {d}");
-    ensure!(
-        !(dev.is_cuda() && c.track_op()),
-        "a cached streamed decode recorded a graph"
-    );
+    ensure!(!c.track_op(), "a cached streamed decode recorded a graph");
     let big = Llama::from_pretrained(
         &dir,
         Placement::Budget {

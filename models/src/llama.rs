@@ -1254,7 +1254,9 @@ impl Llama {
         // embedding, final norm and head too (PEFT's default), so no gradient is
         // computed for them or copied back to their host masters.
         let frozen = matches!(self.layers, Layers::Trainable(_)) && self.lora.adapters()?.is_some();
-        let (embed, norm, head) = if frozen {
+        // A cached decode is inference only: a graph recorded from the
+        // variables would keep every layer's activations until the logits drop.
+        let (embed, norm, head) = if frozen || kv {
             (embed.detach(), norm.detach(), head.detach())
         } else {
             (embed, norm, head)
