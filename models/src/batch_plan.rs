@@ -10,10 +10,11 @@
 //! activations (at most `step_rows` rows through a decoder layer, and the
 //! logits of every sequence), plus a margin for cuBLAS workspaces and the
 //! allocator. A streamed decode keeps an untied embedding in host memory,
-//! but the estimate still counts it: the room it leaves is headroom (a plan
-//! that spent it on the kv cache, with the step's rows halved as well, ran
-//! out of memory under a 24 GiB driver cap: `benches/results/README.md`,
-//! generate).
+//! but the estimate still counts it: the room it leaves is headroom until a
+//! leaner plan is measured (one that spent it on the kv cache, with the
+//! step's rows halved as well, ran out of memory under a 24 GiB driver cap,
+//! very likely from a since-fixed recorded graph: `benches/results/README.md`,
+//! quantized bases).
 use candle_core::{DType, Device, Result, Tensor};
 use std::time::Instant;
 
