@@ -4,8 +4,8 @@
 //! `GEN_BENCH_NEW` new tokens each (32), greedy. Each row runs
 //! `GEN_BENCH_JOB` (default 2) times as many prompts as sequences in flight,
 //! so finished sequences hand their slots to queued ones as in a long job.
-//! Rows: `benches/results/generate-<dev>.json` (`system`, `model`, `format`, `batch`, `prompt_len`, `gen_len`,
-//! `tokens_per_s` of generated tokens, `device_budget_gib`, `kv_place`,
+//! Rows: `benches/results/generate-<dev>.json` (`system`, `model`, `format`,
+//! `batch`, `prompt_len`, `gen_len`, `tokens_per_s` of generated tokens, `device_budget_gib`, `kv_place`,
 //! `peak_device_gib`, the plan's estimate), each beside its bounds measured in
 //! the same process: the PCIe bound (the copy stream's busy time, every
 //! layer's weights once a step when streamed) and the compute bound (the
@@ -216,7 +216,7 @@ struct Setup<'a> {
     job: usize,
 }
 
-/// One row: `batch` sequences in flight over `2 x batch` prompts.
+/// One row: `batch` sequences in flight over `job x batch` prompts (one at batch 1).
 fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
     let cfg = s.model.config();
     let n = if batch == 1 { 1 } else { s.job * batch };
