@@ -547,12 +547,7 @@ fn autograd_fwd_bwd(
         .collect::<candle_core::Result<Vec<_>>>()?;
     dev.synchronize()?;
     let t0 = Instant::now();
-    let o = attention(
-        vars[0].as_tensor(),
-        vars[1].as_tensor(),
-        vars[2].as_tensor(),
-        opts,
-    )?;
+    let o = attention(&vars[0], &vars[1], &vars[2], opts)?;
     dev.synchronize()?;
     let t1 = Instant::now();
     let grads = o.backward()?;

@@ -618,13 +618,7 @@ fn attention_saved_matches_autograd(dev: &Device) -> Result<()> {
         Var::from_tensor(&k)?,
         Var::from_tensor(&v)?,
     ];
-    let on = naive(
-        vars[0].as_tensor(),
-        vars[1].as_tensor(),
-        vars[2].as_tensor(),
-        true,
-        0.125,
-    )?;
+    let on = naive(&vars[0], &vars[1], &vars[2], true, 0.125)?;
     let naive_grads = grads_of(&on, &vars)?;
     for (name, opts, host) in [
         ("resident", chunks(Mode::Resident), false),
@@ -673,12 +667,7 @@ fn attention_saved_matches_autograd(dev: &Device) -> Result<()> {
             Var::from_tensor(&ki)?,
             Var::from_tensor(&vi)?,
         ];
-        let oa = attention(
-            vars[0].as_tensor(),
-            vars[1].as_tensor(),
-            vars[2].as_tensor(),
-            &opts,
-        )?;
+        let oa = attention(&vars[0], &vars[1], &vars[2], &opts)?;
         let g = (&oa * &wi)?.sum_all()?.backward()?;
         let auto = [
             oa.clone(),
@@ -725,12 +714,7 @@ fn saved_matches_autograd(
         Var::from_tensor(k)?,
         Var::from_tensor(v)?,
     ];
-    let o = attention(
-        vars[0].as_tensor(),
-        vars[1].as_tensor(),
-        vars[2].as_tensor(),
-        opts,
-    )?;
+    let o = attention(&vars[0], &vars[1], &vars[2], opts)?;
     let g = (o.to_dtype(DType::F32)? * w.to_dtype(DType::F32)?)?
         .sum_all()?
         .backward()?;
@@ -1629,12 +1613,7 @@ fn attention_masked_streamed_equals_resident(dev: &Device) -> Result<()> {
                     Var::from_tensor(&k)?,
                     Var::from_tensor(&v)?,
                 ];
-                let o = attention(
-                    vars[0].as_tensor(),
-                    vars[1].as_tensor(),
-                    vars[2].as_tensor(),
-                    opts,
-                )?;
+                let o = attention(&vars[0], &vars[1], &vars[2], opts)?;
                 let g = o.to_dtype(DType::F32)?.sqr()?.sum_all()?.backward()?;
                 vars.iter()
                     .map(|x| {

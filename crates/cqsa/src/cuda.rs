@@ -163,30 +163,33 @@ fn forward_kernel(
     Ok((name, cfg))
 }
 
+/// Calls `$f::<T>(args)` with `T` the Rust type of the attention dtype
+/// `$dtype` (f32, f16, bf16: the dtypes the CUDA kernels are built for).
+macro_rules! by_dtype {
+    ($dtype:expr, $f:ident($($a:expr),*)) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($a),*),
+            DType::F16 => $f::<f16>($($a),*),
+            DType::BF16 => $f::<bf16>($($a),*),
+            other => bail!("cqsa: no CUDA attention kernel for dtype {other:?}"),
+        }
+    };
+}
+
 /// Forward: returns the output (dtype of q) and the f32 log-sum-exp `(b, hq, nq)`.
 /// A packed call (`packed`, whose bands replace `sc`'s) is one launch of the
 /// tensor-core kernels, Hopper or portable (`varlen::fused` chose it where
 /// they serve: f16/bf16 at head dims 64 and 128).
 pub(crate) fn forward(
-    q: (&CudaStorage, &Layout),
-    k: (&CudaStorage, &Layout),
-    v: (&CudaStorage, &Layout),
+    t: [(&CudaStorage, &Layout); 3],
     dims: &AttentionShape,
-    (sc, packed): (&Scores, Option<&Fused>),
+    p: (&Scores, Option<&Fused>),
 ) -> Result<(CudaStorage, CudaStorage)> {
-    let p = (sc, packed);
-    match q.0.dtype() {
-        DType::F32 => forward_t::<f32>(q, k, v, dims, p),
-        DType::F16 => forward_t::<f16>(q, k, v, dims, p),
-        DType::BF16 => forward_t::<bf16>(q, k, v, dims, p),
-        other => bail!("cqsa: no CUDA attention kernel for dtype {other:?}"),
-    }
+    by_dtype!(t[0].0.dtype(), forward_t(t, dims, p))
 }
 
 fn forward_t<T: CudaDType + DeviceRepr>(
-    q: (&CudaStorage, &Layout),
-    k: (&CudaStorage, &Layout),
-    v: (&CudaStorage, &Layout),
+    [q, k, v]: [(&CudaStorage, &Layout); 3],
     dims: &AttentionShape,
     (sc, packed): (&Scores, Option<&Fused>),
 ) -> Result<(CudaStorage, CudaStorage)> {
@@ -292,15 +295,9 @@ fn portable_forward<T: DeviceRepr>(
 pub(crate) fn backward(
     t: [(&CudaStorage, &Layout); 6],
     dims: &AttentionShape,
-    (sc, packed): (&Scores, Option<&Fused>),
+    p: (&Scores, Option<&Fused>),
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
-    let p = (sc, packed);
-    match t[0].0.dtype() {
-        DType::F32 => backward_t::<f32>(t, dims, p),
-        DType::F16 => backward_t::<f16>(t, dims, p),
-        DType::BF16 => backward_t::<bf16>(t, dims, p),
-        other => bail!("cqsa: no CUDA attention kernel for dtype {other:?}"),
-    }
+    by_dtype!(t[0].0.dtype(), backward_t(t, dims, p))
 }
 
 fn backward_t<'a, T: CudaDType + DeviceRepr>(
@@ -367,14 +364,15 @@ fn backward_t<'a, T: CudaDType + DeviceRepr>(
 }
 
 impl<T: CudaDType + DeviceRepr> Backward<'_, T> {
+    /// The attention module's kernel `name`, loaded on this call's device.
+    fn kernel(&self, name: &str) -> Result<streamer_kernels::Kernel> {
+        streamer_kernels::function(self.dev, &ATTENTION, name)
+    }
+
     /// `delta = rowsum(do * o)`, one warp per row.
     fn delta(&mut self, o: &CudaView<'_, T>) -> Result<()> {
         let rows = self.dims.b * self.dims.hq * self.dims.nq;
-        let func = streamer_kernels::function(
-            self.dev,
-            &ATTENTION,
-            &format!("cqsa_bwd_delta_{}", self.sfx),
-        )?;
+        let func = self.kernel(&format!("cqsa_bwd_delta_{}", self.sfx))?;
         let cfg = LaunchConfig {
             grid_dim: grid(rows.div_ceil(SIMPLE_WARPS as usize), 1, 1)?,
             block_dim: (32 * SIMPLE_WARPS, 1, 1),
@@ -400,11 +398,11 @@ impl<T: CudaDType + DeviceRepr> Backward<'_, T> {
         let n = self.dims.b * self.dims.hq * self.dims.nq * d;
         let mut dq_acc: CudaSlice<f32> = self.dev.alloc_zeros::<f32>(n)?;
         let smem = bwd_smem(d);
-        let func = streamer_kernels::function(
-            self.dev,
-            &ATTENTION,
-            &format!("cqsa_bwd_mma_{}{}_d{d}", self.args.cap_infix(), self.sfx),
-        )?;
+        let func = self.kernel(&format!(
+            "cqsa_bwd_mma_{}{}_d{d}",
+            self.args.cap_infix(),
+            self.sfx
+        ))?;
         allow_smem(&func, smem)?;
         let segs = self
             .packed
@@ -435,11 +433,7 @@ impl<T: CudaDType + DeviceRepr> Backward<'_, T> {
             // the kernel (segs: null or `blocks` Segs); every view lives past the launch.
             unsafe { builder.launch(cfg) }.w()?;
         }
-        let func = streamer_kernels::function(
-            self.dev,
-            &ATTENTION,
-            &format!("cqsa_bwd_dq_convert_{}", self.sfx),
-        )?;
+        let func = self.kernel(&format!("cqsa_bwd_dq_convert_{}", self.sfx))?;
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(256).min(65536) as u32, 1, 1),
             block_dim: (256, 1, 1),
@@ -492,7 +486,7 @@ impl<T: CudaDType + DeviceRepr> Backward<'_, T> {
         heads: usize,
     ) -> Result<(streamer_kernels::Kernel, LaunchConfig)> {
         let name = format!("cqsa_bwd_{what}_simple_{}", self.sfx);
-        let func = streamer_kernels::function(self.dev, &ATTENTION, &name)?;
+        let func = self.kernel(&name)?;
         let cfg = LaunchConfig {
             grid_dim: grid(rows.div_ceil(SIMPLE_WARPS as usize), heads, self.dims.b)?,
             block_dim: (32 * SIMPLE_WARPS, 1, 1),

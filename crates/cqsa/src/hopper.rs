@@ -142,6 +142,25 @@ fn tensor_map(
     Ok(TensorMap(unsafe { map.assume_init() }))
 }
 
+/// Which side of attention a tensor is on: shaped like q (`b * hq` slices of
+/// `nq` rows) or like k and v (`b * hkv` slices of `nk` rows).
+enum Side {
+    Query,
+    Key,
+}
+
+impl Side {
+    /// The tensor map of the contiguous tensor at `ptr` on this side, in
+    /// boxes of `rows` rows.
+    fn map(self, dims: &AttentionShape, ptr: u64, rows: usize) -> Result<TensorMap> {
+        let (heads, n) = match self {
+            Side::Query => (dims.hq, dims.nq),
+            Side::Key => (dims.hkv, dims.nk),
+        };
+        tensor_map(ptr, dims.dtype, (dims.b * heads, n, dims.d), rows)
+    }
+}
+
 /// Launches `cqsa_fwd_hopper_{cap_}{sfx}_d{d}` on the device's compute stream:
 /// `out` and `lse` get the output and the log-sum-exp. The kernel is
 /// persistent: one block per SM works through the items (a query block of a
@@ -155,16 +174,7 @@ pub(crate) fn forward<T: DeviceRepr>(
     args: &KernelArgs,
     (sfx, packed): (&str, Option<&Fused>),
 ) -> Result<()> {
-    let AttentionShape {
-        b,
-        hq,
-        hkv,
-        nq,
-        nk,
-        d,
-        dtype,
-        ..
-    } = *dims;
+    let AttentionShape { b, hq, nq, d, .. } = *dims;
     let segs = packed
         .map(|f| Segs::forward(dev, f, (ROWS, keys(d))))
         .transpose()?;
@@ -188,9 +198,9 @@ pub(crate) fn forward<T: DeviceRepr>(
     let (qp, _gq) = q.device_ptr(&stream);
     let (kp, _gk) = k.device_ptr(&stream);
     let (vp, _gv) = v.device_ptr(&stream);
-    let tq = tensor_map(qp, dtype, (b * hq, nq, d), ROWS)?;
-    let tk = tensor_map(kp, dtype, (b * hkv, nk, d), keys(d))?;
-    let tv = tensor_map(vp, dtype, (b * hkv, nk, d), keys(d))?;
+    let tq = Side::Query.map(dims, qp, ROWS)?;
+    let tk = Side::Key.map(dims, kp, keys(d))?;
+    let tv = Side::Key.map(dims, vp, keys(d))?;
     let mut builder = func.builder();
     builder.arg(&tq).arg(&tk).arg(&tv).arg(out).arg(lse);
     args.push(&mut builder, false);
@@ -332,16 +342,7 @@ fn bwd_kernel<T: DeviceRepr>(
     (stats, acc): (&CudaSlice<f32>, &mut CudaSlice<f32>),
     (segs, nqt): (Option<&Segs>, usize),
 ) -> Result<()> {
-    let AttentionShape {
-        b,
-        hq,
-        hkv,
-        nq,
-        nk,
-        d,
-        dtype,
-        ..
-    } = bw.dims;
+    let AttentionShape { b, hkv, nk, d, .. } = bw.dims;
     let name = format!("cqsa_bwd_hopper_{}{}_d{d}", bw.args.cap_infix(), bw.sfx);
     let func = streamer_kernels::function(bw.dev, &ATTENTION_HOPPER, &name)?;
     let smem = bwd_smem(d);
@@ -361,10 +362,10 @@ fn bwd_kernel<T: DeviceRepr>(
     let (kp, _gk) = bw.inputs.k.device_ptr(&stream);
     let (vp, _gv) = bw.inputs.v.device_ptr(&stream);
     let (gp, _gg) = bw.inputs.g.device_ptr(&stream);
-    let tq = tensor_map(qp, dtype, (b * hq, nq, d), BWD_QUERIES)?;
-    let tg = tensor_map(gp, dtype, (b * hq, nq, d), BWD_QUERIES)?;
-    let tk = tensor_map(kp, dtype, (b * hkv, nk, d), BWD_KEYS)?;
-    let tv = tensor_map(vp, dtype, (b * hkv, nk, d), BWD_KEYS)?;
+    let tq = Side::Query.map(&bw.dims, qp, BWD_QUERIES)?;
+    let tg = Side::Query.map(&bw.dims, gp, BWD_QUERIES)?;
+    let tk = Side::Key.map(&bw.dims, kp, BWD_KEYS)?;
+    let tv = Side::Key.map(&bw.dims, vp, BWD_KEYS)?;
     let mut builder = func.builder();
     builder.arg(&tq).arg(&tk).arg(&tv).arg(&tg);
     builder.arg(stats).arg(acc).arg(&mut bw.dk).arg(&mut bw.dv);

@@ -134,9 +134,7 @@ impl CustomOp3 for AttnOp {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = dims_of(lq, lk, sq.dtype())?;
         let (o, lse) = crate::cuda::forward(
-            (sq, lq),
-            (sk, lk),
-            (sv, lv),
+            [(sq, lq), (sk, lk), (sv, lv)],
             &dims,
             (&self.scores, self.packed.as_deref()),
         )?;
@@ -229,7 +227,7 @@ pub(crate) fn forward_packed(
         #[cfg(feature = "cuda")]
         (Storage::Cuda(a), Storage::Cuda(b), Storage::Cuda(c)) => {
             let (o, lse) =
-                crate::cuda::forward((a, lq), (b, lk), (c, lv), &dims, (scores, packed))?;
+                crate::cuda::forward([(a, lq), (b, lk), (c, lv)], &dims, (scores, packed))?;
             let o = Tensor::from_storage(Storage::Cuda(o), q.shape(), BackpropOp::none(), false);
             let lse = Tensor::from_storage(
                 Storage::Cuda(lse),

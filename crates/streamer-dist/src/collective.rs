@@ -7,6 +7,17 @@ use candle_core::{Device, Result, Tensor};
 /// The default timeout of one blocking collective operation.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// One rank of a group: its index, the group's size and its device.
+#[derive(Clone, Debug)]
+pub struct Member {
+    /// This rank, `0..world`.
+    pub rank: usize,
+    /// Number of ranks in the group.
+    pub world: usize,
+    /// The device this rank computes on.
+    pub device: Device,
+}
+
 /// Collective operations over the `world_size` ranks of one group.
 ///
 /// Every rank must call the same operations in the same order with tensors of
@@ -22,14 +33,23 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Results are on the caller's tensor's device, in its dtype. Sums are taken in
 /// rank order on the host collective (deterministic); NCCL picks its own order.
 pub trait Collective: Send + Sync {
+    /// Which rank of which group this is.
+    fn member(&self) -> &Member;
+
     /// This rank, `0..world_size`.
-    fn rank(&self) -> usize;
+    fn rank(&self) -> usize {
+        self.member().rank
+    }
 
     /// Number of ranks in the group.
-    fn world_size(&self) -> usize;
+    fn world_size(&self) -> usize {
+        self.member().world
+    }
 
     /// The device this rank computes on (and its tensors live on, for NCCL).
-    fn device(&self) -> &Device;
+    fn device(&self) -> &Device {
+        &self.member().device
+    }
 
     /// The element-wise sum of `x` over all ranks, on every rank.
     fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor>;

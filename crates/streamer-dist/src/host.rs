@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use crate::collective::{check_gather, check_rank, check_scatter, err, Collective};
+use crate::collective::{check_gather, check_rank, check_scatter, err, Collective, Member};
 
 /// One rank of a group of threads (see [`HostCollective::group`]).
 ///
@@ -30,9 +30,7 @@ use crate::collective::{check_gather, check_rank, check_scatter, err, Collective
 /// # Ok::<(), candle_core::Error>(())
 /// ```
 pub struct HostCollective {
-    rank: usize,
-    world: usize,
-    device: Device,
+    member: Member,
     shared: Arc<Shared>,
     /// This rank's count of operations, the key of its next rendezvous.
     seq: Mutex<u64>,
@@ -99,9 +97,11 @@ impl HostCollective {
             .into_iter()
             .enumerate()
             .map(|(rank, device)| Self {
-                rank,
-                world: world_size,
-                device,
+                member: Member {
+                    rank,
+                    world: world_size,
+                    device,
+                },
                 shared: shared.clone(),
                 seq: Mutex::new(0),
             })
@@ -141,29 +141,33 @@ impl HostCollective {
         let deadline = Instant::now() + self.shared.timeout;
         let mut st = self.lock();
         if let Some(f) = &st.failed {
-            return Err(err(self.rank, op, format!("the group failed earlier: {f}")));
+            return Err(err(
+                self.member.rank,
+                op,
+                format!("the group failed earlier: {f}"),
+            ));
         }
         self.deposit(&mut st, op, seq, deposit)?;
         loop {
             if let Some(f) = &st.failed {
-                return Err(err(self.rank, op, format!("#{seq} aborted: {f}")));
+                return Err(err(self.member.rank, op, format!("#{seq} aborted: {f}")));
             }
             let round = &st.rounds[&seq];
-            if round.arrived == self.world {
+            if round.arrived == self.member.world {
                 break;
             }
             let now = Instant::now();
             if now >= deadline {
-                let missing: Vec<usize> = (0..self.world)
+                let missing: Vec<usize> = (0..self.member.world)
                     .filter(|&r| round.deposits[r].is_none())
                     .collect();
                 let why = format!(
                     "rank {} timed out in {op} (#{seq}) after {:.1} s waiting for ranks {missing:?}",
-                    self.rank,
+                    self.member.rank,
                     self.shared.timeout.as_secs_f64()
                 );
                 self.fail(&mut st, why.clone());
-                return Err(err(self.rank, op, why));
+                return Err(err(self.member.rank, op, why));
             }
             st = self
                 .shared
@@ -176,7 +180,7 @@ impl HostCollective {
     }
 
     fn deposit(&self, st: &mut State, op: &'static str, seq: u64, d: Deposit) -> Result<()> {
-        let world = self.world;
+        let world = self.member.world;
         let round = st.rounds.entry(seq).or_insert_with(|| Round {
             op,
             deposits: vec![None; world],
@@ -199,11 +203,11 @@ impl HostCollective {
             })
         };
         if let Some(m) = mismatch {
-            let why = format!("rank {}: {m}", self.rank);
+            let why = format!("rank {}: {m}", self.member.rank);
             self.fail(st, why.clone());
-            return Err(err(self.rank, op, why));
+            return Err(err(self.member.rank, op, why));
         }
-        round.deposits[self.rank] = Some(d);
+        round.deposits[self.member.rank] = Some(d);
         round.arrived += 1;
         if round.arrived == world {
             self.shared.arrived.notify_all();
@@ -214,7 +218,7 @@ impl HostCollective {
     fn take(&self, st: &mut State, op: &'static str, seq: u64) -> Result<Vec<Option<Tensor>>> {
         let Some(round) = st.rounds.get_mut(&seq) else {
             return Err(err(
-                self.rank,
+                self.member.rank,
                 op,
                 format!("internal error: round #{seq} vanished"),
             ));
@@ -225,7 +229,7 @@ impl HostCollective {
             .map(|d| d.as_ref().and_then(|d| d.tensor.clone()))
             .collect();
         round.taken += 1;
-        if round.taken == self.world {
+        if round.taken == self.member.world {
             st.rounds.remove(&seq);
         }
         Ok(out)
@@ -234,7 +238,9 @@ impl HostCollective {
     fn tensors(&self, op: &'static str, x: &Tensor) -> Result<Vec<Tensor>> {
         self.exchange(op, Some(x))?
             .into_iter()
-            .map(|t| t.ok_or_else(|| err(self.rank, op, "internal error: a rank sent nothing")))
+            .map(|t| {
+                t.ok_or_else(|| err(self.member.rank, op, "internal error: a rank sent nothing"))
+            })
             .collect()
     }
 }
@@ -259,16 +265,8 @@ fn sum_in_order(parts: &[Tensor]) -> Result<Tensor> {
 }
 
 impl Collective for HostCollective {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world
-    }
-
-    fn device(&self) -> &Device {
-        &self.device
+    fn member(&self) -> &Member {
+        &self.member
     }
 
     fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
@@ -277,24 +275,24 @@ impl Collective for HostCollective {
     }
 
     fn reduce_scatter_sum(&self, x: &Tensor) -> Result<Tensor> {
-        let n = check_scatter(self.rank, self.world, x)?;
+        let n = check_scatter(self.member.rank, self.member.world, x)?;
         let parts = self.tensors("reduce_scatter_sum", x)?;
         let mine = parts
             .iter()
-            .map(|p| p.narrow(0, self.rank * n, n))
+            .map(|p| p.narrow(0, self.member.rank * n, n))
             .collect::<Result<Vec<_>>>()?;
         sum_in_order(&mine)?.to_device(x.device())
     }
 
     fn all_gather(&self, x: &Tensor) -> Result<Tensor> {
-        check_gather(self.rank, x)?;
+        check_gather(self.member.rank, x)?;
         let parts = self.tensors("all_gather", x)?;
         Tensor::cat(&parts, 0)?.to_device(x.device())
     }
 
     fn ring_shift(&self, x: &Tensor) -> Result<Tensor> {
         let mut parts = self.tensors("ring_shift", x)?;
-        let from = (self.rank + self.world - 1) % self.world;
+        let from = (self.member.rank + self.member.world - 1) % self.member.world;
         parts.swap_remove(from).to_device(x.device())
     }
 
@@ -304,7 +302,10 @@ impl Collective for HostCollective {
 
     fn abort(&self, reason: &str) {
         let mut st = self.lock();
-        self.fail(&mut st, format!("rank {} failed: {reason}", self.rank));
+        self.fail(
+            &mut st,
+            format!("rank {} failed: {reason}", self.member.rank),
+        );
     }
 
     fn failure(&self) -> Option<String> {

@@ -52,7 +52,7 @@ mod host;
 mod nccl;
 mod ring;
 
-pub use collective::{Collective, DEFAULT_TIMEOUT};
+pub use collective::{Collective, Member, DEFAULT_TIMEOUT};
 pub use data_parallel::{DataParallel, GradReduction, StepReport};
 pub use host::HostCollective;
 #[cfg(feature = "cuda")]

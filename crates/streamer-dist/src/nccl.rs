@@ -16,10 +16,11 @@ use candle_core::{CudaDevice, DType, Device, Result, Storage, Tensor};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::{Comm, ReduceOp};
 
-use crate::collective::{check_gather, check_scatter, err, Collective};
+use crate::collective::{check_gather, check_scatter, err, Collective, Member};
 
-/// Calls `$body` with `src` (a view of the input), `dst` and the element type
-/// bound, for whichever type `typed` holds.
+/// Calls `$body` (an NCCL call) with `src` (a view of the input), `dst` and
+/// the element type bound, for whichever type `typed` holds; its error
+/// becomes a message.
 macro_rules! each_type {
     ($typed:expr, |$src:ident, $dst:ident| $body:expr) => {
         each_type!(@arms $typed, $src, $dst, $body; F32 F64 F16 BF16)
@@ -28,7 +29,7 @@ macro_rules! each_type {
         match $typed {
             $(Typed::$ty(s, r, $dst) => {
                 let $src = s.slice(r);
-                $body
+                ($body).map(|_| ()).map_err(nccl_err)
             })*
         }
     };
@@ -36,9 +37,7 @@ macro_rules! each_type {
 
 /// One rank of an NCCL group in this process (see [`NcclCollective::group`]).
 pub struct NcclCollective {
-    rank: usize,
-    world: usize,
-    device: Device,
+    member: Member,
     cuda: CudaDevice,
     comm: Mutex<Option<CommCell>>,
     shared: Arc<Mutex<Option<String>>>,
@@ -99,9 +98,11 @@ impl NcclCollective {
             .zip(cuda)
             .enumerate()
             .map(|(rank, (comm, cuda))| Self {
-                rank,
-                world,
-                device: Device::Cuda(cuda.clone()),
+                member: Member {
+                    rank,
+                    world,
+                    device: Device::Cuda(cuda.clone()),
+                },
                 cuda,
                 comm: Mutex::new(Some(CommCell(comm))),
                 shared: shared.clone(),
@@ -139,24 +140,31 @@ impl NcclCollective {
         let mut comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(f) = self.failed().clone() {
             Self::abort_comm(&mut comm);
-            return Err(err(self.rank, op, format!("the group failed earlier: {f}")));
+            return Err(err(
+                self.member.rank,
+                op,
+                format!("the group failed earlier: {f}"),
+            ));
         }
         let Some(c) = comm.as_ref() else {
-            return Err(err(self.rank, op, "the communicator was aborted"));
+            return Err(err(self.member.rank, op, "the communicator was aborted"));
         };
         let out = match issue(&c.0) {
             Ok(out) => out,
             Err(e) => {
-                self.fail(format!("rank {}: {op} (#{seq}) failed: {e}", self.rank));
+                self.fail(format!(
+                    "rank {}: {op} (#{seq}) failed: {e}",
+                    self.member.rank
+                ));
                 Self::abort_comm(&mut comm);
-                return Err(err(self.rank, op, e));
+                return Err(err(self.member.rank, op, e));
             }
         };
         match self.wait(op, seq) {
             Ok(()) => Ok(out),
             Err(why) => {
                 Self::abort_comm(&mut comm);
-                Err(err(self.rank, op, why))
+                Err(err(self.member.rank, op, why))
             }
         }
     }
@@ -183,7 +191,7 @@ impl NcclCollective {
                 Err(e) => {
                     let why = format!(
                         "rank {}: {op} (#{seq}) failed on the device: {e:?}",
-                        self.rank
+                        self.member.rank
                     );
                     self.fail(why.clone());
                     return Err(why);
@@ -195,7 +203,7 @@ impl NcclCollective {
             if Instant::now() >= deadline {
                 let why = format!(
                     "rank {} timed out in {op} (#{seq}) after {:.1} s (a peer never joined, or failed)",
-                    self.rank,
+                    self.member.rank,
                     self.timeout.as_secs_f64()
                 );
                 self.fail(why.clone());
@@ -206,17 +214,18 @@ impl NcclCollective {
         }
     }
 
-    /// Checks `x` (on this rank's device, a type NCCL reduces) and returns it
-    /// contiguous.
-    fn input(&self, op: &str, x: &Tensor) -> Result<Tensor> {
-        if !x.device().same_device(&self.device) {
+    /// Checks `x` for `op` (on this rank's device, a type NCCL reduces, not
+    /// empty, the same count and dtype on every rank) and returns it
+    /// contiguous, ready for [`Self::launch`].
+    fn checked(&self, op: &'static str, x: &Tensor) -> Result<Checked> {
+        if !x.device().same_device(&self.member.device) {
             return Err(err(
-                self.rank,
+                self.member.rank,
                 op,
                 format!(
                     "the tensor is on {:?}, this rank is on {:?}",
                     x.device().location(),
-                    self.device.location()
+                    self.member.device.location()
                 ),
             ));
         }
@@ -225,7 +234,7 @@ impl NcclCollective {
             DType::F32 | DType::F16 | DType::BF16 | DType::F64
         ) {
             return Err(err(
-                self.rank,
+                self.member.rank,
                 op,
                 format!(
                     "dtype {:?} is not supported (f32, f16, bf16, f64)",
@@ -233,38 +242,32 @@ impl NcclCollective {
                 ),
             ));
         }
-        x.contiguous()
-    }
-
-    /// Applies `f` to the tensor's slice (offset and length in elements) with
-    /// `out` elements of output, for the tensor's dtype.
-    fn with_typed(
-        &self,
-        op: &'static str,
-        x: &Tensor,
-        out: usize,
-        f: &dyn Fn(&Comm, Typed<'_>) -> std::result::Result<(), String>,
-    ) -> Result<Tensor> {
-        let x = self.input(op, x)?;
         if x.elem_count() == 0 {
-            return Err(err(self.rank, op, "empty tensors are not supported"));
+            return Err(err(self.member.rank, op, "empty tensors are not supported"));
         }
-        self.agree(op, &x)?;
-        self.with_raw(op, &x, out, f)
+        let x = Checked {
+            op,
+            x: x.contiguous()?,
+        };
+        self.agree(&x)?;
+        Ok(x)
     }
 
-    /// [`Self::with_typed`] without the checks: `x` is contiguous on this
-    /// rank's device, and every rank passes the same count.
-    fn with_raw(
+    /// Applies `f` to the checked tensor's slice (offset and length in
+    /// elements) with `out` elements of output, for the tensor's dtype.
+    fn launch(
         &self,
-        op: &'static str,
-        x: &Tensor,
+        Checked { op, x }: Checked,
         out: usize,
         f: &dyn Fn(&Comm, Typed<'_>) -> std::result::Result<(), String>,
     ) -> Result<Tensor> {
         let (s, l) = x.storage_and_layout();
         let Storage::Cuda(cs) = &*s else {
-            return Err(err(self.rank, op, "internal error: not CUDA storage"));
+            return Err(err(
+                self.member.rank,
+                op,
+                "internal error: not CUDA storage",
+            ));
         };
         let range = l.start_offset()..l.start_offset() + x.elem_count();
         let stream = self.cuda.cuda_stream();
@@ -281,9 +284,19 @@ impl NcclCollective {
             DType::F64 => typed!(f64, F64),
             DType::F16 => typed!(half::f16, F16),
             DType::BF16 => typed!(half::bf16, BF16),
-            d => Err(err(self.rank, op, format!("dtype {d:?} is not supported"))),
+            d => Err(err(
+                self.member.rank,
+                op,
+                format!("dtype {d:?} is not supported"),
+            )),
         }
     }
+}
+
+/// A tensor [`NcclCollective::checked`] found fit for NCCL's `op`.
+struct Checked {
+    op: &'static str,
+    x: Tensor,
 }
 
 impl NcclCollective {
@@ -291,20 +304,21 @@ impl NcclCollective {
     /// count and dtype before the real call: NCCL trusts the counts, and a rank
     /// with a different one would read or write past a buffer. One all-gather
     /// of three numbers per operation; a mismatch fails every rank.
-    fn agree(&self, op: &'static str, x: &Tensor) -> Result<()> {
+    fn agree(&self, checked: &Checked) -> Result<()> {
+        let (op, x) = (checked.op, &checked.x);
         let code = OPS.iter().position(|o| *o == op).unwrap_or(OPS.len()) as f64;
         let mine = [
             code,
             x.elem_count() as f64,
             x.dtype().size_in_bytes() as f64 + 10.0 * dtype_code(x.dtype()),
         ];
-        let header = Tensor::new(&mine, &self.device)?;
-        let n = 3 * self.world;
-        let all = self.with_raw(op, &header, n, &|c, t| {
-            each_type!(t, |src, dst| c
-                .all_gather(&src, dst)
-                .map(|_| ())
-                .map_err(nccl_err))
+        let header = Tensor::new(&mine, &self.member.device)?;
+        let n = 3 * self.member.world;
+        // The header is contiguous, on this device, and of the same count
+        // everywhere: it needs no agreement of its own.
+        let header = Checked { op, x: header };
+        let all = self.launch(header, n, &|c, t| {
+            each_type!(t, |src, dst| c.all_gather(&src, dst))
         })?;
         let all = all.narrow(0, 0, n)?.to_vec1::<f64>()?;
         for (r, theirs) in all.chunks(3).enumerate() {
@@ -312,12 +326,12 @@ impl NcclCollective {
                 let name = |c: f64| OPS.get(c as usize).copied().unwrap_or("?");
                 let why = format!(
                     "rank {} called {op} with {} elements, rank {r} called {} with {} (dtype codes {} and {})",
-                    self.rank, mine[1], name(theirs[0]), theirs[1], mine[2], theirs[2]
+                    self.member.rank, mine[1], name(theirs[0]), theirs[1], mine[2], theirs[2]
                 );
                 self.fail(why.clone());
                 let mut comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
                 Self::abort_comm(&mut comm);
-                return Err(err(self.rank, op, why));
+                return Err(err(self.member.rank, op, why));
             }
         }
         Ok(())
@@ -421,37 +435,23 @@ fn check_devices(devices: &[Device]) -> Result<Vec<CudaDevice>> {
 }
 
 impl Collective for NcclCollective {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world
-    }
-
-    fn device(&self) -> &Device {
-        &self.device
+    fn member(&self) -> &Member {
+        &self.member
     }
 
     fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
         let n = x.elem_count();
-        let out = self.with_typed("all_reduce_sum", x, n, &|c, t| {
-            each_type!(t, |src, dst| c
-                .all_reduce(&src, dst, &ReduceOp::Sum)
-                .map(|_| ())
-                .map_err(nccl_err))
+        let out = self.launch(self.checked("all_reduce_sum", x)?, n, &|c, t| {
+            each_type!(t, |src, dst| c.all_reduce(&src, dst, &ReduceOp::Sum))
         })?;
         out.narrow(0, 0, n)?.reshape(x.shape())
     }
 
     fn reduce_scatter_sum(&self, x: &Tensor) -> Result<Tensor> {
-        let rows = check_scatter(self.rank, self.world, x)?;
-        let n = x.elem_count() / self.world;
-        let out = self.with_typed("reduce_scatter_sum", x, n, &|c, t| {
-            each_type!(t, |src, dst| c
-                .reduce_scatter(&src, dst, &ReduceOp::Sum)
-                .map(|_| ())
-                .map_err(nccl_err))
+        let rows = check_scatter(self.member.rank, self.member.world, x)?;
+        let n = x.elem_count() / self.member.world;
+        let out = self.launch(self.checked("reduce_scatter_sum", x)?, n, &|c, t| {
+            each_type!(t, |src, dst| c.reduce_scatter(&src, dst, &ReduceOp::Sum))
         })?;
         let mut dims = x.dims().to_vec();
         dims[0] = rows;
@@ -459,45 +459,42 @@ impl Collective for NcclCollective {
     }
 
     fn all_gather(&self, x: &Tensor) -> Result<Tensor> {
-        check_gather(self.rank, x)?;
-        let n = x.elem_count() * self.world;
-        let out = self.with_typed("all_gather", x, n, &|c, t| {
-            each_type!(t, |src, dst| c
-                .all_gather(&src, dst)
-                .map(|_| ())
-                .map_err(nccl_err))
+        check_gather(self.member.rank, x)?;
+        let n = x.elem_count() * self.member.world;
+        let out = self.launch(self.checked("all_gather", x)?, n, &|c, t| {
+            each_type!(t, |src, dst| c.all_gather(&src, dst))
         })?;
         let mut dims = x.dims().to_vec();
-        dims[0] *= self.world;
+        dims[0] *= self.member.world;
         out.narrow(0, 0, n)?.reshape(dims)
     }
 
     fn ring_shift(&self, x: &Tensor) -> Result<Tensor> {
         let n = x.elem_count();
         let (next, prev) = (
-            (self.rank + 1) % self.world,
-            (self.rank + self.world - 1) % self.world,
+            (self.member.rank + 1) % self.member.world,
+            (self.member.rank + self.member.world - 1) % self.member.world,
         );
-        let out = self.with_typed("ring_shift", x, n, &|c, t| {
+        let out = self.launch(self.checked("ring_shift", x)?, n, &|c, t| {
             // One group: the send and the receive proceed together (a lone
             // blocking send around a ring would deadlock).
             cudarc::nccl::group_start().map_err(nccl_err)?;
             let r = each_type!(t, |src, dst| c
                 .send(&src, next as i32)
-                .and_then(|_| c.recv(dst, prev as i32).map(|_| ())));
-            let end = cudarc::nccl::group_end();
-            r.and(end.map(|_| ())).map_err(nccl_err)
+                .and_then(|_| c.recv(dst, prev as i32)));
+            let end = cudarc::nccl::group_end().map(|_| ()).map_err(nccl_err);
+            r.and(end)
         })?;
         out.narrow(0, 0, n)?.reshape(x.shape())
     }
 
     fn barrier(&self) -> Result<()> {
-        let one = Tensor::zeros(1, DType::F32, &self.device)?;
+        let one = Tensor::zeros(1, DType::F32, &self.member.device)?;
         self.all_reduce_sum(&one).map(|_| ())
     }
 
     fn abort(&self, reason: &str) {
-        self.fail(format!("rank {} failed: {reason}", self.rank));
+        self.fail(format!("rank {} failed: {reason}", self.member.rank));
         let mut comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
         Self::abort_comm(&mut comm);
     }
