@@ -143,8 +143,15 @@ fn place(
             }
         }
     };
+    let phases = match model.streamed_layers().map(|l| l.setup_times()) {
+        Some(t) => format!(
+            " (host masters {:.1} s, page-locked {:.1} s)",
+            t.masters_s, t.pin_s
+        ),
+        None => String::new(),
+    };
     println!(
-        "{}: placed in {:.1} s",
+        "{}: placed in {:.1} s{phases}",
         describe(placement),
         t.elapsed().as_secs_f64()
     );

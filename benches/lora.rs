@@ -347,7 +347,15 @@ fn run(
     // run, and a run cut by a time limit then still says where it was.
     let t0 = std::time::Instant::now();
     let (model, packed) = build_model(&cfg, stream, scheme)?;
+    if let Some(t) = model.streamed_layers().map(|l| l.setup_times()) {
+        println!(
+            "  host masters {:.1} s, page-locked {:.1} s",
+            t.masters_s, t.pin_s
+        );
+    }
+    let t1 = std::time::Instant::now();
     let model = model.into_trainable()?;
+    println!("  made trainable: {:.1} s", t1.elapsed().as_secs_f64());
     if micro > 1 && mode == "lora" {
         let layers = model
             .trainable_layers()

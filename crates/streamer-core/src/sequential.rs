@@ -45,6 +45,18 @@ pub struct StreamedSequential {
     /// Where each block's weights sit in a slot (kept for [`Self::replica`]).
     layouts: Vec<BlockLayout>,
     pool: Mutex<ResidencyPool>,
+    setup: SetupTimes,
+}
+
+/// How long building a [`StreamedSequential`] took, by phase: what a user
+/// of a big model waits for before the first step.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SetupTimes {
+    /// Seconds to read or copy every weight into its host master.
+    pub masters_s: f64,
+    /// Seconds to page-lock the masters (zero on the CPU, or for a replica,
+    /// which shares its first model's locked masters).
+    pub pin_s: f64,
 }
 
 impl StreamedSequential {
@@ -104,16 +116,23 @@ impl StreamedSequential {
                 candle_core::bail!("two blocks share the weight prefix {:?}", b.prefix);
             }
         }
+        let t = std::time::Instant::now();
         let mut masters = HostMasters::new(&cfg.aliases);
         let mut layouts = Vec::with_capacity(blocks.len());
         let all_names = src.names();
         for b in &blocks {
             layouts.push(discover(src, &mut masters, b, &cfg, &all_names)?);
         }
+        let masters_s = t.elapsed().as_secs_f64();
+        let t = std::time::Instant::now();
         #[cfg(feature = "cuda")]
         if let Device::Cuda(dev) = &cfg.device {
             masters.pin(dev.cuda_stream().context())?;
         }
+        let setup = SetupTimes {
+            masters_s,
+            pin_s: t.elapsed().as_secs_f64(),
+        };
         let masters = Arc::new(masters);
         let names = blocks.iter().map(|b| b.name.clone()).collect();
         let pool = ResidencyPool::new(&cfg, masters.clone(), layouts.clone(), names)?;
@@ -123,7 +142,13 @@ impl StreamedSequential {
             masters,
             layouts,
             pool: Mutex::new(pool),
+            setup,
         })
+    }
+
+    /// How long building this model took, by phase.
+    pub fn setup_times(&self) -> SetupTimes {
+        self.setup
     }
 
     /// A second model over the same host masters (nothing is copied on the
@@ -153,6 +178,7 @@ impl StreamedSequential {
             masters: self.masters.clone(),
             layouts: self.layouts.clone(),
             pool: Mutex::new(pool),
+            setup: SetupTimes::default(),
         })
     }
 
