@@ -689,3 +689,59 @@ fn freed_device_memory_is_kept_then_trimmed(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(freed_device_memory_is_kept_then_trimmed);
+
+/// A block that multiplies by its one weight.
+struct Weighted(Tensor);
+
+impl Block for Weighted {
+    fn forward(&self, x: &Tensor, _extras: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
+        Ok(vec![x.matmul(&self.0.t()?)?])
+    }
+}
+
+/// What a block's builder saw: whether it was discovering, the weight's
+/// strides, and its values on the host in f32.
+type Seen = (bool, Vec<usize>, Vec<Vec<f32>>);
+
+/// Construction runs each builder once on the host only to learn its
+/// weights: the builder sees `discovering()` and zero-cost stand-ins of the
+/// compute dtype (no f32 master is converted), and never again. The builds
+/// that compute see the real weights with `discovering()` false.
+fn builders_see_stand_ins_only_while_discovering(dev: &Device) -> Result<()> {
+    let w = Tensor::randn(0f32, 1.0, (4, 3), &Device::Cpu)?;
+    let weights = HashMap::from([("b0.w".to_string(), w.clone())]);
+    let seen: Arc<std::sync::Mutex<Vec<Seen>>> = Arc::default();
+    let log = seen.clone();
+    let block = BlockSpec::new("b0", move |vb| {
+        let w = vb.get((4, 3), "w")?;
+        let host = w.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec2()?;
+        let entry = (streamer_core::discovering(), w.stride().to_vec(), host);
+        log.lock().expect("log").push(entry);
+        Ok(Weighted(w))
+    });
+    let stream = StreamConfig {
+        master_dtype: Some(DType::F32),
+        ..cfg(dev, DType::BF16, 0)
+    };
+    let model = StreamedSequential::from_tensors(weights, vec![block], stream)?;
+    {
+        let seen = seen.lock().expect("log");
+        anyhow::ensure!(seen.len() == 1, "one discovery build, got {}", seen.len());
+        let (discovering, stride, values) = &seen[0];
+        anyhow::ensure!(*discovering, "the construction build is a discovery");
+        anyhow::ensure!(stride == &[0, 0], "a stand-in has no memory: stride {stride:?}");
+        anyhow::ensure!(values.iter().flatten().all(|v| *v == 0.0), "stand-ins are zero");
+    }
+    anyhow::ensure!(!streamer_core::discovering(), "the flag is restored");
+    let x = Tensor::randn(0f32, 1.0, (2, 3), dev)?.to_dtype(DType::BF16)?;
+    model.forward(&x)?;
+    let want = w.to_dtype(DType::BF16)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let seen = seen.lock().expect("log");
+    anyhow::ensure!(seen.len() >= 2, "the forward builds the block again");
+    for (discovering, _, values) in &seen[1..] {
+        anyhow::ensure!(!discovering, "a build that computes is not a discovery");
+        anyhow::ensure!(values == &want, "a build that computes sees the real weight");
+    }
+    Ok(())
+}
+candle_streamer::test_device!(builders_see_stand_ins_only_while_discovering);

@@ -64,7 +64,8 @@ pub use offload::{OffloadMarker, Offloader};
 pub use packed::is_packed;
 pub use pool::{BlockLayout, DeviceMaster, Entry, ResidencyPool};
 pub use sequential::{
-    release_all, run_blocks_with, PoolView, RunBlock, SetupTimes, StreamedSequential,
+    discovering, release_all, run_blocks_with, stand_in, PoolView, RunBlock, SetupTimes,
+    StreamedSequential,
 };
 pub use source::{expand_paths, WeightSource};
 pub use stats::{Observer, StreamStats, Transition, TransitionKind, TRANSITION_LOG_LEN};

@@ -652,12 +652,44 @@ impl Recorder<'_> {
             .into());
         }
         st.requested.push((local, idx, t.shape().clone()));
-        if t.dtype() == dtype {
-            Ok(t)
-        } else {
-            t.to_dtype(dtype)
+        // The builder runs only to say what it reads: a stand-in spares a
+        // conversion of every master (f32 masters of a bf16 model).
+        stand_in(t.shape(), dtype)
+    }
+}
+
+thread_local! {
+    static DISCOVERING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is running a block's builder only to learn which
+/// weights it reads (a [`StreamedSequential`] does so once per block, on the
+/// host, when it is built, and drops what the builder made). The builder's
+/// weights are then [`stand_in`]s, and a builder may skip work whose result
+/// only computing needs: a dequantizing `VarBuilder` hands out stand-ins
+/// rather than dequantizing a model on the host.
+pub fn discovering() -> bool {
+    DISCOVERING.with(|d| d.get())
+}
+
+/// A tensor of `shape` and `dtype` on the host that costs no memory (one
+/// zero, broadcast): what a builder gets for a weight while
+/// [`discovering`].
+pub fn stand_in(shape: &Shape, dtype: DType) -> Result<Tensor> {
+    Tensor::zeros((), dtype, &Device::Cpu)?.broadcast_as(shape)
+}
+
+/// Runs `f` with [`discovering`] true on this thread (restored after, also
+/// on error or panic).
+fn while_discovering<T>(f: impl FnOnce() -> T) -> T {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            DISCOVERING.with(|d| d.set(self.0));
         }
     }
+    let _restore = Restore(DISCOVERING.with(|d| d.replace(true)));
+    f()
 }
 
 fn has_alias(st: &RecState<'_>, name: &str) -> bool {
@@ -710,7 +742,7 @@ fn discover(
     };
     {
         let vb = VarBuilder::from_backend(Box::new(&rec), cfg.dtype, Device::Cpu).pp(&block.prefix);
-        block.build(vb).map_err(|e| {
+        while_discovering(|| block.build(vb)).map_err(|e| {
             streamer_device::Error::prefixed(e, format_args!("building block {:?}", block.name))
         })?;
     }
