@@ -729,19 +729,59 @@ fn builders_see_stand_ins_only_while_discovering(dev: &Device) -> Result<()> {
         anyhow::ensure!(seen.len() == 1, "one discovery build, got {}", seen.len());
         let (discovering, stride, values) = &seen[0];
         anyhow::ensure!(*discovering, "the construction build is a discovery");
-        anyhow::ensure!(stride == &[0, 0], "a stand-in has no memory: stride {stride:?}");
-        anyhow::ensure!(values.iter().flatten().all(|v| *v == 0.0), "stand-ins are zero");
+        anyhow::ensure!(
+            stride == &[0, 0],
+            "a stand-in has no memory: stride {stride:?}"
+        );
+        anyhow::ensure!(
+            values.iter().flatten().all(|v| *v == 0.0),
+            "stand-ins are zero"
+        );
     }
     anyhow::ensure!(!streamer_core::discovering(), "the flag is restored");
     let x = Tensor::randn(0f32, 1.0, (2, 3), dev)?.to_dtype(DType::BF16)?;
     model.forward(&x)?;
-    let want = w.to_dtype(DType::BF16)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let want = w
+        .to_dtype(DType::BF16)?
+        .to_dtype(DType::F32)?
+        .to_vec2::<f32>()?;
     let seen = seen.lock().expect("log");
     anyhow::ensure!(seen.len() >= 2, "the forward builds the block again");
     for (discovering, _, values) in &seen[1..] {
         anyhow::ensure!(!discovering, "a build that computes is not a discovery");
-        anyhow::ensure!(values == &want, "a build that computes sees the real weight");
+        anyhow::ensure!(
+            values == &want,
+            "a build that computes sees the real weight"
+        );
     }
     Ok(())
 }
 candle_streamer::test_device!(builders_see_stand_ins_only_while_discovering);
+
+/// `WeightSource::load_master` copies a view (not at its storage's start)
+/// into storage of its own, in the asked dtype, values unchanged.
+fn load_master_copies_views_into_own_storage(_dev: &Device) -> Result<()> {
+    // Several of the copy's chunks (2^18 elements), values exact in f32.
+    let base = Tensor::arange(0f32, (600_000 * 7) as f32, &Device::Cpu)?.reshape((600_000, 7))?;
+    let view = base.narrow(0, 1000, 200_000)?;
+    let src =
+        streamer_core::WeightSource::Tensors(HashMap::from([("w".to_string(), view.clone())]));
+    for dtype in [DType::F32, DType::F64] {
+        let master = src.load_master("w", dtype)?;
+        let (a, b) = (master.storage_and_layout().0, base.storage_and_layout().0);
+        anyhow::ensure!(
+            !std::ptr::eq(&*a, &*b),
+            "{dtype:?}: the master shares the caller's storage"
+        );
+        drop((a, b));
+        let got = master
+            .to_dtype(DType::F64)?
+            .flatten_all()?
+            .to_vec1::<f64>()?;
+        let want = view.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+        anyhow::ensure!(got == want, "{dtype:?}: values changed");
+        anyhow::ensure!(master.dtype() == dtype && master.dims() == [200_000, 7]);
+    }
+    Ok(())
+}
+candle_streamer::test_device!(load_master_copies_views_into_own_storage);

@@ -739,7 +739,7 @@ impl Llama {
         }
         crate::checkpoint::check_weights_except(src, cfg, &packed)?;
         let md = stream.master_dtype();
-        let host = |name: &str| -> Result<Var> { Var::from_tensor(&src.load(name, md)?) };
+        let host = |name: &str| src.load_master(name, md);
         let outer = Outer::Host {
             embed: host("model.embed_tokens.weight")?,
             norm: host("model.norm.weight")?,

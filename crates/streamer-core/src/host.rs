@@ -130,9 +130,7 @@ impl HostMasters {
                 DType::U8 => DType::U8,
                 _ => dtype,
             };
-            let t = src.load(name, dtype)?;
-            let var = Var::from_tensor(&t)?;
-            drop(t);
+            let var = src.load_master(name, dtype)?;
             if let Some(k) = src.identity(name) {
                 self.by_identity.insert(k, self.masters.len());
             }

@@ -1,6 +1,8 @@
 //! Where weights come from: in-memory tensors or safetensors files (single files,
 //! several shards, or a `model.safetensors.index.json`), read through mmap.
-use candle_core::{safetensors::MmapedSafetensors, DType, Device, Result, Shape, Tensor};
+use candle_core::{
+    safetensors::MmapedSafetensors, CpuStorage, DType, Device, Result, Shape, Storage, Tensor, Var,
+};
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use streamer_device::sibling_file;
@@ -64,28 +66,43 @@ impl WeightSource {
         }
     }
 
-    /// Reads a tensor onto the host, contiguous, in `dtype`.
+    /// Reads a tensor onto the host, contiguous, in `dtype`, with storage of
+    /// its own (packed bytes excepted: see the body).
     pub fn load(&self, name: &str, dtype: DType) -> Result<Tensor> {
-        let t = match self {
-            Self::Tensors(m) => m
-                .get(name)
-                .ok_or_else(|| missing(name))?
-                .to_device(&Device::Cpu)?,
-            Self::Safetensors(st) => st.load(name, &Device::Cpu)?,
-        };
+        let t = self.read(name)?;
         if crate::packed::is_packed(t.dtype()) && dtype == t.dtype() && t.is_contiguous() {
             // Packed bytes are never written in place: share them (a 70B
             // model's would not fit the host twice).
             return Ok(t);
         }
-        let t = if t.dtype() == dtype {
-            t
-        } else {
-            t.to_dtype(dtype)?
-        };
-        // Masters are written in place by optimizers: give each its own storage,
-        // never a view into a caller's tensor.
-        t.contiguous()?.copy()
+        owned(&t.to_dtype(dtype)?, false)
+    }
+
+    /// Reads a tensor into a new host master in `dtype`: storage of its own
+    /// (optimizers write masters in place), never a view into a caller's
+    /// tensor, made by one copy spread over the cores; packed bytes held in
+    /// a variable are shared instead.
+    pub fn load_master(&self, name: &str, dtype: DType) -> Result<Var> {
+        let t = self.read(name)?;
+        if crate::packed::is_packed(t.dtype()) && dtype == t.dtype() && t.is_contiguous() {
+            // Never written in place: a variable's packed bytes are shared
+            // (`Var::from_tensor` copies only what is not one already).
+            return Var::from_tensor(&t);
+        }
+        let t = owned(&t.to_dtype(dtype)?, true)?;
+        // A variable's tensor becomes a `Var` without another copy.
+        Var::from_tensor(&t)
+    }
+
+    /// The tensor as the source holds it, on the host.
+    fn read(&self, name: &str) -> Result<Tensor> {
+        match self {
+            Self::Tensors(m) => m
+                .get(name)
+                .ok_or_else(|| missing(name))?
+                .to_device(&Device::Cpu),
+            Self::Safetensors(st) => st.load(name, &Device::Cpu),
+        }
     }
 
     /// A key equal for two names that are the same tensor (tied in memory).
@@ -100,6 +117,60 @@ impl WeightSource {
             Self::Safetensors(_) => None,
         }
     }
+}
+
+/// A copy of host tensor `t` with storage of its own, a variable's when
+/// `variable`, written by all cores: a fresh allocation's pages are first
+/// touched by the copy, which from one thread runs at about 6 GB/s
+/// (`scripts/pin-probe.py`), tens of seconds for a big model's masters.
+fn owned(t: &Tensor, variable: bool) -> Result<Tensor> {
+    let t = t.contiguous()?;
+    let (s, l) = t.storage_and_layout();
+    let Storage::Cpu(cs) = &*s else {
+        candle_core::bail!(
+            "a host copy needs a host tensor, found {:?}",
+            t.device().location()
+        );
+    };
+    let range = l.start_offset()..l.start_offset() + t.elem_count();
+    macro_rules! copy {
+        ($ty:ty) => {{
+            let v = par_copy(&cs.as_slice::<$ty>()?[range]);
+            match variable {
+                true => Var::from_vec(v, t.shape(), &Device::Cpu).map(Var::into_inner),
+                false => Tensor::from_vec(v, t.shape(), &Device::Cpu),
+            }
+        }};
+    }
+    match cs {
+        CpuStorage::U8(_) => copy!(u8),
+        CpuStorage::U32(_) => copy!(u32),
+        CpuStorage::I64(_) => copy!(i64),
+        CpuStorage::BF16(_) => copy!(half::bf16),
+        CpuStorage::F16(_) => copy!(half::f16),
+        CpuStorage::F32(_) => copy!(f32),
+        CpuStorage::F64(_) => copy!(f64),
+        _ => candle_core::bail!("no host master of dtype {:?}", t.dtype()),
+    }
+}
+
+/// `src` copied into a new vector, chunks of it by different cores.
+fn par_copy<T: Copy + Send + Sync>(src: &[T]) -> Vec<T> {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 18;
+    let mut out = Vec::with_capacity(src.len());
+    out.spare_capacity_mut()[..src.len()]
+        .par_chunks_mut(CHUNK)
+        .zip(src.par_chunks(CHUNK))
+        .for_each(|(dst, src)| {
+            for (d, s) in dst.iter_mut().zip(src) {
+                d.write(*s);
+            }
+        });
+    // SAFETY: the loop above wrote every one of the first `src.len()`
+    // elements (the chunks of both sides pair up one to one).
+    unsafe { out.set_len(src.len()) };
+    out
 }
 
 fn missing(name: &str) -> candle_core::Error {
