@@ -592,7 +592,15 @@ fn batch_plan_picks_resident_or_streamed() -> Result<()> {
         "{s} vs {p}"
     );
     ensure!((s.tokens_per_s / expect(&s) - 1.0).abs() < 1e-9, "{s}");
-    ensure!(s.limits().sequences == s.sequences && s.limits().step_rows == 16384);
+    // Its steps hold as many rows as the GEMM rate computes while the 32
+    // layers' 16 GB are copied (a resident plan keeps the run's 16,384).
+    let row_flops = 2.0 * 32.0 * cfg.layer_params() as f64;
+    let hidden = (layers / rates.h2d_bytes_per_s * rates.flops_per_s / row_flops).floor();
+    ensure!(
+        s.step_rows as f64 == hidden && s.step_rows < 16384 && p.step_rows == 16384,
+        "{s}: {hidden} rows"
+    );
+    ensure!(s.limits().sequences == s.sequences && s.limits().step_rows == s.step_rows);
     // 16 GiB cannot hold the model's 15 GiB of weights and a step: streamed.
     let q = plan_batch(&cfg, bf16, (16 << 30, 2, false), run, &rates)?;
     ensure!(q.placement == BatchPlacement::Streamed { window: 2 }, "{q}");
@@ -661,6 +669,23 @@ fn batch_plan_counts_packed_layers() -> Result<()> {
     let fit =
         |l| streamer_models::sequences_for_budget(&cfg, DType::BF16, (streamed, l), most, 24 << 30);
     ensure!(fit(f)? == p.sequences && fit(dense)? < p.sequences, "{p}");
+    // Steps of as many rows as the GEMM rate computes while the packed
+    // layers are copied, and at least one whole request.
+    let copy_s = (32 * f.slot) as f64 / rates.h2d_bytes_per_s;
+    let hidden = (copy_s * rates.flops_per_s / (64.0 * cfg.layer_params() as f64)).floor();
+    ensure!(
+        p.step_rows as f64 == hidden.max(544.0),
+        "{p}: {hidden} rows"
+    );
+    let slow = DecodeRates {
+        flops_per_s: 1e12,
+        ..rates
+    };
+    let s = plan_batch(&cfg, (DType::BF16, f), budget, run, &slow)?;
+    ensure!(
+        s.step_rows == 544,
+        "{s}: a step holds one whole request at least"
+    );
     // Streamed: the request's FLOPs or its share of the packed copies.
     let compute = streamer_models::request_flops(&cfg, 512, 32) / rates.flops_per_s;
     let per_step = (p.sequences as f64).min(p.step_rows as f64 * 32.0 / 544.0);

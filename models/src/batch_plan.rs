@@ -311,7 +311,8 @@ pub fn request_flops(cfg: &LlamaConfig, prompt: usize, new: usize) -> f64 {
 pub struct BatchRun {
     /// Positions each slot reserves (the longest prompt and output).
     pub capacity: usize,
-    /// Rows a step computes at most.
+    /// Rows a step computes at most (a streamed plan may take fewer:
+    /// [`plan_batch`]).
     pub step_rows: usize,
     /// Sequences in flight at most.
     pub most: usize,
@@ -337,7 +338,8 @@ pub struct BatchPlan {
     pub memory: BatchMemory,
     /// Predicted generated tokens/s.
     pub tokens_per_s: f64,
-    /// Rows a step computes at most.
+    /// Rows a step computes at most: the run's, or a streamed plan's steps
+    /// as many as a step's copies hide at the GEMM rate (see [`plan_batch`]).
     pub step_rows: usize,
 }
 
@@ -349,8 +351,9 @@ impl std::fmt::Display for BatchPlan {
         };
         write!(
             f,
-            "{place}, {} sequences, {}; {:.0} generated tokens/s predicted",
-            self.sequences, self.memory, self.tokens_per_s
+            "{place}, {} sequences, steps of at most {} rows, {}; {:.0} generated tokens/s \
+             predicted",
+            self.sequences, self.step_rows, self.memory, self.tokens_per_s
         )
     }
 }
@@ -364,6 +367,17 @@ impl BatchPlan {
         run: BatchRun,
         rates: &DecodeRates,
     ) -> Result<Self> {
+        // Every layer copied over PCIe when streamed, read from device memory
+        // when resident: the floor of a step.
+        let layers = (cfg.num_hidden_layers * layer.slot) as f64;
+        let step_floor = match placement {
+            BatchPlacement::Resident => layers / rates.device_bytes_per_s,
+            BatchPlacement::Streamed { .. } => layers / rates.h2d_bytes_per_s,
+        };
+        let run = BatchRun {
+            step_rows: step_rows(cfg, placement, run, step_floor * rates.flops_per_s),
+            ..run
+        };
         let window = (placement, layer);
         let most = (run.capacity, run.step_rows, run.most);
         let sequences = sequences_for_budget(cfg, dtype, window, most, budget)?;
@@ -373,14 +387,8 @@ impl BatchPlan {
             step_rows: run.step_rows,
         };
         let memory = BatchMemory::of(cfg, dtype, window, shape);
-        // Per request: its FLOPs, and its share of the decode steps' floor
-        // (every layer copied over PCIe when streamed, read from device
-        // memory when resident), whichever is longer.
-        let layers = (cfg.num_hidden_layers * layer.slot) as f64;
-        let step_floor = match placement {
-            BatchPlacement::Resident => layers / rates.device_bytes_per_s,
-            BatchPlacement::Streamed { .. } => layers / rates.h2d_bytes_per_s,
-        };
+        // Per request: its FLOPs, and its share of the decode steps' floor,
+        // whichever is longer.
         let (p, g) = (run.prompt_len, run.new_tokens);
         let compute =
             request_flops(cfg, p.round() as usize, g.round() as usize) / rates.flops_per_s;
@@ -411,10 +419,35 @@ impl BatchPlan {
     }
 }
 
+/// The rows a step of `placement` computes at most: `run.step_rows` when
+/// resident; when streamed, as many as the GEMMs of a step's copy time
+/// (`copy_flops`, the FLOPs the GEMM rate does in it) compute, so a step
+/// that also feeds new prompts stays as long as its copies (at least one
+/// whole request: a prompt is admitted whole).
+fn step_rows(
+    cfg: &LlamaConfig,
+    placement: BatchPlacement,
+    run: BatchRun,
+    copy_flops: f64,
+) -> usize {
+    let BatchPlacement::Streamed { .. } = placement else {
+        return run.step_rows;
+    };
+    let row_flops = 2.0 * (cfg.layer_params() * cfg.num_hidden_layers) as f64;
+    let hidden = (copy_flops / row_flops) as usize;
+    hidden.clamp(run.capacity.min(run.step_rows), run.step_rows)
+}
+
 /// The placement (resident, or streamed through `window` layers) and the
 /// batch that `budget` bytes hold with the most generated tokens/s `rates`
 /// predict, for layers of `layer` computing in `dtype` and steps of at most
-/// `run.step_rows` rows; `streamed_only` leaves resident out (as a quantized
+/// `run.step_rows` rows (a streamed plan's steps at most as many as the GEMM
+/// rate computes while a step's layers are copied: larger steps of prompts
+/// outlast their copies, and the decode steps after them cannot make up for
+/// it; 70B NF4 in 24 GiB on an H100 ran at 85 generated tokens/s with steps
+/// of 8,192 rows, each prefilling for 1.7 s against 0.7 s of copies,
+/// `benches/results/generate-70b-nf4-h100.log`; fewer rows also leave more
+/// of the budget to the kv cache); `streamed_only` leaves resident out (as a quantized
 /// base always does: its packed layers only stream). Resident wins a tie. An
 /// error names what the smallest streamed plan needs when none fits.
 pub fn plan_batch(
