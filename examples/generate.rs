@@ -137,7 +137,8 @@ struct Args {
     #[arg(long)]
     device_budget: Option<String>,
     /// With --prompts: rows one step computes at most; prompts join a step
-    /// while its rows stay within this.
+    /// while its rows stay within this. A --device-budget plan that streams
+    /// may take fewer: as many as a step's layer copies hide.
     #[arg(long, default_value_t = DEFAULT_STEP_ROWS)]
     step_rows: usize,
     /// With --prompts: record a malformed line's error as its result and go
