@@ -688,6 +688,12 @@ fn train(
         opts.warmup,
         opts.decay,
     );
+    if let Some(t) = trainer.model().streamed_layers().map(|l| l.setup_times()) {
+        println!(
+            "train_lm: host masters built in {:.1} s, page-locked in {:.1} s",
+            t.masters_s, t.pin_s
+        );
+    }
     if a.sample_tokens > 0 {
         println!("sample before: {:?}", sample(trainer.model(), tok, a)?);
     }
