@@ -447,8 +447,9 @@ fn step_rows(
 /// it; 70B NF4 in 24 GiB on an H100 ran at 85 generated tokens/s with steps
 /// of 8,192 rows, each prefilling for 1.7 s against 0.7 s of copies: the
 /// 70b row of 8,192-row steps in `benches/results/generate-nf4-h100.json`;
-/// fewer rows also leave more of the budget to the kv cache); `streamed_only` leaves resident out (as a quantized
-/// base always does: its packed layers only stream). Resident wins a tie. An
+/// fewer rows also leave more of the budget to the kv cache);
+/// `streamed_only` leaves resident out (as a quantized base always does: its
+/// packed layers only stream). Resident wins a tie. An
 /// error names what the smallest streamed plan needs when none fits.
 pub fn plan_batch(
     cfg: &LlamaConfig,

@@ -67,12 +67,12 @@ impl WeightSource {
     }
 
     /// Reads a tensor onto the host, contiguous, in `dtype`, with storage of
-    /// its own (packed bytes excepted: see the body).
+    /// its own; packed bytes asked for as they are stay shared (they are
+    /// never written in place, and a 70B model's would not fit the host
+    /// twice).
     pub fn load(&self, name: &str, dtype: DType) -> Result<Tensor> {
         let t = self.read(name)?;
         if crate::packed::is_packed(t.dtype()) && dtype == t.dtype() && t.is_contiguous() {
-            // Packed bytes are never written in place: share them (a 70B
-            // model's would not fit the host twice).
             return Ok(t);
         }
         owned(&t.to_dtype(dtype)?, false)
