@@ -16,7 +16,8 @@
 //! random init; default `8b` on a GPU, `tiny` on the CPU) or `GEN_BENCH_MODEL=DIR` (a Hugging Face
 //! folder, as the transformers peer `scripts/generate_torch.py --batches`
 //! reads); `GEN_BENCH_BATCHES` (sequences in flight, default `1,64,256,1024`
-//! on a GPU); `GEN_BENCH_STEP_ROWS` (`BatchLimits::step_rows`; a budget row's streamed plan may take fewer);
+//! on a GPU); `GEN_BENCH_STEP_ROWS` (`BatchLimits::step_rows`; a budget
+//! row's streamed plan may take fewer);
 //! `GEN_BENCH_DEVICE_BUDGET_GIB` (two last rows with the GPU capped at that
 //! much, counting what the process held before the model, as `generate
 //! --device-budget` counts it: `batch_plan::plan_batch`'s streamed plan, and
