@@ -759,28 +759,66 @@ fn builders_see_stand_ins_only_while_discovering(dev: &Device) -> Result<()> {
 candle_streamer::test_device!(builders_see_stand_ins_only_while_discovering);
 
 /// `WeightSource::load_master` copies a view (not at its storage's start)
-/// into storage of its own, in the asked dtype, values unchanged.
+/// into storage of its own, converting to the asked dtype bit for bit as
+/// Candle's `to_dtype` does (the conversions done in its own pass and the
+/// one left to Candle).
 fn load_master_copies_views_into_own_storage(_dev: &Device) -> Result<()> {
-    // Several of the copy's chunks (2^18 elements), values exact in f32.
-    let base = Tensor::arange(0f32, (600_000 * 7) as f32, &Device::Cpu)?.reshape((600_000, 7))?;
+    // Several of the copy's chunks (2^18 elements); values that round in
+    // bf16 and f16.
+    let base = (Tensor::arange(0f32, (600_000 * 7) as f32, &Device::Cpu)? * 1.000_123)?
+        .reshape((600_000, 7))?;
     let view = base.narrow(0, 1000, 200_000)?;
-    let src =
-        streamer_core::WeightSource::Tensors(HashMap::from([("w".to_string(), view.clone())]));
-    for dtype in [DType::F32, DType::F64] {
-        let master = src.load_master("w", dtype)?;
-        let (a, b) = (master.storage_and_layout().0, base.storage_and_layout().0);
-        anyhow::ensure!(
-            !std::ptr::eq(&*a, &*b),
-            "{dtype:?}: the master shares the caller's storage"
-        );
-        drop((a, b));
-        let got = master
-            .to_dtype(DType::F64)?
-            .flatten_all()?
-            .to_vec1::<f64>()?;
-        let want = view.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-        anyhow::ensure!(got == want, "{dtype:?}: values changed");
-        anyhow::ensure!(master.dtype() == dtype && master.dims() == [200_000, 7]);
+    let bits = |t: &Tensor| -> Result<Vec<u64>> {
+        let t = t.flatten_all()?;
+        Ok(match t.dtype() {
+            DType::F64 => t.to_vec1::<f64>()?.iter().map(|v| v.to_bits()).collect(),
+            DType::F32 => t
+                .to_vec1::<f32>()?
+                .iter()
+                .map(|v| v.to_bits() as u64)
+                .collect(),
+            _ => t
+                .to_dtype(DType::F32)?
+                .to_vec1::<f32>()?
+                .iter()
+                .map(|v| v.to_bits() as u64)
+                .collect(),
+        })
+    };
+    let sources = [
+        view.clone(),
+        view.to_dtype(DType::BF16)?,
+        view.to_dtype(DType::F16)?,
+    ];
+    for source in sources {
+        let src = streamer_core::WeightSource::Tensors(HashMap::from([(
+            "w".to_string(),
+            source.clone(),
+        )]));
+        for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+            let what = format!("{:?} -> {dtype:?}", source.dtype());
+            let master = src.load_master("w", dtype)?;
+            let (a, b) = (master.storage_and_layout().0, source.storage_and_layout().0);
+            anyhow::ensure!(
+                !std::ptr::eq(&*a, &*b),
+                "{what}: the master shares the caller's storage"
+            );
+            drop((a, b));
+            anyhow::ensure!(
+                master.dtype() == dtype && master.dims() == [200_000, 7],
+                "{what}"
+            );
+            let want = source.to_dtype(dtype)?;
+            anyhow::ensure!(
+                bits(&master)? == bits(&want)?,
+                "{what}: values differ from to_dtype"
+            );
+            let loaded = src.load("w", dtype)?;
+            anyhow::ensure!(
+                bits(&loaded)? == bits(&want)?,
+                "{what}: load differs from to_dtype"
+            );
+        }
     }
     Ok(())
 }

@@ -75,7 +75,7 @@ impl WeightSource {
         if crate::packed::is_packed(t.dtype()) && dtype == t.dtype() && t.is_contiguous() {
             return Ok(t);
         }
-        owned(&t.to_dtype(dtype)?, false)
+        owned(&t, dtype, false)
     }
 
     /// Reads a tensor into a new host master in `dtype`: storage of its own
@@ -89,7 +89,7 @@ impl WeightSource {
             // (`Var::from_tensor` copies only what is not one already).
             return Var::from_tensor(&t);
         }
-        let t = owned(&t.to_dtype(dtype)?, true)?;
+        let t = owned(&t, dtype, true)?;
         // A variable's tensor becomes a `Var` without another copy.
         Var::from_tensor(&t)
     }
@@ -119,11 +119,14 @@ impl WeightSource {
     }
 }
 
-/// A copy of host tensor `t` with storage of its own, a variable's when
-/// `variable`, written by all cores: a fresh allocation's pages are first
-/// touched by the copy, which from one thread runs at about 6 GB/s
-/// (`scripts/pin-probe.py`), tens of seconds for a big model's masters.
-fn owned(t: &Tensor, variable: bool) -> Result<Tensor> {
+/// Host tensor `t` in `dtype`, with storage of its own (a variable's when
+/// `variable`), converted and copied in one pass by all cores: a fresh
+/// allocation's pages are first touched by that pass, which from one thread
+/// runs at about 6 GB/s (`scripts/pin-probe.py`), and Candle converts dtypes
+/// on one thread; for a big model's masters that was tens of seconds. The
+/// conversions are Candle's own (`half`'s rounding), so the values are
+/// bit-identical to `to_dtype`; pairs not listed go through `to_dtype`.
+fn owned(t: &Tensor, dtype: DType, variable: bool) -> Result<Tensor> {
     let t = t.contiguous()?;
     let (s, l) = t.storage_and_layout();
     let Storage::Cpu(cs) = &*s else {
@@ -133,29 +136,44 @@ fn owned(t: &Tensor, variable: bool) -> Result<Tensor> {
         );
     };
     let range = l.start_offset()..l.start_offset() + t.elem_count();
-    macro_rules! copy {
-        ($ty:ty) => {{
-            let v = par_copy(&cs.as_slice::<$ty>()?[range]);
+    let shape = t.shape();
+    macro_rules! map {
+        ($from:ty, $f:expr) => {{
+            let v = par_map(&cs.as_slice::<$from>()?[range], $f);
             match variable {
-                true => Var::from_vec(v, t.shape(), &Device::Cpu).map(Var::into_inner),
-                false => Tensor::from_vec(v, t.shape(), &Device::Cpu),
+                true => Var::from_vec(v, shape, &Device::Cpu).map(Var::into_inner),
+                false => Tensor::from_vec(v, shape, &Device::Cpu),
             }
         }};
     }
-    match cs {
-        CpuStorage::U8(_) => copy!(u8),
-        CpuStorage::U32(_) => copy!(u32),
-        CpuStorage::I64(_) => copy!(i64),
-        CpuStorage::BF16(_) => copy!(half::bf16),
-        CpuStorage::F16(_) => copy!(half::f16),
-        CpuStorage::F32(_) => copy!(f32),
-        CpuStorage::F64(_) => copy!(f64),
+    use half::{bf16, f16};
+    match (cs, dtype) {
+        (CpuStorage::U8(_), DType::U8) => map!(u8, |x| x),
+        (CpuStorage::U32(_), DType::U32) => map!(u32, |x| x),
+        (CpuStorage::I64(_), DType::I64) => map!(i64, |x| x),
+        (CpuStorage::BF16(_), DType::BF16) => map!(bf16, |x| x),
+        (CpuStorage::F16(_), DType::F16) => map!(f16, |x| x),
+        (CpuStorage::F32(_), DType::F32) => map!(f32, |x| x),
+        (CpuStorage::F64(_), DType::F64) => map!(f64, |x| x),
+        (CpuStorage::BF16(_), DType::F32) => map!(bf16, bf16::to_f32),
+        (CpuStorage::F16(_), DType::F32) => map!(f16, f16::to_f32),
+        (CpuStorage::F32(_), DType::BF16) => map!(f32, bf16::from_f32),
+        (CpuStorage::F32(_), DType::F16) => map!(f32, f16::from_f32),
+        _ if t.dtype() != dtype => {
+            let converted = t.to_dtype(dtype)?;
+            owned(&converted, dtype, variable)
+        }
         _ => candle_core::bail!("no host master of dtype {:?}", t.dtype()),
     }
 }
 
-/// `src` copied into a new vector, chunks of it by different cores.
-fn par_copy<T: Copy + Send + Sync>(src: &[T]) -> Vec<T> {
+/// `f` of every element of `src` into a new vector, chunks of it by
+/// different cores.
+fn par_map<S, D>(src: &[S], f: impl Fn(S) -> D + Sync) -> Vec<D>
+where
+    S: Copy + Sync,
+    D: Send,
+{
     use rayon::prelude::*;
     const CHUNK: usize = 1 << 18;
     let mut out = Vec::with_capacity(src.len());
@@ -164,7 +182,7 @@ fn par_copy<T: Copy + Send + Sync>(src: &[T]) -> Vec<T> {
         .zip(src.par_chunks(CHUNK))
         .for_each(|(dst, src)| {
             for (d, s) in dst.iter_mut().zip(src) {
-                d.write(*s);
+                d.write(f(*s));
             }
         });
     // SAFETY: the loop above wrote every one of the first `src.len()`
