@@ -758,10 +758,11 @@ fn builders_see_stand_ins_only_while_discovering(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(builders_see_stand_ins_only_while_discovering);
 
-/// `WeightSource::load_master` copies a view (not at its storage's start)
-/// into storage of its own, converting to the asked dtype bit for bit as
-/// Candle's `to_dtype` does (the conversions done in its own pass and the
-/// one left to Candle).
+/// `WeightSource::load_master` and `load` copy a view (not at its
+/// storage's start) into storage of their own, and read a safetensors
+/// file's bytes, converting to the asked dtype bit for bit as Candle's
+/// `to_dtype` does (the conversions done in their own pass and the ones
+/// left to Candle).
 fn load_master_copies_views_into_own_storage(_dev: &Device) -> Result<()> {
     // Several of the copy's chunks (2^18 elements); values that round in
     // bf16 and f16.
@@ -790,12 +791,28 @@ fn load_master_copies_views_into_own_storage(_dev: &Device) -> Result<()> {
         view.to_dtype(DType::BF16)?,
         view.to_dtype(DType::F16)?,
     ];
-    for source in sources {
+    // The same tensors in a file: masters made from the mapped bytes.
+    let dir = tempdir("master")?;
+    let file = dir.join("w.safetensors");
+    let named: HashMap<String, Tensor> = (sources.iter().enumerate())
+        .map(|(i, t)| (format!("w{i}"), t.contiguous().expect("contiguous")))
+        .collect();
+    candle_core::safetensors::save(&named, &file)?;
+    let from_file = streamer_core::WeightSource::safetensors(&[&file])?;
+    for (i, source) in sources.into_iter().enumerate() {
         let src = streamer_core::WeightSource::Tensors(HashMap::from([(
             "w".to_string(),
             source.clone(),
         )]));
         for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+            let what = format!("file {:?} -> {dtype:?}", source.dtype());
+            let want = source.to_dtype(dtype)?;
+            let name = format!("w{i}");
+            let master = from_file.load_master(&name, dtype)?;
+            anyhow::ensure!(master.dtype() == dtype, "{what}");
+            anyhow::ensure!(bits(&master)? == bits(&want)?, "{what}: values differ");
+            let loaded = from_file.load(&name, dtype)?;
+            anyhow::ensure!(bits(&loaded)? == bits(&want)?, "{what}: load differs");
             let what = format!("{:?} -> {dtype:?}", source.dtype());
             let master = src.load_master("w", dtype)?;
             let (a, b) = (master.storage_and_layout().0, source.storage_and_layout().0);
@@ -808,7 +825,6 @@ fn load_master_copies_views_into_own_storage(_dev: &Device) -> Result<()> {
                 master.dtype() == dtype && master.dims() == [200_000, 7],
                 "{what}"
             );
-            let want = source.to_dtype(dtype)?;
             anyhow::ensure!(
                 bits(&master)? == bits(&want)?,
                 "{what}: values differ from to_dtype"
@@ -820,6 +836,7 @@ fn load_master_copies_views_into_own_storage(_dev: &Device) -> Result<()> {
             );
         }
     }
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
 candle_streamer::test_device!(load_master_copies_views_into_own_storage);

@@ -71,6 +71,9 @@ impl WeightSource {
     /// never written in place, and a 70B model's would not fit the host
     /// twice).
     pub fn load(&self, name: &str, dtype: DType) -> Result<Tensor> {
+        if let Some(t) = self.owned_from_file(name, dtype, false)? {
+            return Ok(t);
+        }
         let t = self.read(name)?;
         if crate::packed::is_packed(t.dtype()) && dtype == t.dtype() && t.is_contiguous() {
             return Ok(t);
@@ -83,6 +86,9 @@ impl WeightSource {
     /// tensor, made by one copy spread over the cores; packed bytes held in
     /// a variable are shared instead.
     pub fn load_master(&self, name: &str, dtype: DType) -> Result<Var> {
+        if let Some(t) = self.owned_from_file(name, dtype, true)? {
+            return Var::from_tensor(&t);
+        }
         let t = self.read(name)?;
         if crate::packed::is_packed(t.dtype()) && dtype == t.dtype() && t.is_contiguous() {
             // Never written in place: a variable's packed bytes are shared
@@ -92,6 +98,62 @@ impl WeightSource {
         let t = owned(&t, dtype, true)?;
         // A variable's tensor becomes a `Var` without another copy.
         Var::from_tensor(&t)
+    }
+
+    /// A file's tensor in `dtype` made straight from the mapped bytes in one
+    /// pass by all cores (a variable's when `variable`), for the dtypes
+    /// [`owned`] converts itself; `None` for other pairs and for in-memory
+    /// sources (Candle would read the bytes on one thread first).
+    fn owned_from_file(&self, name: &str, dtype: DType, variable: bool) -> Result<Option<Tensor>> {
+        use half::{bf16, f16};
+        use safetensors::Dtype as F;
+        let Self::Safetensors(st) = self else {
+            return Ok(None);
+        };
+        let view = st.get(name)?;
+        let w = match view.dtype() {
+            F::U8 => 1,
+            F::BF16 | F::F16 => 2,
+            F::F32 => 4,
+            _ => return Ok(None),
+        };
+        let bytes = view.data();
+        let shape = Shape::from(view.shape().to_vec());
+        let n = shape.elem_count();
+        if bytes.len() != n * w {
+            candle_core::bail!(
+                "{name}: {} bytes for {n} elements of {:?}",
+                bytes.len(),
+                view.dtype()
+            );
+        }
+        macro_rules! decode {
+            ($f:expr) => {
+                par_fill(n, |i| $f(&bytes[i * w..(i + 1) * w]))
+            };
+        }
+        let le2 = |b: &[u8]| u16::from_le_bytes([b[0], b[1]]);
+        let le4 = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        let t = match (view.dtype(), dtype) {
+            (F::U8, DType::U8) => wrap(decode!(|b: &[u8]| b[0]), &shape, variable),
+            (F::F32, DType::F32) => wrap(decode!(le4), &shape, variable),
+            (F::BF16, DType::BF16) => wrap(decode!(|b| bf16::from_bits(le2(b))), &shape, variable),
+            (F::F16, DType::F16) => wrap(decode!(|b| f16::from_bits(le2(b))), &shape, variable),
+            (F::BF16, DType::F32) => wrap(
+                decode!(|b| bf16::from_bits(le2(b)).to_f32()),
+                &shape,
+                variable,
+            ),
+            (F::F16, DType::F32) => wrap(
+                decode!(|b| f16::from_bits(le2(b)).to_f32()),
+                &shape,
+                variable,
+            ),
+            (F::F32, DType::BF16) => wrap(decode!(|b| bf16::from_f32(le4(b))), &shape, variable),
+            (F::F32, DType::F16) => wrap(decode!(|b| f16::from_f32(le4(b))), &shape, variable),
+            _ => return Ok(None),
+        };
+        t.map(Some)
     }
 
     /// The tensor as the source holds it, on the host.
@@ -139,11 +201,11 @@ fn owned(t: &Tensor, dtype: DType, variable: bool) -> Result<Tensor> {
     let shape = t.shape();
     macro_rules! map {
         ($from:ty, $f:expr) => {{
-            let v = par_map(&cs.as_slice::<$from>()?[range], $f);
-            match variable {
-                true => Var::from_vec(v, shape, &Device::Cpu).map(Var::into_inner),
-                false => Tensor::from_vec(v, shape, &Device::Cpu),
-            }
+            wrap(
+                par_map(&cs.as_slice::<$from>()?[range], $f),
+                shape,
+                variable,
+            )
         }};
     }
     use half::{bf16, f16};
@@ -167,27 +229,39 @@ fn owned(t: &Tensor, dtype: DType, variable: bool) -> Result<Tensor> {
     }
 }
 
-/// `f` of every element of `src` into a new vector, chunks of it by
-/// different cores.
+/// `v` as a host tensor of `shape`, a variable's when `variable`.
+fn wrap<D: candle_core::WithDType>(v: Vec<D>, shape: &Shape, variable: bool) -> Result<Tensor> {
+    match variable {
+        true => Var::from_vec(v, shape, &Device::Cpu).map(Var::into_inner),
+        false => Tensor::from_vec(v, shape, &Device::Cpu),
+    }
+}
+
+/// `f` of every element of `src` into a new vector, by all cores.
 fn par_map<S, D>(src: &[S], f: impl Fn(S) -> D + Sync) -> Vec<D>
 where
     S: Copy + Sync,
     D: Send,
 {
+    par_fill(src.len(), |i| f(src[i]))
+}
+
+/// The vector of `f(0), .., f(n - 1)`, chunks of it by different cores.
+fn par_fill<D: Send>(n: usize, f: impl Fn(usize) -> D + Sync) -> Vec<D> {
     use rayon::prelude::*;
     const CHUNK: usize = 1 << 18;
-    let mut out = Vec::with_capacity(src.len());
-    out.spare_capacity_mut()[..src.len()]
+    let mut out = Vec::with_capacity(n);
+    out.spare_capacity_mut()[..n]
         .par_chunks_mut(CHUNK)
-        .zip(src.par_chunks(CHUNK))
-        .for_each(|(dst, src)| {
-            for (d, s) in dst.iter_mut().zip(src) {
-                d.write(f(*s));
+        .enumerate()
+        .for_each(|(c, dst)| {
+            for (j, d) in dst.iter_mut().enumerate() {
+                d.write(f(c * CHUNK + j));
             }
         });
-    // SAFETY: the loop above wrote every one of the first `src.len()`
-    // elements (the chunks of both sides pair up one to one).
-    unsafe { out.set_len(src.len()) };
+    // SAFETY: the loop above wrote every one of the first `n` elements
+    // (chunk `c` holds elements `c * CHUNK ..`).
+    unsafe { out.set_len(n) };
     out
 }
 
