@@ -15,7 +15,11 @@
 //! full fine-tuning keeps them, or `bf16`), `SETUP_BENCH_ROUNDS` (timed
 //! rounds of each path, alternating; default 3), `SETUP_BENCH_DIR` (where
 //! the file is written, default the system's temporary directory; it is
-//! removed after). Writes `setup-<device>.json` (`BENCH_RESULTS_DIR`).
+//! removed after), `SETUP_BENCH_QUANTIZE` (`nf4`, `int8`, ...: also build the
+//! model streamed on the host over a base of random codes in that format and
+//! report its masters' time, beside the time to dequantize every packed
+//! weight on the host, which building a quantized model cost before 1588b5c).
+//! Writes `setup-<device>.json` (`BENCH_RESULTS_DIR`).
 
 mod common;
 
@@ -56,6 +60,57 @@ fn time_masters(names: &[String], make: impl Fn(&str) -> Result<Var>) -> Result<
     let s = t.elapsed().as_secs_f64();
     drop(masters);
     Ok(s)
+}
+
+/// A quantized model built streamed on the host (its masters' seconds), and
+/// the work its construction no longer does: every packed weight
+/// dequantized on the host.
+fn quantized_rows(
+    cfg: &streamer_models::LlamaConfig,
+    name: &str,
+    scheme: streamer_quant::QuantScheme,
+) -> Result<Vec<serde_json::Value>> {
+    use streamer_models::{init_weights_where, is_quantizable, Llama, QuantizedWeights};
+    let q = QuantizedWeights::synthetic(cfg, scheme, 0, 0.05)?;
+    let dense = init_weights_where(cfg, 0, |n| !is_quantizable(n))?
+        .into_iter()
+        .map(|(k, t)| Ok((k, t.to_dtype(DType::BF16)?)))
+        .collect::<Result<HashMap<_, _>>>()?;
+    let stream = candle_streamer::streamer_core::StreamConfig {
+        device: Device::Cpu,
+        dtype: DType::BF16,
+        ..Default::default()
+    };
+    let model = Llama::streamed_quantized(&WeightSource::Tensors(dense), &q, cfg, stream)?;
+    let built = model
+        .streamed_layers()
+        .context("a streamed model")?
+        .setup_times();
+    drop(model);
+    let t = Instant::now();
+    let dense = q.dequantized()?;
+    let dequant_s = t.elapsed().as_secs_f64();
+    drop(dense);
+    let packed_gb = q.packed_bytes() as f64 / 1e9;
+    println!(
+        "{name} {scheme:?} ({packed_gb:.2} GB packed): host masters {:.2} s; dequantizing every \
+         packed weight on the host, as construction did before, {dequant_s:.2} s",
+        built.masters_s
+    );
+    let row = |system: &str, s: f64| {
+        json!({"system": system, "model": name, "format": format!("{scheme:?}"),
+               "packed_gb": packed_gb, "seconds": s})
+    };
+    Ok(vec![
+        row(
+            "ours: Llama::streamed_quantized host masters (setup_times)",
+            built.masters_s,
+        ),
+        row(
+            "dequantize every packed weight on the host (construction before 1588b5c)",
+            dequant_s,
+        ),
+    ])
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -111,10 +166,13 @@ fn main() -> Result<()> {
          load_master {os:.2} s, Candle's path {cs:.2} s ({:.2}x)",
         cs / os
     );
-    let rows = vec![
+    let mut rows = vec![
         row("ours (WeightSource::load_master)", os, &o),
         row("candle (load, to_dtype, copy, Var::from_tensor)", cs, &c),
     ];
+    if let Some(scheme) = common::quant_scheme("SETUP_BENCH_QUANTIZE")? {
+        rows.extend(quantized_rows(&cfg, &name, scheme)?);
+    }
     // A host-only bench: named after the machine (the bundle's tag on the
     // GPU machine, "cpu" on the development machine).
     let tag = std::env::var("BENCH_DEVICE_TAG").unwrap_or_else(|_| "cpu".into());
