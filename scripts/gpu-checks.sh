@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The open issues' GPU checks, in stages that each fit one device call, from
+# the bundle that scripts/gpu-test.sh builds. Every stage writes run.sh's
+# summaries and logs under $OUT, its result files under $OUT/res/<stage>,
+# and packs everything into $OUT/all.tar (one file comes back, however many
+# rows ran):
+#
+#   bash scripts/gpu-checks.sh house       # every CUDA test (bitsandbytes fixtures written
+#                                          # first), then the streaming and lm 3b benches:
+#                                          # the house issue's no-regression check (~280 s)
+#   bash scripts/gpu-checks.sh quantized   # 8B generate at batch 1 (nf4, bf16) with the
+#                                          # transformers + bitsandbytes peer, the 8B bf16 rows
+#                                          # in a 24 GiB cap (~330 s)
+#   bash scripts/gpu-checks.sh generate70  # 70B NF4 streamed generate in a 24 GiB cap (~250 s
+#                                          # of it the run; the host needs ~80 GiB)
+#   bash scripts/gpu-checks.sh setup       # host masters of 8B shapes from a file, and an 8B
+#                                          # NF4 base (benches/setup.rs)
+#
+# Several stages in one call: `bash scripts/gpu-checks.sh house quantized`.
+# Unpack: tar -xf all.tar (then each logs-<tag>.tar.gz).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+B=${BUNDLE:-gpu-bundle}
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export RUN_TAR=all.tar
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/gpu.txt" 2>&1
+fail=0
+# r TAG VAR=VALUE... CMD...: one run.sh invocation with its results under res/TAG.
+r() {
+  local tag=$1
+  shift
+  mkdir -p "$OUT/res/$tag"
+  env RUN_TAG="$tag" BENCH_RESULTS_DIR="$OUT/res/$tag" "$@" || fail=1
+}
+bnb() {
+  python3 -m pip install -q --no-deps --target /tmp/bnb .whl/bitsandbytes-0.50.2-*.whl
+  export PYTHONPATH=/tmp/bnb
+}
+G="GPU_ONLY=bench-generate"
+for stage in "$@"; do
+  case "$stage" in
+    house)
+      bnb
+      python3 scripts/bnb-fixtures.py /tmp/bnb-fx >"$OUT/bnb-fixtures.log" 2>&1
+      r tests BNB_FIXTURES=/tmp/bnb-fx timeout 240 bash "$B/run.sh" tests
+      r stream GPU_ONLY=bench-streaming timeout 120 bash "$B/run.sh" benches
+      r lm3b GPU_ONLY=bench-lm LM_BENCH=3b:streamed LM_BENCH_ACTIVATIONS=auto \
+        LM_BENCH_OPTIMIZER=device LM_BENCH_STEPS=3 LM_BENCH_WARMUP=1 timeout 200 bash "$B/run.sh" benches
+      ;;
+    quantized)
+      r nf4 $G GEN_BENCH_QUANTIZE=nf4 GEN_BENCH_BATCHES=1 timeout 70 bash "$B/run.sh" benches
+      r bf16 $G GEN_BENCH_BATCHES=1 timeout 80 bash "$B/run.sh" benches
+      r b24 $G GEN_BENCH_BATCHES= GEN_BENCH_DEVICE_BUDGET_GIB=24 timeout 90 bash "$B/run.sh" benches
+      bnb
+      r bnb PY_ARGS_qlora_torch="--modes generate" GPU_ONLY=qlora_torch timeout 150 bash "$B/run.sh" benches
+      ;;
+    generate70)
+      r gen70 $G GEN_BENCH=70b GEN_BENCH_QUANTIZE=nf4 GEN_BENCH_BATCHES= \
+        GEN_BENCH_DEVICE_BUDGET_GIB=24 GEN_BENCH_JOB=6 timeout 560 bash "$B/run.sh" benches
+      ;;
+    setup)
+      r setup GPU_ONLY=bench-setup SETUP_BENCH=8b SETUP_BENCH_ROUNDS=1 SETUP_BENCH_QUANTIZE=nf4 \
+        timeout 400 bash "$B/run.sh" benches
+      ;;
+    *)
+      echo "unknown stage $stage (house, quantized, generate70, setup)" >&2
+      exit 2
+      ;;
+  esac
+done
+tar -C "$OUT" -rf "$OUT/all.tar" res && rm -rf "$OUT/res"
+exit $fail
