@@ -181,19 +181,9 @@ impl CudaEngine {
             bytes += n as u64;
             let dst = s.ptr + off as u64 * es;
             match &s.stage {
-                // Packed masters are raw bytes: straight into the slot.
-                _ if master.is_packed() => {
-                    // SAFETY: as below (the layout sized the slot for the
-                    // master's bytes).
-                    unsafe { crate::cuda::htod_async(dst, src, n, &self.transfer)? }
-                }
-                None => {
-                    // SAFETY: dst lies in the slot (offset + size <= slot elems by layout);
-                    // the master stays alive and unmodified until the transfer stream is
-                    // synchronized (pool drop, or before optimizers write masters).
-                    unsafe { crate::cuda::htod_async(dst, src, n, &self.transfer)? }
-                }
-                Some((_, stage)) => {
+                // A master in another dtype than the compute dtype: staged, and
+                // converted on the device after the copy.
+                Some((_, stage)) if !master.is_packed() => {
                     let at = stage + staged;
                     staged += stage_len(n) as u64;
                     // SAFETY: the staging buffer holds the largest block's masters
@@ -205,6 +195,12 @@ impl CudaEngine {
                     let elems = master.var.elem_count();
                     casts.push((master.var.dtype(), at, p.dtype, dst, elems));
                 }
+                // In the compute dtype, or packed (raw bytes): into the slot.
+                // SAFETY: dst lies in the slot (offset + size <= slot elems by
+                // layout, which sizes it for a packed master's bytes); the master
+                // stays alive and unmodified until the transfer stream is
+                // synchronized (pool drop, or before optimizers write masters).
+                _ => unsafe { crate::cuda::htod_async(dst, src, n, &self.transfer)? },
             }
         }
         if let Some(d) = self.delay {
