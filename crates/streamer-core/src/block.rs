@@ -183,9 +183,11 @@ type Builder = dyn Fn(VarBuilder) -> Result<Box<dyn Block>> + Send + Sync;
 ///
 /// The builder receives a `VarBuilder` rooted at the prefix (so `vb.get(.., "w")`
 /// finds `"{prefix}.w"`), exactly as candle-nn code expects. It is called once at
-/// construction (on the host, to learn and check which weights the block uses) and
-/// then on every call with the block's device-resident weights; building candle-nn
-/// layers only clones `Arc`s, so this is cheap.
+/// construction (on the host, to learn and check which weights the block uses,
+/// with zero-cost stand-ins of the right shapes and dtypes: see
+/// [`crate::discovering`]) and then on every call with the block's
+/// device-resident weights; building candle-nn layers only clones `Arc`s, so
+/// this is cheap.
 #[derive(Clone)]
 pub struct BlockSpec {
     pub(crate) name: String,
