@@ -14,7 +14,9 @@
 #   bash scripts/gpu-checks.sh generate70  # 70B NF4 streamed generate in a 24 GiB cap (~250 s
 #                                          # of it the run; the host needs ~80 GiB)
 #   bash scripts/gpu-checks.sh setup       # host masters of 8B shapes from a file, and an 8B
-#                                          # NF4 base (benches/setup.rs)
+#                                          # NF4 base (benches/setup.rs), beside transformers'
+#                                          # from_pretrained of the same shapes in f32
+#                                          # (benches/setup_torch.py; the host needs ~60 GiB)
 #
 # Several stages in one call: `bash scripts/gpu-checks.sh house quantized`.
 # Unpack: tar -xf all.tar (then each logs-<tag>.tar.gz).
@@ -60,7 +62,7 @@ for stage in "$@"; do
         GEN_BENCH_DEVICE_BUDGET_GIB=24 GEN_BENCH_JOB=6 timeout 560 bash "$B/run.sh" benches
       ;;
     setup)
-      r setup GPU_ONLY=bench-setup SETUP_BENCH=8b SETUP_BENCH_ROUNDS=1 SETUP_BENCH_QUANTIZE=nf4 \
+      r setup GPU_ONLY=bench-setup,setup_torch SETUP_BENCH=8b SETUP_BENCH_ROUNDS=1 SETUP_BENCH_QUANTIZE=nf4 \
         timeout 400 bash "$B/run.sh" benches
       ;;
     *)

@@ -142,9 +142,11 @@ struct Record {
     on_host: Vec<bool>,
     pieces: Vec<Vec<Rows>>,
     kept: Vec<Vec<Option<Kept>>>,
-    /// Bytes of kept activations so far, on the device and spilled.
+    /// Bytes of activations kept on the device so far.
     used: usize,
+    /// Bytes of activations spilled to the host so far.
     spilled: usize,
+    /// The last block that spilled (the next one may not).
     last_spill: Option<usize>,
 }
 
