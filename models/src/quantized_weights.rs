@@ -149,15 +149,16 @@ impl QuantizedWeights {
     }
 
     /// One source of every weight: the packed buffers (u8, shared, not
-    /// copied) and `src`'s other tensors (read into memory in their own
-    /// dtype; a dense copy of a quantized weight in `src` is skipped).
+    /// copied) and `src`'s other tensors as it holds them (in-memory ones
+    /// shared; a dense copy of a quantized weight in `src` is skipped).
     pub(crate) fn over(&self, src: &WeightSource) -> Result<WeightSource> {
         let mut all: HashMap<String, Tensor> = (self.entries.iter())
             .map(|(n, (_, t))| (n.clone(), t.clone()))
             .collect();
         for name in src.names().into_iter().filter(|n| !self.contains(n)) {
-            let dtype = src.meta(&name)?.1;
-            let t = src.load(&name, dtype)?;
+            // Shared where in memory: the masters made from this source copy
+            // them once (`WeightSource::load_master`).
+            let t = src.read(&name)?;
             all.insert(name, t);
         }
         Ok(WeightSource::Tensors(all))

@@ -156,8 +156,10 @@ impl WeightSource {
         t.map(Some)
     }
 
-    /// The tensor as the source holds it, on the host.
-    fn read(&self, name: &str) -> Result<Tensor> {
+    /// The tensor as the source holds it, on the host: an in-memory CPU
+    /// tensor shared, not copied (for a view of the weights; a master needs
+    /// [`Self::load_master`]).
+    pub fn read(&self, name: &str) -> Result<Tensor> {
         match self {
             Self::Tensors(m) => m
                 .get(name)
