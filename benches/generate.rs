@@ -5,9 +5,9 @@
 //! `GEN_BENCH_JOB` (default 2) times as many prompts as sequences in flight,
 //! so finished sequences hand their slots to queued ones as in a long job.
 //! Rows: `benches/results/generate-<dev>.json` (`system`, `model`, `format`,
-//! `batch`, `prompt_len`, `gen_len`, `tokens_per_s` of generated tokens, `device_budget_gib`, `kv_place`,
-//! `peak_device_gib`, the plan's estimate), each beside its bounds measured in
-//! the same process: the PCIe bound (the copy stream's busy time, every
+//! `batch`, `prompt_len`, `gen_len`, `tokens_per_s` of generated tokens,
+//! `device_budget_gib`, `kv_place`, `peak_device_gib`, the plan's
+//! estimate), each beside its bounds measured in the same process: the PCIe bound (the copy stream's busy time, every
 //! layer's weights once a step when streamed) and the compute bound (the
 //! run's FLOPs, `batch_plan::request_flops`, at the rate of a dense GEMM of
 //! the layer's MLP shape on this GPU).
