@@ -7,10 +7,11 @@
 //! Rows: `benches/results/generate-<dev>.json` (`system`, `model`, `format`,
 //! `batch`, `prompt_len`, `gen_len`, `tokens_per_s` of generated tokens,
 //! `device_budget_gib`, `kv_place`, `peak_device_gib`, the plan's
-//! estimate), each beside its bounds measured in the same process: the PCIe bound (the copy stream's busy time, every
-//! layer's weights once a step when streamed) and the compute bound (the
-//! run's FLOPs, `batch_plan::request_flops`, at the rate of a dense GEMM of
-//! the layer's MLP shape on this GPU).
+//! estimate), each beside its bounds measured in the same process: the PCIe
+//! bound (the copy stream's busy time, every layer's weights once a step
+//! when streamed) and the compute bound (the run's FLOPs,
+//! `batch_plan::request_flops`, at the rate of a dense GEMM of the layer's
+//! MLP shape on this GPU).
 //!
 //! `GEN_BENCH` (`8b`, `70b`, `14b` or a preset: `common::model_config`;
 //! random init; default `8b` on a GPU, `tiny` on the CPU) or `GEN_BENCH_MODEL=DIR` (a Hugging Face
