@@ -494,21 +494,28 @@ fn batch_plan_sequences_for_budget() -> Result<()> {
         .total()
     };
     ensure!(total(n) <= budget && total(n + 1) > budget, "{n} sequences");
-    // Weights: two layers and the embedding and head (2 x 128256 x 4096) in
-    // bf16 (a streamed decode keeps the embedding on the host, and the
-    // estimate counts it as headroom); resident, every layer.
+    // Weights: two layers, the final norm and the head (128256 x 4096) in
+    // bf16 (a streamed decode looks the untied embedding up on the host);
+    // resident, every layer and the embedding too.
     let shape = BatchShape {
         sequences: n,
         capacity,
         step_rows,
     };
     let m = BatchMemory::of(&cfg, DType::BF16, window, shape);
-    let outer = (2 * 128256 * 4096 + 4096) * 2;
-    ensure!(m.weights == 2 * cfg.layer_params() * 2 + outer, "{m:?}");
+    let (table, norm) = (128256 * 4096 * 2, 4096 * 2);
+    ensure!(m.weights == 2 * cfg.layer_params() * 2 + table + norm, "{m:?}");
     let resident = (BatchPlacement::Resident, window.1);
     let r = BatchMemory::of(&cfg, DType::BF16, resident, shape);
-    let all = 32 * cfg.layer_params() * 2 + outer;
+    let all = 32 * cfg.layer_params() * 2 + 2 * table + norm;
     ensure!(r.weights == all, "{r:?}");
+    // Tied, the table is the head: on the device either way.
+    let tied = LlamaConfig {
+        tie_word_embeddings: true,
+        ..cfg.clone()
+    };
+    let t = BatchMemory::of(&tied, DType::BF16, window, shape);
+    ensure!(t.weights == m.weights, "{t:?}");
     ensure!((250..300).contains(&n), "{n} sequences in 24 GiB");
     // Capped by the caller's most.
     ensure!(
@@ -660,7 +667,8 @@ fn batch_plan_counts_packed_layers() -> Result<()> {
     let budget = (24 << 30, 2, false);
     let p = plan_batch(&cfg, (DType::BF16, f), budget, run, &rates)?;
     ensure!(p.placement == BatchPlacement::Streamed { window: 2 }, "{p}");
-    let outer = (2 * 128256 * 4096 + 4096) * 2;
+    // The final norm and the head; the embedding stays on the host.
+    let outer = (128256 * 4096 + 4096) * 2;
     ensure!(p.memory.weights == 2 * f.slot + f.scratch + outer, "{p}");
     // The packed layers leave room for more sequences than dense ones.
     let dense = LayerFootprint::dense(&cfg, DType::BF16);

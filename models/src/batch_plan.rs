@@ -9,12 +9,12 @@
 //! every slot reserves the longest sequence's rows), and one step's
 //! activations (at most `step_rows` rows through a decoder layer, and the
 //! logits of every sequence), plus a margin for cuBLAS workspaces and the
-//! allocator. A streamed decode keeps an untied embedding in host memory,
-//! but the estimate still counts it: the room it leaves is headroom until a
-//! leaner plan is measured (one that spent it on the kv cache, with the
-//! step's rows halved as well, ran out of memory under a 24 GiB driver cap,
-//! very likely from a since-fixed recorded graph: `benches/results/README.md`,
-//! quantized bases).
+//! allocator. A streamed decode looks an untied embedding's rows up in host
+//! memory (`Llama`'s host embedding), so a streamed plan does not count it:
+//! under a 24 GiB driver cap the plans that counted it peaked 3.3-3.4 GiB
+//! below their estimate (8B bf16 and 70B NF4 on an H100,
+//! `benches/results/generate-h100.json`, `generate-nf4-h100.json`), more
+//! than the 2.1 GB a 70B embedding takes.
 use candle_core::{DType, Device, Result, Tensor};
 use std::time::Instant;
 
@@ -129,6 +129,7 @@ impl BatchMemory {
         let outer: usize = cfg
             .outer_weights()
             .iter()
+            .filter(|(name, ..)| !host_embedding(cfg, placement, name))
             .map(|(_, dims, _)| dims.iter().product::<usize>())
             .sum();
         let (h, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
@@ -165,6 +166,15 @@ impl std::fmt::Display for BatchMemory {
             g(self.margin)
         )
     }
+}
+
+/// Whether outer weight `name` stays in host memory during a decode placed
+/// as `placement`: a streamed decode's untied embedding, whose rows are
+/// looked up on the host (a tied one is the head, on the device).
+fn host_embedding(cfg: &LlamaConfig, placement: BatchPlacement, name: &str) -> bool {
+    matches!(placement, BatchPlacement::Streamed { .. })
+        && !cfg.tie_word_embeddings
+        && name == "model.embed_tokens.weight"
 }
 
 /// Keys and values of one slot of `capacity` positions (rounded up to 16, as
