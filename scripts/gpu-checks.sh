@@ -21,6 +21,9 @@
 #                                          # 8 x 2,048 and 2 x 8,192 tokens a step (the training
 #                                          # issue's no-regression and long-sequence rows; ~119 GiB
 #                                          # of device memory: an H200 only; ~500 s)
+#   bash scripts/gpu-checks.sh train14b    # Qwen2.5-14B shapes, full fine-tune, 8 x 2,048 tokens,
+#                                          # the device plan's choice (LORA_BENCH_PLAN=1) with f32
+#                                          # and with bf16 moments (an H200 only; host ~60 GiB)
 #
 # Several stages in one call: `bash scripts/gpu-checks.sh house quantized`.
 # Unpack: tar -xf all.tar (then each logs-<tag>.tar.gz).
@@ -75,8 +78,14 @@ for stage in "$@"; do
       r full8k GPU_ONLY=bench-lora LORA_BENCH=8b LORA_BENCH_MODES=full LORA_BENCH_STEPS=3 \
         LORA_BENCH_BATCH=2 LORA_BENCH_SEQ=8192 timeout 250 bash "$B/run.sh" benches
       ;;
+    train14b)
+      r plan14 GPU_ONLY=bench-lora LORA_BENCH=14b LORA_BENCH_MODES=full LORA_BENCH_STEPS=2 \
+        LORA_BENCH_PLAN=1 timeout 290 bash "$B/run.sh" benches
+      r plan14b GPU_ONLY=bench-lora LORA_BENCH=14b LORA_BENCH_MODES=full LORA_BENCH_STEPS=2 \
+        LORA_BENCH_PLAN=1 LORA_BENCH_OPTIMIZER_STATE=bf16 timeout 290 bash "$B/run.sh" benches
+      ;;
     *)
-      echo "unknown stage $stage (house, quantized, generate70, setup, train8b)" >&2
+      echo "unknown stage $stage (house, quantized, generate70, setup, train8b, train14b)" >&2
       exit 2
       ;;
   esac
