@@ -504,7 +504,10 @@ fn batch_plan_sequences_for_budget() -> Result<()> {
     };
     let m = BatchMemory::of(&cfg, DType::BF16, window, shape);
     let (table, norm) = (128256 * 4096 * 2, 4096 * 2);
-    ensure!(m.weights == 2 * cfg.layer_params() * 2 + table + norm, "{m:?}");
+    ensure!(
+        m.weights == 2 * cfg.layer_params() * 2 + table + norm,
+        "{m:?}"
+    );
     let resident = (BatchPlacement::Resident, window.1);
     let r = BatchMemory::of(&cfg, DType::BF16, resident, shape);
     let all = 32 * cfg.layer_params() * 2 + 2 * table + norm;
