@@ -6,8 +6,8 @@
 //!
 //!     cargo bench --bench lm [--features cuda]
 //!
-//! `LM_BENCH=1b:both,3b:streamed` picks presets and modes (GPU default; the CPU
-//! default is `tiny:both`), `LM_BENCH_BATCH` / `LM_BENCH_SEQ` the step's shape
+//! `LM_BENCH=1b:both,3b:streamed` picks presets (or `8b`, `14b`, `70b`
+//! shapes) and modes (GPU default; the CPU default is `tiny:both`), `LM_BENCH_BATCH` / `LM_BENCH_SEQ` the step's shape
 //! (16 x 2048 on a GPU), `LM_BENCH_STEPS` the timed steps (after 2 warm-up
 //! steps; `LM_BENCH_WARMUP` changes that), `LM_BENCH_WINDOW` the decoder layers
 //! on the device (default 2), `LM_BENCH_LAYERS` a smaller layer count of the
@@ -338,7 +338,7 @@ fn main() -> Result<()> {
     let mut rows = Vec::new();
     for item in spec.split(',') {
         let (preset, modes) = item.split_once(':').unwrap_or((item, "both"));
-        let mut cfg = LlamaConfig::preset(preset)?;
+        let mut cfg = common::model_config(preset)?;
         // Fewer layers of the same shapes (for profiling one layer's kernels).
         if let Ok(l) = std::env::var("LM_BENCH_LAYERS") {
             cfg.num_hidden_layers = l.parse()?;

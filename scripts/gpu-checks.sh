@@ -24,6 +24,9 @@
 #   bash scripts/gpu-checks.sh train14b    # Qwen2.5-14B shapes, full fine-tune, 8 x 2,048 tokens,
 #                                          # the device plan's choice (LORA_BENCH_PLAN=1) with f32
 #                                          # and with bf16 moments (an H200 only; host ~60 GiB)
+#   bash scripts/gpu-checks.sh profile8b   # the kernels of two Llama 3.1 8B layers' streamed
+#                                          # step, 8 x 2,048 tokens, recomputed, under Nsight
+#                                          # Compute (scripts/gpu-profile-lm.sh; ~200 s)
 #
 # Several stages in one call: `bash scripts/gpu-checks.sh house quantized`.
 # Unpack: tar -xf all.tar (then each logs-<tag>.tar.gz).
@@ -84,8 +87,11 @@ for stage in "$@"; do
       r plan14b GPU_ONLY=bench-lora LORA_BENCH=14b LORA_BENCH_MODES=full LORA_BENCH_STEPS=2 \
         LORA_BENCH_PLAN=1 LORA_BENCH_OPTIMIZER_STATE=bf16 timeout 290 bash "$B/run.sh" benches
       ;;
+    profile8b)
+      LM_BENCH_ACTIVATIONS=recompute PROFILE_TIMEOUT=300 bash scripts/gpu-profile-lm.sh 8b 8 || fail=1
+      ;;
     *)
-      echo "unknown stage $stage (house, quantized, generate70, setup, train8b, train14b)" >&2
+      echo "unknown stage $stage (house, quantized, generate70, setup, train8b, train14b, profile8b)" >&2
       exit 2
       ;;
   esac
