@@ -4,6 +4,7 @@
 //!     cargo run --release --example train_mlp                     # CPU, about a minute
 //!     cargo run --release --example train_mlp -- --resume         # continue from the last save
 //!     cargo run --release --features cuda --example train_mlp -- --width 4096 --hidden 16384 --blocks 8 --batch 8192
+//!     cargo run --release --features cuda --example train_mlp -- --width 4096 --hidden 16384 --blocks 8 --batch 8192 --device-budget 8GiB
 //!
 //! Writes `<out>/loss.csv`, `<out>/loss.svg`, `<out>/weights-<step>.safetensors`,
 //! `<out>/optimizer-<step>.safetensors` and `<out>/progress.json`. A save
@@ -30,9 +31,11 @@ use save_flags::SaveFlags;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Instant;
-use streamer_autograd::{OptimizerPlace, PlacedAdamW, Train, TrainableSequential};
-use streamer_core::{BlockSpec, StreamConfig, StreamedSequential};
-use streamer_models::fused_mlp;
+use streamer_autograd::{
+    ActivationPolicy, OptimizerPlace, PlacedAdamW, Train, TrainableSequential,
+};
+use streamer_core::{BlockSpec, DeviceCap, StreamConfig, StreamedSequential};
+use streamer_models::{fused_mlp, parse_bytes, MlpPlan, MlpShape};
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a streamed MLP to imitate a random teacher network")]
@@ -73,14 +76,79 @@ struct Args {
     seed: u64,
     /// What training keeps for backward: recompute, keep:BYTES (e.g. keep:8GiB)
     /// or auto[:FRACTION] of free device memory (default auto:0.5).
-    #[arg(long, default_value = "auto")]
-    activations: String,
-    /// Where AdamW runs: `host` (CpuAdamW, moments in host memory) or
-    /// `device` (DeviceAdamW: moments on the GPU, 8 bytes per parameter,
-    /// each block stepped there during backward instead of sending its
-    /// gradients to the host).
-    #[arg(long, default_value = "host")]
-    optimizer: String,
+    #[arg(long)]
+    activations: Option<String>,
+    /// Where AdamW runs: `host` (CpuAdamW, moments in host memory; the
+    /// default) or `device` (DeviceAdamW: moments on the GPU, 8 bytes per
+    /// parameter, each block stepped there during backward instead of
+    /// sending its gradients to the host).
+    #[arg(long)]
+    optimizer: Option<String>,
+    /// The most device memory the run may use in all ("8GiB"): the
+    /// optimizer's place, the activations kept and the blocks resident are
+    /// then chosen so that the step fits (printed before anything loads), and
+    /// the rest of the GPU is held back so that nothing can use more.
+    #[arg(long)]
+    device_budget: Option<String>,
+}
+
+/// What a run decides: the optimizer's place, the blocks loaded ahead, the
+/// activation policy; with `--device-budget` its plan and the cap holding the
+/// rest of the GPU (released when dropped, after the run).
+struct Decided {
+    place: OptimizerPlace,
+    prefetch: usize,
+    policy: ActivationPolicy,
+    _cap: Option<DeviceCap>,
+}
+
+/// The flags' settings, or with `--device-budget` the plan's (the flags it
+/// decides may not be given beside it), checked before any work.
+fn decide(a: &Args, dev: &Device, dtype: DType) -> Result<Decided> {
+    let prefetch = check_args(a)?;
+    let Some(text) = &a.device_budget else {
+        return Ok(Decided {
+            place: a
+                .optimizer
+                .as_deref()
+                .unwrap_or("host")
+                .parse()
+                .context("--optimizer")?,
+            prefetch,
+            policy: cli::activation_policy(a.activations.as_deref().unwrap_or("auto"), dev)?,
+            _cap: None,
+        });
+    };
+    let given = [
+        ("--optimizer", a.optimizer.is_some()),
+        ("--activations", a.activations.is_some()),
+        ("--prefetch", a.prefetch.is_some()),
+    ];
+    if let Some((flag, _)) = given.iter().find(|(_, given)| *given) {
+        bail!("--device-budget chooses what {flag} sets: give one or the other");
+    }
+    let budget = parse_bytes(text).with_context(|| format!("--device-budget {text:?}"))?;
+    let Some(total) = streamer_core::device_total_memory(dev)? else {
+        bail!("--device-budget {text}: it budgets a CUDA device, and this run is on the CPU");
+    };
+    let shape = MlpShape {
+        blocks: a.blocks,
+        width: a.width,
+        hidden: a.hidden,
+        rows: a.batch,
+        dtype,
+    };
+    let plan = MlpPlan::choose(shape, (budget, total))
+        .with_context(|| format!("--device-budget {text}"))?;
+    println!("train_mlp: device plan for --device-budget {text}: {plan}");
+    let cap = DeviceCap::hold(dev, budget).with_context(|| format!("--device-budget {text}"))?;
+    let s = plan.settings;
+    Ok(Decided {
+        place: s.place,
+        prefetch: s.window.min(a.blocks) - 1,
+        policy: s.activation_policy(),
+        _cap: Some(cap),
+    })
 }
 
 /// `Linear(w,h), GELU, Linear(h,w)` as `FusedMlp`: bias and GELU in the GEMM
@@ -116,13 +184,16 @@ fn random_weights(a: &Args, rng: &mut StdRng, gain: f32) -> Result<HashMap<Strin
 
 /// AdamW over the student's weights, its state named after them (so a saved
 /// state loads only into the same model).
-fn optimizer(a: &Args, student: &TrainableSequential) -> Result<PlacedAdamW> {
+fn optimizer(
+    a: &Args,
+    student: &TrainableSequential,
+    place: OptimizerPlace,
+) -> Result<PlacedAdamW> {
     let params = ParamsAdamW {
         lr: a.lr,
         weight_decay: a.weight_decay,
         ..Default::default()
     };
-    let place: OptimizerPlace = a.optimizer.parse().context("--optimizer")?;
     let dev = student.inner().config().device.clone();
     let mut opt = PlacedAdamW::new(student.trainable_vars()?, params, place, &dev)?;
     opt.set_param_names(student.parameters().into_iter().map(|(n, _)| n).collect())?;
@@ -257,18 +328,22 @@ type Student = (
     Option<(PathBuf, PathBuf)>,
 );
 
-fn student(a: &Args, cfg: &StreamConfig, rng: &mut StdRng) -> Result<Student> {
+fn student(
+    a: &Args,
+    (cfg, place): (&StreamConfig, OptimizerPlace),
+    rng: &mut StdRng,
+) -> Result<Student> {
     if !a.save.resume {
         let init = random_weights(a, rng, 1.0)?;
         let student = StreamedSequential::from_tensors(init, blocks(a), cfg.clone())?.train();
-        let opt = optimizer(a, &student)?;
+        let opt = optimizer(a, &student, place)?;
         return Ok((student, opt, 0, Vec::new(), None));
     }
     let saved = resume_from(a, &a.out.join("progress.json"))?;
     let student = StreamedSequential::from_safetensors(&[&saved.weights], blocks(a), cfg.clone())
         .context("--resume: the saved weights do not fit this --blocks/--width/--hidden")?
         .train();
-    let mut opt = optimizer(a, &student)?;
+    let mut opt = optimizer(a, &student, place)?;
     opt.load(&saved.optimizer)?;
     opt.set_learning_rate(a.lr);
     // loss.csv is written before progress.json: drop rows past the saved step.
@@ -316,11 +391,9 @@ fn batch(a: &Args, step: usize, dev: &Device) -> Result<Tensor> {
 
 fn main() -> Result<()> {
     let a = Args::parse();
-    let prefetch = check_args(&a)?;
     let (dev, dtype) = a.run_on.resolve()?;
-    let policy = cli::activation_policy(&a.activations, &dev)?;
-    // Checked here, before any work; `optimizer` parses it again.
-    let _: OptimizerPlace = a.optimizer.parse().context("--optimizer")?;
+    let decided = decide(&a, &dev, dtype)?;
+    let (prefetch, policy) = (decided.prefetch, decided.policy);
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let cfg = StreamConfig {
         device: dev.clone(),
@@ -340,7 +413,8 @@ fn main() -> Result<()> {
             ..cfg.clone()
         },
     )?;
-    let (student, mut opt, start, mut losses, mut previous) = student(&a, &cfg, &mut rng)?;
+    let (student, mut opt, start, mut losses, mut previous) =
+        student(&a, (&cfg, decided.place), &mut rng)?;
     student.set_activation_policy(policy)?;
     if start >= a.steps {
         println!(

@@ -1,7 +1,8 @@
 //! `HostPlan`: the host memory of a streamed full fine-tune, said before any
 //! weight is loaded, against what the trainer then allocates; a plan larger
-//! than the host is refused with its numbers. `DevicePlan`: its device
-//! memory by part, and the settings chosen for a device budget.
+//! than the host is refused with its numbers. `DevicePlan` (a decoder) and
+//! `MlpPlan` (`FusedMlp` blocks): device memory by part, and the settings
+//! chosen for a device budget.
 use super::models::{err_of, fail};
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device};
@@ -404,5 +405,100 @@ fn device_plan_expectation() -> Result<()> {
     );
     ensure!((o.tokens_per_s - tokens / o.h2d_s).abs() < 1e-6, "{o:?}");
     ensure!(o.to_string().contains("PCIe-bound"), "{o}");
+    Ok(())
+}
+
+/// `MlpPlan` (`train_mlp --device-budget`): its parts are the bytes computed
+/// here from the shapes (w4096 h16384 x8 blocks, 8,192 rows, bf16); a large
+/// budget takes the device optimizer and keeps activations in what is left,
+/// filling it; a budget without room for the device optimizer's f32 moments
+/// takes the host one; every chosen plan fits its budget; a budget over the
+/// device or under the smallest plan (host optimizer, one block resident,
+/// every block recomputed) is refused with the numbers.
+#[test]
+fn mlp_plan_choice_and_refusals() -> Result<()> {
+    use streamer_autograd::ActivationPolicy;
+    use streamer_models::{MlpPlan, MlpSettings, MlpShape};
+    let shape = MlpShape {
+        blocks: 8,
+        width: 4096,
+        hidden: 16384,
+        rows: 8192,
+        dtype: DType::BF16,
+    };
+    let p = 2 * 4096 * 16384 + 4096 + 16384;
+    ensure!(shape.block_params() == p);
+    let device = MlpSettings {
+        place: OptimizerPlace::Device,
+        window: 2,
+        keep_bytes: 0,
+    };
+    let e = MlpPlan::estimate(shape, device);
+    // Student slots: bf16 and staged f32; the teacher's: bf16.
+    ensure!(e.slots == 2 * p * 6 + 2 * p * 2, "{e}");
+    ensure!(e.optimizer == 8 * 8 * p, "{e}");
+    ensure!(e.saved_inputs == 8 * 8192 * 4096 * 2, "{e}");
+    let kept_block = 8192 * (4096 + 2 * 16384) * 2;
+    ensure!(shape.kept_block_bytes() == kept_block);
+    ensure!(
+        e.block_work == kept_block + 8192 * (2 * 4096 + 2 * 16384) * 2 + 2 * p * 6,
+        "{e}"
+    );
+    ensure!(e.runtime == 1 << 30, "{e}");
+    let host = MlpPlan::estimate(
+        shape,
+        MlpSettings {
+            place: OptimizerPlace::Host,
+            ..device
+        },
+    );
+    ensure!(host.optimizer == 0 && host.total() + 8 * 8 * p == e.total());
+    let total = 80usize << 30;
+    let big = MlpPlan::choose(shape, (64 << 30, total))?;
+    ensure!(
+        big.settings.place == OptimizerPlace::Device && big.settings.window == 2,
+        "{big}"
+    );
+    ensure!(
+        big.total() == 64 << 30 && big.kept == big.settings.keep_bytes,
+        "{big}"
+    );
+    ensure!(
+        big.settings.activation_policy()
+            == ActivationPolicy::Keep {
+                device_bytes: big.kept
+            },
+        "{big}"
+    );
+    // 12 GiB: the f32 moments (8.6 GB) do not fit beside the rest.
+    let small = MlpPlan::choose(shape, (12 << 30, total))?;
+    ensure!(small.settings.place == OptimizerPlace::Host, "{small}");
+    for gib in [6usize, 8, 12, 16, 24, 32, 48, 80] {
+        if let Ok(plan) = MlpPlan::choose(shape, (gib << 30, total)) {
+            ensure!(plan.total() <= gib << 30, "{gib} GiB: {plan}");
+        }
+    }
+    let e = fail(MlpPlan::choose(shape, (100 << 30, total)))?;
+    ensure!(
+        matches!(Error::find(&e), Some(&Error::OutOfMemory { needed, free, .. })
+            if needed == 100 << 30 && free == total),
+        "{e}"
+    );
+    let smallest = MlpPlan::estimate(
+        shape,
+        MlpSettings {
+            place: OptimizerPlace::Host,
+            window: 1,
+            keep_bytes: 0,
+        },
+    );
+    let e = fail(MlpPlan::choose(shape, (2 << 30, total)))?;
+    ensure!(
+        matches!(Error::find(&e), Some(&Error::OutOfMemory { needed, free, .. })
+            if needed == smallest.total() && free == 2 << 30),
+        "{e}"
+    );
+    ensure!(e.to_string().contains("below the smallest plan"), "{e}");
+    ensure!(smallest.settings.activation_policy() == ActivationPolicy::Recompute);
     Ok(())
 }

@@ -17,7 +17,7 @@ use streamer_autograd::{ActivationPolicy, OptimizerPlace, StateDtype};
 
 /// Bytes held by the CUDA context, cuBLAS workspaces and the allocator's
 /// slack, whatever the model.
-const RUNTIME_BYTES: usize = 1 << 30;
+pub(crate) const RUNTIME_BYTES: usize = 1 << 30;
 
 /// The settings a device plan decides.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

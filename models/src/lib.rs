@@ -33,6 +33,9 @@
 //!   candle-nn's fused kernels with a backward of their own. [`FusedMlp`]
 //!   ([`fused_mlp`](mod@fused_mlp)): the GELU MLP block whose streamed training backward is
 //!   four cuBLASLt GEMMs with GELU' and the bias gradients in their epilogues.
+//! - [`DevicePlan`] ([`device_plan`]) and [`MlpPlan`] ([`mlp_plan`]): what a
+//!   streamed training step of a decoder or of `FusedMlp` blocks holds on the
+//!   GPU, and the fastest settings whose step fits a device budget.
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
@@ -77,6 +80,7 @@ pub mod host_plan;
 mod kv_cache;
 pub mod llama;
 pub mod lora;
+pub mod mlp_plan;
 pub mod ops;
 pub mod pretrained;
 pub mod prompt_file;
@@ -114,6 +118,7 @@ pub use fused_mlp::{fused_mlp, FusedMlp};
 pub use host_plan::{HostPlan, TrainSetup};
 pub use llama::{apply_rope, apply_rope_unfused, DecoderLayer, Llama, LossChunk, RmsNorm, Rope};
 pub use lora::{LoraAdapters, LoraConfig, LORA_TARGETS};
+pub use mlp_plan::{MlpPlan, MlpSettings, MlpShape};
 #[cfg(feature = "cuda")]
 pub use ops::lt::epilogue_fallbacks;
 #[cfg(feature = "cuda")]
