@@ -341,6 +341,7 @@ fn inference_stream(dev: &Device, prefetch_ahead: usize, dtype: DType) -> Stream
         prefetch_ahead,
         dtype,
         prefetch_across_calls: Some(across),
+        on_setup: Some(candle_streamer::report::setup_progress("generate")),
         ..Default::default()
     }
 }

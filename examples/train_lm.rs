@@ -33,7 +33,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use candle_nn::ParamsAdamW;
 use candle_streamer::cli;
-use candle_streamer::report::Progress;
+use candle_streamer::report::{setup_progress, Progress};
 use clap::Parser;
 use device_flags::DeviceFlags;
 use loss_curve::{read_losses, write_curve, CurveLabels};
@@ -408,6 +408,7 @@ fn main() -> Result<()> {
         // halves their host memory and copies at bf16.
         master_dtype: Some(if lora.is_some() { dtype } else { DType::F32 }),
         slot_budget_bytes: Some(slot_bytes(&cfg, dtype)),
+        on_setup: Some(setup_progress("train_lm")),
         ..Default::default()
     };
     if let Some(lcfg) = lora {
@@ -688,12 +689,6 @@ fn train(
         opts.warmup,
         opts.decay,
     );
-    if let Some(t) = trainer.model().streamed_layers().map(|l| l.setup_times()) {
-        println!(
-            "train_lm: host masters built in {:.1} s, page-locked in {:.1} s",
-            t.masters_s, t.pin_s
-        );
-    }
     if a.sample_tokens > 0 {
         println!("sample before: {:?}", sample(trainer.model(), tok, a)?);
     }

@@ -302,3 +302,72 @@ impl Progress {
         }
     }
 }
+
+/// A plain line for setup event `e` of the model named `label`, when one is
+/// due: the masters at every quarter of the blocks, the start of
+/// page-locking, and the end with each phase's time.
+pub fn setup_line(label: &str, e: &streamer_core::SetupEvent) -> Option<String> {
+    use streamer_core::SetupEvent;
+    match *e {
+        SetupEvent::Masters { done, total } => {
+            let quarter = total.div_ceil(4).max(1);
+            (done.is_multiple_of(quarter) || done == total)
+                .then(|| format!("{label}: host masters of {done}/{total} blocks"))
+        }
+        SetupEvent::PageLock { bytes } => Some(format!(
+            "{label}: page-locking {:.1} GiB of host masters",
+            bytes as f64 / (1u64 << 30) as f64
+        )),
+        SetupEvent::Built(t) => Some(format!(
+            "{label}: built (host masters {:.1} s, page-locked {:.1} s)",
+            t.masters_s, t.pin_s
+        )),
+    }
+}
+
+/// A [`streamer_core::SetupHook`] that shows a model's setup: a bar over its
+/// blocks' masters when stderr is a terminal, else the [`setup_line`]s on
+/// stderr; the end is one line either way.
+pub fn setup_progress(label: &str) -> streamer_core::SetupHook {
+    use streamer_core::SetupEvent;
+    let label = label.to_string();
+    let bar: std::sync::Mutex<Option<ProgressBar>> = std::sync::Mutex::new(None);
+    let terminal = std::io::stderr().is_terminal();
+    streamer_core::SetupHook::new(move |e| {
+        if !terminal {
+            if let Some(line) = setup_line(&label, &e) {
+                eprintln!("{line}");
+            }
+            return;
+        }
+        let mut bar = bar.lock().unwrap_or_else(|p| p.into_inner());
+        match e {
+            SetupEvent::Masters { done, total } => {
+                let b = bar.get_or_insert_with(|| {
+                    let b = ProgressBar::new(total as u64);
+                    if let Ok(style) = ProgressStyle::with_template(
+                        "{msg} {bar:30} {pos}/{len} blocks [{elapsed_precise}]",
+                    ) {
+                        b.set_style(style);
+                    }
+                    b.set_message(format!("{label}: host masters"));
+                    b
+                });
+                b.set_position(done as u64);
+            }
+            SetupEvent::PageLock { .. } => {
+                if let (Some(b), Some(line)) = (bar.as_ref(), setup_line(&label, &e)) {
+                    b.set_message(line);
+                }
+            }
+            SetupEvent::Built(_) => {
+                if let Some(b) = bar.take() {
+                    b.finish_and_clear();
+                }
+                if let Some(line) = setup_line(&label, &e) {
+                    eprintln!("{line}");
+                }
+            }
+        }
+    })
+}

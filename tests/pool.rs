@@ -840,3 +840,38 @@ fn load_master_copies_views_into_own_storage(_dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(load_master_copies_views_into_own_storage);
+
+/// `StreamConfig::on_setup` hears every block's masters in order, then (on a
+/// CUDA device) page-locking every master's bytes, then the end with the
+/// same times `setup_times` gives.
+fn setup_hook_hears_every_phase(dev: &Device) -> Result<()> {
+    use streamer_core::{SetupEvent, SetupHook};
+    let n = 3;
+    let mut weights = HashMap::new();
+    let blocks = (0..n)
+        .map(|i| {
+            let w = Tensor::randn(0f32, 1.0, (4, 3), &Device::Cpu).expect("randn");
+            weights.insert(format!("b{i}.w"), w);
+            BlockSpec::new(format!("b{i}"), |vb| Ok(Weighted(vb.get((4, 3), "w")?)))
+        })
+        .collect();
+    let heard: Arc<std::sync::Mutex<Vec<SetupEvent>>> = Arc::default();
+    let log = heard.clone();
+    let stream = StreamConfig {
+        master_dtype: Some(DType::F32),
+        on_setup: Some(SetupHook::new(move |e| log.lock().expect("log").push(e))),
+        ..cfg(dev, DType::F32, 0)
+    };
+    let model = StreamedSequential::from_tensors(weights, blocks, stream)?;
+    let heard = heard.lock().expect("log").clone();
+    let mut want: Vec<SetupEvent> = (1..=n)
+        .map(|done| SetupEvent::Masters { done, total: n })
+        .collect();
+    if dev.is_cuda() {
+        want.push(SetupEvent::PageLock { bytes: n * 12 * 4 });
+    }
+    want.push(SetupEvent::Built(model.setup_times()));
+    anyhow::ensure!(heard == want, "{heard:?}");
+    Ok(())
+}
+candle_streamer::test_device!(setup_hook_hears_every_phase);

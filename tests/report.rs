@@ -4,7 +4,8 @@
 use anyhow::{ensure, Result};
 use candle_core::Device;
 use candle_streamer::report::{
-    format_duration, progress_line, svg_plot, svg_plot_axes, try_svg_plot_axes, Progress,
+    format_duration, progress_line, setup_line, svg_plot, svg_plot_axes, try_svg_plot_axes,
+    Progress,
 };
 use std::time::Duration;
 
@@ -82,3 +83,34 @@ fn report_svg_plots_every_series(_dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(report_svg_plots_every_series);
+
+/// A model's setup as plain lines: its masters at each quarter of the blocks
+/// and the last, page-locking with its size, the end with each phase's time.
+fn report_setup_lines(_dev: &Device) -> Result<()> {
+    use streamer_core::{SetupEvent, SetupTimes};
+    let lines: Vec<usize> = (1..=10)
+        .filter(|&done| setup_line("m", &SetupEvent::Masters { done, total: 10 }).is_some())
+        .collect();
+    ensure!(lines == [3, 6, 9, 10], "{lines:?}");
+    let l = setup_line("m", &SetupEvent::Masters { done: 3, total: 10 });
+    ensure!(
+        l.as_deref() == Some("m: host masters of 3/10 blocks"),
+        "{l:?}"
+    );
+    let l = setup_line("m", &SetupEvent::PageLock { bytes: 3 << 29 });
+    ensure!(
+        l.as_deref() == Some("m: page-locking 1.5 GiB of host masters"),
+        "{l:?}"
+    );
+    let t = SetupTimes {
+        masters_s: 12.34,
+        pin_s: 1.6,
+    };
+    let l = setup_line("m", &SetupEvent::Built(t));
+    ensure!(
+        l.as_deref() == Some("m: built (host masters 12.3 s, page-locked 1.6 s)"),
+        "{l:?}"
+    );
+    Ok(())
+}
+candle_streamer::test_device!(report_setup_lines);

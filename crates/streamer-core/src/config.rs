@@ -55,6 +55,9 @@ pub struct StreamConfig {
     /// Testing aid: make every block's transfer take at least this long (a
     /// sleep on the CPU, a waiting kernel on the transfer stream on CUDA).
     pub transfer_delay: Option<std::time::Duration>,
+    /// Told of each phase while the model is built (every block's masters,
+    /// page-locking, the end), so a caller can show progress on a big model.
+    pub on_setup: Option<crate::SetupHook>,
 }
 
 impl Default for StreamConfig {
@@ -72,6 +75,7 @@ impl Default for StreamConfig {
             prefetch_across_calls: None,
             retain_device_memory: true,
             reuse_stepped_blocks: true,
+            on_setup: None,
         }
     }
 }

@@ -48,6 +48,7 @@ mod pool;
 #[cfg(feature = "cuda")]
 mod reuse;
 mod sequential;
+mod setup;
 mod source;
 mod stats;
 mod timeline;
@@ -64,9 +65,9 @@ pub use offload::{OffloadMarker, Offloader};
 pub use packed::is_packed;
 pub use pool::{BlockLayout, DeviceMaster, Entry, ResidencyPool};
 pub use sequential::{
-    discovering, release_all, run_blocks_with, stand_in, PoolView, RunBlock, SetupTimes,
-    StreamedSequential,
+    discovering, release_all, run_blocks_with, stand_in, PoolView, RunBlock, StreamedSequential,
 };
+pub use setup::{SetupEvent, SetupHook, SetupTimes};
 pub use source::{expand_paths, WeightSource};
 pub use stats::{Observer, StreamStats, Transition, TransitionKind, TRANSITION_LOG_LEN};
 pub use timeline::{Timeline, TraceEvent, TraceKind};

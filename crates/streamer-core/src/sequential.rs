@@ -4,6 +4,7 @@ use crate::block::{Block, BlockCtx, BlockSpec};
 use crate::config::StreamConfig;
 use crate::host::HostMasters;
 use crate::pool::{BlockLayout, ResidencyPool};
+use crate::setup::{SetupEvent, SetupTimes};
 use crate::source::WeightSource;
 use crate::stats::{Observer, StreamStats};
 use candle_core::{DType, Device, Result, Shape, Tensor, Var};
@@ -46,17 +47,6 @@ pub struct StreamedSequential {
     layouts: Vec<BlockLayout>,
     pool: Mutex<ResidencyPool>,
     setup: SetupTimes,
-}
-
-/// How long building a [`StreamedSequential`] took, by phase: what a user
-/// of a big model waits for before the first step.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct SetupTimes {
-    /// Seconds to read or copy every weight into its host master.
-    pub masters_s: f64,
-    /// Seconds to page-lock the masters (zero on the CPU, or for a replica,
-    /// which shares its first model's locked masters).
-    pub pin_s: f64,
 }
 
 impl StreamedSequential {
@@ -120,19 +110,28 @@ impl StreamedSequential {
         let mut masters = HostMasters::new(&cfg.aliases);
         let mut layouts = Vec::with_capacity(blocks.len());
         let all_names = src.names();
-        for b in &blocks {
+        let emit = |e| cfg.on_setup.as_ref().map(|h| h.emit(e));
+        for (i, b) in blocks.iter().enumerate() {
             layouts.push(discover(src, &mut masters, b, &cfg, &all_names)?);
+            emit(SetupEvent::Masters {
+                done: i + 1,
+                total: blocks.len(),
+            });
         }
         let masters_s = t.elapsed().as_secs_f64();
         let t = std::time::Instant::now();
         #[cfg(feature = "cuda")]
         if let Device::Cuda(dev) = &cfg.device {
+            emit(SetupEvent::PageLock {
+                bytes: masters.bytes(),
+            });
             masters.pin(dev.cuda_stream().context())?;
         }
         let setup = SetupTimes {
             masters_s,
             pin_s: t.elapsed().as_secs_f64(),
         };
+        emit(SetupEvent::Built(setup));
         let masters = Arc::new(masters);
         let names = blocks.iter().map(|b| b.name.clone()).collect();
         let pool = ResidencyPool::new(&cfg, masters.clone(), layouts.clone(), names)?;
