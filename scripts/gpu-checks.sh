@@ -23,7 +23,8 @@
 #                                          # of device memory: an H200 only; ~500 s)
 #   bash scripts/gpu-checks.sh train14b    # Qwen2.5-14B shapes, full fine-tune, 8 x 2,048 tokens,
 #                                          # the device plan's choice (LORA_BENCH_PLAN=1) with f32
-#                                          # and with bf16 moments (an H200 only; host ~60 GiB)
+#                                          # and with bf16 moments (an H200 only; host ~60 GiB;
+#                                          # train14b-f32 or train14b-bf16 runs one of the two)
 #   bash scripts/gpu-checks.sh profile8b   # the kernels of two Llama 3.1 8B layers' streamed
 #                                          # step, 8 x 2,048 tokens, recomputed, under Nsight
 #                                          # Compute (scripts/gpu-profile-lm.sh; ~200 s)
@@ -81,17 +82,21 @@ for stage in "$@"; do
       r full8k GPU_ONLY=bench-lora LORA_BENCH=8b LORA_BENCH_MODES=full LORA_BENCH_STEPS=3 \
         LORA_BENCH_BATCH=2 LORA_BENCH_SEQ=8192 timeout 250 bash "$B/run.sh" benches
       ;;
-    train14b)
-      r plan14 GPU_ONLY=bench-lora LORA_BENCH=14b LORA_BENCH_MODES=full LORA_BENCH_STEPS=2 \
-        LORA_BENCH_PLAN=1 timeout 290 bash "$B/run.sh" benches
-      r plan14b GPU_ONLY=bench-lora LORA_BENCH=14b LORA_BENCH_MODES=full LORA_BENCH_STEPS=2 \
-        LORA_BENCH_PLAN=1 LORA_BENCH_OPTIMIZER_STATE=bf16 timeout 290 bash "$B/run.sh" benches
+    train14b | train14b-f32 | train14b-bf16)
+      if [ "$stage" != train14b-bf16 ]; then
+        r plan14 GPU_ONLY=bench-lora LORA_BENCH=14b LORA_BENCH_MODES=full LORA_BENCH_STEPS=2 \
+          LORA_BENCH_PLAN=1 timeout 290 bash "$B/run.sh" benches
+      fi
+      if [ "$stage" != train14b-f32 ]; then
+        r plan14b GPU_ONLY=bench-lora LORA_BENCH=14b LORA_BENCH_MODES=full LORA_BENCH_STEPS=2 \
+          LORA_BENCH_PLAN=1 LORA_BENCH_OPTIMIZER_STATE=bf16 timeout 290 bash "$B/run.sh" benches
+      fi
       ;;
     profile8b)
       LM_BENCH_ACTIVATIONS=recompute PROFILE_TIMEOUT=300 bash scripts/gpu-profile-lm.sh 8b 8 || fail=1
       ;;
     *)
-      echo "unknown stage $stage (house, quantized, generate70, setup, train8b, train14b, profile8b)" >&2
+      echo "unknown stage $stage (house, quantized, generate70, setup, train8b, train14b[-f32|-bf16], profile8b)" >&2
       exit 2
       ;;
   esac
