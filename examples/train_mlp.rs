@@ -61,19 +61,19 @@ struct Args {
     /// AdamW decoupled weight decay.
     #[arg(long, default_value_t = 0.0)]
     weight_decay: f64,
+    /// Seed of the teacher, the initial student and the data.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[command(flatten)]
+    run_on: DeviceFlags,
     /// Blocks loaded ahead of the one computing (window = prefetch + 1; default 1).
     #[arg(long)]
     prefetch: Option<usize>,
-    #[command(flatten)]
-    run_on: DeviceFlags,
     /// Output folder.
     #[arg(long, default_value = "runs/train_mlp")]
     out: PathBuf,
     #[command(flatten)]
     save: SaveFlags,
-    /// Seed of the teacher, the initial student and the data.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
     /// What training keeps for backward: recompute, keep:BYTES (e.g. keep:8GiB)
     /// or auto[:FRACTION] of free device memory (default auto:0.5).
     #[arg(long)]

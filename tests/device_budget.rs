@@ -82,17 +82,24 @@ fn budget_holds(dev: &Device) -> Result<()> {
     for step in 0..3 {
         let loss = t.step_micro(&tokens(step)?, &tokens(step + 1)?, 16 / s.piece_rows)?;
         ensure!(loss.is_finite(), "step {step}: loss {loss}");
-        dev.synchronize()?;
-        let free = free_device_memory(dev)?.context("free")?;
-        let used = total - free - cap.held();
-        ensure!(
-            used <= budget,
-            "step {step}: {used} bytes in use with a budget of {budget}"
-        );
+        within(dev, (total, budget), &cap).with_context(|| format!("step {step}: {plan}"))?;
     }
     Ok(())
 }
 candle_streamer::test_device!(budget_holds);
+
+/// Fails unless the driver counts at most `budget` bytes of the device's
+/// `total` in use by this process besides what `cap` holds back.
+fn within(dev: &Device, (total, budget): (usize, usize), cap: &DeviceCap) -> Result<()> {
+    dev.synchronize()?;
+    let free = free_device_memory(dev)?.context("free")?;
+    let used = total - free - cap.held();
+    ensure!(
+        used <= budget,
+        "{used} bytes in use with a budget of {budget}"
+    );
+    Ok(())
+}
 
 /// `MlpPlan`'s choices for two budgets (the larger takes the device
 /// optimizer and keeps activations, the smaller the host optimizer) train
@@ -172,13 +179,8 @@ fn mlp_budget_holds(dev: &Device) -> Result<()> {
             }
             model.zero_grad()?;
             if let Some(cap) = &cap {
-                dev.synchronize()?;
-                let free = free_device_memory(dev)?.context("free")?;
-                let used = total - free - cap.held();
-                ensure!(
-                    used <= budget,
-                    "step {step}: {used} bytes in use with a budget of {budget}: {plan}"
-                );
+                within(dev, (total, budget), cap)
+                    .with_context(|| format!("step {step}: {plan}"))?;
             }
         }
         ensure!(

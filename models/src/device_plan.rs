@@ -417,7 +417,8 @@ impl std::fmt::Display for Expectation {
     }
 }
 
-fn gib(b: usize) -> f64 {
+/// Bytes in GiB, for the plans' messages.
+pub(crate) fn gib(b: usize) -> f64 {
     b as f64 / (1u64 << 30) as f64
 }
 

@@ -7,7 +7,7 @@
 //! from the shapes, and the budget itself is enforced by the driver
 //! ([`streamer_core::DeviceCap`]): an estimate that is too low fails with an
 //! out-of-memory error, never by using more than the budget.
-use crate::device_plan::RUNTIME_BYTES;
+use crate::device_plan::{gib, RUNTIME_BYTES};
 use candle_core::{DType, Result};
 use streamer_autograd::{ActivationPolicy, OptimizerPlace};
 
@@ -196,13 +196,8 @@ impl MlpPlan {
     }
 }
 
-fn gib(b: usize) -> f64 {
-    b as f64 / (1u64 << 30) as f64
-}
-
 impl std::fmt::Display for MlpPlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let s = &self.settings;
         write!(
             f,
             "{:.2} GiB of device memory (block slots {:.2}, optimizer {:.2}, saved block inputs \
@@ -216,8 +211,8 @@ impl std::fmt::Display for MlpPlan {
             gib(self.block_work),
             gib(self.kept),
             gib(self.runtime),
-            s.place,
-            s.window
+            self.settings.place,
+            self.settings.window
         )
     }
 }
