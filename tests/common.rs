@@ -209,3 +209,21 @@ pub(crate) fn train_adapters(
     }
     Ok(losses)
 }
+
+/// Fails unless the driver counts at most `budget` bytes of the device's
+/// `total` in use by this process besides what `cap` holds back.
+pub(crate) fn within(
+    dev: &Device,
+    (total, budget): (usize, usize),
+    cap: &streamer_core::DeviceCap,
+) -> Result<()> {
+    dev.synchronize()?;
+    let free = streamer_core::free_device_memory(dev)?
+        .ok_or_else(|| anyhow::anyhow!("a CUDA device reports its free memory"))?;
+    let used = total - free - cap.held();
+    ensure!(
+        used <= budget,
+        "{used} bytes in use with a budget of {budget}"
+    );
+    Ok(())
+}

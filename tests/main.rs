@@ -26,6 +26,7 @@ mod host_plan;
 mod lora;
 mod loss_curve;
 mod micro_batch;
+mod mlp_budget;
 mod models;
 mod optim;
 mod pool;

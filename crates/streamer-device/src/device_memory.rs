@@ -24,12 +24,16 @@ pub fn retain_freed_device_memory(device: &Device) -> Result<()> {
 }
 
 /// Returns the memory the pool holds but no tensor uses to the driver (after
-/// waiting for the device), so `cuMemGetInfo` sees it free again. A no-op on
-/// the CPU.
+/// waiting for every stream of the device's context), so `cuMemGetInfo` sees
+/// it free again. A no-op on the CPU.
 pub fn trim_device_memory(device: &Device) -> Result<()> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = device {
-        device.synchronize()?;
+        // Memory freed on another stream (a pool's transfer stream, another
+        // `CudaDevice` of the same GPU) returns to the pool only once that
+        // stream has reached the free: this stream's synchronize is not enough.
+        let ctx = d.cuda_stream().context().clone();
+        ctx.synchronize().map_err(candle_core::Error::wrap)?;
         return crate::cuda::trim_pool(d);
     }
     let _ = device;
