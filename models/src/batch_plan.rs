@@ -12,9 +12,9 @@
 //! allocator. A streamed decode looks an untied embedding's rows up in host
 //! memory (`Llama`'s host embedding), so a streamed plan does not count it:
 //! under a 24 GiB driver cap the plans that counted it peaked 3.3-3.4 GiB
-//! below their estimate (8B bf16 and 70B NF4 on an H100,
-//! `benches/results/generate-h100.json`, `generate-nf4-h100.json`), more
-//! than the 2.1 GB a 70B embedding takes.
+//! below their estimate (8B bf16 and 70B NF4 on an H100), more than the
+//! 2.1 GB a 70B embedding takes, and the 70B NF4 plan without it peaked at
+//! 21.0 GiB against 23.3 planned (`benches/results/generate-nf4-h100.json`).
 use candle_core::{DType, Device, Result, Tensor};
 use std::time::Instant;
 
@@ -455,8 +455,8 @@ fn step_rows(
 /// rate computes while a step's layers are copied: larger steps of prompts
 /// outlast their copies, and the decode steps after them cannot make up for
 /// it; 70B NF4 in 24 GiB on an H100 ran at 85 generated tokens/s with steps
-/// of 8,192 rows, each prefilling for 1.7 s against 0.7 s of copies: the
-/// 70b row of 8,192-row steps in `benches/results/generate-nf4-h100.json`;
+/// of 8,192 rows, each prefilling for 1.7 s against 0.7 s of copies, and at
+/// 114.9 with this plan's 3,426, `benches/results/generate-nf4-h100.json`;
 /// fewer rows also leave more of the budget to the kv cache);
 /// `streamed_only` leaves resident out (as a quantized base always does: its
 /// packed layers only stream). Resident wins a tie. An
