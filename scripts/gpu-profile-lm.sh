@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine, after scripts/gpu-test.sh: the kernels of a 2-layer
 # streamed training step of a preset's shapes under Nsight Compute (kernel
-# durations only), summed by kernel name into $OUT/ncu-lm-<preset>.txt.
+# durations only), summed by kernel name into $OUT/ncu-lm-<preset>.txt, then
+# each launch of the element-wise kernels PROFILE_LAUNCHES names (default
+# badd,cast,ucopy; empty for none) in order, with its grid and the GEMM before it.
 #   bash scripts/gpu-profile-lm.sh [preset] [batch]
 set -uo pipefail
 preset=${1:-1b}
@@ -17,5 +19,5 @@ LM_BENCH=$preset:streamed LM_BENCH_LAYERS=2 LM_BENCH_STEPS=1 LM_BENCH_WARMUP=0 L
   "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv /tmp/prof-bin/bin/bench-lm --bench \
   >/tmp/ncu-lm.csv 2>/tmp/ncu-lm.err
 echo "ncu exit $? ($ncu); preset $preset, 2 layers, batch $batch x 2048, one streamed step (forward, recompute, backward)" >"$report"
-python3 scripts/ncu-summary.py /tmp/ncu-lm.csv 60 >>"$report" 2>&1
+python3 scripts/ncu-summary.py /tmp/ncu-lm.csv 60 "${PROFILE_LAUNCHES-badd,cast,ucopy}" >>"$report" 2>&1
 tail -n 5 /tmp/ncu-lm.err >>"$report"
