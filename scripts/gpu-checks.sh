@@ -101,5 +101,5 @@ for stage in "$@"; do
       ;;
   esac
 done
-tar -C "$OUT" -rf "$OUT/all.tar" res && rm -rf "$OUT/res"
+[ -d "$OUT/res" ] && tar -C "$OUT" -rf "$OUT/all.tar" res && rm -rf "$OUT/res"
 exit $fail
