@@ -19,11 +19,12 @@
 //! reads); `GEN_BENCH_BATCHES` (sequences in flight, default `1,64,256,1024`
 //! on a GPU); `GEN_BENCH_STEP_ROWS` (`BatchLimits::step_rows`; a budget
 //! row's streamed plan may take fewer);
-//! `GEN_BENCH_DEVICE_BUDGET_GIB` (two last rows with the GPU capped at that
+//! `GEN_BENCH_DEVICE_BUDGET_GIB` (three last rows with the GPU capped at that
 //! much, counting what the process held before the model, as `generate
-//! --device-budget` counts it: `batch_plan::plan_batch`'s streamed plan, and
-//! its choice between resident and streamed, each with the prediction it made
-//! from `DecodeRates` measured here). `GEN_BENCH_QUANTIZE=nf4|fp4|int8|fp8`
+//! --device-budget` counts it: `batch_plan::plan_batch`'s plan with every
+//! layer streamed, its best plan that streams at least one layer (the first
+//! layers resident), and its choice among all, each with the prediction it
+//! made from `DecodeRates` measured here). `GEN_BENCH_QUANTIZE=nf4|fp4|int8|fp8`
 //! (with a preset): the decoder layers' linear weights are packed quantized
 //! masters of random codes, streamed as packed bytes and dequantized on the
 //! device (with a budget: the streamed plan only, counting the packed
@@ -51,8 +52,8 @@ use streamer_core::{AcrossCalls, StreamConfig, StreamedSequential, WeightSource}
 use streamer_models::{
     generate_batch, init_weights, init_weights_where, is_quantizable, plan_batch, request_flops,
     BatchLimits, BatchMemory, BatchOutput, BatchPlacement, BatchRequest, BatchRun, BatchShape,
-    BatchSink, DecodeRates, LayerFootprint, Llama, LlamaConfig, PretrainedFiles, QuantizedWeights,
-    SplitMix64, DEFAULT_STEP_ROWS,
+    BatchSink, DecodeRates, LayerFootprint, Llama, LlamaConfig, PlacementChoice, PretrainedFiles,
+    QuantizedWeights, SplitMix64, DEFAULT_STEP_ROWS,
 };
 
 /// The host weights in `dtype` and the model's name and configuration:
@@ -127,7 +128,7 @@ fn place(
             anyhow::ensure!(base.quant.is_none(), "a quantized base only streams");
             Llama::resident(VarBuilder::from_tensors(w.clone(), dtype, dev), cfg)?
         }
-        BatchPlacement::Streamed { window } => {
+        BatchPlacement::Streamed { window, resident } => {
             // SAFETY: the bench never changes a master of the model it built.
             let across = unsafe { AcrossCalls::promise_masters_unchanged() };
             let stream = StreamConfig {
@@ -141,7 +142,7 @@ fn place(
             let src = WeightSource::Tensors(w.clone());
             match base.quant {
                 Some(q) => Llama::streamed_quantized(&src, q, cfg, stream)?,
-                None => Llama::streamed(&src, cfg, stream)?,
+                None => Llama::streamed_keeping(&src, cfg, stream, resident)?,
             }
         }
     };
@@ -163,7 +164,13 @@ fn place(
 fn describe(p: BatchPlacement) -> String {
     match p {
         BatchPlacement::Resident => "resident".into(),
-        BatchPlacement::Streamed { window } => format!("streamed, {window} layers on the device"),
+        BatchPlacement::Streamed {
+            window,
+            resident: 0,
+        } => format!("streamed, {window} layers on the device"),
+        BatchPlacement::Streamed { window, resident } => {
+            format!("{resident} layers resident, the rest streamed through {window} on the device")
+        }
     }
 }
 
@@ -384,7 +391,10 @@ fn main() -> Result<()> {
         rates.device_bytes_per_s / 1e9,
         rates.flops_per_s / 1e12
     );
-    let streamed = BatchPlacement::Streamed { window };
+    let streamed = BatchPlacement::Streamed {
+        window,
+        resident: 0,
+    };
     let mut rows = Vec::new();
     let unbudgeted = batches(&dev)?;
     if !unbudgeted.is_empty() {
@@ -409,21 +419,19 @@ fn main() -> Result<()> {
         }
     }
     if let Some(b) = budget_gib {
-        // A quantized base only streams: one plan.
-        let only = if quant.is_some() {
-            &[true][..]
+        // A quantized base only streams, every layer: one plan.
+        let choices = if quant.is_some() {
+            &[PlacementChoice::AllStreamed][..]
         } else {
-            &[true, false]
+            &[
+                PlacementChoice::AllStreamed,
+                PlacementChoice::Streaming,
+                PlacementChoice::Any,
+            ]
         };
-        for &streamed_only in only {
+        for &choice in choices {
             let setup = (&dev, name.as_str(), dtype, pg, step_rows);
-            rows.push(budget_row(
-                &base,
-                &cfg,
-                setup,
-                (b, held, streamed_only),
-                rates,
-            )?);
+            rows.push(budget_row(&base, &cfg, setup, (b, held, choice), rates)?);
         }
     }
     let out = serde_json::json!({
@@ -466,13 +474,13 @@ fn warm_up(model: &Llama, prompt: usize) -> Result<()> {
 }
 
 /// A row planned by `plan_batch` for `gib` GiB (what the process held before
-/// the model included), with the GPU capped at the budget: the streamed plan,
-/// or the faster of resident and streamed.
+/// the model included), with the GPU capped at the budget: the fastest plan
+/// of those `choice` allows.
 fn budget_row(
     base: &Base,
     cfg: &LlamaConfig,
     (dev, name, dtype, pg, step_rows): (&Device, &str, DType, (usize, usize), usize),
-    (gib, held, streamed_only): (usize, usize, bool),
+    (gib, held, choice): (usize, usize, PlacementChoice),
     rates: DecodeRates,
 ) -> Result<serde_json::Value> {
     let run = BatchRun {
@@ -486,7 +494,7 @@ fn budget_row(
     let plan = plan_batch(
         cfg,
         (dtype, base.layer),
-        (left, base.window, streamed_only),
+        (left, base.window, choice),
         run,
         &rates,
     )?;

@@ -131,9 +131,11 @@ struct Args {
     /// With --prompts: device memory for the whole batched decode, as the
     /// driver counts this process's use (CUDA context, weights, kv cache, a
     /// step's activations; bytes, "24GiB"). Before loading, the plan picks
-    /// resident layers or streaming through a window of 2 (or --prefetch + 1;
-    /// --streamed: streaming only) and the most sequences the budget holds
-    /// (at most --batch), whichever the measured rates say is faster.
+    /// every layer resident, the first layers resident and the rest streamed
+    /// through a window of 2 (or --prefetch + 1), or every layer streamed
+    /// (--streamed: at least one layer streamed), and the most sequences the
+    /// budget holds (at most --batch), whichever the measured rates say is
+    /// faster.
     #[arg(long)]
     device_budget: Option<String>,
     /// With --prompts: rows one step computes at most; prompts join a step
@@ -373,7 +375,13 @@ fn from_folder(
             device: dev.clone(),
             dtype,
         },
-        (Some(BatchPlacement::Streamed { window }), ..) => stream(window - 1),
+        (Some(BatchPlacement::Streamed { window, resident }), ..) if resident > 0 => {
+            Placement::Split {
+                stream: inference_stream(dev, window - 1, dtype),
+                resident_layers: resident,
+            }
+        }
+        (Some(BatchPlacement::Streamed { window, .. }), ..) => stream(window - 1),
         (None, false, Some(budget)) => Placement::Budget {
             device: dev.clone(),
             dtype,
@@ -496,6 +504,7 @@ mod batch {
     use streamer_models::{
         generate_batch, parse_bytes, plan_batch, BatchLimits, BatchOutput, BatchPlan, BatchRequest,
         BatchRun, BatchSink, ChatTemplate, DecodeRates, Llama, LlamaConfig, LoraAdapters,
+        PlacementChoice,
     };
 
     /// The lines still to run, and the output they go to.
@@ -730,7 +739,11 @@ mod batch {
         let window =
             candle_streamer::cli::prefetch("--prefetch", a.prefetch, cfg.num_hidden_layers)? + 1;
         let layer = super::layer_footprint(a, cfg, dtype)?;
-        let p = plan_batch(cfg, (dtype, layer), (left, window, a.streamed), run, &rates)
+        let choice = match a.streamed {
+            true => PlacementChoice::Streaming,
+            false => PlacementChoice::Any,
+        };
+        let p = plan_batch(cfg, (dtype, layer), (left, window, choice), run, &rates)
             .with_context(|| format!("--device-budget {budget}"))?;
         eprintln!(
             "--device-budget {budget} ({:.2} GiB held already): {p} (rates: H2D {:.1} GB/s, \
@@ -901,16 +914,19 @@ fn place(
             None => a.streamed || budget.is_some_and(|b| layers_bytes > b),
         };
     Ok(if streamed {
-        let prefetch = match (planned, budget) {
-            (Some(BatchPlacement::Resident), _) if scheme.is_some() => {
-                cli::prefetch("--prefetch", a.prefetch, cfg.num_hidden_layers)?
-            }
-            (Some(p), _) => p.window(cfg) - 1,
-            (None, Some(b)) => prefetch_for_budget(cfg, dtype, b)?,
-            (None, None) => cli::prefetch("--prefetch", a.prefetch, cfg.num_hidden_layers)?,
+        // A plan's window and the layers it keeps resident (a quantized
+        // base's plan keeps none).
+        let (prefetch, keep) = match (planned, budget) {
+            (Some(BatchPlacement::Streamed { window, resident }), _) => (window - 1, resident),
+            (Some(BatchPlacement::Resident), _) | (None, None) => (
+                cli::prefetch("--prefetch", a.prefetch, cfg.num_hidden_layers)?,
+                0,
+            ),
+            (None, Some(b)) => (prefetch_for_budget(cfg, dtype, b)?, 0),
         };
         eprintln!(
-            "streamed: {} layers of {:.1} MiB, window {} on {:?}",
+            "streamed: {} of {} layers of {:.1} MiB (the first {keep} resident), window {} on {:?}",
+            cfg.num_hidden_layers - keep,
             cfg.num_hidden_layers,
             layer_bytes(cfg, dtype) as f64 / 1048576.0,
             prefetch + 1,
@@ -918,8 +934,13 @@ fn place(
         );
         let stream = inference_stream(dev, prefetch, dtype);
         match (from, scheme) {
-            (From::Files(w), None) => Llama::from_safetensors(&w, cfg, stream)?,
-            (From::Init(t), None) => Llama::from_tensors(t, cfg, stream)?,
+            (From::Files(w), None) if keep == 0 => Llama::from_safetensors(&w, cfg, stream)?,
+            (From::Files(w), None) => {
+                Llama::streamed_keeping(&WeightSource::safetensors(&w)?, cfg, stream, keep)?
+            }
+            (From::Init(t), None) => {
+                Llama::streamed_keeping(&WeightSource::Tensors(t), cfg, stream, keep)?
+            }
             (From::Files(w), Some(s)) => {
                 Llama::streamed_quantize_on_load(&WeightSource::safetensors(&w)?, s, cfg, stream)?
             }

@@ -22,9 +22,10 @@ fn stream(dev: &Device) -> StreamConfig {
     crate::common::stream(dev, DType::F32, 1)
 }
 
-/// The tiny preset, resident and streamed, from the same seeded weights, and
-/// streamed over an NF4 base quantized from them (the quantized bases
-/// decode through the same batched path).
+/// The tiny preset, resident, streamed and split (its first layer resident,
+/// the rest streamed), from the same seeded weights, and streamed over an
+/// NF4 base quantized from them (the quantized bases decode through the
+/// same batched path).
 fn tiny_models(dev: &Device) -> Result<Vec<(&'static str, Llama)>> {
     let cfg = LlamaConfig::preset("tiny")?;
     let w = init_weights(&cfg, 11)?;
@@ -38,6 +39,10 @@ fn tiny_models(dev: &Device) -> Result<Vec<(&'static str, Llama)>> {
         (
             "streamed nf4",
             Llama::streamed_quantize_on_load(&src, nf4, &cfg, stream(dev))?,
+        ),
+        (
+            "split",
+            Llama::streamed_keeping(&src, &cfg, stream(dev), 1)?,
         ),
         ("streamed", Llama::from_tensors(w, &cfg, stream(dev))?),
     ])
@@ -221,6 +226,54 @@ fn batched_streamed_copies_each_layer_once_a_step(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(batched_streamed_copies_each_layer_once_a_step);
 
+/// A model whose first layers stay on the device (`Llama::streamed_keeping`)
+/// decodes the same tokens as the model streaming every layer, copies only
+/// its other layers (the same bytes a layer, so 3 of 4 layers' bytes), gives
+/// every weight back, and refuses to keep all layers or to train.
+fn batched_split_keeps_first_layers(dev: &Device) -> Result<()> {
+    let cfg = LlamaConfig::preset("tiny")?;
+    let w = init_weights(&cfg, 11)?;
+    let src = streamer_core::WeightSource::Tensors(w.clone());
+    let streamed = Llama::from_tensors(w, &cfg, stream(dev))?;
+    let split = Llama::streamed_keeping(&src, &cfg, stream(dev), 1)?;
+    let reqs = requests(&[5, 1, 17, 9, 3], &[12, 4, 9], 0.0, 256);
+    let bytes = |m: &Llama| -> Result<u64> { Ok(m.stats()?.expect("streamed").h2d_bytes) };
+    let (s0, k0) = (bytes(&streamed)?, bytes(&split)?);
+    let want = run_batch(&streamed, &reqs, 3)?;
+    let got = run_batch(&split, &reqs, 3)?;
+    ensure!(got == want, "split and streamed outputs differ");
+    let (s1, k1) = (bytes(&streamed)? - s0, bytes(&split)? - k0);
+    ensure!(
+        s1 > 0 && 4 * k1 == 3 * s1,
+        "host-to-device bytes: split {k1}, streamed {s1}"
+    );
+    let (a, b) = (streamed.weights()?, split.weights()?);
+    ensure!(
+        a.len() == b.len(),
+        "{} weights against {}",
+        b.len(),
+        a.len()
+    );
+    for (name, t) in &a {
+        let u = b
+            .get(name)
+            .ok_or_else(|| anyhow::anyhow!("split lacks {name}"))?;
+        let d = (t.to_dtype(DType::F32)? - u.to_dtype(DType::F32)?)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        ensure!(d == 0.0, "{name} differs by {d}");
+    }
+    let all = Llama::streamed_keeping(&src, &cfg, stream(dev), 4).expect_err("keeps every layer");
+    ensure!(all.to_string().contains("Llama::resident"), "{all}");
+    let train = split
+        .into_trainable()
+        .expect_err("a split model does not train");
+    ensure!(train.to_string().contains("streamed_keeping"), "{train}");
+    Ok(())
+}
+candle_streamer::test_device!(batched_split_keeps_first_layers);
+
 /// A sink that records outputs and stops a sequence at a given token.
 struct StopAt {
     token: u32,
@@ -315,7 +368,8 @@ fn batched_matches_one_by_one_transformers_fixtures(dev: &Device) -> Result<()> 
     // A Hugging Face Llama with its tokenizer, and Mistral with a sliding
     // window of 16 that prompts of 20 and generations of 12 cross. Their
     // embeddings are untied: streamed on a GPU, a cached decode looks its
-    // rows up in host memory, and its greedy tokens equal the resident ones.
+    // rows up in host memory, and its greedy tokens equal the resident ones,
+    // as do those of the model keeping its first layer on the device.
     for name in ["llama-tokenizer", "mistral-window16", "qwen3"] {
         let dir = crate::families::fixture(name)?;
         let mut each = Vec::new();
@@ -325,6 +379,10 @@ fn batched_matches_one_by_one_transformers_fixtures(dev: &Device) -> Result<()> 
                 dtype: DType::F32,
             },
             Placement::Streamed(stream(dev)),
+            Placement::Split {
+                stream: stream(dev),
+                resident_layers: 1,
+            },
         ] {
             let model = Llama::from_pretrained(&dir, placement)?.model;
             let vocab = model.config().vocab_size;
@@ -334,8 +392,8 @@ fn batched_matches_one_by_one_transformers_fixtures(dev: &Device) -> Result<()> 
             each.push(outs);
         }
         ensure!(
-            each[0] == each[1],
-            "{name}: streamed and resident outputs differ"
+            each[0] == each[1] && each[0] == each[2],
+            "{name}: resident, streamed and split outputs differ"
         );
     }
     Ok(())
@@ -466,7 +524,10 @@ fn batch_plan_sequences_for_budget() -> Result<()> {
         sequences_for_budget, BatchMemory, BatchPlacement, BatchShape, LayerFootprint,
     };
     let cfg = LlamaConfig::llama31_8b();
-    let streamed = BatchPlacement::Streamed { window: 2 };
+    let streamed = BatchPlacement::Streamed {
+        window: 2,
+        resident: 0,
+    };
     let window = (streamed, LayerFootprint::dense(&cfg, DType::BF16));
     let (capacity, step_rows) = (544, 16384);
     // 32 layers, 8 kv heads of 128, 544 positions, bf16.
@@ -557,12 +618,16 @@ fn rates_and_run() -> (DecodeRates, BatchRun) {
 
 /// The placement and batch `plan_batch` picks for 8B shapes, checked against
 /// the expected tokens/s computed here from the rates (f64 arithmetic of the
-/// same model: per request its FLOPs at the GEMM rate, and its share of the
-/// decode steps' floor, added when resident, overlapped when streamed; a
-/// step generates a token for at most 32 of every 544 of its rows).
+/// same model: per request its FLOPs at the GEMM rate plus its share of the
+/// steps' reads of resident weights, or its share of the steps' copies of
+/// streamed ones, whichever is longer; a step generates a token for at most
+/// 32 of every 544 of its rows).
 #[test]
-fn batch_plan_picks_resident_or_streamed() -> Result<()> {
-    use streamer_models::{plan_batch, request_flops, BatchPlacement, LayerFootprint};
+fn batch_plan_picks_resident_split_or_streamed() -> Result<()> {
+    use streamer_models::{
+        plan_batch, request_flops, BatchPlacement, BatchPlan, LayerFootprint,
+        PlacementChoice::{AllStreamed, Any, Streaming},
+    };
     let cfg = LlamaConfig::llama31_8b();
     let (rates, run) = rates_and_run();
     // FLOPs row by row: 2 x layer params per row and layer, 4 x width x
@@ -574,60 +639,98 @@ fn batch_plan_picks_resident_or_streamed() -> Result<()> {
     want += 32.0 * 2.0 * 4096.0 * 128256.0;
     let got = request_flops(&cfg, 512, 32);
     ensure!((got / want - 1.0).abs() < 1e-12, "{got} vs {want}");
-    let layers = 32.0 * cfg.layer_params() as f64 * 2.0;
+    let slot = 2.0 * cfg.layer_params() as f64;
     let bf16 = (DType::BF16, LayerFootprint::dense(&cfg, DType::BF16));
-    let expect = |p: &streamer_models::BatchPlan| {
+    let streamed_layers = |p: &BatchPlan| match p.placement {
+        BatchPlacement::Resident => 0,
+        BatchPlacement::Streamed { resident, .. } => 32 - resident,
+    };
+    let expect = |p: &BatchPlan| {
         let compute = want / rates.flops_per_s;
         // A step's rows bound the tokens it generates: 32 of every 544 rows.
-        let s = (p.sequences as f64).min(p.step_rows as f64 * 32.0 / 544.0);
-        let request = match p.placement {
-            BatchPlacement::Resident => compute + 32.0 * layers / rates.device_bytes_per_s / s,
-            BatchPlacement::Streamed { .. } => {
-                compute.max(32.0 * layers / rates.h2d_bytes_per_s / s)
-            }
-        };
-        32.0 / request
+        let share = 32.0 / (p.sequences as f64).min(p.step_rows as f64 * 32.0 / 544.0);
+        let streamed = streamed_layers(p) as f64;
+        let copy = streamed * slot / rates.h2d_bytes_per_s;
+        let read = (32.0 - streamed) * slot / rates.device_bytes_per_s;
+        32.0 / (compute + share * read).max(share * copy)
     };
-    // 24 GiB: the whole model fits with room for a batch, and copying
-    // nothing beats a batch three times larger that copies 16 GB a step.
-    let p = plan_batch(&cfg, bf16, (24 << 30, 2, false), run, &rates)?;
-    ensure!(p.placement == BatchPlacement::Resident, "{p}");
-    ensure!(p.memory.total() <= 24 << 30 && p.sequences > 50, "{p}");
-    ensure!((p.tokens_per_s / expect(&p) - 1.0).abs() < 1e-9, "{p}");
-    // Streamed only: the most sequences 24 GiB holds with two layers.
-    let s = plan_batch(&cfg, bf16, (24 << 30, 2, true), run, &rates)?;
-    ensure!(s.placement == BatchPlacement::Streamed { window: 2 }, "{s}");
-    ensure!(
-        s.sequences > 3 * p.sequences && s.tokens_per_s < p.tokens_per_s,
-        "{s} vs {p}"
-    );
+    // A streamed plan's steps hold as many rows as the GEMM rate computes
+    // while its streamed layers are copied, one whole request at least.
+    let hidden = |p: &BatchPlan| {
+        let copy = streamed_layers(p) as f64 * slot / rates.h2d_bytes_per_s;
+        let rows = (copy * rates.flops_per_s / (64.0 * cfg.layer_params() as f64)).floor();
+        rows.clamp(544.0, 16384.0) as usize
+    };
+    let plan = |gib: usize, choice, rates: &DecodeRates| {
+        plan_batch(&cfg, bf16, (gib << 30, 2, choice), run, rates)
+    };
+    // Every layer streamed: the most sequences 24 GiB holds beside two layers.
+    let s = plan(24, AllStreamed, &rates)?;
+    let all = BatchPlacement::Streamed {
+        window: 2,
+        resident: 0,
+    };
+    ensure!(s.placement == all && s.sequences > 200, "{s}");
     ensure!((s.tokens_per_s / expect(&s) - 1.0).abs() < 1e-9, "{s}");
-    // Its steps hold as many rows as the GEMM rate computes while the 32
-    // layers' 16 GB are copied (a resident plan keeps the run's 16,384).
-    let row_flops = 2.0 * 32.0 * cfg.layer_params() as f64;
-    let hidden = (layers / rates.h2d_bytes_per_s * rates.flops_per_s / row_flops).floor();
-    ensure!(
-        s.step_rows as f64 == hidden && s.step_rows < 16384 && p.step_rows == 16384,
-        "{s}: {hidden} rows"
-    );
+    ensure!(s.step_rows == hidden(&s) && s.step_rows < 16384, "{s}");
     ensure!(s.limits().sequences == s.sequences && s.limits().step_rows == s.step_rows);
-    // 16 GiB cannot hold the model's 15 GiB of weights and a step: streamed.
-    let q = plan_batch(&cfg, bf16, (16 << 30, 2, false), run, &rates)?;
-    ensure!(q.placement == BatchPlacement::Streamed { window: 2 }, "{q}");
-    // With PCIe as fast as device memory, more sequences win.
+    // At least one layer streamed: the first layers stay resident, a step
+    // copies the others, and the weights counted are theirs and the window's
+    // (the final norm and the head beside them; the embedding stays on the
+    // host).
+    let t = plan(24, Streaming, &rates)?;
+    let BatchPlacement::Streamed {
+        window: 2,
+        resident,
+    } = t.placement
+    else {
+        anyhow::bail!("{t}");
+    };
+    ensure!(resident > 0 && resident < 32, "{t}");
+    let outer = (128256 * 4096 + 4096) * 2;
+    ensure!(
+        t.memory.weights == (resident + 2).min(32) * slot as usize + outer,
+        "{t}"
+    );
+    ensure!(
+        t.memory.total() <= 24 << 30 && t.step_rows == hidden(&t),
+        "{t}"
+    );
+    ensure!((t.tokens_per_s / expect(&t) - 1.0).abs() < 1e-9, "{t}");
+    ensure!(t.tokens_per_s > s.tokens_per_s, "{t} vs {s}");
+    // Any placement: the fastest, never slower than the split.
+    let p = plan(24, Any, &rates)?;
+    ensure!(
+        p.placement == BatchPlacement::Resident || p == t,
+        "{p} vs {t}"
+    );
+    ensure!(p.tokens_per_s >= t.tokens_per_s, "{p} vs {t}");
+    ensure!((p.tokens_per_s / expect(&p) - 1.0).abs() < 1e-9, "{p}");
+    ensure!(p.memory.total() <= 24 << 30, "{p}");
+    // 16 GiB cannot hold the model's 15 GiB of weights and a step: part of
+    // it streams.
+    let q = plan(16, Any, &rates)?;
+    ensure!(
+        streamed_layers(&q) > 0 && q.memory.total() <= 16 << 30,
+        "{q}"
+    );
+    // With PCIe as fast as device memory, more sequences win: few layers
+    // stay resident.
     let fast = DecodeRates {
         h2d_bytes_per_s: 3e12,
         ..rates
     };
-    let f = plan_batch(&cfg, bf16, (24 << 30, 2, false), run, &fast)?;
-    ensure!(f.placement == BatchPlacement::Streamed { window: 2 }, "{f}");
+    let f = plan(24, Any, &fast)?;
+    ensure!(streamed_layers(&f) > streamed_layers(&t), "{f} vs {t}");
     // Nothing fits: the streamed plan's error names the budget.
-    let e =
-        plan_batch(&cfg, bf16, (4 << 30, 2, false), run, &rates).expect_err("4 GiB holds no plan");
+    let e = plan(4, Any, &rates).expect_err("4 GiB holds no plan");
     ensure!(
         streamer_device::Error::is_out_of_memory(&e) && e.to_string().contains("4.00 GiB"),
         "{e}"
     );
+    for p in [&s, &t, &p, &q, &f] {
+        println!("{p}");
+    }
     Ok(())
 }
 
@@ -640,7 +743,9 @@ fn batch_plan_picks_resident_or_streamed() -> Result<()> {
 /// its PCIe floor from the packed bytes.
 #[test]
 fn batch_plan_counts_packed_layers() -> Result<()> {
-    use streamer_models::{plan_batch, BatchPlacement, LayerFootprint, QuantizedWeights};
+    use streamer_models::{
+        plan_batch, BatchPlacement, LayerFootprint, PlacementChoice, QuantizedWeights,
+    };
     use streamer_quant::QuantScheme;
     let nf4 = QuantScheme::parse("nf4")?;
     let tiny = LlamaConfig::preset("tiny")?;
@@ -667,15 +772,25 @@ fn batch_plan_counts_packed_layers() -> Result<()> {
     ensure!(skip.slot == f.slot + down * 2 - down * 9 / 16, "{skip:?}");
     ensure!(skip.scratch == f.scratch - down * 2, "{skip:?}");
     let (rates, run) = rates_and_run();
-    let budget = (24 << 30, 2, false);
+    let budget = (24 << 30, 2, PlacementChoice::Any);
     let p = plan_batch(&cfg, (DType::BF16, f), budget, run, &rates)?;
-    ensure!(p.placement == BatchPlacement::Streamed { window: 2 }, "{p}");
+    ensure!(
+        p.placement
+            == BatchPlacement::Streamed {
+                window: 2,
+                resident: 0
+            },
+        "{p}"
+    );
     // The final norm and the head; the embedding stays on the host.
     let outer = (128256 * 4096 + 4096) * 2;
     ensure!(p.memory.weights == 2 * f.slot + f.scratch + outer, "{p}");
     // The packed layers leave room for more sequences than dense ones.
     let dense = LayerFootprint::dense(&cfg, DType::BF16);
-    let streamed = BatchPlacement::Streamed { window: 2 };
+    let streamed = BatchPlacement::Streamed {
+        window: 2,
+        resident: 0,
+    };
     let most = (544, p.step_rows, 4096);
     let fit =
         |l| streamer_models::sequences_for_budget(&cfg, DType::BF16, (streamed, l), most, 24 << 30);

@@ -226,16 +226,31 @@ pub fn sequences_for_budget(
     Ok(lo)
 }
 
+/// The placements [`plan_batch`] chooses among.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlacementChoice {
+    /// Every layer resident, the first ones resident and the rest streamed,
+    /// or every layer streamed.
+    Any,
+    /// At least one layer streamed every step.
+    Streaming,
+    /// Every layer streamed.
+    AllStreamed,
+}
+
 /// Where a batched decode keeps the decoder layers' weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BatchPlacement {
     /// Every layer on the device, copied once.
     Resident,
-    /// Streamed from host memory through a window of `window` layers, every
-    /// layer copied once a step.
+    /// The first `resident` layers on the device (copied once,
+    /// [`crate::Llama::streamed_keeping`]), the others streamed from host
+    /// memory through a window of `window` layers, each copied once a step.
     Streamed {
-        /// Layers on the device at once.
+        /// Streamed layers on the device at once.
         window: usize,
+        /// Layers kept on the device (0: every layer streams).
+        resident: usize,
     },
 }
 
@@ -244,7 +259,15 @@ impl BatchPlacement {
     pub fn window(self, cfg: &LlamaConfig) -> usize {
         match self {
             Self::Resident => cfg.num_hidden_layers,
-            Self::Streamed { window } => window.min(cfg.num_hidden_layers),
+            Self::Streamed { window, resident } => (window + resident).min(cfg.num_hidden_layers),
+        }
+    }
+
+    /// Decoder layers copied over PCIe every step.
+    pub fn streamed_layers(self, cfg: &LlamaConfig) -> usize {
+        match self {
+            Self::Resident => 0,
+            Self::Streamed { resident, .. } => cfg.num_hidden_layers.saturating_sub(resident),
         }
     }
 }
@@ -357,7 +380,15 @@ impl std::fmt::Display for BatchPlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let place = match self.placement {
             BatchPlacement::Resident => "resident".to_string(),
-            BatchPlacement::Streamed { window } => format!("streamed, window {window}"),
+            BatchPlacement::Streamed {
+                window,
+                resident: 0,
+            } => format!("streamed, window {window}"),
+            BatchPlacement::Streamed { window, resident } => {
+                format!(
+                    "{resident} layers resident, the rest streamed through a window of {window}"
+                )
+            }
         };
         write!(
             f,
@@ -377,15 +408,14 @@ impl BatchPlan {
         run: BatchRun,
         rates: &DecodeRates,
     ) -> Result<Self> {
-        // Every layer copied over PCIe when streamed, read from device memory
-        // when resident: the floor of a step.
-        let layers = (cfg.num_hidden_layers * layer.slot) as f64;
-        let step_floor = match placement {
-            BatchPlacement::Resident => layers / rates.device_bytes_per_s,
-            BatchPlacement::Streamed { .. } => layers / rates.h2d_bytes_per_s,
-        };
+        // A step's floors: the streamed layers copied over PCIe (hidden
+        // behind compute) and the resident ones read from device memory.
+        let streamed = placement.streamed_layers(cfg);
+        let copy_floor = (streamed * layer.slot) as f64 / rates.h2d_bytes_per_s;
+        let read_floor =
+            ((cfg.num_hidden_layers - streamed) * layer.slot) as f64 / rates.device_bytes_per_s;
         let run = BatchRun {
-            step_rows: step_rows(cfg, placement, run, step_floor * rates.flops_per_s),
+            step_rows: step_rows(cfg, placement, run, copy_floor * rates.flops_per_s),
             ..run
         };
         let window = (placement, layer);
@@ -397,8 +427,8 @@ impl BatchPlan {
             step_rows: run.step_rows,
         };
         let memory = BatchMemory::of(cfg, dtype, window, shape);
-        // Per request: its FLOPs, and its share of the decode steps' floor,
-        // whichever is longer.
+        // Per request: its FLOPs and its share of the steps' reads of resident
+        // weights, or its share of the steps' copies, whichever is longer.
         let (p, g) = (run.prompt_len, run.new_tokens);
         let compute =
             request_flops(cfg, p.round() as usize, g.round() as usize) / rates.flops_per_s;
@@ -406,11 +436,8 @@ impl BatchPlan {
         // the prompts that replace finished sequences: in a long run, g of
         // every p + g rows are generated tokens.
         let per_step = (sequences as f64).min(run.step_rows as f64 * g / (p + g).max(1.0));
-        let floor = g * step_floor / per_step.max(1.0);
-        let request_s = match placement {
-            BatchPlacement::Resident => compute + floor,
-            BatchPlacement::Streamed { .. } => compute.max(floor),
-        };
+        let share = g / per_step.max(1.0);
+        let request_s = (compute + share * read_floor).max(share * copy_floor);
         Ok(Self {
             placement,
             sequences,
@@ -458,22 +485,35 @@ fn step_rows(
 /// of 8,192 rows, each prefilling for 1.7 s against 0.7 s of copies, and at
 /// 114.9 with this plan's 3,426, `benches/results/generate-nf4-h100.json`;
 /// fewer rows also leave more of the budget to the kv cache);
-/// `streamed_only` leaves resident out (as a quantized base always does: its
-/// packed layers only stream). Resident wins a tie. An
-/// error names what the smallest streamed plan needs when none fits.
+/// `choice` says which placements may be chosen (a quantized base's packed
+/// layers only stream, every one of them). A split keeps as many of the
+/// first layers resident as is fastest: fewer bytes a step to copy, less
+/// room for the kv cache. Ties go to resident, then to more resident
+/// layers. An error names what the smallest streamed plan needs when none
+/// fits.
 pub fn plan_batch(
     cfg: &LlamaConfig,
     (dtype, layer): (DType, LayerFootprint),
-    (budget, window, streamed_only): (usize, usize, bool),
+    (budget, window, choice): (usize, usize, PlacementChoice),
     run: BatchRun,
     rates: &DecodeRates,
 ) -> Result<BatchPlan> {
-    let streamed = BatchPlacement::Streamed { window };
-    let placements = if streamed_only || layer.quantized {
-        vec![streamed]
+    let streamed = |resident| BatchPlacement::Streamed { window, resident };
+    let choice = if layer.quantized {
+        PlacementChoice::AllStreamed
     } else {
-        vec![BatchPlacement::Resident, streamed]
+        choice
     };
+    // The plan with every layer streamed comes last: when nothing fits, its
+    // error (the smallest plan's) is the one returned.
+    let most_kept = match choice {
+        PlacementChoice::AllStreamed => 0,
+        _ => cfg.num_hidden_layers - 1,
+    };
+    let mut placements: Vec<BatchPlacement> = (0..=most_kept).rev().map(streamed).collect();
+    if choice == PlacementChoice::Any {
+        placements.insert(0, BatchPlacement::Resident);
+    }
     let mut best: Option<Result<BatchPlan>> = None;
     for placement in placements {
         let p = BatchPlan::of(cfg, (dtype, layer), (placement, budget), run, rates);

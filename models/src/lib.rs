@@ -101,7 +101,7 @@ pub use batch_generate::{
 };
 pub use batch_plan::{
     plan_batch, request_flops, sequences_for_budget, BatchMemory, BatchPlacement, BatchPlan,
-    BatchRun, BatchShape, DecodeRates, LayerFootprint,
+    BatchRun, BatchShape, DecodeRates, LayerFootprint, PlacementChoice,
 };
 pub use bnb_save::save_bnb;
 pub use chat_template::{ChatMessage, ChatTemplate};

@@ -572,6 +572,9 @@ pub struct Llama {
     /// The last training forward's device copies of host masters, as leaf
     /// variables, with their masters ([`Llama::outer_grads_to_masters`]).
     outer_leaves: Arc<std::sync::Mutex<Vec<(Var, Var)>>>,
+    /// Decoder layers kept on the device ahead of the streamed ones
+    /// ([`Llama::streamed_keeping`]; inference only), layer 0 first.
+    front: Vec<DecoderLayer>,
 }
 
 /// How [`Llama::loss`] runs the head and the cross-entropy.
@@ -592,9 +595,10 @@ fn layer_blocks(
     cfg: &LlamaConfig,
     (cache, lora): (&Arc<KvCache>, &Arc<LoraSlot>),
     quant: Option<&QuantizedWeights>,
+    from: usize,
 ) -> Vec<BlockSpec> {
     let layers = cfg.num_hidden_layers;
-    (0..layers)
+    (from..layers)
         .map(|i| {
             let (c, cache, lora) = (cfg.clone(), cache.clone(), lora.clone());
             let packed = Arc::new(quant.map(|q| q.layer_layouts(i)).unwrap_or_default());
@@ -606,6 +610,29 @@ fn layer_blocks(
             })
         })
         .collect()
+}
+
+/// Decoder layer `i` read from `src` onto `device` in `dtype`, as
+/// [`Llama::resident`] builds one.
+fn device_layer(
+    src: &WeightSource,
+    cfg: &LlamaConfig,
+    i: usize,
+    (cache, lora): (&Arc<KvCache>, &Arc<LoraSlot>),
+    (device, dtype): (&Device, DType),
+) -> Result<DecoderLayer> {
+    let weights = cfg
+        .layer_weights(i)
+        .into_iter()
+        .map(|(name, ..)| {
+            let t = src.load(&name, dtype)?.to_device(device)?;
+            Ok((name, t))
+        })
+        .collect::<Result<HashMap<_, _>>>()?;
+    let vb = VarBuilder::from_tensors(weights, dtype, device).pp(format!("model.layers.{i}"));
+    Ok(DecoderLayer::for_layer(cfg, i, vb)?
+        .with_cache(cache, i)
+        .with_lora(lora, cfg.num_hidden_layers))
 }
 
 impl Llama {
@@ -660,6 +687,7 @@ impl Llama {
             quantized: Vec::new(),
             loss_chunk: Default::default(),
             outer_leaves: Default::default(),
+            front: Vec::new(),
         })
     }
 
@@ -687,7 +715,31 @@ impl Llama {
     /// `stream.prefetch_ahead + 1` layers; the embedding, norm and head are host
     /// masters too. `src` is checked against `cfg` first.
     pub fn streamed(src: &WeightSource, cfg: &LlamaConfig, stream: StreamConfig) -> Result<Self> {
-        Self::streamed_over(src, None, cfg, stream)
+        Self::streamed_over(src, (None, 0), cfg, stream)
+    }
+
+    /// [`Llama::streamed`] with the first `resident_layers` decoder layers
+    /// kept on `stream.device` in `stream.dtype` (copied once, never
+    /// streamed) and only the others streamed: on a device that holds part
+    /// of a model, a step then copies only the layers that do not fit, as
+    /// accelerate's `device_map="auto"` does. Inference only
+    /// ([`Llama::into_trainable`] refuses it: train [`Llama::streamed`]).
+    /// Keeping every layer is an error naming [`Llama::resident`]; 0 is
+    /// [`Llama::streamed`].
+    pub fn streamed_keeping(
+        src: &WeightSource,
+        cfg: &LlamaConfig,
+        stream: StreamConfig,
+        resident_layers: usize,
+    ) -> Result<Self> {
+        if resident_layers >= cfg.num_hidden_layers {
+            bail!(
+                "streamed_keeping: keeping {resident_layers} of {} decoder layers leaves none to \
+                 stream; a model whose layers all stay on the device is Llama::resident",
+                cfg.num_hidden_layers
+            );
+        }
+        Self::streamed_over(src, (None, resident_layers), cfg, stream)
     }
 
     /// [`Llama::streamed`] over a quantized base: the weights in `quant`
@@ -705,7 +757,7 @@ impl Llama {
         cfg: &LlamaConfig,
         stream: StreamConfig,
     ) -> Result<Self> {
-        let mut model = Self::streamed_over(&quant.over(src)?, Some(quant), cfg, stream)?;
+        let mut model = Self::streamed_over(&quant.over(src)?, (Some(quant), 0), cfg, stream)?;
         model.quantized = quant.names();
         Ok(model)
     }
@@ -724,10 +776,11 @@ impl Llama {
         Self::streamed_quantized(src, &quant, cfg, stream)
     }
 
-    /// [`Llama::streamed`], the names in `quant` (when given) packed in `src`.
+    /// [`Llama::streamed`], the names in `quant` (when given) packed in `src`,
+    /// the first `keep` layers on the device ([`Llama::streamed_keeping`]).
     fn streamed_over(
         src: &WeightSource,
-        quant: Option<&QuantizedWeights>,
+        (quant, keep): (Option<&QuantizedWeights>, usize),
         cfg: &LlamaConfig,
         stream: StreamConfig,
     ) -> Result<Self> {
@@ -751,10 +804,16 @@ impl Llama {
         };
         let kv = Arc::new(KvCache::new(cfg.num_hidden_layers));
         let lora = Arc::new(LoraSlot::default());
-        let blocks = layer_blocks(cfg, (&kv, &lora), quant);
+        let place = (&stream.device, stream.dtype);
+        let front = (0..keep)
+            .map(|i| device_layer(src, cfg, i, (&kv, &lora), place))
+            .collect::<Result<Vec<_>>>()?;
+        let blocks = layer_blocks(cfg, (&kv, &lora), quant, keep);
         let seq = StreamedSequential::from_source(src, blocks, stream.clone())?;
         let layers = Layers::Streamed(Box::new(seq));
-        Self::assemble(cfg, (&stream.device, stream.dtype), outer, layers, kv, lora)
+        let mut model = Self::assemble(cfg, place, outer, layers, kv, lora)?;
+        model.front = front;
+        Ok(model)
     }
 
     /// [`Llama::streamed`] from safetensors files (or a
@@ -794,6 +853,14 @@ impl Llama {
             } else {
                 Ok(self)
             };
+        }
+        if !self.front.is_empty() {
+            bail!(
+                "into_trainable: the first {} decoder layers of this model stay on the device \
+                 (Llama::streamed_keeping), which is for inference; build it with Llama::streamed \
+                 to train",
+                self.front.len()
+            );
         }
         let layers = match self.layers {
             Layers::Streamed(s) => Layers::Trainable(Box::new(s.train())),
@@ -1284,21 +1351,35 @@ impl Llama {
                 }
                 h
             }
-            Layers::Resident(ls) => {
-                let mut h = x;
-                for (i, l) in ls.iter().enumerate() {
-                    let ctx = BlockCtx::inference(i, &self.device).with_kv_cache(kv);
-                    h = l.forward_ctx(&h, &extras, &ctx)?.swap_remove(0);
+            Layers::Resident(ls) => self.device_layers(ls, x, &extras, kv)?,
+            Layers::Streamed(s) => {
+                let x = self.device_layers(&self.front, x, &extras, kv)?;
+                match kv {
+                    true => s.forward_cached_with(&x, &extras)?.swap_remove(0),
+                    false => s.forward_with(&x, &extras)?.swap_remove(0),
                 }
-                h
             }
-            Layers::Streamed(s) if kv => s.forward_cached_with(&x, &extras)?.swap_remove(0),
-            Layers::Streamed(s) => s.forward_with(&x, &extras)?.swap_remove(0),
             Layers::Trainable(t) if kv => t.forward_cached_with(&x, &extras)?.swap_remove(0),
             Layers::Trainable(t) => t.forward_with(&x, &extras)?.swap_remove(0),
         };
         let h = RmsNorm::from_weight(norm, self.cfg.rms_norm_eps).forward(&h)?;
         Ok((h, head))
+    }
+
+    /// `h` through decoder layers on the device, `layers[0]` first (the kv
+    /// cache in use when `kv`).
+    fn device_layers(
+        &self,
+        layers: &[DecoderLayer],
+        mut h: Tensor,
+        extras: &[Tensor],
+        kv: bool,
+    ) -> Result<Tensor> {
+        for (i, l) in layers.iter().enumerate() {
+            let ctx = BlockCtx::inference(i, &self.device).with_kv_cache(kv);
+            h = l.forward_ctx(&h, extras, &ctx)?.swap_remove(0);
+        }
+        Ok(h)
     }
 
     /// Mean next-token cross-entropy (f32 scalar) of `forward(tokens)` against
@@ -1486,7 +1567,7 @@ impl Llama {
     /// Every weight under its Hugging Face name, as host tensors (a tied head is
     /// not repeated). Streamed models give their masters themselves (no copy).
     pub fn weights(&self) -> Result<HashMap<String, Tensor>> {
-        let named = match &self.layers {
+        let mut named = match &self.layers {
             Layers::Resident(_) => self.device_weights_named()?,
             _ => self
                 .parameters()
@@ -1494,6 +1575,11 @@ impl Llama {
                 .map(|(n, v)| (n, v.as_tensor().clone()))
                 .collect(),
         };
+        for (i, l) in self.front.iter().enumerate() {
+            named.extend(
+                (l.named_weights().into_iter()).map(|(n, t)| (format!("model.layers.{i}.{n}"), t)),
+            );
+        }
         named
             .into_iter()
             .map(|(n, t)| Ok((n, t.to_device(&Device::Cpu)?)))

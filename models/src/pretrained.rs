@@ -27,6 +27,15 @@ pub enum Placement {
     /// Layers streamed from host masters as `StreamConfig` says
     /// ([`Llama::from_safetensors`]).
     Streamed(StreamConfig),
+    /// The first `resident_layers` decoder layers on `stream.device`, the
+    /// rest streamed as `stream` says ([`Llama::streamed_keeping`];
+    /// inference only).
+    Split {
+        /// The streamed layers' settings (and the device and dtype of all).
+        stream: StreamConfig,
+        /// Decoder layers kept on the device, from the first.
+        resident_layers: usize,
+    },
     /// Resident when the decoder layers' weights fit in `budget` bytes of
     /// device memory, otherwise streamed through a window of as many layers as
     /// fit (f32 host masters).
@@ -175,6 +184,14 @@ fn place(weights: &Path, cfg: &LlamaConfig, placement: Placement) -> Result<Llam
             Llama::load_resident(&[weights], cfg, dtype, &device)
         }
         Placement::Streamed(stream) => Llama::from_safetensors(&[weights], cfg, stream),
+        Placement::Split {
+            stream,
+            resident_layers,
+        } => {
+            // Checked against the config by `from_pretrained` already.
+            let src = WeightSource::safetensors(&[weights])?;
+            Llama::streamed_keeping(&src, cfg, stream, resident_layers)
+        }
         Placement::Budget {
             device,
             dtype,
@@ -229,6 +246,11 @@ fn place_quantized(
         Placement::Resident { .. } => {
             return Err(quantized_placement(
                 "a resident placement (quantized weights stream)",
+            ))
+        }
+        Placement::Split { .. } => {
+            return Err(quantized_placement(
+                "keeping layers resident (quantized weights stream)",
             ))
         }
         Placement::Quantized { .. } => {
