@@ -11,6 +11,10 @@
 #   bash scripts/gpu-checks.sh quantized   # 8B generate at batch 1 (nf4, bf16) with the
 #                                          # transformers + bitsandbytes peer, the 8B bf16 rows
 #                                          # in a 24 GiB cap (~330 s)
+#   bash scripts/gpu-checks.sh generate8   # 8B bf16 generate in a 24 GiB cap: every layer
+#                                          # streamed, the best split (first layers resident),
+#                                          # the planner's choice; transformers + accelerate at
+#                                          # batches 16-128 in the same budget (~300 s)
 #   bash scripts/gpu-checks.sh generate70  # 70B NF4 streamed generate in a 24 GiB cap (~250 s
 #                                          # of it the run; the host needs ~80 GiB)
 #   bash scripts/gpu-checks.sh setup       # host masters of 8B shapes from a file, and an 8B
@@ -68,6 +72,11 @@ for stage in "$@"; do
       bnb
       r bnb PY_ARGS_qlora_torch="--modes generate" GPU_ONLY=qlora_torch timeout 150 bash "$B/run.sh" benches
       ;;
+    generate8)
+      r gen8 $G GEN_BENCH_BATCHES= GEN_BENCH_DEVICE_BUDGET_GIB=24 timeout 240 bash "$B/run.sh" benches
+      r torch8 PY_ARGS_generate_torch="--batches 16,64,128 --gpu-budget-gib 24.0" GPU_ONLY=generate_torch \
+        timeout 240 bash "$B/run.sh" benches
+      ;;
     generate70)
       r gen70 $G GEN_BENCH=70b GEN_BENCH_QUANTIZE=nf4 GEN_BENCH_BATCHES= \
         GEN_BENCH_DEVICE_BUDGET_GIB=24 GEN_BENCH_JOB=6 timeout 560 bash "$B/run.sh" benches
@@ -96,7 +105,7 @@ for stage in "$@"; do
       LM_BENCH_ACTIVATIONS=recompute PROFILE_TIMEOUT=300 bash scripts/gpu-profile-lm.sh 8b 8 || fail=1
       ;;
     *)
-      echo "unknown stage $stage (house, quantized, generate70, setup, train8b, train14b[-f32|-bf16], profile8b)" >&2
+      echo "unknown stage $stage (house, quantized, generate8, generate70, setup, train8b, train14b[-f32|-bf16], profile8b)" >&2
       exit 2
       ;;
   esac
