@@ -11,7 +11,8 @@
 #   bash scripts/gpu-checks.sh quantized   # 8B generate at batch 1 (nf4, bf16) with the
 #                                          # transformers + bitsandbytes peer, the 8B bf16 rows
 #                                          # in a 24 GiB cap (~330 s)
-#   bash scripts/gpu-checks.sh generate8   # 8B bf16 generate in a 24 GiB cap: every layer
+#   bash scripts/gpu-checks.sh generate8   # 8B bf16 generate, batches 1, 64, 256 streamed without
+#                                          # a budget, then in a 24 GiB cap: every layer
 #                                          # streamed, the best split (first layers resident),
 #                                          # the planner's choice; transformers + accelerate at
 #                                          # batches 16-128 in the same budget (~300 s)
@@ -73,7 +74,7 @@ for stage in "$@"; do
       r bnb PY_ARGS_qlora_torch="--modes generate" GPU_ONLY=qlora_torch timeout 150 bash "$B/run.sh" benches
       ;;
     generate8)
-      r gen8 $G GEN_BENCH_BATCHES= GEN_BENCH_DEVICE_BUDGET_GIB=24 timeout 240 bash "$B/run.sh" benches
+      r gen8 $G GEN_BENCH_BATCHES=1,64,256 GEN_BENCH_DEVICE_BUDGET_GIB=24 timeout 300 bash "$B/run.sh" benches
       r torch8 PY_ARGS_generate_torch="--batches 16,64,128 --gpu-budget-gib 24.0" GPU_ONLY=generate_torch \
         timeout 240 bash "$B/run.sh" benches
       ;;
