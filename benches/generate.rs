@@ -155,23 +155,10 @@ fn place(
     };
     println!(
         "{}: placed in {:.1} s{phases}",
-        describe(placement),
+        placement,
         t.elapsed().as_secs_f64()
     );
     Ok(model)
-}
-
-fn describe(p: BatchPlacement) -> String {
-    match p {
-        BatchPlacement::Resident => "resident".into(),
-        BatchPlacement::Streamed {
-            window,
-            resident: 0,
-        } => format!("streamed, {window} layers on the device"),
-        BatchPlacement::Streamed { window, resident } => {
-            format!("{resident} layers resident, the rest streamed through {window} on the device")
-        }
-    }
 }
 
 /// Counts tokens and steps; with a timeline, records each step as a host span.
@@ -290,7 +277,7 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
     let r = serde_json::json!({
         "system": "ours", "model": s.name, "format": s.base.format,
-        "placement": describe(s.placement),
+        "placement": s.placement.to_string(),
         "batch": batch, "prompts": n, "prompts_per_slot": s.job, "prompt_len": s.pg.0, "gen_len": s.pg.1,
         "step_rows": s.step_rows, "steps": count.steps,
         "across_calls": s.base.across_calls && s.placement != BatchPlacement::Resident, "generated": count.tokens,

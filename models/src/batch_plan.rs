@@ -226,6 +226,22 @@ pub fn sequences_for_budget(
     Ok(lo)
 }
 
+impl std::fmt::Display for BatchPlacement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Self::Resident => write!(f, "resident"),
+            Self::Streamed {
+                window,
+                resident: 0,
+            } => write!(f, "streamed, window {window}"),
+            Self::Streamed { window, resident } => write!(
+                f,
+                "{resident} layers resident, the rest streamed through a window of {window}"
+            ),
+        }
+    }
+}
+
 /// The placements [`plan_batch`] chooses among.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PlacementChoice {
@@ -378,23 +394,11 @@ pub struct BatchPlan {
 
 impl std::fmt::Display for BatchPlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let place = match self.placement {
-            BatchPlacement::Resident => "resident".to_string(),
-            BatchPlacement::Streamed {
-                window,
-                resident: 0,
-            } => format!("streamed, window {window}"),
-            BatchPlacement::Streamed { window, resident } => {
-                format!(
-                    "{resident} layers resident, the rest streamed through a window of {window}"
-                )
-            }
-        };
         write!(
             f,
-            "{place}, {} sequences, steps of at most {} rows, {}; {:.0} generated tokens/s \
+            "{}, {} sequences, steps of at most {} rows, {}; {:.0} generated tokens/s \
              predicted",
-            self.sequences, self.step_rows, self.memory, self.tokens_per_s
+            self.placement, self.sequences, self.step_rows, self.memory, self.tokens_per_s
         )
     }
 }
