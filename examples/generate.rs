@@ -23,12 +23,15 @@
 //! context is an error for its line only. Generation ends at the tokenizer's
 //! end-of-sequence token (see `streamer_models::prompt_file`).
 //!
-//! The model runs resident unless `--streamed` is given or its decoder layers'
-//! weights exceed `--gpu-weight-budget`; then the layers stream from host memory
-//! through a window of as many layers as the budget holds. With `--prompts`,
+//! The model runs resident unless `--streamed` is given (the layers stream
+//! from host memory through a window) or its decoder layers' weights exceed
+//! `--gpu-weight-budget` (then all but two of the layers the budget holds stay
+//! on the device and the rest stream through a window of two, so a token
+//! copies only the layers that do not fit). With `--prompts`,
 //! `--device-budget 24GiB` plans the whole run before any weight loads:
-//! resident or streamed layers and the batch, whichever the device's measured
-//! copy and GEMM rates predict to be faster, printed with its memory by kind.
+//! resident, split or streamed layers and the batch, whichever the device's
+//! measured copy and GEMM rates predict to be faster, printed with its memory
+//! by kind.
 //!
 //! Tokens: `--tokenizer FILE` with any source, else `--model`'s
 //! `tokenizer.json` (a weights-only folder needs `--tokenizer`), a
@@ -49,8 +52,8 @@ use std::path::{Path, PathBuf};
 use streamer_core::{StreamConfig, WeightSource};
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
-    generate, init_weights, parse_bytes, prefetch_for_budget, BatchPlacement, ByteCorpus,
-    CheckpointFiles, LayerFootprint, Llama, LlamaConfig, LoraAdapters, Placement,
+    generate, init_weights, parse_bytes, prefetch_for_budget, split_for_budget, BatchPlacement,
+    ByteCorpus, CheckpointFiles, LayerFootprint, Llama, LlamaConfig, LoraAdapters, Placement,
     QuantizationConfig, TextTokenizer, DEFAULT_STEP_ROWS,
 };
 use streamer_quant::QuantScheme;
@@ -110,7 +113,8 @@ struct Args {
     #[arg(long)]
     quantize: Option<String>,
     /// Device memory for decoder-layer weights (bytes, "2GiB", "1.5G"); a model
-    /// whose layers exceed it is streamed with as many layers as fit.
+    /// whose layers exceed it keeps all but two of the layers that fit on the
+    /// device and streams the rest through a window of two.
     #[arg(long)]
     gpu_weight_budget: Option<String>,
     /// Layers loaded ahead when streamed without a budget (default 1).
@@ -922,7 +926,7 @@ fn place(
                 cli::prefetch("--prefetch", a.prefetch, cfg.num_hidden_layers)?,
                 0,
             ),
-            (None, Some(b)) => (prefetch_for_budget(cfg, dtype, b)?, 0),
+            (None, Some(b)) => split_for_budget(cfg, dtype, b)?,
         };
         eprintln!(
             "streamed: {} of {} layers of {:.1} MiB (the first {keep} resident), window {} on {:?}",

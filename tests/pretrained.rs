@@ -107,6 +107,50 @@ fn from_pretrained_resident_and_streamed_agree(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(from_pretrained_resident_and_streamed_agree);
 
+/// A weight budget holding 3 of the tiny preset's 4 layers keeps the first
+/// resident and streams the other 3 through a window of two: its logits equal
+/// the resident model's, a forward copies 3 layers' bytes, and it does not
+/// train. A budget of 2 layers streams all 4 through them.
+fn from_pretrained_budget_keeps_first_layers(dev: &Device) -> Result<()> {
+    use streamer_models::{checkpoint::layer_bytes, init_weights, split_for_budget, LlamaConfig};
+    let cfg = LlamaConfig::preset("tiny")?;
+    let dir = temp_dir("budget-split")?;
+    std::fs::write(dir.join("config.json"), cfg.to_json()?)?;
+    candle_core::safetensors::save(&init_weights(&cfg, 5)?, dir.join("model.safetensors"))?;
+    let layer = layer_bytes(&cfg, DType::F32);
+    ensure!(split_for_budget(&cfg, DType::F32, 3 * layer)? == (1, 1));
+    ensure!(split_for_budget(&cfg, DType::F32, 2 * layer)? == (1, 0));
+    let budget = |layers: usize| Placement::Budget {
+        device: dev.clone(),
+        dtype: DType::F32,
+        budget: layers * layer,
+    };
+    let place = |p| Llama::from_pretrained(&dir, p).map(|p| p.model);
+    let resident = place(budget(4))?;
+    let split = place(budget(3))?;
+    ensure!(!resident.is_streamed() && split.is_streamed());
+    let x = Tensor::new(&[[3u32, 1, 4, 1, 5, 9, 2, 6]], dev)?;
+    let bytes = |m: &Llama| -> Result<u64> { Ok(m.stats()?.context("streamed")?.h2d_bytes) };
+    let before = bytes(&split)?;
+    let (a, b) = (resident.forward(&x)?, split.forward(&x)?);
+    let d = (&a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    ensure!(d < 1e-5, "resident vs split: {d}");
+    let copied = bytes(&split)? - before;
+    ensure!(
+        copied == 3 * layer as u64,
+        "a forward copied {copied} bytes, 3 layers are {}",
+        3 * layer
+    );
+    let e = err_of(split.into_trainable())?;
+    ensure!(e.contains("streamed_keeping"), "{e}");
+    let all = place(budget(2))?;
+    let (a2, b2) = (a, all.forward(&x)?);
+    let d = (&a2 - b2)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    ensure!(d < 1e-5, "resident vs streamed: {d}");
+    Ok(())
+}
+candle_streamer::test_device!(from_pretrained_budget_keeps_first_layers);
+
 fn load_cpu(dir: &Path) -> candle_core::Result<Pretrained> {
     Llama::from_pretrained(
         dir,

@@ -250,3 +250,18 @@ pub fn prefetch_for_budget(cfg: &LlamaConfig, dtype: DType, budget: usize) -> Re
     }
     Ok(window.min(cfg.num_hidden_layers) - 1)
 }
+
+/// For inference under a budget of `budget` bytes for decoder-layer weights
+/// that does not hold every layer: `(prefetch, resident)`, the first
+/// `resident` layers kept on the device and the rest streamed with `prefetch`
+/// layers loaded ahead ([`crate::Llama::streamed_keeping`]). All but a window
+/// of two stay resident: a step copies only the layers that do not fit,
+/// where a window as wide as the budget copies every layer every step. A
+/// budget of one or two layers streams them all through its window.
+pub fn split_for_budget(cfg: &LlamaConfig, dtype: DType, budget: usize) -> Result<(usize, usize)> {
+    let window = prefetch_for_budget(cfg, dtype, budget)? + 1;
+    if window < 3 || window >= cfg.num_hidden_layers {
+        return Ok((window - 1, 0));
+    }
+    Ok((1, window - 2))
+}

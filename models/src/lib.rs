@@ -106,7 +106,8 @@ pub use batch_plan::{
 pub use bnb_save::save_bnb;
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use checkpoint::{
-    check_weights, init_weights, init_weights_where, parse_bytes, prefetch_for_budget, SplitMix64,
+    check_weights, init_weights, init_weights_where, parse_bytes, prefetch_for_budget,
+    split_for_budget, SplitMix64,
 };
 pub use config::{LlamaConfig, RopeScaling};
 pub use cross_entropy::cross_entropy;

@@ -3,7 +3,7 @@
 //! has one, `tokenizer.json`, checked against each other before any weight is
 //! loaded. Weights-only folders (a base whose tokenizer lives elsewhere) load
 //! without a tokenizer.
-use crate::checkpoint::{check_weights, layer_bytes, prefetch_for_budget};
+use crate::checkpoint::{check_weights, layer_bytes, prefetch_for_budget, split_for_budget};
 use crate::config::LlamaConfig;
 use crate::llama::Llama;
 use crate::quantization_config::QuantizationConfig;
@@ -37,8 +37,11 @@ pub enum Placement {
         resident_layers: usize,
     },
     /// Resident when the decoder layers' weights fit in `budget` bytes of
-    /// device memory, otherwise streamed through a window of as many layers as
-    /// fit (f32 host masters).
+    /// device memory, otherwise the first layers resident and the rest
+    /// streamed through a window of two (f32 host masters;
+    /// [`crate::checkpoint::split_for_budget`]). For inference: a model with
+    /// resident layers does not train ([`Llama::into_trainable`]; a trainer
+    /// loads [`Placement::Streamed`]).
     Budget {
         /// Compute device.
         device: Device,
@@ -200,14 +203,16 @@ fn place(weights: &Path, cfg: &LlamaConfig, placement: Placement) -> Result<Llam
             if layer_bytes(cfg, dtype) * cfg.num_hidden_layers <= budget {
                 return Llama::load_resident(&[weights], cfg, dtype, &device);
             }
+            let (prefetch_ahead, keep) = split_for_budget(cfg, dtype, budget)?;
             let stream = StreamConfig {
                 device,
-                prefetch_ahead: prefetch_for_budget(cfg, dtype, budget)?,
+                prefetch_ahead,
                 dtype,
                 master_dtype: Some(DType::F32),
                 ..Default::default()
             };
-            Llama::from_safetensors(&[weights], cfg, stream)
+            // Checked against the config by `from_pretrained` already.
+            Llama::streamed_keeping(&WeightSource::safetensors(&[weights])?, cfg, stream, keep)
         }
         Placement::Quantized { stream, scheme } => Llama::streamed_quantize_on_load(
             &WeightSource::safetensors(&[weights])?,
