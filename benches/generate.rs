@@ -31,7 +31,10 @@
 //! layers); each row also gives the packed bytes' PCIe floor (`h2d_gb` at
 //! the measured H2D rate) and how close it came to it. An empty
 //! `GEN_BENCH_BATCHES` runs only the budget's rows. `GEN_BENCH_WINDOW`
-//! (default 2): the streamed rows' layers on the device. Streamed rows load
+//! (default 2): the streamed rows' layers on the device; `GEN_BENCH_RESIDENT`
+//! (default 0): the unbudgeted rows keep that many of the first layers on
+//! the device and stream the rest (`Llama::streamed_keeping`, dense bases
+//! only). Streamed rows load
 //! the next step's first layers behind this step's tail, as `generate` does
 //! (`StreamConfig::prefetch_across_calls`); `GEN_BENCH_ACROSS_CALLS=0` turns
 //! that off. `GEN_BENCH_TIMELINE=DIR` writes each streamed row's Chrome-trace
@@ -378,10 +381,13 @@ fn main() -> Result<()> {
         rates.device_bytes_per_s / 1e9,
         rates.flops_per_s / 1e12
     );
-    let streamed = BatchPlacement::Streamed {
-        window,
-        resident: 0,
-    };
+    let resident = common::env_usize("GEN_BENCH_RESIDENT", 0);
+    anyhow::ensure!(
+        resident < cfg.num_hidden_layers && (resident == 0 || quant.is_none()),
+        "GEN_BENCH_RESIDENT={resident}: a dense base keeps fewer than its {} layers, a quantized one none",
+        cfg.num_hidden_layers
+    );
+    let streamed = BatchPlacement::Streamed { window, resident };
     let mut rows = Vec::new();
     let unbudgeted = batches(&dev)?;
     if !unbudgeted.is_empty() {

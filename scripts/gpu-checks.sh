@@ -12,10 +12,11 @@
 #                                          # transformers + bitsandbytes peer, the 8B bf16 rows
 #                                          # in a 24 GiB cap (~330 s)
 #   bash scripts/gpu-checks.sh generate8   # 8B bf16 generate, batches 1, 64, 256 streamed without
-#                                          # a budget, then in a 24 GiB cap: every layer
+#                                          # a budget, batch 1 keeping 24 layers resident,
+#                                          # then in a 24 GiB cap: every layer
 #                                          # streamed, the best split (first layers resident),
 #                                          # the planner's choice; transformers + accelerate at
-#                                          # batches 16-128 in the same budget (~300 s)
+#                                          # batches 16-128 in the same budget (~400 s)
 #   bash scripts/gpu-checks.sh generate70  # 70B NF4 streamed generate in a 24 GiB cap (~250 s
 #                                          # of it the run; the host needs ~80 GiB)
 #   bash scripts/gpu-checks.sh setup       # host masters of 8B shapes from a file, and an 8B
@@ -75,6 +76,7 @@ for stage in "$@"; do
       ;;
     generate8)
       r gen8 $G GEN_BENCH_BATCHES=1,64,256 GEN_BENCH_DEVICE_BUDGET_GIB=24 timeout 300 bash "$B/run.sh" benches
+      r gen8k $G GEN_BENCH_BATCHES=1 GEN_BENCH_RESIDENT=24 timeout 90 bash "$B/run.sh" benches
       r torch8 PY_ARGS_generate_torch="--batches 16,64,128 --gpu-budget-gib 24.0" GPU_ONLY=generate_torch \
         timeout 240 bash "$B/run.sh" benches
       ;;
