@@ -17,6 +17,8 @@
 #                                          # streamed, the best split (first layers resident),
 #                                          # the planner's choice; transformers + accelerate at
 #                                          # batches 16-128 in the same budget (~400 s)
+#   bash scripts/gpu-checks.sh split       # the batch_generate and pretrained CUDA tests, then
+#                                          # generate8 (GEN8_BATCHES=1 for a shorter call)
 #   bash scripts/gpu-checks.sh generate70  # 70B NF4 streamed generate in a 24 GiB cap (~250 s
 #                                          # of it the run; the host needs ~80 GiB)
 #   bash scripts/gpu-checks.sh setup       # host masters of 8B shapes from a file, and an 8B
@@ -75,8 +77,11 @@ for stage in "$@"; do
       bnb
       r bnb PY_ARGS_qlora_torch="--modes generate" GPU_ONLY=qlora_torch timeout 150 bash "$B/run.sh" benches
       ;;
-    generate8)
-      r gen8 $G GEN_BENCH_BATCHES=1,64,256 GEN_BENCH_DEVICE_BUDGET_GIB=24 timeout 300 bash "$B/run.sh" benches
+    split)
+      r tests GPU_TEST_TOPICS="batch_generate pretrained" timeout 150 bash "$B/run.sh" tests
+      ;;&
+    generate8 | split)
+      r gen8 $G GEN_BENCH_BATCHES=${GEN8_BATCHES:-1,64,256} GEN_BENCH_DEVICE_BUDGET_GIB=24 timeout 300 bash "$B/run.sh" benches
       r gen8k $G GEN_BENCH_BATCHES=1 GEN_BENCH_RESIDENT=24 timeout 90 bash "$B/run.sh" benches
       r torch8 PY_ARGS_generate_torch="--batches 16,64,128 --gpu-budget-gib 24.0" GPU_ONLY=generate_torch \
         timeout 240 bash "$B/run.sh" benches
@@ -110,7 +115,7 @@ for stage in "$@"; do
       LM_BENCH_ACTIVATIONS=recompute PROFILE_TIMEOUT=300 bash scripts/gpu-profile-lm.sh 8b 8 || fail=1
       ;;
     *)
-      echo "unknown stage $stage (house, quantized, generate8, generate70, setup, train8b[-2k], train14b[-f32|-bf16], profile8b)" >&2
+      echo "unknown stage $stage (house, quantized, split, generate8, generate70, setup, train8b[-2k], train14b[-f32|-bf16], profile8b)" >&2
       exit 2
       ;;
   esac
