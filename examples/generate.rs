@@ -919,14 +919,15 @@ fn place(
         };
     Ok(if streamed {
         // A plan's window and the layers it keeps resident (a quantized
-        // base's plan keeps none).
+        // base's plan keeps none, and its layers only stream).
         let (prefetch, keep) = match (planned, budget) {
             (Some(BatchPlacement::Streamed { window, resident }), _) => (window - 1, resident),
             (Some(BatchPlacement::Resident), _) | (None, None) => (
                 cli::prefetch("--prefetch", a.prefetch, cfg.num_hidden_layers)?,
                 0,
             ),
-            (None, Some(b)) => split_for_budget(cfg, dtype, b)?,
+            (None, Some(b)) if scheme.is_none() => split_for_budget(cfg, dtype, b)?,
+            (None, Some(b)) => (prefetch_for_budget(cfg, dtype, b)?, 0),
         };
         eprintln!(
             "streamed: {} of {} layers of {:.1} MiB (the first {keep} resident), window {} on {:?}",
