@@ -256,6 +256,15 @@ fn batched_split_keeps_first_layers(dev: &Device) -> Result<()> {
     for (name, t) in &a {
         ensure!(flat(t)? == flat(&b[name])?, "{name} differs");
     }
+    // Keeping 3 of 4 layers streams one through one slot, not the window of 2
+    // asked for (the plan counts no more slots than streamed layers).
+    let one = Llama::streamed_keeping(&src, &cfg, stream(dev), 3)?;
+    let window = one.streamed_layers().expect("streamed").config().window();
+    ensure!(window == 1, "one streamed layer in a window of {window}");
+    ensure!(
+        run_batch(&one, &reqs, 3)? == want,
+        "keeping 3 layers changed the outputs"
+    );
     let all = Llama::streamed_keeping(&src, &cfg, stream(dev), 4).expect_err("keeps every layer");
     ensure!(all.to_string().contains("Llama::resident"), "{all}");
     let train = split

@@ -804,6 +804,15 @@ impl Llama {
         };
         let kv = Arc::new(KvCache::new(cfg.num_hidden_layers));
         let lora = Arc::new(LoraSlot::default());
+        // No more slots than streamed layers: the pool allocates the whole
+        // window, and `plan_batch` counts the window among those layers.
+        let stream = match keep {
+            0 => stream,
+            _ => StreamConfig {
+                prefetch_ahead: (stream.prefetch_ahead).min(cfg.num_hidden_layers - keep - 1),
+                ..stream
+            },
+        };
         let place = (&stream.device, stream.dtype);
         let front = (0..keep)
             .map(|i| device_layer(src, cfg, i, (&kv, &lora), place))
