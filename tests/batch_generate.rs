@@ -227,9 +227,10 @@ fn batched_streamed_copies_each_layer_once_a_step(dev: &Device) -> Result<()> {
 candle_streamer::test_device!(batched_streamed_copies_each_layer_once_a_step);
 
 /// A model whose first layers stay on the device (`Llama::streamed_keeping`)
-/// decodes the same tokens as the model streaming every layer, copies only
-/// its other layers (the same bytes a layer, so 3 of 4 layers' bytes), gives
-/// every weight back, and refuses to keep all layers or to train.
+/// decodes the same tokens as the model streaming every layer, with LoRA
+/// adapters too, copies only its other layers (the same bytes a layer, so 3
+/// of 4 layers' bytes), gives every weight back, holds no more window slots
+/// than streamed layers, and refuses to keep all layers or to train.
 fn batched_split_keeps_first_layers(dev: &Device) -> Result<()> {
     let cfg = LlamaConfig::preset("tiny")?;
     let w = init_weights(&cfg, 11)?;
@@ -256,6 +257,26 @@ fn batched_split_keeps_first_layers(dev: &Device) -> Result<()> {
     for (name, t) in &a {
         ensure!(flat(t)? == flat(&b[name])?, "{name} differs");
     }
+    // LoRA adapters (B nonzero, so they change the tokens) act on the
+    // resident layers as on the streamed ones.
+    let adapters = || -> Result<streamer_models::LoraAdapters> {
+        let lcfg = streamer_models::LoraConfig::new(4, 16.0, 0.0, &["q_proj", "up_proj"])?;
+        let a = streamer_models::LoraAdapters::init(&lcfg, &cfg, dev, 7)?;
+        for (name, v) in a.vars() {
+            if name.contains("lora_B") {
+                v.set(&(v.as_tensor().ones_like()? * 0.05)?)?;
+            }
+        }
+        Ok(a)
+    };
+    streamed.set_lora(Some(adapters()?))?;
+    split.set_lora(Some(adapters()?))?;
+    let adapted = run_batch(&streamed, &reqs, 3)?;
+    ensure!(adapted != want, "the adapters changed no token");
+    ensure!(
+        run_batch(&split, &reqs, 3)? == adapted,
+        "split and streamed differ with adapters"
+    );
     // Keeping 3 of 4 layers streams one through one slot, not the window of 2
     // asked for (the plan counts no more slots than streamed layers).
     let one = Llama::streamed_keeping(&src, &cfg, stream(dev), 3)?;
