@@ -38,10 +38,12 @@ pub enum Placement {
     },
     /// Resident when the decoder layers' weights fit in `budget` bytes of
     /// device memory, otherwise the first layers resident and the rest
-    /// streamed through a window of two (f32 host masters;
-    /// [`crate::checkpoint::split_for_budget`]). For inference: a model with
-    /// resident layers does not train ([`Llama::into_trainable`]; a trainer
-    /// loads [`Placement::Streamed`]).
+    /// streamed through a window of two
+    /// ([`crate::checkpoint::split_for_budget`]), their host masters in the
+    /// compute dtype (a bf16 step copies bf16, not f32 staged for a cast).
+    /// For inference: a model with resident layers does not train
+    /// ([`Llama::into_trainable`]; a trainer loads [`Placement::Streamed`]
+    /// with the master dtype it wants).
     Budget {
         /// Compute device.
         device: Device,
@@ -208,7 +210,6 @@ fn place(weights: &Path, cfg: &LlamaConfig, placement: Placement) -> Result<Llam
                 device,
                 prefetch_ahead,
                 dtype,
-                master_dtype: Some(DType::F32),
                 ..Default::default()
             };
             // Checked against the config by `from_pretrained` already.
