@@ -278,9 +278,14 @@ fn batched_split_keeps_first_layers(dev: &Device) -> Result<()> {
         "split and streamed differ with adapters"
     );
     // Keeping 3 of 4 layers streams one through one slot, not the window of 2
-    // asked for (the plan counts no more slots than streamed layers).
+    // asked for (the pool allocates no slot beyond its blocks, and the plan
+    // counts none).
     let one = Llama::streamed_keeping(&src, &cfg, stream(dev), 3)?;
-    let window = one.streamed_layers().expect("streamed").config().window();
+    let window = one
+        .streamed_layers()
+        .expect("streamed")
+        .lock_pool()?
+        .window();
     ensure!(window == 1, "one streamed layer in a window of {window}");
     ensure!(
         run_batch(&one, &reqs, 3)? == want,

@@ -604,9 +604,7 @@ fn layer_blocks(
             let packed = Arc::new(quant.map(|q| q.layer_layouts(i)).unwrap_or_default());
             BlockSpec::new(format!("model.layers.{i}"), move |vb| {
                 let vb = crate::dequant_backend::dequantizing(vb, &packed);
-                Ok(DecoderLayer::for_layer(&c, i, vb)?
-                    .with_cache(&cache, i)
-                    .with_lora(&lora, layers))
+                model_layer(&c, i, vb, (&cache, &lora))
             })
         })
         .collect()
@@ -630,6 +628,17 @@ fn device_layer(
         })
         .collect::<Result<HashMap<_, _>>>()?;
     let vb = VarBuilder::from_tensors(weights, dtype, device).pp(format!("model.layers.{i}"));
+    model_layer(cfg, i, vb, (cache, lora))
+}
+
+/// Decoder layer `i` over `vb` (names relative to the layer), on the
+/// model's kv cache and LoRA slot, however its weights are placed.
+fn model_layer(
+    cfg: &LlamaConfig,
+    i: usize,
+    vb: VarBuilder,
+    (cache, lora): (&Arc<KvCache>, &Arc<LoraSlot>),
+) -> Result<DecoderLayer> {
     Ok(DecoderLayer::for_layer(cfg, i, vb)?
         .with_cache(cache, i)
         .with_lora(lora, cfg.num_hidden_layers))
@@ -652,12 +661,7 @@ impl Llama {
         let kv = Arc::new(KvCache::new(cfg.num_hidden_layers));
         let lora = Arc::new(LoraSlot::default());
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| {
-                let vb = vb.pp(format!("model.layers.{i}"));
-                Ok(DecoderLayer::for_layer(cfg, i, vb)?
-                    .with_cache(&kv, i)
-                    .with_lora(&lora, cfg.num_hidden_layers))
-            })
+            .map(|i| model_layer(cfg, i, vb.pp(format!("model.layers.{i}")), (&kv, &lora)))
             .collect::<Result<Vec<_>>>()?;
         let outer = Outer::Resident { embed, norm, head };
         let layers = Layers::Resident(layers);
@@ -804,15 +808,6 @@ impl Llama {
         };
         let kv = Arc::new(KvCache::new(cfg.num_hidden_layers));
         let lora = Arc::new(LoraSlot::default());
-        // No more slots than streamed layers: the pool allocates the whole
-        // window, and `plan_batch` counts the window among those layers.
-        let stream = match keep {
-            0 => stream,
-            _ => StreamConfig {
-                prefetch_ahead: (stream.prefetch_ahead).min(cfg.num_hidden_layers - keep - 1),
-                ..stream
-            },
-        };
         let place = (&stream.device, stream.dtype);
         let front = (0..keep)
             .map(|i| device_layer(src, cfg, i, (&kv, &lora), place))

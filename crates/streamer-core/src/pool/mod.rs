@@ -162,8 +162,10 @@ pub struct ResidencyPool {
 const MAX_UNRESOLVED: usize = 1024;
 
 impl ResidencyPool {
-    /// Allocates `cfg.window()` slots, each as large as the largest block (or
-    /// `slot_budget_bytes`, which no block may exceed: checked here, before any copy).
+    /// Allocates `cfg.window()` slots (no more than there are blocks: a wider
+    /// window would hold memory no block uses), each as large as the largest
+    /// block (or `slot_budget_bytes`, which no block may exceed: checked here,
+    /// before any copy).
     pub fn new(
         cfg: &StreamConfig,
         masters: Arc<HostMasters>,
@@ -171,6 +173,17 @@ impl ResidencyPool {
         names: Vec<String>,
     ) -> Result<Self> {
         cfg.validate()?;
+        let narrowed;
+        let cfg = match cfg.window() > layouts.len().max(1) {
+            true => {
+                narrowed = StreamConfig {
+                    prefetch_ahead: layouts.len().max(1) - 1,
+                    ..cfg.clone()
+                };
+                &narrowed
+            }
+            false => cfg,
+        };
         let dtype = cfg.dtype;
         let largest = layouts.iter().map(|l| l.elems).max().unwrap_or(0);
         if let Some(budget) = cfg.slot_budget_bytes {
