@@ -455,9 +455,11 @@ fn offloaded_inputs_survive_buffer_reuse(dev: &Device) -> Result<()> {
 candle_streamer::test_device!(offloaded_inputs_survive_buffer_reuse);
 
 /// `Spill` over several steps of one model (host buffers reused, inputs
-/// different each step): the first block keeps its activations on the
-/// device, the second spills them to the host and brings them back, the
-/// third recomputes (no two blocks in a row spill), the fourth spills. Every
+/// different each step): the last block keeps its activations on the device
+/// (the device's room goes to the last blocks), the first spills them to the
+/// host and brings them back, the second recomputes (no two blocks in a row
+/// spill), the third spills. A `Keep` with room for two blocks keeps the
+/// last two. Every
 /// step's loss and gradients equal those of a model keeping every block's
 /// activations on the device: on the CPU to 1e-6 (recompute and keep run the
 /// same ops), on CUDA within bf16 rounding (another GEMM kernel may serve the
@@ -486,8 +488,13 @@ fn spilled_activations_match_kept(dev: &Device) -> Result<()> {
     let keep = ActivationPolicy::Keep {
         device_bytes: 1 << 30,
     };
-    let keep = mlp_model(&host, shape, cfg, keep)?;
+    let keep = mlp_model(&host, shape, cfg.clone(), keep)?;
+    let two = ActivationPolicy::Keep {
+        device_bytes: 2 * per_block + 1,
+    };
+    let two = mlp_model(&host, shape, cfg, two)?;
     let tol = if dt == DType::F32 { 1e-6 } else { 2e-2 };
+    use streamer_autograd::ActivationPlace::{Device as D, Host as H, Recomputed as R};
     for step in 0..3 {
         let x = step_input(step, (rows, dim), dt, dev)?;
         let got = [loss_and_grads(&spill, &x)?, loss_and_grads(&keep, &x)?];
@@ -500,6 +507,11 @@ fn spilled_activations_match_kept(dev: &Device) -> Result<()> {
             counts == (3, 2, 4),
             "step {step}: kept, spilled, kept: {counts:?}"
         );
+        let places = spill.activation_places()?;
+        ensure!(places == [H, R, H, D], "step {step}: spill placed {places:?}");
+        loss_and_grads(&two, &x)?;
+        let places = two.activation_places()?;
+        ensure!(places == [R, R, D, D], "step {step}: keep two placed {places:?}");
         let (l_spill, l_keep) = (got[0].0, got[1].0);
         ensure!(
             ((l_spill - l_keep) / l_keep).abs() <= tol as f32,

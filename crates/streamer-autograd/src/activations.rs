@@ -8,14 +8,28 @@
 //! would hold the block's weights, whose slots are refilled before backward.
 use candle_core::{Device, Result};
 
+/// Where a training forward left a block's activations for its backward
+/// ([`crate::TrainableSequential::activation_places`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActivationPlace {
+    /// Not kept: the backward recomputes the block from its input.
+    Recomputed,
+    /// Kept in device memory.
+    Device,
+    /// Spilled to page-locked host memory ([`ActivationPolicy::Spill`]).
+    Host,
+}
+
 /// The activation policy of a [`crate::TrainableSequential`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ActivationPolicy {
     /// Keep only each block's input; recompute every block in backward.
     Recompute,
-    /// Keep the activations of blocks with a hand-written backward, first
-    /// blocks first, while their total stays within `device_bytes`; recompute
-    /// the others.
+    /// Keep the activations of blocks with a hand-written backward, last
+    /// blocks first (their backward comes first, so the device holds them
+    /// for the shortest time and spills, under [`Self::Spill`], go to early
+    /// blocks), while their total stays within `device_bytes`; recompute the
+    /// others.
     Keep {
         /// Device bytes the kept activations may take.
         device_bytes: usize,
@@ -32,18 +46,20 @@ pub enum ActivationPolicy {
     /// it in reverse order runs its backward. For models whose saved inputs
     /// alone do not fit on the device. Same gradients as `Recompute`.
     OffloadInputs,
-    /// [`Self::Keep`] within `device_bytes`, then the next blocks' activations
-    /// in page-locked host memory while their total stays within
-    /// `host_bytes`: copied out on the offload stream while the next block
-    /// runs its forward and back while the block after it runs its backward,
-    /// so they are not recomputed; the rest are recomputed. No two blocks in
-    /// a row spill (a spill's copies drain while the next block runs, which
-    /// recomputes or keeps on the device). It pays only where a block's
-    /// forward and backward outlast its activations' copies over PCIe: for
-    /// LoRA on an NF4 8B base at 8 x 2,048 tokens on an H100 they do not
-    /// (5,989 tokens/s spilling against 7,155 recomputing,
-    /// `benches/results/quantized-h100.json`). Beyond `device_bytes`, the
-    /// device holds the activations of up to two spilled blocks in flight.
+    /// [`Self::Keep`] within `device_bytes` (the last blocks), then, from the
+    /// first block on, activations in page-locked host memory while their
+    /// total stays within `host_bytes`: copied out on the offload stream
+    /// while the next blocks run their forward and back while the block after
+    /// it runs its backward, so they are not recomputed; the rest are
+    /// recomputed. No two blocks in a row spill (a spill's copies drain while
+    /// the next block runs, which recomputes or keeps on the device). The
+    /// spilled blocks being early ones, their copies out have the rest of the
+    /// forward to finish and their copies back come last. With the spills
+    /// on the last blocks instead (bundle 430a448), LoRA on an NF4 8B base at
+    /// 8 x 2,048 tokens on an H100 ran slower spilling than recomputing
+    /// (5,989 tokens/s against 7,155, `benches/results/quantized-h100.json`).
+    /// Beyond `device_bytes`, the device holds the activations of up to two
+    /// spilled blocks in flight.
     Spill {
         /// Device bytes the kept activations may take.
         device_bytes: usize,

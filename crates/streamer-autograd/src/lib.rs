@@ -46,7 +46,7 @@ mod sgd;
 mod state;
 mod trainer;
 
-pub use activations::ActivationPolicy;
+pub use activations::{ActivationPlace, ActivationPolicy};
 pub use adamw::{AdamWUpdate, CpuAdamW, Moments};
 pub use device_adamw::DeviceAdamW;
 pub use dropout::{dropout, dropout_ctx, with_seed, Dropout};

@@ -11,7 +11,7 @@
 //! crate's `FusedMlp`) skip Candle autograd: they recompute their activations
 //! with `forward_train` (or keep them from the first forward, as the
 //! [`ActivationPolicy`] allows) and produce each gradient once.
-use crate::activations::ActivationPolicy;
+use crate::activations::{ActivationPlace, ActivationPolicy};
 use crate::dropout::with_seed;
 use crate::grads::{accumulate_grad, HostGrads};
 use candle_core::backprop::GradStore;
@@ -105,6 +105,19 @@ struct Saved {
     kept: Vec<Vec<Option<Kept>>>,
 }
 
+/// Where a block's pieces left their activations: spilled if any piece
+/// spilled, else on the device if any piece kept them.
+fn place_of(pieces: &[Option<Kept>]) -> ActivationPlace {
+    let mut place = ActivationPlace::Recomputed;
+    for k in pieces.iter().flatten() {
+        match k {
+            Kept::Host(_) => return ActivationPlace::Host,
+            Kept::Device(_) => place = ActivationPlace::Device,
+        }
+    }
+    place
+}
+
 /// A piece's kept activations: on the device, or spilled to the host
 /// ([`ActivationPolicy::Spill`]) until their block's backward nears.
 enum Kept {
@@ -148,6 +161,9 @@ struct Record {
     spilled: usize,
     /// The last block that spilled (the next one may not).
     last_spill: Option<usize>,
+    /// What each block's pieces needed to keep their activations (0: no
+    /// hand-written backward), for the next forward's placement.
+    needs: Vec<Vec<usize>>,
 }
 
 impl Saved {
@@ -230,10 +246,11 @@ struct TrainState {
     optimizer_seconds: f64,
     optimizer_pool: Option<std::sync::Arc<rayon::ThreadPool>>,
     policy: ActivationPolicy,
-    /// Blocks whose activations the last training forward kept (on the
-    /// device or spilled), and of those the spilled ones.
-    kept_blocks: usize,
-    spilled_blocks: usize,
+    /// Where the last training forward left each block's activations.
+    places: Vec<ActivationPlace>,
+    /// What each block's pieces needed to keep their activations in the
+    /// last training forward (its `Record::needs`).
+    needs: Vec<Vec<usize>>,
     /// Rows of the batch a block runs over at a time (`None`: all at once).
     micro_rows: Option<usize>,
     /// The first dropout seed of the last training forward: given back if a
@@ -273,8 +290,8 @@ impl TrainableSequential {
                 optimizer_seconds: 0.0,
                 optimizer_pool: None,
                 policy: ActivationPolicy::default(),
-                kept_blocks: 0,
-                spilled_blocks: 0,
+                places: Vec::new(),
+                needs: Vec::new(),
                 micro_rows: None,
                 step_seeds: None,
             }),
@@ -426,13 +443,21 @@ impl TrainableSequential {
     /// How many blocks kept their activations in the last training forward,
     /// on the device or spilled (the others recompute in backward).
     pub fn kept_blocks(&self) -> Result<usize> {
-        Ok(self.lock()?.kept_blocks)
+        let places = self.activation_places()?;
+        Ok(places.iter().filter(|&&p| p != ActivationPlace::Recomputed).count())
     }
 
     /// How many of [`Self::kept_blocks`] were spilled to the host
     /// ([`ActivationPolicy::Spill`]).
     pub fn spilled_blocks(&self) -> Result<usize> {
-        Ok(self.lock()?.spilled_blocks)
+        let places = self.activation_places()?;
+        Ok(places.iter().filter(|&&p| p == ActivationPlace::Host).count())
+    }
+
+    /// Where the last training forward left each block's activations for its
+    /// backward (empty before the first).
+    pub fn activation_places(&self) -> Result<Vec<ActivationPlace>> {
+        Ok(self.lock()?.places.clone())
     }
 
     /// Training mode: forwards save what backward needs.
@@ -493,12 +518,13 @@ impl TrainableSequential {
         let budget = (st.policy.budget(pool.device())?, st.policy.host_budget());
         let x_det = x.detach();
         let extras_det: Vec<Tensor> = extras.iter().map(|e| e.detach()).collect();
+        let prev = std::mem::take(&mut st.needs);
         let r = run_recorded(
             &mut pool,
             self.model.blocks(),
             (&x_det, &extras_det),
             &seeds,
-            (offload, micro, budget),
+            (offload, micro, budget, &prev),
             &mut st.host_saved,
             &mut rec,
         );
@@ -533,12 +559,8 @@ impl TrainableSequential {
         outs: Vec<Tensor>,
         seeds: Vec<u64>,
     ) -> Result<Vec<Tensor>> {
-        let count = |f: fn(&Kept) -> bool| {
-            let any = |k: &Vec<Option<Kept>>| k.iter().flatten().any(f);
-            rec.kept.iter().filter(|k| any(k)).count()
-        };
-        st.kept_blocks = count(|_| true);
-        st.spilled_blocks = count(|k| matches!(k, Kept::Host(_)));
+        st.places = rec.kept.iter().map(|k| place_of(k)).collect();
+        st.needs = rec.needs;
         let outputs = outs
             .iter()
             .map(Var::from_tensor)
@@ -1290,26 +1312,65 @@ fn fresh(pool: &ResidencyPool, t: &Tensor) -> Result<Tensor> {
 
 /// Where a training forward may keep activations: `device` and `host` are
 /// (budget, bytes used so far); spilled ones go through `saved`, and
-/// `last_spill` is the last block that spilled.
+/// `last_spill` is the last block that spilled. The device's budget is kept
+/// for the last blocks (`tail`): their backward comes first, so a spilled
+/// block is an early one, whose copies have the rest of the forward to leave
+/// and the backward of every later block to come back.
 struct Room<'a> {
     device: (usize, &'a mut usize),
     host: (usize, &'a mut usize),
     last_spill: &'a mut Option<usize>,
     saved: &'a mut crate::host_saved::HostSaved,
+    tail: Tail<'a>,
+    /// What each piece of this forward needs (0: no hand-written backward),
+    /// by block: the next forward's `tail`.
+    needs: &'a mut Vec<Vec<usize>>,
+}
+
+/// What the pieces after the current one are expected to keep: what they
+/// needed in the last training forward, or, where that is unknown or stale
+/// (the current piece needs other than it did), the current piece's need.
+#[derive(Clone, Copy)]
+struct Tail<'a> {
+    prev: &'a [Vec<usize>],
+    blocks: usize,
+}
+
+impl Tail<'_> {
+    /// Bytes the pieces after piece `p` of `pieces` of block `i` will want.
+    fn after(&self, (i, p, pieces): (usize, usize, usize), need: usize) -> usize {
+        let fresh = self.prev.get(i).and_then(|v| v.get(p)) == Some(&need);
+        let block = |j: usize| match self.prev.get(j) {
+            Some(v) if fresh => v.iter().sum(),
+            _ => need * pieces,
+        };
+        let here = match self.prev.get(i) {
+            Some(v) if fresh => v[p + 1..].iter().sum(),
+            _ => need * (pieces - 1 - p),
+        };
+        here + (i + 1..self.blocks).map(block).sum::<usize>()
+    }
 }
 
 impl Room<'_> {
-    /// Takes `need` bytes for block `i` on the device, else on the host;
-    /// `None` when neither has room (the block recomputes). `Some(true)`: on
-    /// the host. No block spills right after a block that spilled: a spill's
-    /// copies (slower than the block's compute over PCIe) drain while the
-    /// block after it runs, so the forward does not wait for them.
-    fn take(&mut self, i: usize, need: usize) -> Option<bool> {
-        let fits = |(budget, used): &(usize, &mut usize)| *budget > 0 && **used + need <= *budget;
+    /// Takes `need` bytes for piece `p` of `pieces` of block `i` on the
+    /// device when they and every later piece's fit there (the last blocks
+    /// are kept), else on the host; `None` when neither has room (the block
+    /// recomputes). `Some(true)`: on the host. No block spills right after a
+    /// block that spilled: a spill's copies (slower than the block's compute
+    /// over PCIe) drain while the block after it runs, so the forward does
+    /// not wait for them.
+    fn take(&mut self, (i, p, pieces): (usize, usize, usize), need: usize) -> Option<bool> {
+        self.note((i, p), need);
+        let tail = self.tail.after((i, p, pieces), need);
+        let (budget, used) = (self.device.0, *self.device.1);
+        let on_device = budget > 0 && used + need + tail <= budget;
+        let (host_budget, host_used) = (self.host.0, *self.host.1);
+        let on_host = host_budget > 0 && host_used + need <= host_budget;
         let follows_spill = i > 0 && *self.last_spill == Some(i - 1);
-        let host = if fits(&self.device) {
+        let host = if on_device {
             false
-        } else if fits(&self.host) && !follows_spill {
+        } else if on_host && !follows_spill {
             *self.last_spill = Some(i);
             true
         } else {
@@ -1323,6 +1384,18 @@ impl Room<'_> {
         .1 += need;
         Some(host)
     }
+
+    /// Records what piece `p` of block `i` needs.
+    fn note(&mut self, (i, p): (usize, usize), need: usize) {
+        if self.needs.len() <= i {
+            self.needs.resize_with(i + 1, Vec::new);
+        }
+        let v = &mut self.needs[i];
+        if v.len() <= p {
+            v.resize(p + 1, 0);
+        }
+        v[p] = need;
+    }
 }
 
 /// Runs piece `p` of block `i` of a training forward with its dropout `seed`:
@@ -1331,7 +1404,7 @@ impl Room<'_> {
 /// plainly.
 fn run_training_block(
     pool: &ResidencyPool,
-    (i, p, seed): (usize, usize, u64),
+    (i, p, pieces, seed): (usize, usize, usize, u64),
     block: &dyn Block,
     (h, extras): (&Tensor, &[Tensor]),
     room: &mut Room<'_>,
@@ -1339,9 +1412,11 @@ fn run_training_block(
 ) -> Result<Vec<Tensor>> {
     let plain = BlockCtx::training(i, pool.device(), seed, false);
     let Some(man) = block.manual() else {
+        room.note((i, p), 0);
         return block.forward_ctx(h, extras, &plain);
     };
-    let Some(on_host) = room.take(i, man.saved_bytes(h.shape(), h.dtype())) else {
+    let need = man.saved_bytes(h.shape(), h.dtype());
+    let Some(on_host) = room.take((i, p, pieces), need) else {
         return block.forward_ctx(h, extras, &plain);
     };
     let keep = BlockCtx::training(i, pool.device(), seed, true);
@@ -1378,7 +1453,7 @@ fn run_training_pieces(
         let h = cut(h, r)?;
         outs.push(run_training_block(
             pool,
-            (i, p, seed),
+            (i, p, rows.len(), seed),
             block,
             (&h, extras),
             room,
@@ -1400,7 +1475,7 @@ fn run_recorded(
     blocks: &[BlockSpec],
     (x, extras): (&Tensor, &[Tensor]),
     seeds: &[u64],
-    (offload, micro, (budget, host_budget)): (bool, Option<usize>, (usize, usize)),
+    (offload, micro, (budget, host_budget), prev): (bool, Option<usize>, (usize, usize), &[Vec<usize>]),
     host_saved: &mut crate::host_saved::HostSaved,
     rec: &mut Record,
 ) -> Result<Vec<Tensor>> {
@@ -1440,6 +1515,11 @@ fn run_recorded(
                     host: (host_budget, &mut rec.spilled),
                     last_spill: &mut rec.last_spill,
                     saved: &mut *host_saved,
+                    tail: Tail {
+                        prev,
+                        blocks: blocks.len(),
+                    },
+                    needs: &mut rec.needs,
                 };
                 let run = (h, extras);
                 let (outs, rows) = run_training_pieces(
