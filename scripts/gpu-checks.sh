@@ -11,6 +11,10 @@
 #   bash scripts/gpu-checks.sh quantized   # 8B generate at batch 1 (nf4, bf16) with the
 #                                          # transformers + bitsandbytes peer, the 8B bf16 rows
 #                                          # in a 24 GiB cap (~330 s)
+#   bash scripts/gpu-checks.sh qlora       # LoRA r 16 on all seven projections of an 8B NF4
+#                                          # base in a 24 GiB cap: the default policy, then
+#                                          # spilling to the host (spill:6GiB:40GiB), then
+#                                          # the bf16 base without a cap (~280 s)
 #   bash scripts/gpu-checks.sh generate8   # 8B bf16 generate, batches 1, 64, 256 streamed without
 #                                          # a budget, batch 1 keeping 24 layers resident,
 #                                          # then in a 24 GiB cap: every layer
@@ -77,6 +81,14 @@ for stage in "$@"; do
       bnb
       r bnb PY_ARGS_qlora_torch="--modes generate" GPU_ONLY=qlora_torch timeout 150 bash "$B/run.sh" benches
       ;;
+    qlora)
+      T7=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
+      L="GPU_ONLY=bench-lora LORA_BENCH=8b LORA_BENCH_MODES=lora LORA_BENCH_TARGETS=$T7"
+      r qlora-auto $L LORA_BENCH_QUANTIZE=nf4 LORA_BENCH_DEVICE_CAP_GIB=24 timeout 80 bash "$B/run.sh" benches
+      r qlora-spill $L LORA_BENCH_QUANTIZE=nf4 LORA_BENCH_DEVICE_CAP_GIB=24 \
+        LORA_BENCH_ACTIVATIONS=spill:6GiB:40GiB timeout 100 bash "$B/run.sh" benches
+      r dense $L timeout 80 bash "$B/run.sh" benches
+      ;;
     split)
       r tests GPU_TEST_TOPICS="batch_generate pretrained" timeout 150 bash "$B/run.sh" tests
       ;;&
@@ -115,7 +127,7 @@ for stage in "$@"; do
       LM_BENCH_ACTIVATIONS=recompute PROFILE_TIMEOUT=300 bash scripts/gpu-profile-lm.sh 8b 8 || fail=1
       ;;
     *)
-      echo "unknown stage $stage (house, quantized, split, generate8, generate70, setup, train8b[-2k], train14b[-f32|-bf16], profile8b)" >&2
+      echo "unknown stage $stage (house, quantized, qlora, split, generate8, generate70, setup, train8b[-2k], train14b[-f32|-bf16], profile8b)" >&2
       exit 2
       ;;
   esac

@@ -508,10 +508,16 @@ fn spilled_activations_match_kept(dev: &Device) -> Result<()> {
             "step {step}: kept, spilled, kept: {counts:?}"
         );
         let places = spill.activation_places()?;
-        ensure!(places == [H, R, H, D], "step {step}: spill placed {places:?}");
+        ensure!(
+            places == [H, R, H, D],
+            "step {step}: spill placed {places:?}"
+        );
         loss_and_grads(&two, &x)?;
         let places = two.activation_places()?;
-        ensure!(places == [R, R, D, D], "step {step}: keep two placed {places:?}");
+        ensure!(
+            places == [R, R, D, D],
+            "step {step}: keep two placed {places:?}"
+        );
         let (l_spill, l_keep) = (got[0].0, got[1].0);
         ensure!(
             ((l_spill - l_keep) / l_keep).abs() <= tol as f32,

@@ -444,14 +444,20 @@ impl TrainableSequential {
     /// on the device or spilled (the others recompute in backward).
     pub fn kept_blocks(&self) -> Result<usize> {
         let places = self.activation_places()?;
-        Ok(places.iter().filter(|&&p| p != ActivationPlace::Recomputed).count())
+        Ok(places
+            .iter()
+            .filter(|&&p| p != ActivationPlace::Recomputed)
+            .count())
     }
 
     /// How many of [`Self::kept_blocks`] were spilled to the host
     /// ([`ActivationPolicy::Spill`]).
     pub fn spilled_blocks(&self) -> Result<usize> {
         let places = self.activation_places()?;
-        Ok(places.iter().filter(|&&p| p == ActivationPlace::Host).count())
+        Ok(places
+            .iter()
+            .filter(|&&p| p == ActivationPlace::Host)
+            .count())
     }
 
     /// Where the last training forward left each block's activations for its
@@ -524,7 +530,12 @@ impl TrainableSequential {
             self.model.blocks(),
             (&x_det, &extras_det),
             &seeds,
-            (offload, micro, budget, &prev),
+            ForwardPlan {
+                offload,
+                micro,
+                budget,
+                prev: &prev,
+            },
             &mut st.host_saved,
             &mut rec,
         );
@@ -1463,6 +1474,16 @@ fn run_training_pieces(
     Ok((join_pieces(outs)?, rows))
 }
 
+/// How a training forward runs its blocks: inputs offloaded, rows per
+/// piece, the (device, host) bytes for kept activations, and what each
+/// piece needed in the last forward ([`Tail`]).
+struct ForwardPlan<'a> {
+    offload: bool,
+    micro: Option<usize>,
+    budget: (usize, usize),
+    prev: &'a [Vec<usize>],
+}
+
 /// Runs the blocks of a training forward over `x` (detached) and `extras`,
 /// recording in `rec` what the backward needs. Each block's input is saved
 /// (on the host under `offload`, but for the caller's input, which stays where
@@ -1475,10 +1496,16 @@ fn run_recorded(
     blocks: &[BlockSpec],
     (x, extras): (&Tensor, &[Tensor]),
     seeds: &[u64],
-    (offload, micro, (budget, host_budget), prev): (bool, Option<usize>, (usize, usize), &[Vec<usize>]),
+    plan: ForwardPlan<'_>,
     host_saved: &mut crate::host_saved::HostSaved,
     rec: &mut Record,
 ) -> Result<Vec<Tensor>> {
+    let ForwardPlan {
+        offload,
+        micro,
+        budget: (budget, host_budget),
+        prev,
+    } = plan;
     // SAFETY: the closure keeps the block's input (the previous block's
     // output, which `run_blocks_with` copied if it aliased a slot, or the
     // caller's input) and activations that `check_saved` has verified share
