@@ -35,7 +35,7 @@ pub struct StepSettings {
     pub piece_rows: usize,
     /// Decoder layers resident at once (the slot window).
     pub window: usize,
-    /// Device bytes for the activations of the first layers, kept from the
+    /// Device bytes for the activations of the last layers, kept from the
     /// forward for the backward instead of recomputed
     /// (`ActivationPolicy::Keep`); 0 recomputes every layer. Only with the
     /// inputs kept on the device.
@@ -159,7 +159,7 @@ impl DevicePlan {
     /// masters cross PCIe for the step), inputs kept on the device before
     /// offloaded, then the largest pieces (fewer, larger GEMMs). Pieces
     /// divide the step's sequences. With the inputs on the device, what the
-    /// budget has left keeps the first layers' activations (no recompute for
+    /// budget has left keeps the last layers' activations (no recompute for
     /// them). A budget larger than the device, one smaller than the smallest
     /// plan (host optimizer, offloaded inputs, one sequence at a time, one
     /// layer resident), or a host too small for every plan the device holds

@@ -46,7 +46,7 @@ pub struct MlpSettings {
     pub place: OptimizerPlace,
     /// Blocks resident at once in the student's and the teacher's windows.
     pub window: usize,
-    /// Device bytes for the first blocks' activations, kept from the forward
+    /// Device bytes for the last blocks' activations, kept from the forward
     /// for the backward instead of recomputed; 0 recomputes every block.
     pub keep_bytes: usize,
 }
@@ -124,7 +124,7 @@ impl MlpPlan {
     /// `device_total` bytes: the device optimizer before the host one (no
     /// gradients cross PCIe), two blocks resident before one (the next
     /// block's copy overlaps this one's compute); what the budget has left
-    /// keeps the first blocks' activations when it holds one block's. A
+    /// keeps the last blocks' activations when it holds one block's. A
     /// budget larger than the device, or one under the smallest plan (host
     /// optimizer, one block resident, every block recomputed), is an error
     /// naming the numbers.
