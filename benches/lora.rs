@@ -27,6 +27,8 @@
 //! `LORA_BENCH_PLAN=1` (full fine-tuning: the device plan for the free
 //! memory or the cap chooses the optimizer's place, activations, pieces and
 //! window, and says the tokens/s it expects),
+//! `LORA_BENCH_TIMELINE=DIR` (the pool's Chrome-trace timeline of the run to
+//! `DIR/lora-timeline-<model>-<mode>.json`),
 //! `LORA_BENCH_DEVICE_CAP_GIB` (hold back the rest of the GPU's memory so the
 //! run has that much in all, as on a smaller GPU), `LORA_BENCH_MICRO`
 //! (micro-batches of `LORA_BENCH_BATCH` sequences a step, 1; every layer's
@@ -178,11 +180,18 @@ fn build_model(
 /// Where a step went, averaged over `steps` (the pool's statistics: copies
 /// each way, compute, waits for weights; the overlapped host optimizer's busy
 /// time in the last step; the blocks whose activations the last forward
-/// kept), printed and as a JSON object.
-fn where_time_goes(model: &Llama, steps: usize) -> Result<serde_json::Value> {
+/// kept), printed and as a JSON object. With `LORA_BENCH_TIMELINE=DIR`,
+/// the pool's timeline of every step (copies, and each block's compute
+/// between GPU events) goes to `DIR/lora-timeline-<tag>.json`.
+fn where_time_goes(model: &Llama, steps: usize, tag: &str) -> Result<serde_json::Value> {
     let layers = model
         .trainable_layers()
         .expect("a trainable streamed model");
+    if let Ok(dir) = std::env::var("LORA_BENCH_TIMELINE") {
+        let path = std::path::Path::new(&dir).join(format!("lora-timeline-{tag}.json"));
+        layers.inner().write_timeline(Some(&path))?;
+        println!("  timeline: {}", path.display());
+    }
     let st = layers.stats()?;
     let n = steps as f64;
     let v = serde_json::json!({
@@ -319,6 +328,7 @@ fn run(
         // LoRA's frozen base needs no f32 masters (train_lm uses the compute
         // dtype for them too); full fine-tuning steps f32 masters.
         master_dtype: Some(if mode == "lora" { dtype } else { DType::F32 }),
+        timeline: std::env::var("LORA_BENCH_TIMELINE").is_ok(),
         ..Default::default()
     };
     // LORA_BENCH_DEVICE_CAP_GIB: the GPU behaves as one of that size.
@@ -398,7 +408,7 @@ fn run(
                 t.set_learning_rate(lr);
                 Ok(t.step_micro(x, y, micro)?)
             })?;
-            per_step = Some(where_time_goes(t.model(), shape.2 + 1)?);
+            per_step = Some(where_time_goes(t.model(), shape.2 + 1, &format!("{name}-{mode}"))?);
             (m, cfg.num_params())
         }
         "lora" => {
@@ -430,7 +440,7 @@ fn run(
                 model.zero_grad()?;
                 Ok(loss.to_scalar::<f32>()?)
             })?;
-            per_step = Some(where_time_goes(&model, shape.2 + 1)?);
+            per_step = Some(where_time_goes(&model, shape.2 + 1, &format!("{name}-{mode}"))?);
             (m, n)
         }
         other => bail!("unknown LORA_BENCH_MODES entry {other:?} (lora or full)"),

@@ -34,6 +34,10 @@
 #                                          # issue's no-regression and long-sequence rows; ~119 GiB
 #                                          # of device memory: an H200 only; ~500 s;
 #                                          # train8b-2k runs the 2,048-token row only)
+#   bash scripts/gpu-checks.sh train8b-cap24  # 8B full fine-tune in a 24 GiB cap, host AdamW with
+#                                          # bf16 moments, inputs offloaded, 4 x 8 x 2,048 tokens
+#                                          # in one weight visit, with the pool's timeline (the
+#                                          # host needs ~105 GiB; ~250 s)
 #   bash scripts/gpu-checks.sh train14b    # Qwen2.5-14B shapes, full fine-tune, 8 x 2,048 tokens,
 #                                          # the device plan's choice (LORA_BENCH_PLAN=1) with f32
 #                                          # and with bf16 moments (an H200 only; host ~60 GiB;
@@ -85,7 +89,7 @@ for stage in "$@"; do
       T7=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
       L="GPU_ONLY=bench-lora LORA_BENCH=8b LORA_BENCH_MODES=lora LORA_BENCH_TARGETS=$T7"
       r qlora-auto $L LORA_BENCH_QUANTIZE=nf4 LORA_BENCH_DEVICE_CAP_GIB=24 timeout 80 bash "$B/run.sh" benches
-      r qlora-spill $L LORA_BENCH_QUANTIZE=nf4 LORA_BENCH_DEVICE_CAP_GIB=24 \
+      r qlora-spill $L LORA_BENCH_QUANTIZE=nf4 LORA_BENCH_DEVICE_CAP_GIB=24 LORA_BENCH_TIMELINE="$OUT/res/qlora-spill" \
         LORA_BENCH_ACTIVATIONS=spill:6GiB:40GiB timeout 100 bash "$B/run.sh" benches
       r dense $L timeout 80 bash "$B/run.sh" benches
       ;;
@@ -105,6 +109,11 @@ for stage in "$@"; do
     setup)
       r setup GPU_ONLY=bench-setup,setup_torch SETUP_BENCH=8b SETUP_BENCH_ROUNDS=1 SETUP_BENCH_QUANTIZE=nf4 \
         timeout 400 bash "$B/run.sh" benches
+      ;;
+    train8b-cap24)
+      r cap24 GPU_ONLY=bench-lora LORA_BENCH=8b LORA_BENCH_MICRO=4 LORA_BENCH_MODES=full LORA_BENCH_STEPS=2 \
+        LORA_BENCH_OPTIMIZER=host LORA_BENCH_OPTIMIZER_STATE=bf16 LORA_BENCH_ACTIVATIONS=offload \
+        LORA_BENCH_DEVICE_CAP_GIB=24 LORA_BENCH_TIMELINE="$OUT/res/cap24" timeout 300 bash "$B/run.sh" benches
       ;;
     train8b | train8b-2k)
       r full2k GPU_ONLY=bench-lora LORA_BENCH=8b LORA_BENCH_MODES=full LORA_BENCH_STEPS=3 \
@@ -127,7 +136,7 @@ for stage in "$@"; do
       LM_BENCH_ACTIVATIONS=recompute PROFILE_TIMEOUT=300 bash scripts/gpu-profile-lm.sh 8b 8 || fail=1
       ;;
     *)
-      echo "unknown stage $stage (house, quantized, qlora, split, generate8, generate70, setup, train8b[-2k], train14b[-f32|-bf16], profile8b)" >&2
+      echo "unknown stage $stage (house, quantized, qlora, split, generate8, generate70, setup, train8b[-2k|-cap24], train14b[-f32|-bf16], profile8b)" >&2
       exit 2
       ;;
   esac
