@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""Where the steps of a pool timeline went (a Chrome trace that
+StreamedSequential::write_timeline wrote, e.g. the lora bench's
+LORA_BENCH_TIMELINE): per step, the wall time, the GPU's compute busy (union of
+block compute spans), the largest gaps between compute spans and the blocks
+around them, and the copy engines' busy time.
+
+    python3 scripts/timeline-summary.py TRACE.json [gaps per step, default 6]
+
+A step starts at each host span "<first block> forward issued"."""
+import json
+import sys
+
+
+def union(spans):
+    total, end = 0.0, None
+    for s, e in sorted(spans):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def main():
+    trace = json.load(open(sys.argv[1]))
+    top = int(sys.argv[2]) if len(sys.argv) > 2 else 6
+    ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    issued = sorted(e["ts"] for e in ev if e["cat"] == "host" and e["name"].endswith("forward issued"))
+    first = [e for e in ev if e["cat"] == "host" and e["name"].endswith("forward issued")]
+    name0 = min(first, key=lambda e: e["ts"])["name"] if first else None
+    starts = sorted(e["ts"] for e in first if e["name"] == name0)
+    if not starts:
+        sys.exit("no '... forward issued' host spans: not a training timeline")
+    end_all = max(e["ts"] + e["dur"] for e in ev)
+    bounds = list(zip(starts, starts[1:] + [end_all]))
+    print(f"{len(bounds)} steps ({len(issued)} forward spans); times in ms")
+    for k, (a, b) in enumerate(bounds):
+        inside = [e for e in ev if a <= e["ts"] < b]
+        comp = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in inside if e["cat"] == "compute")
+        busy = {c: union([(e["ts"], e["ts"] + e["dur"]) for e in inside if e["cat"] == c])
+                for c in ("compute", "h2d", "d2h", "host", "stall")}
+        gaps = []
+        for (s0, e0, n0), (s1, e1, n1) in zip(comp, comp[1:]):
+            if s1 > e0:
+                gaps.append((s1 - e0, n0, n1))
+        if comp:
+            gaps.append((comp[0][0] - a, "step start", comp[0][2]))
+            gaps.append((b - comp[-1][1], comp[-1][2], "next step"))
+        gaps.sort(reverse=True)
+        wall = b - a
+        print(f"step {k}: {wall / 1e3:.1f}  compute busy {busy['compute'] / 1e3:.1f} "
+              f"({100 * busy['compute'] / wall:.0f} %), {len(comp)} spans; h2d {busy['h2d'] / 1e3:.1f}, "
+              f"d2h {busy['d2h'] / 1e3:.1f}, stalls {busy['stall'] / 1e3:.1f}, "
+              f"gaps {sum(g for g, _, _ in gaps) / 1e3:.1f}")
+        for g, n0, n1 in gaps[:top]:
+            print(f"    gap {g / 1e3:8.2f}  after {n0} before {n1}")
+
+
+if __name__ == "__main__":
+    main()
