@@ -645,9 +645,10 @@ fn rates_and_run() -> (DecodeRates, BatchRun) {
 
 /// The placement and batch `plan_batch` picks for 8B shapes, checked against
 /// the expected tokens/s computed here from the rates (f64 arithmetic of the
-/// same model: per request its FLOPs at the GEMM rate plus its share of the
-/// steps' reads of resident weights, or its share of the steps' copies of
-/// streamed ones, whichever is longer; a step generates a token for at most
+/// same model: per request the resident layers' part of its FLOPs at the
+/// GEMM rate and its share of the steps' reads of their weights, plus the
+/// streamed layers' part of its FLOPs or its share of the steps' copies of
+/// their weights, whichever is longer; a step generates a token for at most
 /// 32 of every 544 of its rows).
 #[test]
 fn batch_plan_picks_resident_split_or_streamed() -> Result<()> {
@@ -679,7 +680,10 @@ fn batch_plan_picks_resident_split_or_streamed() -> Result<()> {
         let streamed = streamed_layers(p) as f64;
         let copy = streamed * slot / rates.h2d_bytes_per_s;
         let read = (32.0 - streamed) * slot / rates.device_bytes_per_s;
-        32.0 / (compute + share * read).max(share * copy)
+        // The resident layers run first; only the streamed ones overlap
+        // their copies.
+        let part = streamed / 32.0;
+        32.0 / (compute * (1.0 - part) + share * read + (compute * part).max(share * copy))
     };
     // A streamed plan's steps hold as many rows as the GEMM rate computes
     // while its streamed layers are copied, one whole request at least.

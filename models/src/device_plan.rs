@@ -74,7 +74,8 @@ pub struct DevicePlan {
     /// Every layer's input, saved for its recompute (none when offloaded).
     pub saved_inputs: usize,
     /// Tensors of the whole step's rows: the embedding's output, the final
-    /// hidden state and their gradients, a layer's input and output.
+    /// hidden state and their gradients, a layer's input and output, and
+    /// with offloaded inputs the next one brought back ahead of its backward.
     pub step_rows: usize,
     /// One piece's recompute and backward through one layer, and the f32
     /// weight gradients of two layers in flight.
@@ -119,7 +120,7 @@ impl DevicePlan {
             } else {
                 cfg.num_hidden_layers * tokens * h * b
             },
-            step_rows: 6 * tokens * h * b,
+            step_rows: (6 + usize::from(settings.offload_inputs)) * tokens * h * b,
             layer_work: piece * per_token + 2 * layer * 4,
             loss_chunk: 2 * chunk * cfg.vocab_size * 4,
             kept: settings.keep_bytes,

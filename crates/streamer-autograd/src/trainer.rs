@@ -867,8 +867,10 @@ impl TrainableSequential {
         load_window_for_backward(pool, n)?;
         let mut g_next = g_outs;
         let mut g_extras: Vec<Option<Tensor>> = vec![None; saved.extras.len()];
-        if n > 0 {
-            saved.bring_back(n - 1, inputs, pool.device())?;
+        // Two blocks ahead: a copy back waits (on the device) for the compute
+        // issued before it, so it overlaps the block after that.
+        for i in (n.saturating_sub(2)..n).rev() {
+            saved.bring_back(i, inputs, pool.device())?;
         }
         pool.span_end(t0, || "backward setup".into());
         for i in (0..n).rev() {
@@ -1597,8 +1599,9 @@ fn load_window_for_backward(pool: &mut ResidencyPool, n: usize) -> Result<()> {
     Ok(())
 }
 
-/// After block `i`'s backward: frees its input, brings block `i - 1`'s back
-/// and moves the window down one block (releases `i`, loads `i - window`).
+/// After block `i`'s backward: frees its input, brings block `i - 2`'s back
+/// (input and spilled activations) and moves the window down one block
+/// (releases `i`, loads `i - window`).
 fn move_window_back(
     pool: &mut ResidencyPool,
     saved: &mut Saved,
@@ -1609,9 +1612,15 @@ fn move_window_back(
     // Block i's input is spent: its device memory (a whole batch's
     // rows under micro-batching) is free for the blocks before it.
     saved.drop_input(i)?;
-    // Issued after block i's backward, so the copy overlaps it.
-    if i > 0 {
-        saved.bring_back(i - 1, inputs, pool.device())?;
+    // Issued after block i's backward: the copy starts once that has run
+    // (its destination is allocated on the compute stream, so the copy
+    // waits for the work issued before) and overlaps block i - 1's. Bringing
+    // back i - 1 here, its copy ran after block i's compute instead of beside
+    // it: spilling every other layer of an 8B LoRA step on the H200, each
+    // recomputed layer's span was 80 ms against 20 ms for a spilled one
+    // (18 ms of recompute, then the next layer's 2.3 GB coming back).
+    if i > 1 {
+        saved.bring_back(i - 2, inputs, pool.device())?;
     }
     pool.release(i)?;
     if i >= window {
