@@ -45,18 +45,25 @@ def main():
         gaps = []
         for (s0, e0, n0), (s1, e1, n1) in zip(comp, comp[1:]):
             if s1 > e0:
-                gaps.append((s1 - e0, n0, n1))
+                gaps.append((s1 - e0, n0, n1, e0, s1))
         if comp:
-            gaps.append((comp[0][0] - a, "step start", comp[0][2]))
-            gaps.append((b - comp[-1][1], comp[-1][2], "next step"))
+            gaps.append((comp[0][0] - a, "step start", comp[0][2], a, comp[0][0]))
+            gaps.append((b - comp[-1][1], comp[-1][2], "next step", comp[-1][1], b))
         gaps.sort(reverse=True)
         wall = b - a
         print(f"step {k}: {wall / 1e3:.1f}  compute busy {busy['compute'] / 1e3:.1f} "
               f"({100 * busy['compute'] / wall:.0f} %), {len(comp)} spans; h2d {busy['h2d'] / 1e3:.1f}, "
               f"d2h {busy['d2h'] / 1e3:.1f}, stalls {busy['stall'] / 1e3:.1f}, "
-              f"gaps {sum(g for g, _, _ in gaps) / 1e3:.1f}")
-        for g, n0, n1 in gaps[:top]:
+              f"gaps {sum(g[0] for g in gaps) / 1e3:.1f}")
+        host = [e for e in ev if e["cat"] == "host" and "issued" not in e["name"]]
+        for g, n0, n1, g0, g1 in gaps[:top]:
             print(f"    gap {g / 1e3:8.2f}  after {n0} before {n1}")
+            # The host's named phases that overlap the gap (the trainer's own,
+            # the pool's waits): what the GPU sat idle behind.
+            for e in sorted(host, key=lambda e: e["ts"]):
+                s0, s1 = e["ts"], e["ts"] + e["dur"]
+                if s1 > g0 and s0 < g1 and e["dur"] >= 1e3:
+                    print(f"        host {e['name']}: {e['dur'] / 1e3:.1f}")
 
 
 if __name__ == "__main__":

@@ -343,7 +343,9 @@ impl LmTrainer {
     /// further step and save (resume from the last checkpoint).
     pub fn step(&mut self, inputs: &Tensor, targets: &Tensor) -> Result<f32> {
         self.check_usable()?;
-        let loss = self.model.loss(inputs, targets)?;
+        let loss = spanned(&self.model, "loss (forward, head)", || {
+            self.model.loss(inputs, targets)
+        })?;
         let value = self.finite_loss(&loss, "")?;
         let stepped = self.backward_and_step(&loss, (&[], &GradStore::default()));
         let zeroed = self.model.zero_grad();
@@ -359,10 +361,16 @@ impl LmTrainer {
         let device = self.opt.place() == OptimizerPlace::Device;
         match (self.overlap || device, self.model.trainable_layers()) {
             (true, Some(layers)) => {
-                let r = self.opt.backward_step(layers, loss).and_then(|mut grads| {
-                    self.model.outer_grads_to_masters(&mut grads)?;
+                let model = &self.model;
+                let (opt, outer) = (&mut self.opt, &self.outer);
+                let r = opt.backward_step(layers, loss).and_then(|mut grads| {
+                    spanned(model, "outer gradients to their masters", || {
+                        model.outer_grads_to_masters(&mut grads)
+                    })?;
                     add_grads(&mut grads, earlier)?;
-                    self.opt.step_params(&grads, &self.outer)
+                    spanned(model, "outer step (embedding, norm, head)", || {
+                        opt.step_params(&grads, outer)
+                    })
                 });
                 if let Err(e) = &r {
                     self.broken = Some(e.to_string());
@@ -813,4 +821,20 @@ pub fn train_loop(
         });
     }
     Ok(losses)
+}
+
+/// Runs `f`, recorded as the host span `name` on the streamed layers'
+/// timeline when one is being recorded (`StreamConfig::timeline`): the
+/// trainer's own phases beside the pool's copies and compute.
+fn spanned<T>(model: &Llama, name: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let Some(layers) = model
+        .trainable_layers()
+        .filter(|l| l.inner().timeline_on())
+    else {
+        return f();
+    };
+    let t0 = Instant::now();
+    let r = f();
+    layers.inner().record_host_span(name, t0, Instant::now())?;
+    r
 }
