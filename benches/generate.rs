@@ -376,7 +376,7 @@ fn main() -> Result<()> {
     println!("{name}: host weights in {:.1} s", t.elapsed().as_secs_f64());
     let rates = DecodeRates::measure(&cfg, dtype, &dev)?;
     println!(
-        "rates: H2D {:.1} GB/s, device copies {:.0} GB/s, dense {dtype:?} GEMM {:.0} TFLOP/s",
+        "rates: H2D {:.1} GB/s, weight reads {:.0} GB/s, dense {dtype:?} GEMM {:.0} TFLOP/s",
         rates.h2d_bytes_per_s / 1e9,
         rates.device_bytes_per_s / 1e9,
         rates.flops_per_s / 1e12

@@ -408,7 +408,11 @@ fn run(
                 t.set_learning_rate(lr);
                 Ok(t.step_micro(x, y, micro)?)
             })?;
-            per_step = Some(where_time_goes(t.model(), shape.2 + 1, &format!("{name}-{mode}"))?);
+            per_step = Some(where_time_goes(
+                t.model(),
+                shape.2 + 1,
+                &format!("{name}-{mode}"),
+            )?);
             (m, cfg.num_params())
         }
         "lora" => {
@@ -440,7 +444,11 @@ fn run(
                 model.zero_grad()?;
                 Ok(loss.to_scalar::<f32>()?)
             })?;
-            per_step = Some(where_time_goes(&model, shape.2 + 1, &format!("{name}-{mode}"))?);
+            per_step = Some(where_time_goes(
+                &model,
+                shape.2 + 1,
+                &format!("{name}-{mode}"),
+            )?);
             (m, n)
         }
         other => bail!("unknown LORA_BENCH_MODES entry {other:?} (lora or full)"),

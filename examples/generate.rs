@@ -751,7 +751,7 @@ mod batch {
             .with_context(|| format!("--device-budget {budget}"))?;
         eprintln!(
             "--device-budget {budget} ({:.2} GiB held already): {p} (rates: H2D {:.1} GB/s, \
-             device copies {:.0} GB/s, GEMM {:.0} TFLOP/s)",
+             weight reads {:.0} GB/s, GEMM {:.0} TFLOP/s)",
             held as f64 / (1u64 << 30) as f64,
             rates.h2d_bytes_per_s / 1e9,
             rates.device_bytes_per_s / 1e9,

@@ -294,9 +294,8 @@ impl BatchPlacement {
 pub struct DecodeRates {
     /// Host-to-device copies from page-locked memory, bytes/s.
     pub h2d_bytes_per_s: f64,
-    /// Device memory read and written by a device-to-device copy, bytes/s:
-    /// a decode step of few rows reads every resident weight once at about
-    /// this rate.
+    /// A resident weight read by a GEMM of few rows, bytes/s: a decode step
+    /// reads every resident weight once at about this rate.
     pub device_bytes_per_s: f64,
     /// A dense GEMM of the MLP's shape over 4096 rows, FLOP/s (an upper
     /// bound on what a step's kernels reach).
@@ -304,20 +303,29 @@ pub struct DecodeRates {
 }
 
 impl DecodeRates {
-    /// Probes `device` (a few hundred MiB of copies and one GEMM, freed
-    /// before returning; medians after a warm-up).
+    /// Probes `device` (256 MiB of copies up, GEMMs of the MLP's weight
+    /// against 4096 rows and against 64, freed before returning; medians
+    /// after a warm-up). The weight's read rate is timed over 16 GEMMs of 64
+    /// rows, each too short to time alone. (A device-to-device copy stood
+    /// for it before: 522 GB/s on the H200, where the resident 8B decode in
+    /// 24 GiB ran at 1.40x the prediction made from such a probe.)
     pub fn measure(cfg: &LlamaConfig, dtype: DType, device: &Device) -> Result<Self> {
-        let probe = 256 << 20;
-        let h2d = streamer_device::measure_h2d_gbps(device, probe, 5)? * 1e9;
-        let x = Tensor::zeros(probe / 4, DType::F32, device)?;
-        let copy = median_secs(device, || x.copy().map(drop))?;
-        let a = Tensor::randn(0f32, 1.0, (4096, cfg.hidden_size), device)?.to_dtype(dtype)?;
+        const READS: usize = 16;
+        let h2d = streamer_device::measure_h2d_gbps(device, 256 << 20, 5)? * 1e9;
+        let rows = |n: usize| -> Result<Tensor> {
+            Tensor::randn(0f32, 1.0, (n, cfg.hidden_size), device)?.to_dtype(dtype)
+        };
+        let (a, thin) = (rows(4096)?, rows(64)?);
         let b = Tensor::randn(0f32, 1.0, (cfg.hidden_size, cfg.intermediate_size), device)?
             .to_dtype(dtype)?;
         let gemm = median_secs(device, || a.matmul(&b).map(drop))?;
+        let reads = median_secs(device, || {
+            (0..READS).try_for_each(|_| thin.matmul(&b).map(drop))
+        })?;
+        let weight = (b.elem_count() * dtype.size_in_bytes() * READS) as f64;
         Ok(Self {
             h2d_bytes_per_s: h2d,
-            device_bytes_per_s: 2.0 * probe as f64 / copy,
+            device_bytes_per_s: weight / reads,
             flops_per_s: 2.0 * (4096 * cfg.hidden_size * cfg.intermediate_size) as f64 / gemm,
         })
     }
@@ -448,9 +456,8 @@ impl BatchPlan {
         let per_step = (sequences as f64).min(run.step_rows as f64 * g / (p + g).max(1.0));
         let share = g / per_step.max(1.0);
         let part = streamed as f64 / cfg.num_hidden_layers.max(1) as f64;
-        let request_s = compute * (1.0 - part)
-            + share * read_floor
-            + (compute * part).max(share * copy_floor);
+        let request_s =
+            compute * (1.0 - part) + share * read_floor + (compute * part).max(share * copy_floor);
         Ok(Self {
             placement,
             sequences,

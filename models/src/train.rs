@@ -827,10 +827,7 @@ pub fn train_loop(
 /// timeline when one is being recorded (`StreamConfig::timeline`): the
 /// trainer's own phases beside the pool's copies and compute.
 fn spanned<T>(model: &Llama, name: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    let Some(layers) = model
-        .trainable_layers()
-        .filter(|l| l.inner().timeline_on())
-    else {
+    let Some(layers) = model.trainable_layers().filter(|l| l.inner().timeline_on()) else {
         return f();
     };
     let t0 = Instant::now();
