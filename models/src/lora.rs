@@ -11,7 +11,7 @@
 //! PEFT loads ours and we load PEFT's. [`LoraAdapters::merge_into`] folds them
 //! into the base weights.
 use crate::config::LlamaConfig;
-use candle_core::{bail, DType, Device, Result, Tensor, Var};
+use candle_core::{bail, DType, Device, Result, Tensor, Var, D};
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::Path;
@@ -254,8 +254,15 @@ impl LoraLayout {
         } else {
             x.clone()
         };
-        let delta = x.broadcast_matmul(&a.t()?)?.broadcast_matmul(&b.t()?)?;
-        base + (delta * self.scale)?
+        // As rows: one GEMM each for A and B. Broadcast over the batch, each
+        // is a batched GEMM of a few rows against r columns, which made a
+        // recomputed 8B LoRA layer's forward 24 ms against 18 ms for the
+        // hand-written backward's forward (rows already) on the H200.
+        let width = x.dim(D::Minus1)?;
+        let rows = x.reshape(((), width))?;
+        let delta = rows.matmul(&a.t()?)?.matmul(&b.t()?)?;
+        let delta = (delta.reshape(base.shape())? * self.scale)?;
+        base + delta
     }
 }
 
