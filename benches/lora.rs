@@ -4,8 +4,9 @@
 //! steps AdamW over every weight (`LmTrainer`; on the device by default on a
 //! GPU, `LORA_BENCH_OPTIMIZER=host` for `CpuAdamW` overlapped with
 //! backward), the compute dtype for LoRA, which freezes the base (no gradient
-//! for it, embedding and head included) and steps candle-nn AdamW on the
-//! device over the adapters only.
+//! for it, embedding and head included) and steps `DeviceAdamW` over the
+//! adapters only (one fused kernel a tensor; the LoRA rows of
+//! `quantized-h100.json` and `quantized-h200.json` stepped candle-nn AdamW).
 //!
 //!     cargo bench --bench lora [--features cuda]
 //!
@@ -430,12 +431,13 @@ fn run(
             }
             let vars: Vec<_> = model.lora()?.map(|a| a.vars()).unwrap_or_default();
             let n = vars.iter().map(|(_, v)| v.elem_count()).sum();
-            let mut opt = candle_nn::AdamW::new(
+            let mut opt = streamer_autograd::DeviceAdamW::new(
                 vars.into_iter().map(|(_, v)| v).collect(),
                 ParamsAdamW {
                     lr: LR,
                     ..Default::default()
                 },
+                dev,
             )?;
             let m = measure((dev, cap.held()), &data, shape, |x, y, lr| {
                 opt.set_learning_rate(lr);

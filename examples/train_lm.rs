@@ -792,7 +792,13 @@ mod lora {
             weight_decay: a.weight_decay,
             ..Default::default()
         };
-        let mut opt = candle_nn::AdamW::new(vars.iter().map(|(_, v)| v.clone()).collect(), params)?;
+        // One fused kernel a tensor (candle-nn's AdamW is a dozen element-wise
+        // ops each: thousands of launches a step over seven adapted projections).
+        let mut opt = streamer_autograd::DeviceAdamW::new(
+            vars.iter().map(|(_, v)| v.clone()).collect(),
+            params,
+            &dev,
+        )?;
         let dir = a.out.join("adapter");
         let base = a.model.as_ref().map(|m| m.display().to_string());
         let progress = Progress::new(0, opts.steps, a.save.log_every);
