@@ -82,6 +82,7 @@ pub mod llama;
 pub mod lora;
 pub mod mlp_plan;
 pub mod ops;
+mod outer_host;
 pub mod pretrained;
 pub mod prompt_file;
 pub mod quantization_config;

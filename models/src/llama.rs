@@ -572,6 +572,9 @@ pub struct Llama {
     /// The last training forward's device copies of host masters, as leaf
     /// variables, with their masters ([`Llama::outer_grads_to_masters`]).
     outer_leaves: Arc<std::sync::Mutex<Vec<(Var, Var)>>>,
+    /// The host masters of the embedding, norm and head pinned, with
+    /// page-locked buffers for their gradients ([`Llama::pin_outer_masters`]).
+    outer_host: Arc<std::sync::Mutex<Option<crate::outer_host::OuterHost>>>,
     /// Decoder layers kept on the device ahead of the streamed ones
     /// ([`Llama::streamed_keeping`]; inference only), layer 0 first.
     front: Vec<DecoderLayer>,
@@ -691,6 +694,7 @@ impl Llama {
             quantized: Vec::new(),
             loss_chunk: Default::default(),
             outer_leaves: Default::default(),
+            outer_host: Default::default(),
             front: Vec::new(),
         })
     }
@@ -1163,6 +1167,61 @@ impl Llama {
                 let g = g.to_dtype(master.dtype())?.to_device(master.device())?;
                 streamer_autograd::accumulate_grad(grads, master.as_tensor(), g)?;
             }
+        }
+        Ok(())
+    }
+
+    /// Locks the pages of a streamed model's embedding, norm and head host
+    /// masters in place and makes page-locked buffers for their gradients,
+    /// for a trainer that steps them on the host: the forward's copies of
+    /// them become DMA, and [`Llama::outer_grads_down`] brings their
+    /// gradients down by DMA. Nothing to do for masters already on the
+    /// device.
+    pub(crate) fn pin_outer_masters(&self) -> Result<()> {
+        let Outer::Host { embed, norm, head } = &self.outer else {
+            return Ok(());
+        };
+        if !embed.device().is_cpu() || self.device.is_cpu() {
+            return Ok(());
+        }
+        let masters: Vec<&Var> = [Some(embed), Some(norm), head.as_ref()]
+            .into_iter()
+            .flatten()
+            .collect();
+        let pinned = crate::outer_host::OuterHost::new(&self.device, &masters)?;
+        *self.lock_outer_host()? = Some(pinned);
+        Ok(())
+    }
+
+    fn lock_outer_host(
+        &self,
+    ) -> Result<std::sync::MutexGuard<'_, Option<crate::outer_host::OuterHost>>> {
+        self.outer_host
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("outer host buffers: poisoned".into()))
+    }
+
+    /// [`Llama::outer_grads_to_masters`] through the page-locked buffers of
+    /// [`Llama::pin_outer_masters`] when it ran (else the same as it): the
+    /// gradients it leaves in `grads` are those buffers, which the next call
+    /// rewrites, so step with them before the next backward.
+    pub(crate) fn outer_grads_down(&self, grads: &mut GradStore) -> Result<()> {
+        let mut host = self.lock_outer_host()?;
+        let Some(host) = host.as_mut() else {
+            return self.outer_grads_to_masters(grads);
+        };
+        let leaves = std::mem::take(
+            &mut *self
+                .outer_leaves
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("outer leaves: poisoned".into()))?,
+        );
+        let on_device: Vec<(Var, Tensor)> = leaves
+            .into_iter()
+            .filter_map(|(leaf, master)| grads.remove(leaf.as_tensor()).map(|g| (master, g)))
+            .collect();
+        for (master, g) in host.bring_down(on_device)? {
+            streamer_autograd::accumulate_grad(grads, master.as_tensor(), g)?;
         }
         Ok(())
     }

@@ -220,6 +220,9 @@ impl LmTrainer {
         if place == OptimizerPlace::Device && model.device().is_cuda() {
             // Stepped where their moments are, with no host round trips.
             model = model.outer_masters_to_device()?;
+        } else {
+            // Stepped on the host: their copies each way by DMA.
+            model.pin_outer_masters()?;
         }
         let named = model.parameters();
         let names: Vec<String> = named.iter().map(|(n, _)| n.clone()).collect();
@@ -365,7 +368,7 @@ impl LmTrainer {
                 let (opt, outer) = (&mut self.opt, &self.outer);
                 let r = opt.backward_step(layers, loss).and_then(|mut grads| {
                     spanned(model, "outer gradients to their masters", || {
-                        model.outer_grads_to_masters(&mut grads)
+                        model.outer_grads_down(&mut grads)
                     })?;
                     add_grads(&mut grads, earlier)?;
                     spanned(model, "outer step (embedding, norm, head)", || {

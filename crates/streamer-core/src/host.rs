@@ -170,6 +170,51 @@ impl HostMasters {
     }
 }
 
+/// A host tensor's pages locked in place (registered with the driver), so
+/// copies between it and a device are DMA; unregistered when this is
+/// dropped, before the tensor it holds can free the memory.
+#[cfg(feature = "cuda")]
+pub struct PinnedHost {
+    // Declared first so it is dropped first.
+    region: Option<crate::pages::PinnedRegion>,
+    tensor: candle_core::Tensor,
+}
+
+#[cfg(feature = "cuda")]
+impl PinnedHost {
+    /// Locks the pages of `t` (a contiguous CPU tensor; a variable's tensor
+    /// pins the variable) for copies with `device`'s context. A registration
+    /// the driver refuses leaves it pageable: its copies are slower, not
+    /// wrong ([`Self::is_pinned`] says which).
+    pub fn new(device: &candle_core::CudaDevice, t: &candle_core::Tensor) -> Result<Self> {
+        let (ptr, bytes) = host_bytes(t)?;
+        // SAFETY: the range is `t`'s own storage, which the clone kept below
+        // holds alive until after the registration is dropped (declared
+        // first).
+        let region = unsafe {
+            crate::pages::PinnedRegion::register(
+                device.cuda_stream().context(),
+                ptr as *mut u8,
+                bytes,
+            )?
+        };
+        Ok(Self {
+            region,
+            tensor: t.clone(),
+        })
+    }
+
+    /// Whether the driver locked the pages.
+    pub fn is_pinned(&self) -> bool {
+        self.region.is_some()
+    }
+
+    /// The pinned tensor.
+    pub fn tensor(&self) -> &candle_core::Tensor {
+        &self.tensor
+    }
+}
+
 #[cfg(feature = "cuda")]
 /// The host address and byte length of a contiguous CPU tensor's data.
 #[cfg(feature = "cuda")]
