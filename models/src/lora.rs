@@ -254,10 +254,11 @@ impl LoraLayout {
         } else {
             x.clone()
         };
-        // As rows: one GEMM each for A and B. Broadcast over the batch, each
-        // is a batched GEMM of a few rows against r columns, which made a
-        // recomputed 8B LoRA layer's forward 24 ms against 18 ms for the
-        // hand-written backward's forward (rows already) on the H200.
+        // As rows: one GEMM each for A and B, not one batched GEMM of r
+        // columns a sequence. On the H200 the plain forward of an 8B LoRA
+        // layer took 24 ms against 18 ms for the hand-written backward's
+        // forward, which multiplies rows
+        // (`benches/results/qlora-spill-timeline-h200.json`).
         let width = x.dim(D::Minus1)?;
         let rows = x.reshape(((), width))?;
         let delta = rows.matmul(&a.t()?)?.matmul(&b.t()?)?;
