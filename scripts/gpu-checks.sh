@@ -33,7 +33,8 @@
 #                                          # 8 x 2,048 and 2 x 8,192 tokens a step (the training
 #                                          # issue's no-regression and long-sequence rows; ~119 GiB
 #                                          # of device memory: an H200 only; ~500 s;
-#                                          # train8b-2k runs the 2,048-token row only)
+#                                          # train8b-2k runs the 2,048-token row only;
+#                                          # each row writes the pool's timeline)
 #   bash scripts/gpu-checks.sh train8b-cap24  # 8B full fine-tune in a 24 GiB cap, host AdamW with
 #                                          # bf16 moments, inputs offloaded, 4 x 8 x 2,048 tokens
 #                                          # in one weight visit, with the pool's timeline (the
@@ -97,7 +98,8 @@ for stage in "$@"; do
       r tests GPU_TEST_TOPICS="batch_generate pretrained" timeout 150 bash "$B/run.sh" tests
       ;;&
     generate8 | split)
-      r gen8 $G GEN_BENCH_BATCHES=${GEN8_BATCHES:-1,64,256} GEN_BENCH_DEVICE_BUDGET_GIB=24 timeout 300 bash "$B/run.sh" benches
+      r gen8 $G GEN_BENCH_BATCHES=${GEN8_BATCHES:-1,64,256} GEN_BENCH_DEVICE_BUDGET_GIB=24 \
+        GEN_BENCH_TIMELINE="$OUT/res/gen8" timeout 300 bash "$B/run.sh" benches
       r gen8k $G GEN_BENCH_BATCHES=1 GEN_BENCH_RESIDENT=24 timeout 90 bash "$B/run.sh" benches
       r torch8 PY_ARGS_generate_torch="--batches 16,64,128 --gpu-budget-gib 24.0" GPU_ONLY=generate_torch \
         timeout 240 bash "$B/run.sh" benches
@@ -117,10 +119,11 @@ for stage in "$@"; do
       ;;
     train8b | train8b-2k)
       r full2k GPU_ONLY=bench-lora LORA_BENCH=8b LORA_BENCH_MODES=full LORA_BENCH_STEPS=3 \
-        timeout 250 bash "$B/run.sh" benches
+        LORA_BENCH_TIMELINE="$OUT/res/full2k" timeout 250 bash "$B/run.sh" benches
       [ "$stage" = train8b-2k ] && continue
       r full8k GPU_ONLY=bench-lora LORA_BENCH=8b LORA_BENCH_MODES=full LORA_BENCH_STEPS=3 \
-        LORA_BENCH_BATCH=2 LORA_BENCH_SEQ=8192 timeout 250 bash "$B/run.sh" benches
+        LORA_BENCH_BATCH=2 LORA_BENCH_SEQ=8192 LORA_BENCH_TIMELINE="$OUT/res/full8k" \
+        timeout 250 bash "$B/run.sh" benches
       ;;
     train14b | train14b-f32 | train14b-bf16)
       if [ "$stage" != train14b-bf16 ]; then
