@@ -16,6 +16,7 @@ mod cuda_chain;
 mod decoder_backward;
 mod device_budget;
 mod dist;
+mod doc_paths;
 mod families;
 mod faults;
 mod fused_linear;
