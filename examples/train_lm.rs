@@ -165,7 +165,10 @@ struct Args {
     /// fine-tuning then picks the optimizer's place, the activations, the
     /// sequences a layer runs over at a time and the layer window whose step
     /// fits (printed before loading), and the rest of the GPU is held back so
-    /// that nothing can use more.
+    /// that nothing can use more. A LoRA run (`--lora-r`, QLoRA with
+    /// `--quantize`) has no optimizer state worth placing: the rest of the GPU
+    /// is held back and `--activations` (default auto: keep what fits in half
+    /// of the memory free under the budget at each step) decides the rest.
     #[arg(long)]
     device_budget: Option<String>,
     /// AdamW's moments: `f32` (8 bytes per parameter) or `bf16` (4 bytes,
@@ -372,6 +375,8 @@ fn main() -> Result<()> {
     let opts = loop_options(&a, &cfg, &corpus, &ckpt)?;
     let prefetch = prefetch(&a, &cfg, dtype)?;
     let (budget, opts) = device_budget(&a, &cfg, opts, (&dev, dtype))?;
+    // Held until the run ends.
+    let _lora_cap = lora_device_cap(&a, &dev)?;
     let place: OptimizerPlace = match &budget {
         Some((plan, _)) => plan.settings.place,
         None => a
@@ -512,8 +517,11 @@ fn device_budget(
     mut opts: LoopOptions,
     (dev, dtype): (&Device, DType),
 ) -> Result<(Option<(DevicePlan, DeviceCap)>, LoopOptions)> {
+    if a.lora_r.is_some() {
+        // A LoRA run's budget is a cap alone (`lora_device_cap`).
+        return Ok((None, opts));
+    }
     let chosen = [
-        ("--lora-r", a.lora_r.is_some()),
         ("--optimizer", a.optimizer.is_some()),
         ("--activations", a.activations.is_some()),
         ("--prefetch", a.prefetch.is_some()),
@@ -581,6 +589,35 @@ fn device_budget(
     opts.batch = plan.settings.piece_rows;
     opts.micro_batches = rows / plan.settings.piece_rows;
     Ok((Some((plan, cap)), opts))
+}
+
+/// `--device-budget` of a LoRA run: all of the GPU beyond the budget held
+/// back for the whole run (the driver refuses anything more), within which
+/// the adapters' run keeps what activations `--activations` says. No cap
+/// without `--lora-r` or `--device-budget`.
+fn lora_device_cap(a: &Args, dev: &Device) -> Result<DeviceCap> {
+    let (Some(text), Some(_)) = (&a.device_budget, a.lora_r) else {
+        return Ok(DeviceCap::none());
+    };
+    let what = format!("--device-budget {text}");
+    if dev.is_cpu() {
+        bail!("{what}: it budgets a CUDA device, and this run is on the CPU");
+    }
+    let chosen = [
+        ("--prefetch", a.prefetch.is_some()),
+        ("--gpu-weight-budget", a.gpu_weight_budget.is_some()),
+    ];
+    if let Some((flag, _)) = chosen.iter().find(|(_, given)| *given) {
+        bail!("{what} keeps two layers of the base on the device: it cannot go with {flag}");
+    }
+    let budget = parse_bytes(text).with_context(|| format!("--device-budget {text:?}"))?;
+    let cap = DeviceCap::hold(dev, budget).with_context(|| what.clone())?;
+    println!(
+        "train_lm: LoRA in {what}: {:.1} GiB of the GPU held back; activations {}",
+        cap.held() as f64 / (1u64 << 30) as f64,
+        a.activations.as_deref().unwrap_or("auto")
+    );
+    Ok(cap)
 }
 
 /// `--optimizer-state` if given.
