@@ -211,7 +211,8 @@ fn resident_fused_backward_matches_autograd(dev: &Device) -> Result<()> {
 candle_streamer::test_device!(resident_fused_backward_matches_autograd);
 
 /// The trainer's recompute (`ManualBackward::recompute_ctx`, which skips the
-/// output's last GEMM) saves what the training forward saves, for a decoder
+/// output's last GEMM) saves what the training forward saves, and
+/// `saved_bytes` counts exactly what that takes, for a decoder
 /// layer and a `FusedMlp` block, in f32 and (on CUDA) bf16: to 1e-6 of each
 /// tensor's largest value (the same kernels on the same inputs). With LoRA on
 /// down_proj the recompute still runs it (its adapter part is saved):
@@ -233,6 +234,19 @@ fn recompute_saves_what_forward_saves(dev: &Device) -> Result<()> {
             for (k, (a, b)) in got.0.iter().zip(&want.0).enumerate() {
                 ensure_close(&format!("{what}: saved {k}"), a, b, 1e-6)?;
             }
+            // What a plan reserves for kept activations is what they take
+            // (the rotary tables, shared by every layer, apart).
+            let bytes = |ts: &[Tensor]| -> usize {
+                ts.iter()
+                    .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+                    .sum()
+            };
+            let kept = bytes(&want.0) - bytes(extras);
+            let counted = man.saved_bytes(x.shape(), x.dtype());
+            ensure!(
+                counted == kept,
+                "{what}: saved_bytes {counted}, the saved tensors take {kept}"
+            );
             Ok(())
         };
     let cfg = LlamaConfig {

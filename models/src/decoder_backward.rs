@@ -10,8 +10,11 @@
 //! - forward keeps `x`, both norms' outputs, the rotated `q`, `k`, `v`, the
 //!   attention output (once, in cqsa's head-major layout: its row-major copy
 //!   for the output projection's weight gradient is remade in backward) and
-//!   its log-sum-exp, the residual `x_mid`, and `gate`, `up`,
-//!   `silu(gate) * up` (and the call's rotary tables);
+//!   its log-sum-exp, the residual `x_mid`, and `gate` and `up` (and the
+//!   call's rotary tables); `silu(gate) * up`, which the down projection's
+//!   weight gradient needs, is made again in backward (one element-wise pass)
+//!   rather than kept: at Llama 3.1 8B's shapes it is a fifth of what a layer
+//!   keeps;
 //! - backward is the GEMMs of each projection (input and weight gradient),
 //!   cqsa's attention backward from the kept log-sum-exp, RMSNorm's closed
 //!   form, RoPE's inverse rotation and SwiGLU's derivative.
@@ -54,7 +57,22 @@ fn mm_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 /// The activations every layer keeps, in order (see the module docs); a layer
 /// with q/k norms keeps the normalised projections' inputs after them.
-const SAVED: usize = 14;
+const SAVED: usize = 13;
+
+/// Elements a layer keeps per row of its input (the module docs' list; its
+/// softmax statistics, in f32, apart): `hidden` wide (x, h1, x_mid, h2), `q`
+/// wide (q, o), `kv` wide (k, v), `m` wide (gate, up), and with q/k norms the
+/// projections before them. The decoder layer's `saved_bytes` and the device
+/// plan count it.
+pub(crate) fn kept_elems_per_row(
+    hidden: usize,
+    (q, kv): (usize, usize),
+    m: usize,
+    qk_norm: bool,
+) -> usize {
+    let pre = if qk_norm { q + kv } else { 0 };
+    4 * hidden + 2 * q + 2 * kv + 2 * m + pre
+}
 
 /// `x W^T + b` with the bias (when the layer has one) broadcast over rows.
 fn linear(x: &Tensor, l: &candle_nn::Linear) -> Result<Tensor> {
@@ -138,11 +156,12 @@ impl DecoderLayer {
     fn mlp_backward(
         &self,
         dy: Tensor,
-        [x_mid, h2, gate, up, act]: [Tensor; 5],
+        [x_mid, h2, gate, up]: [Tensor; 4],
         lora: &LoraTerms,
         grads: &mut Vec<(Tensor, Tensor)>,
     ) -> Result<Tensor> {
-        // y = x_mid + act W_down^T
+        // y = x_mid + act W_down^T, act made again as the forward made it.
+        let act = swiglu(&gate, &up)?;
         let (d_act, gw) = linear_grads(&dy, &act, self.down_proj.weight())?;
         grads.extend(gw);
         let d_act = lora.add(6, &act, &dy, d_act, grads)?;
@@ -232,18 +251,18 @@ impl DecoderLayer {
         drop(attn);
         let gate = proj(4, &h2, mm_t(&h2, self.gate_proj.weight())?)?;
         let up = proj(5, &h2, mm_t(&h2, self.up_proj.weight())?)?;
-        let act = swiglu(&gate, &up)?;
         // The output (skipped for a recompute, unless down_proj's adapter must
         // save its part).
         let down_adapted = lora.as_ref().is_some_and(|(l, _)| l.targets.contains(&6));
         let y = if output || down_adapted {
+            let act = swiglu(&gate, &up)?;
             Some((&x_mid + proj(6, &act, mm_t(&act, self.down_proj.weight())?)?)?)
         } else {
             None
         };
         let (cos, sin) = (cos.clone(), sin.clone());
         drop(o2);
-        let mut saved = vec![x2, h1, q, k, v, o, lse, x_mid, h2, gate, up, act, cos, sin];
+        let mut saved = vec![x2, h1, q, k, v, o, lse, x_mid, h2, gate, up, cos, sin];
         if self.qk_norm.is_some() {
             saved.extend([q_pre, k_pre]);
         }
@@ -281,10 +300,9 @@ impl ManualBackward for DecoderLayer {
         let rows = x.elem_count() / hidden;
         let (q, kv) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
         let m = self.gate_proj.weight().dim(0).unwrap_or(0);
-        // x, h1, x_mid, h2; q, o; k, v; gate, up, act; (q, k before their
-        // norms); lse in f32.
-        let pre = if self.qk_norm.is_some() { q + kv } else { 0 };
-        let elems = rows * (4 * hidden + 2 * q + 2 * kv + 3 * m + pre) + self.lora_elems(rows);
+        // lse in f32 apart.
+        let per_row = kept_elems_per_row(hidden, (q, kv), m, self.qk_norm.is_some());
+        let elems = rows * per_row + self.lora_elems(rows);
         elems * dtype.size_in_bytes() + rows * self.heads * 4
     }
 
@@ -312,7 +330,7 @@ impl ManualBackward for DecoderLayer {
         let acts: [Tensor; SAVED] = acts
             .try_into()
             .map_err(|_| candle_core::Error::Msg("decoder layer: saved activations".into()))?;
-        let [x2, h1, q, k, v, o, lse, x_mid, h2, gate, up, act, cos, sin] = acts;
+        let [x2, h1, q, k, v, o, lse, x_mid, h2, gate, up, cos, sin] = acts;
         let (b, n) = (q.dim(0)?, q.dim(2)?);
         let hidden = x2.dim(1)?;
         if grad.dims() != [b, n, hidden] || grad.dtype() != x2.dtype() {
@@ -325,7 +343,7 @@ impl ManualBackward for DecoderLayer {
         }
         let dy = grad.reshape((b * n, hidden))?.contiguous()?;
         let mut grads = Vec::with_capacity(16);
-        let d_mid = self.mlp_backward(dy, [x_mid, h2, gate, up, act], &lora, &mut grads)?;
+        let d_mid = self.mlp_backward(dy, [x_mid, h2, gate, up], &lora, &mut grads)?;
         // x_mid = x + o2 W_o^T (+ b_o)
         let o2 = self.rows(&o, b, n)?;
         let (d_o2, gw) = linear_grads(&d_mid, &o2, self.o_proj.weight())?;

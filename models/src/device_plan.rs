@@ -376,7 +376,7 @@ impl DevicePlan {
 
 /// One layer's kept activations for a whole step: what the decoder layer's
 /// `ManualBackward::saved_bytes` counts (its inputs, the normed inputs, the
-/// attention's q, k, v and output, the MLP's gate, up and product, the
+/// attention's q, k, v and output, the MLP's gate and up, the
 /// softmax statistics), without adapters.
 fn kept_layer_bytes(cfg: &LlamaConfig, shape: StepShape) -> usize {
     let rows = shape.rows * shape.seq;
@@ -384,9 +384,13 @@ fn kept_layer_bytes(cfg: &LlamaConfig, shape: StepShape) -> usize {
         cfg.num_attention_heads * cfg.head_dim(),
         cfg.num_kv_heads() * cfg.head_dim(),
     );
-    let pre = if cfg.qk_norm() { q + kv } else { 0 };
-    let elems = rows * (4 * cfg.hidden_size + 2 * q + 2 * kv + 3 * cfg.intermediate_size + pre);
-    elems * shape.dtype.size_in_bytes() + rows * cfg.num_attention_heads * 4
+    let per_row = crate::decoder_backward::kept_elems_per_row(
+        cfg.hidden_size,
+        (q, kv),
+        cfg.intermediate_size,
+        cfg.qk_norm(),
+    );
+    rows * per_row * shape.dtype.size_in_bytes() + rows * cfg.num_attention_heads * 4
 }
 
 /// A plan's expected step (see [`DevicePlan::expect`]).
