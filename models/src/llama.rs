@@ -1202,10 +1202,13 @@ impl Llama {
     }
 
     /// [`Llama::outer_grads_to_masters`] through the page-locked buffers of
-    /// [`Llama::pin_outer_masters`] when it ran (else the same as it): the
-    /// gradients it leaves in `grads` are those buffers, which the next call
-    /// rewrites, so step with them before the next backward.
-    pub(crate) fn outer_grads_down(&self, grads: &mut GradStore) -> Result<()> {
+    /// [`Llama::pin_outer_masters`] when it ran (else the same as it).
+    ///
+    /// # Safety
+    /// The gradients it leaves in `grads` are those buffers, which the next
+    /// call rewrites by DMA: none of them may be read while a later call runs
+    /// (step with them, then drop them).
+    pub(crate) unsafe fn outer_grads_down(&self, grads: &mut GradStore) -> Result<()> {
         let mut host = self.lock_outer_host()?;
         let Some(host) = host.as_mut() else {
             return self.outer_grads_to_masters(grads);
@@ -1220,7 +1223,9 @@ impl Llama {
             .into_iter()
             .filter_map(|(leaf, master)| grads.remove(leaf.as_tensor()).map(|g| (master, g)))
             .collect();
-        for (master, g) in host.bring_down(on_device)? {
+        // SAFETY: forwarded to the caller (the buffers are not read during a
+        // later call).
+        for (master, g) in unsafe { host.bring_down(on_device)? } {
             streamer_autograd::accumulate_grad(grads, master.as_tensor(), g)?;
         }
         Ok(())

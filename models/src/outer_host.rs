@@ -50,9 +50,16 @@ impl OuterHost {
 
     /// Brings each `(master, gradient on the device)` down into the master's
     /// buffer, in the master's dtype, all the copies queued before one wait.
-    /// Returns `(master, buffer)` pairs. The buffers are rewritten by the next
-    /// call: read them before it.
-    pub(crate) fn bring_down(&mut self, grads: Vec<(Var, Tensor)>) -> Result<Vec<(Var, Tensor)>> {
+    /// Returns `(master, buffer)` pairs.
+    ///
+    /// # Safety
+    /// The buffers are rewritten by DMA during the next call: no tensor this
+    /// call returned may be read while a later call runs (drop them, or be
+    /// done with them, first).
+    pub(crate) unsafe fn bring_down(
+        &mut self,
+        grads: Vec<(Var, Tensor)>,
+    ) -> Result<Vec<(Var, Tensor)>> {
         let mut out = Vec::with_capacity(grads.len());
         for (master, g) in grads {
             let Some(buf) = self.bufs.get(&master.id()) else {
@@ -63,8 +70,9 @@ impl OuterHost {
             };
             let g = g.to_dtype(master.dtype())?;
             // SAFETY: `buf` is this offloader's host buffer; nothing reads it
-            // before the `synchronize` below, and the previous call's readers
-            // are done (this function's contract: read before the next call).
+            // before the `synchronize` below: this call's tensors are handed
+            // out after it, and the previous call's are not read during this
+            // one (this function's contract).
             unsafe { self.off.enqueue(&g, buf)? };
             out.push((master, buf.clone()));
         }
@@ -103,17 +111,17 @@ mod tests {
         let g = |k: f32| -> Result<Tensor> {
             (Tensor::arange(0f32, 12.0, &dev)?.reshape((3, 4))? * k as f64)?.to_dtype(DType::BF16)
         };
-        let first = host.bring_down(vec![(m.clone(), g(1.0)?)])?;
+        // SAFETY (each call): `first` is only read between the calls.
+        let first = unsafe { host.bring_down(vec![(m.clone(), g(1.0)?)])? };
         assert_eq!(first.len(), 1);
         let want: Vec<f32> = (0..12).map(|i| i as f32).collect();
         assert_eq!(first[0].1.dtype(), DType::F32);
         assert_eq!(first[0].1.flatten_all()?.to_vec1::<f32>()?, want);
-        host.bring_down(vec![(m.clone(), g(2.0)?)])?;
+        unsafe { host.bring_down(vec![(m.clone(), g(2.0)?)])? };
         let again: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
         assert_eq!(first[0].1.flatten_all()?.to_vec1::<f32>()?, again);
         let other = Var::from_tensor(&Tensor::zeros((2, 2), DType::F32, &dev)?)?;
-        let e = host
-            .bring_down(vec![(other, Tensor::zeros((2, 2), DType::F32, &dev)?)])
+        let e = unsafe { host.bring_down(vec![(other, Tensor::zeros((2, 2), DType::F32, &dev)?)]) }
             .expect_err("no buffer for that master");
         assert!(e.to_string().contains("[2, 2]"), "{e}");
         Ok(())

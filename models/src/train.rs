@@ -367,7 +367,10 @@ impl LmTrainer {
                 let model = &self.model;
                 let (opt, outer) = (&mut self.opt, &self.outer);
                 let r = opt.backward_step(layers, loss).and_then(|mut grads| {
-                    spanned(model, "outer gradients to their masters", || {
+                    // SAFETY: `grads` lives in this closure only: the step
+                    // below reads the buffers, and they are dropped before the
+                    // next backward rewrites them.
+                    spanned(model, "outer gradients to their masters", || unsafe {
                         model.outer_grads_down(&mut grads)
                     })?;
                     add_grads(&mut grads, earlier)?;
