@@ -7,14 +7,15 @@
 //! three quarters of its GPU time outside the GEMMs and attention
 //! (`benches/results/lm-layer-ncu-h200-before.txt`). Here each gradient is produced once:
 //!
-//! - forward keeps `x`, both norms' outputs, the rotated `q`, `k`, `v`, the
-//!   attention output (once, in cqsa's head-major layout: its row-major copy
-//!   for the output projection's weight gradient is remade in backward) and
-//!   its log-sum-exp, the residual `x_mid`, and `gate` and `up` (and the
-//!   call's rotary tables); `silu(gate) * up`, which the down projection's
-//!   weight gradient needs, is made again in backward (one element-wise pass)
-//!   rather than kept: at Llama 3.1 8B's shapes it is a fifth of what a layer
-//!   keeps;
+//! - forward keeps `x`, the second norm's output, the rotated `q`, `k`, `v`,
+//!   the attention output (once, in cqsa's head-major layout: its row-major
+//!   copy for the output projection's weight gradient is remade in backward)
+//!   and its log-sum-exp, the residual `x_mid`, and `gate` and `up` (and the
+//!   call's rotary tables). Two tensors backward needs are made again there
+//!   instead, each one element-wise pass with the forward's own kernel (so
+//!   the same bits): `silu(gate) * up`, for the down projection's weight
+//!   gradient, and the first norm's output, for q/k/v's. At Llama 3.1 8B's
+//!   shapes they were 27 % of what a layer kept;
 //! - backward is the GEMMs of each projection (input and weight gradient),
 //!   cqsa's attention backward from the kept log-sum-exp, RMSNorm's closed
 //!   form, RoPE's inverse rotation and SwiGLU's derivative.
@@ -57,10 +58,10 @@ fn mm_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 /// The activations every layer keeps, in order (see the module docs); a layer
 /// with q/k norms keeps the normalised projections' inputs after them.
-const SAVED: usize = 13;
+const SAVED: usize = 12;
 
 /// Elements a layer keeps per row of its input (the module docs' list; its
-/// softmax statistics, in f32, apart): `hidden` wide (x, h1, x_mid, h2), `q`
+/// softmax statistics, in f32, apart): `hidden` wide (x, x_mid, h2), `q`
 /// wide (q, o), `kv` wide (k, v), `m` wide (gate, up), and with q/k norms the
 /// projections before them. The decoder layer's `saved_bytes` and the device
 /// plan count it.
@@ -71,7 +72,7 @@ pub(crate) fn kept_elems_per_row(
     qk_norm: bool,
 ) -> usize {
     let pre = if qk_norm { q + kv } else { 0 };
-    4 * hidden + 2 * q + 2 * kv + 2 * m + pre
+    3 * hidden + 2 * q + 2 * kv + 2 * m + pre
 }
 
 /// `x W^T + b` with the bias (when the layer has one) broadcast over rows.
@@ -94,6 +95,13 @@ fn bias_grad(l: &candle_nn::Linear, g: &Tensor) -> Result<Option<(Tensor, Tensor
 }
 
 impl DecoderLayer {
+    /// The input norm's output `h1`, the same kernel in forward and backward
+    /// (so backward's is the forward's, bit for bit).
+    fn input_norm(&self, x2: &Tensor) -> Result<Tensor> {
+        let n1 = &self.input_layernorm;
+        candle_nn::ops::rms_norm(x2, &n1.weight.detach().contiguous()?, n1.eps as f32)
+    }
+
     fn rope_tables<'a>(&self, extras: &'a [Tensor]) -> Result<(&'a Tensor, &'a Tensor)> {
         match extras {
             [cos, sin] => Ok((cos, sin)),
@@ -233,8 +241,7 @@ impl DecoderLayer {
             kept.extend(s);
             Ok(y)
         };
-        let n1 = &self.input_layernorm;
-        let h1 = candle_nn::ops::rms_norm(&x2, &n1.weight.detach().contiguous()?, n1.eps as f32)?;
+        let h1 = self.input_norm(&x2)?;
         let (qn, kn) = self.qk_norms();
         let q_pre = proj(0, &h1, linear(&h1, &self.q_proj)?)?;
         let k_pre = proj(1, &h1, linear(&h1, &self.k_proj)?)?;
@@ -262,7 +269,8 @@ impl DecoderLayer {
         };
         let (cos, sin) = (cos.clone(), sin.clone());
         drop(o2);
-        let mut saved = vec![x2, h1, q, k, v, o, lse, x_mid, h2, gate, up, cos, sin];
+        drop(h1);
+        let mut saved = vec![x2, q, k, v, o, lse, x_mid, h2, gate, up, cos, sin];
         if self.qk_norm.is_some() {
             saved.extend([q_pre, k_pre]);
         }
@@ -330,7 +338,7 @@ impl ManualBackward for DecoderLayer {
         let acts: [Tensor; SAVED] = acts
             .try_into()
             .map_err(|_| candle_core::Error::Msg("decoder layer: saved activations".into()))?;
-        let [x2, h1, q, k, v, o, lse, x_mid, h2, gate, up, cos, sin] = acts;
+        let [x2, q, k, v, o, lse, x_mid, h2, gate, up, cos, sin] = acts;
         let (b, n) = (q.dim(0)?, q.dim(2)?);
         let hidden = x2.dim(1)?;
         if grad.dims() != [b, n, hidden] || grad.dtype() != x2.dtype() {
@@ -363,6 +371,8 @@ impl ManualBackward for DecoderLayer {
         let ds = [&dq, &dk, &dv];
         let projs = [&self.q_proj, &self.k_proj, &self.v_proj];
         let mut dh1 = qkv_input_grad(ds, projs.map(|l| l.weight()))?;
+        // The q/k/v inputs, made again as the forward made them.
+        let h1 = self.input_norm(&x2)?;
         for (t, (d, l)) in ds.into_iter().zip(projs).enumerate() {
             grads.extend(weight_grad(d, &h1, l.weight())?);
             grads.extend(bias_grad(l, d)?);
