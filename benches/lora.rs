@@ -422,6 +422,13 @@ fn run(
             let targets: Vec<&str> = targets.split(',').collect();
             let r = common::env_usize("LORA_BENCH_R", 16);
             let lcfg = LoraConfig::new(r, 2.0 * r as f64, 0.0, &targets)?;
+            // The frozen embedding, norm and head stay on the device, as
+            // train_lm keeps them, rather than copied up at every step.
+            let model = if dev.is_cuda() {
+                model.outer_masters_to_device()?
+            } else {
+                model
+            };
             model.set_lora(Some(LoraAdapters::init(&lcfg, &cfg, dev, 0)?))?;
             if let Some(policy) = policy {
                 (model.trainable_layers())

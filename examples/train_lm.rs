@@ -796,7 +796,11 @@ mod lora {
         opts: &LoopOptions,
         run: &Run,
     ) -> Result<()> {
-        let model = model.into_trainable()?;
+        let mut model = model.into_trainable()?;
+        if model.device().is_cuda() {
+            // Frozen: kept on the device rather than copied up at every step.
+            model = model.outer_masters_to_device()?;
+        }
         if let Some(layers) = model.trainable_layers() {
             layers.set_activation_policy(run.policy)?;
         }
