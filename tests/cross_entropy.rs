@@ -163,7 +163,9 @@ candle_streamer::test_device!(cross_entropy_rejects_bad_input);
 /// The chunked head and loss (`linear_cross_entropy`) against the f64
 /// reference on `h w^T` (loss, and the gradients of `h` and `w` through the
 /// logits' f64 gradient), for chunks that divide the rows, that do not, and
-/// one chunk of all rows; f32 within 1e-5 relative.
+/// one chunk of all rows; f32 within 1e-5 relative. The gradients made in the
+/// forward serve the first backward, scaled by its upstream gradient; a
+/// second backward through the same loss makes them again.
 fn linear_cross_entropy_matches_reference(dev: &Device) -> Result<()> {
     use streamer_models::cross_entropy::linear_cross_entropy;
     let (rows, hidden, vocab) = (10, 6, 17);
@@ -193,13 +195,40 @@ fn linear_cross_entropy_matches_reference(dev: &Device) -> Result<()> {
             ((got - want_loss) / want_loss).abs() <= 1e-5,
             "chunk {chunk}: loss {got} vs {want_loss}"
         );
-        let grads = loss.backward()?;
-        for (what, v, want) in [("h", &h, &want_dh), ("w", &w, &want_dw)] {
-            let got = grads.get(v.as_tensor()).expect("a gradient");
-            let e = rel_err(&got.to_dtype(DType::F64)?.to_device(&Device::Cpu)?, want)?;
-            ensure!(e <= 1e-5, "chunk {chunk}: d{what} relative error {e:.2e}");
+        // The gradients made with the loss, for an upstream gradient of 1;
+        // a second backward through the same loss (scaled by 0.5) computes
+        // them again; a fresh scaled loss scales the ones made with it.
+        let again = (&loss * 0.5)?;
+        let fresh = (linear_cross_entropy(h.as_tensor(), w.as_tensor(), &targets, chunk)? * 0.5)?;
+        for (how, l, k) in [
+            ("first", &loss, 1.0),
+            ("again", &again, 0.5),
+            ("scaled", &fresh, 0.5),
+        ] {
+            let grads = l.backward()?;
+            for (what, v, want) in [("h", &h, &want_dh), ("w", &w, &want_dw)] {
+                let got = grads.get(v.as_tensor()).expect("a gradient");
+                let got = (got.to_dtype(DType::F64)?.to_device(&Device::Cpu)? / k)?;
+                let e = rel_err(&got, want)?;
+                ensure!(
+                    e <= 1e-5,
+                    "chunk {chunk}, {how}: d{what} relative error {e:.2e}"
+                );
+            }
         }
     }
+    // Nothing to differentiate: the loss alone.
+    let loss = linear_cross_entropy(
+        &h.as_tensor().detach(),
+        &w.as_tensor().detach(),
+        &targets,
+        3,
+    )?;
+    let got = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    ensure!(
+        ((got - want_loss) / want_loss).abs() <= 1e-5,
+        "untracked: loss {got} vs {want_loss}"
+    );
     ensure!(linear_cross_entropy(h.as_tensor(), w.as_tensor(), &targets, 0).is_err());
     Ok(())
 }

@@ -230,11 +230,16 @@ pub fn linear_cross_entropy_chunk(vocab: usize, dtype: DType) -> usize {
 /// hidden)`, one dtype) against `targets (rows,)` u32, computed `chunk` rows
 /// at a time, so that no `(rows, vocab)` tensor exists: at 8 x 2048 tokens
 /// and a 128,256-token vocabulary the logits and their gradient would be
-/// 8.4 GB of bf16. The forward keeps one f32 loss per row; the backward
-/// computes each chunk's logits again (one more `h w^T`, 1/3 of the head's
-/// work) and returns the gradients of `h` and `w` (`w`'s summed over chunks in
-/// f32). Differentiable in `h` and `w`; equal to
+/// 8.4 GB of bf16. Differentiable in `h` and `w`; equal to
 /// `cross_entropy(&h.matmul(&w.t()?)?, targets)`.
+///
+/// The loss ends the graph and its upstream gradient is a scalar, so when
+/// `h` or `w` wants a gradient each chunk's logits give its losses and its
+/// gradients at once (for an upstream gradient of 1): the backward scales
+/// them, rather than computing every chunk's logits again (a third of the
+/// head's work). They are handed over at the first backward; a second one
+/// (a kept graph) computes them again. `w`'s gradient is summed over chunks
+/// in f32.
 pub fn linear_cross_entropy(
     h: &Tensor,
     w: &Tensor,
@@ -255,49 +260,38 @@ pub fn linear_cross_entropy(
     if chunk == 0 {
         bail!("linear_cross_entropy: chunk must be positive");
     }
-    let (hd, wd, t) = (h.detach().contiguous()?, w.detach(), targets.contiguous()?);
-    let spans: Vec<(usize, usize)> = (0..rows)
-        .step_by(chunk)
-        .map(|s| (s, chunk.min(rows - s)))
-        .collect();
-    // Per-row losses, kept for the backward (rows f32 values).
-    let per_row = spans
-        .iter()
-        .map(|&(s, n)| {
-            let logits = hd.narrow(0, s, n)?.matmul(&wd.t()?)?;
-            per_row_cross_entropy(&logits, &t.narrow(0, s, n)?)
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let per_row = Tensor::cat(&per_row, 0)?;
-    let loss = per_row.mean_all()?;
+    let head = ChunkedHead {
+        hd: h.detach().contiguous()?,
+        wd: w.detach(),
+        t: targets.contiguous()?,
+        spans: (0..rows)
+            .step_by(chunk)
+            .map(|s| (s, chunk.min(rows - s)))
+            .collect(),
+        rows,
+    };
     let want_w = w.track_op();
+    if !(want_w || h.track_op()) {
+        return head.losses()?.mean_all();
+    }
+    let (per_row, dh, dw) = head.run(
+        &head.row_gradient(&Tensor::ones((), DType::F32, h.device())?)?,
+        None,
+        want_w,
+    )?;
+    let loss = per_row.mean_all()?;
+    let ready = std::sync::Mutex::new(Some((dh, dw)));
     let backward = move |g: &Tensor| -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        // d loss / d (row loss) = g / rows for every row.
-        let g_row = (g.to_dtype(DType::F32)?.reshape(1)? / rows as f64)?;
-        let mut dh = Vec::with_capacity(spans.len());
-        let mut dw: Option<Tensor> = None;
-        for &(s, n) in &spans {
-            let hc = hd.narrow(0, s, n)?;
-            let logits = hc.matmul(&wd.t()?)?.contiguous()?;
-            let aux = Tensor::cat(
-                &[
-                    per_row.narrow(0, s, n)?,
-                    g_row.broadcast_as(n)?.contiguous()?,
-                ],
-                0,
-            )?;
-            let d = logits.apply_op3_no_bwd(&t.narrow(0, s, n)?, &aux, &CeBackward)?;
-            dh.push(d.matmul(&wd)?);
-            if want_w {
-                let part = d.t()?.matmul(&hc)?.to_dtype(DType::F32)?;
-                dw = Some(match dw {
-                    None => part,
-                    Some(acc) => (acc + part)?,
-                });
-            }
-        }
-        let dw = dw.map(|d| d.to_dtype(wd.dtype())).transpose()?;
-        Ok((Some(Tensor::cat(&dh, 0)?), dw, None))
+        let taken = ready
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("linear_cross_entropy: poisoned".into()))?
+            .take();
+        let Some((dh, dw)) = taken else {
+            let (_, dh, dw) = head.run(&head.row_gradient(g)?, Some(&per_row), want_w)?;
+            return Ok((Some(dh), dw, None));
+        };
+        let scale = |t: Tensor| -> Result<Tensor> { t.broadcast_mul(&g.to_dtype(t.dtype())?) };
+        Ok((Some(scale(dh)?), dw.map(scale).transpose()?, None))
     };
     streamer_device::with_backward3(
         "linear-cross-entropy",
@@ -307,4 +301,74 @@ pub fn linear_cross_entropy(
         loss.detach(),
         backward,
     )
+}
+
+/// A chunked head and loss: `h` and `w` detached, the targets, and the row
+/// spans of the chunks.
+struct ChunkedHead {
+    hd: Tensor,
+    wd: Tensor,
+    t: Tensor,
+    spans: Vec<(usize, usize)>,
+    rows: usize,
+}
+
+impl ChunkedHead {
+    /// The logits of the rows `s..s + n`.
+    fn logits(&self, (s, n): (usize, usize)) -> Result<Tensor> {
+        self.hd.narrow(0, s, n)?.matmul(&self.wd.t()?)?.contiguous()
+    }
+
+    /// Every row's loss (f32).
+    fn losses(&self) -> Result<Tensor> {
+        let parts = self
+            .spans
+            .iter()
+            .map(|&(s, n)| per_row_cross_entropy(&self.logits((s, n))?, &self.t.narrow(0, s, n)?))
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&parts, 0)
+    }
+
+    /// d loss / d (a row's loss) for an upstream gradient `g` of the mean:
+    /// `g / rows`, as a one-element f32 tensor.
+    fn row_gradient(&self, g: &Tensor) -> Result<Tensor> {
+        g.to_dtype(DType::F32)?.reshape(1)? / self.rows as f64
+    }
+
+    /// Every row's loss (or the `known` ones) and the gradients of `h` and
+    /// (`want_w`) `w` for a gradient of `g_row` on each row's loss, each
+    /// chunk's logits computed once.
+    fn run(
+        &self,
+        g_row: &Tensor,
+        known: Option<&Tensor>,
+        want_w: bool,
+    ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+        let (mut losses, mut dh) = (Vec::new(), Vec::new());
+        let mut dw: Option<Tensor> = None;
+        for &(s, n) in &self.spans {
+            let logits = self.logits((s, n))?;
+            let t = self.t.narrow(0, s, n)?;
+            let per_row = match known {
+                Some(k) => k.narrow(0, s, n)?,
+                None => per_row_cross_entropy(&logits, &t)?,
+            };
+            let aux = Tensor::cat(&[per_row.clone(), g_row.broadcast_as(n)?.contiguous()?], 0)?;
+            let d = logits.apply_op3_no_bwd(&t, &aux, &CeBackward)?;
+            dh.push(d.matmul(&self.wd)?);
+            if want_w {
+                let part = d
+                    .t()?
+                    .matmul(&self.hd.narrow(0, s, n)?)?
+                    .to_dtype(DType::F32)?;
+                dw = Some(match dw {
+                    None => part,
+                    Some(acc) => (acc + part)?,
+                });
+            }
+            losses.push(per_row);
+        }
+        let dw = dw.map(|d| d.to_dtype(self.wd.dtype())).transpose()?;
+        Ok((Tensor::cat(&losses, 0)?, Tensor::cat(&dh, 0)?, dw))
+    }
 }
