@@ -424,11 +424,7 @@ fn run(
             let lcfg = LoraConfig::new(r, 2.0 * r as f64, 0.0, &targets)?;
             // The frozen embedding, norm and head stay on the device, as
             // train_lm keeps them, rather than copied up at every step.
-            let model = if dev.is_cuda() {
-                model.outer_masters_to_device()?
-            } else {
-                model
-            };
+            let model = model.outer_masters_to_device()?;
             model.set_lora(Some(LoraAdapters::init(&lcfg, &cfg, dev, 0)?))?;
             if let Some(policy) = policy {
                 (model.trainable_layers())

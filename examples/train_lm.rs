@@ -796,11 +796,9 @@ mod lora {
         opts: &LoopOptions,
         run: &Run,
     ) -> Result<()> {
-        let mut model = model.into_trainable()?;
-        if model.device().is_cuda() {
-            // Frozen: kept on the device rather than copied up at every step.
-            model = model.outer_masters_to_device()?;
-        }
+        // The frozen embedding, norm and head stay on the device rather than
+        // being copied up at every step (a no-op on the CPU).
+        let model = model.into_trainable()?.outer_masters_to_device()?;
         if let Some(layers) = model.trainable_layers() {
             layers.set_activation_policy(run.policy)?;
         }

@@ -1156,19 +1156,26 @@ impl Llama {
     /// in the masters' dtype and device. [`Llama::backward`] does this; call
     /// it on a `GradStore` taken another way (the layers' overlapped step).
     pub fn outer_grads_to_masters(&self, grads: &mut GradStore) -> Result<()> {
+        for (master, g) in self.take_leaf_grads(grads)? {
+            let g = g.to_dtype(master.dtype())?.to_device(master.device())?;
+            streamer_autograd::accumulate_grad(grads, master.as_tensor(), g)?;
+        }
+        Ok(())
+    }
+
+    /// The last training forward's leaf copies of host masters, taken: each
+    /// master with its leaf's gradient in `grads` (removed from it).
+    fn take_leaf_grads(&self, grads: &mut GradStore) -> Result<Vec<(Var, Tensor)>> {
         let leaves = std::mem::take(
             &mut *self
                 .outer_leaves
                 .lock()
                 .map_err(|_| candle_core::Error::Msg("outer leaves: poisoned".into()))?,
         );
-        for (leaf, master) in leaves {
-            if let Some(g) = grads.remove(leaf.as_tensor()) {
-                let g = g.to_dtype(master.dtype())?.to_device(master.device())?;
-                streamer_autograd::accumulate_grad(grads, master.as_tensor(), g)?;
-            }
-        }
-        Ok(())
+        Ok(leaves
+            .into_iter()
+            .filter_map(|(leaf, master)| grads.remove(leaf.as_tensor()).map(|g| (master, g)))
+            .collect())
     }
 
     /// Locks the pages of a streamed model's embedding, norm and head host
@@ -1213,16 +1220,7 @@ impl Llama {
         let Some(host) = host.as_mut() else {
             return self.outer_grads_to_masters(grads);
         };
-        let leaves = std::mem::take(
-            &mut *self
-                .outer_leaves
-                .lock()
-                .map_err(|_| candle_core::Error::Msg("outer leaves: poisoned".into()))?,
-        );
-        let on_device: Vec<(Var, Tensor)> = leaves
-            .into_iter()
-            .filter_map(|(leaf, master)| grads.remove(leaf.as_tensor()).map(|g| (master, g)))
-            .collect();
+        let on_device = self.take_leaf_grads(grads)?;
         // SAFETY: forwarded to the caller (the buffers are not read during a
         // later call).
         for (master, g) in unsafe { host.bring_down(on_device)? } {
