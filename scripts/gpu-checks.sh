@@ -14,7 +14,11 @@
 #   bash scripts/gpu-checks.sh qlora       # LoRA r 16 on all seven projections of an 8B NF4
 #                                          # base in a 24 GiB cap: the default policy, then
 #                                          # spilling to the host (spill:6GiB:40GiB), then
-#                                          # the bf16 base without a cap (~280 s)
+#                                          # the bf16 base without a cap, then transformers +
+#                                          # PEFT + bitsandbytes QLoRA at 8B (~330 s)
+#   bash scripts/gpu-checks.sh qlora70     # the same LoRA on a 70B NF4 base, 4 x 2,048 tokens in
+#                                          # a 24 GiB cap (host ~51 GiB), then the same peer
+#                                          # resident (~45 GiB of weights) in the same call
 #   bash scripts/gpu-checks.sh generate8   # 8B bf16 generate, batches 1, 64, 256 streamed without
 #                                          # a budget, batch 1 keeping 24 layers resident,
 #                                          # then in a 24 GiB cap: every layer
@@ -93,6 +97,17 @@ for stage in "$@"; do
       r qlora-spill $L LORA_BENCH_QUANTIZE=nf4 LORA_BENCH_DEVICE_CAP_GIB=24 LORA_BENCH_TIMELINE="$OUT/res/qlora-spill" \
         LORA_BENCH_ACTIVATIONS=spill:6GiB:40GiB timeout 100 bash "$B/run.sh" benches
       r dense $L timeout 80 bash "$B/run.sh" benches
+      bnb
+      r qpeer8 PY_ARGS_qlora_torch="--models 8b" GPU_ONLY=qlora_torch timeout 120 bash "$B/run.sh" benches
+      ;;
+    qlora70)
+      T7=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
+      r qlora70 GPU_ONLY=bench-lora LORA_BENCH=70b LORA_BENCH_MODES=lora LORA_BENCH_TARGETS=$T7 \
+        LORA_BENCH_QUANTIZE=nf4 LORA_BENCH_BATCH=4 LORA_BENCH_STEPS=2 LORA_BENCH_DEVICE_CAP_GIB=24 \
+        timeout 330 bash "$B/run.sh" benches
+      bnb
+      r qpeer70 PY_ARGS_qlora_torch="--models 70b --batch 4 --steps 2" GPU_ONLY=qlora_torch \
+        timeout 240 bash "$B/run.sh" benches
       ;;
     split)
       r tests GPU_TEST_TOPICS="batch_generate pretrained" timeout 150 bash "$B/run.sh" tests
@@ -139,7 +154,7 @@ for stage in "$@"; do
       LM_BENCH_ACTIVATIONS=recompute PROFILE_TIMEOUT=300 bash scripts/gpu-profile-lm.sh 8b 8 || fail=1
       ;;
     *)
-      echo "unknown stage $stage (house, quantized, qlora, split, generate8, generate70, setup, train8b[-2k|-cap24], train14b[-f32|-bf16], profile8b)" >&2
+      echo "unknown stage $stage (house, quantized, qlora, qlora70, split, generate8, generate70, setup, train8b[-2k|-cap24], train14b[-f32|-bf16], profile8b)" >&2
       exit 2
       ;;
   esac
