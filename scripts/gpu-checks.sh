@@ -25,6 +25,10 @@
 #                                          # streamed, the best split (first layers resident),
 #                                          # the planner's choice; transformers + accelerate at
 #                                          # batches 16-128 in the same budget (~400 s)
+#   bash scripts/gpu-checks.sh generate24  # the 24 GiB rows of generate8 only, each a job of
+#                                          # GEN24_JOB (8) prompts per sequence in flight (a
+#                                          # long job, as the throughput issue's workloads are),
+#                                          # then the transformers + accelerate peer (~500 s)
 #   bash scripts/gpu-checks.sh split       # the batch_generate and pretrained CUDA tests, then
 #                                          # generate8 (GEN8_BATCHES=1 for a shorter call)
 #   bash scripts/gpu-checks.sh generate70  # 70B NF4 streamed generate in a 24 GiB cap (~250 s
@@ -119,6 +123,12 @@ for stage in "$@"; do
       r torch8 PY_ARGS_generate_torch="--batches 16,64,128 --gpu-budget-gib 24.0" GPU_ONLY=generate_torch \
         timeout 240 bash "$B/run.sh" benches
       ;;
+    generate24)
+      r gen24 $G GEN_BENCH_BATCHES= GEN_BENCH_DEVICE_BUDGET_GIB=24 GEN_BENCH_JOB=${GEN24_JOB:-8} \
+        GEN_BENCH_TIMELINE="$OUT/res/gen24" timeout 330 bash "$B/run.sh" benches
+      r torch24 PY_ARGS_generate_torch="--batches 64,128 --gpu-budget-gib 24.0" GPU_ONLY=generate_torch \
+        timeout 200 bash "$B/run.sh" benches
+      ;;
     generate70)
       r gen70 $G GEN_BENCH=70b GEN_BENCH_QUANTIZE=nf4 GEN_BENCH_BATCHES= \
         GEN_BENCH_DEVICE_BUDGET_GIB=24 GEN_BENCH_JOB=6 timeout 560 bash "$B/run.sh" benches
@@ -154,7 +164,7 @@ for stage in "$@"; do
       LM_BENCH_ACTIVATIONS=recompute PROFILE_TIMEOUT=300 bash scripts/gpu-profile-lm.sh 8b 8 || fail=1
       ;;
     *)
-      echo "unknown stage $stage (house, quantized, qlora, qlora70, split, generate8, generate70, setup, train8b[-2k|-cap24], train14b[-f32|-bf16], profile8b)" >&2
+      echo "unknown stage $stage (house, quantized, qlora, qlora70, split, generate24, generate8, generate70, setup, train8b[-2k|-cap24], train14b[-f32|-bf16], profile8b)" >&2
       exit 2
       ;;
   esac
