@@ -8,6 +8,7 @@
 #   bash scripts/gpu-checks.sh house       # every CUDA test (bitsandbytes fixtures written
 #                                          # first), then the streaming and lm 3b benches:
 #                                          # the house issue's no-regression check (~280 s)
+#   bash scripts/gpu-checks.sh tests       # every CUDA test only (the first part of house)
 #   bash scripts/gpu-checks.sh quantized   # 8B generate at batch 1 (nf4, bf16) with the
 #                                          # transformers + bitsandbytes peer, the 8B bf16 rows
 #                                          # in a 24 GiB cap (~330 s)
@@ -76,13 +77,20 @@ bnb() {
   python3 -m pip install -q --no-deps --target /tmp/bnb .whl/bitsandbytes-0.50.2-*.whl
   export PYTHONPATH=/tmp/bnb
 }
+# Every CUDA test, the bitsandbytes fixtures written first.
+cuda_tests() {
+  bnb
+  python3 scripts/bnb-fixtures.py /tmp/bnb-fx >"$OUT/bnb-fixtures.log" 2>&1
+  r tests BNB_FIXTURES=/tmp/bnb-fx timeout 240 bash "$B/run.sh" tests
+}
 G="GPU_ONLY=bench-generate"
 for stage in "$@"; do
   case "$stage" in
+    tests)
+      cuda_tests
+      ;;
     house)
-      bnb
-      python3 scripts/bnb-fixtures.py /tmp/bnb-fx >"$OUT/bnb-fixtures.log" 2>&1
-      r tests BNB_FIXTURES=/tmp/bnb-fx timeout 240 bash "$B/run.sh" tests
+      cuda_tests
       r stream GPU_ONLY=bench-streaming timeout 120 bash "$B/run.sh" benches
       r lm3b GPU_ONLY=bench-lm LM_BENCH=3b:streamed LM_BENCH_ACTIVATIONS=auto \
         LM_BENCH_OPTIMIZER=device LM_BENCH_STEPS=3 LM_BENCH_WARMUP=1 timeout 200 bash "$B/run.sh" benches
@@ -164,7 +172,7 @@ for stage in "$@"; do
       LM_BENCH_ACTIVATIONS=recompute PROFILE_TIMEOUT=300 bash scripts/gpu-profile-lm.sh 8b 8 || fail=1
       ;;
     *)
-      echo "unknown stage $stage (house, quantized, qlora, qlora70, split, generate24, generate8, generate70, setup, train8b[-2k|-cap24], train14b[-f32|-bf16], profile8b)" >&2
+      echo "unknown stage $stage (tests, house, quantized, qlora, qlora70, split, generate24, generate8, generate70, setup, train8b[-2k|-cap24], train14b[-f32|-bf16], profile8b)" >&2
       exit 2
       ;;
   esac
