@@ -655,6 +655,7 @@ fn batch_plan_picks_resident_split_or_streamed() -> Result<()> {
     use streamer_models::{
         plan_batch, request_flops, BatchPlacement, BatchPlan, LayerFootprint,
         PlacementChoice::{AllStreamed, Any, Streaming},
+        STEP_COMPUTE_SHARE,
     };
     let cfg = LlamaConfig::llama31_8b();
     let (rates, run) = rates_and_run();
@@ -689,7 +690,9 @@ fn batch_plan_picks_resident_split_or_streamed() -> Result<()> {
     // while its streamed layers are copied, one whole request at least.
     let hidden = |p: &BatchPlan| {
         let copy = streamed_layers(p) as f64 * slot / rates.h2d_bytes_per_s;
-        let rows = (copy * rates.flops_per_s / (64.0 * cfg.layer_params() as f64)).floor();
+        let rows = (STEP_COMPUTE_SHARE * copy * rates.flops_per_s
+            / (64.0 * cfg.layer_params() as f64))
+            .floor();
         rows.clamp(544.0, 16384.0) as usize
     };
     let plan = |gib: usize, choice, rates: &DecodeRates| {
@@ -829,7 +832,9 @@ fn batch_plan_counts_packed_layers() -> Result<()> {
     // Steps of as many rows as the GEMM rate computes while the packed
     // layers are copied, and at least one whole request.
     let copy_s = (32 * f.slot) as f64 / rates.h2d_bytes_per_s;
-    let hidden = (copy_s * rates.flops_per_s / (64.0 * cfg.layer_params() as f64)).floor();
+    let hidden = (streamer_models::STEP_COMPUTE_SHARE * copy_s * rates.flops_per_s
+        / (64.0 * cfg.layer_params() as f64))
+        .floor();
     ensure!(
         p.step_rows as f64 == hidden.max(544.0),
         "{p}: {hidden} rows"

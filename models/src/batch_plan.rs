@@ -476,11 +476,22 @@ impl BatchPlan {
     }
 }
 
+/// The share of a streamed step's copy time its rows may take at the probe
+/// GEMM's rate. The rest goes to what that rate leaves out (norms, rotary,
+/// attention, the GEMMs' lower rate at these shapes) and to the host's work
+/// between steps, which a step longer than its copies cannot hide: 8B bf16
+/// in 24 GiB on an H100 computed its 10,003-row steps for 313 ms where the
+/// GEMM rate predicts 256, with about 50 ms between steps, against 257 ms of
+/// copies; those steps took 360 ms, the copy-bound ones 270
+/// (`bash scripts/gpu-checks.sh generate24`'s timeline).
+pub const STEP_COMPUTE_SHARE: f64 = 0.65;
+
 /// The rows a step of `placement` computes at most: `run.step_rows` when
-/// resident; when streamed, as many as the GEMMs of a step's copy time
-/// (`copy_flops`, the FLOPs the GEMM rate does in it) compute, so a step
-/// that also feeds new prompts stays as long as its copies (at least one
-/// whole request: a prompt is admitted whole).
+/// resident; when streamed, as many as the GEMM rate computes in
+/// [`STEP_COMPUTE_SHARE`] of a step's copy time (`copy_flops`, the FLOPs the
+/// GEMM rate does in the whole of it), so a step that also feeds new
+/// prompts stays as long as its copies (at least one whole request: a
+/// prompt is admitted whole).
 fn step_rows(
     cfg: &LlamaConfig,
     placement: BatchPlacement,
@@ -491,7 +502,7 @@ fn step_rows(
         return run.step_rows;
     };
     let row_flops = 2.0 * (cfg.layer_params() * cfg.num_hidden_layers) as f64;
-    let hidden = (copy_flops / row_flops) as usize;
+    let hidden = (STEP_COMPUTE_SHARE * copy_flops / row_flops) as usize;
     hidden.clamp(run.capacity.min(run.step_rows), run.step_rows)
 }
 
@@ -499,12 +510,13 @@ fn step_rows(
 /// batch that `budget` bytes hold with the most generated tokens/s `rates`
 /// predict, for layers of `layer` computing in `dtype` and steps of at most
 /// `run.step_rows` rows (a streamed plan's steps at most as many as the GEMM
-/// rate computes while a step's layers are copied: larger steps of prompts
-/// outlast their copies, and the decode steps after them cannot make up for
-/// it; 70B NF4 in 24 GiB on an H100 ran at 85 generated tokens/s with steps
-/// of 8,192 rows, each prefilling for 1.7 s against 0.7 s of copies, and at
-/// 114.9 with this plan's 3,426, `benches/results/generate-nf4-h100.json`;
-/// fewer rows also leave more of the budget to the kv cache);
+/// rate computes in [`STEP_COMPUTE_SHARE`] of the time a step's layers take
+/// to copy: larger steps of prompts outlast their copies, and the decode
+/// steps after them cannot make up for it; 70B NF4 in 24 GiB on an H100 ran
+/// at 85 generated tokens/s with steps of 8,192 rows, each prefilling for
+/// 1.7 s against 0.7 s of copies, and at 114.9 with 3,426, the whole copy
+/// time's rows, `benches/results/generate-nf4-h100.json`; fewer rows also
+/// leave more of the budget to the kv cache);
 /// `choice` says which placements may be chosen (a quantized base's packed
 /// layers only stream, every one of them). A split keeps as many of the
 /// first layers resident as is fastest: fewer bytes a step to copy, less

@@ -102,7 +102,7 @@ pub use batch_generate::{
 };
 pub use batch_plan::{
     plan_batch, request_flops, sequences_for_budget, BatchMemory, BatchPlacement, BatchPlan,
-    BatchRun, BatchShape, DecodeRates, LayerFootprint, PlacementChoice,
+    BatchRun, BatchShape, DecodeRates, LayerFootprint, PlacementChoice, STEP_COMPUTE_SHARE,
 };
 pub use bnb_save::save_bnb;
 pub use chat_template::{ChatMessage, ChatTemplate};

@@ -1132,15 +1132,24 @@ impl Llama {
         } else {
             v.as_tensor().clone()
         };
-        let t = src
-            .to_device(&self.device)
-            .and_then(|t| t.to_dtype(self.dtype))
-            .map_err(|e| {
-                e.context(format!(
-                    "copying a host weight of shape {:?} to the device",
-                    v.dims()
-                ))
-            })?;
+        let pinned = match on_host {
+            true => self
+                .lock_outer_host()?
+                .as_ref()
+                .map(|h| h.copy_up(v, &self.device)),
+            false => None,
+        };
+        let t = match pinned.transpose()?.flatten() {
+            Some(t) => Ok(t),
+            None => src.to_device(&self.device),
+        }
+        .and_then(|t| t.to_dtype(self.dtype))
+        .map_err(|e| {
+            e.context(format!(
+                "copying a host weight of shape {:?} to the device",
+                v.dims()
+            ))
+        })?;
         // LoRA freezes the outer weights: no gradient, no leaf.
         let trains = self.is_training() && self.lora.adapters()?.is_none();
         if !(on_host && trains) {

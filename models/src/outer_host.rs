@@ -48,6 +48,25 @@ impl OuterHost {
         })
     }
 
+    /// `master` copied to `device` by DMA from its locked pages, or `None`
+    /// when it is not one of these masters or its pages could not be locked
+    /// (the caller then copies it the plain way).
+    pub(crate) fn copy_up(&self, master: &Var, device: &Device) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(d) = device {
+            let id = master.as_tensor().id();
+            if let Some(p) = self
+                ._pins
+                .iter()
+                .find(|p| p.is_pinned() && p.tensor().id() == id)
+            {
+                return p.to_device(d).map(Some);
+            }
+        }
+        let _ = (master, device);
+        Ok(None)
+    }
+
     /// Brings each `(master, gradient on the device)` down into the master's
     /// buffer, in the master's dtype, all the copies queued before one wait.
     /// Returns `(master, buffer)` pairs.
