@@ -24,7 +24,8 @@
 //! --device-budget` counts it: `batch_plan::plan_batch`'s plan with every
 //! layer streamed, its best plan that streams at least one layer (the first
 //! layers resident), and its choice among all, each with the prediction it
-//! made from `DecodeRates` measured here). `GEN_BENCH_QUANTIZE=nf4|fp4|int8|fp8`
+//! made from `DecodeRates` measured here; `GEN_BENCH_BUDGET_ROWS=1` or `2`
+//! runs the first of them only). `GEN_BENCH_QUANTIZE=nf4|fp4|int8|fp8`
 //! (with a preset): the decoder layers' linear weights are packed quantized
 //! masters of random codes, streamed as packed bytes and dequantized on the
 //! device (with a budget: the streamed plan only, counting the packed
@@ -413,14 +414,18 @@ fn main() -> Result<()> {
     }
     if let Some(b) = budget_gib {
         // A quantized base only streams, every layer: one plan.
-        let choices = if quant.is_some() {
-            &[PlacementChoice::AllStreamed][..]
-        } else {
-            &[
-                PlacementChoice::AllStreamed,
-                PlacementChoice::Streaming,
-                PlacementChoice::Any,
-            ]
+        let all = [
+            PlacementChoice::AllStreamed,
+            PlacementChoice::Streaming,
+            PlacementChoice::Any,
+        ];
+        let rows_wanted = match std::env::var("GEN_BENCH_BUDGET_ROWS") {
+            Ok(v) => v.parse::<usize>().context("GEN_BENCH_BUDGET_ROWS")?,
+            Err(_) => all.len(),
+        };
+        let choices = match quant {
+            Some(_) => &all[..1],
+            None => &all[..rows_wanted.clamp(1, all.len())],
         };
         for &choice in choices {
             let setup = (&dev, name.as_str(), dtype, pg, step_rows);

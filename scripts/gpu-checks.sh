@@ -28,8 +28,10 @@
 #                                          # batches 16-128 in the same budget (~400 s)
 #   bash scripts/gpu-checks.sh generate24  # the 24 GiB rows of generate8 only, each a job of
 #                                          # GEN24_JOB (8) prompts per sequence in flight (a
-#                                          # long job, as the throughput issue's workloads are),
-#                                          # then the transformers + accelerate peer (~500 s)
+#                                          # long job, as the throughput issue's workloads are;
+#                                          # GEN24_ROWS=1: the every-layer-streamed row only),
+#                                          # then the transformers + accelerate peer at batches
+#                                          # GEN24_PEER_BATCHES (64,128) (~500 s)
 #   bash scripts/gpu-checks.sh split       # the batch_generate and pretrained CUDA tests, then
 #                                          # generate8 (GEN8_BATCHES=1 for a shorter call)
 #   bash scripts/gpu-checks.sh generate70  # 70B NF4 streamed generate in a 24 GiB cap (~250 s
@@ -133,8 +135,9 @@ for stage in "$@"; do
       ;;
     generate24)
       r gen24 $G GEN_BENCH_BATCHES= GEN_BENCH_DEVICE_BUDGET_GIB=24 GEN_BENCH_JOB=${GEN24_JOB:-8} \
+        GEN_BENCH_BUDGET_ROWS=${GEN24_ROWS:-3} \
         GEN_BENCH_TIMELINE="$OUT/res/gen24" timeout 330 bash "$B/run.sh" benches
-      r torch24 PY_ARGS_generate_torch="--batches 64,128 --gpu-budget-gib 24.0" GPU_ONLY=generate_torch \
+      r torch24 PY_ARGS_generate_torch="--batches ${GEN24_PEER_BATCHES:-64,128} --gpu-budget-gib 24.0" GPU_ONLY=generate_torch \
         timeout 200 bash "$B/run.sh" benches
       ;;
     generate70)
