@@ -482,8 +482,10 @@ impl BatchPlan {
 /// between steps, which a step longer than its copies cannot hide: 8B bf16
 /// in 24 GiB on an H100 computed its 10,003-row steps for 313 ms where the
 /// GEMM rate predicts 256, with about 50 ms between steps, against 257 ms of
-/// copies; those steps took 360 ms, the copy-bound ones 270
-/// (`bash scripts/gpu-checks.sh generate24`'s timeline).
+/// copies; those steps took 360 ms, the copy-bound ones 270, 864.3
+/// generated tokens/s. With this share every step computed for about 168 ms
+/// and took about 283: 923.6 for a longer job
+/// (`benches/results/generate-24gib-h100.json`, calls A and B).
 pub const STEP_COMPUTE_SHARE: f64 = 0.65;
 
 /// The rows a step of `placement` computes at most: `run.step_rows` when
