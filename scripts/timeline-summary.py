@@ -3,7 +3,10 @@
 StreamedSequential::write_timeline wrote, e.g. the lora bench's
 LORA_BENCH_TIMELINE): per step, the wall time, the GPU's compute busy (union of
 block compute spans), the largest gaps between compute spans and the blocks
-around them, and the copy engines' busy time.
+around them, and the copy engines' busy time; then the steps' median and
+spread, and how many were compute-bound (a long job's steps should all take
+about their copies' time: a run of compute-bound steps among copy-bound ones
+is a burst of prompts).
 
     python3 scripts/timeline-summary.py TRACE.json [gaps per step, default 6]
 
@@ -37,6 +40,7 @@ def main():
     end_all = max(e["ts"] + e["dur"] for e in ev)
     bounds = list(zip(starts, starts[1:] + [end_all]))
     print(f"{len(bounds)} steps ({len(issued)} forward spans); times in ms")
+    stats = []
     for k, (a, b) in enumerate(bounds):
         inside = [e for e in ev if a <= e["ts"] < b]
         comp = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in inside if e["cat"] == "compute")
@@ -51,6 +55,7 @@ def main():
             gaps.append((b - comp[-1][1], comp[-1][2], "next step", comp[-1][1], b))
         gaps.sort(reverse=True)
         wall = b - a
+        stats.append((wall, busy["compute"], busy["h2d"]))
         print(f"step {k}: {wall / 1e3:.1f}  compute busy {busy['compute'] / 1e3:.1f} "
               f"({100 * busy['compute'] / wall:.0f} %), {len(comp)} spans; h2d {busy['h2d'] / 1e3:.1f}, "
               f"d2h {busy['d2h'] / 1e3:.1f}, stalls {busy['stall'] / 1e3:.1f}, "
@@ -64,6 +69,21 @@ def main():
                 s0, s1 = e["ts"], e["ts"] + e["dur"]
                 if s1 > g0 and s0 < g1 and e["dur"] >= 1e3:
                     print(f"        host {e['name']}: {e['dur'] / 1e3:.1f}")
+    spread(stats)
+
+
+def spread(stats):
+    """The steps' median, 10th and 90th percentiles (wall, compute busy, h2d
+    busy) and the count whose compute outlasted their copies."""
+    def pct(xs, q):
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] / 1e3
+    for i, what in enumerate(("wall", "compute busy", "h2d busy")):
+        xs = [t[i] for t in stats]
+        print(f"all steps, {what}: median {pct(xs, 0.5):.1f}, "
+              f"p10 {pct(xs, 0.1):.1f}, p90 {pct(xs, 0.9):.1f}")
+    bound = sum(1 for _, c, h in stats if c > h)
+    print(f"compute-bound steps (compute busy above h2d busy): {bound} of {len(stats)}")
 
 
 if __name__ == "__main__":
