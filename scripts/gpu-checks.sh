@@ -31,7 +31,7 @@
 #                                          # long job, as the throughput issue's workloads are;
 #                                          # GEN24_ROWS=1: the every-layer-streamed row only),
 #                                          # then the transformers + accelerate peer at batches
-#                                          # GEN24_PEER_BATCHES (64,128) (~500 s)
+#                                          # GEN24_PEER_BATCHES (64,128; none: no peer) (~500 s)
 #   bash scripts/gpu-checks.sh split       # the batch_generate and pretrained CUDA tests, then
 #                                          # generate8 (GEN8_BATCHES=1 for a shorter call)
 #   bash scripts/gpu-checks.sh generate70  # 70B NF4 streamed generate in a 24 GiB cap (~250 s
@@ -137,8 +137,9 @@ for stage in "$@"; do
       r gen24 $G GEN_BENCH_BATCHES= GEN_BENCH_DEVICE_BUDGET_GIB=24 GEN_BENCH_JOB=${GEN24_JOB:-8} \
         GEN_BENCH_BUDGET_ROWS=${GEN24_ROWS:-3} \
         GEN_BENCH_TIMELINE="$OUT/res/gen24" timeout 330 bash "$B/run.sh" benches
-      r torch24 PY_ARGS_generate_torch="--batches ${GEN24_PEER_BATCHES:-64,128} --gpu-budget-gib 24.0" GPU_ONLY=generate_torch \
-        timeout 200 bash "$B/run.sh" benches
+      [ "${GEN24_PEER_BATCHES:-}" = none ] ||
+        r torch24 PY_ARGS_generate_torch="--batches ${GEN24_PEER_BATCHES:-64,128} --gpu-budget-gib 24.0" GPU_ONLY=generate_torch \
+          timeout 200 bash "$B/run.sh" benches
       ;;
     generate70)
       r gen70 $G GEN_BENCH=70b GEN_BENCH_QUANTIZE=nf4 GEN_BENCH_BATCHES= \

@@ -204,6 +204,36 @@ fn batched_sampling_equals_one_by_one_tiny(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(batched_sampling_equals_one_by_one_tiny);
 
+/// A streamed model looks its rows up in the embedding table on the host (on
+/// CUDA through a page-locked buffer made at the first step and grown when a
+/// step has more rows); the resident model looks them up on the device. Their
+/// greedy tokens agree through steps of growing and shrinking rows.
+fn batched_host_embedding_rows_equal_resident(dev: &Device) -> Result<()> {
+    let models = tiny_models(dev)?;
+    let (resident, streamed) = (&models[0].1, &models[3].1);
+    let reqs = requests(&[2, 40, 3, 25, 1, 63, 8], &[5, 9, 3], 0.0, 256);
+    for batch in [1, 3, 7, 2] {
+        let (want, got) = (
+            run_batch(resident, &reqs, batch)?,
+            run_batch(streamed, &reqs, batch)?,
+        );
+        for (id, w) in &want {
+            let g = got
+                .get(id)
+                .ok_or_else(|| anyhow::anyhow!("no output for {id}"))?;
+            let tokens = |o: &BatchOutput| o.result.as_ref().map(|g| g.tokens.clone()).ok();
+            ensure!(
+                tokens(w).is_some() && tokens(w) == tokens(g),
+                "batch {batch}, request {id}: resident {:?}, streamed {:?}",
+                tokens(w),
+                tokens(g)
+            );
+        }
+    }
+    Ok(())
+}
+candle_streamer::test_device!(batched_host_embedding_rows_equal_resident);
+
 fn batched_streamed_copies_each_layer_once_a_step(dev: &Device) -> Result<()> {
     // Four prompts of one token, 8 tokens each: one-by-one is 4 x 8
     // forwards; batched, 8 forwards, each copying every layer once.

@@ -229,6 +229,8 @@ fn decode_loop(
     let mut slots: Vec<Option<Active>> = (0..limits.sequences).map(|_| None).collect();
     // A request taken from the queue that did not fit the last step's rows.
     let mut held = None;
+    // Host work between the layers, marked on a streamed model's timeline.
+    let mut t = std::time::Instant::now();
     loop {
         admit(
             model,
@@ -237,6 +239,7 @@ fn decode_loop(
             limits.step_rows,
             sink,
         )?;
+        model.host_span("decode admit", &mut t)?;
         if slots.iter().all(Option::is_none) {
             return Ok(());
         }
@@ -253,11 +256,15 @@ fn decode_loop(
             hint = hint.max(a.req.prompt.len().saturating_add(a.req.max_tokens).min(ctx));
         }
         model.reserve_batch(need, hint)?;
+        model.host_span("decode step rows", &mut t)?;
         let rows = tokens.len();
         let logits = model
             .forward_packed(&tokens, &positions, step.clone())
             .map_err(|e| e.context(format!("batched decoding: a step of {rows} rows")))?;
+        // `forward_packed` marks its own parts.
+        t = std::time::Instant::now();
         let picked = sample_step(&logits, &mut slots, &step)?;
+        model.host_span("decode sample (waits for the logits)", &mut t)?;
         for (&t, &(i, _)) in picked.iter().zip(&step) {
             let a = slots[i].as_mut().expect("in the step, so active");
             let finish = if eos.contains(&t) {
@@ -280,6 +287,7 @@ fn decode_loop(
                 })?;
             }
         }
+        model.host_span("decode finish", &mut t)?;
         sink.step(step.len(), rows);
     }
 }

@@ -77,6 +77,7 @@ mod fp8_config;
 pub mod fused_linear;
 pub mod fused_mlp;
 pub mod host_plan;
+mod host_rows;
 mod kv_cache;
 pub mod llama;
 pub mod lora;

@@ -578,6 +578,8 @@ pub struct Llama {
     /// Decoder layers kept on the device ahead of the streamed ones
     /// ([`Llama::streamed_keeping`]; inference only), layer 0 first.
     front: Vec<DecoderLayer>,
+    /// The page-locked buffer of a cached decode's host embedding lookups.
+    host_rows: Arc<crate::host_rows::HostRows>,
 }
 
 /// How [`Llama::loss`] runs the head and the cross-entropy.
@@ -696,6 +698,7 @@ impl Llama {
             outer_leaves: Default::default(),
             outer_host: Default::default(),
             front: Vec::new(),
+            host_rows: Default::default(),
         })
     }
 
@@ -1039,6 +1042,17 @@ impl Llama {
         }
     }
 
+    /// Records host work `name` from `*start` to now on the streamed layers'
+    /// timeline (when one is recorded) and moves `*start` to now.
+    pub(crate) fn host_span(&self, name: &str, start: &mut std::time::Instant) -> Result<()> {
+        let now = std::time::Instant::now();
+        if let Some(s) = self.streamed_layers() {
+            s.record_host_span(name, *start, now)?;
+        }
+        *start = now;
+        Ok(())
+    }
+
     /// The streamed layers' statistics (copies, stalls, residency), if streamed.
     pub fn stats(&self) -> Result<Option<StreamStats>> {
         self.streamed_layers().map(|s| s.stats()).transpose()
@@ -1300,18 +1314,23 @@ impl Llama {
                 positions.len()
             );
         }
+        let mut t = std::time::Instant::now();
         let extras = self.rope.extras_for(positions)?;
         // On the host: `hidden` copies them where the embedding is.
         let tokens = Tensor::new(tokens, &Device::Cpu)?.unsqueeze(0)?;
         self.kv.begin_step(step)?;
+        self.host_span("decode inputs", &mut t)?;
         let r = self.hidden(&tokens, extras, true);
         self.kv.end_step(r.is_ok())?;
         let (h, head) = r?;
+        self.host_span("decode layers issued", &mut t)?;
         let last = Tensor::new(last.as_slice(), &self.device)?;
         let h = h.squeeze(0)?.index_select(&last, 0)?;
-        Linear::new(head, None)
+        let logits = Linear::new(head, None)
             .forward(&h)
-            .map_err(|e| e.context("in the head (final norm and vocabulary projection)"))
+            .map_err(|e| e.context("in the head (final norm and vocabulary projection)"));
+        self.host_span("decode head issued", &mut t)?;
+        logits
     }
 
     /// Starts batched decoding with `slots` sequence slots in the kv cache.
@@ -1387,11 +1406,15 @@ impl Llama {
         if let Some(a) = self.lora.adapters()? {
             extras.extend(a.extras(self.dtype, &self.device)?);
         }
+        let mut t = std::time::Instant::now();
         let host_embed = self.host_embedding(kv);
         let (embed, norm, head) = match &self.outer {
             Outer::Host { .. } if kv => self.kv.outer_or(|| self.decode_weights())?,
             _ => self.device_weights()?,
         };
+        if kv {
+            self.host_span("decode outer weights", &mut t)?;
+        }
         // A trainable model's own weights are frozen while adapters are on: the
         // embedding, final norm and head too (PEFT's default), so no gradient is
         // computed for them or copied back to their host masters.
@@ -1409,14 +1432,15 @@ impl Llama {
             // record every layer's ops after it, keeping each layer's
             // activations (and a quantized layer's dequantized weights) alive
             // until the step's logits drop.
-            Some(table) => {
-                let ids = tokens.to_device(&Device::Cpu)?;
-                crate::embedding(&table.as_tensor().detach(), &ids)?
-                    .to_device(&self.device)?
-                    .to_dtype(self.dtype)?
-            }
+            Some(table) => self
+                .host_rows
+                .lookup(table.as_tensor(), tokens, &self.device)?
+                .to_dtype(self.dtype)?,
             None => crate::embedding(&embed, &tokens.to_device(&self.device)?)?,
         };
+        if kv {
+            self.host_span("decode embedding", &mut t)?;
+        }
         let h = match &self.layers {
             Layers::Resident(ls) if fused && x.track_op() => {
                 self.fused.begin()?;

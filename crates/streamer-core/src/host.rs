@@ -244,10 +244,10 @@ impl PinnedHost {
     }
 }
 
+/// The host address and byte length of a contiguous CPU tensor's data (valid
+/// while the tensor lives).
 #[cfg(feature = "cuda")]
-/// The host address and byte length of a contiguous CPU tensor's data.
-#[cfg(feature = "cuda")]
-pub(crate) fn host_bytes(t: &candle_core::Tensor) -> Result<(*const u8, usize)> {
+pub fn host_bytes(t: &candle_core::Tensor) -> Result<(*const u8, usize)> {
     use candle_core::{CpuStorage, Storage};
     let (s, l) = t.storage_and_layout();
     if !l.is_contiguous() {
