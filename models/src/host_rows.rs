@@ -2,13 +2,14 @@
 //! cached decode), brought to the device through one page-locked buffer.
 //!
 //! A packed step of `generate_batch` feeds thousands of prompt rows: 4,800
-//! rows of an 8B model's bf16 table are 39 MB. Gathered into fresh pageable
-//! memory by Candle's `index_select` and copied by its `to_device`, they took
-//! about 20 ms of every 275 ms step of `benches/generate.rs` in a 24 GiB cap,
-//! with both the GPU and the copy stream idle (the "decode layers issued"
-//! span before the first layer's, `scripts/timeline-summary.py`). Here the
-//! rows are gathered in parallel into a page-locked buffer made once (grown
-//! when a step needs more rows) and copied by DMA.
+//! rows of an 8B model's bf16 table are 39 MB. In `benches/generate.rs` in a
+//! 24 GiB cap, about 20 ms of every 275 ms step passed on the host between
+//! the step's start and its first layer's launch, the GPU idle and the copy
+//! stream idle for most of it (the "decode layers issued" span before the
+//! first layer's); the work there that grows with the rows was this lookup:
+//! Candle's `index_select` into fresh pageable memory, then its pageable
+//! copy. Here the rows are gathered in parallel into a page-locked buffer
+//! made once (grown when a step needs more rows) and copied by DMA.
 use candle_core::{bail, Device, Result, Tensor};
 
 /// The reused page-locked buffer of [`HostRows::lookup`].
