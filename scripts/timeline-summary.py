@@ -6,7 +6,8 @@ block compute spans), the largest gaps between compute spans and the blocks
 around them, and the copy engines' busy time; then the steps' median and
 spread, and how many were compute-bound (a long job's steps should all take
 about their copies' time: a run of compute-bound steps among copy-bound ones
-is a burst of prompts).
+is a burst of prompts); last, each named host phase's median and 90th
+percentile (a decode step's parts, the trainer's phases).
 
     python3 scripts/timeline-summary.py TRACE.json [gaps per step, default 6]
 
@@ -70,6 +71,20 @@ def main():
                 if s1 > g0 and s0 < g1 and e["dur"] >= 1e3:
                     print(f"        host {e['name']}: {e['dur'] / 1e3:.1f}")
     spread(stats)
+    host_phases(ev)
+
+
+def host_phases(ev):
+    """The median and 90th percentile of each named host phase that is not
+    one layer's (a decode step's admit, embedding, sampling...)."""
+    by = {}
+    for e in ev:
+        if e["cat"] == "host" and not e["name"].startswith("model."):
+            by.setdefault(e["name"], []).append(e["dur"] / 1e3)
+    for name, xs in sorted(by.items()):
+        xs.sort()
+        print(f"host {name}: {len(xs)} spans, median {xs[len(xs) // 2]:.2f}, "
+              f"p90 {xs[min(len(xs) - 1, int(0.9 * len(xs)))]:.2f}")
 
 
 def spread(stats):
