@@ -357,10 +357,16 @@ fn batched_bad_requests_fail_alone_and_finish_reasons(dev: &Device) -> Result<()
         VarBuilder::from_tensors(init_weights(&cfg, 3)?, DType::F32, dev),
         &cfg,
     )?;
-    let mut reqs = requests(&[6, 30, 0, 20, 4], &[10], 0.0, 256);
+    let mut reqs = requests(&[6, 30, 0, 20, 4, 3], &[10], 0.0, 256);
     reqs[3].max_tokens = 50;
+    reqs[5].prompt[1] = 256;
     let outs = run_batch(&model, &reqs, 2)?;
     let err = |id: usize| outs[&id].result.clone().err().unwrap_or_default();
+    ensure!(
+        err(5).contains("token 256 (position 1)") && err(5).contains("vocabulary of 256"),
+        "{}",
+        err(5)
+    );
     ensure!(
         err(1).contains("30 tokens") && err(1).contains("context of 24"),
         "{}",

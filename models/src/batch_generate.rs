@@ -193,9 +193,9 @@ struct Active {
 /// module's documentation): each step runs every decoder layer once for
 /// all sequences in flight. A token in `eos` ends its sequence. Finished
 /// requests go to `sink` as they finish; a request that cannot run (empty
-/// prompt, longer than `max_position_embeddings`) goes there as an error and
-/// the rest go on. Requests are taken from the iterator only when a slot is
-/// free. The model's kv cache is used and emptied; a model error ends the
+/// prompt, longer than `max_position_embeddings`, a token outside the
+/// vocabulary) goes there as an error and the rest go on. Requests are
+/// taken from the iterator only when a slot is free. The model's kv cache is used and emptied; a model error ends the
 /// batch (the requests in flight are not reported).
 pub fn generate_batch(
     model: &Llama,
@@ -365,8 +365,12 @@ fn next_admitted(
     queue: &mut impl Iterator<Item = BatchRequest>,
     sink: &mut impl BatchSink,
 ) -> Result<Option<Active>> {
-    let ctx = model.config().max_position_embeddings;
+    let (ctx, vocab) = (
+        model.config().max_position_embeddings,
+        model.config().vocab_size,
+    );
     for req in queue.by_ref() {
+        let outside = req.prompt.iter().position(|&t| t as usize >= vocab);
         let refused = if req.prompt.is_empty() {
             Some("the prompt is empty".to_string())
         } else if req.prompt.len() > ctx {
@@ -374,6 +378,11 @@ fn next_admitted(
                 "the prompt has {} tokens, more than the model's context of {ctx} \
                  (max_position_embeddings)",
                 req.prompt.len()
+            ))
+        } else if let Some(p) = outside {
+            Some(format!(
+                "the prompt's token {} (position {p}) is outside the vocabulary of {vocab}",
+                req.prompt[p]
             ))
         } else {
             None
