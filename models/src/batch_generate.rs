@@ -195,8 +195,9 @@ struct Active {
 /// requests go to `sink` as they finish; a request that cannot run (empty
 /// prompt, longer than `max_position_embeddings`, a token outside the
 /// vocabulary) goes there as an error and the rest go on. Requests are
-/// taken from the iterator only when a slot is free. The model's kv cache is used and emptied; a model error ends the
-/// batch (the requests in flight are not reported).
+/// taken from the iterator only when a slot is free. The model's kv cache
+/// is used and emptied; a model error ends the batch (the requests in
+/// flight are not reported).
 pub fn generate_batch(
     model: &Llama,
     requests: impl IntoIterator<Item = BatchRequest>,

@@ -67,13 +67,9 @@ mod cuda {
         }
         let row = hidden * table.dtype().size_in_bytes();
         let bytes = ids.len() * row;
-        let dst = Tensor::zeros(
-            (ids.len(), hidden),
-            table.dtype(),
-            &Device::Cuda(device.clone()),
-        )?;
+        let shape = candle_core::Shape::from((ids.len(), hidden));
         if bytes == 0 {
-            return Ok(dst);
+            return Tensor::zeros(shape, table.dtype(), &Device::Cuda(device.clone()));
         }
         let buf = buffer(staging, device, bytes)?;
         let table = table.contiguous()?;
@@ -86,18 +82,8 @@ mod cuda {
             .par_chunks_mut(row)
             .zip(ids.par_iter())
             .for_each(|(o, &id)| o.copy_from_slice(&src[id as usize * row..][..row]));
-        let stream = device.cuda_stream();
-        {
-            let mem = streamer_device::cuda::CudaMemory::of(&dst)?;
-            let at = mem.address()?;
-            // SAFETY: `dst` was allocated and zeroed on `stream`, which runs the
-            // copy after that; the source is `buf`'s first `bytes`, written
-            // above; the stream is synchronized below, before `dst` is used or
-            // `buf` written again.
-            unsafe { streamer_device::cuda::htod_async(at.get(), out.as_ptr(), bytes, &stream)? };
-        }
-        stream.synchronize().map_err(candle_core::Error::wrap)?;
-        Ok(dst)
+        // Complete when it returns, so the buffer is free for the next step.
+        streamer_core::upload(&out[..bytes], &shape, table.dtype(), device)
     }
 
     /// The staging buffer of `device`'s context with room for `bytes`,

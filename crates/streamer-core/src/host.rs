@@ -222,26 +222,45 @@ impl PinnedHost {
     /// the copy is split at page boundaries.
     pub fn to_device(&self, device: &candle_core::CudaDevice) -> Result<candle_core::Tensor> {
         let t = &self.tensor;
-        let dst = candle_core::Tensor::zeros(
-            t.shape(),
-            t.dtype(),
-            &candle_core::Device::Cuda(device.clone()),
-        )?;
         let (host, n) = host_bytes(t)?;
-        let stream = device.cuda_stream();
-        {
-            let mem = streamer_device::CudaMemory::of(&dst)?;
-            let at = mem.address()?;
-            // SAFETY: `dst` was allocated and zeroed on `stream`, which runs
-            // the copy after that and is synchronized below before `dst` can
-            // be used or dropped; the source is this guard's tensor, which it
-            // keeps alive, and the copy is complete when this returns (as
-            // Candle's own copy from the host is).
-            unsafe { crate::cuda::htod_async(at.get(), host, n, &stream)? };
-        }
-        stream.synchronize().map_err(candle_core::Error::wrap)?;
-        Ok(dst)
+        // SAFETY: the range is this guard's tensor's own storage, which it
+        // keeps alive and unchanged while the upload runs.
+        let bytes = unsafe { std::slice::from_raw_parts(host, n) };
+        upload(bytes, t.shape(), t.dtype(), device)
     }
+}
+
+/// A tensor of `shape` and `dtype` on `device` holding `bytes` (host memory,
+/// its layout's bytes), complete when this returns. Copied in page-sized
+/// pieces on the compute stream: DMA where the pages are locked.
+#[cfg(feature = "cuda")]
+pub fn upload(
+    bytes: &[u8],
+    shape: &candle_core::Shape,
+    dtype: candle_core::DType,
+    device: &candle_core::CudaDevice,
+) -> Result<candle_core::Tensor> {
+    let n = shape.elem_count() * dtype.size_in_bytes();
+    if bytes.len() != n {
+        candle_core::bail!(
+            "upload: {} bytes for a {dtype:?} tensor of shape {shape:?} ({n} bytes)",
+            bytes.len()
+        );
+    }
+    let dst = candle_core::Tensor::zeros(shape, dtype, &candle_core::Device::Cuda(device.clone()))?;
+    let stream = device.cuda_stream();
+    let copied = {
+        let mem = streamer_device::CudaMemory::of(&dst)?;
+        let at = mem.address()?;
+        // SAFETY: `dst` holds `n` bytes, allocated and zeroed on `stream`,
+        // which runs the copy after that and is synchronized below (also
+        // when a piece failed to enqueue), before `dst` can be used or
+        // dropped and before `bytes`' borrow ends.
+        unsafe { crate::cuda::htod_async(at.get(), bytes.as_ptr(), n, &stream) }
+    };
+    stream.synchronize().map_err(candle_core::Error::wrap)?;
+    copied?;
+    Ok(dst)
 }
 
 /// The host address and byte length of a contiguous CPU tensor's data (valid

@@ -61,7 +61,7 @@ pub use context::{cuda_event_tracking, disable_cuda_event_tracking};
 pub use convert::convert;
 pub use device_cap::DeviceCap;
 #[cfg(feature = "cuda")]
-pub use host::{host_bytes, PinnedHost};
+pub use host::{host_bytes, upload, PinnedHost};
 pub use host::{HostMasters, Master};
 pub use offload::{OffloadMarker, Offloader};
 pub use packed::is_packed;
