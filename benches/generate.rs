@@ -41,6 +41,10 @@
 //! that off. `GEN_BENCH_TIMELINE=DIR` writes each streamed row's Chrome-trace
 //! timeline (copies, compute, one host span a step) to
 //! `DIR/generate-timeline-<format>-b<batch>-w<window>.json`.
+//! `GEN_BENCH_HOST_KV_GIB` (default 0; a list runs the budget rows once for
+//! each): host memory a budget row's plan may give to sequences whose kv
+//! cache lives there (`BatchLimits::host_kv`); their copies count in the
+//! row's PCIe floor and bound (`host_kv_gb`).
 //!
 //!     GPU_ONLY=bench-generate bash gpu-bundle/run.sh benches
 #[path = "common/mod.rs"]
@@ -221,6 +225,8 @@ struct Setup<'a> {
     expected: Option<f64>,
     /// Prompts a row runs per sequence in flight (`GEN_BENCH_JOB`).
     job: usize,
+    /// Sequences whose kv cache lives in host memory (a plan's).
+    host_kv: usize,
 }
 
 /// One row: `batch` sequences in flight over `job x batch` prompts (one at batch 1).
@@ -231,9 +237,11 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
     let limits = BatchLimits {
         sequences: batch,
         step_rows: s.step_rows,
+        host_kv: s.host_kv,
     };
     let shape = BatchShape {
         sequences: batch,
+        host_sequences: s.host_kv,
         capacity: s.pg.0 + s.pg.1,
         step_rows: s.step_rows,
     };
@@ -242,6 +250,7 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
     streamer_core::trim_device_memory(s.dev)?;
     let base = common::used_now(s.dev);
     let before = s.model.stats()?.unwrap_or_default();
+    let kv_before = s.model.host_kv_bytes_copied();
     let sampler = common::MemSampler::start(s.dev);
     let traced = s
         .model
@@ -271,11 +280,14 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
         );
         layers.write_timeline(Some(&dir.join(file)))?;
     }
-    let h2d_s = after.h2d_seconds - before.h2d_seconds;
+    // The host kv cache's copies run on the compute stream: their PCIe time
+    // at the measured rate joins the weights' copy time.
+    let kv_bytes = (s.model.host_kv_bytes_copied() - kv_before) as f64;
+    let h2d_s = after.h2d_seconds - before.h2d_seconds + kv_bytes / s.rates.h2d_bytes_per_s;
     let compute_s = n as f64 * request_flops(cfg, s.pg.0, s.pg.1) / s.rates.flops_per_s;
     let bound_s = h2d_s.max(compute_s);
     let tps = count.tokens as f64 / wall;
-    let h2d_bytes = (after.h2d_bytes - before.h2d_bytes) as f64;
+    let h2d_bytes = (after.h2d_bytes - before.h2d_bytes) as f64 + kv_bytes;
     // The bytes moved at the measured H2D rate: the PCIe floor of the run.
     let h2d_floor_s = h2d_bytes / s.rates.h2d_bytes_per_s;
     let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
@@ -286,7 +298,9 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
         "step_rows": s.step_rows, "steps": count.steps,
         "across_calls": s.base.across_calls && s.placement != BatchPlacement::Resident, "generated": count.tokens,
         "wall_s": wall, "tokens_per_s": tps, "expected_tokens_per_s": s.expected,
-        "device_budget_gib": s.budget_gib, "kv_place": "device",
+        "device_budget_gib": s.budget_gib,
+        "kv_place": if s.host_kv > 0 { "device and host" } else { "device" },
+        "host_kv_sequences": s.host_kv, "host_kv_gb": kv_bytes / 1e9,
         "planned_device_gib": gib(plan.total()), "peak_device_gib": gib(peak.saturating_sub(base)),
         "peak_process_device_gib": gib(peak),
         "h2d_gb": h2d_bytes / 1e9, "h2d_s": h2d_s, "h2d_floor_s": h2d_floor_s,
@@ -297,6 +311,16 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
     });
     println!("  {r}");
     Ok(r)
+}
+
+/// GEN_BENCH_HOST_KV_GIB: the host memory each round of budget rows lets
+/// its plans give to kv caches (a list; default 0, none).
+fn host_kv_gibs() -> Result<Vec<usize>> {
+    std::env::var("GEN_BENCH_HOST_KV_GIB")
+        .unwrap_or_else(|_| "0".into())
+        .split(',')
+        .map(|g| g.trim().parse().context("GEN_BENCH_HOST_KV_GIB"))
+        .collect()
 }
 
 /// GEN_BENCH_JOB: prompts a row runs per sequence in flight.
@@ -407,6 +431,7 @@ fn main() -> Result<()> {
             budget_gib: None,
             expected: None,
             job: job(),
+            host_kv: 0,
         };
         for b in unbudgeted {
             rows.push(row(&setup, b)?);
@@ -427,9 +452,12 @@ fn main() -> Result<()> {
             Some(_) => &all[..1],
             None => &all[..rows_wanted.clamp(1, all.len())],
         };
-        for &choice in choices {
-            let setup = (&dev, name.as_str(), dtype, pg, step_rows);
-            rows.push(budget_row(&base, &cfg, setup, (b, held, choice), rates)?);
+        for host_kv_gib in host_kv_gibs()? {
+            for &choice in choices {
+                let setup = (&dev, name.as_str(), dtype, pg, step_rows);
+                let budgets = (b, host_kv_gib << 30, held, choice);
+                rows.push(budget_row(&base, &cfg, setup, budgets, rates)?);
+            }
         }
     }
     let out = serde_json::json!({
@@ -472,13 +500,14 @@ fn warm_up(model: &Llama, prompt: usize) -> Result<()> {
 }
 
 /// A row planned by `plan_batch` for `gib` GiB (what the process held before
-/// the model included), with the GPU capped at the budget: the fastest plan
-/// of those `choice` allows.
+/// the model included) and `host_kv` bytes of host memory for kv caches,
+/// with the GPU capped at the budget: the fastest plan of those `choice`
+/// allows.
 fn budget_row(
     base: &Base,
     cfg: &LlamaConfig,
     (dev, name, dtype, pg, step_rows): (&Device, &str, DType, (usize, usize), usize),
-    (gib, held, choice): (usize, usize, PlacementChoice),
+    (gib, host_kv, held, choice): (usize, usize, usize, PlacementChoice),
     rates: DecodeRates,
 ) -> Result<serde_json::Value> {
     let run = BatchRun {
@@ -487,6 +516,7 @@ fn budget_row(
         most: 1 << 14,
         prompt_len: pg.0 as f64,
         new_tokens: pg.1 as f64,
+        host_kv_bytes: host_kv,
     };
     let left = (gib << 30).saturating_sub(held);
     let plan = plan_batch(
@@ -514,6 +544,7 @@ fn budget_row(
         budget_gib: Some(gib),
         expected: Some(plan.tokens_per_s),
         job: job(),
+        host_kv: plan.host_sequences,
     };
     row(&setup, plan.sequences)
 }

@@ -142,6 +142,13 @@ struct Args {
     /// faster.
     #[arg(long)]
     device_budget: Option<String>,
+    /// With --device-budget: host memory the plan may give to sequences whose
+    /// kv cache it keeps there (page-locked, copied to the device beside the
+    /// weights every step) where the measured rates say that is faster:
+    /// bytes ("48GiB"), 0 for none, or auto: half of the host memory
+    /// available beside the model's weights.
+    #[arg(long, default_value = "auto")]
+    host_kv_budget: String,
     /// With --prompts: rows one step computes at most; prompts join a step
     /// while its rows stay within this. A --device-budget plan that streams
     /// may take fewer: as many as a step's layer copies hide.
@@ -178,6 +185,12 @@ fn check_args(a: &Args) -> Result<()> {
         }
         if a.gpu_weight_budget.is_some() {
             bail!("--device-budget covers the weights too: leave out --gpu-weight-budget");
+        }
+    }
+    if a.host_kv_budget != "auto" {
+        parse_bytes(&a.host_kv_budget).context("--host-kv-budget")?;
+        if a.device_budget.is_none() {
+            bail!("--host-kv-budget is part of a --device-budget plan: give both or neither");
         }
     }
     Ok(())
@@ -507,8 +520,8 @@ mod batch {
     };
     use streamer_models::{
         generate_batch, parse_bytes, plan_batch, BatchLimits, BatchOutput, BatchPlan, BatchRequest,
-        BatchRun, BatchSink, ChatTemplate, DecodeRates, Llama, LlamaConfig, LoraAdapters,
-        PlacementChoice,
+        BatchRun, BatchSink, ChatTemplate, DecodeRates, LayerFootprint, Llama, LlamaConfig,
+        LoraAdapters, PlacementChoice,
     };
 
     /// The lines still to run, and the output they go to.
@@ -697,6 +710,7 @@ mod batch {
         BatchLimits {
             sequences,
             step_rows: a.step_rows,
+            host_kv: 0,
         }
     }
 
@@ -731,6 +745,7 @@ mod batch {
             most: a.batch.unwrap_or(1 << 16).min(reqs.len().max(1)),
             prompt_len: reqs.iter().map(|r| r.prompt.len() as f64).sum::<f64>() / n,
             new_tokens: reqs.iter().map(|r| r.max_tokens as f64).sum::<f64>() / n,
+            host_kv_bytes: 0,
         };
         let bytes = parse_bytes(budget)?;
         let Some(left) = bytes.checked_sub(held).filter(|&l| l > 0) else {
@@ -743,6 +758,10 @@ mod batch {
         let window =
             candle_streamer::cli::prefetch("--prefetch", a.prefetch, cfg.num_hidden_layers)? + 1;
         let layer = super::layer_footprint(a, cfg, dtype)?;
+        let run = BatchRun {
+            host_kv_bytes: host_kv_budget(a, cfg, dtype, &layer)?,
+            ..run
+        };
         let choice = match a.streamed {
             true => PlacementChoice::Streaming,
             false => PlacementChoice::Any,
@@ -758,6 +777,28 @@ mod batch {
             rates.flops_per_s / 1e12
         );
         Ok(p)
+    }
+
+    /// `--host-kv-budget` in bytes; auto: half of the host memory available
+    /// beside the model's weights (every layer's and the outer ones, as the
+    /// host will hold them).
+    fn host_kv_budget(
+        a: &Args,
+        cfg: &LlamaConfig,
+        dtype: DType,
+        layer: &LayerFootprint,
+    ) -> Result<usize> {
+        if a.host_kv_budget != "auto" {
+            return Ok(parse_bytes(&a.host_kv_budget)?);
+        }
+        let outer: usize = cfg
+            .outer_weights()
+            .iter()
+            .map(|(_, dims, _)| dims.iter().product::<usize>() * dtype.size_in_bytes())
+            .sum();
+        let model = layer.slot * cfg.num_hidden_layers + outer;
+        let available = streamer_device::host_available_memory().unwrap_or(0);
+        Ok(available.saturating_sub(model) / 2)
     }
 
     /// Writes each finished line and keeps the progress bar.

@@ -35,7 +35,11 @@
 #   bash scripts/gpu-checks.sh split       # the batch_generate and pretrained CUDA tests, then
 #                                          # generate8 (GEN8_BATCHES=1 for a shorter call)
 #   bash scripts/gpu-checks.sh generate70  # 70B NF4 streamed generate in a 24 GiB cap (~250 s
-#                                          # of it the run; the host needs ~80 GiB)
+#                                          # of it the run; the host needs ~80 GiB); GEN70_JOB
+#                                          # (6) prompts per sequence in flight, GEN70_HOST_KV_GIB
+#                                          # (0; a list such as 0,40: one row each) host memory
+#                                          # the plan may give to kv caches (the host needs that
+#                                          # much more)
 #   bash scripts/gpu-checks.sh setup       # host masters of 8B shapes from a file, and an 8B
 #                                          # NF4 base (benches/setup.rs), beside transformers'
 #                                          # from_pretrained of the same shapes in f32
@@ -143,7 +147,8 @@ for stage in "$@"; do
       ;;
     generate70)
       r gen70 $G GEN_BENCH=70b GEN_BENCH_QUANTIZE=nf4 GEN_BENCH_BATCHES= \
-        GEN_BENCH_DEVICE_BUDGET_GIB=24 GEN_BENCH_JOB=6 timeout 560 bash "$B/run.sh" benches
+        GEN_BENCH_DEVICE_BUDGET_GIB=24 GEN_BENCH_JOB=${GEN70_JOB:-6} \
+        GEN_BENCH_HOST_KV_GIB=${GEN70_HOST_KV_GIB:-0} timeout 560 bash "$B/run.sh" benches
       ;;
     setup)
       r setup GPU_ONLY=bench-setup,setup_torch SETUP_BENCH=8b SETUP_BENCH_ROUNDS=1 SETUP_BENCH_QUANTIZE=nf4 \

@@ -140,6 +140,85 @@ fn batched_greedy_equals_one_by_one_tiny(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(batched_greedy_equals_one_by_one_tiny);
 
+/// Sequences whose kv cache lives in host memory (`BatchLimits::host_kv`)
+/// decode exactly as alone: some slots on the host, every slot on the host,
+/// with prompts whose lengths make the cache grow while host slots hold
+/// sequences; more host sequences than sequences is refused.
+fn batched_host_kv_equals_one_by_one(dev: &Device) -> Result<()> {
+    let lens = [5, 1, 17, 9, 3, 12, 2];
+    let news = [12, 4, 9, 16, 6];
+    for (name, model) in tiny_models(dev)? {
+        let reqs = requests(&lens, &news, 0.0, 256);
+        for (sequences, host_kv) in [(3, 1), (4, 2), (3, 3)] {
+            let limits = BatchLimits {
+                sequences,
+                step_rows: 64,
+                host_kv,
+            };
+            let mut log = StepLog::default();
+            generate_batch(&model, reqs.clone(), limits, &[], &mut log)?;
+            let what = format!("{name}, {sequences} sequences, {host_kv} on the host");
+            ensure!(
+                log.outs.len() == reqs.len(),
+                "{what}: {} outputs",
+                log.outs.len()
+            );
+            check_against_alone(&model, &reqs, &log.outs, &what)?;
+        }
+        let limits = BatchLimits {
+            sequences: 2,
+            step_rows: 64,
+            host_kv: 3,
+        };
+        let e = generate_batch(&model, reqs.clone(), limits, &[], &mut StepLog::default())
+            .expect_err("more host sequences than sequences");
+        ensure!(
+            e.to_string()
+                .contains("3 sequences with their kv cache in host memory"),
+            "{e}"
+        );
+    }
+    Ok(())
+}
+candle_streamer::test_device!(batched_host_kv_equals_one_by_one);
+
+/// `HostBuffer`, where the host kv cache lives: tensors copied in at an
+/// offset come back out equal (bf16 and f32), host reads see every copy
+/// enqueued before them, host writes reach the next upload, and copies
+/// outside the buffer are refused before anything moves.
+fn host_buffer_round_trips(dev: &Device) -> Result<()> {
+    use candle_core::Tensor;
+    use streamer_device::HostBuffer;
+    let mut buf = HostBuffer::zeroed(4096, dev)?;
+    ensure!(buf.len() == 4096 && buf.bytes()?.iter().all(|&b| b == 0));
+    let a = Tensor::arange(0f32, 96., dev)?.reshape((2, 3, 16))?;
+    let b = (Tensor::arange(0f32, 64., dev)? * 0.5)?.to_dtype(DType::BF16)?;
+    buf.download(128, &a)?;
+    buf.download(1024, &b)?;
+    let back = buf.upload(128, &(2, 3, 16).into(), DType::F32, dev)?;
+    ensure!((back - &a)?.abs()?.sum_all()?.to_scalar::<f32>()? == 0.0);
+    let back = buf.upload(1024, &(64,).into(), DType::BF16, dev)?;
+    ensure!(
+        back.to_dtype(DType::F32)?.to_vec1::<f32>()? == b.to_dtype(DType::F32)?.to_vec1::<f32>()?
+    );
+    // The host sees the copies: f32 1.0 at element 1 of `a`.
+    ensure!(buf.bytes()?[132..136] == 1f32.to_ne_bytes());
+    buf.bytes_mut()?[128..132].copy_from_slice(&7f32.to_ne_bytes());
+    let first = buf.upload(128, &(1,).into(), DType::F32, dev)?;
+    ensure!(first.to_vec1::<f32>()? == [7.0]);
+    let e = buf.download(4000, &a).expect_err("past the end");
+    ensure!(e.to_string().contains("outside its 4096 bytes"), "{e}");
+    let e = buf
+        .upload(4090, &(2,).into(), DType::F32, dev)
+        .expect_err("past the end");
+    ensure!(
+        e.to_string().contains("upload of 8 bytes") && e.to_string().contains("outside its 4096"),
+        "{e}"
+    );
+    Ok(())
+}
+candle_streamer::test_device!(host_buffer_round_trips);
+
 /// Records every step's sequences and rows, and the outputs.
 #[derive(Default)]
 struct StepLog {
@@ -169,6 +248,7 @@ fn batched_step_rows_bound_steps(dev: &Device) -> Result<()> {
         let limits = BatchLimits {
             sequences: 4,
             step_rows: 8,
+            host_kv: 0,
         };
         let mut bound = StepLog::default();
         generate_batch(&model, reqs.clone(), limits, &[], &mut bound)?;
@@ -611,6 +691,7 @@ fn batch_plan_sequences_for_budget() -> Result<()> {
             window,
             BatchShape {
                 sequences,
+                host_sequences: 0,
                 capacity,
                 step_rows,
             },
@@ -623,6 +704,7 @@ fn batch_plan_sequences_for_budget() -> Result<()> {
     // resident, every layer and the embedding too.
     let shape = BatchShape {
         sequences: n,
+        host_sequences: 0,
         capacity,
         step_rows,
     };
@@ -675,6 +757,7 @@ fn rates_and_run() -> (DecodeRates, BatchRun) {
         most: 4096,
         prompt_len: 512.0,
         new_tokens: 32.0,
+        host_kv_bytes: 0,
     };
     (rates, run)
 }
@@ -890,5 +973,71 @@ fn batch_plan_counts_packed_layers() -> Result<()> {
     let floor = 32.0 * (32 * f.slot) as f64 / rates.h2d_bytes_per_s / per_step;
     let want = 32.0 / compute.max(floor);
     ensure!((p.tokens_per_s / want - 1.0).abs() < 1e-9, "{p}: {want}");
+    Ok(())
+}
+
+/// Host-memory kv caches in the plan: for 70B shapes in NF4 under 24 GiB
+/// (packed layers of about 0.45 GB a step each, so a step's weights take
+/// 0.7 s over PCIe while the device holds the cache of about 100 sequences),
+/// sequences with their cache on the host raise the predicted tokens/s;
+/// the plan's prediction equals the same model computed here with each host
+/// sequence's whole cache added to the step's copies, the host caches stay
+/// within the run's host memory and the device part within the budget. With
+/// no host memory allowed, none is planned.
+#[test]
+fn batch_plan_keeps_kv_in_host_memory_where_it_pays() -> Result<()> {
+    use streamer_models::{
+        kv_bytes_per_sequence, plan_batch, request_flops, LayerFootprint, PlacementChoice,
+        STEP_COMPUTE_SHARE,
+    };
+    let cfg = LlamaConfig::llama31_70b();
+    let nf4 = streamer_quant::QuantScheme::parse("nf4")?;
+    let f = LayerFootprint::quantized(&cfg, DType::BF16, nf4, |_| false)?;
+    let (rates, run) = rates_and_run();
+    let budget = (24 << 30, 2, PlacementChoice::Any);
+    let device = plan_batch(&cfg, (DType::BF16, f), budget, run, &rates)?;
+    ensure!(
+        device.host_sequences == 0 && device.memory.kv_staging == 0,
+        "{device}"
+    );
+    let host_run = BatchRun {
+        host_kv_bytes: 64 << 30,
+        ..run
+    };
+    let p = plan_batch(&cfg, (DType::BF16, f), budget, host_run, &rates)?;
+    let per_seq = kv_bytes_per_sequence(&cfg, DType::BF16, 544);
+    ensure!(per_seq == 2 * 80 * 8 * 128 * 544 * 2, "{per_seq}");
+    ensure!(p.host_sequences > 0, "{p}");
+    ensure!(p.host_sequences * per_seq <= 64 << 30, "{p}");
+    ensure!(p.memory.total() <= 24 << 30, "{p}");
+    ensure!(
+        p.memory.kv_staging == 2 * p.host_sequences * per_seq / 80,
+        "{p}"
+    );
+    ensure!(
+        p.memory.kv == (p.sequences - p.host_sequences) * per_seq,
+        "{p}"
+    );
+    ensure!(
+        p.tokens_per_s > 1.3 * device.tokens_per_s,
+        "{p} vs {device}"
+    );
+    let limits = p.limits();
+    ensure!(limits.host_kv == p.host_sequences && limits.sequences == p.sequences);
+    // The prediction, every layer streamed: the request's FLOPs or its share
+    // of a step's copies (the packed layers and the host caches), whichever
+    // is longer; the steps' rows from the copy time at the GEMM rate.
+    let copy = (80 * f.slot + p.host_sequences * per_seq) as f64 / rates.h2d_bytes_per_s;
+    let rows = (STEP_COMPUTE_SHARE * copy * rates.flops_per_s
+        / (2.0 * 80.0 * cfg.layer_params() as f64)) as usize;
+    ensure!(
+        p.step_rows == rows.clamp(544, 16384),
+        "{p}: {rows} rows expected"
+    );
+    let share = 32.0 / (p.sequences as f64).min(p.step_rows as f64 * 32.0 / 544.0);
+    let compute = request_flops(&cfg, 512, 32) / rates.flops_per_s;
+    let want = 32.0 / compute.max(share * copy);
+    ensure!((p.tokens_per_s / want - 1.0).abs() < 1e-9, "{p}: {want}");
+    println!("{device}\n{p}");
     Ok(())
 }

@@ -64,6 +64,10 @@ pub struct BatchLimits {
     /// the next prompts over several steps, so that their prefill overlaps the
     /// others' decoding instead of stalling it.
     pub step_rows: usize,
+    /// Sequences of `sequences` whose kv cache lives in page-locked host
+    /// memory and comes to the device layer by layer each step
+    /// (`crate::host_kv`); the others keep theirs on the device.
+    pub host_kv: usize,
 }
 
 impl From<usize> for BatchLimits {
@@ -71,6 +75,7 @@ impl From<usize> for BatchLimits {
         Self {
             sequences,
             step_rows: DEFAULT_STEP_ROWS,
+            host_kv: 0,
         }
     }
 }
@@ -209,10 +214,18 @@ pub fn generate_batch(
     if limits.sequences == 0 || limits.step_rows == 0 {
         bail!("generate_batch: limits of 0 ({limits:?})");
     }
+    if limits.host_kv > limits.sequences {
+        bail!(
+            "generate_batch: {} sequences with their kv cache in host memory, more than the {} \
+             in flight",
+            limits.host_kv,
+            limits.sequences
+        );
+    }
     let was_training = model.is_training();
     model.set_training(false);
     let r = model
-        .begin_batch(limits.sequences)
+        .begin_batch(limits.sequences, limits.host_kv)
         .and_then(|()| decode_loop(model, &mut requests.into_iter(), limits, eos, sink));
     let ended = model.end_batch();
     model.set_training(was_training);

@@ -16,7 +16,16 @@
 //! the context), or twice the longest one so far when a request's end is not in
 //! sight, so a slot wastes at most the difference between its sequence and the
 //! longest one (at most half the capacity in the second case).
+//!
+//! The last `host_slots` slots keep their keys and values in host memory
+//! ([`crate::host_kv`]): at each layer of a step their part comes to the
+//! device, takes the step's rows and is attended over in a second call, and
+//! the new rows go back to the host. The step's rows are ordered by slot, so
+//! the host slots' rows are the step's last ones.
 use candle_core::{bail, DType, Device, Result, Tensor};
+use std::ops::Range;
+
+use crate::host_kv::HostKv;
 
 /// One layer's keys and values.
 type Layer = Option<(Tensor, Tensor)>;
@@ -24,37 +33,75 @@ type Layer = Option<(Tensor, Tensor)>;
 /// The rows a step writes: `(slot, rows)` in row order, slots ascending.
 pub(crate) type Step = Vec<(usize, usize)>;
 
-#[derive(Debug)]
 pub(crate) struct BatchKv {
+    /// The device slots' keys and values, per layer.
     layers: Vec<Layer>,
     /// Positions held by each slot (advanced when a step completes).
     lens: Vec<usize>,
+    /// Slots `0..device_slots` keep their keys and values on the device, the
+    /// others in `host`.
+    device_slots: usize,
     /// Rows per slot; a layer's tensors grow to it at that layer's next write.
     capacity: usize,
     /// The step in flight (empty: none).
     step: Step,
-    /// The step's scatter of one-row sequences, made at its first layer:
-    /// `(source rows of the packed call, destination index)`.
-    scatter: Option<(Tensor, Tensor)>,
+    /// The step's scatter of one-row sequences per part (device, host), made
+    /// at its first layer: `(source rows of the part, destination index)`.
+    scatter: [Option<(Tensor, Tensor)>; 2],
+    host: HostKv,
+    /// Bytes of the host part copied to the device so far.
+    host_copied: usize,
 }
 
-/// What one layer's attention over the packed cache needs.
+/// What one attention call over a part of the packed cache needs: the rows
+/// of the step it answers, the part's keys and values, its documents.
 pub(crate) struct Packed {
+    pub(crate) rows: Range<usize>,
     pub(crate) k: Tensor,
     pub(crate) v: Tensor,
     pub(crate) cu_seqlens_q: Vec<usize>,
     pub(crate) cu_seqlens_k: Vec<usize>,
 }
 
+/// The step's sequences within one part of the slots: `(slot relative to the
+/// part, new rows, positions held before the step)`, and the step's rows they
+/// take.
+struct Part {
+    seqs: Vec<(usize, usize, usize)>,
+    rows: Range<usize>,
+}
+
+impl Part {
+    /// Slots up to the last one in the step, and the positions of the
+    /// longest of them after the step.
+    fn extent(&self) -> (usize, usize) {
+        let slots = self.seqs.iter().map(|s| s.0 + 1).max().unwrap_or(0);
+        let len = self.seqs.iter().map(|s| s.1 + s.2).max().unwrap_or(0);
+        (slots, len)
+    }
+}
+
 impl BatchKv {
-    pub(crate) fn new(layers: usize, slots: usize) -> Self {
-        Self {
+    /// `slots` sequence slots, the last `host_slots` of them in host memory.
+    pub(crate) fn new(layers: usize, slots: usize, host_slots: usize) -> Result<Self> {
+        if host_slots > slots {
+            bail!("kv cache: {host_slots} host slots of only {slots}");
+        }
+        Ok(Self {
             layers: vec![None; layers],
             lens: vec![0; slots],
+            device_slots: slots - host_slots,
             capacity: 0,
             step: Vec::new(),
-            scatter: None,
-        }
+            scatter: [None, None],
+            host: HostKv::new(layers, host_slots),
+            host_copied: 0,
+        })
+    }
+
+    /// Bytes of the host slots' caches copied to the device so far.
+    pub(crate) fn host_bytes_copied(&self) -> usize {
+        self.host_copied
     }
 
     /// Positions held by `slot`.
@@ -74,10 +121,13 @@ impl BatchKv {
 
     /// Makes room for `need` positions in every slot; `hint` is how long the
     /// sequences in flight may grow (see the module's documentation).
-    pub(crate) fn reserve(&mut self, need: usize, hint: usize) {
+    pub(crate) fn reserve(&mut self, need: usize, hint: usize) -> Result<()> {
         if need > self.capacity {
-            self.capacity = need.max(hint.min(2 * need)).next_multiple_of(16);
+            let capacity = need.max(hint.min(2 * need)).next_multiple_of(16);
+            self.host.grow(capacity)?;
+            self.capacity = capacity;
         }
+        Ok(())
     }
 
     /// Starts a step writing `step`'s rows (slots ascending, each within the
@@ -98,8 +148,11 @@ impl BatchKv {
             }
             last = Some(slot);
         }
+        // The previous step's host rows reach their slots before this step
+        // reads them.
+        self.host.flush()?;
         self.step = step;
-        self.scatter = None;
+        self.scatter = [None, None];
         Ok(())
     }
 
@@ -110,9 +163,11 @@ impl BatchKv {
             for &(slot, n) in &self.step {
                 self.lens[slot] += n;
             }
+        } else {
+            self.host.discard();
         }
         self.step.clear();
-        self.scatter = None;
+        self.scatter = [None, None];
     }
 
     /// The step in flight, if any.
@@ -121,24 +176,84 @@ impl BatchKv {
     }
 
     /// Writes layer `layer`'s new keys and values `(1, kv_heads, rows,
-    /// head_dim)` of the step in flight and returns the packed cache with the
-    /// step's documents.
-    pub(crate) fn extend(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<Packed> {
+    /// head_dim)` of the step in flight and returns the parts of the packed
+    /// cache to attend over (the device slots', the host slots'), each with
+    /// the step's rows it answers and its documents; a part without rows in
+    /// this step is left out.
+    pub(crate) fn extend(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<Vec<Packed>> {
         let (_, heads, rows, d) = k.dims4()?;
         let total: usize = self.step.iter().map(|s| s.1).sum();
         if rows != total {
             bail!("kv cache: a batched step of {total} rows got keys of {rows}")
         }
-        let (ck, cv) = self.layer(layer, (heads, d), k.dtype(), k.device())?;
-        self.write(&ck, k)?;
-        self.write(&cv, v)?;
-        let (cu_seqlens_q, cu_seqlens_k) = self.documents();
-        Ok(Packed {
-            k: ck,
-            v: cv,
-            cu_seqlens_q,
-            cu_seqlens_k,
-        })
+        let mut out = Vec::with_capacity(2);
+        for host in [false, true] {
+            let part = self.part(host);
+            if part.rows.is_empty() {
+                continue;
+            }
+            let (pk, pv) = (
+                k.narrow(2, part.rows.start, part.rows.len())?
+                    .contiguous()?,
+                v.narrow(2, part.rows.start, part.rows.len())?
+                    .contiguous()?,
+            );
+            // The host part comes up as far as this step needs: its slots up
+            // to the last one in the step, each to the longest's positions.
+            let (slots, cap) = match host {
+                false => (self.device_slots, self.capacity),
+                true => part.extent(),
+            };
+            let (ck, cv) = match host {
+                false => self.layer(layer, (heads, d), k.dtype(), k.device())?,
+                true => {
+                    let (dt, dev) = (k.dtype(), k.device());
+                    let shape = (layer, slots, cap);
+                    let kv = self
+                        .host
+                        .upload(shape, (heads, d), dt, dev, self.capacity)?;
+                    self.host_copied += 2 * kv.0.elem_count() * dt.size_in_bytes();
+                    kv
+                }
+            };
+            let scatter = &mut self.scatter[host as usize];
+            write(&ck, &pk, (&part.seqs, cap), scatter)?;
+            write(&cv, &pv, (&part.seqs, cap), scatter)?;
+            if host {
+                let placed = part.seqs.iter().map(|&(j, n, len)| (j, len, n)).collect();
+                self.host.keep_new_rows(layer, (&pk, &pv), placed)?;
+            }
+            let (cu_seqlens_q, cu_seqlens_k) = documents(&part.seqs, slots, cap);
+            out.push(Packed {
+                rows: part.rows,
+                k: ck,
+                v: cv,
+                cu_seqlens_q,
+                cu_seqlens_k,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The step's sequences in the device slots (`host` false) or the host
+    /// ones, with their slots counted from the part's first.
+    fn part(&self, host: bool) -> Part {
+        let (base, mut at) = (if host { self.device_slots } else { 0 }, 0);
+        let mut seqs = Vec::new();
+        let mut start = None;
+        for &(slot, n) in &self.step {
+            if (slot >= self.device_slots) == host {
+                start.get_or_insert(at);
+                seqs.push((slot - base, n, self.lens[slot]));
+            }
+            at += n;
+        }
+        let rows: usize = seqs.iter().map(|s| s.1).sum();
+        let start = start.unwrap_or(0);
+        Part {
+            seqs,
+            rows: start..start + rows,
+        }
     }
 
     /// Layer `layer`'s tensors at the current capacity (grown, keeping what
@@ -150,7 +265,7 @@ impl BatchKv {
         dtype: DType,
         dev: &Device,
     ) -> Result<(Tensor, Tensor)> {
-        let (slots, cap) = (self.lens.len(), self.capacity);
+        let (slots, cap) = (self.device_slots, self.capacity);
         let Some(entry) = self.layers.get_mut(layer) else {
             bail!("kv cache has no layer {layer}")
         };
@@ -174,70 +289,75 @@ impl BatchKv {
         }
         Ok(entry.clone().expect("set above"))
     }
+}
 
-    /// Writes the step's rows of `new` into `cache`: one scatter for the
-    /// one-row sequences, a copy for each longer one.
-    fn write(&mut self, cache: &Tensor, new: &Tensor) -> Result<()> {
-        let (_, heads, _, d) = new.dims4()?;
-        let cap = self.capacity;
-        if self.scatter.is_none() {
-            let (mut src, mut dst) = (Vec::new(), Vec::new());
-            let mut at = 0u32;
-            for &(slot, n) in &self.step {
-                if n == 1 {
-                    src.push(at);
-                    dst.push((slot * cap + self.lens[slot]) as u32);
-                }
-                at += n as u32;
+/// Writes a part's rows `new` `(1, heads, rows, d)` into its packed `cache`
+/// of `cap` rows a slot: one scatter for the one-row sequences (its indices
+/// made at the step's first layer, kept in `scatter`), a copy for each longer
+/// one. `seqs`: `(slot, new rows, positions held)` in row order.
+fn write(
+    cache: &Tensor,
+    new: &Tensor,
+    (seqs, cap): (&[(usize, usize, usize)], usize),
+    scatter: &mut Option<(Tensor, Tensor)>,
+) -> Result<()> {
+    let (_, heads, _, d) = new.dims4()?;
+    if scatter.is_none() {
+        let (mut src, mut dst) = (Vec::new(), Vec::new());
+        let mut at = 0u32;
+        for &(slot, n, len) in seqs {
+            if n == 1 {
+                src.push(at);
+                dst.push((slot * cap + len) as u32);
             }
-            let dev = new.device();
-            let m = dst.len();
-            let dst = Tensor::new(dst, dev)?
-                .reshape((1, 1, m, 1))?
-                .broadcast_as((1, heads, m, d))?
-                .contiguous()?;
-            self.scatter = Some((Tensor::new(src, dev)?, dst));
+            at += n as u32;
         }
-        let (src, dst) = self.scatter.as_ref().expect("made above");
-        if dst.dim(2)? > 0 {
-            let rows = match dst.dim(2)? == new.dim(2)? {
-                true => new.contiguous()?,
-                false => new.index_select(src, 2)?,
-            };
-            cache.scatter_set(dst, &rows, 2)?;
-        }
-        let mut at = 0;
-        for &(slot, n) in &self.step {
-            if n > 1 {
-                let rows = new.narrow(2, at, n)?.contiguous()?;
-                cache.slice_set(&rows, 2, slot * cap + self.lens[slot])?;
-            }
-            at += n;
-        }
-        Ok(())
+        let dev = new.device();
+        let m = dst.len();
+        let dst = Tensor::new(dst, dev)?
+            .reshape((1, 1, m, 1))?
+            .broadcast_as((1, heads, m, d))?
+            .contiguous()?;
+        *scatter = Some((Tensor::new(src, dev)?, dst));
     }
+    let (src, dst) = scatter.as_ref().expect("made above");
+    if dst.dim(2)? > 0 {
+        let rows = match dst.dim(2)? == new.dim(2)? {
+            true => new.contiguous()?,
+            false => new.index_select(src, 2)?,
+        };
+        cache.scatter_set(dst, &rows, 2)?;
+    }
+    let mut at = 0;
+    for &(slot, n, len) in seqs {
+        if n > 1 {
+            let rows = new.narrow(2, at, n)?.contiguous()?;
+            cache.slice_set(&rows, 2, slot * cap + len)?;
+        }
+        at += n;
+    }
+    Ok(())
+}
 
-    /// The step's documents over the packed cache: each sequence's new rows
-    /// against its slot's positions (cached and new), and between them
-    /// documents of unused rows without queries.
-    fn documents(&self) -> (Vec<usize>, Vec<usize>) {
-        let cap = self.capacity;
-        let (mut cq, mut ck) = (vec![0], vec![0]);
-        let mut at = 0;
-        for &(slot, n) in &self.step {
-            if slot * cap > *ck.last().expect("starts at 0") {
-                cq.push(at);
-                ck.push(slot * cap);
-            }
-            at += n;
+/// A part's documents over its packed cache of `slots` slots of `cap` rows:
+/// each sequence's new rows against its slot's positions (cached and new),
+/// and between them documents of unused rows without queries.
+fn documents(seqs: &[(usize, usize, usize)], slots: usize, cap: usize) -> (Vec<usize>, Vec<usize>) {
+    let (mut cq, mut ck) = (vec![0], vec![0]);
+    let mut at = 0;
+    for &(slot, n, len) in seqs {
+        if slot * cap > *ck.last().expect("starts at 0") {
             cq.push(at);
-            ck.push(slot * cap + self.lens[slot] + n);
+            ck.push(slot * cap);
         }
-        let end = self.lens.len() * cap;
-        if *ck.last().expect("starts at 0") < end {
-            cq.push(at);
-            ck.push(end);
-        }
-        (cq, ck)
+        at += n;
+        cq.push(at);
+        ck.push(slot * cap + len + n);
     }
+    let end = slots * cap;
+    if *ck.last().expect("starts at 0") < end {
+        cq.push(at);
+        ck.push(end);
+    }
+    (cq, ck)
 }

@@ -15,6 +15,12 @@
 //! below their estimate (8B bf16 and 70B NF4 on an H100), more than the
 //! 2.1 GB a 70B embedding takes, and the 70B NF4 plan without it peaked at
 //! 21.0 GiB against 23.3 planned (`benches/results/generate-nf4-h100.json`).
+//!
+//! Sequences beyond those whose kv cache the device holds can keep theirs in
+//! page-locked host memory (`crate::host_kv`): each step copies their whole
+//! cache up beside the weights, layer by layer, so a host sequence costs
+//! PCIe time every step. [`plan_batch`] adds them where the rates say that
+//! raises the generated tokens/s, within the host memory the run allows.
 use candle_core::{DType, Device, Result, Tensor};
 use std::time::Instant;
 
@@ -98,6 +104,9 @@ pub struct BatchMemory {
     pub kv: usize,
     /// One step's activations and logits.
     pub activations: usize,
+    /// Two layers of the host sequences' kv cache on their way through the
+    /// device (0 without host sequences).
+    pub kv_staging: usize,
     /// What the estimate does not count: 1 GiB and 1/20 of the kv cache and
     /// activations.
     pub margin: usize,
@@ -109,6 +118,8 @@ pub struct BatchMemory {
 pub struct BatchShape {
     /// Sequences in flight.
     pub sequences: usize,
+    /// Of those, sequences whose kv cache lives in host memory.
+    pub host_sequences: usize,
     /// Positions each slot reserves.
     pub capacity: usize,
     /// Rows a step computes at most.
@@ -137,19 +148,23 @@ impl BatchMemory {
         // The residual, its norm, attention's output and the MLP's input and
         // output (4 h), gate, up and their product (3 i), q, k and v.
         let per_row = (4 * h + 3 * i + qkv) * e;
-        let kv = shape.sequences * kv_bytes_per_sequence(cfg, dtype, shape.capacity);
+        let per_sequence = kv_bytes_per_sequence(cfg, dtype, shape.capacity);
+        let host = shape.host_sequences.min(shape.sequences);
+        let kv = (shape.sequences - host) * per_sequence;
+        let kv_staging = 2 * host * per_sequence / cfg.num_hidden_layers.max(1);
         let activations = shape.step_rows * per_row + 2 * shape.sequences * cfg.vocab_size * e;
         Self {
             weights: layer.device_bytes(window) + outer * e,
             kv,
             activations,
-            margin: MARGIN + (kv + activations) / MARGIN_SHARE,
+            kv_staging,
+            margin: MARGIN + (kv + kv_staging + activations) / MARGIN_SHARE,
         }
     }
 
     /// Every kind together.
     pub fn total(&self) -> usize {
-        self.weights + self.kv + self.activations + self.margin
+        self.weights + self.kv + self.kv_staging + self.activations + self.margin
     }
 }
 
@@ -158,10 +173,21 @@ impl std::fmt::Display for BatchMemory {
         let g = |b: usize| b as f64 / (1u64 << 30) as f64;
         write!(
             f,
-            "{:.1} GiB: weights {:.1}, kv cache {:.1}, activations {:.1}, margin {:.1}",
+            "{:.1} GiB: weights {:.1}, kv cache {:.1}",
             g(self.total()),
             g(self.weights),
             g(self.kv),
+        )?;
+        if self.kv_staging > 0 {
+            write!(
+                f,
+                ", host kv cache passing through {:.1}",
+                g(self.kv_staging)
+            )?;
+        }
+        write!(
+            f,
+            ", activations {:.1}, margin {:.1}",
             g(self.activations),
             g(self.margin)
         )
@@ -194,8 +220,21 @@ pub fn sequences_for_budget(
     (capacity, step_rows, max): (usize, usize, usize),
     budget: usize,
 ) -> Result<usize> {
+    device_sequences(cfg, dtype, window, (capacity, step_rows, max), (budget, 0))
+}
+
+/// [`sequences_for_budget`] beside `host` sequences whose kv cache is in host
+/// memory: the most sequences (at most `max`) with theirs on the device.
+fn device_sequences(
+    cfg: &LlamaConfig,
+    dtype: DType,
+    window: (BatchPlacement, LayerFootprint),
+    (capacity, step_rows, max): (usize, usize, usize),
+    (budget, host): (usize, usize),
+) -> Result<usize> {
     let shape = |sequences| BatchShape {
-        sequences,
+        sequences: sequences + host,
+        host_sequences: host,
         capacity,
         step_rows,
     };
@@ -377,6 +416,9 @@ pub struct BatchRun {
     pub prompt_len: f64,
     /// Mean tokens a request generates.
     pub new_tokens: f64,
+    /// Host memory the kv cache of sequences kept there may take (0: every
+    /// sequence keeps its cache on the device).
+    pub host_kv_bytes: usize,
 }
 
 /// A batched decode's plan: where the weights live, how many sequences run
@@ -391,6 +433,8 @@ pub struct BatchPlan {
     pub placement: BatchPlacement,
     /// Sequences in flight.
     pub sequences: usize,
+    /// Of those, sequences whose kv cache lives in host memory.
+    pub host_sequences: usize,
     /// Device memory by kind.
     pub memory: BatchMemory,
     /// Predicted generated tokens/s.
@@ -402,28 +446,38 @@ pub struct BatchPlan {
 
 impl std::fmt::Display for BatchPlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}, {} sequences", self.placement, self.sequences)?;
+        if self.host_sequences > 0 {
+            write!(
+                f,
+                " ({} with their kv cache in host memory)",
+                self.host_sequences
+            )?;
+        }
         write!(
             f,
-            "{}, {} sequences, steps of at most {} rows, {}; {:.0} generated tokens/s \
-             predicted",
-            self.placement, self.sequences, self.step_rows, self.memory, self.tokens_per_s
+            ", steps of at most {} rows, {}; {:.0} generated tokens/s predicted",
+            self.step_rows, self.memory, self.tokens_per_s
         )
     }
 }
 
 impl BatchPlan {
-    /// The plan of `placement` with the most sequences `budget` holds.
+    /// The plan of `placement` with `host` sequences' kv cache in host
+    /// memory and the most sequences besides them that `budget` holds.
     fn of(
         cfg: &LlamaConfig,
         (dtype, layer): (DType, LayerFootprint),
-        (placement, budget): (BatchPlacement, usize),
+        (placement, budget, host): (BatchPlacement, usize, usize),
         run: BatchRun,
         rates: &DecodeRates,
     ) -> Result<Self> {
-        // A step's floors: the streamed layers copied over PCIe (hidden
-        // behind compute) and the resident ones read from device memory.
+        // A step's floors: the streamed layers and the host sequences' kv
+        // cache copied over PCIe (hidden behind compute) and the resident
+        // layers read from device memory.
         let streamed = placement.streamed_layers(cfg);
-        let copy_floor = (streamed * layer.slot) as f64 / rates.h2d_bytes_per_s;
+        let host_kv = host * kv_bytes_per_sequence(cfg, dtype, run.capacity);
+        let copy_floor = (streamed * layer.slot + host_kv) as f64 / rates.h2d_bytes_per_s;
         let read_floor =
             ((cfg.num_hidden_layers - streamed) * layer.slot) as f64 / rates.device_bytes_per_s;
         let run = BatchRun {
@@ -431,10 +485,11 @@ impl BatchPlan {
             ..run
         };
         let window = (placement, layer);
-        let most = (run.capacity, run.step_rows, run.most);
-        let sequences = sequences_for_budget(cfg, dtype, window, most, budget)?;
+        let most = (run.capacity, run.step_rows, run.most.saturating_sub(host));
+        let sequences = host + device_sequences(cfg, dtype, window, most, (budget, host))?;
         let shape = BatchShape {
             sequences,
+            host_sequences: host,
             capacity: run.capacity,
             step_rows: run.step_rows,
         };
@@ -461,6 +516,7 @@ impl BatchPlan {
         Ok(Self {
             placement,
             sequences,
+            host_sequences: host,
             memory,
             tokens_per_s: g / request_s.max(1e-12),
             step_rows: run.step_rows,
@@ -472,6 +528,7 @@ impl BatchPlan {
         BatchLimits {
             sequences: self.sequences,
             step_rows: self.step_rows,
+            host_kv: self.host_sequences,
         }
     }
 }
@@ -550,12 +607,34 @@ pub fn plan_batch(
     }
     let mut best: Option<Result<BatchPlan>> = None;
     for placement in placements {
-        let p = BatchPlan::of(cfg, (dtype, layer), (placement, budget), run, rates);
-        best = Some(match (best, p) {
-            (Some(Ok(b)), Ok(p)) if p.tokens_per_s <= b.tokens_per_s => Ok(b),
-            (Some(Ok(b)), Err(_)) => Ok(b),
-            (_, p) => p,
-        });
+        for host in host_choices(cfg, dtype, placement, run) {
+            let p = BatchPlan::of(cfg, (dtype, layer), (placement, budget, host), run, rates);
+            best = Some(match (best, p) {
+                (Some(Ok(b)), Ok(p)) if p.tokens_per_s <= b.tokens_per_s => Ok(b),
+                (Some(Ok(b)), Err(_)) => Ok(b),
+                (_, p) => p,
+            });
+        }
     }
     best.expect("one placement at least is tried")
+}
+
+/// The counts of host-memory kv caches [`plan_batch`] tries with `placement`:
+/// none, and for a streamed placement up to what `run.host_kv_bytes` holds
+/// (at most `run.most`) in 16 even steps.
+fn host_choices(
+    cfg: &LlamaConfig,
+    dtype: DType,
+    placement: BatchPlacement,
+    run: BatchRun,
+) -> Vec<usize> {
+    const STEPS: usize = 16;
+    let per_sequence = kv_bytes_per_sequence(cfg, dtype, run.capacity).max(1);
+    let most = match placement {
+        BatchPlacement::Resident => 0,
+        BatchPlacement::Streamed { .. } => (run.host_kv_bytes / per_sequence).min(run.most),
+    };
+    let mut choices: Vec<usize> = (0..=STEPS).map(|i| most * i / STEPS).collect();
+    choices.dedup();
+    choices
 }

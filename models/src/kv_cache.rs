@@ -7,6 +7,7 @@
 //! slot only when a call asks for it (see [`crate::DecoderLayer`]'s extras), so
 //! ordinary forwards and training never touch the cache.
 use candle_core::{bail, Result, Tensor};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use crate::batch_kv::{BatchKv, Packed, Step};
@@ -18,7 +19,6 @@ type Slot = Option<(Tensor, Tensor)>;
 /// A streamed model's embedding, final norm and head on the device.
 type Outer = (Tensor, Tensor, Tensor);
 
-#[derive(Debug)]
 pub(crate) struct KvCache {
     layers: Mutex<Vec<Slot>>,
     batched: Mutex<Option<BatchKv>>,
@@ -26,6 +26,8 @@ pub(crate) struct KvCache {
     /// sequence: uploaded at its first call, not at every token (they are the
     /// size of several layers), and dropped with the cache.
     outer: Mutex<Option<Outer>>,
+    /// Host-memory kv cache bytes copied up by the ended and current batches.
+    host_copied: AtomicUsize,
 }
 
 impl KvCache {
@@ -35,6 +37,7 @@ impl KvCache {
             layers: Mutex::new(vec![None; layers]),
             batched: Mutex::new(None),
             outer: Mutex::new(None),
+            host_copied: AtomicUsize::new(0),
         }
     }
 
@@ -108,28 +111,38 @@ impl KvCache {
         }
     }
 
-    /// Starts batched decoding with `slots` empty sequence slots (the
-    /// single-sequence cache and the outer weights' copies are emptied).
-    pub(crate) fn begin_batch(&self, slots: usize) -> Result<()> {
+    /// Starts batched decoding with `slots` empty sequence slots, the last
+    /// `host_slots` of them in host memory (the single-sequence cache and the
+    /// outer weights' copies are emptied).
+    pub(crate) fn begin_batch(&self, slots: usize, host_slots: usize) -> Result<()> {
         self.clear()?;
         let layers = self.lock()?.len();
-        *self.lock_batched()? = Some(BatchKv::new(layers, slots));
+        *self.lock_batched()? = Some(BatchKv::new(layers, slots, host_slots)?);
         Ok(())
     }
 
     /// Ends batched decoding, dropping every slot.
     pub(crate) fn end_batch(&self) -> Result<()> {
-        *self.lock_batched()? = None;
+        if let Some(b) = self.lock_batched()?.take() {
+            self.host_copied
+                .fetch_add(b.host_bytes_copied(), Ordering::Relaxed);
+        }
         self.clear()
+    }
+
+    /// Host-memory kv cache bytes copied to the device by the batches so far.
+    pub(crate) fn host_bytes_copied(&self) -> usize {
+        let current = match self.lock_batched() {
+            Ok(b) => b.as_ref().map_or(0, BatchKv::host_bytes_copied),
+            Err(_) => 0,
+        };
+        self.host_copied.load(Ordering::Relaxed) + current
     }
 
     /// Makes room for `need` positions per slot, `hint` the longest the
     /// sequences in flight may grow ([`BatchKv::reserve`]).
     pub(crate) fn reserve(&self, need: usize, hint: usize) -> Result<()> {
-        self.with_batch(|b| {
-            b.reserve(need, hint);
-            Ok(())
-        })
+        self.with_batch(|b| b.reserve(need, hint))
     }
 
     /// Starts a packed call writing `step`: `(slot, rows)` in row order.
@@ -161,8 +174,13 @@ impl KvCache {
     }
 
     /// Writes layer `layer`'s keys and values of the packed call in flight
-    /// and returns the packed cache ([`BatchKv::extend`]).
-    pub(crate) fn extend_packed(&self, layer: usize, k: &Tensor, v: &Tensor) -> Result<Packed> {
+    /// and returns the parts of the packed cache ([`BatchKv::extend`]).
+    pub(crate) fn extend_packed(
+        &self,
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Vec<Packed>> {
         self.with_batch(|b| b.extend(layer, k, v))
     }
 }

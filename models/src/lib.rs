@@ -76,6 +76,7 @@ pub mod embedding;
 mod fp8_config;
 pub mod fused_linear;
 pub mod fused_mlp;
+mod host_kv;
 pub mod host_plan;
 mod host_rows;
 mod kv_cache;
@@ -102,8 +103,9 @@ pub use batch_generate::{
     DEFAULT_STEP_ROWS,
 };
 pub use batch_plan::{
-    plan_batch, request_flops, sequences_for_budget, BatchMemory, BatchPlacement, BatchPlan,
-    BatchRun, BatchShape, DecodeRates, LayerFootprint, PlacementChoice, STEP_COMPUTE_SHARE,
+    kv_bytes_per_sequence, plan_batch, request_flops, sequences_for_budget, BatchMemory,
+    BatchPlacement, BatchPlan, BatchRun, BatchShape, DecodeRates, LayerFootprint, PlacementChoice,
+    STEP_COMPUTE_SHARE,
 };
 pub use bnb_save::save_bnb;
 pub use chat_template::{ChatMessage, ChatTemplate};

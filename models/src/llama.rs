@@ -484,8 +484,9 @@ impl DecoderLayer {
 /// `v` are `(1, heads, rows, head_dim)` holding each sequence's new rows one
 /// after another; each sequence's rows attend to its own slot of the cache and
 /// nothing else, exactly as a call of that sequence alone would: one call over
-/// the packed cache whose documents are the slots (`crate::batch_kv`).
-/// Returns `(1, heads, rows, head_dim)`.
+/// each part of the packed cache (the device slots', the host slots'), whose
+/// documents are the slots (`crate::batch_kv`). Returns `(1, heads, rows,
+/// head_dim)`.
 fn attend_packed(
     cache: &KvCache,
     layer: usize,
@@ -498,15 +499,22 @@ fn attend_packed(
             q.dims()
         );
     }
-    let p = cache.extend_packed(layer, k, v)?;
-    let opts = cqsa::AttentionOpts {
-        cu_seqlens_q: Some(p.cu_seqlens_q),
-        cu_seqlens_k: Some(p.cu_seqlens_k),
-        // The cache is on the device already; planning would only cost time.
-        mode: cqsa::Mode::Resident,
-        ..opts.clone()
-    };
-    cqsa::attention(q, &p.k, &p.v, &opts)
+    let mut outs = Vec::with_capacity(2);
+    for p in cache.extend_packed(layer, k, v)? {
+        let opts = cqsa::AttentionOpts {
+            cu_seqlens_q: Some(p.cu_seqlens_q),
+            cu_seqlens_k: Some(p.cu_seqlens_k),
+            // The cache is on the device already; planning would only cost time.
+            mode: cqsa::Mode::Resident,
+            ..opts.clone()
+        };
+        let q = q.narrow(2, p.rows.start, p.rows.len())?.contiguous()?;
+        outs.push(cqsa::attention(&q, &p.k, &p.v, &opts)?);
+    }
+    match outs.len() {
+        1 => Ok(outs.pop().expect("one")),
+        _ => Tensor::cat(&outs, 2),
+    }
 }
 
 /// A layer's own extras, and its LoRA layout with its `[A, B, ...]` when on.
@@ -1058,6 +1066,12 @@ impl Llama {
         self.streamed_layers().map(|s| s.stats()).transpose()
     }
 
+    /// Bytes of host-memory kv cache copied to the device by the batched
+    /// decodes of this model so far (`BatchLimits::host_kv`).
+    pub fn host_kv_bytes_copied(&self) -> usize {
+        self.kv.host_bytes_copied()
+    }
+
     /// Training mode: a trainable model's forwards save what backward needs,
     /// and LoRA dropout ([`Llama::set_lora`]) is active (on any model).
     pub fn set_training(&self, on: bool) {
@@ -1333,9 +1347,10 @@ impl Llama {
         logits
     }
 
-    /// Starts batched decoding with `slots` sequence slots in the kv cache.
-    pub(crate) fn begin_batch(&self, slots: usize) -> Result<()> {
-        self.kv.begin_batch(slots)
+    /// Starts batched decoding with `slots` sequence slots in the kv cache,
+    /// the last `host_slots` of them in host memory.
+    pub(crate) fn begin_batch(&self, slots: usize, host_slots: usize) -> Result<()> {
+        self.kv.begin_batch(slots, host_slots)
     }
 
     /// Ends batched decoding and empties the kv cache.

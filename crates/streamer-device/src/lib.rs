@@ -5,6 +5,9 @@
 //!   with `cuda`), shared by the pool, the gradient offload and the streamed
 //!   attention.
 //! - [`to_device_compact`]: moving a view without its whole storage.
+//! - [`HostBuffer`]: host bytes (page-locked for CUDA) that tensors are
+//!   copied into and out of without waiting, read on the host only once the
+//!   copies are done (the batched decode's kv cache in host memory).
 //! - Device memory: the CUDA memory pool's figures and settings
 //!   ([`pooled_idle_bytes`], [`retain_freed_device_memory`], ...), host memory
 //!   ([`host_available_memory`]) and copy bandwidths ([`measure_copy_gbps`]).
@@ -40,6 +43,7 @@ pub mod cuda;
 mod device_memory;
 pub mod error;
 mod files;
+mod host_buffer;
 mod host_memory;
 pub mod pages;
 mod precomputed;
@@ -59,6 +63,7 @@ pub use device_memory::{
 };
 pub use error::Error;
 pub use files::{replace_atomic, save_atomic, sibling_file, sync_dir, temp_path, write_atomic};
+pub use host_buffer::{HostBuffer, Region};
 pub use host_memory::host_available_memory;
 pub use precomputed::{with_backward3, Backward3};
 pub use transfer::{covers_storage, to_device_compact};
