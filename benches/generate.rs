@@ -266,6 +266,8 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
     s.dev.synchronize()?;
     let wall = t.elapsed().as_secs_f64();
     let peak = common::MemSampler::finish(sampler);
+    // The peak counts the page-locked host kv caches, freed by now.
+    let (rss, peak_rss) = common::host_rss();
     anyhow::ensure!(
         count.failed.is_empty(),
         "requests failed: {:?}",
@@ -308,6 +310,7 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
         "compute_bound_s": compute_s, "gemm_tflops": s.rates.flops_per_s / 1e12,
         "h2d_gbps": s.rates.h2d_bytes_per_s / 1e9,
         "bound_tokens_per_s": count.tokens as f64 / bound_s, "of_bound": bound_s / wall,
+        "host_rss_gib": gib(rss), "host_peak_rss_gib": gib(peak_rss),
     });
     println!("  {r}");
     Ok(r)

@@ -263,7 +263,7 @@ fn tensor_bytes(t: &Tensor) -> Result<Vec<u8>> {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::Region;
-    use crate::cuda::{dtoh_async, CudaMemory};
+    use crate::cuda::{check, dtoh_async, CudaMemory};
     use candle_core::{bail, CudaDevice, DType, Device, Result, Shape, Tensor};
     use cudarc::driver::{HostSlice, PinnedHostSlice};
 
@@ -286,34 +286,36 @@ mod cuda {
         if r.bytes() == 0 {
             return Ok(dst);
         }
-        let stream = d.cuda_stream();
-        let mem = CudaMemory::of(&dst)?;
-        let to = mem.address()?;
-        // SAFETY: the slice is used only by the copies below, on `stream`;
-        // its guard records them on the buffer, whose host accesses and drop
-        // wait for them.
-        let (src, _record) = unsafe { p.stream_synced_slice(&stream) };
-        for b in 0..r.blocks {
-            // SAFETY (zeroed): the fields left zero (offsets, arrays) mean
-            // "none" for a copy between host and device memory.
-            let copy = sys::CUDA_MEMCPY2D {
-                srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
-                srcHost: src[r.at + b * r.block_stride..].as_ptr() as *const _,
-                srcPitch: r.pitch,
-                dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-                dstDevice: to.get() + (b * r.rows * r.len) as u64,
-                dstPitch: r.len,
-                WidthInBytes: r.len,
-                Height: r.rows,
-                ..unsafe { std::mem::zeroed() }
-            };
-            // SAFETY: the block's runs lie in the buffer (the caller checked
-            // the region's end) and `dst` holds `blocks x rows x len` bytes;
-            // the buffer outlives the copy (its drop waits for it) and the
-            // host writes it only after the copy (`bytes_mut` waits); `dst`
-            // is freed in stream order, after the copy.
-            let rc = unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream.cu_stream()) };
-            rc.result().map_err(candle_core::Error::wrap)?;
+        {
+            let stream = d.cuda_stream();
+            let mem = CudaMemory::of(&dst)?;
+            let to = mem.address()?;
+            // SAFETY: the slice is used only by the copies below, on `stream`;
+            // its guard records them on the buffer, whose host accesses and drop
+            // wait for them.
+            let (src, _record) = unsafe { p.stream_synced_slice(&stream) };
+            for b in 0..r.blocks {
+                // SAFETY (zeroed): the fields left zero (offsets, arrays) mean
+                // "none" for a copy between host and device memory.
+                let copy = sys::CUDA_MEMCPY2D {
+                    srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+                    srcHost: src[r.at + b * r.block_stride..].as_ptr() as *const _,
+                    srcPitch: r.pitch,
+                    dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                    dstDevice: to.get() + (b * r.rows * r.len) as u64,
+                    dstPitch: r.len,
+                    WidthInBytes: r.len,
+                    Height: r.rows,
+                    ..unsafe { std::mem::zeroed() }
+                };
+                // SAFETY: the block's runs lie in the buffer (the caller checked
+                // the region's end) and `dst` holds `blocks x rows x len` bytes;
+                // the buffer outlives the copy (its drop waits for it) and the
+                // host writes it only after the copy (`bytes_mut` waits); `dst`
+                // is freed in stream order, after the copy.
+                let rc = unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream.cu_stream()) };
+                check(rc, "cuMemcpy2DAsync")?;
+            }
         }
         Ok(dst)
     }
