@@ -295,18 +295,25 @@ mod cuda {
             // wait for them.
             let (src, _record) = unsafe { p.stream_synced_slice(&stream) };
             for b in 0..r.blocks {
-                // SAFETY (zeroed): the fields left zero (offsets, arrays) mean
-                // "none" for a copy between host and device memory.
+                // Offsets 0 and no arrays: a plain copy between host and
+                // device memory.
                 let copy = sys::CUDA_MEMCPY2D {
+                    srcXInBytes: 0,
+                    srcY: 0,
                     srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
                     srcHost: src[r.at + b * r.block_stride..].as_ptr() as *const _,
+                    srcDevice: 0,
+                    srcArray: std::ptr::null_mut(),
                     srcPitch: r.pitch,
+                    dstXInBytes: 0,
+                    dstY: 0,
                     dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                    dstHost: std::ptr::null_mut(),
                     dstDevice: to.get() + (b * r.rows * r.len) as u64,
+                    dstArray: std::ptr::null_mut(),
                     dstPitch: r.len,
                     WidthInBytes: r.len,
                     Height: r.rows,
-                    ..unsafe { std::mem::zeroed() }
                 };
                 // SAFETY: the block's runs lie in the buffer (the caller checked
                 // the region's end) and `dst` holds `blocks x rows x len` bytes;
