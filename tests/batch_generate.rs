@@ -1011,7 +1011,7 @@ fn batch_plan_keeps_kv_in_host_memory_where_it_pays() -> Result<()> {
     ensure!(p.host_sequences * per_seq <= 64 << 30, "{p}");
     ensure!(p.memory.total() <= 24 << 30, "{p}");
     ensure!(
-        p.memory.kv_staging == 2 * p.host_sequences * per_seq / 80,
+        p.memory.kv_staging == 3 * p.host_sequences * per_seq / 80,
         "{p}"
     );
     ensure!(

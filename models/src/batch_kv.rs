@@ -25,7 +25,7 @@
 use candle_core::{bail, DType, Device, Result, Tensor};
 use std::ops::Range;
 
-use crate::host_kv::HostKv;
+use crate::host_kv::{HostKv, StepShape};
 
 /// One layer's keys and values.
 type Layer = Option<(Tensor, Tensor)>;
@@ -207,12 +207,17 @@ impl BatchKv {
             let (ck, cv) = match host {
                 false => self.layer(layer, (heads, d), k.dtype(), k.device())?,
                 true => {
-                    let (dt, dev) = (k.dtype(), k.device());
-                    let shape = (layer, slots, cap);
-                    let kv = self
-                        .host
-                        .upload(shape, (heads, d), dt, dev, self.capacity)?;
-                    self.host_copied += 2 * kv.0.elem_count() * dt.size_in_bytes();
+                    let step = StepShape {
+                        slots,
+                        len: cap,
+                        heads,
+                        d,
+                        dtype: k.dtype(),
+                        device: k.device().clone(),
+                        capacity: self.capacity,
+                    };
+                    let kv = self.host.upload(layer, &step)?;
+                    self.host_copied += 2 * kv.0.elem_count() * k.dtype().size_in_bytes();
                     kv
                 }
             };

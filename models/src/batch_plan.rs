@@ -104,8 +104,8 @@ pub struct BatchMemory {
     pub kv: usize,
     /// One step's activations and logits.
     pub activations: usize,
-    /// Two layers of the host sequences' kv cache on their way through the
-    /// device (0 without host sequences).
+    /// Three layers of the host sequences' kv cache on their way through
+    /// the device (`crate::host_kv`'s buffers; 0 without host sequences).
     pub kv_staging: usize,
     /// What the estimate does not count: 1 GiB and 1/20 of the kv cache and
     /// activations.
@@ -151,7 +151,7 @@ impl BatchMemory {
         let per_sequence = kv_bytes_per_sequence(cfg, dtype, shape.capacity);
         let host = shape.host_sequences.min(shape.sequences);
         let kv = (shape.sequences - host) * per_sequence;
-        let kv_staging = 2 * host * per_sequence / cfg.num_hidden_layers.max(1);
+        let kv_staging = 3 * host * per_sequence / cfg.num_hidden_layers.max(1);
         let activations = shape.step_rows * per_row + 2 * shape.sequences * cfg.vocab_size * e;
         Self {
             weights: layer.device_bytes(window) + outer * e,

@@ -21,6 +21,30 @@ use streamer_device::{HostBuffer, Region};
 pub(crate) struct HostKv {
     slots: usize,
     layers: Vec<Option<HostLayer>>,
+    /// The device buffers the copies land in, on CUDA.
+    #[cfg(feature = "cuda")]
+    ring: Option<ring::Ring>,
+}
+
+/// What a step brings up from each layer's host part: the first `slots`
+/// slots, their first `len` positions, of `heads` heads of `d` values in
+/// `dtype`, laid out for `capacity` positions a slot.
+#[derive(Clone, Debug)]
+pub(crate) struct StepShape {
+    pub(crate) slots: usize,
+    pub(crate) len: usize,
+    pub(crate) heads: usize,
+    pub(crate) d: usize,
+    pub(crate) dtype: DType,
+    pub(crate) device: Device,
+    pub(crate) capacity: usize,
+}
+
+impl StepShape {
+    /// The device tensors' shape, `(1, heads, slots * len, d)`.
+    fn shape(&self) -> candle_core::Shape {
+        (1, self.heads, self.slots * self.len, self.d).into()
+    }
 }
 
 /// One layer's host keys and values, and the rows of the last step still to
@@ -45,31 +69,94 @@ impl HostKv {
         Self {
             slots,
             layers: (0..layers).map(|_| None).collect(),
+            #[cfg(feature = "cuda")]
+            ring: None,
         }
     }
 
-    /// Layer `layer`'s first `slots` host slots, their first `len`
-    /// positions, as `(1, heads, slots * len, d)` keys and values on
-    /// `device` (the layer's host part is made, zero, at its first step).
-    pub(crate) fn upload(
-        &mut self,
-        (layer, slots, len): (usize, usize, usize),
-        (heads, d): (usize, usize),
-        dtype: DType,
-        device: &Device,
-        capacity: usize,
-    ) -> Result<(Tensor, Tensor)> {
-        if slots > self.slots || len > capacity {
+    /// Layer `layer`'s first `step.slots` host slots, their first `step.len`
+    /// positions, as `(1, heads, slots * len, d)` keys and values on the
+    /// step's device (the layer's host part is made, zero, at its first
+    /// step). On a CUDA device the copies run on a stream of their own, two
+    /// layers ahead ([`ring`]).
+    pub(crate) fn upload(&mut self, layer: usize, step: &StepShape) -> Result<(Tensor, Tensor)> {
+        if step.slots > self.slots || step.len > step.capacity {
             bail!(
-                "kv cache: {slots} host slots of {len} positions asked of {} of {capacity}",
-                self.slots
+                "kv cache: {} host slots of {} positions asked of {} of {}",
+                step.slots,
+                step.len,
+                self.slots,
+                step.capacity
             );
         }
-        let (used, all) = (slots, self.slots);
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(d) = &step.device {
+            return self.upload_ahead(layer, step, d);
+        }
+        let region = self.region(step);
+        let l = self.layer(layer, step)?;
+        let shape = step.shape();
+        Ok((
+            l.k.upload_region(region, &shape, step.dtype, &step.device)?,
+            l.v.upload_region(region, &shape, step.dtype, &step.device)?,
+        ))
+    }
+
+    /// `upload` on CUDA: waits (on the compute stream) for this layer's
+    /// copies, issued ahead, and issues the next two layers'.
+    #[cfg(feature = "cuda")]
+    fn upload_ahead(
+        &mut self,
+        layer: usize,
+        step: &StepShape,
+        d: &candle_core::CudaDevice,
+    ) -> Result<(Tensor, Tensor)> {
+        let elems = step.heads * self.slots * step.capacity * step.d;
+        if self
+            .ring
+            .as_ref()
+            .is_none_or(|r| !r.holds(elems, step.dtype))
+        {
+            self.ring = None; // waits for its copies before freeing its buffers
+            self.ring = Some(ring::Ring::new(d, elems, step.dtype)?);
+        }
+        let region = self.region(step);
+        for ahead in [layer, layer + 1, layer + 2] {
+            if ahead < self.layers.len() {
+                self.layer(ahead, step)?;
+                let l = self.layers[ahead].as_ref().expect("made above");
+                let ring = self.ring.as_mut().expect("made above");
+                ring.issue(ahead, (&l.k, &l.v), region, &step.shape())?;
+            }
+        }
+        self.ring
+            .as_mut()
+            .expect("made above")
+            .take(layer, &step.shape())
+    }
+
+    /// The part of a layer's buffer a step brings up.
+    fn region(&self, step: &StepShape) -> Region {
+        let row = step.d * step.dtype.size_in_bytes();
+        Region {
+            at: 0,
+            blocks: step.heads,
+            block_stride: self.slots * step.capacity * row,
+            rows: step.slots,
+            pitch: step.capacity * row,
+            len: step.len * row,
+        }
+    }
+
+    /// Layer `layer`'s host part, made (zero) at its first use, checked
+    /// against the step's geometry.
+    fn layer(&mut self, layer: usize, step: &StepShape) -> Result<&HostLayer> {
+        let all = self.slots;
         let Some(entry) = self.layers.get_mut(layer) else {
             bail!("kv cache has no layer {layer}")
         };
-        let row = d * dtype.size_in_bytes();
+        let (heads, capacity, device) = (step.heads, step.capacity, &step.device);
+        let row = step.d * step.dtype.size_in_bytes();
         if entry.is_none() {
             let bytes = heads * all * capacity * row;
             *entry = Some(HostLayer {
@@ -93,19 +180,7 @@ impl HostKv {
                 l.capacity
             );
         }
-        let shape = candle_core::Shape::from((1, heads, used * len, d));
-        let region = Region {
-            at: 0,
-            blocks: heads,
-            block_stride: all * capacity * row,
-            rows: used,
-            pitch: capacity * row,
-            len: len * row,
-        };
-        Ok((
-            l.k.upload_region(region, &shape, dtype, device)?,
-            l.v.upload_region(region, &shape, dtype, device)?,
-        ))
+        Ok(l)
     }
 
     /// Copies layer `layer`'s new rows `(1, heads, rows, d)` of the host
@@ -137,6 +212,10 @@ impl HostKv {
     /// Puts every layer's rows of the last step in their slots (waiting for
     /// their copies), layers in parallel.
     pub(crate) fn flush(&mut self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(r) = &mut self.ring {
+            r.new_step();
+        }
         self.layers
             .par_iter_mut()
             .flatten()
@@ -208,4 +287,150 @@ fn relaid(old: &HostBuffer, (runs, len): (usize, usize), stride: usize) -> Resul
         dst[r * stride..][..len].copy_from_slice(&src[r * len..][..len]);
     }
     Ok(new)
+}
+
+/// The CUDA copies of the host parts, on a stream of their own.
+///
+/// A step's layer `l` waits for its copy only on the compute stream, and
+/// issues those of layers `l + 1` and `l + 2` into the next two of three
+/// device buffers. The copies of the weights, on the pool's transfer stream,
+/// wait for the compute that frees their slot; copies issued there and here
+/// together share one copy engine, and when layer `l`'s kv copy was issued
+/// with its own layer it queued behind the next layer's weights, so the
+/// compute of `l` waited for both and the weights after it for that compute
+/// (70B NF4 in 24 GiB on an H100: 99.2 generated tokens/s with 75 host
+/// sequences against 102.5 without, 0.72 of the PCIe floor). Issued two
+/// layers ahead, a kv copy is ready before the weights it would have waited
+/// behind.
+#[cfg(feature = "cuda")]
+mod ring {
+    use super::HostBuffer;
+    use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaStream};
+    use candle_core::{bail, CudaDevice, DType, Device, Result, Shape, Tensor};
+    use std::sync::Arc;
+    use streamer_device::Region;
+
+    const BUFFERS: usize = 3;
+
+    pub(super) struct Ring {
+        stream: Arc<CudaStream>,
+        compute: Arc<CudaStream>,
+        /// Flat keys and values buffers of `elems` elements each.
+        bufs: Vec<(Tensor, Tensor)>,
+        elems: usize,
+        dtype: DType,
+        /// The layer each buffer was issued for in this step, and the event
+        /// after its copies.
+        ready: Vec<Option<(usize, CudaEvent)>>,
+    }
+
+    fn w(e: impl std::error::Error + Send + Sync + 'static) -> candle_core::Error {
+        candle_core::Error::wrap(e)
+    }
+
+    impl Ring {
+        pub(super) fn new(d: &CudaDevice, elems: usize, dtype: DType) -> Result<Self> {
+            let compute = d.cuda_stream();
+            let dev = Device::Cuda(d.clone());
+            let bufs = (0..BUFFERS)
+                .map(|_| {
+                    Ok((
+                        Tensor::zeros(elems, dtype, &dev)?,
+                        Tensor::zeros(elems, dtype, &dev)?,
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let stream = compute.context().new_stream().map_err(w)?;
+            // The buffers' allocation and zeroing come first.
+            stream.join(&compute).map_err(w)?;
+            Ok(Self {
+                stream,
+                compute,
+                bufs,
+                elems,
+                dtype,
+                ready: (0..BUFFERS).map(|_| None).collect(),
+            })
+        }
+
+        /// Whether the buffers hold `elems` elements of `dtype`.
+        pub(super) fn holds(&self, elems: usize, dtype: DType) -> bool {
+            self.elems >= elems && self.dtype == dtype
+        }
+
+        /// Forgets which layers were issued (a new step brings new rows).
+        pub(super) fn new_step(&mut self) {
+            self.ready.iter_mut().for_each(|r| *r = None);
+        }
+
+        /// The buffer views of `shape` for `layer`.
+        fn views(&self, layer: usize, shape: &Shape) -> Result<(Tensor, Tensor)> {
+            let n = shape.elem_count();
+            if n > self.elems {
+                bail!(
+                    "kv cache: a host part of {n} elements for buffers of {}",
+                    self.elems
+                );
+            }
+            let (k, v) = &self.bufs[layer % BUFFERS];
+            Ok((
+                k.narrow(0, 0, n)?.reshape(shape)?,
+                v.narrow(0, 0, n)?.reshape(shape)?,
+            ))
+        }
+
+        /// Enqueues `layer`'s copies (unless issued this step already).
+        pub(super) fn issue(
+            &mut self,
+            layer: usize,
+            (k, v): (&HostBuffer, &HostBuffer),
+            region: Region,
+            shape: &Shape,
+        ) -> Result<()> {
+            let b = layer % BUFFERS;
+            if self.ready[b].as_ref().is_some_and(|(l, _)| *l == layer) {
+                return Ok(());
+            }
+            let (dk, dv) = self.views(layer, shape)?;
+            // The buffer's last reader, layer - 3's attention, is enqueued on
+            // the compute stream before this point.
+            self.stream.join(&self.compute).map_err(w)?;
+            // SAFETY: the views are contiguous (the flat buffers' first
+            // elements) of the region's size (checked inside); this stream
+            // writes them after the compute stream's earlier work (the join
+            // above), the compute stream reads them only after the event
+            // recorded below (`take`), and the buffers live until this ring
+            // drops, which waits for this stream first.
+            unsafe {
+                k.upload_region_on(region, &dk, &self.stream)?;
+                v.upload_region_on(region, &dv, &self.stream)?;
+            }
+            let done = self.stream.record_event(None).map_err(w)?;
+            self.ready[b] = Some((layer, done));
+            Ok(())
+        }
+
+        /// `layer`'s keys and values, the compute stream waiting for their
+        /// copies.
+        pub(super) fn take(&mut self, layer: usize, shape: &Shape) -> Result<(Tensor, Tensor)> {
+            let Some((l, done)) = &self.ready[layer % BUFFERS] else {
+                bail!("kv cache: layer {layer}'s host part was not issued")
+            };
+            if *l != layer {
+                bail!("kv cache: layer {layer}'s buffer holds layer {l}");
+            }
+            self.compute.wait(done).map_err(w)?;
+            self.views(layer, shape)
+        }
+    }
+
+    impl Drop for Ring {
+        fn drop(&mut self) {
+            // The buffers are freed on the compute stream: this stream's
+            // copies into them end first.
+            if let Err(e) = self.stream.synchronize() {
+                streamer_device::record_dropped_error(self.stream.context(), &w(e));
+            }
+        }
+    }
 }

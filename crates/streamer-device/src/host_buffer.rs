@@ -193,6 +193,44 @@ impl HostBuffer {
         }
     }
 
+    /// Enqueues the copy of `region` into `dst` on `stream` (of `dst`'s
+    /// device), without waiting for it: for copies that run beside the
+    /// compute stream, ordered against it by the caller's events.
+    ///
+    /// # Safety
+    /// `dst` must be a contiguous CUDA tensor of `region.bytes()` bytes; no
+    /// work may read or write `dst` until `stream` has passed the copy
+    /// (make other streams wait for an event recorded after it), and `dst`
+    /// must not be freed before.
+    #[cfg(feature = "cuda")]
+    pub unsafe fn upload_region_on(
+        &self,
+        region: Region,
+        dst: &Tensor,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    ) -> Result<()> {
+        let n = dst.elem_count() * dst.dtype().size_in_bytes();
+        if region.bytes() != n || !dst.is_contiguous() {
+            bail!(
+                "host buffer: a region of {} bytes into a tensor of {n} bytes (contiguous: {})",
+                region.bytes(),
+                dst.is_contiguous()
+            );
+        }
+        if region.end().is_none_or(|end| end > self.len()) {
+            bail!(
+                "host buffer: upload of {n} bytes ({region:?}) outside its {} bytes",
+                self.len()
+            );
+        }
+        match &self.inner {
+            // SAFETY: the sizes were checked above; the rest is this fn's
+            // contract.
+            Inner::Pinned(p) => unsafe { cuda::copy_into(p, region, dst, stream) },
+            Inner::Plain(_) => bail!("host buffer: not page-locked (made for the CPU)"),
+        }
+    }
+
     /// Copies the bytes of `t` (any device) to `at..`. From a CUDA tensor the
     /// copy is enqueued on its device's stream after the work that makes
     /// `t`; this does not wait for it.
@@ -280,51 +318,70 @@ mod cuda {
         (shape, dtype): (&Shape, DType),
         d: &CudaDevice,
     ) -> Result<Tensor> {
-        use cudarc::driver::sys;
-        same_context(p, d)?;
         let dst = Tensor::zeros(shape, dtype, &Device::Cuda(d.clone()))?;
-        if r.bytes() == 0 {
-            return Ok(dst);
-        }
-        {
-            let stream = d.cuda_stream();
-            let mem = CudaMemory::of(&dst)?;
-            let to = mem.address()?;
-            // SAFETY: the slice is used only by the copies below, on `stream`;
-            // its guard records them on the buffer, whose host accesses and drop
-            // wait for them.
-            let (src, _record) = unsafe { p.stream_synced_slice(&stream) };
-            for b in 0..r.blocks {
-                // Offsets 0 and no arrays: a plain copy between host and
-                // device memory.
-                let copy = sys::CUDA_MEMCPY2D {
-                    srcXInBytes: 0,
-                    srcY: 0,
-                    srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
-                    srcHost: src[r.at + b * r.block_stride..].as_ptr() as *const _,
-                    srcDevice: 0,
-                    srcArray: std::ptr::null_mut(),
-                    srcPitch: r.pitch,
-                    dstXInBytes: 0,
-                    dstY: 0,
-                    dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-                    dstHost: std::ptr::null_mut(),
-                    dstDevice: to.get() + (b * r.rows * r.len) as u64,
-                    dstArray: std::ptr::null_mut(),
-                    dstPitch: r.len,
-                    WidthInBytes: r.len,
-                    Height: r.rows,
-                };
-                // SAFETY: the block's runs lie in the buffer (the caller checked
-                // the region's end) and `dst` holds `blocks x rows x len` bytes;
-                // the buffer outlives the copy (its drop waits for it) and the
-                // host writes it only after the copy (`bytes_mut` waits); `dst`
-                // is freed in stream order, after the copy.
-                let rc = unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream.cu_stream()) };
-                check(rc, "cuMemcpy2DAsync")?;
-            }
-        }
+        // SAFETY: `dst` is new and holds `r.bytes()` bytes (checked by the
+        // caller); the copy runs on its device's stream, before any later
+        // use of it.
+        unsafe { copy_into(p, r, &dst, &d.cuda_stream()) }?;
         Ok(dst)
+    }
+
+    /// Enqueues the copy of `r` into `dst` on `stream`, one 2D copy a block.
+    ///
+    /// # Safety
+    /// `dst` must be a contiguous CUDA tensor of at least `r.bytes()` bytes
+    /// in `p`'s context, and `r` must lie in `p`; nothing may read or write
+    /// `dst` until `stream` has passed the copy, nor free it before.
+    pub(super) unsafe fn copy_into(
+        p: &PinnedHostSlice<u8>,
+        r: Region,
+        dst: &Tensor,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    ) -> Result<()> {
+        use cudarc::driver::sys;
+        let Device::Cuda(d) = dst.device() else {
+            bail!("host buffer: a copy into a non-CUDA tensor")
+        };
+        same_context(p, d)?;
+        if r.bytes() == 0 {
+            return Ok(());
+        }
+        let mem = CudaMemory::of(dst)?;
+        let to = mem.address()?;
+        // SAFETY: the slice is used only by the copies below, on `stream`;
+        // its guard records them on the buffer, whose host accesses and drop
+        // wait for them.
+        let (src, _record) = unsafe { p.stream_synced_slice(stream) };
+        for b in 0..r.blocks {
+            // Offsets 0 and no arrays: a plain copy between host and device
+            // memory.
+            let copy = sys::CUDA_MEMCPY2D {
+                srcXInBytes: 0,
+                srcY: 0,
+                srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+                srcHost: src[r.at + b * r.block_stride..].as_ptr() as *const _,
+                srcDevice: 0,
+                srcArray: std::ptr::null_mut(),
+                srcPitch: r.pitch,
+                dstXInBytes: 0,
+                dstY: 0,
+                dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                dstHost: std::ptr::null_mut(),
+                dstDevice: to.get() + (b * r.rows * r.len) as u64,
+                dstArray: std::ptr::null_mut(),
+                dstPitch: r.len,
+                WidthInBytes: r.len,
+                Height: r.rows,
+            };
+            // SAFETY: the block's runs lie in the buffer and `dst` holds
+            // `blocks x rows x len` bytes (this fn's contract); the buffer
+            // outlives the copy (its drop waits for it) and the host writes
+            // it only after the copy (`bytes_mut` waits); the caller keeps
+            // `dst` untouched and alive until `stream` passes the copy.
+            let rc = unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream.cu_stream()) };
+            check(rc, "cuMemcpy2DAsync")?;
+        }
+        Ok(())
     }
 
     pub(super) fn download(p: &mut PinnedHostSlice<u8>, at: usize, t: &Tensor) -> Result<()> {
