@@ -145,9 +145,10 @@ struct Args {
     /// With --device-budget: host memory the plan may give to sequences whose
     /// kv cache it keeps there (page-locked, copied to the device beside the
     /// weights every step) where the measured rates say that is faster:
-    /// bytes ("48GiB"), 0 for none, or auto: half of the host memory
+    /// bytes ("48GiB"), 0 for none (the default: no GPU run has shown a gain
+    /// yet, benches/results/README.md), or auto: half of the host memory
     /// available beside the model's weights.
-    #[arg(long, default_value = "auto")]
+    #[arg(long, default_value = "0")]
     host_kv_budget: String,
     /// With --prompts: rows one step computes at most; prompts join a step
     /// while its rows stay within this. A --device-budget plan that streams
@@ -187,8 +188,10 @@ fn check_args(a: &Args) -> Result<()> {
             bail!("--device-budget covers the weights too: leave out --gpu-weight-budget");
         }
     }
-    if a.host_kv_budget != "auto" {
-        parse_bytes(&a.host_kv_budget).context("--host-kv-budget")?;
+    if a.host_kv_budget != "0" {
+        if a.host_kv_budget != "auto" {
+            parse_bytes(&a.host_kv_budget).context("--host-kv-budget")?;
+        }
         if a.device_budget.is_none() {
             bail!("--host-kv-budget is part of a --device-budget plan: give both or neither");
         }

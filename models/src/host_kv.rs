@@ -6,10 +6,10 @@
 //! device part's packed tensor, `(kv_heads, slots, capacity, head_dim)`. At a
 //! layer of a step the part the step needs (every head's slots up to the last
 //! one in the step, positions up to the longest of them) comes to the device
-//! (a 2D copy a head, enqueued on the compute stream, not waited for), takes
-//! the step's new rows there and is attended over; the new rows alone go back
-//! (one small copy) and are put in their slots on the host at the start of
-//! the next step, once the copies have completed
+//! (a 2D copy a head; on CUDA on a stream of its own, two layers ahead: see
+//! `ring`), takes the step's new rows there and is attended over; the new
+//! rows alone go back (one small copy) and are put in their slots on the host
+//! at the start of the next step, once the copies have completed
 //! ([`streamer_device::HostBuffer`] waits for them). A step thus moves each
 //! host sequence's cache up once per layer: the planner (`crate::batch_plan`)
 //! counts those bytes, at the full capacity, with the weights' copies.
@@ -78,7 +78,7 @@ impl HostKv {
     /// positions, as `(1, heads, slots * len, d)` keys and values on the
     /// step's device (the layer's host part is made, zero, at its first
     /// step). On a CUDA device the copies run on a stream of their own, two
-    /// layers ahead ([`ring`]).
+    /// layers ahead (`ring`).
     pub(crate) fn upload(&mut self, layer: usize, step: &StepShape) -> Result<(Tensor, Tensor)> {
         if step.slots > self.slots || step.len > step.capacity {
             bail!(
