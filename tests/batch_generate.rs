@@ -141,15 +141,23 @@ fn batched_greedy_equals_one_by_one_tiny(dev: &Device) -> Result<()> {
 candle_streamer::test_device!(batched_greedy_equals_one_by_one_tiny);
 
 /// Sequences whose kv cache lives in host memory (`BatchLimits::host_kv`)
-/// decode exactly as alone: some slots on the host, every slot on the host,
-/// with prompts whose lengths make the cache grow while host slots hold
-/// sequences; more host sequences than sequences is refused.
+/// decode exactly as alone: some slots on the host, every slot on the host;
+/// more host sequences than sequences is refused. In the second workload the
+/// first step reserves 16 positions a slot (twice its longest prompt, 5) and
+/// the third sequence (3 + 30 tokens, in slot 2: a host slot in every
+/// split below) outgrows them, so the cache grows, its host part laid out
+/// anew, while that sequence is in flight.
 fn batched_host_kv_equals_one_by_one(dev: &Device) -> Result<()> {
-    let lens = [5, 1, 17, 9, 3, 12, 2];
-    let news = [12, 4, 9, 16, 6];
+    let workloads: [(&[usize], &[usize]); 2] = [
+        (&[5, 1, 17, 9, 3, 12, 2], &[12, 4, 9, 16, 6]),
+        (&[5, 1, 3, 9, 40, 2], &[12, 4, 30]),
+    ];
     for (name, model) in tiny_models(dev)? {
-        let reqs = requests(&lens, &news, 0.0, 256);
-        for (sequences, host_kv) in [(3, 1), (4, 2), (3, 3)] {
+        for ((lens, news), (sequences, host_kv)) in workloads
+            .iter()
+            .flat_map(|w| [(3, 1), (4, 2), (3, 3)].map(|split| (*w, split)))
+        {
+            let reqs = requests(lens, news, 0.0, 256);
             let limits = BatchLimits {
                 sequences,
                 step_rows: 64,
@@ -170,7 +178,8 @@ fn batched_host_kv_equals_one_by_one(dev: &Device) -> Result<()> {
             step_rows: 64,
             host_kv: 3,
         };
-        let e = generate_batch(&model, reqs.clone(), limits, &[], &mut StepLog::default())
+        let reqs = requests(&[4, 2], &[3], 0.0, 256);
+        let e = generate_batch(&model, reqs, limits, &[], &mut StepLog::default())
             .expect_err("more host sequences than sequences");
         ensure!(
             e.to_string()
