@@ -282,8 +282,8 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
         );
         layers.write_timeline(Some(&dir.join(file)))?;
     }
-    // The host kv cache's copies run on the compute stream: their PCIe time
-    // at the measured rate joins the weights' copy time.
+    // The host kv caches' copies are not the pool's: their PCIe time at the
+    // measured rate joins the weights' copy time.
     let kv_bytes = (s.model.host_kv_bytes_copied() - kv_before) as f64;
     let h2d_s = after.h2d_seconds - before.h2d_seconds + kv_bytes / s.rates.h2d_bytes_per_s;
     let compute_s = n as f64 * request_flops(cfg, s.pg.0, s.pg.1) / s.rates.flops_per_s;

@@ -742,13 +742,14 @@ mod batch {
             .max()
             .unwrap_or(1);
         let n = reqs.len().max(1) as f64;
+        let layer = super::layer_footprint(a, cfg, dtype)?;
         let run = BatchRun {
             capacity,
             step_rows: a.step_rows,
             most: a.batch.unwrap_or(1 << 16).min(reqs.len().max(1)),
             prompt_len: reqs.iter().map(|r| r.prompt.len() as f64).sum::<f64>() / n,
             new_tokens: reqs.iter().map(|r| r.max_tokens as f64).sum::<f64>() / n,
-            host_kv_bytes: 0,
+            host_kv_bytes: host_kv_budget(a, cfg, dtype, &layer)?,
         };
         let bytes = parse_bytes(budget)?;
         let Some(left) = bytes.checked_sub(held).filter(|&l| l > 0) else {
@@ -760,11 +761,6 @@ mod batch {
         let rates = DecodeRates::measure(cfg, dtype, dev)?;
         let window =
             candle_streamer::cli::prefetch("--prefetch", a.prefetch, cfg.num_hidden_layers)? + 1;
-        let layer = super::layer_footprint(a, cfg, dtype)?;
-        let run = BatchRun {
-            host_kv_bytes: host_kv_budget(a, cfg, dtype, &layer)?,
-            ..run
-        };
         let choice = match a.streamed {
             true => PlacementChoice::Streaming,
             false => PlacementChoice::Any,
@@ -794,12 +790,9 @@ mod batch {
         if a.host_kv_budget != "auto" {
             return Ok(parse_bytes(&a.host_kv_budget)?);
         }
-        let outer: usize = cfg
-            .outer_weights()
-            .iter()
-            .map(|(_, dims, _)| dims.iter().product::<usize>() * dtype.size_in_bytes())
-            .sum();
-        let model = layer.slot * cfg.num_hidden_layers + outer;
+        let layers = cfg.num_hidden_layers;
+        let outer = (cfg.num_params() - layers * cfg.layer_params()) * dtype.size_in_bytes();
+        let model = layer.slot * layers + outer;
         let available = streamer_device::host_available_memory().unwrap_or(0);
         Ok(available.saturating_sub(model) / 2)
     }

@@ -193,35 +193,58 @@ candle_streamer::test_device!(batched_host_kv_equals_one_by_one);
 
 /// `HostBuffer`, where the host kv cache lives: tensors copied in at an
 /// offset come back out equal (bf16 and f32), host reads see every copy
-/// enqueued before them, host writes reach the next upload, and copies
-/// outside the buffer are refused before anything moves.
+/// enqueued before them, host writes reach the next upload, a strided
+/// region comes up packed, and copies outside the buffer or of the wrong
+/// size are refused before anything moves.
 fn host_buffer_round_trips(dev: &Device) -> Result<()> {
-    use candle_core::Tensor;
-    use streamer_device::HostBuffer;
+    use candle_core::{Shape, Tensor};
+    use streamer_device::{HostBuffer, Region};
+    // A tensor of `shape` from the bytes at `at`.
+    let up = |buf: &HostBuffer, at: usize, shape: Shape, dtype: DType| {
+        let n = shape.elem_count() * dtype.size_in_bytes();
+        buf.upload_region(Region::flat(at, n), &shape, dtype, dev)
+    };
     let mut buf = HostBuffer::zeroed(4096, dev)?;
     ensure!(buf.len() == 4096 && buf.bytes()?.iter().all(|&b| b == 0));
     let a = Tensor::arange(0f32, 96., dev)?.reshape((2, 3, 16))?;
     let b = (Tensor::arange(0f32, 64., dev)? * 0.5)?.to_dtype(DType::BF16)?;
     buf.download(128, &a)?;
     buf.download(1024, &b)?;
-    let back = buf.upload(128, &(2, 3, 16).into(), DType::F32, dev)?;
+    let back = up(&buf, 128, (2, 3, 16).into(), DType::F32)?;
     ensure!((back - &a)?.abs()?.sum_all()?.to_scalar::<f32>()? == 0.0);
-    let back = buf.upload(1024, &(64,).into(), DType::BF16, dev)?;
+    let back = up(&buf, 1024, (64,).into(), DType::BF16)?;
     ensure!(
         back.to_dtype(DType::F32)?.to_vec1::<f32>()? == b.to_dtype(DType::F32)?.to_vec1::<f32>()?
     );
     // The host sees the copies: f32 1.0 at element 1 of `a`.
     ensure!(buf.bytes()?[132..136] == 1f32.to_ne_bytes());
     buf.bytes_mut()?[128..132].copy_from_slice(&7f32.to_ne_bytes());
-    let first = buf.upload(128, &(1,).into(), DType::F32, dev)?;
+    let first = up(&buf, 128, (1,).into(), DType::F32)?;
     ensure!(first.to_vec1::<f32>()? == [7.0]);
+    // A strided region: the second f32 of each of `a`'s 6 rows of 16.
+    let region = Region {
+        at: 128 + 4,
+        blocks: 2,
+        block_stride: 3 * 64,
+        rows: 3,
+        pitch: 64,
+        len: 4,
+    };
+    let col = buf.upload_region(region, &(6,).into(), DType::F32, dev)?;
+    ensure!(col.to_vec1::<f32>()? == [1.0, 17.0, 33.0, 49.0, 65.0, 81.0]);
     let e = buf.download(4000, &a).expect_err("past the end");
     ensure!(e.to_string().contains("outside its 4096 bytes"), "{e}");
-    let e = buf
-        .upload(4090, &(2,).into(), DType::F32, dev)
-        .expect_err("past the end");
+    let e = up(&buf, 4090, (2,).into(), DType::F32).expect_err("past the end");
     ensure!(
-        e.to_string().contains("upload of 8 bytes") && e.to_string().contains("outside its 4096"),
+        e.to_string().contains("8 bytes") && e.to_string().contains("outside its 4096"),
+        "{e}"
+    );
+    let e = buf
+        .upload_region(Region::flat(0, 12), &(2,).into(), DType::F32, dev)
+        .expect_err("12 bytes for 8");
+    ensure!(
+        e.to_string()
+            .contains("a region of 12 bytes for a tensor of 8"),
         "{e}"
     );
     Ok(())

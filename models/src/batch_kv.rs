@@ -45,6 +45,8 @@ pub(crate) struct BatchKv {
     capacity: usize,
     /// The step in flight (empty: none).
     step: Step,
+    /// The step's sequences in the device slots and in the host ones.
+    parts: [Part; 2],
     /// The step's scatter of one-row sequences per part (device, host), made
     /// at its first layer: `(source rows of the part, destination index)`.
     scatter: [Option<(Tensor, Tensor)>; 2],
@@ -66,6 +68,7 @@ pub(crate) struct Packed {
 /// The step's sequences within one part of the slots: `(slot relative to the
 /// part, new rows, positions held before the step)`, and the step's rows they
 /// take.
+#[derive(Default)]
 struct Part {
     seqs: Vec<(usize, usize, usize)>,
     rows: Range<usize>,
@@ -93,6 +96,7 @@ impl BatchKv {
             device_slots: slots - host_slots,
             capacity: 0,
             step: Vec::new(),
+            parts: Default::default(),
             scatter: [None, None],
             host: HostKv::new(layers, host_slots),
             host_copied: 0,
@@ -148,10 +152,12 @@ impl BatchKv {
             }
             last = Some(slot);
         }
+        self.step = step;
+        self.parts = [self.part(false), self.part(true)];
+        let placed = self.parts[1].seqs.iter().map(|&(j, n, len)| (j, len, n));
         // The previous step's host rows reach their slots before this step
         // reads them.
-        self.host.flush()?;
-        self.step = step;
+        self.host.begin_step(placed.collect())?;
         self.scatter = [None, None];
         Ok(())
     }
@@ -167,6 +173,7 @@ impl BatchKv {
             self.host.discard();
         }
         self.step.clear();
+        self.parts = Default::default();
         self.scatter = [None, None];
     }
 
@@ -181,63 +188,71 @@ impl BatchKv {
     /// the step's rows it answers and its documents; a part without rows in
     /// this step is left out.
     pub(crate) fn extend(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<Vec<Packed>> {
-        let (_, heads, rows, d) = k.dims4()?;
-        let total: usize = self.step.iter().map(|s| s.1).sum();
+        let rows = k.dim(2)?;
+        let total = self.parts[0].rows.len() + self.parts[1].rows.len();
         if rows != total {
             bail!("kv cache: a batched step of {total} rows got keys of {rows}")
         }
-        let mut out = Vec::with_capacity(2);
-        for host in [false, true] {
-            let part = self.part(host);
-            if part.rows.is_empty() {
-                continue;
+        // Taken out while the layer's tensors are made and written.
+        let parts = std::mem::take(&mut self.parts);
+        let out = (0..2)
+            .filter(|&p| !parts[p].rows.is_empty())
+            .map(|p| self.extend_part(layer, (&parts[p], p == 1), (k, v)))
+            .collect();
+        self.parts = parts;
+        out
+    }
+
+    /// [`BatchKv::extend`] for one part (`host`: the host slots').
+    fn extend_part(
+        &mut self,
+        layer: usize,
+        (part, host): (&Part, bool),
+        (k, v): (&Tensor, &Tensor),
+    ) -> Result<Packed> {
+        let (_, heads, _, d) = k.dims4()?;
+        let (at, n) = (part.rows.start, part.rows.len());
+        let (pk, pv) = (
+            k.narrow(2, at, n)?.contiguous()?,
+            v.narrow(2, at, n)?.contiguous()?,
+        );
+        // The host part comes up as far as this step needs: its slots up to
+        // the last one in the step, each to the longest's positions.
+        let (slots, cap) = match host {
+            false => (self.device_slots, self.capacity),
+            true => part.extent(),
+        };
+        let (ck, cv) = match host {
+            false => self.layer(layer, (heads, d), k.dtype(), k.device())?,
+            true => {
+                let step = StepShape {
+                    slots,
+                    len: cap,
+                    heads,
+                    d,
+                    dtype: k.dtype(),
+                    device: k.device().clone(),
+                    capacity: self.capacity,
+                };
+                let kv = self.host.upload(layer, &step)?;
+                self.host_copied += 2 * kv.0.elem_count() * k.dtype().size_in_bytes();
+                kv
             }
-            let (pk, pv) = (
-                k.narrow(2, part.rows.start, part.rows.len())?
-                    .contiguous()?,
-                v.narrow(2, part.rows.start, part.rows.len())?
-                    .contiguous()?,
-            );
-            // The host part comes up as far as this step needs: its slots up
-            // to the last one in the step, each to the longest's positions.
-            let (slots, cap) = match host {
-                false => (self.device_slots, self.capacity),
-                true => part.extent(),
-            };
-            let (ck, cv) = match host {
-                false => self.layer(layer, (heads, d), k.dtype(), k.device())?,
-                true => {
-                    let step = StepShape {
-                        slots,
-                        len: cap,
-                        heads,
-                        d,
-                        dtype: k.dtype(),
-                        device: k.device().clone(),
-                        capacity: self.capacity,
-                    };
-                    let kv = self.host.upload(layer, &step)?;
-                    self.host_copied += 2 * kv.0.elem_count() * k.dtype().size_in_bytes();
-                    kv
-                }
-            };
-            let scatter = &mut self.scatter[host as usize];
-            write(&ck, &pk, (&part.seqs, cap), scatter)?;
-            write(&cv, &pv, (&part.seqs, cap), scatter)?;
-            if host {
-                let placed = part.seqs.iter().map(|&(j, n, len)| (j, len, n)).collect();
-                self.host.keep_new_rows(layer, (&pk, &pv), placed)?;
-            }
-            let (cu_seqlens_q, cu_seqlens_k) = documents(&part.seqs, slots, cap);
-            out.push(Packed {
-                rows: part.rows,
-                k: ck,
-                v: cv,
-                cu_seqlens_q,
-                cu_seqlens_k,
-            });
+        };
+        let scatter = &mut self.scatter[host as usize];
+        write(&ck, &pk, (&part.seqs, cap), scatter)?;
+        write(&cv, &pv, (&part.seqs, cap), scatter)?;
+        if host {
+            self.host.keep_new_rows(layer, (&pk, &pv))?;
         }
-        Ok(out)
+        let (cu_seqlens_q, cu_seqlens_k) = documents(&part.seqs, slots, cap);
+        Ok(Packed {
+            rows: part.rows.clone(),
+            k: ck,
+            v: cv,
+            cu_seqlens_q,
+            cu_seqlens_k,
+        })
     }
 
     /// The step's sequences in the device slots (`host` false) or the host

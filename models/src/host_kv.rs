@@ -21,6 +21,12 @@ use streamer_device::{HostBuffer, Region};
 pub(crate) struct HostKv {
     slots: usize,
     layers: Vec<Option<HostLayer>>,
+    /// Every layer's layout, fixed by the first upload (the capacity grows
+    /// with [`HostKv::grow`]).
+    layout: Option<Layout>,
+    /// Where the step's new rows go, the same in every layer: `(slot, first
+    /// position, rows)` in row order.
+    placed: Vec<(usize, usize, usize)>,
     /// The device buffers the copies land in, on CUDA.
     #[cfg(feature = "cuda")]
     ring: Option<ring::Ring>,
@@ -47,21 +53,24 @@ impl StepShape {
     }
 }
 
-/// One layer's host keys and values, and the rows of the last step still to
-/// place.
-struct HostLayer {
-    k: HostBuffer,
-    v: HostBuffer,
-    /// The last step's new rows, `(kv_heads, rows, head_dim)`, as copied back.
-    new_k: HostBuffer,
-    new_v: HostBuffer,
-    /// Where they go: `(slot, first position, rows)` in row order; empty when
-    /// none wait.
-    placed: Vec<(usize, usize, usize)>,
+/// The layout of every layer's host part: `(heads, slots, capacity, d)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Layout {
     heads: usize,
     /// Bytes of one position of one head.
     row: usize,
     capacity: usize,
+}
+
+/// One layer's host keys and values, and the rows of the step in flight.
+struct HostLayer {
+    k: HostBuffer,
+    v: HostBuffer,
+    /// The step's new rows, `(kv_heads, rows, head_dim)`, as copied back.
+    new_k: HostBuffer,
+    new_v: HostBuffer,
+    /// Whether they came back and wait to be placed.
+    fresh: bool,
 }
 
 impl HostKv {
@@ -69,6 +78,8 @@ impl HostKv {
         Self {
             slots,
             layers: (0..layers).map(|_| None).collect(),
+            layout: None,
+            placed: Vec::new(),
             #[cfg(feature = "cuda")]
             ring: None,
         }
@@ -148,50 +159,49 @@ impl HostKv {
         }
     }
 
-    /// Layer `layer`'s host part, made (zero) at its first use, checked
-    /// against the step's geometry.
+    /// Layer `layer`'s host part, made (zero) at its first use; the step's
+    /// geometry checked against every layer's layout.
     fn layer(&mut self, layer: usize, step: &StepShape) -> Result<&HostLayer> {
-        let all = self.slots;
+        let want = Layout {
+            heads: step.heads,
+            row: step.d * step.dtype.size_in_bytes(),
+            capacity: step.capacity,
+        };
+        match self.layout {
+            None => self.layout = Some(want),
+            Some(l) if l != want => {
+                bail!("kv cache: the host parts hold {l:?}, a step brings {want:?} (layer {layer})")
+            }
+            Some(_) => {}
+        }
         let Some(entry) = self.layers.get_mut(layer) else {
             bail!("kv cache has no layer {layer}")
         };
-        let (heads, capacity, device) = (step.heads, step.capacity, &step.device);
-        let row = step.d * step.dtype.size_in_bytes();
         if entry.is_none() {
-            let bytes = heads * all * capacity * row;
+            let bytes = want.heads * self.slots * want.capacity * want.row;
+            let device = &step.device;
             *entry = Some(HostLayer {
                 k: HostBuffer::zeroed(bytes, device)?,
                 v: HostBuffer::zeroed(bytes, device)?,
                 new_k: HostBuffer::zeroed(0, device)?,
                 new_v: HostBuffer::zeroed(0, device)?,
-                placed: Vec::new(),
-                heads,
-                row,
-                capacity,
+                fresh: false,
             });
         }
-        let l = entry.as_ref().expect("made above");
-        if (l.heads, l.row, l.capacity) != (heads, row, capacity) {
-            bail!(
-                "kv cache: layer {layer}'s host part holds {} heads of {} bytes a row at capacity {}, \
-                 a step brings {heads} of {row} at {capacity}",
-                l.heads,
-                l.row,
-                l.capacity
-            );
-        }
-        Ok(l)
+        Ok(entry.as_ref().expect("made above"))
+    }
+
+    /// Starts a step whose new rows go to `placed` (`(slot, first position,
+    /// rows)` in row order), after the last step's are in place.
+    pub(crate) fn begin_step(&mut self, placed: Vec<(usize, usize, usize)>) -> Result<()> {
+        self.flush()?;
+        self.placed = placed;
+        Ok(())
     }
 
     /// Copies layer `layer`'s new rows `(1, heads, rows, d)` of the host
-    /// slots back, to be placed at `placed` (`(slot, first position, rows)`
-    /// in row order) by the next [`HostKv::flush`].
-    pub(crate) fn keep_new_rows(
-        &mut self,
-        layer: usize,
-        (k, v): (&Tensor, &Tensor),
-        placed: Vec<(usize, usize, usize)>,
-    ) -> Result<()> {
+    /// slots back, to be placed by the next [`HostKv::flush`].
+    pub(crate) fn keep_new_rows(&mut self, layer: usize, (k, v): (&Tensor, &Tensor)) -> Result<()> {
         let Some(Some(l)) = self.layers.get_mut(layer) else {
             bail!("kv cache: layer {layer}'s host part was not uploaded")
         };
@@ -205,27 +215,33 @@ impl HostKv {
         }
         l.new_k.download(0, k)?;
         l.new_v.download(0, v)?;
-        l.placed = placed;
+        l.fresh = true;
         Ok(())
     }
 
     /// Puts every layer's rows of the last step in their slots (waiting for
     /// their copies), layers in parallel.
-    pub(crate) fn flush(&mut self) -> Result<()> {
+    fn flush(&mut self) -> Result<()> {
         #[cfg(feature = "cuda")]
         if let Some(r) = &mut self.ring {
             r.new_step();
         }
-        self.layers
-            .par_iter_mut()
-            .flatten()
-            .try_for_each(HostLayer::place)
+        if let Some(layout) = self.layout {
+            let (slots, placed) = (self.slots, &self.placed);
+            self.layers
+                .par_iter_mut()
+                .flatten()
+                .try_for_each(|l| l.place(placed, slots, layout))?;
+        }
+        self.placed.clear();
+        Ok(())
     }
 
     /// Forgets the rows of a step that failed.
     pub(crate) fn discard(&mut self) {
+        self.placed.clear();
         for l in self.layers.iter_mut().flatten() {
-            l.placed.clear();
+            l.fresh = false;
         }
     }
 
@@ -233,43 +249,45 @@ impl HostKv {
     /// they hold (a larger capacity only).
     pub(crate) fn grow(&mut self, capacity: usize) -> Result<()> {
         self.flush()?;
-        let slots = self.slots;
+        let Some(layout) = self.layout.filter(|l| capacity > l.capacity) else {
+            return Ok(());
+        };
+        let runs = (layout.heads * self.slots, layout.capacity * layout.row);
         for l in self.layers.iter_mut().flatten() {
-            if capacity > l.capacity {
-                l.k = relaid(
-                    &l.k,
-                    (l.heads * slots, l.capacity * l.row),
-                    capacity * l.row,
-                )?;
-                l.v = relaid(
-                    &l.v,
-                    (l.heads * slots, l.capacity * l.row),
-                    capacity * l.row,
-                )?;
-                l.capacity = capacity;
-            }
+            l.k = relaid(&l.k, runs, capacity * layout.row)?;
+            l.v = relaid(&l.v, runs, capacity * layout.row)?;
         }
+        self.layout = Some(Layout { capacity, ..layout });
         Ok(())
     }
 }
 
 impl HostLayer {
-    /// Copies the last step's rows into their slots.
-    fn place(&mut self) -> Result<()> {
-        if self.placed.is_empty() {
+    /// Copies the step's rows, come back, to `placed` in the `slots` slots
+    /// laid out as `layout`.
+    fn place(
+        &mut self,
+        placed: &[(usize, usize, usize)],
+        slots: usize,
+        layout: Layout,
+    ) -> Result<()> {
+        if !std::mem::take(&mut self.fresh) {
             return Ok(());
         }
-        let rows: usize = self.placed.iter().map(|p| p.2).sum();
-        let slots = self.k.len() / (self.heads * self.capacity * self.row).max(1);
-        let placed = std::mem::take(&mut self.placed);
+        let Layout {
+            heads,
+            row,
+            capacity,
+        } = layout;
+        let rows: usize = placed.iter().map(|p| p.2).sum();
         for (new, cache) in [(&self.new_k, &mut self.k), (&self.new_v, &mut self.v)] {
             let (new, cache) = (new.bytes()?, cache.bytes_mut()?);
-            for h in 0..self.heads {
+            for h in 0..heads {
                 let mut at = h * rows;
-                for &(slot, pos, n) in &placed {
-                    let to = ((h * slots + slot) * self.capacity + pos) * self.row;
-                    let len = n * self.row;
-                    cache[to..to + len].copy_from_slice(&new[at * self.row..][..len]);
+                for &(slot, pos, n) in placed {
+                    let to = ((h * slots + slot) * capacity + pos) * row;
+                    let len = n * row;
+                    cache[to..to + len].copy_from_slice(&new[at * row..][..len]);
                     at += n;
                 }
             }

@@ -42,7 +42,7 @@ use candle_core::{
     bail, CpuStorage, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor,
 };
 use half::{bf16, f16};
-use streamer_device::pages::{alloc_readable_f32, page_pieces, PinnedRegion};
+use streamer_device::pages::{alloc_readable, page_pieces, PinnedRegion};
 use streamer_kernels::ATTENTION;
 
 use crate::launch::{allow_smem, grid, Backward, BwdInputs, KernelArgs};
@@ -790,7 +790,7 @@ impl<'a> ChunkFeed<'a> {
         let t = std::time::Instant::now();
         // SAFETY: the buffer is uninitialized, but it is read only up to the
         // length of a drain's copy, after that copy is done (`receive`).
-        let buf = unsafe { alloc_readable_f32(self.compute.context(), len) };
+        let buf = unsafe { alloc_readable::<f32>(self.compute.context(), len) };
         self.times.staging += t.elapsed().as_secs_f64();
         self.times.staged_bytes += len * 4;
         buf

@@ -128,7 +128,7 @@ pub fn measure_pin_gbps(device: &Device, bytes: usize, iters: usize) -> Result<O
 }
 
 /// Median rate in GB/s of allocating `bytes` of page-locked host memory
-/// (`cuMemHostAlloc` as [`crate::pages`]' `alloc_readable_f32` makes it; the free
+/// (`cuMemHostAlloc` as [`crate::pages`]' `alloc_readable` makes it; the free
 /// is not timed), over `iters` tries: what
 /// a streamed attention call pays for the staging buffers its results come
 /// back through, which are kept between calls rather than freed. `None` on the
@@ -148,7 +148,7 @@ pub fn measure_pinned_alloc_gbps(
             median_rate(bytes, iters, || {
                 let t = std::time::Instant::now();
                 // SAFETY: the buffer is never read; it is freed at once.
-                let buf = unsafe { crate::pages::alloc_readable_f32(&ctx, bytes / 4)? };
+                let buf = unsafe { crate::pages::alloc_readable::<f32>(&ctx, bytes / 4)? };
                 let secs = t.elapsed().as_secs_f64();
                 drop(buf);
                 Ok(Some(secs))

@@ -88,8 +88,7 @@ impl HostBuffer {
             Device::Cuda(d) => {
                 let ctx = d.cuda_stream().context().clone();
                 // SAFETY: the memory is zeroed below before anything reads it.
-                let mut p = unsafe { ctx.alloc_pinned_with_flags::<u8>(len.max(1), 0) }
-                    .map_err(candle_core::Error::wrap)?;
+                let mut p = unsafe { crate::pages::alloc_readable::<u8>(&ctx, len.max(1)) }?;
                 zero(p.as_mut_slice().map_err(candle_core::Error::wrap)?);
                 Inner::Pinned(p)
             }
@@ -138,22 +137,11 @@ impl HostBuffer {
         }
     }
 
-    /// A tensor of `shape` and `dtype` on `device` holding the bytes from
-    /// `at`. On a CUDA device the copy is enqueued on its stream, which runs
-    /// it before any later work on the tensor; this does not wait for it.
-    pub fn upload(
-        &self,
-        at: usize,
-        shape: &Shape,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Tensor> {
-        let n = shape.elem_count() * dtype.size_in_bytes();
-        self.upload_region(Region::flat(at, n), shape, dtype, device)
-    }
-
-    /// As [`HostBuffer::upload`], from the runs of `region` one after
-    /// another (one 2D copy a block on a CUDA device).
+    /// A tensor of `shape` and `dtype` on `device` holding the runs of
+    /// `region` one after another (`Region::flat` for plain bytes). On a
+    /// CUDA device the copy (one 2D copy a block) is enqueued on its stream,
+    /// which runs it before any later work on the tensor; this does not wait
+    /// for it.
     pub fn upload_region(
         &self,
         region: Region,
@@ -161,19 +149,8 @@ impl HostBuffer {
         dtype: DType,
         device: &Device,
     ) -> Result<Tensor> {
-        let n = shape.elem_count() * dtype.size_in_bytes();
-        if region.bytes() != n {
-            bail!(
-                "host buffer: a region of {} bytes for a {dtype:?} tensor of shape {shape:?}",
-                region.bytes()
-            );
-        }
-        if region.end().is_none_or(|end| end > self.len()) {
-            bail!(
-                "host buffer: upload of {n} bytes ({region:?}) outside its {} bytes",
-                self.len()
-            );
-        }
+        self.check_region(region, shape.elem_count() * dtype.size_in_bytes())?;
+        let n = region.bytes();
         match (&self.inner, device) {
             #[cfg(feature = "cuda")]
             (Inner::Pinned(p), Device::Cuda(d)) => cuda::upload(p, region, (shape, dtype), d),
@@ -209,20 +186,10 @@ impl HostBuffer {
         dst: &Tensor,
         stream: &std::sync::Arc<cudarc::driver::CudaStream>,
     ) -> Result<()> {
-        let n = dst.elem_count() * dst.dtype().size_in_bytes();
-        if region.bytes() != n || !dst.is_contiguous() {
-            bail!(
-                "host buffer: a region of {} bytes into a tensor of {n} bytes (contiguous: {})",
-                region.bytes(),
-                dst.is_contiguous()
-            );
+        if !dst.is_contiguous() {
+            bail!("host buffer: a copy into a non-contiguous tensor");
         }
-        if region.end().is_none_or(|end| end > self.len()) {
-            bail!(
-                "host buffer: upload of {n} bytes ({region:?}) outside its {} bytes",
-                self.len()
-            );
-        }
+        self.check_region(region, dst.elem_count() * dst.dtype().size_in_bytes())?;
         match &self.inner {
             // SAFETY: the sizes were checked above; the rest is this fn's
             // contract.
@@ -236,7 +203,7 @@ impl HostBuffer {
     /// `t`; this does not wait for it.
     pub fn download(&mut self, at: usize, t: &Tensor) -> Result<()> {
         let n = t.elem_count() * t.dtype().size_in_bytes();
-        self.check_range("download", at, n)?;
+        self.check_region(Region::flat(at, n), n)?;
         let t = t.contiguous()?;
         match (&mut self.inner, t.device()) {
             #[cfg(feature = "cuda")]
@@ -254,10 +221,17 @@ impl HostBuffer {
         }
     }
 
-    fn check_range(&self, what: &str, at: usize, n: usize) -> Result<()> {
-        if at.checked_add(n).is_none_or(|end| end > self.len()) {
+    /// `region` holds a tensor's `n` bytes and lies in the buffer.
+    fn check_region(&self, region: Region, n: usize) -> Result<()> {
+        if region.bytes() != n {
             bail!(
-                "host buffer: {what} of {n} bytes at {at} outside its {} bytes",
+                "host buffer: a region of {} bytes for a tensor of {n} bytes",
+                region.bytes()
+            );
+        }
+        if region.end().is_none_or(|end| end > self.len()) {
+            bail!(
+                "host buffer: {n} bytes ({region:?}) outside its {} bytes",
                 self.len()
             );
         }

@@ -71,7 +71,7 @@ pub fn page_pieces(host: usize, bytes: usize) -> impl Iterator<Item = (usize, us
 }
 
 #[cfg(feature = "cuda")]
-pub use pinned::{alloc_readable_f32, PinnedRegion};
+pub use pinned::{alloc_readable, PinnedRegion};
 
 #[cfg(feature = "cuda")]
 mod pinned {
@@ -79,18 +79,19 @@ mod pinned {
     use cudarc::driver::{sys, CudaContext, PinnedHostSlice};
     use std::sync::Arc;
 
-    /// Page-locked host memory for `len` f32s that the host reads back (copies'
-    /// destinations), with flags 0: cudarc's default, write-combined memory, is
-    /// uncached for the host's reads (very slow).
+    /// Page-locked host memory for `len` values that the host reads back
+    /// (copies' destinations, caches it reads and writes), with flags 0:
+    /// cudarc's default, write-combined memory, is uncached for the host's
+    /// reads (very slow).
     ///
     /// # Safety
     /// The memory is uninitialised: read none of it before something wrote it.
-    pub unsafe fn alloc_readable_f32(
+    pub unsafe fn alloc_readable<T: cudarc::driver::DeviceRepr>(
         ctx: &Arc<CudaContext>,
         len: usize,
-    ) -> Result<PinnedHostSlice<f32>> {
+    ) -> Result<PinnedHostSlice<T>> {
         // SAFETY: forwarded to the caller (uninitialised memory).
-        unsafe { ctx.alloc_pinned_with_flags::<f32>(len, 0) }
+        unsafe { ctx.alloc_pinned_with_flags::<T>(len, 0) }
             .map_err(|e| candle_core::Error::Cuda(Box::new(e)))
     }
 
