@@ -33,7 +33,9 @@
 //! `LORA_BENCH_DEVICE_CAP_GIB` (hold back the rest of the GPU's memory so the
 //! run has that much in all, as on a smaller GPU), `LORA_BENCH_MICRO`
 //! (micro-batches of `LORA_BENCH_BATCH` sequences a step, 1; every layer's
-//! weights visit the GPU once a step whatever the count). Full fine-tuning
+//! weights visit the GPU once a step whatever the count), `LORA_BENCH_ACCUM`
+//! (LoRA rows: the step's sequences as that many micro-batches one after
+//! another, each visiting every layer: gradient accumulation). Full fine-tuning
 //! of `8b` with the host optimizer holds about 16 bytes a parameter on the
 //! host (masters, AdamW moments, gradients): 128 GB, more than a one-GPU
 //! machine of 128 GiB has; with bf16 moments 12 bytes (96 GB); with
@@ -56,8 +58,9 @@ use streamer_autograd::ActivationPolicy;
 use streamer_core::{device_total_memory, free_device_memory, StreamConfig, WeightSource};
 use streamer_models::{
     init_weights, init_weights_where, is_quantizable, ByteCorpus, DevicePlan, Expectation,
-    HostPlan, Llama, LlamaConfig, LmTrainer, LoraAdapters, LoraConfig, OptimizerPlace, PlanChoices,
-    PlanLimits, QuantizedWeights, StateDtype, StepRates, StepShape, TrainSetup,
+    HostPlan, Llama, LlamaConfig, LmTrainer, LoraAdapters, LoraConfig, LoraPlan, LoraStep,
+    OptimizerPlace, PlanChoices, PlanLimits, QuantizedWeights, StateDtype, StepRates, StepShape,
+    TrainSetup,
 };
 use streamer_quant::QuantScheme;
 
@@ -228,6 +231,48 @@ fn activations() -> Result<Option<ActivationPolicy>> {
         .transpose()?)
 }
 
+/// LORA_BENCH_ACCUM (LoRA rows): the step's sequences as that many
+/// micro-batches run one after another (default 1), each its own forward and
+/// backward and so its own visit of every layer's weights.
+fn lora_accumulation(rows: usize) -> Result<usize> {
+    let accum = common::env_usize("LORA_BENCH_ACCUM", 1);
+    if accum == 0 || rows % accum != 0 {
+        bail!("LORA_BENCH_ACCUM={accum}: the step's {rows} sequences do not split into that many");
+    }
+    if accum > 1 {
+        println!(
+            "  {accum} micro-batches of {} sequences one after another",
+            rows / accum
+        );
+    }
+    Ok(accum)
+}
+
+/// LORA_BENCH_PLAN=1 on a LoRA row: the LoRA plan for the cap
+/// (`LORA_BENCH_DEVICE_CAP_GIB`, else the whole device) decides the
+/// micro-batches run one after another and the activations kept, as
+/// `train_lm --lora-r R --device-budget B` does; printed with the tokens/s it
+/// expects from one layer timed here.
+fn lora_bench_plan(step: &LoraStep, dev: &Device) -> Result<Option<(LoraPlan, Expectation)>> {
+    if std::env::var("LORA_BENCH_PLAN").as_deref() != Ok("1") {
+        return Ok(None);
+    }
+    for key in ["LORA_BENCH_ACTIVATIONS", "LORA_BENCH_ACCUM"] {
+        if std::env::var(key).is_ok() {
+            bail!("LORA_BENCH_PLAN chooses what {key} sets: give one or the other");
+        }
+    }
+    let budget = match std::env::var("LORA_BENCH_DEVICE_CAP_GIB") {
+        Ok(g) => g.parse::<usize>().context("LORA_BENCH_DEVICE_CAP_GIB")? << 30,
+        Err(_) => device_total_memory(dev)?.context("LORA_BENCH_PLAN plans a CUDA device")?,
+    };
+    let rates = StepRates::measure(step.cfg, step.shape, 1, dev)?;
+    let plan = LoraPlan::choose(step, budget, &rates)?;
+    let expect = plan.expect(step, &rates);
+    println!("  LoRA plan: {plan}\n  expects {expect} ({rates:?})");
+    Ok(Some((plan, expect)))
+}
+
 /// LORA_BENCH_PLAN=1 (full fine-tuning on a GPU): the device plan for the
 /// memory free now (or `LORA_BENCH_DEVICE_CAP_GIB`) decides the optimizer's
 /// place (among `LORA_BENCH_OPTIMIZER` if given), the activations, the pieces
@@ -378,6 +423,11 @@ fn run(
         t0.elapsed().as_secs_f64()
     );
     let mut full_setup = None;
+    let mut lora_planned = None;
+    let mut accum = match mode {
+        "lora" => lora_accumulation(shape.0)?,
+        _ => 1,
+    };
     let per_step;
     let (m, trainable) = match mode {
         "full" => {
@@ -426,6 +476,28 @@ fn run(
             // train_lm keeps them, rather than copied up at every step.
             let model = model.outer_masters_to_device()?;
             model.set_lora(Some(LoraAdapters::init(&lcfg, &cfg, dev, 0)?))?;
+            let layer_bytes = match packed {
+                0 => cfg.layer_params() * dtype.size_in_bytes(),
+                p => p / cfg.num_hidden_layers,
+            };
+            let step = LoraStep {
+                cfg: &cfg,
+                lora: &lcfg,
+                shape: StepShape {
+                    rows: shape.0,
+                    seq: shape.1,
+                    dtype,
+                },
+                layer_bytes,
+            };
+            let mut policy = policy;
+            if let Some((p, e)) = lora_bench_plan(&step, dev)? {
+                accum = p.micro_batches;
+                policy = Some(ActivationPolicy::Keep {
+                    device_bytes: p.keep_bytes,
+                });
+                lora_planned = Some((p, e));
+            }
             if let Some(policy) = policy {
                 (model.trainable_layers())
                     .expect("a trainable streamed model")
@@ -444,10 +516,10 @@ fn run(
             )?;
             let m = measure((dev, cap.held()), &data, shape, |x, y, lr| {
                 opt.set_learning_rate(lr);
-                let loss = model.loss(x, y)?;
-                opt.step(&model.backward(&loss)?)?;
+                let (loss, grads) = model.lora_loss_and_grads(x, y, accum)?;
+                opt.step(&grads)?;
                 model.zero_grad()?;
-                Ok(loss.to_scalar::<f32>()?)
+                Ok(loss)
             })?;
             per_step = Some(where_time_goes(
                 &model,
@@ -474,6 +546,7 @@ fn run(
     Ok(serde_json::json!({
         "model": name, "mode": mode, "params": cfg.num_params(), "trainable_params": trainable,
         "batch": shape.0 / micro, "micro_batches": micro, "seq": shape.1,
+        "accumulation": accum,
         "tokens_per_step": shape.0 * shape.1, "step_s_median": median, "step_s": m.step_s,
         "tokens_per_s": tokens, "peak_device_gib": gib(m.peak_device), "host_rss_gib": gib(m.host_rss),
         "peak_device_total_gib": gib(m.peak_total),
@@ -486,9 +559,12 @@ fn run(
         "optimizer_place": full_setup.map(|(p, _)| format!("{p:?}")),
         "state_dtypes": full_setup.map(|(_, s)| format!("masters F32, moments {s:?}")),
         "activations": planned.as_ref().map(|(p, _)| format!("{:?}", p.settings.activation_policy()))
+            .or_else(|| lora_planned.as_ref().map(|(p, _)| format!("keep:{}", p.keep_bytes)))
             .or_else(|| std::env::var("LORA_BENCH_ACTIVATIONS").ok()),
         "device_plan": planned.as_ref().map(|(p, _)| p.to_string()),
-        "expected_tokens_per_s": planned.as_ref().map(|(_, e)| e.tokens_per_s),
+        "lora_plan": lora_planned.as_ref().map(|(p, _)| p.to_string()),
+        "expected_tokens_per_s": planned.as_ref().map(|(_, e)| e.tokens_per_s)
+            .or(lora_planned.as_ref().map(|(_, e)| e.tokens_per_s)),
         "per_step": per_step,
     }))
 }

@@ -83,9 +83,10 @@ struct Args {
     #[arg(long, default_value_t = 16)]
     batch: usize,
     /// Tokens per optimizer step, as micro-batches of --batch x --seq tokens
-    /// each (their gradients summed, one optimizer step, every layer's
-    /// weights copied to the GPU once a step; full fine-tuning). Default: one
-    /// micro-batch.
+    /// each (their gradients summed, one optimizer step). Full fine-tuning
+    /// copies every layer's weights to the GPU once a step for all of them;
+    /// LoRA runs them one after another (gradient accumulation: only one
+    /// micro-batch's activations at a time). Default: one micro-batch.
     #[arg(long)]
     tokens_per_step: Option<usize>,
     /// Tokens per sequence. Default: 64 for tiny, 2048 otherwise.
@@ -167,8 +168,10 @@ struct Args {
     /// fits (printed before loading), and the rest of the GPU is held back so
     /// that nothing can use more. A LoRA run (`--lora-r`, QLoRA with
     /// `--quantize`) has no optimizer state worth placing: the rest of the GPU
-    /// is held back and `--activations` (default auto: keep what fits in half
-    /// of the memory free under the budget at each step) decides the rest.
+    /// is held back and the LoRA plan splits the step's sequences into
+    /// micro-batches run one after another and keeps what activations fit
+    /// (printed with the tokens/s it expects; `--activations` overrides what
+    /// it keeps).
     #[arg(long)]
     device_budget: Option<String>,
     /// AdamW's moments: `f32` (8 bytes per parameter) or `bf16` (4 bytes,
@@ -420,9 +423,6 @@ fn main() -> Result<()> {
         if state != StateDtype::F32 {
             bail!("--optimizer-state is for full fine-tuning: LoRA adapters keep f32 moments");
         }
-        if opts.micro_batches > 1 {
-            bail!("--tokens-per-step is for full fine-tuning: LoRA runs take --batch sequences a step");
-        }
         if place == OptimizerPlace::Device {
             bail!(
                 "--optimizer device is for full fine-tuning: with --lora-r the adapters and \
@@ -593,7 +593,7 @@ fn device_budget(
 
 /// `--device-budget` of a LoRA run: all of the GPU beyond the budget held
 /// back for the whole run (the driver refuses anything more), within which
-/// the adapters' run keeps what activations `--activations` says. No cap
+/// the LoRA plan (`lora::split`) runs the step. No cap
 /// without `--lora-r` or `--device-budget`.
 fn lora_device_cap(a: &Args, dev: &Device) -> Result<DeviceCap> {
     let (Some(text), Some(_)) = (&a.device_budget, a.lora_r) else {
@@ -615,7 +615,9 @@ fn lora_device_cap(a: &Args, dev: &Device) -> Result<DeviceCap> {
     println!(
         "train_lm: LoRA in {what}: {:.1} GiB of the GPU held back; activations {}",
         cap.held() as f64 / (1u64 << 30) as f64,
-        a.activations.as_deref().unwrap_or("auto")
+        a.activations
+            .as_deref()
+            .unwrap_or("as the LoRA plan keeps them")
     );
     Ok(cap)
 }
@@ -782,8 +784,12 @@ mod lora {
     use candle_nn::{Optimizer, ParamsAdamW};
     use candle_streamer::report::Progress;
     use std::time::Instant;
+    use streamer_autograd::ActivationPolicy;
     use streamer_models::train::lr_at;
-    use streamer_models::{Llama, LoopOptions, LoraAdapters, LoraConfig, TokenCorpus};
+    use streamer_models::{
+        parse_bytes, Llama, LoopOptions, LoraAdapters, LoraConfig, LoraPlan, LoraStep, StepRates,
+        StepShape, TokenCorpus,
+    };
 
     /// Trains `model`'s adapters for `opts.steps` steps, saving them (PEFT's
     /// layout) in `<out>/adapter` every `--save-every` steps and at the end,
@@ -799,9 +805,6 @@ mod lora {
         // The frozen embedding, norm and head stay on the device rather than
         // being copied up at every step (a no-op on the CPU).
         let model = model.into_trainable()?.outer_masters_to_device()?;
-        if let Some(layers) = model.trainable_layers() {
-            layers.set_activation_policy(run.policy)?;
-        }
         let dev = model.device().clone();
         model.set_lora(Some(LoraAdapters::init(
             lcfg,
@@ -809,19 +812,25 @@ mod lora {
             &dev,
             a.seed,
         )?))?;
+        let rows = opts.batch * opts.micro_batches;
+        let (micro, policy) = split(a, &model, lcfg, opts, run)?;
+        if let Some(layers) = model.trainable_layers() {
+            layers.set_activation_policy(policy)?;
+        }
         let adapters = model.lora()?.context("adapters")?;
         let vars = adapters.vars();
         let n: usize = vars.iter().map(|(_, v)| v.elem_count()).sum();
         println!(
             "train_lm: LoRA r {} alpha {} on {:?} of {} ({:.2} M adapter params, base frozen), \
-             window {} layers, batch {} x {} tokens, lr {}, {} steps",
+             window {} layers, {} micro-batch(es) of {} x {} tokens a step, lr {}, {} steps",
             lcfg.r,
             lcfg.lora_alpha,
             lcfg.target_modules,
             run.label,
             n as f64 / 1e6,
             run.prefetch + 1,
-            opts.batch,
+            micro,
+            rows / micro,
             opts.seq,
             opts.lr,
             opts.steps
@@ -843,18 +852,17 @@ mod lora {
         let progress = Progress::new(0, opts.steps, a.save.log_every);
         let (t0, mut losses) = (Instant::now(), Vec::new());
         for s in 0..opts.steps {
-            let (x, y) = corpus.batch(opts.seed, s as u64, opts.batch, opts.seq, &dev)?;
+            let (x, y) = corpus.batch(opts.seed, s as u64, rows, opts.seq, &dev)?;
             opt.set_learning_rate(lr_at(opts, s));
-            let loss = model.loss(&x, &y)?;
-            let l = loss.to_scalar::<f32>()?;
+            let (l, grads) = model.lora_loss_and_grads(&x, &y, micro)?;
             anyhow::ensure!(
                 l.is_finite(),
                 "loss is {l} at step {s}: stopped (the last save is unchanged)"
             );
-            opt.step(&model.backward(&loss)?)?;
+            opt.step(&grads)?;
             model.zero_grad()?;
             losses.push((s + 1, l));
-            let tps = ((s + 1) * opts.batch * opts.seq) as f64 / t0.elapsed().as_secs_f64();
+            let tps = ((s + 1) * rows * opts.seq) as f64 / t0.elapsed().as_secs_f64();
             progress.update(s + 1, l, tps);
             if (s + 1) % opts.save_every.unwrap_or(usize::MAX) == 0 || s + 1 == opts.steps {
                 adapters.save_peft(&dir, base.as_deref())?;
@@ -878,6 +886,53 @@ mod lora {
             merge(a, &model, run)?;
         }
         Ok(())
+    }
+
+    /// The micro-batches a step's sequences run as, one after another, and
+    /// the layers' activation policy: on a GPU with
+    /// `--device-budget`, the LoRA plan's (`--activations`, if given, over
+    /// the plan's); else `--tokens-per-step`'s micro-batches and
+    /// `--activations`.
+    fn split(
+        a: &Args,
+        model: &Llama,
+        lcfg: &LoraConfig,
+        opts: &LoopOptions,
+        run: &Run,
+    ) -> Result<(usize, ActivationPolicy)> {
+        let (Some(text), true) = (&a.device_budget, model.device().is_cuda()) else {
+            return Ok((opts.micro_batches, run.policy));
+        };
+        let (rows, seq) = (opts.batch * opts.micro_batches, opts.seq);
+        let cfg = model.config();
+        let layer_bytes = model
+            .streamed_layers()
+            .map(|l| l.masters().bytes() / cfg.num_hidden_layers.max(1))
+            .context("a LoRA run streams its base")?;
+        let step = LoraStep {
+            cfg,
+            lora: lcfg,
+            shape: StepShape {
+                rows,
+                seq,
+                dtype: model.dtype(),
+            },
+            layer_bytes,
+        };
+        let budget = parse_bytes(text).with_context(|| format!("--device-budget {text:?}"))?;
+        let rates = StepRates::measure(cfg, step.shape, 1, model.device())?;
+        let plan = LoraPlan::choose(&step, budget, &rates)?;
+        println!(
+            "train_lm: LoRA plan for --device-budget {text}: {plan}; expects {}",
+            plan.expect(&step, &rates)
+        );
+        let policy = match a.activations {
+            Some(_) => run.policy,
+            None => ActivationPolicy::Keep {
+                device_bytes: plan.keep_bytes,
+            },
+        };
+        Ok((plan.micro_batches, policy))
     }
 
     /// `<out>/merged`: config.json, model.safetensors (the adapters folded

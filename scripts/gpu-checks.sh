@@ -17,6 +17,11 @@
 #                                          # spilling to the host (spill:6GiB:40GiB), then
 #                                          # the bf16 base without a cap, then transformers +
 #                                          # PEFT + bitsandbytes QLoRA at 8B (~330 s)
+#   bash scripts/gpu-checks.sh qlora-accum # that 8B NF4 LoRA step in the cap as QLORA_ACCUM
+#                                          # (1 2 4 8) micro-batches one after another, as the
+#                                          # LoRA plan chooses (NF4 and bf16 bases), 4 with
+#                                          # keep:X for X in QLORA_KEEP (none), then the bf16
+#                                          # base without a cap (~450 s)
 #   bash scripts/gpu-checks.sh qlora70     # the same LoRA on a 70B NF4 base, 4 x 2,048 tokens in
 #                                          # a 24 GiB cap (host ~51 GiB), then the same peer
 #                                          # resident (~45 GiB of weights) in the same call
@@ -118,6 +123,24 @@ for stage in "$@"; do
       bnb
       r qpeer8 PY_ARGS_qlora_torch="--models 8b" GPU_ONLY=qlora_torch timeout 120 bash "$B/run.sh" benches
       ;;
+    qlora-accum)
+      # The 8B NF4 LoRA step in a 24 GiB cap as 1, 2, 4 and 8 micro-batches
+      # one after another (LORA_BENCH_ACCUM), then the bf16 base without a cap.
+      T7=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
+      L="GPU_ONLY=bench-lora LORA_BENCH=8b LORA_BENCH_MODES=lora LORA_BENCH_TARGETS=$T7"
+      for a in ${QLORA_ACCUM:-1 2 4 8}; do
+        r qlora-a$a $L LORA_BENCH_QUANTIZE=nf4 LORA_BENCH_DEVICE_CAP_GIB=24 LORA_BENCH_ACCUM=$a \
+          timeout 90 bash "$B/run.sh" benches
+      done
+      r qlora-plan $L LORA_BENCH_QUANTIZE=nf4 LORA_BENCH_DEVICE_CAP_GIB=24 LORA_BENCH_PLAN=1 \
+        timeout 90 bash "$B/run.sh" benches
+      r dense-plan $L LORA_BENCH_DEVICE_CAP_GIB=24 LORA_BENCH_PLAN=1 timeout 90 bash "$B/run.sh" benches
+      for k in ${QLORA_KEEP:-}; do
+        r qlora-a4-keep$k $L LORA_BENCH_QUANTIZE=nf4 LORA_BENCH_DEVICE_CAP_GIB=24 LORA_BENCH_ACCUM=4 \
+          LORA_BENCH_ACTIVATIONS=keep:$k timeout 90 bash "$B/run.sh" benches
+      done
+      r dense $L timeout 80 bash "$B/run.sh" benches
+      ;;
     qlora70)
       T7=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
       r qlora70 GPU_ONLY=bench-lora LORA_BENCH=70b LORA_BENCH_MODES=lora LORA_BENCH_TARGETS=$T7 \
@@ -181,7 +204,7 @@ for stage in "$@"; do
       LM_BENCH_ACTIVATIONS=recompute PROFILE_TIMEOUT=300 bash scripts/gpu-profile-lm.sh 8b 8 || fail=1
       ;;
     *)
-      echo "unknown stage $stage (tests, house, quantized, qlora, qlora70, split, generate24, generate8, generate70, setup, train8b[-2k|-cap24], train14b[-f32|-bf16], profile8b)" >&2
+      echo "unknown stage $stage (tests, house, quantized, qlora, qlora-accum, qlora70, split, generate24, generate8, generate70, setup, train8b[-2k|-cap24], train14b[-f32|-bf16], profile8b)" >&2
       exit 2
       ;;
   esac

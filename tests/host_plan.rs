@@ -2,16 +2,18 @@
 //! weight is loaded, against what the trainer then allocates; a plan larger
 //! than the host is refused with its numbers. `DevicePlan` (a decoder) and
 //! `MlpPlan` (`FusedMlp` blocks): device memory by part, and the settings
-//! chosen for a device budget.
+//! chosen for a device budget. `LoraPlan`: a LoRA step's micro-batches and
+//! kept activations in a device budget.
 use super::models::{err_of, fail};
 use anyhow::{ensure, Result};
 use candle_core::{DType, Device};
 use candle_nn::ParamsAdamW;
+use streamer_autograd::ActivationPolicy;
 use streamer_device::Error;
 use streamer_models::{
     device_plan::host_plan, init_weights, DevicePlan, HostPlan, Llama, LlamaConfig, LmTrainer,
-    OptimizerPlace, PlanChoices, PlanLimits, StateDtype, StepRates, StepSettings, StepShape,
-    TrainSetup,
+    LoraAdapters, LoraConfig, LoraPlan, LoraStep, OptimizerPlace, PlanChoices, PlanLimits,
+    StateDtype, StepRates, StepSettings, StepShape, TrainSetup, LORA_TARGETS,
 };
 
 fn setup(place: OptimizerPlace, state: StateDtype) -> TrainSetup {
@@ -419,7 +421,6 @@ fn device_plan_expectation() -> Result<()> {
 /// every block recomputed) is refused with the numbers.
 #[test]
 fn mlp_plan_choice_and_refusals() -> Result<()> {
-    use streamer_autograd::ActivationPolicy;
     use streamer_models::{MlpPlan, MlpSettings, MlpShape};
     let shape = MlpShape {
         blocks: 8,
@@ -502,5 +503,152 @@ fn mlp_plan_choice_and_refusals() -> Result<()> {
     );
     ensure!(e.to_string().contains("below the smallest plan"), "{e}");
     ensure!(smallest.settings.activation_policy() == ActivationPolicy::Recompute);
+    Ok(())
+}
+
+fn lora_all(dropout: f64) -> Result<LoraConfig> {
+    Ok(LoraConfig::new(16, 32.0, dropout, &LORA_TARGETS)?)
+}
+
+/// Bytes one NF4 layer of `cfg` copies: half a byte a weight and an f32
+/// absmax per block of 64 (norms apart: a rounding error).
+fn nf4_layer_bytes(cfg: &LlamaConfig) -> usize {
+    cfg.layer_params() / 2 + cfg.layer_params() / 64 * 4
+}
+
+/// Rates of an H100-like device at 8B shapes over one 2,048-token sequence.
+fn rates_8b(h2d: f64) -> StepRates {
+    StepRates {
+        piece_rows: 1,
+        layer_forward_s: 0.0016,
+        layer_backward_s: 0.0022,
+        head_s: 0.004,
+        h2d_bytes_per_s: h2d,
+        d2h_bytes_per_s: h2d,
+    }
+}
+
+/// A LoRA plan keeps what the trainer keeps: with the plan's bytes per layer
+/// for `k` layers (and half a layer to spare) a micro-batch's forward keeps
+/// `k` layers of a tiny adapted model, with a byte less than `k` layers
+/// `k - 1`. So its count of a layer's activations is the layer's own,
+/// adapters and dropout masks included, to within half a layer.
+#[test]
+fn lora_plan_counts_what_a_layer_keeps() -> Result<()> {
+    let cfg = LlamaConfig::tiny();
+    let lcfg = lora_all(0.05)?;
+    let (rows, seq) = (4, 16);
+    let step = LoraStep {
+        cfg: &cfg,
+        lora: &lcfg,
+        shape: StepShape {
+            rows,
+            seq,
+            dtype: DType::F32,
+        },
+        layer_bytes: cfg.layer_params() * 4,
+    };
+    let stream = crate::common::stream(&Device::Cpu, DType::F32, 1);
+    let model = Llama::from_tensors(init_weights(&cfg, 0)?, &cfg, stream)?.into_trainable()?;
+    model.set_lora(Some(LoraAdapters::init(&lcfg, &cfg, &Device::Cpu, 0)?))?;
+    let layers = model.trainable_layers().expect("trainable");
+    let ids: Vec<u32> = (0..rows * seq).map(|i| (i * 7 % 97) as u32).collect();
+    let x = candle_core::Tensor::from_vec(ids, (rows, seq), &Device::Cpu)?;
+    for micro in [1, 2] {
+        let layer = step.kept_per_layer(rows / micro);
+        for (bytes, want) in [
+            (2 * layer + layer / 2, 2),
+            (3 * layer - 1, 2),
+            (4 * layer, 4),
+        ] {
+            layers.set_activation_policy(ActivationPolicy::Keep {
+                device_bytes: bytes,
+            })?;
+            model.lora_loss_and_grads(&x, &x, micro)?;
+            model.zero_grad()?;
+            let kept = layers.kept_blocks()?;
+            ensure!(
+                kept == want,
+                "{micro} micro-batches, keep {bytes} bytes ({layer} a layer): kept {kept} layers, \
+                 expected {want}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The LoRA plan at Llama 3.1 8B's shapes, 8 x 2,048 tokens, r 16 on every
+/// projection. With an NF4 base in 24 GiB it splits the step until every
+/// layer's activations are kept (and no further), within the budget; dropout
+/// keeps each adapter's input mask (a layer keeps more); its expected speed is the formula of its docs; with a bf16 base
+/// and a slow link it runs the step at once and recomputes; a budget under
+/// the smallest plan is refused naming both sizes; more budget never keeps
+/// fewer layers.
+#[test]
+fn lora_plan_choice_at_8b() -> Result<()> {
+    let cfg = LlamaConfig::llama31_8b();
+    let lcfg = lora_all(0.0)?;
+    let nf4 = LoraStep {
+        cfg: &cfg,
+        lora: &lcfg,
+        shape: shape_8b(8),
+        layer_bytes: nf4_layer_bytes(&cfg),
+    };
+    let budget = 24 << 30;
+    let rates = rates_8b(50e9);
+    let p = LoraPlan::choose(&nf4, budget, &rates)?;
+    ensure!(p.total() <= budget, "{p}");
+    ensure!(p.kept_layers == 32 && p.micro_batches > 1, "{p}");
+    let fewer = LoraPlan::estimate(&nf4, p.micro_batches / 2, budget).expect("fits");
+    ensure!(
+        fewer.kept_layers < 32,
+        "{fewer} keeps every layer: {p} splits too far"
+    );
+    let dropout = lora_all(0.05)?;
+    let masked = LoraStep {
+        lora: &dropout,
+        ..nf4
+    };
+    // q, k, v, gate and up read the hidden state, o the attention output,
+    // down the MLP's: one mask element each a token.
+    let masks = 2048 * (6 * 4096 + 14336) * 2;
+    ensure!(masked.kept_per_layer(1) == nf4.kept_per_layer(1) + masks);
+    let (m, k) = (p.micro_batches as f64, p.kept_layers as f64);
+    let scale = p.micro_rows as f64;
+    let compute =
+        m * (32.0 * (0.0016 + 0.0022) * scale + (32.0 - k) * 0.0016 * scale + 0.004 * scale);
+    let h2d = (p.micro_batches * 2 * 32 * nf4.layer_bytes) as f64 / 50e9;
+    let want = (8.0 * 2048.0) / compute.max(h2d);
+    let got = p.expect(&nf4, &rates).tokens_per_s;
+    ensure!(
+        (got - want).abs() <= 1e-9 * want,
+        "expected {got} tokens/s, formula {want}"
+    );
+    let dense = LoraStep {
+        layer_bytes: cfg.layer_params() * 2,
+        ..nf4
+    };
+    let d = LoraPlan::choose(&dense, budget, &rates_8b(10e9))?;
+    ensure!(
+        d.micro_batches == 1 && d.kept_layers < 32 && d.total() <= budget,
+        "{d}"
+    );
+    let mut last = 0;
+    for gib in [12, 16, 24, 40, 80] {
+        let q = LoraPlan::estimate(&nf4, 1, gib << 30);
+        let kept = q.map_or(0, |q| q.kept_layers);
+        ensure!(
+            kept >= last,
+            "{gib} GiB keeps {kept} layers, less than {last}"
+        );
+        last = kept;
+    }
+    let e = LoraPlan::choose(&nf4, 2 << 30, &rates)
+        .unwrap_err()
+        .to_string();
+    ensure!(
+        e.contains("device budget 2.00 GiB") && e.contains("smallest LoRA plan"),
+        "{e}"
+    );
     Ok(())
 }

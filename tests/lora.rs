@@ -363,3 +363,71 @@ fn lora_dropout_replays(dev: &Device, micro: Option<usize>) -> Result<()> {
     ensure!(rel_err(&a, &b)? == 0.0, "inference is not deterministic");
     Ok(())
 }
+
+/// The adapters' AdamW run over 4 sequences, with the sequences as 1, 2 and 4
+/// micro-batches one after another (`lora_loss_and_grads`): the same loss
+/// curve over 12 steps (f32, relative error <= 1e-5: only the order of the
+/// sums differs) and the same adapters at the end (<= 1e-4: AdamW divides by
+/// the root of the second moment, which scales the sums' rounding up).
+fn lora_micro_batches_train_as_the_whole_batch(dev: &Device) -> Result<()> {
+    let fx = load()?;
+    let n = 12;
+    let ids: Vec<u32> = (0..4 * (n + 1))
+        .map(|i| ((i * 37 + 11) % fx.cfg.vocab_size) as u32)
+        .collect();
+    let all = Tensor::from_vec(ids, (4, n + 1), dev)?;
+    let (x, y) = (all.narrow(1, 0, n)?, all.narrow(1, 1, n)?);
+    let run = |micro: usize| -> Result<(Vec<f32>, Vec<Tensor>)> {
+        let stream = crate::common::stream(dev, DType::F32, 0);
+        let model = Llama::from_safetensors(&[fx.weights()], &fx.cfg, stream)?.into_trainable()?;
+        let lcfg = LoraConfig::new(4, 16.0, 0.0, &["q_proj", "v_proj", "down_proj"])?;
+        model.set_lora(Some(LoraAdapters::init(&lcfg, &fx.cfg, dev, 3)?))?;
+        let vars = model.lora()?.context("adapters")?.vars();
+        let mut opt = candle_nn::AdamW::new(
+            vars.iter().map(|(_, v)| v.clone()).collect(),
+            ParamsAdamW {
+                lr: 1e-2,
+                ..Default::default()
+            },
+        )?;
+        let mut losses = Vec::new();
+        for _ in 0..12 {
+            let (loss, grads) = model.lora_loss_and_grads(&x, &y, micro)?;
+            losses.push(loss);
+            opt.step(&grads)?;
+            model.zero_grad()?;
+        }
+        let weights = vars.iter().map(|(_, v)| v.as_tensor().copy());
+        Ok((losses, weights.collect::<candle_core::Result<_>>()?))
+    };
+    let (want_losses, want) = run(1)?;
+    ensure!(
+        want_losses[11] < 0.9 * want_losses[0],
+        "the adapters did not train: {want_losses:?}"
+    );
+    for micro in [2, 4] {
+        let (losses, got) = run(micro)?;
+        for (s, (a, b)) in losses.iter().zip(&want_losses).enumerate() {
+            let e = ((a - b) / b).abs();
+            ensure!(
+                e <= 1e-5,
+                "{micro} micro-batches, step {s}: loss {a} vs {b}"
+            );
+        }
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let what = format!("{micro} micro-batches, adapter {i}");
+            crate::common::ensure_close(&what, g, w, 1e-4)?;
+        }
+    }
+    let stream = crate::common::stream(dev, DType::F32, 0);
+    let model = Llama::from_safetensors(&[fx.weights()], &fx.cfg, stream)?.into_trainable()?;
+    crate::common::expect_err(model.lora_loss_and_grads(&x, &y, 2), &["no LoRA adapters"])?;
+    let lcfg = LoraConfig::new(4, 16.0, 0.0, &["q_proj"])?;
+    model.set_lora(Some(LoraAdapters::init(&lcfg, &fx.cfg, dev, 3)?))?;
+    crate::common::expect_err(
+        model.lora_loss_and_grads(&x, &y, 3),
+        &["4 sequences", "3 equal micro-batches"],
+    )?;
+    Ok(())
+}
+candle_streamer::test_device!(lora_micro_batches_train_as_the_whole_batch);

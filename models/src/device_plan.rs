@@ -93,15 +93,12 @@ impl DevicePlan {
     /// The estimate for `cfg` stepped with `settings` at `shape`.
     pub fn estimate(cfg: &LlamaConfig, shape: StepShape, settings: StepSettings) -> Self {
         let b = shape.dtype.size_in_bytes();
-        let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
+        let h = cfg.hidden_size;
         let layer = cfg.layer_params();
         let outer = cfg.num_params() - layer * cfg.num_hidden_layers;
         let tokens = shape.rows * shape.seq;
         let piece = settings.piece_rows.min(shape.rows) * shape.seq;
-        // A layer's recompute and backward: the MLP's gate, up, activation and
-        // their gradients, the attention's projections, output, statistics and
-        // their gradients, the input, output and input gradient.
-        let per_token = b * (6 * inter + 13 * h) + 8 * cfg.num_attention_heads;
+        let per_token = layer_work_per_token(cfg, shape.dtype);
         // The loss never runs over more rows than the step has.
         let chunk = crate::cross_entropy::linear_cross_entropy_chunk(cfg.vocab_size, shape.dtype)
             .min(tokens);
@@ -374,11 +371,20 @@ impl DevicePlan {
     }
 }
 
+/// Device bytes per token of one layer's recompute and backward: the MLP's
+/// gate, up, activation and their gradients, the attention's projections,
+/// output, statistics and their gradients, the input, output and input
+/// gradient.
+pub(crate) fn layer_work_per_token(cfg: &LlamaConfig, dtype: DType) -> usize {
+    let b = dtype.size_in_bytes();
+    b * (6 * cfg.intermediate_size + 13 * cfg.hidden_size) + 8 * cfg.num_attention_heads
+}
+
 /// One layer's kept activations for a whole step: what the decoder layer's
 /// `ManualBackward::saved_bytes` counts (its inputs, the normed inputs, the
 /// attention's q, k, v and output, the MLP's gate and up, the
 /// softmax statistics), without adapters.
-fn kept_layer_bytes(cfg: &LlamaConfig, shape: StepShape) -> usize {
+pub(crate) fn kept_layer_bytes(cfg: &LlamaConfig, shape: StepShape) -> usize {
     let rows = shape.rows * shape.seq;
     let (q, kv) = (
         cfg.num_attention_heads * cfg.head_dim(),

@@ -82,6 +82,8 @@ mod host_rows;
 mod kv_cache;
 pub mod llama;
 pub mod lora;
+pub mod lora_plan;
+mod lora_step;
 pub mod mlp_plan;
 pub mod ops;
 mod outer_host;
@@ -123,6 +125,7 @@ pub use fused_mlp::{fused_mlp, FusedMlp};
 pub use host_plan::{HostPlan, TrainSetup};
 pub use llama::{apply_rope, apply_rope_unfused, DecoderLayer, Llama, LossChunk, RmsNorm, Rope};
 pub use lora::{LoraAdapters, LoraConfig, LORA_TARGETS};
+pub use lora_plan::{LoraPlan, LoraStep};
 pub use mlp_plan::{MlpPlan, MlpSettings, MlpShape};
 #[cfg(feature = "cuda")]
 pub use ops::lt::epilogue_fallbacks;

@@ -35,7 +35,7 @@ fn module_path(target: usize) -> String {
 }
 
 /// `(in, out)` of a target's projection in `cfg`.
-fn dims(cfg: &LlamaConfig, target: usize) -> (usize, usize) {
+pub(crate) fn dims(cfg: &LlamaConfig, target: usize) -> (usize, usize) {
     let (h, m) = (cfg.hidden_size, cfg.intermediate_size);
     let (q, kv) = (
         cfg.num_attention_heads * cfg.head_dim(),

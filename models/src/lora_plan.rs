@@ -1,0 +1,241 @@
+//! How a LoRA step on a streamed frozen base uses a device budget
+//! (`train_lm --lora-r R --device-budget B`): its sequences as micro-batches
+//! run one after another ([`Llama::lora_loss_and_grads`]), and the
+//! activations each micro-batch's forward keeps for its backward instead of
+//! recomputing them.
+//!
+//! Fewer micro-batches visit the base fewer times (a visit copies every layer
+//! twice: for the forward and, in reverse, for the backward); smaller ones
+//! keep more of their layers' activations in the budget. A quantized base
+//! copies few bytes a visit, so in a small budget it pays to split the step
+//! until every layer's activations are kept; a bf16 base copies four times as
+//! many and may do better recomputing. The plan takes the split with the
+//! fastest expected step from the measured rates ([`StepRates`]).
+//!
+//! As with the full fine-tune's [`crate::DevicePlan`], the bytes are upper
+//! estimates from the shapes, and the driver enforces the budget itself.
+//!
+//! [`Llama::lora_loss_and_grads`]: crate::Llama::lora_loss_and_grads
+use crate::config::LlamaConfig;
+use crate::device_plan::{kept_layer_bytes, layer_work_per_token, Expectation, RUNTIME_BYTES};
+use crate::lora::{dims, LoraConfig};
+use crate::step_rates::StepRates;
+use crate::step_shape::StepShape;
+use candle_core::{bail, Result};
+
+/// Decoder layers resident at once: the one computing and the next arriving.
+const WINDOW: usize = 2;
+
+/// What a LoRA step holds: the model, its adapters and the step's shape.
+#[derive(Clone, Copy, Debug)]
+pub struct LoraStep<'a> {
+    /// The base's configuration.
+    pub cfg: &'a LlamaConfig,
+    /// The adapters'.
+    pub lora: &'a LoraConfig,
+    /// Sequences a step (all micro-batches), tokens each, compute dtype.
+    pub shape: StepShape,
+    /// Bytes one decoder layer of the base copies to the device (packed
+    /// bytes for a quantized base).
+    pub layer_bytes: usize,
+}
+
+/// A LoRA step's split and what it keeps, in a device budget.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoraPlan {
+    /// Micro-batches run one after another.
+    pub micro_batches: usize,
+    /// Sequences a micro-batch.
+    pub micro_rows: usize,
+    /// Layers whose activations a micro-batch's forward keeps (the last
+    /// ones); the others are recomputed in its backward.
+    pub kept_layers: usize,
+    /// The kept activations' device bytes
+    /// (`ActivationPolicy::Keep { device_bytes }`).
+    pub keep_bytes: usize,
+    /// Device bytes besides the kept activations, at their widest.
+    pub other_bytes: usize,
+    /// Bytes copied to the device a step.
+    pub h2d_bytes: usize,
+}
+
+impl LoraStep<'_> {
+    /// Device bytes a micro-batch of `rows` sequences keeps for one layer
+    /// (what the adapted decoder layer's `saved_bytes` counts).
+    pub fn kept_per_layer(&self, rows: usize) -> usize {
+        let shape = StepShape { rows, ..self.shape };
+        let tokens = rows * self.shape.seq;
+        kept_layer_bytes(self.cfg, shape)
+            + tokens * self.lora_saved_per_token() * self.shape.dtype.size_in_bytes()
+    }
+
+    /// Elements an adapted layer keeps per token besides the base's: each
+    /// adapter's `u = x A^T`, and with dropout each adapter's input mask.
+    fn lora_saved_per_token(&self) -> usize {
+        let targets = self.lora.targets().unwrap_or_default();
+        let masks: usize = if self.lora.lora_dropout > 0.0 {
+            targets.iter().map(|&t| dims(self.cfg, t).0).sum()
+        } else {
+            0
+        };
+        self.lora.r * targets.len() + masks
+    }
+
+    /// Adapter parameters of the whole model.
+    fn adapter_params(&self) -> usize {
+        let targets = self.lora.targets().unwrap_or_default();
+        let per_layer: usize = targets
+            .iter()
+            .map(|&t| {
+                let (fan_in, out) = dims(self.cfg, t);
+                self.lora.r * (fan_in + out)
+            })
+            .sum();
+        per_layer * self.cfg.num_hidden_layers
+    }
+
+    /// Device bytes a micro-batch of `rows` sequences holds besides its
+    /// kept activations, with every layer's input saved for its recompute.
+    fn other_bytes(&self, rows: usize) -> usize {
+        let (cfg, b) = (self.cfg, self.shape.dtype.size_in_bytes());
+        let tokens = rows * self.shape.seq;
+        let dense_layer = cfg.layer_params() * b;
+        // A quantized layer is dequantized on the device before its GEMMs.
+        let dequantized = if self.layer_bytes < dense_layer {
+            dense_layer
+        } else {
+            0
+        };
+        let outer = (cfg.num_params() - cfg.layer_params() * cfg.num_hidden_layers) * b;
+        let chunk =
+            crate::cross_entropy::linear_cross_entropy_chunk(cfg.vocab_size, self.shape.dtype)
+                .min(tokens);
+        // f32 adapters, their gradients (two while micro-batches accumulate)
+        // and AdamW's two moments.
+        let adapters = 5 * 4 * self.adapter_params();
+        WINDOW * self.layer_bytes
+            + dequantized
+            + outer
+            + adapters
+            + cfg.num_hidden_layers * tokens * cfg.hidden_size * b
+            + 6 * tokens * cfg.hidden_size * b
+            + tokens * layer_work_per_token(cfg, self.shape.dtype)
+            + 2 * chunk * cfg.vocab_size * 4
+            + RUNTIME_BYTES
+    }
+}
+
+impl LoraPlan {
+    /// The step as `micro_batches` micro-batches in `budget` device bytes,
+    /// keeping as many layers' activations as the rest leaves room for;
+    /// `None` where the rest alone does not fit (or the split is not even).
+    pub fn estimate(step: &LoraStep, micro_batches: usize, budget: usize) -> Option<Self> {
+        let rows = step.shape.rows;
+        if micro_batches == 0 || rows % micro_batches != 0 {
+            return None;
+        }
+        let micro_rows = rows / micro_batches;
+        let other = step.other_bytes(micro_rows);
+        let free = budget.checked_sub(other)?;
+        let layer = step.kept_per_layer(micro_rows);
+        // A kept layer's input is among what it keeps: no longer saved apart.
+        let input =
+            micro_rows * step.shape.seq * step.cfg.hidden_size * step.shape.dtype.size_in_bytes();
+        let layers = step.cfg.num_hidden_layers;
+        let kept_layers = (free / (layer - input).max(1)).min(layers);
+        Some(Self {
+            micro_batches,
+            micro_rows,
+            kept_layers,
+            // Half a layer over: the trainer keeps while the total stays
+            // within the bytes, and never has room for one more.
+            keep_bytes: if kept_layers == 0 {
+                0
+            } else {
+                kept_layers * layer + layer / 2
+            },
+            other_bytes: other - kept_layers * input,
+            h2d_bytes: micro_batches * 2 * layers * step.layer_bytes,
+        })
+    }
+
+    /// The split of the step's sequences with the fastest expected step at
+    /// `rates` in `budget` device bytes (the fewest micro-batches among
+    /// equals). A budget under the smallest plan (one sequence at a time,
+    /// every layer recomputed) is an error naming both.
+    pub fn choose(step: &LoraStep, budget: usize, rates: &StepRates) -> Result<Self> {
+        let rows = step.shape.rows;
+        let mut best: Option<(Self, f64)> = None;
+        for m in (1..=rows).filter(|m| rows % m == 0) {
+            let Some(plan) = Self::estimate(step, m, budget) else {
+                continue;
+            };
+            let speed = plan.expect(step, rates).tokens_per_s;
+            if best.is_none_or(|(_, s)| speed > s) {
+                best = Some((plan, speed));
+            }
+        }
+        match best {
+            Some((plan, _)) => Ok(plan),
+            None => {
+                let smallest = step.other_bytes(1);
+                bail!(
+                    "device budget {:.2} GiB is under the smallest LoRA plan for {rows} sequences \
+                     of {} tokens ({:.2} GiB: one sequence at a time, every layer recomputed)",
+                    gib(budget),
+                    step.shape.seq,
+                    gib(smallest)
+                )
+            }
+        }
+    }
+
+    /// The step's expected seconds of compute and copies at `rates`: each
+    /// micro-batch runs every layer's forward and backward and the
+    /// recomputed layers' forward again, and copies every layer twice.
+    pub fn expect(&self, step: &LoraStep, rates: &StepRates) -> Expectation {
+        let layers = step.cfg.num_hidden_layers;
+        let scale = self.micro_rows as f64 / rates.piece_rows.max(1) as f64;
+        let (f, b) = (
+            rates.layer_forward_s * scale,
+            rates.layer_backward_s * scale,
+        );
+        let recomputed = (layers - self.kept_layers) as f64;
+        let m = self.micro_batches as f64;
+        let compute_s = m * (layers as f64 * (f + b) + recomputed * f + rates.head_s * scale);
+        let h2d_s = self.h2d_bytes as f64 / rates.h2d_bytes_per_s;
+        let tokens = (step.shape.rows * step.shape.seq) as f64;
+        Expectation {
+            compute_s,
+            h2d_s,
+            d2h_s: 0.0,
+            tokens_per_s: tokens / compute_s.max(h2d_s),
+        }
+    }
+
+    /// Device bytes in all.
+    pub fn total(&self) -> usize {
+        self.keep_bytes + self.other_bytes
+    }
+}
+
+fn gib(b: usize) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
+impl std::fmt::Display for LoraPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} micro-batch(es) of {} sequences one after another, each keeping the activations \
+             of {} layers ({:.1} GiB; the rest recomputed), {:.1} GiB besides; {:.1} GB copied \
+             to the device a step",
+            self.micro_batches,
+            self.micro_rows,
+            self.kept_layers,
+            gib(self.keep_bytes),
+            gib(self.other_bytes),
+            self.h2d_bytes as f64 / 1e9
+        )
+    }
+}
