@@ -236,7 +236,7 @@ fn activations() -> Result<Option<ActivationPolicy>> {
 /// backward and so its own visit of every layer's weights.
 fn lora_accumulation(rows: usize) -> Result<usize> {
     let accum = common::env_usize("LORA_BENCH_ACCUM", 1);
-    if accum == 0 || rows % accum != 0 {
+    if accum == 0 || !rows.is_multiple_of(accum) {
         bail!("LORA_BENCH_ACCUM={accum}: the step's {rows} sequences do not split into that many");
     }
     if accum > 1 {
