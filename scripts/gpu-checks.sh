@@ -19,7 +19,8 @@
 #                                          # PEFT + bitsandbytes QLoRA at 8B (~330 s)
 #   bash scripts/gpu-checks.sh qlora-accum # that 8B NF4 LoRA step in the cap as QLORA_ACCUM
 #                                          # (1 2 4 8) micro-batches one after another, as the
-#                                          # LoRA plan chooses (NF4 and bf16 bases), 4 with
+#                                          # LoRA plan chooses (NF4, and bf16 unless
+#                                          # QLORA_DENSE_PLAN=0), 4 with
 #                                          # keep:X for X in QLORA_KEEP (none), then the bf16
 #                                          # base without a cap (~450 s)
 #   bash scripts/gpu-checks.sh qlora70     # the same LoRA on a 70B NF4 base, 4 x 2,048 tokens in
@@ -134,7 +135,9 @@ for stage in "$@"; do
       done
       r qlora-plan $L LORA_BENCH_QUANTIZE=nf4 LORA_BENCH_DEVICE_CAP_GIB=24 LORA_BENCH_PLAN=1 \
         timeout 90 bash "$B/run.sh" benches
-      r dense-plan $L LORA_BENCH_DEVICE_CAP_GIB=24 LORA_BENCH_PLAN=1 timeout 90 bash "$B/run.sh" benches
+      if [ "${QLORA_DENSE_PLAN:-1}" = 1 ]; then
+        r dense-plan $L LORA_BENCH_DEVICE_CAP_GIB=24 LORA_BENCH_PLAN=1 timeout 90 bash "$B/run.sh" benches
+      fi
       for k in ${QLORA_KEEP:-}; do
         r qlora-a4-keep$k $L LORA_BENCH_QUANTIZE=nf4 LORA_BENCH_DEVICE_CAP_GIB=24 LORA_BENCH_ACCUM=4 \
           LORA_BENCH_ACTIVATIONS=keep:$k timeout 90 bash "$B/run.sh" benches
