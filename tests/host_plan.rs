@@ -610,8 +610,8 @@ fn lora_plan_choice_at_8b() -> Result<()> {
         ..nf4
     };
     // q, k, v, gate and up read the hidden state, o the attention output,
-    // down the MLP's: one mask element each a token.
-    let masks = 2048 * (6 * 4096 + 14336) * 2;
+    // down the MLP's: one kept-element byte each a token.
+    let masks = 2048 * (6 * 4096 + 14336);
     ensure!(masked.kept_per_layer(1) == nf4.kept_per_layer(1) + masks);
     let (m, k) = (p.micro_batches as f64, p.kept_layers as f64);
     let scale = p.micro_rows as f64;

@@ -37,8 +37,9 @@
 //!
 //! LoRA adapters too: each adapted projection adds `s (m x) A^T B^T` (`m` the
 //! dropout's scaled mask, drawn as the autograd forward draws it); forward
-//! keeps `A`, `B`, `u = (m x) A^T` and the mask, and backward returns the
-//! gradients of `A` and `B` keyed by the extras that carried them.
+//! keeps `A`, `B`, `u = (m x) A^T` and the mask's kept elements (a byte
+//! each), and backward returns the gradients of `A` and `B` keyed by the
+//! extras that carried them.
 use crate::llama::DecoderLayer;
 use crate::lora::{LoraLayout, LoraSaved};
 use crate::ops::fused::{add_rms_norm, norm_backward, swiglu};
@@ -274,10 +275,11 @@ impl DecoderLayer {
         if self.qk_norm.is_some() {
             saved.extend([q_pre, k_pre]);
         }
-        // The adapters' part last: A, B, u (and the mask) per adapted target.
+        // The adapters' part last: A, B, u (and the kept elements) per
+        // adapted target.
         for k in kept {
             saved.extend([k.a, k.b, k.u]);
-            saved.extend(k.m);
+            saved.extend(k.keep);
         }
         let y = y.map(|y| y.reshape((b, n, hidden))).transpose()?;
         Ok((y, SavedActivations(saved)))
@@ -310,8 +312,8 @@ impl ManualBackward for DecoderLayer {
         let m = self.gate_proj.weight().dim(0).unwrap_or(0);
         // lse in f32 apart.
         let per_row = kept_elems_per_row(hidden, (q, kv), m, self.qk_norm.is_some());
-        let elems = rows * per_row + self.lora_elems(rows);
-        elems * dtype.size_in_bytes() + rows * self.heads * 4
+        let (lora, masks) = self.lora_elems(rows);
+        (rows * per_row + lora) * dtype.size_in_bytes() + masks + rows * self.heads * 4
     }
 
     fn backward(
@@ -414,10 +416,11 @@ impl LoraTerms {
 
 impl DecoderLayer {
     /// Elements the adapters add to the saved activations: `u` (rows x r)
-    /// per target and, with dropout, its mask (rows x the target's inputs).
-    fn lora_elems(&self, rows: usize) -> usize {
+    /// per target, and bytes: with dropout, its kept elements (rows x the
+    /// target's inputs, u8).
+    fn lora_elems(&self, rows: usize) -> (usize, usize) {
         let Ok(Some((layout, r))) = self.lora_layout() else {
-            return 0;
+            return (0, 0);
         };
         let hidden = self.q_proj.weight().dim(1).unwrap_or(0);
         let (attn, m) = (
@@ -434,7 +437,7 @@ impl DecoderLayer {
         } else {
             0
         };
-        rows * (r * layout.targets.len() + masks)
+        (rows * r * layout.targets.len(), rows * masks)
     }
 
     /// Takes the adapters' part off the end of the saved activations (see
@@ -462,8 +465,8 @@ impl DecoderLayer {
                     .ok_or_else(|| candle_core::Error::Msg("decoder layer: adapter tensors".into()))
             };
             let (a, b, u) = (next()?, next()?, next()?);
-            let m = if per == 4 { Some(next()?) } else { None };
-            saved[t] = Some(LoraSaved { a, b, u, m });
+            let keep = if per == 4 { Some(next()?) } else { None };
+            saved[t] = Some(LoraSaved { a, b, u, keep });
         }
         Ok(LoraTerms {
             layout: Some(layout),

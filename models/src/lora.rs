@@ -269,12 +269,14 @@ impl LoraLayout {
 
 /// What a hand-written backward keeps of one adapter's forward: its `A`,
 /// `B` (the layer's extras, whose gradients it returns), `u = x' A^T` and,
-/// with dropout, the dropout's scaled mask `m` (`x' = m * x`).
+/// with dropout, the elements it kept (`x' = m * x` with `m` the scaled
+/// mask: `dropout_scale` of them), a byte each rather than the mask in the
+/// compute dtype.
 pub(crate) struct LoraSaved {
     pub(crate) a: Tensor,
     pub(crate) b: Tensor,
     pub(crate) u: Tensor,
-    pub(crate) m: Option<Tensor>,
+    pub(crate) keep: Option<Tensor>,
 }
 
 impl LoraLayout {
@@ -284,9 +286,9 @@ impl LoraLayout {
     }
 
     /// As [`LoraLayout::apply`] for a `(rows, in)` input, also returning what
-    /// [`LoraLayout::backward_term`] needs. The mask is drawn as
-    /// `dropout(ones)`, the same draw (and so the same bits) as `apply`'s
-    /// `dropout(x)` at this point of the layer.
+    /// [`LoraLayout::backward_term`] needs. The mask is `dropout_keep`'s, the
+    /// same draw (and so the same bits) as `apply`'s `dropout(x)` at this
+    /// point of the layer.
     pub(crate) fn apply_saved(
         &self,
         target: usize,
@@ -298,19 +300,33 @@ impl LoraLayout {
             return Ok((base, None));
         };
         let (a, b) = (ab[2 * k].clone(), ab[2 * k + 1].clone());
-        let m = if self.drops() {
-            Some(streamer_autograd::dropout(&x.ones_like()?, self.dropout)?)
+        let keep = if self.drops() {
+            Some(streamer_autograd::dropout_keep(
+                x.dims(),
+                self.dropout,
+                x.device(),
+            )?)
         } else {
             None
         };
-        let xd = match &m {
-            Some(m) => x.mul(m)?,
-            None => x.clone(),
-        };
+        let xd = self.masked(x, keep.as_ref())?;
         let u = xd.matmul(&a.detach().t()?)?;
         let delta = u.matmul(&b.detach().t()?)?;
         let y = (base + (delta * self.scale)?)?;
-        Ok((y, Some(LoraSaved { a, b, u, m })))
+        Ok((y, Some(LoraSaved { a, b, u, keep })))
+    }
+
+    /// `m * x` for the scaled mask of the kept elements `keep` (`x` itself
+    /// without dropout).
+    fn masked(&self, x: &Tensor, keep: Option<&Tensor>) -> Result<Tensor> {
+        match keep {
+            Some(k) => x.mul(&streamer_autograd::dropout_scale(
+                k,
+                self.dropout,
+                x.dtype(),
+            )?),
+            None => Ok(x.clone()),
+        }
     }
 
     /// The adapter's part of the backward of `y = base + s (m x) A^T B^T`
@@ -324,20 +340,14 @@ impl LoraLayout {
         grads: &mut Vec<(Tensor, Tensor)>,
     ) -> Result<Tensor> {
         let (a, b) = (saved.a.detach(), saved.b.detach());
-        let xd = match &saved.m {
-            Some(m) => x.mul(m)?,
-            None => x.clone(),
-        };
+        let xd = self.masked(x, saved.keep.as_ref())?;
         let d_b = (dy.t()?.matmul(&saved.u)? * self.scale)?;
         let du = (dy.matmul(&b)? * self.scale)?;
         let d_a = du.t()?.matmul(&xd)?;
         let dxd = du.matmul(&a)?;
         grads.push((saved.a.clone(), d_a));
         grads.push((saved.b.clone(), d_b));
-        match &saved.m {
-            Some(m) => dxd.mul(m),
-            None => Ok(dxd),
-        }
+        self.masked(&dxd, saved.keep.as_ref())
     }
 }
 

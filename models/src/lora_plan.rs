@@ -65,12 +65,12 @@ impl LoraStep<'_> {
     pub fn kept_per_layer(&self, rows: usize) -> usize {
         let shape = StepShape { rows, ..self.shape };
         let tokens = rows * self.shape.seq;
-        kept_layer_bytes(self.cfg, shape)
-            + tokens * self.lora_saved_per_token() * self.shape.dtype.size_in_bytes()
+        kept_layer_bytes(self.cfg, shape) + tokens * self.lora_saved_per_token()
     }
 
-    /// Elements an adapted layer keeps per token besides the base's: each
-    /// adapter's `u = x A^T`, and with dropout each adapter's input mask.
+    /// Bytes an adapted layer keeps per token besides the base's: each
+    /// adapter's `u = x A^T` in the compute dtype, and with dropout each
+    /// adapter's kept input elements (a byte each).
     fn lora_saved_per_token(&self) -> usize {
         let targets = self.lora.targets().unwrap_or_default();
         let masks: usize = if self.lora.lora_dropout > 0.0 {
@@ -78,7 +78,7 @@ impl LoraStep<'_> {
         } else {
             0
         };
-        self.lora.r * targets.len() + masks
+        self.lora.r * targets.len() * self.shape.dtype.size_in_bytes() + masks
     }
 
     /// Adapter parameters of the whole model.

@@ -8,7 +8,7 @@
 //! xorshift stream of the seed, on CUDA from a Philox generator created for the
 //! one mask and destroyed after it, so the caller's random streams go on as if
 //! no dropout had run.
-use candle_core::{Device, Module, Result, Tensor};
+use candle_core::{DType, Device, Module, Result, Tensor};
 use std::cell::Cell;
 
 thread_local! {
@@ -124,17 +124,27 @@ fn cuda_uniform(dev: &candle_core::CudaDevice, seed: u64, shape: &[usize]) -> Re
 /// Inverted dropout with probability `p` (kept values scaled by `1 / (1 - p)`),
 /// replayable under [`with_seed`].
 pub fn dropout(xs: &Tensor, p: f32) -> Result<Tensor> {
-    if !(0.0..1.0).contains(&p) {
-        candle_core::bail!("dropout probability must be in [0, 1), got {p}");
-    }
     if p == 0.0 {
         return Ok(xs.clone());
     }
-    let keep = uniform(xs.dims(), xs.device())?.ge(p as f64)?;
-    let scale = keep
-        .to_dtype(xs.dtype())?
-        .affine(1.0 / (1.0 - p as f64), 0.0)?;
-    xs.mul(&scale)
+    let keep = dropout_keep(xs.dims(), p, xs.device())?;
+    xs.mul(&dropout_scale(&keep, p, xs.dtype())?)
+}
+
+/// The elements [`dropout`] with probability `p` keeps over `dims`, as u8
+/// (1 kept, 0 dropped): the same draw as `dropout` at this point, a byte an
+/// element (a saved mask a quarter of an f32 one).
+pub fn dropout_keep(dims: &[usize], p: f32, device: &Device) -> Result<Tensor> {
+    if !(0.0..1.0).contains(&p) {
+        candle_core::bail!("dropout probability must be in [0, 1), got {p}");
+    }
+    uniform(dims, device)?.ge(p as f64)
+}
+
+/// The scaled mask `dropout` multiplies by, in `dtype`, from its kept
+/// elements ([`dropout_keep`]): the same bits as `dropout` uses.
+pub fn dropout_scale(keep: &Tensor, p: f32, dtype: DType) -> Result<Tensor> {
+    keep.to_dtype(dtype)?.affine(1.0 / (1.0 - p as f64), 0.0)
 }
 
 /// Inverted dropout of the mask site `key` of a block call: identity outside

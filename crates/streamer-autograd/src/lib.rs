@@ -49,7 +49,7 @@ mod trainer;
 pub use activations::{ActivationPlace, ActivationPolicy};
 pub use adamw::{AdamWUpdate, CpuAdamW, Moments};
 pub use device_adamw::DeviceAdamW;
-pub use dropout::{dropout, dropout_ctx, with_seed, Dropout};
+pub use dropout::{dropout, dropout_ctx, dropout_keep, dropout_scale, with_seed, Dropout};
 pub use grads::accumulate_grad;
 pub use host_optim::{BufferName, HostOptimizer, MetaValue, UpdateRule};
 pub use placed_adamw::{OptimizerPlace, PlacedAdamW};
