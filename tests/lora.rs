@@ -170,6 +170,19 @@ fn lora_merge_and_save_round_trip(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(lora_merge_and_save_round_trip);
 
+/// candle-nn's AdamW over `model`'s adapters at learning rate `lr`.
+fn adapters_adamw(model: &Llama, lr: f64) -> Result<candle_nn::AdamW> {
+    let vars = model.lora()?.context("adapters")?.vars();
+    let params = ParamsAdamW {
+        lr,
+        ..Default::default()
+    };
+    Ok(candle_nn::AdamW::new(
+        vars.into_iter().map(|(_, v)| v).collect(),
+        params,
+    )?)
+}
+
 /// Fine-tuning only the adapters of a streamed frozen base: the loss falls and
 /// the base's weights do not change.
 fn lora_trains_adapters_on_a_frozen_streamed_base(dev: &Device) -> Result<()> {
@@ -183,14 +196,7 @@ fn lora_trains_adapters_on_a_frozen_streamed_base(dev: &Device) -> Result<()> {
         .iter()
         .map(|(_, v)| v.as_tensor().flatten_all()?.to_vec1())
         .collect::<candle_core::Result<_>>()?;
-    let vars = model.lora()?.context("adapters")?.vars();
-    let mut opt = candle_nn::AdamW::new(
-        vars.iter().map(|(_, v)| v.clone()).collect(),
-        ParamsAdamW {
-            lr: 3e-2,
-            ..Default::default()
-        },
-    )?;
+    let mut opt = adapters_adamw(&model, 3e-2)?;
     let (x, y) = fx.inputs(dev)?;
     let losses = crate::common::train_adapters(&model, &mut opt, (&x, &y), 15)?;
     ensure!(losses[14] < 0.8 * losses[0], "loss {losses:?}");
@@ -383,13 +389,7 @@ fn lora_micro_batches_train_as_the_whole_batch(dev: &Device) -> Result<()> {
         let lcfg = LoraConfig::new(4, 16.0, 0.0, &["q_proj", "v_proj", "down_proj"])?;
         model.set_lora(Some(LoraAdapters::init(&lcfg, &fx.cfg, dev, 3)?))?;
         let vars = model.lora()?.context("adapters")?.vars();
-        let mut opt = candle_nn::AdamW::new(
-            vars.iter().map(|(_, v)| v.clone()).collect(),
-            ParamsAdamW {
-                lr: 1e-2,
-                ..Default::default()
-            },
-        )?;
+        let mut opt = adapters_adamw(&model, 1e-2)?;
         let mut losses = Vec::new();
         for _ in 0..12 {
             let (loss, grads) = model.lora_loss_and_grads(&x, &y, micro)?;
