@@ -227,6 +227,8 @@ struct Setup<'a> {
     job: usize,
     /// Sequences whose kv cache lives in host memory (a plan's).
     host_kv: usize,
+    /// Device bytes a cap holds back (`DeviceCap::held`; 0 without one).
+    cap_held: usize,
 }
 
 /// One row: `batch` sequences in flight over `job x batch` prompts (one at batch 1).
@@ -304,7 +306,8 @@ fn row(s: &Setup, batch: usize) -> Result<serde_json::Value> {
         "kv_place": if s.host_kv > 0 { "device and host" } else { "device" },
         "host_kv_sequences": s.host_kv, "host_kv_gb": kv_bytes / 1e9,
         "planned_device_gib": gib(plan.total()), "peak_device_gib": gib(peak.saturating_sub(base)),
-        "peak_process_device_gib": gib(peak),
+        // The device's use at the peak, less what a cap held back.
+        "peak_process_device_gib": gib(peak.saturating_sub(s.cap_held)),
         "h2d_gb": h2d_bytes / 1e9, "h2d_s": h2d_s, "h2d_floor_s": h2d_floor_s,
         "of_h2d_floor": h2d_floor_s / wall,
         "compute_bound_s": compute_s, "gemm_tflops": s.rates.flops_per_s / 1e12,
@@ -435,6 +438,7 @@ fn main() -> Result<()> {
             expected: None,
             job: job(),
             host_kv: 0,
+            cap_held: 0,
         };
         for b in unbudgeted {
             rows.push(row(&setup, b)?);
@@ -531,7 +535,7 @@ fn budget_row(
     )?;
     println!("--device-budget {gib}GiB ({held} bytes held before the model): {plan}");
     streamer_core::trim_device_memory(dev)?;
-    let _cap = common::cap_device_memory(dev, Some(gib << 30))?;
+    let cap = common::cap_device_memory(dev, Some(gib << 30))?;
     let model = place(base, cfg, (dev, dtype), plan.placement)?;
     warm_up(&model, pg.0)?;
     let setup = Setup {
@@ -548,6 +552,7 @@ fn budget_row(
         expected: Some(plan.tokens_per_s),
         job: job(),
         host_kv: plan.host_sequences,
+        cap_held: cap.held(),
     };
     row(&setup, plan.sequences)
 }
