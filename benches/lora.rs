@@ -493,9 +493,7 @@ fn run(
             let mut policy = policy;
             if let Some((p, e)) = lora_bench_plan(&step, dev)? {
                 accum = p.micro_batches;
-                policy = Some(ActivationPolicy::Keep {
-                    device_bytes: p.keep_bytes,
-                });
+                policy = Some(p.activation_policy());
                 lora_planned = Some((p, e));
             }
             if let Some(policy) = policy {
@@ -559,7 +557,7 @@ fn run(
         "optimizer_place": full_setup.map(|(p, _)| format!("{p:?}")),
         "state_dtypes": full_setup.map(|(_, s)| format!("masters F32, moments {s:?}")),
         "activations": planned.as_ref().map(|(p, _)| format!("{:?}", p.settings.activation_policy()))
-            .or_else(|| lora_planned.as_ref().map(|(p, _)| format!("keep:{}", p.keep_bytes)))
+            .or_else(|| lora_planned.as_ref().map(|(p, _)| format!("{:?}", p.activation_policy())))
             .or_else(|| std::env::var("LORA_BENCH_ACTIVATIONS").ok()),
         "device_plan": planned.as_ref().map(|(p, _)| p.to_string()),
         "lora_plan": lora_planned.as_ref().map(|(p, _)| p.to_string()),

@@ -928,9 +928,7 @@ mod lora {
         );
         let policy = match a.activations {
             Some(_) => run.policy,
-            None => ActivationPolicy::Keep {
-                device_bytes: plan.keep_bytes,
-            },
+            None => plan.activation_policy(),
         };
         Ok((plan.micro_batches, policy))
     }

@@ -24,7 +24,8 @@
 #                                          # keep:X for X in QLORA_KEEP (none), then the bf16
 #                                          # base without a cap (~450 s)
 #   bash scripts/gpu-checks.sh qlora70     # the same LoRA on a 70B NF4 base, 4 x 2,048 tokens in
-#                                          # a 24 GiB cap (host ~51 GiB), then the same peer
+#                                          # a 24 GiB cap (host ~51 GiB; QLORA70_PLAN=1: as the
+#                                          # LoRA plan splits it), then the same peer
 #                                          # resident (~45 GiB of weights) in the same call
 #   bash scripts/gpu-checks.sh generate8   # 8B bf16 generate, batches 1, 64, 256 streamed without
 #                                          # a budget, batch 1 keeping 24 layers resident,
@@ -146,9 +147,13 @@ for stage in "$@"; do
       ;;
     qlora70)
       T7=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
+      # QLORA70_PLAN=1: the LoRA plan's split and kept activations instead
+      # of the default policy over the whole step.
+      P70=""
+      [ "${QLORA70_PLAN:-0}" = 1 ] && P70="LORA_BENCH_PLAN=1"
       r qlora70 GPU_ONLY=bench-lora LORA_BENCH=70b LORA_BENCH_MODES=lora LORA_BENCH_TARGETS=$T7 \
         LORA_BENCH_QUANTIZE=nf4 LORA_BENCH_BATCH=4 LORA_BENCH_STEPS=2 LORA_BENCH_DEVICE_CAP_GIB=24 \
-        timeout 330 bash "$B/run.sh" benches
+        $P70 timeout 330 bash "$B/run.sh" benches
       bnb
       r qpeer70 PY_ARGS_qlora_torch="--models 70b --batch 4 --steps 2" GPU_ONLY=qlora_torch \
         timeout 240 bash "$B/run.sh" benches

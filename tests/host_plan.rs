@@ -599,7 +599,7 @@ fn lora_plan_choice_at_8b() -> Result<()> {
     let p = LoraPlan::choose(&nf4, budget, &rates)?;
     ensure!(p.total() <= budget, "{p}");
     ensure!(p.kept_layers == 32 && p.micro_batches > 1, "{p}");
-    let fewer = LoraPlan::estimate(&nf4, p.micro_batches / 2, budget).expect("fits");
+    let fewer = LoraPlan::estimate(&nf4, p.micro_batches / 2, false, budget).expect("fits");
     ensure!(
         fewer.kept_layers < 32,
         "{fewer} keeps every layer: {p} splits too far"
@@ -635,7 +635,7 @@ fn lora_plan_choice_at_8b() -> Result<()> {
     );
     let mut last = 0;
     for gib in [12, 16, 24, 40, 80] {
-        let q = LoraPlan::estimate(&nf4, 1, gib << 30);
+        let q = LoraPlan::estimate(&nf4, 1, false, gib << 30);
         let kept = q.map_or(0, |q| q.kept_layers);
         ensure!(
             kept >= last,
@@ -643,6 +643,38 @@ fn lora_plan_choice_at_8b() -> Result<()> {
         );
         last = kept;
     }
+    for m in [1, 2, 4, 8] {
+        for offload in [false, true] {
+            if let Some(q) = LoraPlan::estimate(&nf4, m, offload, budget) {
+                ensure!(q.total() <= budget, "{q}: over the budget");
+            }
+        }
+    }
+    // At 70B shapes the inputs of 80 layers do not fit beside the rest: the
+    // plan may offload them (every layer recomputed, each input out and back).
+    let cfg70 = LlamaConfig::llama31_70b();
+    let s70 = LoraStep {
+        cfg: &cfg70,
+        layer_bytes: nf4_layer_bytes(&cfg70),
+        shape: shape_8b(4),
+        ..nf4
+    };
+    ensure!(LoraPlan::estimate(&s70, 1, false, budget).is_none());
+    let off = LoraPlan::estimate(&s70, 1, true, budget).expect("offloaded inputs fit");
+    let input = 4 * 2048 * 8192 * 2;
+    ensure!(
+        off.d2h_bytes == 80 * input
+            && off.h2d_bytes == 2 * 80 * s70.layer_bytes + 80 * input
+            && off.activation_policy() == ActivationPolicy::OffloadInputs
+            && off.total() <= budget,
+        "{off}"
+    );
+    ensure!(
+        p.activation_policy()
+            == ActivationPolicy::Keep {
+                device_bytes: p.keep_bytes
+            }
+    );
     let e = LoraPlan::choose(&nf4, 2 << 30, &rates)
         .unwrap_err()
         .to_string();

@@ -22,6 +22,7 @@ use crate::lora::{dims, LoraConfig};
 use crate::step_rates::StepRates;
 use crate::step_shape::StepShape;
 use candle_core::{bail, Result};
+use streamer_autograd::ActivationPolicy;
 
 /// Decoder layers resident at once: the one computing and the next arriving.
 const WINDOW: usize = 2;
@@ -47,16 +48,24 @@ pub struct LoraPlan {
     pub micro_batches: usize,
     /// Sequences a micro-batch.
     pub micro_rows: usize,
+    /// Every layer's saved input in page-locked host memory
+    /// (`ActivationPolicy::OffloadInputs`: every layer recomputed) rather
+    /// than on the device.
+    pub offload_inputs: bool,
     /// Layers whose activations a micro-batch's forward keeps (the last
     /// ones); the others are recomputed in its backward.
     pub kept_layers: usize,
-    /// The kept activations' device bytes
-    /// (`ActivationPolicy::Keep { device_bytes }`).
+    /// The kept activations' device bytes.
+    pub kept_bytes: usize,
+    /// The bytes `ActivationPolicy::Keep` is given: the kept activations and
+    /// less than one layer's more, so that exactly `kept_layers` are kept.
     pub keep_bytes: usize,
     /// Device bytes besides the kept activations, at their widest.
     pub other_bytes: usize,
     /// Bytes copied to the device a step.
     pub h2d_bytes: usize,
+    /// Bytes copied from the device a step (offloaded inputs).
+    pub d2h_bytes: usize,
 }
 
 impl LoraStep<'_> {
@@ -126,73 +135,103 @@ impl LoraStep<'_> {
 }
 
 impl LoraPlan {
-    /// The step as `micro_batches` micro-batches in `budget` device bytes,
-    /// keeping as many layers' activations as the rest leaves room for;
-    /// `None` where the rest alone does not fit (or the split is not even).
-    pub fn estimate(step: &LoraStep, micro_batches: usize, budget: usize) -> Option<Self> {
+    /// The step as `micro_batches` micro-batches in `budget` device bytes:
+    /// with the inputs on the device, keeping as many layers' activations as
+    /// the rest leaves room for; with them offloaded, recomputing every
+    /// layer. `None` where the rest alone does not fit (or the split is not
+    /// even).
+    pub fn estimate(
+        step: &LoraStep,
+        micro_batches: usize,
+        offload_inputs: bool,
+        budget: usize,
+    ) -> Option<Self> {
         let rows = step.shape.rows;
         if micro_batches == 0 || rows % micro_batches != 0 {
             return None;
         }
         let micro_rows = rows / micro_batches;
-        let other = step.other_bytes(micro_rows);
-        let free = budget.checked_sub(other)?;
-        let layer = step.kept_per_layer(micro_rows);
-        // A kept layer's input is among what it keeps: no longer saved apart.
+        let layers = step.cfg.num_hidden_layers;
         let input =
             micro_rows * step.shape.seq * step.cfg.hidden_size * step.shape.dtype.size_in_bytes();
-        let layers = step.cfg.num_hidden_layers;
-        let kept_layers = (free / (layer - input).max(1)).min(layers);
-        Some(Self {
+        let weights = micro_batches * 2 * layers * step.layer_bytes;
+        let mut plan = Self {
             micro_batches,
             micro_rows,
-            kept_layers,
-            // Half a layer over: the trainer keeps while the total stays
-            // within the bytes, and never has room for one more.
-            keep_bytes: if kept_layers == 0 {
-                0
-            } else {
-                kept_layers * layer + layer / 2
-            },
-            other_bytes: other - kept_layers * input,
-            h2d_bytes: micro_batches * 2 * layers * step.layer_bytes,
-        })
+            offload_inputs,
+            kept_layers: 0,
+            kept_bytes: 0,
+            keep_bytes: 0,
+            other_bytes: step.other_bytes(micro_rows),
+            h2d_bytes: weights,
+            d2h_bytes: 0,
+        };
+        if offload_inputs {
+            // The inputs leave the device, bar the one coming back ahead of
+            // its layer's backward; each crosses PCIe once each way.
+            plan.other_bytes = plan.other_bytes - layers * input + input;
+            plan.h2d_bytes += micro_batches * layers * input;
+            plan.d2h_bytes = micro_batches * layers * input;
+            return (plan.other_bytes <= budget).then_some(plan);
+        }
+        let free = budget.checked_sub(plan.other_bytes)?;
+        let layer = step.kept_per_layer(micro_rows);
+        // A kept layer's input is among what it keeps: no longer saved apart.
+        plan.kept_layers = (free / (layer - input).max(1)).min(layers);
+        plan.kept_bytes = plan.kept_layers * layer;
+        plan.keep_bytes = match plan.kept_layers {
+            0 => 0,
+            k => k * layer + layer / 2,
+        };
+        plan.other_bytes -= plan.kept_layers * input;
+        Some(plan)
     }
 
-    /// The split of the step's sequences with the fastest expected step at
-    /// `rates` in `budget` device bytes (the fewest micro-batches among
-    /// equals). A budget under the smallest plan (one sequence at a time,
-    /// every layer recomputed) is an error naming both.
+    /// The layers' activation policy this plan stands for.
+    pub fn activation_policy(&self) -> ActivationPolicy {
+        match (self.offload_inputs, self.keep_bytes) {
+            (true, _) => ActivationPolicy::OffloadInputs,
+            (false, 0) => ActivationPolicy::Recompute,
+            (false, device_bytes) => ActivationPolicy::Keep { device_bytes },
+        }
+    }
+
+    /// The split of the step's sequences, and the place of the layers'
+    /// inputs, with the fastest expected step at `rates` in `budget` device
+    /// bytes (among equals the fewest micro-batches, inputs on the device).
+    /// A budget under the smallest plan (one sequence at a time, inputs
+    /// offloaded) is an error naming both.
     pub fn choose(step: &LoraStep, budget: usize, rates: &StepRates) -> Result<Self> {
         let rows = step.shape.rows;
         let mut best: Option<(Self, f64)> = None;
         for m in (1..=rows).filter(|m| rows % m == 0) {
-            let Some(plan) = Self::estimate(step, m, budget) else {
-                continue;
-            };
-            let speed = plan.expect(step, rates).tokens_per_s;
-            if best.is_none_or(|(_, s)| speed > s) {
-                best = Some((plan, speed));
+            for offload in [false, true] {
+                let Some(plan) = Self::estimate(step, m, offload, budget) else {
+                    continue;
+                };
+                let speed = plan.expect(step, rates).tokens_per_s;
+                if best.is_none_or(|(_, s)| speed > s) {
+                    best = Some((plan, speed));
+                }
             }
         }
-        match best {
-            Some((plan, _)) => Ok(plan),
-            None => {
-                let smallest = step.other_bytes(1);
-                bail!(
-                    "device budget {:.2} GiB is under the smallest LoRA plan for {rows} sequences \
-                     of {} tokens ({:.2} GiB: one sequence at a time, every layer recomputed)",
-                    gib(budget),
-                    step.shape.seq,
-                    gib(smallest)
-                )
-            }
+        if let Some((plan, _)) = best {
+            return Ok(plan);
         }
+        let smallest = Self::estimate(step, rows, true, usize::MAX).map_or(0, |p| p.total());
+        bail!(
+            "device budget {:.2} GiB is under the smallest LoRA plan for {rows} sequences of {} \
+             tokens ({:.2} GiB: one sequence at a time, inputs offloaded to the host)",
+            gib(budget),
+            step.shape.seq,
+            gib(smallest)
+        )
     }
 
     /// The step's expected seconds of compute and copies at `rates`: each
     /// micro-batch runs every layer's forward and backward and the
-    /// recomputed layers' forward again, and copies every layer twice.
+    /// recomputed layers' forward again, copies every layer twice, and with
+    /// offloaded inputs copies each layer's input out and back.
     pub fn expect(&self, step: &LoraStep, rates: &StepRates) -> Expectation {
         let layers = step.cfg.num_hidden_layers;
         let scale = self.micro_rows as f64 / rates.piece_rows.max(1) as f64;
@@ -204,18 +243,19 @@ impl LoraPlan {
         let m = self.micro_batches as f64;
         let compute_s = m * (layers as f64 * (f + b) + recomputed * f + rates.head_s * scale);
         let h2d_s = self.h2d_bytes as f64 / rates.h2d_bytes_per_s;
+        let d2h_s = self.d2h_bytes as f64 / rates.d2h_bytes_per_s;
         let tokens = (step.shape.rows * step.shape.seq) as f64;
         Expectation {
             compute_s,
             h2d_s,
-            d2h_s: 0.0,
-            tokens_per_s: tokens / compute_s.max(h2d_s),
+            d2h_s,
+            tokens_per_s: tokens / compute_s.max(h2d_s).max(d2h_s),
         }
     }
 
     /// Device bytes in all.
     pub fn total(&self) -> usize {
-        self.keep_bytes + self.other_bytes
+        self.kept_bytes + self.other_bytes
     }
 }
 
@@ -227,13 +267,25 @@ impl std::fmt::Display for LoraPlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} micro-batch(es) of {} sequences one after another, each keeping the activations \
-             of {} layers ({:.1} GiB; the rest recomputed), {:.1} GiB besides; {:.1} GB copied \
-             to the device a step",
-            self.micro_batches,
-            self.micro_rows,
-            self.kept_layers,
-            gib(self.keep_bytes),
+            "{} micro-batch(es) of {} sequences one after another, each ",
+            self.micro_batches, self.micro_rows,
+        )?;
+        if self.offload_inputs {
+            write!(
+                f,
+                "recomputing every layer from inputs offloaded to the host"
+            )?;
+        } else {
+            write!(
+                f,
+                "keeping the activations of {} layers ({:.1} GiB; the rest recomputed)",
+                self.kept_layers,
+                gib(self.kept_bytes)
+            )?;
+        }
+        write!(
+            f,
+            ", {:.1} GiB besides; {:.1} GB copied to the device a step",
             gib(self.other_bytes),
             self.h2d_bytes as f64 / 1e9
         )
