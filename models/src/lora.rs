@@ -319,14 +319,16 @@ impl LoraLayout {
     /// `m * x` for the scaled mask of the kept elements `keep` (`x` itself
     /// without dropout).
     fn masked(&self, x: &Tensor, keep: Option<&Tensor>) -> Result<Tensor> {
-        match keep {
-            Some(k) => x.mul(&streamer_autograd::dropout_scale(
-                k,
-                self.dropout,
-                x.dtype(),
-            )?),
+        match self.mask(x, keep)? {
+            Some(m) => x.mul(&m),
             None => Ok(x.clone()),
         }
+    }
+
+    /// The scaled mask of the kept elements `keep`, in `x`'s dtype.
+    fn mask(&self, x: &Tensor, keep: Option<&Tensor>) -> Result<Option<Tensor>> {
+        keep.map(|k| streamer_autograd::dropout_scale(k, self.dropout, x.dtype()))
+            .transpose()
     }
 
     /// The adapter's part of the backward of `y = base + s (m x) A^T B^T`
@@ -340,14 +342,22 @@ impl LoraLayout {
         grads: &mut Vec<(Tensor, Tensor)>,
     ) -> Result<Tensor> {
         let (a, b) = (saved.a.detach(), saved.b.detach());
-        let xd = self.masked(x, saved.keep.as_ref())?;
+        // Made once from the kept bytes, for the input and its gradient.
+        let m = self.mask(x, saved.keep.as_ref())?;
+        let xd = match &m {
+            Some(m) => x.mul(m)?,
+            None => x.clone(),
+        };
         let d_b = (dy.t()?.matmul(&saved.u)? * self.scale)?;
         let du = (dy.matmul(&b)? * self.scale)?;
         let d_a = du.t()?.matmul(&xd)?;
         let dxd = du.matmul(&a)?;
         grads.push((saved.a.clone(), d_a));
         grads.push((saved.b.clone(), d_b));
-        self.masked(&dxd, saved.keep.as_ref())
+        match &m {
+            Some(m) => dxd.mul(m),
+            None => Ok(dxd),
+        }
     }
 }
 
