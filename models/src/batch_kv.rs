@@ -25,7 +25,7 @@
 use candle_core::{bail, DType, Device, Result, Tensor};
 use std::ops::Range;
 
-use crate::host_kv::{HostKv, StepShape};
+use crate::host_kv::{HostKv, KvUpload};
 
 /// One layer's keys and values.
 type Layer = Option<(Tensor, Tensor)>;
@@ -225,7 +225,7 @@ impl BatchKv {
         let (ck, cv) = match host {
             false => self.layer(layer, (heads, d), k.dtype(), k.device())?,
             true => {
-                let step = StepShape {
+                let step = KvUpload {
                     slots,
                     len: cap,
                     heads,

@@ -36,7 +36,7 @@ pub(crate) struct HostKv {
 /// slots, their first `len` positions, of `heads` heads of `d` values in
 /// `dtype`, laid out for `capacity` positions a slot.
 #[derive(Clone, Debug)]
-pub(crate) struct StepShape {
+pub(crate) struct KvUpload {
     pub(crate) slots: usize,
     pub(crate) len: usize,
     pub(crate) heads: usize,
@@ -46,7 +46,7 @@ pub(crate) struct StepShape {
     pub(crate) capacity: usize,
 }
 
-impl StepShape {
+impl KvUpload {
     /// The device tensors' shape, `(1, heads, slots * len, d)`.
     fn shape(&self) -> candle_core::Shape {
         (1, self.heads, self.slots * self.len, self.d).into()
@@ -90,7 +90,7 @@ impl HostKv {
     /// step's device (the layer's host part is made, zero, at its first
     /// step). On a CUDA device the copies run on a stream of their own, two
     /// layers ahead (`ring`).
-    pub(crate) fn upload(&mut self, layer: usize, step: &StepShape) -> Result<(Tensor, Tensor)> {
+    pub(crate) fn upload(&mut self, layer: usize, step: &KvUpload) -> Result<(Tensor, Tensor)> {
         if step.slots > self.slots || step.len > step.capacity {
             bail!(
                 "kv cache: {} host slots of {} positions asked of {} of {}",
@@ -119,7 +119,7 @@ impl HostKv {
     fn upload_ahead(
         &mut self,
         layer: usize,
-        step: &StepShape,
+        step: &KvUpload,
         d: &candle_core::CudaDevice,
     ) -> Result<(Tensor, Tensor)> {
         let elems = step.heads * self.slots * step.capacity * step.d;
@@ -147,7 +147,7 @@ impl HostKv {
     }
 
     /// The part of a layer's buffer a step brings up.
-    fn region(&self, step: &StepShape) -> Region {
+    fn region(&self, step: &KvUpload) -> Region {
         let row = step.d * step.dtype.size_in_bytes();
         Region {
             at: 0,
@@ -161,7 +161,7 @@ impl HostKv {
 
     /// Layer `layer`'s host part, made (zero) at its first use; the step's
     /// geometry checked against every layer's layout.
-    fn layer(&mut self, layer: usize, step: &StepShape) -> Result<&HostLayer> {
+    fn layer(&mut self, layer: usize, step: &KvUpload) -> Result<&HostLayer> {
         let want = Layout {
             heads: step.heads,
             row: step.d * step.dtype.size_in_bytes(),
