@@ -379,7 +379,7 @@ fn main() -> Result<()> {
     let prefetch = prefetch(&a, &cfg, dtype)?;
     let (budget, opts) = device_budget(&a, &cfg, opts, (&dev, dtype))?;
     // Held until the run ends.
-    let _lora_cap = lora_device_cap(&a, &dev)?;
+    let (_lora_cap, lora_budget) = lora_device_cap(&a, &dev)?;
     let place: OptimizerPlace = match &budget {
         Some((plan, _)) => plan.settings.place,
         None => a
@@ -435,6 +435,7 @@ fn main() -> Result<()> {
             prefetch,
             tok,
             policy,
+            lora_budget,
         };
         return lora::train(&a, model, &lcfg, &corpus, &opts, &run);
     }
@@ -500,6 +501,7 @@ fn main() -> Result<()> {
         prefetch,
         tok,
         policy,
+        lora_budget: None,
     };
     train(&a, &mut trainer, &corpus, &opts, &run, losses)
 }
@@ -594,10 +596,11 @@ fn device_budget(
 /// `--device-budget` of a LoRA run: all of the GPU beyond the budget held
 /// back for the whole run (the driver refuses anything more), within which
 /// the LoRA plan (`lora::split`) runs the step. No cap
-/// without `--lora-r` or `--device-budget`.
-fn lora_device_cap(a: &Args, dev: &Device) -> Result<DeviceCap> {
+/// without `--lora-r` or `--device-budget`. Returns the cap and the
+/// budget's bytes.
+fn lora_device_cap(a: &Args, dev: &Device) -> Result<(DeviceCap, Option<usize>)> {
     let (Some(text), Some(_)) = (&a.device_budget, a.lora_r) else {
-        return Ok(DeviceCap::none());
+        return Ok((DeviceCap::none(), None));
     };
     let what = format!("--device-budget {text}");
     if dev.is_cpu() {
@@ -619,7 +622,7 @@ fn lora_device_cap(a: &Args, dev: &Device) -> Result<DeviceCap> {
             .as_deref()
             .unwrap_or("as the LoRA plan keeps them")
     );
-    Ok(cap)
+    Ok((cap, Some(budget)))
 }
 
 /// `--optimizer-state` if given.
@@ -696,6 +699,8 @@ struct Run {
     tok: Option<TextTokenizer>,
     /// `--activations`, for the streamed layers.
     policy: ActivationPolicy,
+    /// A LoRA run's `--device-budget` in bytes, on a GPU.
+    lora_budget: Option<usize>,
 }
 
 /// Trains from the trainer's step to `opts.steps`, with progress, curve and samples.
@@ -787,8 +792,8 @@ mod lora {
     use streamer_autograd::ActivationPolicy;
     use streamer_models::train::lr_at;
     use streamer_models::{
-        parse_bytes, Llama, LoopOptions, LoraAdapters, LoraConfig, LoraPlan, LoraStep, StepRates,
-        StepShape, TokenCorpus,
+        Llama, LoopOptions, LoraAdapters, LoraConfig, LoraPlan, LoraStep, StepRates, StepShape,
+        TokenCorpus,
     };
 
     /// Trains `model`'s adapters for `opts.steps` steps, saving them (PEFT's
@@ -900,7 +905,7 @@ mod lora {
         opts: &LoopOptions,
         run: &Run,
     ) -> Result<(usize, ActivationPolicy)> {
-        let (Some(text), true) = (&a.device_budget, model.device().is_cuda()) else {
+        let (Some(text), Some(budget)) = (&a.device_budget, run.lora_budget) else {
             return Ok((opts.micro_batches, run.policy));
         };
         let (rows, seq) = (opts.batch * opts.micro_batches, opts.seq);
@@ -919,7 +924,6 @@ mod lora {
             },
             layer_bytes,
         };
-        let budget = parse_bytes(text).with_context(|| format!("--device-budget {text:?}"))?;
         let rates = StepRates::measure(cfg, step.shape, 1, model.device())?;
         let plan = LoraPlan::choose(&step, budget, &rates)?;
         println!(
