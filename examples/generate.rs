@@ -54,7 +54,7 @@ use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
     generate, init_weights, parse_bytes, prefetch_for_budget, split_for_budget, BatchPlacement,
     ByteCorpus, CheckpointFiles, LayerFootprint, Llama, LlamaConfig, LoraAdapters, Placement,
-    QuantizationConfig, TextTokenizer, DEFAULT_STEP_ROWS,
+    TextTokenizer, DEFAULT_STEP_ROWS,
 };
 use streamer_quant::QuantScheme;
 
@@ -335,21 +335,12 @@ fn budget_and_scheme(a: &Args) -> Result<(Option<usize>, Option<QuantScheme>)> {
 /// `quantization_config`), else dense in `dtype`.
 fn layer_footprint(a: &Args, cfg: &LlamaConfig, dtype: DType) -> Result<LayerFootprint> {
     let (_, scheme) = budget_and_scheme(a)?;
-    if let Some(scheme) = scheme {
-        return Ok(LayerFootprint::quantized(cfg, dtype, scheme, |_| false)?);
-    }
-    if let Some(dir) = &a.model {
-        let files = streamer_models::PretrainedFiles::in_dir(dir)?;
-        let text = std::fs::read_to_string(&files.config)
-            .with_context(|| format!("reading {}", files.config.display()))?;
-        if let Some(qc) = QuantizationConfig::from_config_json(&text)? {
-            let scheme = qc.method.scheme();
-            return Ok(LayerFootprint::quantized(cfg, dtype, scheme, |n| {
-                qc.skips(n)
-            })?);
-        }
-    }
-    Ok(LayerFootprint::dense(cfg, dtype))
+    Ok(LayerFootprint::of_base(
+        cfg,
+        dtype,
+        a.model.as_deref(),
+        scheme,
+    )?)
 }
 
 /// Streaming for inference: each decode step's first layers load behind the

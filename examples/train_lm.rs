@@ -429,13 +429,14 @@ fn main() -> Result<()> {
                  their AdamW already live on the device"
             );
         }
+        let (opts, policy) =
+            lora::split(&a, &cfg, &lcfg, opts, policy, lora_budget, (&dev, dtype))?;
         let model = lora_base(&a, &cfg, stream)?;
         let run = Run {
             label,
             prefetch,
             tok,
             policy,
-            lora_budget,
         };
         return lora::train(&a, model, &lcfg, &corpus, &opts, &run);
     }
@@ -501,7 +502,6 @@ fn main() -> Result<()> {
         prefetch,
         tok,
         policy,
-        lora_budget: None,
     };
     train(&a, &mut trainer, &corpus, &opts, &run, losses)
 }
@@ -699,8 +699,6 @@ struct Run {
     tok: Option<TextTokenizer>,
     /// `--activations`, for the streamed layers.
     policy: ActivationPolicy,
-    /// A LoRA run's `--device-budget` in bytes, on a GPU.
-    lora_budget: Option<usize>,
 }
 
 /// Trains from the trainer's step to `opts.steps`, with progress, curve and samples.
@@ -784,16 +782,17 @@ fn train(
 
 /// LoRA fine-tuning: the adapters train on a frozen streamed base.
 mod lora {
-    use super::{sample, write_curve, Args, Run};
+    use super::{sample, write_curve, Args, QuantScheme, Run};
     use anyhow::{Context, Result};
+    use candle_core::{DType, Device};
     use candle_nn::{Optimizer, ParamsAdamW};
     use candle_streamer::report::Progress;
     use std::time::Instant;
     use streamer_autograd::ActivationPolicy;
     use streamer_models::train::lr_at;
     use streamer_models::{
-        Llama, LoopOptions, LoraAdapters, LoraConfig, LoraPlan, LoraStep, StepRates, StepShape,
-        TokenCorpus,
+        LayerFootprint, Llama, LlamaConfig, LoopOptions, LoraAdapters, LoraConfig, LoraPlan,
+        LoraStep, StepRates, StepShape, TokenCorpus,
     };
 
     /// Trains `model`'s adapters for `opts.steps` steps, saving them (PEFT's
@@ -817,10 +816,9 @@ mod lora {
             &dev,
             a.seed,
         )?))?;
-        let rows = opts.batch * opts.micro_batches;
-        let (micro, policy) = split(a, &model, lcfg, opts, run)?;
+        let (rows, micro) = (opts.batch * opts.micro_batches, opts.micro_batches);
         if let Some(layers) = model.trainable_layers() {
-            layers.set_activation_policy(policy)?;
+            layers.set_activation_policy(run.policy)?;
         }
         let adapters = model.lora()?.context("adapters")?;
         let vars = adapters.vars();
@@ -893,48 +891,51 @@ mod lora {
         Ok(())
     }
 
-    /// The micro-batches a step's sequences run as, one after another, and
-    /// the layers' activation policy: on a GPU with
-    /// `--device-budget`, the LoRA plan's (`--activations`, if given, over
-    /// the plan's); else `--tokens-per-step`'s micro-batches and
-    /// `--activations`.
-    fn split(
+    /// The micro-batches a step's sequences run as, one after another (in
+    /// the returned options), and the layers' activation policy: on a GPU
+    /// with `--device-budget` (`budget`), the LoRA plan's (`--activations`,
+    /// if given, over the plan's), chosen before the base loads so that a
+    /// budget no plan fits is refused first; else `--tokens-per-step`'s
+    /// micro-batches and `policy` (`--activations`).
+    pub(super) fn split(
         a: &Args,
-        model: &Llama,
+        cfg: &LlamaConfig,
         lcfg: &LoraConfig,
-        opts: &LoopOptions,
-        run: &Run,
-    ) -> Result<(usize, ActivationPolicy)> {
-        let (Some(text), Some(budget)) = (&a.device_budget, run.lora_budget) else {
-            return Ok((opts.micro_batches, run.policy));
+        mut opts: LoopOptions,
+        policy: ActivationPolicy,
+        budget: Option<usize>,
+        (dev, dtype): (&Device, DType),
+    ) -> Result<(LoopOptions, ActivationPolicy)> {
+        let (Some(text), Some(budget)) = (&a.device_budget, budget) else {
+            return Ok((opts, policy));
         };
-        let (rows, seq) = (opts.batch * opts.micro_batches, opts.seq);
-        let cfg = model.config();
-        let layer_bytes = model
-            .streamed_layers()
-            .map(|l| l.masters().bytes() / cfg.num_hidden_layers.max(1))
-            .context("a LoRA run streams its base")?;
+        let rows = opts.batch * opts.micro_batches;
+        let scheme = a.quantize.as_deref().map(QuantScheme::parse).transpose()?;
+        let layer = LayerFootprint::of_base(cfg, dtype, a.model.as_deref(), scheme)?;
         let step = LoraStep {
             cfg,
             lora: lcfg,
             shape: StepShape {
                 rows,
-                seq,
-                dtype: model.dtype(),
+                seq: opts.seq,
+                dtype,
             },
-            layer_bytes,
+            layer_bytes: layer.slot,
         };
-        let rates = StepRates::measure(cfg, step.shape, 1, model.device())?;
-        let plan = LoraPlan::choose(&step, budget, &rates)?;
+        let rates = StepRates::measure(cfg, step.shape, 1, dev)?;
+        let plan = LoraPlan::choose(&step, budget, &rates)
+            .with_context(|| format!("--device-budget {text}"))?;
         println!(
             "train_lm: LoRA plan for --device-budget {text}: {plan}; expects {}",
             plan.expect(&step, &rates)
         );
         let policy = match a.activations {
-            Some(_) => run.policy,
+            Some(_) => policy,
             None => plan.activation_policy(),
         };
-        Ok((plan.micro_batches, policy))
+        opts.batch = rows / plan.micro_batches;
+        opts.micro_batches = plan.micro_batches;
+        Ok((opts, policy))
     }
 
     /// `<out>/merged`: config.json, model.safetensors (the adapters folded

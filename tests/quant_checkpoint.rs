@@ -559,12 +559,13 @@ fn fp8_checkpoints_read() -> Result<()> {
 /// model over its packed weights: its logits equal (exactly, the same
 /// dequantized values through the same code) those of the streamed model
 /// built from the dense tensors and the quantized ones dequantized on the
-/// CPU. A resident placement, or quantizing it again, is refused naming
+/// CPU. `LayerFootprint::of_base` reads from its config the bytes its layers
+/// stream. A resident placement, or quantizing it again, is refused naming
 /// `quantization_config`.
 #[test]
 fn quantized_folder_loads_streamed() -> Result<()> {
     use streamer_core::WeightSource;
-    use streamer_models::{Llama, Placement, QuantizedWeights};
+    use streamer_models::{LayerFootprint, Llama, Placement, QuantizedWeights};
     let cfg = tiny();
     let dev = Device::Cpu;
     let stream = crate::common::stream(&dev, DType::F32, 1);
@@ -575,6 +576,15 @@ fn quantized_folder_loads_streamed() -> Result<()> {
         let dir = temp_dir("quant_checkpoint", "from_pretrained")?;
         save_bnb(&dir, &cfg, &bnb(method.clone()), &w)?;
         let loaded = Llama::from_pretrained(&dir, Placement::Streamed(stream.clone()))?.model;
+        // The plan's layer bytes, read from the config alone, are what the
+        // loaded layers stream.
+        let footprint = LayerFootprint::of_base(&cfg, DType::F32, Some(&dir), None)?;
+        let streamed = loaded.streamed_layers().context("streamed")?.masters().bytes();
+        ensure!(
+            footprint.slot * cfg.num_hidden_layers == streamed && footprint.quantized,
+            "{method:?}: {footprint:?} a layer against {streamed} bytes for {} layers",
+            cfg.num_hidden_layers
+        );
         let mut dense = w.dense.clone();
         for (name, t) in QuantizedWeights::from_host(w.quantized.clone())?.dequantized()? {
             dense.insert(name, t);

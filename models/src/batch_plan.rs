@@ -22,11 +22,13 @@
 //! PCIe time every step. [`plan_batch`] adds them where the rates say that
 //! raises the generated tokens/s, within the host memory the run allows.
 use candle_core::{DType, Device, Result, Tensor};
+use std::path::Path;
 use std::time::Instant;
 
 use crate::checkpoint::layer_bytes;
+use crate::quantization_config::QuantizationConfig;
 use crate::quantized_weights::is_quantizable;
-use crate::{BatchLimits, LlamaConfig};
+use crate::{BatchLimits, LlamaConfig, PretrainedFiles};
 use streamer_quant::QuantScheme;
 
 /// The device bytes of one decoder layer's weights: in a window slot, and
@@ -79,6 +81,32 @@ impl LayerFootprint {
             scratch,
             quantized: true,
         })
+    }
+
+    /// The layers of the base a command loads: packed as `scheme` when one is
+    /// given (quantized on load), else as the `quantization_config` of
+    /// `folder`'s `config.json` says (its `skip_modules` dense), else dense
+    /// in `dtype`. Reads only the config, so a plan can be made before the
+    /// weights load.
+    pub fn of_base(
+        cfg: &LlamaConfig,
+        dtype: DType,
+        folder: Option<&Path>,
+        scheme: Option<QuantScheme>,
+    ) -> Result<Self> {
+        if let Some(scheme) = scheme {
+            return Self::quantized(cfg, dtype, scheme, |_| false);
+        }
+        if let Some(dir) = folder {
+            let files = PretrainedFiles::in_dir(dir)?;
+            let text = std::fs::read_to_string(&files.config).map_err(|e| {
+                candle_core::Error::Msg(format!("cannot read {}: {e}", files.config.display()))
+            })?;
+            if let Some(qc) = QuantizationConfig::from_config_json(&text)? {
+                return Self::quantized(cfg, dtype, qc.method.scheme(), |n| qc.skips(n));
+            }
+        }
+        Ok(Self::dense(cfg, dtype))
     }
 
     /// The device bytes of `window` layers in their slots and one computing.
