@@ -579,7 +579,11 @@ fn quantized_folder_loads_streamed() -> Result<()> {
         // The plan's layer bytes, read from the config alone, are what the
         // loaded layers stream.
         let footprint = LayerFootprint::of_base(&cfg, DType::F32, Some(&dir), None)?;
-        let streamed = loaded.streamed_layers().context("streamed")?.masters().bytes();
+        let streamed = loaded
+            .streamed_layers()
+            .context("streamed")?
+            .masters()
+            .bytes();
         ensure!(
             footprint.slot * cfg.num_hidden_layers == streamed && footprint.quantized,
             "{method:?}: {footprint:?} a layer against {streamed} bytes for {} layers",
