@@ -44,10 +44,11 @@ use streamer_autograd::ActivationPolicy;
 use streamer_core::{DeviceCap, StreamConfig, WeightSource};
 use streamer_models::checkpoint::layer_bytes;
 use streamer_models::{
-    generate, init_weights, parse_bytes, prefetch_for_budget, train_loop, ByteCorpus,
-    CheckpointFiles, Decay, DevicePlan, HostPlan, Llama, LlamaConfig, LmTrainer, LoopOptions,
-    LoraConfig, OptimizerPlace, Placement, PlanChoices, PlanLimits, PretrainedFiles, StateDtype,
-    StepRates, StepShape, TextTokenizer, TokenCorpus, TrainSetup,
+    generate, init_weights, init_weights_where, is_quantizable, parse_bytes, prefetch_for_budget,
+    train_loop, ByteCorpus, CheckpointFiles, Decay, DevicePlan, HostPlan, LayerFootprint, Llama,
+    LlamaConfig, LmTrainer, LoopOptions, LoraConfig, OptimizerPlace, Placement, PlanChoices,
+    PlanLimits, PretrainedFiles, QuantizedWeights, StateDtype, StepRates, StepShape, TextTokenizer,
+    TokenCorpus, TrainSetup,
 };
 use streamer_quant::QuantScheme;
 
@@ -429,8 +430,18 @@ fn main() -> Result<()> {
                  their AdamW already live on the device"
             );
         }
-        let (opts, policy) =
-            lora::split(&a, &cfg, &lcfg, opts, policy, lora_budget, (&dev, dtype))?;
+        let scheme = a.quantize.as_deref().map(QuantScheme::parse).transpose()?;
+        let layer = LayerFootprint::of_base(&cfg, dtype, a.model.as_deref(), scheme)?;
+        let budget = lora_budget.map(|b| (b, layer.slot));
+        let (opts, policy) = lora::split(&a, &cfg, &lcfg, opts, policy, budget, (&dev, dtype))?;
+        // Said, and refused when the host lacks it, before the base loads.
+        let offload =
+            (policy == ActivationPolicy::OffloadInputs).then_some((opts.batch, opts.seq, dtype));
+        let plan = HostPlan::for_lora(&cfg, layer.slot, dtype, offload);
+        println!("train_lm: this run holds about {plan}");
+        if let Some(avail) = streamer_core::host_available_memory() {
+            plan.check_fits(avail)?;
+        }
         let model = lora_base(&a, &cfg, stream)?;
         let run = Run {
             label,
@@ -643,8 +654,10 @@ fn lora_base(a: &Args, cfg: &LlamaConfig, stream: StreamConfig) -> Result<Llama>
         }
         (Some(dir), None) => Llama::from_pretrained(dir, Placement::Streamed(stream))?.model,
         (None, Some(scheme)) => {
-            let src = WeightSource::Tensors(init_weights(cfg, a.seed)?);
-            Llama::streamed_quantize_on_load(&src, scheme, cfg, stream)?
+            // A layer of the seeded init at a time: never the whole dense model.
+            let dense = init_weights_where(cfg, a.seed, |n| !is_quantizable(n))?;
+            let quant = QuantizedWeights::quantize_init(cfg, scheme, a.seed)?;
+            Llama::streamed_quantized(&WeightSource::Tensors(dense), &quant, cfg, stream)?
         }
         (None, None) => Llama::from_tensors(init_weights(cfg, a.seed)?, cfg, stream)?,
     })
@@ -782,7 +795,7 @@ fn train(
 
 /// LoRA fine-tuning: the adapters train on a frozen streamed base.
 mod lora {
-    use super::{sample, write_curve, Args, QuantScheme, Run};
+    use super::{sample, write_curve, Args, Run};
     use anyhow::{Context, Result};
     use candle_core::{DType, Device};
     use candle_nn::{Optimizer, ParamsAdamW};
@@ -791,8 +804,8 @@ mod lora {
     use streamer_autograd::ActivationPolicy;
     use streamer_models::train::lr_at;
     use streamer_models::{
-        LayerFootprint, Llama, LlamaConfig, LoopOptions, LoraAdapters, LoraConfig, LoraPlan,
-        LoraStep, StepRates, StepShape, TokenCorpus,
+        Llama, LlamaConfig, LoopOptions, LoraAdapters, LoraConfig, LoraPlan, LoraStep, StepRates,
+        StepShape, TokenCorpus,
     };
 
     /// Trains `model`'s adapters for `opts.steps` steps, saving them (PEFT's
@@ -893,7 +906,8 @@ mod lora {
 
     /// The micro-batches a step's sequences run as, one after another (in
     /// the returned options), and the layers' activation policy: on a GPU
-    /// with `--device-budget` (`budget`), the LoRA plan's (`--activations`,
+    /// with `--device-budget` (`budget`: its bytes and a layer's streamed
+    /// bytes), the LoRA plan's (`--activations`,
     /// if given, over the plan's), chosen before the base loads so that a
     /// budget no plan fits is refused first; else `--tokens-per-step`'s
     /// micro-batches and `policy` (`--activations`).
@@ -903,15 +917,13 @@ mod lora {
         lcfg: &LoraConfig,
         mut opts: LoopOptions,
         policy: ActivationPolicy,
-        budget: Option<usize>,
+        budget: Option<(usize, usize)>,
         (dev, dtype): (&Device, DType),
     ) -> Result<(LoopOptions, ActivationPolicy)> {
-        let (Some(text), Some(budget)) = (&a.device_budget, budget) else {
+        let (Some(text), Some((budget, layer_bytes))) = (&a.device_budget, budget) else {
             return Ok((opts, policy));
         };
         let rows = opts.batch * opts.micro_batches;
-        let scheme = a.quantize.as_deref().map(QuantScheme::parse).transpose()?;
-        let layer = LayerFootprint::of_base(cfg, dtype, a.model.as_deref(), scheme)?;
         let step = LoraStep {
             cfg,
             lora: lcfg,
@@ -920,7 +932,7 @@ mod lora {
                 seq: opts.seq,
                 dtype,
             },
-            layer_bytes: layer.slot,
+            layer_bytes,
         };
         let rates = StepRates::measure(cfg, step.shape, 1, dev)?;
         let plan = LoraPlan::choose(&step, budget, &rates)

@@ -324,3 +324,56 @@ fn quant_stream_packed_buffer_dequantizes_as_its_tensor(dev: &Device) -> Result<
     Ok(())
 }
 candle_streamer::test_device!(quant_stream_packed_buffer_dequantizes_as_its_tensor);
+
+/// A seeded quantized base made a layer at a time
+/// (`QuantizedWeights::quantize_init`, `train_lm --quantize` without
+/// `--model`) has the bytes of the whole init quantized at once, and a LoRA
+/// run's host plan counts what such a base holds: each layer's streamed
+/// masters and the dense embedding, norm and head.
+#[test]
+fn quant_stream_seeded_base_and_its_host_plan() -> Result<()> {
+    use streamer_models::{init_weights_where, is_quantizable, HostPlan, LayerFootprint};
+    for (what, scheme) in schemes() {
+        let (cfg, w, whole) = base(scheme)?;
+        let layered = QuantizedWeights::quantize_init(&cfg, scheme, 7)?;
+        ensure!(layered.names() == whole.names(), "{what}: names differ");
+        for name in whole.names() {
+            let bytes = |q: &QuantizedWeights| -> Result<Vec<u8>> {
+                Ok(q.packed_tensor(&name).context("packed")?.to_vec1::<u8>()?)
+            };
+            ensure!(
+                layered.layout(&name) == whole.layout(&name) && bytes(&layered)? == bytes(&whole)?,
+                "{what}: {name} differs from the whole init's"
+            );
+        }
+        let dtype = DType::BF16;
+        let dense = init_weights_where(&cfg, 7, |n| !is_quantizable(n))?;
+        // Masters in the compute dtype, as `train_lm` makes a LoRA base's.
+        let stream = streamer_core::StreamConfig {
+            master_dtype: Some(dtype),
+            ..crate::common::stream(&Device::Cpu, dtype, 1)
+        };
+        let model =
+            Llama::streamed_quantized(&WeightSource::Tensors(dense), &layered, &cfg, stream)?;
+        let layers = model
+            .streamed_layers()
+            .context("streamed")?
+            .masters()
+            .bytes();
+        let outer: usize = (w.iter())
+            .filter(|(n, _)| !n.starts_with("model.layers."))
+            .map(|(_, t)| t.elem_count() * dtype.size_in_bytes())
+            .sum();
+        let slot = LayerFootprint::of_base(&cfg, dtype, None, Some(scheme))?.slot;
+        let plan = HostPlan::for_lora(&cfg, slot, dtype, None);
+        ensure!(
+            plan.masters == layers + outer && plan.total() == plan.masters,
+            "{what}: {plan:?} against {layers} bytes of layers and {outer} outer"
+        );
+        // Offloaded inputs: every layer's but the first's, for 2 x 24 tokens.
+        let offload = HostPlan::for_lora(&cfg, slot, dtype, Some((2, 24, dtype)));
+        let inputs = (cfg.num_hidden_layers - 1) * 2 * 24 * cfg.hidden_size * 2;
+        ensure!(offload.activations == inputs, "{what}: {offload:?}");
+    }
+    Ok(())
+}

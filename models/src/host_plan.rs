@@ -1,5 +1,6 @@
-//! What a streamed full fine-tune holds in host memory, said before anything
-//! is loaded or page-locked, and refused when the host does not have it.
+//! What a streamed full fine-tune, or a LoRA run on a streamed frozen base,
+//! holds in host memory, said before anything is loaded or page-locked, and
+//! refused when the host does not have it.
 use crate::config::LlamaConfig;
 use candle_core::{DType, Result};
 use streamer_autograd::{OptimizerPlace, StateDtype};
@@ -45,9 +46,7 @@ impl HostPlan {
         let outer = all - layers;
         let host_opt = setup.place == OptimizerPlace::Host;
         let on_host = if !host_opt && setup.cuda { layers } else { all };
-        let activations = setup.offload_inputs.map_or(0, |(b, n, dt)| {
-            cfg.num_hidden_layers.saturating_sub(1) * b * n * cfg.hidden_size * dt.size_in_bytes()
-        });
+        let activations = offloaded_inputs(cfg, setup.offload_inputs);
         Self {
             masters: on_host * setup.master_dtype.size_in_bytes(),
             moments: if host_opt {
@@ -57,6 +56,27 @@ impl HostPlan {
             },
             gradients: if host_opt { (layers + outer) * 4 } else { 0 },
             activations,
+        }
+    }
+
+    /// The plan of LoRA adapters trained on a streamed frozen base of `cfg`:
+    /// its masters (each decoder layer's `layer_bytes`, what it streams:
+    /// packed bytes for a quantized base; the embedding, norm and head in
+    /// `dtype`) and the block inputs offloaded (`(sequences a micro-batch,
+    /// seq, dtype)`). The adapters, their gradients and AdamW live on the
+    /// device.
+    pub fn for_lora(
+        cfg: &LlamaConfig,
+        layer_bytes: usize,
+        dtype: DType,
+        offload_inputs: Option<(usize, usize, DType)>,
+    ) -> Self {
+        let outer = cfg.num_params() - cfg.layer_params() * cfg.num_hidden_layers;
+        Self {
+            masters: cfg.num_hidden_layers * layer_bytes + outer * dtype.size_in_bytes(),
+            moments: 0,
+            gradients: 0,
+            activations: offloaded_inputs(cfg, offload_inputs),
         }
     }
 
@@ -71,17 +91,33 @@ impl HostPlan {
         if self.total() <= available {
             return Ok(());
         }
+        // Only moments on the host have a smaller setting to suggest.
+        let hint = match self.moments {
+            0 => "",
+            _ => {
+                "; bf16 moments (--optimizer-state bf16) or the device optimizer \
+                  (--optimizer device) need less"
+            }
+        };
         Err(streamer_device::Error::OutOfMemory {
             needed: self.total(),
             free: available,
             what: format!(
-                "the host has {:.1} GiB available but training needs {self}; bf16 moments \
-                 (--optimizer-state bf16) or the device optimizer (--optimizer device) need less",
+                "the host has {:.1} GiB available but training needs {self}{hint}",
                 gib(available)
             ),
         }
         .into())
     }
+}
+
+/// Host bytes of the block inputs `ActivationPolicy::OffloadInputs` keeps,
+/// for `(sequences, seq, dtype)`: every layer's but the first's (the
+/// caller's, which stays where it is).
+fn offloaded_inputs(cfg: &LlamaConfig, offload: Option<(usize, usize, DType)>) -> usize {
+    offload.map_or(0, |(b, n, dt)| {
+        cfg.num_hidden_layers.saturating_sub(1) * b * n * cfg.hidden_size * dt.size_in_bytes()
+    })
 }
 
 fn gib(b: usize) -> f64 {

@@ -74,14 +74,46 @@ impl QuantizedWeights {
         scheme: QuantScheme,
     ) -> Result<Self> {
         let mut out = Self::default();
-        for (name, shape) in quantizable(cfg) {
+        out.quantize_all(src, cfg, scheme, |_| true)?;
+        Ok(out)
+    }
+
+    /// The quantizable weights of `cfg` that `take` accepts, read from `src`
+    /// and quantized with `scheme` one tensor at a time.
+    fn quantize_all(
+        &mut self,
+        src: &WeightSource,
+        cfg: &LlamaConfig,
+        scheme: QuantScheme,
+        take: impl Fn(&str) -> bool,
+    ) -> Result<()> {
+        for (name, shape) in quantizable(cfg).into_iter().filter(|(n, _)| take(n)) {
             let values = src
                 .load(&name, DType::F32)?
                 .flatten_all()?
                 .to_vec1::<f32>()?;
             let t = scheme.quantize(&name, &values, &shape).map_err(quant)?;
             drop(values);
-            out.insert_host(&name, t)?;
+            self.insert_host(&name, t)?;
+        }
+        Ok(())
+    }
+
+    /// Every quantizable weight of `cfg` as [`crate::init_weights`] makes it
+    /// for `seed`, quantized with `scheme` a layer at a time: the same bytes
+    /// as quantizing the whole init, in about its packed bytes of host
+    /// memory and one layer's dense weights (the whole init of a 70B model
+    /// is 280 GB of f32).
+    pub fn quantize_init(cfg: &LlamaConfig, scheme: QuantScheme, seed: u64) -> Result<Self> {
+        let mut out = Self::default();
+        for i in 0..cfg.num_hidden_layers {
+            let prefix = format!("model.layers.{i}.");
+            let layer = crate::checkpoint::init_weights_where(cfg, seed, |n| {
+                n.starts_with(&prefix) && is_quantizable(n)
+            })?;
+            out.quantize_all(&WeightSource::Tensors(layer), cfg, scheme, |n| {
+                n.starts_with(&prefix)
+            })?;
         }
         Ok(out)
     }
