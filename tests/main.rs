@@ -25,6 +25,7 @@ mod fused_ops;
 mod fuzz;
 mod host_plan;
 mod lora;
+mod lora_budget;
 mod loss_curve;
 mod micro_batch;
 mod mlp_budget;
