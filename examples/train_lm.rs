@@ -905,12 +905,12 @@ mod lora {
     }
 
     /// The micro-batches a step's sequences run as, one after another (in
-    /// the returned options), and the layers' activation policy: on a GPU
+    /// the returned options), and the layers' activation policy. On a GPU
     /// with `--device-budget` (`budget`: its bytes and a layer's streamed
-    /// bytes), the LoRA plan's (`--activations`,
-    /// if given, over the plan's), chosen before the base loads so that a
-    /// budget no plan fits is refused first; else `--tokens-per-step`'s
-    /// micro-batches and `policy` (`--activations`).
+    /// bytes) they are the LoRA plan's (`--activations`, if given, over the
+    /// plan's policy), chosen before the base loads so that a budget no plan
+    /// fits is refused first; else `--tokens-per-step`'s micro-batches and
+    /// `policy` (`--activations`).
     pub(super) fn split(
         a: &Args,
         cfg: &LlamaConfig,

@@ -560,8 +560,8 @@ fn fp8_checkpoints_read() -> Result<()> {
 /// dequantized values through the same code) those of the streamed model
 /// built from the dense tensors and the quantized ones dequantized on the
 /// CPU. `LayerFootprint::of_base` reads from its config the bytes its layers
-/// stream. A resident placement, or quantizing it again, is refused naming
-/// `quantization_config`.
+/// stream. A resident placement, or quantizing it again (loading or
+/// planning), is refused naming `quantization_config`.
 #[test]
 fn quantized_folder_loads_streamed() -> Result<()> {
     use streamer_core::WeightSource;
@@ -569,6 +569,7 @@ fn quantized_folder_loads_streamed() -> Result<()> {
     let cfg = tiny();
     let dev = Device::Cpu;
     let stream = crate::common::stream(&dev, DType::F32, 1);
+    let nf4 = streamer_quant::QuantScheme::parse("nf4")?;
     let ids: Vec<u32> = (0..32u32).map(|i| (i * 37 + 11) % 256).collect();
     let x = Tensor::from_vec(ids, (2, 16), &dev)?;
     for method in [four_bit(FourBitType::Nf4, true), QuantMethod::Int8] {
@@ -588,6 +589,13 @@ fn quantized_folder_loads_streamed() -> Result<()> {
             footprint.slot * cfg.num_hidden_layers == streamed && footprint.quantized,
             "{method:?}: {footprint:?} a layer against {streamed} bytes for {} layers",
             cfg.num_hidden_layers
+        );
+        let again = LayerFootprint::of_base(&cfg, DType::F32, Some(&dir), Some(nf4))
+            .err()
+            .context("a plan quantizing a quantized folder again")?;
+        ensure!(
+            matches!(TypedError::find(&again), Some(TypedError::Config { field, .. }) if field == "quantization_config"),
+            "{again}"
         );
         let mut dense = w.dense.clone();
         for (name, t) in QuantizedWeights::from_host(w.quantized.clone())?.dequantized()? {

@@ -83,10 +83,11 @@ impl LayerFootprint {
         })
     }
 
-    /// The layers of the base a command loads: packed as `scheme` when one is
-    /// given (quantized on load), else as the `quantization_config` of
-    /// `folder`'s `config.json` says (its `skip_modules` dense), else dense
-    /// in `dtype`. Reads only the config, so a plan can be made before the
+    /// The layers of the base a command loads: packed as the
+    /// `quantization_config` of `folder`'s `config.json` says (its
+    /// `skip_modules` dense), or as `scheme` (quantized on load; refused for
+    /// a folder already quantized, as loading it would be), else dense in
+    /// `dtype`. Reads only the config, so a plan can be made before the
     /// weights load.
     pub fn of_base(
         cfg: &LlamaConfig,
@@ -94,19 +95,24 @@ impl LayerFootprint {
         folder: Option<&Path>,
         scheme: Option<QuantScheme>,
     ) -> Result<Self> {
-        if let Some(scheme) = scheme {
-            return Self::quantized(cfg, dtype, scheme, |_| false);
-        }
-        if let Some(dir) = folder {
-            let files = PretrainedFiles::in_dir(dir)?;
-            let text = std::fs::read_to_string(&files.config).map_err(|e| {
-                candle_core::Error::Msg(format!("cannot read {}: {e}", files.config.display()))
-            })?;
-            if let Some(qc) = QuantizationConfig::from_config_json(&text)? {
-                return Self::quantized(cfg, dtype, qc.method.scheme(), |n| qc.skips(n));
+        let qc = match folder {
+            Some(dir) => {
+                let files = PretrainedFiles::in_dir(dir)?;
+                let text = std::fs::read_to_string(&files.config).map_err(|e| {
+                    candle_core::Error::Msg(format!("cannot read {}: {e}", files.config.display()))
+                })?;
+                QuantizationConfig::from_config_json(&text)?
             }
+            None => None,
+        };
+        match (qc, scheme) {
+            (Some(_), Some(_)) => Err(crate::pretrained::quantized_placement(
+                "quantizing again on load (--quantize)",
+            )),
+            (Some(qc), None) => Self::quantized(cfg, dtype, qc.method.scheme(), |n| qc.skips(n)),
+            (None, Some(scheme)) => Self::quantized(cfg, dtype, scheme, |_| false),
+            (None, None) => Ok(Self::dense(cfg, dtype)),
         }
-        Ok(Self::dense(cfg, dtype))
     }
 
     /// The device bytes of `window` layers in their slots and one computing.

@@ -269,7 +269,7 @@ fn place_quantized(
     Llama::streamed_quantized(&WeightSource::Tensors(ckpt.dense), &quant, cfg, stream)
 }
 
-fn quantized_placement(what: &str) -> candle_core::Error {
+pub(crate) fn quantized_placement(what: &str) -> candle_core::Error {
     streamer_device::Error::Config {
         field: "quantization_config".into(),
         reason: format!("the folder is already quantized; {what} is not supported"),
