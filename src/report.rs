@@ -304,15 +304,18 @@ impl Progress {
 }
 
 /// A plain line for setup event `e` of the model named `label`, when one is
-/// due: the masters at every quarter of the blocks, the start of
-/// page-locking, and the end with each phase's time.
+/// due: the weights quantized and the masters at every quarter of their
+/// count, the start of page-locking, and the end with each phase's time.
 pub fn setup_line(label: &str, e: &streamer_core::SetupEvent) -> Option<String> {
     use streamer_core::SetupEvent;
+    let due =
+        |done: usize, total: usize| done.is_multiple_of(total.div_ceil(4).max(1)) || done == total;
     match *e {
+        SetupEvent::Quantized { done, total } => {
+            due(done, total).then(|| format!("{label}: quantized {done}/{total} weights"))
+        }
         SetupEvent::Masters { done, total } => {
-            let quarter = total.div_ceil(4).max(1);
-            (done.is_multiple_of(quarter) || done == total)
-                .then(|| format!("{label}: host masters of {done}/{total} blocks"))
+            due(done, total).then(|| format!("{label}: host masters of {done}/{total} blocks"))
         }
         SetupEvent::PageLock { bytes } => Some(format!(
             "{label}: page-locking {:.1} GiB of host masters",
@@ -325,13 +328,15 @@ pub fn setup_line(label: &str, e: &streamer_core::SetupEvent) -> Option<String> 
     }
 }
 
-/// A [`streamer_core::SetupHook`] that shows a model's setup: a bar over its
-/// blocks' masters when stderr is a terminal, else the [`setup_line`]s on
-/// stderr; the end is one line either way.
+/// A [`streamer_core::SetupHook`] that shows a model's setup: a bar over the
+/// weights it quantizes, if it does, then one over its blocks' masters when
+/// stderr is a terminal, else the [`setup_line`]s on stderr; the end is one
+/// line either way.
 pub fn setup_progress(label: &str) -> streamer_core::SetupHook {
     use streamer_core::SetupEvent;
     let label = label.to_string();
-    let bar: std::sync::Mutex<Option<ProgressBar>> = std::sync::Mutex::new(None);
+    // The bar of the phase under way, by the unit it counts.
+    let bar: std::sync::Mutex<Option<(&'static str, ProgressBar)>> = std::sync::Mutex::new(None);
     let terminal = std::io::stderr().is_terminal();
     streamer_core::SetupHook::new(move |e| {
         if !terminal {
@@ -342,26 +347,21 @@ pub fn setup_progress(label: &str) -> streamer_core::SetupHook {
         }
         let mut bar = bar.lock().unwrap_or_else(|p| p.into_inner());
         match e {
+            SetupEvent::Quantized { done, total } => {
+                let what = format!("{label}: quantizing");
+                phase_bar(&mut bar, "weights", total, &what).set_position(done as u64);
+            }
             SetupEvent::Masters { done, total } => {
-                let b = bar.get_or_insert_with(|| {
-                    let b = ProgressBar::new(total as u64);
-                    if let Ok(style) = ProgressStyle::with_template(
-                        "{msg} {bar:30} {pos}/{len} blocks [{elapsed_precise}]",
-                    ) {
-                        b.set_style(style);
-                    }
-                    b.set_message(format!("{label}: host masters"));
-                    b
-                });
-                b.set_position(done as u64);
+                let what = format!("{label}: host masters");
+                phase_bar(&mut bar, "blocks", total, &what).set_position(done as u64);
             }
             SetupEvent::PageLock { .. } => {
-                if let (Some(b), Some(line)) = (bar.as_ref(), setup_line(&label, &e)) {
+                if let (Some((_, b)), Some(line)) = (bar.as_ref(), setup_line(&label, &e)) {
                     b.set_message(line);
                 }
             }
             SetupEvent::Built(_) => {
-                if let Some(b) = bar.take() {
+                if let Some((_, b)) = bar.take() {
                     b.finish_and_clear();
                 }
                 if let Some(line) = setup_line(&label, &e) {
@@ -370,4 +370,29 @@ pub fn setup_progress(label: &str) -> streamer_core::SetupHook {
             }
         }
     })
+}
+
+/// The bar counting `unit` (`total` of them, titled `what`): the one in
+/// `slot` if it counts that, else a new one in place of the last phase's.
+fn phase_bar<'a>(
+    slot: &'a mut Option<(&'static str, ProgressBar)>,
+    unit: &'static str,
+    total: usize,
+    what: &str,
+) -> &'a ProgressBar {
+    if slot.as_ref().is_some_and(|(u, _)| *u != unit) {
+        if let Some((_, b)) = slot.take() {
+            b.finish_and_clear();
+        }
+    }
+    let (_, b) = slot.get_or_insert_with(|| {
+        let b = ProgressBar::new(total as u64);
+        let template = format!("{{msg}} {{bar:30}} {{pos}}/{{len}} {unit} [{{elapsed_precise}}]");
+        if let Ok(style) = ProgressStyle::with_template(&template) {
+            b.set_style(style);
+        }
+        b.set_message(what.to_string());
+        (unit, b)
+    });
+    b
 }

@@ -377,3 +377,36 @@ fn quant_stream_seeded_base_and_its_host_plan() -> Result<()> {
     }
     Ok(())
 }
+
+/// Quantizing a base as it loads tells the stream's setup hook each weight
+/// done (`SetupEvent::Quantized`, 1 to 7 a layer's worth of weights), before
+/// the blocks' masters.
+#[test]
+fn quant_stream_on_load_reports_each_weight() -> Result<()> {
+    use std::sync::{Arc, Mutex};
+    use streamer_core::{SetupEvent, SetupHook};
+    let (cfg, w, _) = base(schemes()[0].1)?;
+    let heard: Arc<Mutex<Vec<SetupEvent>>> = Arc::default();
+    let log = heard.clone();
+    let stream = streamer_core::StreamConfig {
+        on_setup: Some(SetupHook::new(move |e| log.lock().expect("log").push(e))),
+        ..crate::common::stream(&Device::Cpu, DType::F32, 1)
+    };
+    let src = WeightSource::Tensors(w);
+    Llama::streamed_quantize_on_load(&src, schemes()[0].1, &cfg, stream)?;
+    let heard = heard.lock().expect("log").clone();
+    let total = QUANTIZABLE.len() * cfg.num_hidden_layers;
+    let want: Vec<SetupEvent> = (1..=total)
+        .map(|done| SetupEvent::Quantized { done, total })
+        .collect();
+    ensure!(
+        heard.len() > total && heard[..total] == want[..],
+        "{heard:?}"
+    );
+    ensure!(
+        matches!(heard[total], SetupEvent::Masters { done: 1, .. }),
+        "{:?} after the weights",
+        heard[total]
+    );
+    Ok(())
+}

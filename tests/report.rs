@@ -84,14 +84,21 @@ fn report_svg_plots_every_series(_dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(report_svg_plots_every_series);
 
-/// A model's setup as plain lines: its masters at each quarter of the blocks
-/// and the last, page-locking with its size, the end with each phase's time.
+/// A model's setup as plain lines: the weights it quantizes and its masters
+/// at each quarter of their count and the last, page-locking with its size,
+/// the end with each phase's time.
 fn report_setup_lines(_dev: &Device) -> Result<()> {
     use streamer_core::{SetupEvent, SetupTimes};
     let lines: Vec<usize> = (1..=10)
         .filter(|&done| setup_line("m", &SetupEvent::Masters { done, total: 10 }).is_some())
         .collect();
     ensure!(lines == [3, 6, 9, 10], "{lines:?}");
+    let quantized: Vec<usize> = (1..=7)
+        .filter(|&done| setup_line("m", &SetupEvent::Quantized { done, total: 7 }).is_some())
+        .collect();
+    ensure!(quantized == [2, 4, 6, 7], "{quantized:?}");
+    let l = setup_line("m", &SetupEvent::Quantized { done: 4, total: 7 });
+    ensure!(l.as_deref() == Some("m: quantized 4/7 weights"), "{l:?}");
     let l = setup_line("m", &SetupEvent::Masters { done: 3, total: 10 });
     ensure!(
         l.as_deref() == Some("m: host masters of 3/10 blocks"),

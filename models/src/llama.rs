@@ -783,7 +783,8 @@ impl Llama {
 
     /// [`Llama::streamed_quantized`] with every linear weight of the decoder
     /// layers read from `src` and quantized with `scheme` as it is loaded,
-    /// one tensor at a time ([`QuantizedWeights::quantize_source`]).
+    /// one tensor at a time ([`QuantizedWeights::quantize_source`]), each
+    /// told to the stream's `on_setup` hook.
     pub fn streamed_quantize_on_load(
         src: &WeightSource,
         scheme: streamer_quant::QuantScheme,
@@ -791,7 +792,8 @@ impl Llama {
         stream: StreamConfig,
     ) -> Result<Self> {
         check_weights(src, cfg)?;
-        let quant = QuantizedWeights::quantize_source(src, cfg, scheme)?;
+        let watch = stream.on_setup.as_ref();
+        let quant = QuantizedWeights::quantize_source_watched(src, cfg, scheme, watch)?;
         Self::streamed_quantized(src, &quant, cfg, stream)
     }
 

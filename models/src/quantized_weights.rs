@@ -8,7 +8,7 @@
 use crate::config::LlamaConfig;
 use candle_core::{DType, Device, Result, Tensor};
 use std::collections::{BTreeMap, HashMap};
-use streamer_core::WeightSource;
+use streamer_core::{SetupEvent, SetupHook, WeightSource};
 use streamer_quant::{HostTensor, PackedLayout, QuantScheme};
 
 /// The weights of a decoder layer that may be quantized, relative to the
@@ -73,21 +73,46 @@ impl QuantizedWeights {
         cfg: &LlamaConfig,
         scheme: QuantScheme,
     ) -> Result<Self> {
+        Self::quantize_source_watched(src, cfg, scheme, None)
+    }
+
+    /// [`Self::quantize_source`], each weight done told to `watch` as a
+    /// [`SetupEvent::Quantized`] (a big base takes minutes).
+    pub fn quantize_source_watched(
+        src: &WeightSource,
+        cfg: &LlamaConfig,
+        scheme: QuantScheme,
+        watch: Option<&SetupHook>,
+    ) -> Result<Self> {
+        let total = quantizable(cfg).len();
         let mut out = Self::default();
-        out.quantize_all(src, cfg, scheme, |_| true)?;
+        out.quantize_all(
+            src,
+            cfg,
+            scheme,
+            |_| true,
+            |done| {
+                if let Some(h) = watch {
+                    h.emit(SetupEvent::Quantized { done, total });
+                }
+            },
+        )?;
         Ok(out)
     }
 
     /// The quantizable weights of `cfg` that `take` accepts, read from `src`
-    /// and quantized with `scheme` one tensor at a time.
+    /// and quantized with `scheme` one tensor at a time, `done` told the
+    /// count after each.
     fn quantize_all(
         &mut self,
         src: &WeightSource,
         cfg: &LlamaConfig,
         scheme: QuantScheme,
         take: impl Fn(&str) -> bool,
+        done: impl Fn(usize),
     ) -> Result<()> {
-        for (name, shape) in quantizable(cfg).into_iter().filter(|(n, _)| take(n)) {
+        let names = quantizable(cfg).into_iter().filter(|(n, _)| take(n));
+        for (i, (name, shape)) in names.enumerate() {
             let values = src
                 .load(&name, DType::F32)?
                 .flatten_all()?
@@ -95,6 +120,7 @@ impl QuantizedWeights {
             let t = scheme.quantize(&name, &values, &shape).map_err(quant)?;
             drop(values);
             self.insert_host(&name, t)?;
+            done(i + 1);
         }
         Ok(())
     }
@@ -111,9 +137,8 @@ impl QuantizedWeights {
             let layer = crate::checkpoint::init_weights_where(cfg, seed, |n| {
                 n.starts_with(&prefix) && is_quantizable(n)
             })?;
-            out.quantize_all(&WeightSource::Tensors(layer), cfg, scheme, |n| {
-                n.starts_with(&prefix)
-            })?;
+            let layer = WeightSource::Tensors(layer);
+            out.quantize_all(&layer, cfg, scheme, |n| n.starts_with(&prefix), |_| ())?;
         }
         Ok(out)
     }

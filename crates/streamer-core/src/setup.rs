@@ -14,10 +14,19 @@ pub struct SetupTimes {
     pub pin_s: f64,
 }
 
-/// A step of building a model, in order: every block's masters, then (on a
-/// CUDA device) page-locking them, then the end.
+/// A step of building a model, in order: for a base quantized as it loads,
+/// its weights read and quantized; every block's masters, then (on a CUDA
+/// device) page-locking them, then the end.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum SetupEvent {
+    /// `done` of `total` weights read and quantized (a base quantized as it
+    /// loads, before its blocks' masters).
+    Quantized {
+        /// Weights done.
+        done: usize,
+        /// Weights in all.
+        total: usize,
+    },
     /// `done` of `total` blocks have their host masters.
     Masters {
         /// Blocks done.
