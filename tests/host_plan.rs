@@ -684,3 +684,46 @@ fn lora_plan_choice_at_8b() -> Result<()> {
     );
     Ok(())
 }
+
+/// The largest full fine-tune of the published Llama and Qwen shapes that
+/// the GPU machine's host (128 GiB, about 110 available) holds is Qwen2.5
+/// 14B's (measured: `benches/results/README.md`): the next, Qwen2.5 32B
+/// (64 layers of width 5120, MLP 27648), has 31.2 B layer parameters, whose
+/// f32 masters alone (116 GiB) exceed the host in every plan, and Llama 3.1
+/// 70B's more so. The planner refuses both, naming the host.
+#[test]
+fn largest_full_fine_tune_on_this_host() -> Result<()> {
+    let qwen32 = LlamaConfig {
+        intermediate_size: 27648,
+        ..LlamaConfig::qwen25_14b()
+    };
+    let qwen32 = LlamaConfig {
+        num_hidden_layers: 64,
+        ..qwen32
+    };
+    // Its published count: 32,763,876,352 (untied head, q/k/v biases).
+    ensure!(
+        qwen32.num_params() == 32_763_876_352,
+        "{}",
+        qwen32.num_params()
+    );
+    let layers = qwen32.layer_params() * qwen32.num_hidden_layers;
+    ensure!(4 * layers > 110 << 30, "{layers}");
+    for cfg in [&qwen32, &LlamaConfig::llama31_70b()] {
+        let err = err_of(DevicePlan::choose_among(
+            cfg,
+            shape_8b(8),
+            limits(139, Some(110)),
+            PlanChoices::default(),
+        ))?;
+        ensure!(err.contains("fits the host"), "{err}");
+    }
+    // 14B fits the same limits (`device_plan_fits_the_host` says how).
+    DevicePlan::choose_among(
+        &LlamaConfig::qwen25_14b(),
+        shape_8b(8),
+        limits(139, Some(110)),
+        PlanChoices::default(),
+    )?;
+    Ok(())
+}
