@@ -695,11 +695,8 @@ fn lora_plan_choice_at_8b() -> Result<()> {
 fn largest_full_fine_tune_on_this_host() -> Result<()> {
     let qwen32 = LlamaConfig {
         intermediate_size: 27648,
-        ..LlamaConfig::qwen25_14b()
-    };
-    let qwen32 = LlamaConfig {
         num_hidden_layers: 64,
-        ..qwen32
+        ..LlamaConfig::qwen25_14b()
     };
     // Its published count: 32,763,876,352 (untied head, q/k/v biases).
     ensure!(
