@@ -27,6 +27,11 @@ use streamer_autograd::ActivationPolicy;
 /// Decoder layers resident at once: the one computing and the next arriving.
 const WINDOW: usize = 2;
 
+/// The allocator's slack over kept activations, as a share of them (1/20):
+/// the LoRA budget test (`tests/lora_budget.rs`, `350m` shapes, an H100)
+/// ran out of memory in a plan that counted none and filled its budget.
+const SLACK_SHARE: usize = 20;
+
 /// What a LoRA step holds: the model, its adapters and the step's shape.
 #[derive(Clone, Copy, Debug)]
 pub struct LoraStep<'a> {
@@ -60,7 +65,8 @@ pub struct LoraPlan {
     /// The bytes `ActivationPolicy::Keep` is given: the kept activations and
     /// less than one layer's more, so that exactly `kept_layers` are kept.
     pub keep_bytes: usize,
-    /// Device bytes besides the kept activations, at their widest.
+    /// Device bytes besides the kept activations, at their widest (the
+    /// allocator's slack over the kept ones included).
     pub other_bytes: usize,
     /// Bytes copied to the device a step.
     pub h2d_bytes: usize,
@@ -88,6 +94,12 @@ impl LoraStep<'_> {
             0
         };
         self.lora.r * targets.len() * self.shape.dtype.size_in_bytes() + masks
+    }
+
+    /// The largest input width among the adapted projections.
+    fn widest_adapter_input(&self) -> usize {
+        let targets = self.lora.targets().unwrap_or_default();
+        (targets.iter().map(|&t| dims(self.cfg, t).0).max()).unwrap_or(0)
     }
 
     /// Adapter parameters of the whole model.
@@ -122,13 +134,19 @@ impl LoraStep<'_> {
         // f32 adapters, their gradients (two while micro-batches accumulate)
         // and AdamW's two moments.
         let adapters = 5 * 4 * self.adapter_params();
+        // An adapter's backward with dropout holds its scaled mask, the
+        // masked input, that input's gradient and its masked product at once.
+        let dropout = match self.lora.lora_dropout > 0.0 {
+            true => 4 * self.widest_adapter_input() * b,
+            false => 0,
+        };
         WINDOW * self.layer_bytes
             + dequantized
             + outer
             + adapters
             + cfg.num_hidden_layers * tokens * cfg.hidden_size * b
             + 6 * tokens * cfg.hidden_size * b
-            + tokens * layer_work_per_token(cfg, self.shape.dtype)
+            + tokens * (layer_work_per_token(cfg, self.shape.dtype) + dropout)
             + 2 * chunk * cfg.vocab_size * 4
             + RUNTIME_BYTES
     }
@@ -176,14 +194,17 @@ impl LoraPlan {
         }
         let free = budget.checked_sub(plan.other_bytes)?;
         let layer = step.kept_per_layer(micro_rows);
-        // A kept layer's input is among what it keeps: no longer saved apart.
-        plan.kept_layers = (free / (layer - input).max(1)).min(layers);
+        // A kept layer's input is among what it keeps: no longer saved apart;
+        // the allocator's slack over it is not.
+        let per = (layer - input + layer / SLACK_SHARE).max(1);
+        plan.kept_layers = (free / per).min(layers);
         plan.kept_bytes = plan.kept_layers * layer;
         plan.keep_bytes = match plan.kept_layers {
             0 => 0,
             k => k * layer + layer / 2,
         };
         plan.other_bytes -= plan.kept_layers * input;
+        plan.other_bytes += plan.kept_layers * (layer / SLACK_SHARE);
         Some(plan)
     }
 
