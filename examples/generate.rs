@@ -145,11 +145,10 @@ struct Args {
     /// With --device-budget: host memory the plan may give to sequences whose
     /// kv cache it keeps there (page-locked, copied to the device beside the
     /// weights every step) where the measured rates say that is faster:
-    /// bytes ("48GiB"), 0 for none (the default: no GPU run has shown a gain
-    /// yet, benches/results/README.md), or auto: half of the host memory
-    /// available beside the model's weights.
-    #[arg(long, default_value = "0")]
-    host_kv_budget: String,
+    /// bytes ("48GiB"), 0 for none, or auto (the default): half of the host
+    /// memory available beside the model's weights.
+    #[arg(long)]
+    host_kv_budget: Option<String>,
     /// With --prompts: rows one step computes at most; prompts join a step
     /// while its rows stay within this. A --device-budget plan that streams
     /// may take fewer: as many as a step's layer copies hide.
@@ -188,9 +187,9 @@ fn check_args(a: &Args) -> Result<()> {
             bail!("--device-budget covers the weights too: leave out --gpu-weight-budget");
         }
     }
-    if a.host_kv_budget != "0" {
-        if a.host_kv_budget != "auto" {
-            parse_bytes(&a.host_kv_budget).context("--host-kv-budget")?;
+    if let Some(v) = a.host_kv_budget.as_deref().filter(|&v| v != "0") {
+        if v != "auto" {
+            parse_bytes(v).context("--host-kv-budget")?;
         }
         if a.device_budget.is_none() {
             bail!("--host-kv-budget is part of a --device-budget plan: give both or neither");
@@ -769,17 +768,18 @@ mod batch {
         Ok(p)
     }
 
-    /// `--host-kv-budget` in bytes; auto: half of the host memory available
-    /// beside the model's weights (every layer's and the outer ones, as the
-    /// host will hold them).
+    /// `--host-kv-budget` in bytes; auto (the default): half of the host
+    /// memory available beside the model's weights (every layer's and the
+    /// outer ones, as the host will hold them).
     fn host_kv_budget(
         a: &Args,
         cfg: &LlamaConfig,
         dtype: DType,
         layer: &LayerFootprint,
     ) -> Result<usize> {
-        if a.host_kv_budget != "auto" {
-            return Ok(parse_bytes(&a.host_kv_budget)?);
+        match a.host_kv_budget.as_deref().unwrap_or("auto") {
+            "auto" => {}
+            v => return Ok(parse_bytes(v)?),
         }
         let layers = cfg.num_hidden_layers;
         let outer = (cfg.num_params() - layers * cfg.layer_params()) * dtype.size_in_bytes();
