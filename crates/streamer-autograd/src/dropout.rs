@@ -5,9 +5,9 @@
 //!
 //! Replayed masks never touch the device's own generator (the one
 //! `Tensor::rand` and `Device::set_seed` use): on the CPU they come from a
-//! xorshift stream of the seed, on CUDA from a Philox generator created for the
-//! one mask and destroyed after it, so the caller's random streams go on as if
-//! no dropout had run.
+//! xorshift stream of the seed, on CUDA from a Philox generator of this
+//! module's own, reseeded for each mask, so the caller's random streams go on
+//! as if no dropout had run.
 use candle_core::{DType, Device, Module, Result, Tensor};
 use std::cell::Cell;
 
@@ -72,18 +72,72 @@ fn uniform(shape: &[usize], device: &Device) -> Result<Tensor> {
     }
 }
 
-/// A curand generator owned by one mask, destroyed on drop.
+/// One Philox generator per CUDA context, made at its first mask and kept
+/// (with the context) for the process, reseeded for every mask: Philox's
+/// output depends only on its seed and offset, so a reseeded generator gives
+/// what a fresh one would. A generator made and destroyed for each mask cost
+/// a driver allocation each time: the LoRA budget test ran out of memory
+/// with dropout on (`tests/lora_budget.rs`).
 #[cfg(feature = "cuda")]
-struct Philox(candle_core::cuda_backend::cudarc::curand::sys::curandGenerator_t);
+mod philox {
+    use candle_core::cuda_backend::cudarc::curand::{result, sys};
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+    use candle_core::Result;
+    use std::sync::{Arc, Mutex};
 
-#[cfg(feature = "cuda")]
-impl Drop for Philox {
-    fn drop(&mut self) {
-        use candle_core::cuda_backend::cudarc::curand::result;
-        // SAFETY: created once in `cuda_uniform` and destroyed once, here; work
-        // already enqueued with it keeps its parameters (Philox has no device
-        // state), as with cudarc's own `CudaRng`, which drops the same way.
-        let _ = unsafe { result::destroy_generator(self.0) };
+    struct Generator {
+        raw: sys::curandGenerator_t,
+        // Kept alive, so that the generator's context outlives it and no
+        // other context can take its address (the key below).
+        ctx: Arc<CudaContext>,
+    }
+
+    // SAFETY: a curand generator may be used from any thread, one call at a
+    // time; every use goes through `GENERATORS`' lock.
+    unsafe impl Send for Generator {}
+
+    static GENERATORS: Mutex<Vec<Generator>> = Mutex::new(Vec::new());
+
+    fn w(e: result::CurandError) -> candle_core::Error {
+        candle_core::Error::Msg(format!("curand: {e:?}"))
+    }
+
+    /// Runs `f` with `ctx`'s generator, seeded with `seed` at offset 0 and
+    /// set to `stream`, under the lock.
+    pub(super) fn with_seeded<T>(
+        ctx: &Arc<CudaContext>,
+        stream: sys::cudaStream_t,
+        seed: u64,
+        f: impl FnOnce(sys::curandGenerator_t) -> Result<T>,
+    ) -> Result<T> {
+        let mut all = GENERATORS
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("dropout generators poisoned".into()))?;
+        let at = match all.iter().position(|g| Arc::ptr_eq(&g.ctx, ctx)) {
+            Some(i) => i,
+            None => {
+                ctx.bind_to_thread().map_err(candle_core::Error::wrap)?;
+                let raw = result::create_generator_kind(
+                    sys::curandRngType_t::CURAND_RNG_PSEUDO_PHILOX4_32_10,
+                )
+                .map_err(w)?;
+                all.push(Generator {
+                    raw,
+                    ctx: ctx.clone(),
+                });
+                all.len() - 1
+            }
+        };
+        let raw = all[at].raw;
+        // SAFETY: `raw` is a live generator (never destroyed), used under the
+        // lock; work enqueued with an earlier seed keeps its parameters
+        // (Philox keeps no state on the device).
+        unsafe {
+            result::set_seed(raw, seed).map_err(w)?;
+            result::set_offset(raw, 0).map_err(w)?;
+            result::set_stream(raw, stream).map_err(w)?;
+        }
+        f(raw)
     }
 }
 
@@ -94,30 +148,21 @@ impl Drop for Philox {
 fn cuda_uniform(dev: &candle_core::CudaDevice, seed: u64, shape: &[usize]) -> Result<Tensor> {
     use candle_core::cuda_backend::cudarc::curand::{result, sys};
     use candle_core::cuda_backend::cudarc::driver::DevicePtrMut;
-    let w = |e: result::CurandError| candle_core::Error::Msg(format!("curand: {e:?}"));
     let n: usize = shape.iter().product();
     if n == 0 {
         return Tensor::zeros(shape, candle_core::DType::F32, &Device::Cuda(dev.clone()));
     }
     let stream = dev.cuda_stream();
-    let gen = Philox(
-        result::create_generator_kind(sys::curandRngType_t::CURAND_RNG_PSEUDO_PHILOX4_32_10)
-            .map_err(w)?,
-    );
-    // SAFETY: `gen.0` is a live generator; the stream outlives this call's
-    // enqueued work (the output slice below holds it).
-    unsafe {
-        result::set_seed(gen.0, seed).map_err(w)?;
-        result::set_stream(gen.0, stream.cu_stream() as sys::cudaStream_t).map_err(w)?;
-    }
     // SAFETY: every one of the n elements is written by the generator below,
     // on this stream, before any later kernel on it reads them.
     let mut slice = unsafe { stream.alloc::<f32>(n) }.map_err(candle_core::Error::wrap)?;
-    {
+    let raw_stream = stream.cu_stream() as sys::cudaStream_t;
+    philox::with_seeded(stream.context(), raw_stream, seed, |gen| {
         let (ptr, _record) = slice.device_ptr_mut(&stream);
         // SAFETY: `ptr` holds n f32s of a live allocation, enqueued on `stream`.
-        unsafe { result::generate::uniform_f32(gen.0, ptr as *mut f32, n) }.map_err(w)?;
-    }
+        unsafe { result::generate::uniform_f32(gen, ptr as *mut f32, n) }
+            .map_err(|e| candle_core::Error::Msg(format!("curand: {e:?}")))
+    })?;
     Ok(streamer_device::slice_tensor(slice, dev, shape))
 }
 
