@@ -1527,7 +1527,11 @@ impl Llama {
             }
         }
         self.check_tokens(tokens)?;
-        let (h, head) = self.hidden(tokens, self.rope.extras(n)?, false)?;
+        let mut t = std::time::Instant::now();
+        let extras = self.rope.extras(n)?;
+        self.host_span("loss: rotary tables", &mut t)?;
+        let (h, head) = self.hidden(tokens, extras, false)?;
+        self.host_span("loss: layers issued", &mut t)?;
         let h = h.reshape((b * n, self.cfg.hidden_size))?;
         let targets = targets.to_device(&self.device)?.flatten_all()?;
         let head_err =

@@ -39,12 +39,18 @@ impl Llama {
         let per = rows / micro_batches;
         let mut total = 0f32;
         let mut acc: Option<GradStore> = None;
+        // Host spans on the pool's timeline: where a micro-batch's host time
+        // goes between the GPU's layers.
+        let mut t = std::time::Instant::now();
         for m in 0..micro_batches {
             let x = tokens.narrow(0, m * per, per)?;
             let y = targets.narrow(0, m * per, per)?;
             let loss = self.loss(&x, &y)?;
+            self.host_span("micro-batch loss issued", &mut t)?;
             total += loss.to_scalar::<f32>()?;
+            self.host_span("micro-batch loss read", &mut t)?;
             let mut grads = self.backward(&loss)?;
+            self.host_span("micro-batch backward", &mut t)?;
             match acc.as_mut() {
                 None => acc = Some(grads),
                 Some(acc) => {
@@ -55,6 +61,8 @@ impl Llama {
                     }
                 }
             }
+            drop(loss);
+            self.host_span("micro-batch gradients summed, the loss freed", &mut t)?;
         }
         let mut grads = acc.expect("at least one micro-batch");
         if micro_batches > 1 {
