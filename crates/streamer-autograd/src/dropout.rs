@@ -75,9 +75,10 @@ fn uniform(shape: &[usize], device: &Device) -> Result<Tensor> {
 /// One Philox generator per CUDA context, made at its first mask and kept
 /// (with the context) for the process, reseeded for every mask: Philox's
 /// output depends only on its seed and offset, so a reseeded generator gives
-/// what a fresh one would. A generator made and destroyed for each mask cost
-/// a driver allocation each time: the LoRA budget test ran out of memory
-/// with dropout on (`tests/lora_budget.rs`).
+/// what a fresh one would. Made and destroyed for each mask, generators
+/// were thousands of driver calls a step, and the suspect when the LoRA
+/// budget test ran out of memory with dropout on and not without
+/// (`tests/lora_budget.rs`; not yet confirmed on a GPU).
 #[cfg(feature = "cuda")]
 mod philox {
     use candle_core::cuda_backend::cudarc::curand::{result, sys};
