@@ -1356,3 +1356,51 @@ fn cli_flags_are_checked_with_their_values(_dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(cli_flags_are_checked_with_their_values);
+
+/// The normals `init_weights` makes in pieces on every core are, bit for
+/// bit, those of one sequential SplitMix64 stream (Box-Muller, two per pair
+/// of draws), for lengths around the piece size, odd ones included; and
+/// `SplitMix64::after` is the stream after that many draws.
+#[test]
+fn init_normals_in_pieces_are_one_stream() -> Result<()> {
+    use streamer_models::checkpoint::normals;
+    use streamer_models::SplitMix64;
+    let sequential = |seed: u64, n: usize, std: f64| -> Vec<f32> {
+        let mut rng = SplitMix64::new(seed);
+        let mut v = Vec::with_capacity(n);
+        while v.len() < n {
+            let u1 = rng.uniform().max(1e-300);
+            let u2 = rng.uniform();
+            let r = (-2.0 * u1.ln()).sqrt() * std;
+            let a = 2.0 * std::f64::consts::PI * u2;
+            v.push((r * a.cos()) as f32);
+            if v.len() < n {
+                v.push((r * a.sin()) as f32);
+            }
+        }
+        v
+    };
+    for n in [
+        0,
+        1,
+        7,
+        (1 << 16) - 1,
+        1 << 16,
+        (1 << 16) + 1,
+        3 * (1 << 16) + 5,
+    ] {
+        let (got, want) = (normals(42, n, 0.02), sequential(42, n, 0.02));
+        let same = got.len() == n
+            && got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+        ensure!(same, "n = {n}: the pieces differ from the stream");
+    }
+    let mut rng = SplitMix64::new(9);
+    (0..1000).for_each(|_| {
+        rng.next_u64();
+    });
+    ensure!(SplitMix64::after(9, 1000).next_u64() == rng.next_u64());
+    Ok(())
+}

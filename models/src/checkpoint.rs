@@ -193,11 +193,12 @@ pub fn init_weights_where(
 }
 
 /// `n` normals of standard deviation `std` from one SplitMix64 stream of
-/// `seed`: Box-Muller, two normals from each pair of uniforms, so element
-/// `i` comes from draws `2 (i / 2)` and the one after. Made in pieces on
-/// every core, each piece's generator started at its first draw: the values
-/// of one sequential stream (a tensor is up to a billion of them).
-fn normals(seed: u64, n: usize, std: f64) -> Vec<f32> {
+/// `seed` (what [`init_weights`] draws for a tensor): Box-Muller, two
+/// normals from each pair of uniforms, so element `i` comes from draws
+/// `2 (i / 2)` and the one after. Made in pieces on every core, each piece's
+/// generator started at its first draw: the values of one sequential stream
+/// (a tensor is up to a billion of them).
+pub fn normals(seed: u64, n: usize, std: f64) -> Vec<f32> {
     use rayon::prelude::*;
     // Even, so that no pair straddles two pieces.
     const PIECE: usize = 1 << 16;
@@ -286,56 +287,4 @@ pub fn split_for_budget(cfg: &LlamaConfig, dtype: DType, budget: usize) -> Resul
         return Ok((window - 1, 0));
     }
     Ok((1, window - 2))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The normals made in pieces on every core are, bit for bit, those of
-    /// one sequential SplitMix64 stream (Box-Muller, two per pair of draws),
-    /// for lengths around the piece size, odd ones included; and
-    /// `SplitMix64::after` is the stream after that many draws.
-    #[test]
-    fn normals_in_pieces_are_one_stream() {
-        let sequential = |seed: u64, n: usize, std: f64| -> Vec<f32> {
-            let mut rng = SplitMix64::new(seed);
-            let mut v = Vec::with_capacity(n);
-            while v.len() < n {
-                let u1 = rng.uniform().max(1e-300);
-                let u2 = rng.uniform();
-                let r = (-2.0 * u1.ln()).sqrt() * std;
-                let a = 2.0 * std::f64::consts::PI * u2;
-                v.push((r * a.cos()) as f32);
-                if v.len() < n {
-                    v.push((r * a.sin()) as f32);
-                }
-            }
-            v
-        };
-        for n in [
-            0,
-            1,
-            7,
-            (1 << 16) - 1,
-            1 << 16,
-            (1 << 16) + 1,
-            3 * (1 << 16) + 5,
-        ] {
-            let (got, want) = (normals(42, n, 0.02), sequential(42, n, 0.02));
-            let same = got
-                .iter()
-                .zip(&want)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(
-                got.len() == n && same,
-                "n = {n}: the pieces differ from the stream"
-            );
-        }
-        let mut rng = SplitMix64::new(9);
-        (0..1000).for_each(|_| {
-            rng.next_u64();
-        });
-        assert_eq!(SplitMix64::after(9, 1000).next_u64(), rng.next_u64());
-    }
 }
