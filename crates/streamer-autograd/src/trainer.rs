@@ -798,6 +798,7 @@ impl TrainableSequential {
         let (bytes, secs) = st.grads.take_counters();
         pool.add_d2h(bytes, secs);
         drop(pool);
+        let t0 = self.span_start();
         // Host gradients, under the masters' variables.
         let mut rest = Vec::new();
         for (m, g) in st.grads.collect()? {
@@ -820,7 +821,14 @@ impl TrainableSequential {
             }
             st.stepped.iter_mut().for_each(|s| *s = false);
         }
-        continue_upstream(grads, &saved, g_x, g_extras)
+        self.span_end("backward: host gradients collected", t0)?;
+        let t0 = self.span_start();
+        continue_upstream(grads, &saved, g_x, g_extras)?;
+        drop(saved);
+        self.span_end(
+            "backward: upstream of the blocks, the forward's state freed",
+            t0,
+        )
     }
 
     /// Refuses a backward whose forward ran in the other mode or whose weights
