@@ -799,7 +799,27 @@ impl TrainableSequential {
         pool.add_d2h(bytes, secs);
         drop(pool);
         let t0 = self.span_start();
-        // Host gradients, under the masters' variables.
+        self.hand_over_host_grads(&mut st, grads, &stepper)?;
+        self.span_end("backward: host gradients collected", t0)?;
+        let t0 = self.span_start();
+        continue_upstream(grads, &saved, g_x, g_extras)?;
+        drop(saved);
+        self.span_end(
+            "backward: upstream of the blocks, the forward's state freed",
+            t0,
+        )
+    }
+
+    /// The host gradients of a finished backward into `grads`, under their
+    /// masters' variables; with the overlapped host optimizer, the weights
+    /// not stepped during the loop (tied across blocks: their sum was
+    /// complete only now) go to its thread.
+    fn hand_over_host_grads(
+        &self,
+        st: &mut TrainState,
+        grads: &mut GradStore,
+        stepper: &Stepper<'_, '_>,
+    ) -> Result<()> {
         let mut rest = Vec::new();
         for (m, g) in st.grads.collect()? {
             let var = &self.model.masters().get(m).var;
@@ -809,8 +829,6 @@ impl TrainableSequential {
             }
         }
         if let Stepper::Host(tx) = stepper {
-            // Weights not stepped during the loop (tied across blocks: their sum
-            // was completed only now).
             if !rest.is_empty() {
                 let marker = st.grads.marker()?;
                 tx.send(StepJob {
@@ -821,14 +839,7 @@ impl TrainableSequential {
             }
             st.stepped.iter_mut().for_each(|s| *s = false);
         }
-        self.span_end("backward: host gradients collected", t0)?;
-        let t0 = self.span_start();
-        continue_upstream(grads, &saved, g_x, g_extras)?;
-        drop(saved);
-        self.span_end(
-            "backward: upstream of the blocks, the forward's state freed",
-            t0,
-        )
+        Ok(())
     }
 
     /// Refuses a backward whose forward ran in the other mode or whose weights
