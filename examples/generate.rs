@@ -781,9 +781,7 @@ mod batch {
             "auto" => {}
             v => return Ok(parse_bytes(v)?),
         }
-        let layers = cfg.num_hidden_layers;
-        let outer = (cfg.num_params() - layers * cfg.layer_params()) * dtype.size_in_bytes();
-        let model = layer.slot * layers + outer;
+        let model = streamer_models::streamed_masters_bytes(cfg, layer.slot, dtype);
         let available = streamer_device::host_available_memory().unwrap_or(0);
         Ok(available.saturating_sub(model) / 2)
     }

@@ -442,7 +442,7 @@ fn main() -> Result<()> {
         if let Some(avail) = streamer_core::host_available_memory() {
             plan.check_fits(avail)?;
         }
-        let model = lora_base(&a, &cfg, stream)?;
+        let model = lora_base(&a, &cfg, stream, scheme)?;
         let run = Run {
             label,
             prefetch,
@@ -645,9 +645,13 @@ fn optimizer_state(a: &Args) -> Result<Option<StateDtype>> {
 }
 
 /// The frozen base of a LoRA run: `--model` or a seeded init, quantized on
-/// load with `--quantize`.
-fn lora_base(a: &Args, cfg: &LlamaConfig, stream: StreamConfig) -> Result<Llama> {
-    let scheme = a.quantize.as_deref().map(QuantScheme::parse).transpose()?;
+/// load as `scheme` (`--quantize`) says.
+fn lora_base(
+    a: &Args,
+    cfg: &LlamaConfig,
+    stream: StreamConfig,
+    scheme: Option<QuantScheme>,
+) -> Result<Llama> {
     Ok(match (&a.model, scheme) {
         (Some(dir), Some(scheme)) => {
             Llama::from_pretrained(dir, Placement::Quantized { stream, scheme })?.model

@@ -171,7 +171,7 @@ fn lora_merge_and_save_round_trip(dev: &Device) -> Result<()> {
 candle_streamer::test_device!(lora_merge_and_save_round_trip);
 
 /// candle-nn's AdamW over `model`'s adapters at learning rate `lr`.
-fn adapters_adamw(model: &Llama, lr: f64) -> Result<candle_nn::AdamW> {
+pub(crate) fn adapters_adamw(model: &Llama, lr: f64) -> Result<candle_nn::AdamW> {
     let vars = model.lora()?.context("adapters")?.vars();
     let params = ParamsAdamW {
         lr,

@@ -8,7 +8,7 @@
 //! process.
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_nn::{Optimizer, ParamsAdamW};
+use candle_nn::Optimizer;
 use streamer_core::{device_total_memory, DeviceCap, WeightSource};
 use streamer_models::{
     init_weights_where, is_quantizable, LayerFootprint, Llama, LlamaConfig, LoraAdapters,
@@ -69,12 +69,7 @@ fn train(
     micro_batches: usize,
     mut check: impl FnMut(usize) -> Result<()>,
 ) -> Result<Vec<f32>> {
-    let vars = model.lora()?.context("adapters")?.vars();
-    let params = ParamsAdamW {
-        lr: 1e-3,
-        ..Default::default()
-    };
-    let mut opt = candle_nn::AdamW::new(vars.iter().map(|(_, v)| v.clone()).collect(), params)?;
+    let mut opt = crate::lora::adapters_adamw(model, 1e-3)?;
     let mut losses = Vec::new();
     for step in 0..STEPS {
         let (loss, grads) = model.lora_loss_and_grads(x, y, micro_batches)?;

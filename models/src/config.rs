@@ -689,6 +689,12 @@ impl LlamaConfig {
             .map(|(_, s, _)| s.iter().product::<usize>())
             .sum()
     }
+
+    /// Parameters outside the decoder layers: the embedding, the final norm
+    /// and an untied head.
+    pub fn outer_params(&self) -> usize {
+        self.num_params() - self.layer_params() * self.num_hidden_layers
+    }
 }
 
 /// Reading the `config.json` layouts of Hugging Face transformers 4.x and 5.x

@@ -95,7 +95,7 @@ impl DevicePlan {
         let b = shape.dtype.size_in_bytes();
         let h = cfg.hidden_size;
         let layer = cfg.layer_params();
-        let outer = cfg.num_params() - layer * cfg.num_hidden_layers;
+        let outer = cfg.outer_params();
         let tokens = shape.rows * shape.seq;
         let piece = settings.piece_rows.min(shape.rows) * shape.seq;
         let per_token = layer_work_per_token(cfg, shape.dtype);

@@ -42,8 +42,8 @@ impl HostPlan {
     /// The plan of training `cfg` as `setup` says.
     pub fn for_training(cfg: &LlamaConfig, setup: &TrainSetup) -> Self {
         let all = cfg.num_params();
-        let layers = cfg.layer_params() * cfg.num_hidden_layers;
-        let outer = all - layers;
+        let outer = cfg.outer_params();
+        let layers = all - outer;
         let host_opt = setup.place == OptimizerPlace::Host;
         let on_host = if !host_opt && setup.cuda { layers } else { all };
         let activations = offloaded_inputs(cfg, setup.offload_inputs);
@@ -71,9 +71,8 @@ impl HostPlan {
         dtype: DType,
         offload_inputs: Option<(usize, usize, DType)>,
     ) -> Self {
-        let outer = cfg.num_params() - cfg.layer_params() * cfg.num_hidden_layers;
         Self {
-            masters: cfg.num_hidden_layers * layer_bytes + outer * dtype.size_in_bytes(),
+            masters: streamed_masters_bytes(cfg, layer_bytes, dtype),
             moments: 0,
             gradients: 0,
             activations: offloaded_inputs(cfg, offload_inputs),
@@ -109,6 +108,13 @@ impl HostPlan {
         }
         .into())
     }
+}
+
+/// Host bytes of a streamed frozen model's masters: each decoder layer's
+/// `layer_bytes` (what it streams; packed bytes for a quantized base) and
+/// the embedding, norm and head in `dtype`.
+pub fn streamed_masters_bytes(cfg: &LlamaConfig, layer_bytes: usize, dtype: DType) -> usize {
+    cfg.num_hidden_layers * layer_bytes + cfg.outer_params() * dtype.size_in_bytes()
 }
 
 /// Host bytes of the block inputs `ActivationPolicy::OffloadInputs` keeps,

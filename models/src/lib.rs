@@ -122,7 +122,7 @@ pub use embedding::embedding;
 pub use fp8_config::Fp8Layout;
 pub use fused_linear::{fused_linear, Epilogue, FusedLinear};
 pub use fused_mlp::{fused_mlp, FusedMlp};
-pub use host_plan::{HostPlan, TrainSetup};
+pub use host_plan::{streamed_masters_bytes, HostPlan, TrainSetup};
 pub use llama::{apply_rope, apply_rope_unfused, DecoderLayer, Llama, LossChunk, RmsNorm, Rope};
 pub use lora::{LoraAdapters, LoraConfig, LORA_TARGETS};
 pub use lora_plan::{LoraPlan, LoraStep};

@@ -127,7 +127,7 @@ impl LoraStep<'_> {
         } else {
             0
         };
-        let outer = (cfg.num_params() - cfg.layer_params() * cfg.num_hidden_layers) * b;
+        let outer = cfg.outer_params() * b;
         let chunk =
             crate::cross_entropy::linear_cross_entropy_chunk(cfg.vocab_size, self.shape.dtype)
                 .min(tokens);
