@@ -23,6 +23,8 @@
 #                                          # QLORA_DENSE_PLAN=0), 4 with
 #                                          # keep:X for X in QLORA_KEEP (none), then the bf16
 #                                          # base without a cap (~450 s)
+#   bash scripts/gpu-checks.sh qlora-timeline # qlora-accum's LoRA plan row with the pool's
+#                                          # timeline and host spans (~80 s)
 #   bash scripts/gpu-checks.sh qlora70     # the same LoRA on a 70B NF4 base, 4 x 2,048 tokens in
 #                                          # a 24 GiB cap (host ~51 GiB; QLORA70_PLAN=1: as the
 #                                          # LoRA plan splits it), then the same peer
@@ -144,6 +146,14 @@ for stage in "$@"; do
           LORA_BENCH_ACTIVATIONS=keep:$k timeout 90 bash "$B/run.sh" benches
       done
       r dense $L timeout 80 bash "$B/run.sh" benches
+      ;;
+    qlora-timeline)
+      # The LoRA plan row of qlora-accum with the pool's timeline and the
+      # host's spans (scripts/timeline-summary.py reads it).
+      T7=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
+      r qlora-tl GPU_ONLY=bench-lora LORA_BENCH=8b LORA_BENCH_MODES=lora LORA_BENCH_TARGETS=$T7 \
+        LORA_BENCH_QUANTIZE=nf4 LORA_BENCH_DEVICE_CAP_GIB=24 LORA_BENCH_PLAN=1 \
+        LORA_BENCH_TIMELINE="$OUT/res/qlora-tl" timeout 90 bash "$B/run.sh" benches
       ;;
     qlora70)
       T7=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
