@@ -2,15 +2,16 @@
 //! its logits equal those of the same model built from the CPU-dequantized
 //! weights (streamed: bit for bit; resident: within a stated tolerance),
 //! QLoRA trains adapters on it with the loss curve of LoRA on the dense
-//! dequantized base, the pool copies the packed bytes (not dense ones), and
-//! bad input is refused naming the tensor.
+//! dequantized base, the pool copies the packed bytes (not dense ones; a
+//! layer's seven in one copy, its image), and bad input is refused naming
+//! the tensor.
 use anyhow::{ensure, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Optimizer, ParamsAdamW, VarBuilder};
 use std::collections::HashMap;
 use streamer_core::WeightSource;
 use streamer_models::{init_weights, Llama, LlamaConfig, LoraAdapters, LoraConfig, LORA_TARGETS};
-use streamer_models::{QuantizedWeights, QUANTIZABLE};
+use streamer_models::{is_quantizable, QuantizedWeights, QUANTIZABLE};
 use streamer_quant::{FourBitType, QuantScheme};
 
 /// The formats under test, by name: NF4 plain and nested, int8, fp8.
@@ -94,6 +95,52 @@ fn quant_stream_logits_equal_the_dequantized_model(dev: &Device) -> Result<()> {
 }
 candle_streamer::test_device!(quant_stream_logits_equal_the_dequantized_model);
 
+/// A layer with only some of its weights quantized keeps those as buffers
+/// (and host masters) of their own, the whole layers' seven are one image
+/// each, and the model gives the dequantized model's logits.
+fn quant_stream_partly_quantized_layer_stays_loose(dev: &Device) -> Result<()> {
+    let dtype = crate::common::compute_dtype(dev);
+    let cfg = LlamaConfig::tiny();
+    let w = init_weights(&cfg, 7)?;
+    let scheme = schemes()[0].1;
+    let mut q = QuantizedWeights::default();
+    for (name, t) in &w {
+        let left_dense = name.starts_with("model.layers.1.") && !name.contains(".mlp.");
+        if is_quantizable(name) && !left_dense {
+            let values = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            q.insert_host(name, scheme.quantize(name, &values, t.dims())?)?;
+        }
+    }
+    ensure!(
+        q.image_bytes(0).is_some() && q.image_bytes(1).is_none(),
+        "images: layer 0 {:?}, layer 1 {:?}",
+        q.image_bytes(0),
+        q.image_bytes(1)
+    );
+    let stream = crate::common::stream(dev, dtype, 1);
+    let src = WeightSource::Tensors(w.clone());
+    let quantized = Llama::streamed_quantized(&src, &q, &cfg, stream.clone())?;
+    let streamed = Llama::from_tensors(dequantized(&w, &q)?, &cfg, stream)?;
+    let (x, _) = tokens(dev)?;
+    let d = max_abs_diff(&quantized.forward(&x)?, &streamed.forward(&x)?)?;
+    ensure!(d == 0.0, "partly quantized vs dequantized differ by {d}");
+    let masters = quantized.weights()?;
+    for (name, want) in [
+        ("model.layers.0.quantized_weights", true),
+        ("model.layers.0.mlp.up_proj.weight", false),
+        ("model.layers.1.quantized_weights", false),
+        ("model.layers.1.mlp.up_proj.weight", true),
+    ] {
+        ensure!(
+            masters.contains_key(name) == want,
+            "{name}: a host master {}",
+            if want { "missing" } else { "unexpected" }
+        );
+    }
+    Ok(())
+}
+candle_streamer::test_device!(quant_stream_partly_quantized_layer_stays_loose);
+
 fn quant_stream_copies_the_packed_bytes(dev: &Device) -> Result<()> {
     let dtype = crate::common::compute_dtype(dev);
     for (what, scheme) in schemes() {
@@ -109,9 +156,17 @@ fn quant_stream_copies_the_packed_bytes(dev: &Device) -> Result<()> {
             after.h2d_bytes - before.h2d_bytes,
         );
         ensure!(loads > 0, "{what}: no layer was loaded");
-        // A layer's copy: its packed linear weights and its two f32 norms.
+        // A layer's copy: its image (the packed linear weights, aligned)
+        // and its two f32 norms.
         let layers = cfg.num_hidden_layers;
-        let per_layer = (q.packed_bytes() / layers + 2 * cfg.hidden_size * 4) as u64;
+        let image = q.image_bytes(0).context("layer 0 has no image")?;
+        let padding = 6 * 255;
+        ensure!(
+            (q.packed_bytes() / layers..=q.packed_bytes() / layers + padding).contains(&image),
+            "{what}: a {image}-byte image for {} packed bytes a layer",
+            q.packed_bytes() / layers
+        );
+        let per_layer = (image + 2 * cfg.hidden_size * 4) as u64;
         ensure!(
             bytes == loads * per_layer,
             "{what}: {bytes} bytes for {loads} layer loads, expected {per_layer} a layer"
@@ -255,14 +310,23 @@ fn quant_stream_masters_share_the_packed_buffers(dev: &Device) -> Result<()> {
     let (cfg, w, q) = base(schemes()[0].1)?;
     let stream = crate::common::stream(dev, crate::common::compute_dtype(dev), 1);
     let model = Llama::streamed_quantized(&WeightSource::Tensors(w), &q, &cfg, stream)?;
-    // The host masters are the packed buffers themselves (no second copy).
+    // A layer's host master is its image, which the packed buffers are
+    // views of (no second copy), and the only master of its seven weights.
     let name = "model.layers.2.mlp.up_proj.weight";
-    let theirs = model.weights()?.remove(name).context("master")?;
+    let image = "model.layers.2.quantized_weights";
+    let mut masters = model.weights()?;
+    ensure!(
+        !masters.contains_key(name),
+        "{name} has a master of its own"
+    );
+    let theirs = masters.remove(image).context("the layer's image")?;
     let ours = q.dequantized()?.remove(name).context("packed")?;
     ensure!(
-        theirs.dtype() == DType::U8,
-        "master of {name} is {:?}",
-        theirs.dtype()
+        theirs.dtype() == DType::U8 && Some(theirs.elem_count()) == q.image_bytes(2),
+        "master {image} is {:?} of {:?}, image {:?} bytes",
+        theirs.dtype(),
+        theirs.dims(),
+        q.image_bytes(2)
     );
     let (a, b) = (
         theirs.storage_and_layout().0,

@@ -22,12 +22,13 @@
 //! PCIe time every step. [`plan_batch`] adds them where the rates say that
 //! raises the generated tokens/s, within the host memory the run allows.
 use candle_core::{DType, Device, Result, Tensor};
+use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
 
 use crate::checkpoint::layer_bytes;
 use crate::quantization_config::QuantizationConfig;
-use crate::quantized_weights::is_quantizable;
+use crate::quantized_weights::{image_offsets, is_quantizable, QUANTIZABLE};
 use crate::{BatchLimits, LlamaConfig, PretrainedFiles};
 use streamer_quant::QuantScheme;
 
@@ -64,18 +65,27 @@ impl LayerFootprint {
     ) -> Result<Self> {
         let e = dtype.size_in_bytes();
         let (mut slot, mut scratch) = (0, 0);
+        let mut packed = HashMap::new();
         for (name, shape, _) in cfg.layer_weights(0) {
             let dense = shape.iter().product::<usize>() * e;
             if is_quantizable(&name) && !keep_dense(&name) {
                 let layout = scheme
                     .layout(&name, &shape)
                     .map_err(candle_core::Error::wrap)?;
-                slot += layout.bytes();
+                packed.insert(name, layout.bytes());
                 scratch += dense;
             } else {
                 slot += dense;
             }
         }
+        // All seven packed: one image of the layer, with its alignment.
+        slot += match packed.len() == QUANTIZABLE.len() {
+            true => {
+                let local = |l: &str| packed[&format!("model.layers.0.{l}")];
+                image_offsets(QUANTIZABLE.iter().map(|l| local(l))).1
+            }
+            false => packed.values().sum(),
+        };
         Ok(Self {
             slot,
             scratch,

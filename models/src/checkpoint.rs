@@ -18,8 +18,8 @@ pub fn check_weights(src: &WeightSource, cfg: &LlamaConfig) -> Result<()> {
 }
 
 /// [`check_weights`] with the names in `packed` (quantized weights, checked
-/// on their own by `QuantizedWeights::check`) left out of the shape and
-/// dtype checks.
+/// on their own by `QuantizedWeights::check`, and the layers' images that
+/// hold them) left out of the shape, dtype and unknown-name checks.
 pub(crate) fn check_weights_except(
     src: &WeightSource,
     cfg: &LlamaConfig,
@@ -63,7 +63,7 @@ pub(crate) fn check_weights_except(
     let extra: Vec<String> = src
         .names()
         .into_iter()
-        .filter(|n| !known.contains(n.as_str()))
+        .filter(|n| !known.contains(n.as_str()) && !packed.contains(n))
         .filter(|n| !(cfg.tie_word_embeddings && n == "lm_head.weight"))
         .collect();
     if !extra.is_empty() {

@@ -1,22 +1,24 @@
 //! A `VarBuilder` that dequantizes: a decoder layer built over it reads its
 //! quantized weights as dense bf16 tensors, made on the device from the
-//! packed bytes its streamed slot holds (`streamer_quant::dequantize`), and
-//! every other weight as the slot holds it. The layer's code (forward and
+//! packed bytes its streamed slot holds (`streamer_quant::dequantize`; a
+//! layer's image, [`QuantizedWeights`](crate::QuantizedWeights), is one
+//! master read once and cut into its weights), and every other weight as
+//! the slot holds it. The layer's code (forward and
 //! hand-written backward) is the dense layer's, unchanged; the dequantized
 //! tensors are fresh (no variable, no autograd node), so the base gets no
 //! weight gradient while adapters' gradients flow through them.
+use crate::quantized_weights::{LayerPacking, LAYER_IMAGE};
 use candle_core::{DType, Device, Result, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
-use std::collections::HashMap;
 use std::sync::Arc;
 use streamer_quant::PackedLayout;
 
-/// Reads the names in `layouts` (relative to `inner`'s prefix) as packed
+/// Reads the names in `packing` (relative to `inner`'s prefix) as packed
 /// buffers and dequantizes them; everything else comes from `inner`.
 struct Dequantizing<'a> {
     inner: VarBuilder<'a>,
-    layouts: Arc<HashMap<String, PackedLayout>>,
+    packing: Arc<LayerPacking>,
 }
 
 impl Dequantizing<'_> {
@@ -25,7 +27,7 @@ impl Dequantizing<'_> {
     fn dense(
         &self,
         name: &str,
-        layout: &PackedLayout,
+        (layout, at): &(PackedLayout, Option<usize>),
         want: Option<&Shape>,
         dtype: DType,
     ) -> Result<Tensor> {
@@ -35,8 +37,17 @@ impl Dequantizing<'_> {
                 (what, format!("{:?}, as the layer expects", s.dims()))
             })?;
         }
-        let bytes =
-            (self.inner).get_with_hints_dtype(layout.bytes(), name, Init::Const(0.), DType::U8)?;
+        let bytes = match (at, self.packing.image_bytes) {
+            (Some(at), Some(len)) => (self.inner)
+                .get_with_hints_dtype(len, LAYER_IMAGE, Init::Const(0.), DType::U8)?
+                .narrow(0, *at, layout.bytes())?,
+            _ => (self.inner).get_with_hints_dtype(
+                layout.bytes(),
+                name,
+                Init::Const(0.),
+                DType::U8,
+            )?,
+        };
         if streamer_core::discovering() {
             // The streamed model is learning what the layer reads (the bytes,
             // just recorded), not computing: dequantizing here would cost a
@@ -49,15 +60,15 @@ impl Dequantizing<'_> {
 
 impl SimpleBackend for Dequantizing<'_> {
     fn get(&self, s: Shape, name: &str, h: Init, dtype: DType, _dev: &Device) -> Result<Tensor> {
-        match self.layouts.get(name) {
-            Some(l) => self.dense(name, l, Some(&s), dtype),
+        match self.packing.weights.get(name) {
+            Some(w) => self.dense(name, w, Some(&s), dtype),
             None => self.inner.get_with_hints_dtype(s, name, h, dtype),
         }
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, _dev: &Device) -> Result<Tensor> {
-        match self.layouts.get(name) {
-            Some(l) => self.dense(name, l, None, dtype),
+        match self.packing.weights.get(name) {
+            Some(w) => self.dense(name, w, None, dtype),
             None => self.inner.get_unchecked_dtype(name, dtype),
         }
     }
@@ -67,19 +78,16 @@ impl SimpleBackend for Dequantizing<'_> {
     }
 }
 
-/// `vb` with the names in `layouts` (relative to `vb`'s prefix) read as
-/// packed buffers and dequantized; with no layouts, `vb` itself.
-pub(crate) fn dequantizing<'a>(
-    vb: VarBuilder<'a>,
-    layouts: &Arc<HashMap<String, PackedLayout>>,
-) -> VarBuilder<'a> {
-    if layouts.is_empty() {
+/// `vb` with the names in `packing` (relative to `vb`'s prefix) read as
+/// packed buffers and dequantized; with nothing packed, `vb` itself.
+pub(crate) fn dequantizing<'a>(vb: VarBuilder<'a>, packing: &Arc<LayerPacking>) -> VarBuilder<'a> {
+    if packing.is_empty() {
         return vb;
     }
     let (dtype, device) = (vb.dtype(), vb.device().clone());
     let backend = Dequantizing {
         inner: vb,
-        layouts: layouts.clone(),
+        packing: packing.clone(),
     };
     VarBuilder::from_backend(Box::new(backend), dtype, device)
 }

@@ -614,7 +614,7 @@ fn layer_blocks(
     (from..layers)
         .map(|i| {
             let (c, cache, lora) = (cfg.clone(), cache.clone(), lora.clone());
-            let packed = Arc::new(quant.map(|q| q.layer_layouts(i)).unwrap_or_default());
+            let packed = Arc::new(quant.map(|q| q.layer_packing(i)).unwrap_or_default());
             BlockSpec::new(format!("model.layers.{i}"), move |vb| {
                 let vb = crate::dequant_backend::dequantizing(vb, &packed);
                 model_layer(&c, i, vb, (&cache, &lora))
@@ -807,7 +807,11 @@ impl Llama {
     ) -> Result<Self> {
         cfg.validate()?;
         stream.validate()?;
-        let packed = quant.map(QuantizedWeights::names).unwrap_or_default();
+        // The quantized weights' names and the source's names for them
+        // (layers' images): neither is a dense weight `src` must hold.
+        let packed: Vec<String> = (quant.into_iter())
+            .flat_map(|q| q.names().into_iter().chain(q.source_names()))
+            .collect();
         if let Some(q) = quant {
             q.check(cfg)?;
         }

@@ -27,11 +27,53 @@ fn quant(e: streamer_quant::QuantError) -> candle_core::Error {
     candle_core::Error::wrap(e)
 }
 
+/// The local name (relative to the layer) of a layer's quantized weights
+/// held as one buffer: what the layer's streamed block reads and the pool
+/// copies as one master.
+pub(crate) const LAYER_IMAGE: &str = "quantized_weights";
+
+/// Offsets of the packed buffers in a layer's image are aligned to this many
+/// bytes (the pool's slot alignment: the kernels' vector loads).
+const IMAGE_ALIGN: usize = 256;
+
 /// Quantized linear weights by Hugging Face name, each a packed u8 buffer on
-/// the host and its layout. Cloning shares the buffers.
+/// the host and its layout. Once a decoder layer has all seven, they are
+/// moved into one buffer of the layer (its image, each weight a view of
+/// it): a streamed layer then copies one host master instead of seven, and
+/// every copy costs the driver's per-copy overhead and a pageable piece at
+/// each end (only whole pages are page-locked). Cloning shares the buffers.
 #[derive(Clone, Default)]
 pub struct QuantizedWeights {
     entries: BTreeMap<String, (PackedLayout, Tensor)>,
+    /// Layer index -> its image and each weight's (local name, offset).
+    images: BTreeMap<usize, (Tensor, Vec<(String, usize)>)>,
+}
+
+/// What a streamed decoder layer reads packed: each quantized weight's
+/// layout by name relative to the layer and, where the layer has an image,
+/// the weight's offset in it.
+#[derive(Clone, Default)]
+pub(crate) struct LayerPacking {
+    /// Layout and offset in the image (`None`: a buffer of its own).
+    pub(crate) weights: HashMap<String, (PackedLayout, Option<usize>)>,
+    /// Bytes of the layer's image, if it has one.
+    pub(crate) image_bytes: Option<usize>,
+}
+
+impl LayerPacking {
+    /// Whether the layer reads nothing packed.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.weights.is_empty()
+    }
+}
+
+/// The decoder layer `name` belongs to, if any.
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("model.layers.")?
+        .split_once('.')?
+        .0
+        .parse()
+        .ok()
 }
 
 impl QuantizedWeights {
@@ -61,7 +103,44 @@ impl QuantizedWeights {
         let t = candle_core::Var::from_vec(bytes, n, &Device::Cpu)?
             .as_tensor()
             .clone();
-        self.entries.insert(layout.name().to_string(), (layout, t));
+        let name = layout.name().to_string();
+        self.entries.insert(name.clone(), (layout, t));
+        match layer_of(&name) {
+            Some(i) => self.seal(i),
+            None => Ok(()),
+        }
+    }
+
+    /// Moves layer `i`'s seven packed buffers into one image once it has
+    /// them all (a replaced buffer makes a new image); until then, and for
+    /// a layer quantized in part, each stays a buffer of its own.
+    fn seal(&mut self, i: usize) -> Result<()> {
+        self.images.remove(&i);
+        let prefix = format!("model.layers.{i}.");
+        let names: Vec<String> = QUANTIZABLE.iter().map(|l| format!("{prefix}{l}")).collect();
+        if !names.iter().all(|n| self.entries.contains_key(n)) {
+            return Ok(());
+        }
+        let (at, len) = image_offsets(names.iter().map(|n| self.entries[n].0.bytes()));
+        let offsets: Vec<(String, usize)> = (QUANTIZABLE.iter())
+            .map(|l| l.to_string())
+            .zip(at)
+            .collect();
+        let mut image = vec![0u8; len];
+        for ((_, at), name) in offsets.iter().zip(&names) {
+            let bytes = self.entries[name].1.to_vec1::<u8>()?;
+            image[*at..*at + bytes.len()].copy_from_slice(&bytes);
+        }
+        // A variable, so that the streamed model's host master is the image
+        // itself, not a copy.
+        let image = candle_core::Var::from_vec(image, len, &Device::Cpu)?
+            .as_tensor()
+            .clone();
+        for ((_, at), name) in offsets.iter().zip(&names) {
+            let entry = self.entries.get_mut(name).expect("checked above");
+            entry.1 = image.narrow(0, *at, entry.0.bytes())?;
+        }
+        self.images.insert(i, (image, offsets));
         Ok(())
     }
 
@@ -181,6 +260,16 @@ impl QuantizedWeights {
         self.entries.keys().cloned().collect()
     }
 
+    /// The names [`Self::over`] adds to a source: each layer image's, and
+    /// each quantized weight's outside an image.
+    pub(crate) fn source_names(&self) -> Vec<String> {
+        let images = self.images.keys().map(|i| image_name(*i));
+        let loose = (self.entries.keys())
+            .filter(|n| layer_of(n).is_none_or(|i| !self.images.contains_key(&i)))
+            .cloned();
+        images.chain(loose).collect()
+    }
+
     /// The layout of `name`, if quantized.
     pub fn layout(&self, name: &str) -> Option<&PackedLayout> {
         self.entries.get(name).map(|(l, _)| l)
@@ -191,8 +280,14 @@ impl QuantizedWeights {
         self.entries.get(name).map(|(_, t)| t)
     }
 
+    /// Bytes of layer `i`'s image (its seven packed buffers, each at a
+    /// 256-byte aligned offset), if it has one.
+    pub fn image_bytes(&self, i: usize) -> Option<usize> {
+        self.images.get(&i).map(|(t, _)| t.elem_count())
+    }
+
     /// Bytes of every packed buffer: what streaming the quantized weights
-    /// once copies.
+    /// once copies, but for the images' alignment padding.
     pub fn packed_bytes(&self) -> usize {
         self.entries.values().map(|(l, _)| l.bytes()).sum()
     }
@@ -205,13 +300,20 @@ impl QuantizedWeights {
             .collect()
     }
 
-    /// One source of every weight: the packed buffers (u8, shared, not
-    /// copied) and `src`'s other tensors as it holds them (in-memory ones
-    /// shared; a dense copy of a quantized weight in `src` is skipped).
+    /// One source of every weight: the layers' images and the packed
+    /// buffers outside one (u8, shared, not copied) and `src`'s other tensors
+    /// as it holds them (in-memory ones shared; a dense copy of a quantized
+    /// weight in `src` is skipped).
     pub(crate) fn over(&self, src: &WeightSource) -> Result<WeightSource> {
-        let mut all: HashMap<String, Tensor> = (self.entries.iter())
-            .map(|(n, (_, t))| (n.clone(), t.clone()))
-            .collect();
+        let mut all: HashMap<String, Tensor> = HashMap::new();
+        for name in self.source_names() {
+            let t = match (self.entries.get(&name), layer_of(&name)) {
+                (Some((_, t)), _) => t.clone(),
+                (None, Some(i)) => self.images[&i].0.clone(),
+                (None, None) => unreachable!("source_names names layers' images"),
+            };
+            all.insert(name, t);
+        }
         for name in src.names().into_iter().filter(|n| !self.contains(n)) {
             // Shared where in memory: the masters made from this source copy
             // them once (`WeightSource::load_master`).
@@ -221,12 +323,21 @@ impl QuantizedWeights {
         Ok(WeightSource::Tensors(all))
     }
 
-    /// Layer `i`'s layouts by name relative to the layer.
-    pub(crate) fn layer_layouts(&self, i: usize) -> HashMap<String, PackedLayout> {
+    /// What layer `i` reads packed ([`LayerPacking`]).
+    pub(crate) fn layer_packing(&self, i: usize) -> LayerPacking {
         let prefix = format!("model.layers.{i}.");
-        (self.entries.iter())
-            .filter_map(|(n, (l, _))| Some((n.strip_prefix(&prefix)?.to_string(), l.clone())))
-            .collect()
+        let image = self.images.get(&i);
+        let weights = (self.entries.iter())
+            .filter_map(|(n, (l, _))| {
+                let local = n.strip_prefix(&prefix)?;
+                let at = image.and_then(|(_, o)| o.iter().find(|(k, _)| k == local).map(|x| x.1));
+                Some((local.to_string(), (l.clone(), at)))
+            })
+            .collect();
+        LayerPacking {
+            weights,
+            image_bytes: image.map(|(t, _)| t.elem_count()),
+        }
     }
 
     /// Fails unless every quantized weight is a linear weight of a decoder
@@ -253,6 +364,23 @@ impl QuantizedWeights {
         }
         Ok(())
     }
+}
+
+/// Where buffers of `sizes` bytes (in [`QUANTIZABLE`] order) lie in a
+/// layer's image, and the image's length.
+pub(crate) fn image_offsets(sizes: impl Iterator<Item = usize>) -> (Vec<usize>, usize) {
+    let (mut offsets, mut len) = (Vec::new(), 0usize);
+    for n in sizes {
+        let at = len.next_multiple_of(IMAGE_ALIGN);
+        offsets.push(at);
+        len = at + n;
+    }
+    (offsets, len)
+}
+
+/// The source name of layer `i`'s image.
+fn image_name(i: usize) -> String {
+    format!("model.layers.{i}.{LAYER_IMAGE}")
 }
 
 /// Whether the Hugging Face name `name` is a quantizable weight
