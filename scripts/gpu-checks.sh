@@ -18,7 +18,7 @@
 #                                          # the bf16 base without a cap, then transformers +
 #                                          # PEFT + bitsandbytes QLoRA at 8B (~330 s)
 #   bash scripts/gpu-checks.sh qlora-accum # that 8B NF4 LoRA step in the cap as QLORA_ACCUM
-#                                          # (1 2 4 8) micro-batches one after another, as the
+#                                          # (1 2 4 8; set empty: none) micro-batches in turn, as the
 #                                          # LoRA plan chooses (NF4, and bf16 unless
 #                                          # QLORA_DENSE_PLAN=0), 4 with
 #                                          # keep:X for X in QLORA_KEEP (none), then the bf16
@@ -132,7 +132,7 @@ for stage in "$@"; do
       # one after another (LORA_BENCH_ACCUM), then the bf16 base without a cap.
       T7=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
       L="GPU_ONLY=bench-lora LORA_BENCH=8b LORA_BENCH_MODES=lora LORA_BENCH_TARGETS=$T7"
-      for a in ${QLORA_ACCUM:-1 2 4 8}; do
+      for a in ${QLORA_ACCUM-1 2 4 8}; do
         r qlora-a$a $L LORA_BENCH_QUANTIZE=nf4 LORA_BENCH_DEVICE_CAP_GIB=24 LORA_BENCH_ACCUM=$a \
           timeout 90 bash "$B/run.sh" benches
       done
