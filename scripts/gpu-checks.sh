@@ -12,6 +12,8 @@
 #   bash scripts/gpu-checks.sh quantized   # 8B generate at batch 1 (nf4, bf16) with the
 #                                          # transformers + bitsandbytes peer, the 8B bf16 rows
 #                                          # in a 24 GiB cap (~330 s)
+#   bash scripts/gpu-checks.sh generate-nf4 # quantized's batch-1 nf4 and bf16 rows, no peer
+#                                          # (~150 s)
 #   bash scripts/gpu-checks.sh qlora       # LoRA r 16 on all seven projections of an 8B NF4
 #                                          # base in a 24 GiB cap: the default policy, then
 #                                          # spilling to the host (spill:6GiB:40GiB), then
@@ -116,6 +118,11 @@ for stage in "$@"; do
       r b24 $G GEN_BENCH_BATCHES= GEN_BENCH_DEVICE_BUDGET_GIB=24 timeout 90 bash "$B/run.sh" benches
       bnb
       r bnb PY_ARGS_qlora_torch="--modes generate" GPU_ONLY=qlora_torch timeout 150 bash "$B/run.sh" benches
+      ;;
+    generate-nf4)
+      # The batch-1 rows of quantized alone (nf4, bf16; no peer).
+      r nf4 $G GEN_BENCH_QUANTIZE=nf4 GEN_BENCH_BATCHES=1 timeout 70 bash "$B/run.sh" benches
+      r bf16 $G GEN_BENCH_BATCHES=1 timeout 80 bash "$B/run.sh" benches
       ;;
     qlora)
       T7=q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj
