@@ -37,10 +37,7 @@ impl Llama {
         };
         let vars = adapters.vars();
         let per = rows / micro_batches;
-        // Read once the last backward is issued: reading a micro-batch's loss
-        // before its backward left the GPU idle while the backward's first
-        // work was issued (about 14 ms a micro-batch at 8B).
-        let mut losses = Vec::with_capacity(micro_batches);
+        let mut total = 0f32;
         let mut acc: Option<GradStore> = None;
         // Host spans on the pool's timeline: where a micro-batch's host time
         // goes between the GPU's layers.
@@ -50,6 +47,8 @@ impl Llama {
             let y = targets.narrow(0, m * per, per)?;
             let loss = self.loss(&x, &y)?;
             self.host_span("micro-batch loss issued", &mut t)?;
+            total += loss.to_scalar::<f32>()?;
+            self.host_span("micro-batch loss read", &mut t)?;
             let mut grads = self.backward(&loss)?;
             self.host_span("micro-batch backward", &mut t)?;
             match acc.as_mut() {
@@ -62,14 +61,8 @@ impl Llama {
                     }
                 }
             }
-            // The value only: the graph behind it is freed here.
-            losses.push(loss.detach());
             drop(loss);
             self.host_span("micro-batch gradients summed, the loss freed", &mut t)?;
-        }
-        let mut total = 0f32;
-        for loss in losses {
-            total += loss.to_scalar::<f32>()?;
         }
         let mut grads = acc.expect("at least one micro-batch");
         if micro_batches > 1 {
