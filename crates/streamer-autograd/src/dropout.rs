@@ -76,9 +76,9 @@ fn uniform(shape: &[usize], device: &Device) -> Result<Tensor> {
 /// (with the context) for the process, reseeded for every mask: Philox's
 /// output depends only on its seed and offset, so a reseeded generator gives
 /// what a fresh one would. Made and destroyed for each mask, generators
-/// were thousands of driver calls a step, and the suspect when the LoRA
-/// budget test ran out of memory with dropout on and not without
-/// (`tests/lora_budget.rs`; not yet confirmed on a GPU).
+/// were thousands of driver calls a step. (They were not why the LoRA
+/// budget test runs out of memory with dropout on: it still does with this
+/// generator, `benches/results/cuda-tests-h100.txt`.)
 #[cfg(feature = "cuda")]
 mod philox {
     use candle_core::cuda_backend::cudarc::curand::{result, sys};
