@@ -74,7 +74,8 @@ impl SimpleBackend for Dequantizing<'_> {
     }
 
     fn contains_tensor(&self, name: &str) -> bool {
-        self.inner.contains_tensor(name)
+        // A weight in the layer's image is no name of the slot's own.
+        self.packing.weights.contains_key(name) || self.inner.contains_tensor(name)
     }
 }
 
