@@ -1251,6 +1251,14 @@ impl Llama {
             .map_err(|_| candle_core::Error::Msg("outer host buffers: poisoned".into()))
     }
 
+    /// Moves the gradients a streamed training backward left for the LoRA
+    /// adapters' compute-dtype copies onto the adapters
+    /// ([`LoraAdapters::extras_as_vars`](crate::LoraAdapters)): what every
+    /// path that takes a trainable model's gradients from its layers does.
+    pub(crate) fn copies_to_adapters(&self, grads: &mut GradStore) -> Result<()> {
+        self.lora.copies_to_adapters(grads)
+    }
+
     /// [`Llama::outer_grads_to_masters`] through the page-locked buffers of
     /// [`Llama::pin_outer_masters`] when it ran (else the same as it).
     ///
@@ -1425,7 +1433,16 @@ impl Llama {
         // The hand-written resident path is a training forward: no cache, no adapters.
         let fused = self.fused.enabled() && !kv && self.lora.adapters()?.is_none();
         if let Some(a) = self.lora.adapters()? {
-            extras.extend(a.extras(self.dtype, &self.device)?);
+            match &self.layers {
+                // The streamed backward hands the copies' gradients over as
+                // variables'; `backward` moves them onto the adapters.
+                Layers::Trainable(_) if !kv => {
+                    let (e, copies) = a.extras_as_vars(self.dtype, &self.device)?;
+                    extras.extend(e);
+                    self.lora.set_copies(copies)?;
+                }
+                _ => extras.extend(a.extras(self.dtype, &self.device)?),
+            }
         }
         let mut t = std::time::Instant::now();
         let host_embed = self.host_embedding(kv);
@@ -1588,6 +1605,7 @@ impl Llama {
             Layers::Trainable(t) => {
                 let mut grads = t.backward(loss)?;
                 self.outer_grads_to_masters(&mut grads)?;
+                self.copies_to_adapters(&mut grads)?;
                 Ok(grads)
             }
             Layers::Resident(_) => {
