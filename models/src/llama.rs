@@ -1251,6 +1251,25 @@ impl Llama {
             .map_err(|_| candle_core::Error::Msg("outer host buffers: poisoned".into()))
     }
 
+    /// The LoRA adapters' tensors the layers read as extras (none without
+    /// adapters). A trainable model's forward hands them as compute-dtype
+    /// copies that are variables of their own: the streamed backward gives
+    /// their gradients back as variables', which `backward` moves onto the
+    /// adapters ([`Llama::copies_to_adapters`]).
+    fn adapter_extras(&self, kv: bool) -> Result<Vec<Tensor>> {
+        let Some(a) = self.lora.adapters()? else {
+            return Ok(Vec::new());
+        };
+        match &self.layers {
+            Layers::Trainable(_) if !kv => {
+                let (extras, copies) = a.extras_as_vars(self.dtype, &self.device)?;
+                self.lora.set_copies(copies)?;
+                Ok(extras)
+            }
+            _ => a.extras(self.dtype, &self.device),
+        }
+    }
+
     /// Moves the gradients a streamed training backward left for the LoRA
     /// adapters' compute-dtype copies onto the adapters
     /// ([`LoraAdapters::extras_as_vars`](crate::LoraAdapters)): what every
@@ -1432,18 +1451,7 @@ impl Llama {
         }
         // The hand-written resident path is a training forward: no cache, no adapters.
         let fused = self.fused.enabled() && !kv && self.lora.adapters()?.is_none();
-        if let Some(a) = self.lora.adapters()? {
-            match &self.layers {
-                // The streamed backward hands the copies' gradients over as
-                // variables'; `backward` moves them onto the adapters.
-                Layers::Trainable(_) if !kv => {
-                    let (e, copies) = a.extras_as_vars(self.dtype, &self.device)?;
-                    extras.extend(e);
-                    self.lora.set_copies(copies)?;
-                }
-                _ => extras.extend(a.extras(self.dtype, &self.device)?),
-            }
-        }
+        extras.extend(self.adapter_extras(kv)?);
         let mut t = std::time::Instant::now();
         let host_embed = self.host_embedding(kv);
         let (embed, norm, head) = match &self.outer {

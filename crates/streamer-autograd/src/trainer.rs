@@ -1719,10 +1719,11 @@ fn continue_upstream(
             accumulate_grad(grads, &t, g)?;
         } else if t.track_op() {
             // d/dθ sum(t ⊙ g) = J_tᵀ g: the chain rule into t's own graph.
-            // An 8B LoRA step's 448 adapter extras come here: the host span
-            // around this takes about 106 ms with the GPU idle
-            // (`qlora-plan-timeline-8edefba-h100.txt`); one backward over
-            // them all stacked took 189 ms (`...-b1bcd9d-h100.txt`).
+            // A backward per tensor: an 8B LoRA step's 448 adapter extras
+            // once came here and took about 106 ms of host time with the GPU
+            // idle (`qlora-plan-timeline-8edefba-h100.txt`; one backward
+            // over them all stacked took 189 ms, `...-b1bcd9d-h100.txt`), so
+            // the model hands them as variables instead.
             let more = t.mul(&g.detach())?.sum_all()?.backward()?;
             grads.extend(more)?;
         }
