@@ -367,13 +367,17 @@ impl LoraLayout {
 /// The adapters and the layout the layers read from them.
 type LoraState = Option<(LoraLayout, Arc<LoraAdapters>)>;
 
+/// An adapter's copy in the compute dtype (a variable of its own) and the
+/// adapter variable it was made from.
+type AdapterCopy = (Var, Var);
+
 #[derive(Debug, Default)]
 pub(crate) struct LoraSlot {
     state: Mutex<LoraState>,
     /// The last streamed training forward's adapter copies in the compute
     /// dtype and the adapters they were made from
     /// ([`LoraAdapters::extras_as_vars`]).
-    copies: Mutex<Vec<(Var, Var)>>,
+    copies: Mutex<Vec<AdapterCopy>>,
 }
 
 impl LoraSlot {
@@ -400,7 +404,7 @@ impl LoraSlot {
     }
 
     /// Records the copies a streamed training forward handed its blocks.
-    pub(crate) fn set_copies(&self, copies: Vec<(Var, Var)>) -> Result<()> {
+    pub(crate) fn set_copies(&self, copies: Vec<AdapterCopy>) -> Result<()> {
         *self.copies_lock()? = copies;
         Ok(())
     }
@@ -419,7 +423,7 @@ impl LoraSlot {
         Ok(())
     }
 
-    fn copies_lock(&self) -> Result<std::sync::MutexGuard<'_, Vec<(Var, Var)>>> {
+    fn copies_lock(&self) -> Result<std::sync::MutexGuard<'_, Vec<AdapterCopy>>> {
         self.copies
             .lock()
             .map_err(|_| candle_core::Error::Msg("LoRA copies poisoned by a panic".into()))
@@ -648,7 +652,7 @@ impl LoraAdapters {
         &self,
         dtype: DType,
         device: &Device,
-    ) -> Result<(Vec<Tensor>, Vec<(Var, Var)>)> {
+    ) -> Result<(Vec<Tensor>, Vec<AdapterCopy>)> {
         let (mut out, mut copies) = (Vec::with_capacity(2 * self.adapters.len()), Vec::new());
         for a in &self.adapters {
             for v in [&a.a, &a.b] {
