@@ -3,7 +3,10 @@
 //! and training an NF4 base with its micro-batches and activation policy
 //! gives the losses of the plain step over the whole batch. On a GPU the
 //! rest of the device is held back (`DeviceCap`) and the driver's count of
-//! the process's memory stays within the budget at every step. A topic of
+//! the process's memory stays within the budget at every step; each run
+//! prints the device pool's peaks beside the plan (and an out-of-memory
+//! error carries them), to tell a plan that misses tensors from a pool
+//! that fragments. A topic of
 //! its own: the cap holds the GPU's memory from every other test in the
 //! process.
 use anyhow::{ensure, Context, Result};
@@ -122,13 +125,23 @@ fn lora_budget_holds(dev: &Device) -> Result<()> {
         let model = adapted(&cfg, &lcfg, dev, shape.dtype)?;
         (model.trainable_layers().context("streamed")?)
             .set_activation_policy(plan.activation_policy())?;
+        streamer_core::reset_device_pool_peaks(dev)?;
         let got = train(&model, (&x, &y), plan.micro_batches, |step| {
             match (total, &cap) {
                 (Some(total), Some(cap)) => crate::common::within(dev, (total, budget), cap)
                     .with_context(|| format!("dropout {dropout}, step {step}: {plan}")),
                 _ => Ok(()),
             }
-        })?;
+        })
+        // What the allocator held, against the plan: live tensors above it
+        // mean the plan misses something; reserved far above live, that
+        // the pool fragments.
+        .with_context(|| pool_figures(dev, &cap, plan.total(), budget));
+        println!(
+            "dropout {dropout}: {}",
+            pool_figures(dev, &cap, plan.total(), budget)
+        );
+        let got = got?;
         drop((model, cap));
         // The same sums in another order (bf16 on a GPU).
         let tol = if dev.is_cuda() { 1e-2 } else { 1e-5 };
@@ -142,6 +155,25 @@ fn lora_budget_holds(dev: &Device) -> Result<()> {
     Ok(())
 }
 candle_streamer::test_device!(lora_budget_holds);
+
+/// The device pool's peaks since the run began (live tensors, reserved;
+/// without what `cap` holds back, itself a pool allocation) beside the
+/// plan's total and the budget, in MiB.
+fn pool_figures(dev: &Device, cap: &Option<DeviceCap>, plan: usize, budget: usize) -> String {
+    let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+    let held = cap.as_ref().map_or(0, DeviceCap::held);
+    match streamer_core::device_pool_stats(dev) {
+        Ok(Some(p)) => format!(
+            "pool peaks: {:.0} MiB live, {:.0} MiB reserved; plan {:.0} MiB, budget {:.0} MiB",
+            mib(p.used_peak.saturating_sub(held)),
+            mib(p.reserved_peak.saturating_sub(held)),
+            mib(plan),
+            mib(budget)
+        ),
+        Ok(None) => "no device pool (CPU)".into(),
+        Err(e) => format!("pool figures unavailable: {e}"),
+    }
+}
 
 /// A budget that holds the whole step with half its layers' activations,
 /// and the plan for it, which must split the step or recompute.
