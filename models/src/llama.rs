@@ -1251,33 +1251,6 @@ impl Llama {
             .map_err(|_| candle_core::Error::Msg("outer host buffers: poisoned".into()))
     }
 
-    /// The LoRA adapters' tensors the layers read as extras (none without
-    /// adapters). A trainable model's forward hands them as compute-dtype
-    /// copies that are variables of their own: the streamed backward gives
-    /// their gradients back as variables', which `backward` moves onto the
-    /// adapters ([`Llama::copies_to_adapters`]).
-    fn adapter_extras(&self, kv: bool) -> Result<Vec<Tensor>> {
-        let Some(a) = self.lora.adapters()? else {
-            return Ok(Vec::new());
-        };
-        match &self.layers {
-            Layers::Trainable(_) if !kv => {
-                let (extras, copies) = a.extras_as_vars(self.dtype, &self.device)?;
-                self.lora.set_copies(copies)?;
-                Ok(extras)
-            }
-            _ => a.extras(self.dtype, &self.device),
-        }
-    }
-
-    /// Moves the gradients a streamed training backward left for the LoRA
-    /// adapters' compute-dtype copies onto the adapters
-    /// ([`LoraAdapters::extras_as_vars`](crate::LoraAdapters)): what every
-    /// path that takes a trainable model's gradients from its layers does.
-    pub(crate) fn copies_to_adapters(&self, grads: &mut GradStore) -> Result<()> {
-        self.lora.copies_to_adapters(grads)
-    }
-
     /// [`Llama::outer_grads_to_masters`] through the page-locked buffers of
     /// [`Llama::pin_outer_masters`] when it ran (else the same as it).
     ///
@@ -1451,7 +1424,9 @@ impl Llama {
         }
         // The hand-written resident path is a training forward: no cache, no adapters.
         let fused = self.fused.enabled() && !kv && self.lora.adapters()?.is_none();
-        extras.extend(self.adapter_extras(kv)?);
+        if let Some(a) = self.lora.adapters()? {
+            extras.extend(a.extras(self.dtype, &self.device)?);
+        }
         let mut t = std::time::Instant::now();
         let host_embed = self.host_embedding(kv);
         let (embed, norm, head) = match &self.outer {
@@ -1613,7 +1588,6 @@ impl Llama {
             Layers::Trainable(t) => {
                 let mut grads = t.backward(loss)?;
                 self.outer_grads_to_masters(&mut grads)?;
-                self.copies_to_adapters(&mut grads)?;
                 Ok(grads)
             }
             Layers::Resident(_) => {

@@ -11,7 +11,6 @@
 //! PEFT loads ours and we load PEFT's. [`LoraAdapters::merge_into`] folds them
 //! into the base weights.
 use crate::config::LlamaConfig;
-use candle_core::backprop::GradStore;
 use candle_core::{bail, DType, Device, Result, Tensor, Var, D};
 use serde_json::Value;
 use std::collections::HashMap;
@@ -367,17 +366,9 @@ impl LoraLayout {
 /// The adapters and the layout the layers read from them.
 type LoraState = Option<(LoraLayout, Arc<LoraAdapters>)>;
 
-/// An adapter's copy in the compute dtype (a variable of its own) and the
-/// adapter variable it was made from.
-type AdapterCopy = (Var, Var);
-
 #[derive(Debug, Default)]
 pub(crate) struct LoraSlot {
     state: Mutex<LoraState>,
-    /// The last streamed training forward's adapter copies in the compute
-    /// dtype and the adapters they were made from
-    /// ([`LoraAdapters::extras_as_vars`]).
-    copies: Mutex<Vec<AdapterCopy>>,
 }
 
 impl LoraSlot {
@@ -401,32 +392,6 @@ impl LoraSlot {
             None => None,
         };
         Ok(())
-    }
-
-    /// Records the copies a streamed training forward handed its blocks.
-    pub(crate) fn set_copies(&self, copies: Vec<AdapterCopy>) -> Result<()> {
-        *self.copies_lock()? = copies;
-        Ok(())
-    }
-
-    /// Moves the gradients of the last forward's copies in `grads` onto the
-    /// adapters they were made from (converted to the adapters' dtype and
-    /// added to any they have): the adapters' gradients, as autograd through
-    /// the conversion would give them.
-    pub(crate) fn copies_to_adapters(&self, grads: &mut GradStore) -> Result<()> {
-        for (copy, adapter) in std::mem::take(&mut *self.copies_lock()?) {
-            if let Some(g) = grads.remove(copy.as_tensor()) {
-                let g = g.to_dtype(adapter.dtype())?;
-                streamer_autograd::accumulate_grad(grads, adapter.as_tensor(), g)?;
-            }
-        }
-        Ok(())
-    }
-
-    fn copies_lock(&self) -> Result<std::sync::MutexGuard<'_, Vec<AdapterCopy>>> {
-        self.copies
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("LoRA copies poisoned by a panic".into()))
     }
 
     pub(crate) fn set_training(&self, on: bool) -> Result<()> {
@@ -638,35 +603,6 @@ impl LoraAdapters {
             }
         }
         Ok(out)
-    }
-
-    /// As [`Self::extras`] for a streamed training forward: each extra in
-    /// another dtype than its adapter is a variable of its own (a copy),
-    /// paired with the adapter's variable. The streamed backward then hands
-    /// its gradient over as a variable's ([`LoraSlot::copies_to_adapters`]
-    /// converts it onto the adapter) instead of walking a conversion's graph
-    /// back to the adapter: a small Candle backward per extra, 448 for an 8B
-    /// model, kept the GPU idle 60-72 ms a micro-batch
-    /// (`benches/results/qlora-plan-timeline-8edefba-h100.txt`).
-    pub(crate) fn extras_as_vars(
-        &self,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<(Vec<Tensor>, Vec<AdapterCopy>)> {
-        let (mut out, mut copies) = (Vec::with_capacity(2 * self.adapters.len()), Vec::new());
-        for a in &self.adapters {
-            for v in [&a.a, &a.b] {
-                let t = v.as_tensor();
-                if t.dtype() == dtype && t.device().same_device(device) {
-                    out.push(t.clone());
-                    continue;
-                }
-                let copy = Var::from_tensor(&t.detach().to_device(device)?.to_dtype(dtype)?)?;
-                out.push(copy.as_tensor().clone());
-                copies.push((copy, v.clone()));
-            }
-        }
-        Ok((out, copies))
     }
 
     /// Folds the adapters into base weights (Hugging Face names):

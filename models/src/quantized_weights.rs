@@ -45,8 +45,9 @@ const IMAGE_ALIGN: usize = 256;
 #[derive(Clone, Default)]
 pub struct QuantizedWeights {
     entries: BTreeMap<String, (PackedLayout, Tensor)>,
-    /// Layer index -> its image and each weight's (local name, offset).
-    images: BTreeMap<usize, (Tensor, Vec<(String, usize)>)>,
+    /// Layer index -> its image (each of the layer's entries is a view of
+    /// it, at its layout's start offset).
+    images: BTreeMap<usize, Tensor>,
 }
 
 /// What a streamed decoder layer reads packed: each quantized weight's
@@ -121,13 +122,9 @@ impl QuantizedWeights {
         if !names.iter().all(|n| self.entries.contains_key(n)) {
             return Ok(());
         }
-        let (at, len) = image_offsets(names.iter().map(|n| self.entries[n].0.bytes()));
-        let offsets: Vec<(String, usize)> = (QUANTIZABLE.iter())
-            .map(|l| l.to_string())
-            .zip(at)
-            .collect();
+        let (offsets, len) = image_offsets(names.iter().map(|n| self.entries[n].0.bytes()));
         let mut image = vec![0u8; len];
-        for ((_, at), name) in offsets.iter().zip(&names) {
+        for (at, name) in offsets.iter().zip(&names) {
             let bytes = self.entries[name].1.to_vec1::<u8>()?;
             image[*at..*at + bytes.len()].copy_from_slice(&bytes);
         }
@@ -136,11 +133,11 @@ impl QuantizedWeights {
         let image = candle_core::Var::from_vec(image, len, &Device::Cpu)?
             .as_tensor()
             .clone();
-        for ((_, at), name) in offsets.iter().zip(&names) {
+        for (at, name) in offsets.iter().zip(&names) {
             let entry = self.entries.get_mut(name).expect("checked above");
             entry.1 = image.narrow(0, *at, entry.0.bytes())?;
         }
-        self.images.insert(i, (image, offsets));
+        self.images.insert(i, image);
         Ok(())
     }
 
@@ -283,7 +280,7 @@ impl QuantizedWeights {
     /// Bytes of layer `i`'s image (its seven packed buffers, each at a
     /// 256-byte aligned offset), if it has one.
     pub fn image_bytes(&self, i: usize) -> Option<usize> {
-        self.images.get(&i).map(|(t, _)| t.elem_count())
+        self.images.get(&i).map(Tensor::elem_count)
     }
 
     /// Bytes of every packed buffer: what streaming the quantized weights
@@ -309,7 +306,7 @@ impl QuantizedWeights {
         for name in self.source_names() {
             let t = match (self.entries.get(&name), layer_of(&name)) {
                 (Some((_, t)), _) => t.clone(),
-                (None, Some(i)) => self.images[&i].0.clone(),
+                (None, Some(i)) => self.images[&i].clone(),
                 (None, None) => unreachable!("source_names names layers' images"),
             };
             all.insert(name, t);
@@ -327,16 +324,17 @@ impl QuantizedWeights {
     pub(crate) fn layer_packing(&self, i: usize) -> LayerPacking {
         let prefix = format!("model.layers.{i}.");
         let image = self.images.get(&i);
+        // In an image, a weight's view starts at its offset.
         let weights = (self.entries.iter())
-            .filter_map(|(n, (l, _))| {
+            .filter_map(|(n, (l, t))| {
                 let local = n.strip_prefix(&prefix)?;
-                let at = image.and_then(|(_, o)| o.iter().find(|(k, _)| k == local).map(|x| x.1));
+                let at = image.map(|_| t.layout().start_offset());
                 Some((local.to_string(), (l.clone(), at)))
             })
             .collect();
         LayerPacking {
             weights,
-            image_bytes: image.map(|(t, _)| t.elem_count()),
+            image_bytes: image.map(Tensor::elem_count),
         }
     }
 

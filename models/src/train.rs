@@ -373,7 +373,6 @@ impl LmTrainer {
                     spanned(model, "outer gradients to their masters", || unsafe {
                         model.outer_grads_down(&mut grads)
                     })?;
-                    model.copies_to_adapters(&mut grads)?;
                     add_grads(&mut grads, earlier)?;
                     spanned(model, "outer step (embedding, norm, head)", || {
                         opt.step_params(&grads, outer)

@@ -1720,10 +1720,10 @@ fn continue_upstream(
         } else if t.track_op() {
             // d/dθ sum(t ⊙ g) = J_tᵀ g: the chain rule into t's own graph.
             // A backward per tensor: an 8B LoRA step's 448 adapter extras
-            // once came here and took about 106 ms of host time with the GPU
-            // idle (`qlora-plan-timeline-8edefba-h100.txt`; one backward
-            // over them all stacked took 189 ms, `...-b1bcd9d-h100.txt`), so
-            // the model hands them as variables instead.
+            // (bf16 conversions of f32 variables) come here and take about
+            // 106 ms of host time with the GPU idle
+            // (`qlora-plan-timeline-8edefba-h100.txt`); one backward over
+            // them all stacked took 189 ms (`...-b1bcd9d-h100.txt`).
             let more = t.mul(&g.detach())?.sum_all()?.backward()?;
             grads.extend(more)?;
         }
