@@ -13,7 +13,7 @@
 #                                          # transformers + bitsandbytes peer, the 8B bf16 rows
 #                                          # in a 24 GiB cap (~330 s)
 #   bash scripts/gpu-checks.sh generate-nf4 # quantized's batch-1 nf4 and bf16 rows, no peer
-#                                          # (~150 s)
+#                                          # (~150 s; GEN_NF4_TIMELINE=1: nf4's timeline)
 #   bash scripts/gpu-checks.sh qlora       # LoRA r 16 on all seven projections of an 8B NF4
 #                                          # base in a 24 GiB cap: the default policy, then
 #                                          # spilling to the host (spill:6GiB:40GiB), then
@@ -121,7 +121,10 @@ for stage in "$@"; do
       ;;
     generate-nf4)
       # The batch-1 rows of quantized alone (nf4, bf16; no peer).
-      r nf4 $G GEN_BENCH_QUANTIZE=nf4 GEN_BENCH_BATCHES=1 timeout 70 bash "$B/run.sh" benches
+      # GEN_NF4_TIMELINE=1: the nf4 row writes the pool's timeline.
+      TL=""
+      [ "${GEN_NF4_TIMELINE:-0}" = 1 ] && TL="GEN_BENCH_TIMELINE=$OUT/res/nf4"
+      r nf4 $G GEN_BENCH_QUANTIZE=nf4 GEN_BENCH_BATCHES=1 $TL timeout 70 bash "$B/run.sh" benches
       r bf16 $G GEN_BENCH_BATCHES=1 timeout 80 bash "$B/run.sh" benches
       ;;
     qlora)

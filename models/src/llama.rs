@@ -1425,7 +1425,7 @@ impl Llama {
         // The hand-written resident path is a training forward: no cache, no adapters.
         let fused = self.fused.enabled() && !kv && self.lora.adapters()?.is_none();
         if let Some(a) = self.lora.adapters()? {
-            extras.extend(a.extras(self.dtype, &self.device)?);
+            extras.extend(a.extras(&self.device)?);
         }
         let mut t = std::time::Instant::now();
         let host_embed = self.host_embedding(kv);

@@ -248,7 +248,12 @@ impl LoraLayout {
         let Some(k) = self.targets.iter().position(|&t| t == target) else {
             return Ok(base);
         };
-        let (a, b) = (&ab[2 * k], &ab[2 * k + 1]);
+        // The adapters stay in their own dtype (f32 as PEFT keeps them); the
+        // conversion is part of the graph, so their gradients come back in it.
+        let (a, b) = (
+            ab[2 * k].to_dtype(x.dtype())?,
+            ab[2 * k + 1].to_dtype(x.dtype())?,
+        );
         let x = if self.training && self.dropout > 0.0 {
             streamer_autograd::dropout(x, self.dropout)?
         } else {
@@ -310,8 +315,8 @@ impl LoraLayout {
             None
         };
         let xd = self.masked(x, keep.as_ref())?;
-        let u = xd.matmul(&a.detach().t()?)?;
-        let delta = u.matmul(&b.detach().t()?)?;
+        let u = xd.matmul(&a.detach().to_dtype(x.dtype())?.t()?)?;
+        let delta = u.matmul(&b.detach().to_dtype(x.dtype())?.t()?)?;
         let y = (base + (delta * self.scale)?)?;
         Ok((y, Some(LoraSaved { a, b, u, keep })))
     }
@@ -332,8 +337,8 @@ impl LoraLayout {
     }
 
     /// The adapter's part of the backward of `y = base + s (m x) A^T B^T`
-    /// given `dy (rows, out)`: pushes `(A, dA)` and `(B, dB)` and returns
-    /// its term of `dx`.
+    /// given `dy (rows, out)`: pushes `(A, dA)` and `(B, dB)`, each gradient
+    /// in its adapter's dtype, and returns its term of `dx` (in `dy`'s).
     pub(crate) fn backward_term(
         &self,
         saved: &LoraSaved,
@@ -341,7 +346,11 @@ impl LoraLayout {
         dy: &Tensor,
         grads: &mut Vec<(Tensor, Tensor)>,
     ) -> Result<Tensor> {
-        let (a, b) = (saved.a.detach(), saved.b.detach());
+        let dt = dy.dtype();
+        let (a, b) = (
+            saved.a.detach().to_dtype(dt)?,
+            saved.b.detach().to_dtype(dt)?,
+        );
         // Made once from the kept bytes, for the input and its gradient.
         let m = self.mask(x, saved.keep.as_ref())?;
         let xd = match &m {
@@ -352,8 +361,8 @@ impl LoraLayout {
         let du = (dy.matmul(&b)? * self.scale)?;
         let d_a = du.t()?.matmul(&xd)?;
         let dxd = du.matmul(&a)?;
-        grads.push((saved.a.clone(), d_a));
-        grads.push((saved.b.clone(), d_b));
+        grads.push((saved.a.clone(), d_a.to_dtype(saved.a.dtype())?));
+        grads.push((saved.b.clone(), d_b.to_dtype(saved.b.dtype())?));
         match &m {
             Some(m) => dxd.mul(m),
             None => Ok(dxd),
@@ -593,13 +602,18 @@ impl LoraAdapters {
         })
     }
 
-    /// `[A, B, ...]` of every layer in `dtype` on `device` (differentiable
-    /// into the variables), the extras the layers read.
-    pub(crate) fn extras(&self, dtype: DType, device: &Device) -> Result<Vec<Tensor>> {
+    /// `[A, B, ...]` of every layer on `device`, the extras the layers read:
+    /// the variables themselves, in their own dtype, when they live there.
+    /// The layers convert them to the compute dtype, so a streamed trainer
+    /// hands their gradients straight to the variables instead of running a
+    /// Candle backward through a conversion per adapter (448 at 8B, about
+    /// 106 ms of host time a micro-batch with the GPU idle in
+    /// `qlora-plan-timeline-8edefba-h100.txt`).
+    pub(crate) fn extras(&self, device: &Device) -> Result<Vec<Tensor>> {
         let mut out = Vec::with_capacity(2 * self.adapters.len());
         for a in &self.adapters {
             for v in [&a.a, &a.b] {
-                out.push(v.as_tensor().to_device(device)?.to_dtype(dtype)?);
+                out.push(v.as_tensor().to_device(device)?);
             }
         }
         Ok(out)

@@ -131,9 +131,10 @@ impl LoraStep<'_> {
         let chunk =
             crate::cross_entropy::linear_cross_entropy_chunk(cfg.vocab_size, self.shape.dtype)
                 .min(tokens);
-        // f32 adapters, their gradients (two while micro-batches accumulate)
-        // and AdamW's two moments.
-        let adapters = 5 * 4 * self.adapter_params();
+        // f32 adapters, the forward's copy of them (the trainer's snapshot),
+        // their gradients (two while micro-batches accumulate) and AdamW's
+        // two moments.
+        let adapters = 6 * 4 * self.adapter_params();
         // An adapter's backward with dropout holds its scaled mask, the
         // masked input, that input's gradient and its masked product at once.
         let dropout = match self.lora.lora_dropout > 0.0 {

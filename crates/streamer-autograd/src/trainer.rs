@@ -90,9 +90,9 @@ struct Saved {
     /// The model input and extras as the caller passed them (maybe tracked).
     x: Tensor,
     extras: Vec<Tensor>,
-    /// The extras as the forward handed them to the blocks (detached: new
-    /// tensor ids for variables). Kept activations hold these, so a
-    /// hand-written backward's extras gradients are keyed by their ids.
+    /// The extras as the forward handed them to the blocks (detached, and
+    /// variables copied: see `snapshot_extras`). Kept activations hold these,
+    /// so a hand-written backward's extras gradients are keyed by their ids.
     extras_det: Vec<Tensor>,
     /// The outputs handed back, as variables the loss's backward reaches.
     outputs: Vec<Var>,
@@ -523,7 +523,7 @@ impl TrainableSequential {
         let micro = st.micro_rows;
         let budget = (st.policy.budget(pool.device())?, st.policy.host_budget());
         let x_det = x.detach();
-        let extras_det: Vec<Tensor> = extras.iter().map(|e| e.detach()).collect();
+        let extras_det = snapshot_extras(extras)?;
         let prev = std::mem::take(&mut st.needs);
         let r = run_recorded(
             &mut pool,
@@ -1697,6 +1697,23 @@ fn clear_current_seed() {
     crate::dropout::set_seed(None);
 }
 
+/// The extras as the blocks see them: detached, so their gradients are
+/// keyed by new ids, and a variable copied, so that a `Var::set` or an
+/// optimizer step between this forward and its backward cannot change what
+/// the recompute and the hand-written backward read.
+fn snapshot_extras(extras: &[Tensor]) -> Result<Vec<Tensor>> {
+    extras
+        .iter()
+        .map(|e| {
+            if e.is_variable() {
+                e.copy()
+            } else {
+                Ok(e.detach())
+            }
+        })
+        .collect()
+}
+
 /// Continues backward into whatever produced the model input and the extras
 /// (their gradients `g_x`, `g_extras` from the first block).
 fn continue_upstream(
@@ -1716,14 +1733,16 @@ fn continue_upstream(
     }
     for (t, g) in upstream {
         if t.is_variable() {
-            accumulate_grad(grads, &t, g)?;
+            // A block may compute in another dtype than a variable extra's
+            // (f32 LoRA adapters in a bf16 layer).
+            accumulate_grad(grads, &t, g.to_dtype(t.dtype())?)?;
         } else if t.track_op() {
             // d/dθ sum(t ⊙ g) = J_tᵀ g: the chain rule into t's own graph.
-            // A backward per tensor: an 8B LoRA step's 448 adapter extras
-            // (bf16 conversions of f32 variables) come here and take about
-            // 106 ms of host time with the GPU idle
-            // (`qlora-plan-timeline-8edefba-h100.txt`); one backward over
-            // them all stacked took 189 ms (`...-b1bcd9d-h100.txt`).
+            // A Candle backward per tensor, so extras with many of them should
+            // be the variables themselves: 448 bf16 conversions of 8B LoRA
+            // adapters took about 106 ms of host time here with the GPU idle
+            // (`qlora-plan-timeline-8edefba-h100.txt`), one backward over
+            // them all stacked 189 ms (`...-b1bcd9d-h100.txt`).
             let more = t.mul(&g.detach())?.sum_all()?.backward()?;
             grads.extend(more)?;
         }
