@@ -7,7 +7,8 @@ around them, and the copy engines' busy time; then the steps' median and
 spread, and how many were compute-bound (a long job's steps should all take
 about their copies' time: a run of compute-bound steps among copy-bound ones
 is a burst of prompts); last, each named host phase's median and 90th
-percentile (a decode step's parts, the trainer's phases).
+percentile (a decode step's parts, the trainer's phases); and the copies'
+idle time and where its largest stretches fall.
 
     python3 scripts/timeline-summary.py TRACE.json [gaps per step, default 6]
 
@@ -71,7 +72,28 @@ def main():
                 if s1 > g0 and s0 < g1 and e["dur"] >= 1e3:
                     print(f"        host {e['name']}: {e['dur'] / 1e3:.1f}")
     spread(stats)
+    copy_idle(ev, bounds[0][0], end_all, top)
     host_phases(ev)
+
+
+def copy_idle(ev, start, end, top):
+    """The host-to-device copies' idle time over the whole trace (a streamed
+    run at its PCIe floor keeps them busy from its first copy to its end) and
+    its largest stretches, with the copies around them."""
+    h2d = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev if e["cat"] == "h2d")
+    if not h2d:
+        return
+    idle, end_prev, name_prev = [], start, "trace start"
+    for s, e, n in h2d:
+        if s > end_prev:
+            idle.append((s - end_prev, name_prev, n))
+        if e > end_prev:
+            end_prev, name_prev = e, n
+    if end > end_prev:
+        idle.append((end - end_prev, name_prev, "trace end"))
+    print(f"h2d idle {sum(g for g, _, _ in idle) / 1e3:.1f} of {(end - start) / 1e3:.1f}; largest:")
+    for g, n0, n1 in sorted(idle, reverse=True)[:top]:
+        print(f"    idle {g / 1e3:8.2f}  after copy {n0} before copy {n1}")
 
 
 def host_phases(ev):
