@@ -56,6 +56,14 @@ fn check(what: &str, got: &Tensor, want: &Tensor) -> Result<()> {
     crate::common::ensure_close(what, got, want, TOL)
 }
 
+/// The fixture's base streamed and trainable in `dtype`, PEFT's adapters on.
+fn streamed_with_peft(fx: &Fx, dev: &Device, dtype: DType) -> Result<Llama> {
+    let stream = crate::common::stream(dev, dtype, 1);
+    let streamed = Llama::from_safetensors(&[fx.weights()], &fx.cfg, stream)?.into_trainable()?;
+    streamed.set_lora(Some(LoraAdapters::load_peft(&fx.adapters, &fx.cfg, dev)?))?;
+    Ok(streamed)
+}
+
 /// Logits, loss and each adapter's gradient of `model` (adapters on) against PEFT.
 fn matches_peft(fx: &Fx, model: &Llama, dev: &Device, what: &str) -> Result<()> {
     let (x, y) = fx.inputs(dev)?;
@@ -89,9 +97,7 @@ fn lora_peft_adapters_match_peft_resident_and_streamed(dev: &Device) -> Result<(
     let resident = Llama::load_resident(&[fx.weights()], &fx.cfg, DType::F32, dev)?;
     resident.set_lora(Some(LoraAdapters::load_peft(&fx.adapters, &fx.cfg, dev)?))?;
     matches_peft(&fx, &resident, dev, "resident")?;
-    let stream = crate::common::stream(dev, DType::F32, 1);
-    let streamed = Llama::from_safetensors(&[fx.weights()], &fx.cfg, stream)?.into_trainable()?;
-    streamed.set_lora(Some(LoraAdapters::load_peft(&fx.adapters, &fx.cfg, dev)?))?;
+    let streamed = streamed_with_peft(&fx, dev, DType::F32)?;
     let (x, y) = fx.inputs(dev)?;
     let grads = streamed.backward(&streamed.loss(&x, &y)?)?;
     // The base layers are frozen: no gradient comes back for them.
@@ -122,8 +128,8 @@ fn lora_peft_adapters_match_peft_resident_and_streamed(dev: &Device) -> Result<(
 }
 candle_streamer::test_device!(lora_peft_adapters_match_peft_resident_and_streamed);
 
-/// A streamed base computing in bf16 reads bf16 conversions of the f32
-/// adapters; their gradients come back on the f32 adapters, in f32, with
+/// A streamed base computing in bf16 converts the f32 adapters in each
+/// layer; their gradients come back on the f32 adapters, in f32, with
 /// PEFT's values to bf16's precision, over two steps, and no other tensor
 /// keeps one. A bf16 forward and backward of the fixture puts each gradient
 /// 2.4e-2 to 6.2e-2 (relative to its largest value) from PEFT's f32 one on
@@ -131,9 +137,7 @@ candle_streamer::test_device!(lora_peft_adapters_match_peft_resident_and_streame
 /// by 1 or more. (The f32 tests above never convert the adapters.)
 fn lora_bf16_base_gives_the_f32_adapters_their_gradients(dev: &Device) -> Result<()> {
     let fx = load()?;
-    let stream = crate::common::stream(dev, DType::BF16, 1);
-    let streamed = Llama::from_safetensors(&[fx.weights()], &fx.cfg, stream)?.into_trainable()?;
-    streamed.set_lora(Some(LoraAdapters::load_peft(&fx.adapters, &fx.cfg, dev)?))?;
+    let streamed = streamed_with_peft(&fx, dev, DType::BF16)?;
     let (x, y) = fx.inputs(dev)?;
     for step in 0..2 {
         let grads = streamed.backward(&streamed.loss(&x, &y)?)?;
@@ -170,9 +174,7 @@ candle_streamer::test_device!(lora_bf16_base_gives_the_f32_adapters_their_gradie
 /// f32 relative error <= 1e-4.
 fn lora_backward_reads_the_adapters_of_its_forward(dev: &Device) -> Result<()> {
     let fx = load()?;
-    let stream = crate::common::stream(dev, DType::F32, 1);
-    let streamed = Llama::from_safetensors(&[fx.weights()], &fx.cfg, stream)?.into_trainable()?;
-    streamed.set_lora(Some(LoraAdapters::load_peft(&fx.adapters, &fx.cfg, dev)?))?;
+    let streamed = streamed_with_peft(&fx, dev, DType::F32)?;
     let (x, y) = fx.inputs(dev)?;
     let loss = streamed.loss(&x, &y)?;
     let adapters = streamed.lora()?.context("adapters on")?;
