@@ -64,6 +64,25 @@ fn streamed_with_peft(fx: &Fx, dev: &Device, dtype: DType) -> Result<Llama> {
     Ok(streamed)
 }
 
+/// Each adapter of `model`: its name, its gradient in `grads` and PEFT's.
+fn adapter_grads(
+    fx: &Fx,
+    model: &Llama,
+    grads: &candle_core::backprop::GradStore,
+    dev: &Device,
+) -> Result<Vec<(String, Tensor, Tensor)>> {
+    let adapters = model.lora()?.context("adapters on")?;
+    let mut out = Vec::new();
+    for (name, v) in adapters.vars() {
+        let g = grads
+            .get(v.as_tensor())
+            .with_context(|| format!("no gradient for {name}"))?;
+        let want = fx.get(&format!("grad.{name}"))?.to_device(dev)?;
+        out.push((name, g.clone(), want));
+    }
+    Ok(out)
+}
+
 /// Logits, loss and each adapter's gradient of `model` (adapters on) against PEFT.
 fn matches_peft(fx: &Fx, model: &Llama, dev: &Device, what: &str) -> Result<()> {
     let (x, y) = fx.inputs(dev)?;
@@ -141,24 +160,20 @@ fn lora_bf16_base_gives_the_f32_adapters_their_gradients(dev: &Device) -> Result
     let (x, y) = fx.inputs(dev)?;
     for step in 0..2 {
         let grads = streamed.backward(&streamed.loss(&x, &y)?)?;
-        let adapters = streamed.lora()?.context("adapters on")?;
-        for (name, v) in adapters.vars() {
-            let g = grads
-                .get(v.as_tensor())
-                .with_context(|| format!("step {step}: no gradient for {name}"))?;
+        for (name, g, want) in adapter_grads(&fx, &streamed, &grads, dev)? {
             ensure!(
                 g.dtype() == DType::F32,
                 "{name}: a {:?} gradient",
                 g.dtype()
             );
-            let want = fx.get(&format!("grad.{name}"))?.to_device(dev)?;
-            let e = rel_err(g, &want)?;
+            let e = rel_err(&g, &want)?;
             ensure!(
                 e <= 1e-1,
                 "step {step}: {name}'s bf16 gradient off by {e:.2e}"
             );
         }
         // Every gradient is the adapters', the base's or the outer weights'.
+        let adapters = streamed.lora()?.context("adapters on")?;
         let owners = adapters.vars().len() + streamed.parameters().len();
         let held = grads.get_ids().count();
         ensure!(held <= owners, "{held} gradients for {owners} variables");
@@ -182,12 +197,8 @@ fn lora_backward_reads_the_adapters_of_its_forward(dev: &Device) -> Result<()> {
         v.set(&v.as_tensor().zeros_like()?)?;
     }
     let grads = streamed.backward(&loss)?;
-    for (name, v) in adapters.vars() {
-        let g = grads
-            .get(v.as_tensor())
-            .with_context(|| format!("no gradient for {name}"))?;
-        let want = fx.get(&format!("grad.{name}"))?.to_device(dev)?;
-        check(&format!("{name} after Var::set"), g, &want)?;
+    for (name, g, want) in adapter_grads(&fx, &streamed, &grads, dev)? {
+        check(&format!("{name} after Var::set"), &g, &want)?;
     }
     Ok(())
 }
