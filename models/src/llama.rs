@@ -1425,7 +1425,9 @@ impl Llama {
         // The hand-written resident path is a training forward: no cache, no adapters.
         let fused = self.fused.enabled() && !kv && self.lora.adapters()?.is_none();
         if let Some(a) = self.lora.adapters()? {
-            extras.extend(a.extras(&self.device)?);
+            // A cached decode records no graph through the adapters either.
+            let ab = a.extras(&self.device)?;
+            extras.extend(ab.into_iter().map(|t| if kv { t.detach() } else { t }));
         }
         let mut t = std::time::Instant::now();
         let host_embed = self.host_embedding(kv);
