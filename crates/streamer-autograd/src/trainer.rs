@@ -503,6 +503,10 @@ impl TrainableSequential {
 
     /// Runs the blocks with `extras` handed to every block. In training mode the
     /// outputs are tracked: a loss built on them can be passed to `backward`.
+    /// A variable among the extras reaches the blocks as a copy taken here
+    /// (the backward reads it as this forward did, whatever is set in between),
+    /// and its gradient comes back on the variable in the variable's dtype,
+    /// whatever dtype the blocks computed it in.
     pub fn forward_with(&self, x: &Tensor, extras: &[Tensor]) -> Result<Vec<Tensor>> {
         let training = self.is_training();
         if !training {
