@@ -64,6 +64,15 @@ fn streamed_with_peft(fx: &Fx, dev: &Device, dtype: DType) -> Result<Llama> {
     Ok(streamed)
 }
 
+/// The fixture, its base streamed in `dtype` with PEFT's adapters on, and
+/// its inputs and targets.
+fn peft_fixture(dev: &Device, dtype: DType) -> Result<(Fx, Llama, (Tensor, Tensor))> {
+    let fx = load()?;
+    let streamed = streamed_with_peft(&fx, dev, dtype)?;
+    let xy = fx.inputs(dev)?;
+    Ok((fx, streamed, xy))
+}
+
 /// Each adapter of `model`: its name, its gradient in `grads` and PEFT's.
 fn adapter_grads(
     fx: &Fx,
@@ -155,9 +164,7 @@ candle_streamer::test_device!(lora_peft_adapters_match_peft_resident_and_streame
 /// the CPU: the bound is 1e-1, while a gradient lost or counted twice is off
 /// by 1 or more. (The f32 tests above never convert the adapters.)
 fn lora_bf16_base_gives_the_f32_adapters_their_gradients(dev: &Device) -> Result<()> {
-    let fx = load()?;
-    let streamed = streamed_with_peft(&fx, dev, DType::BF16)?;
-    let (x, y) = fx.inputs(dev)?;
+    let (fx, streamed, (x, y)) = peft_fixture(dev, DType::BF16)?;
     for step in 0..2 {
         let grads = streamed.backward(&streamed.loss(&x, &y)?)?;
         for (name, g, want) in adapter_grads(&fx, &streamed, &grads, dev)? {
@@ -188,9 +195,7 @@ candle_streamer::test_device!(lora_bf16_base_gives_the_f32_adapters_their_gradie
 /// zeros, which would zero every `A` gradient) leaves the gradients PEFT's,
 /// f32 relative error <= 1e-4.
 fn lora_backward_reads_the_adapters_of_its_forward(dev: &Device) -> Result<()> {
-    let fx = load()?;
-    let streamed = streamed_with_peft(&fx, dev, DType::F32)?;
-    let (x, y) = fx.inputs(dev)?;
+    let (fx, streamed, (x, y)) = peft_fixture(dev, DType::F32)?;
     let loss = streamed.loss(&x, &y)?;
     let adapters = streamed.lora()?.context("adapters on")?;
     for (_, v) in adapters.vars() {
