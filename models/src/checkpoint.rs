@@ -69,13 +69,7 @@ pub(crate) fn check_weights_except(
     if !extra.is_empty() {
         let deepest = extra
             .iter()
-            .filter_map(|n| {
-                n.strip_prefix("model.layers.")?
-                    .split('.')
-                    .next()?
-                    .parse::<usize>()
-                    .ok()
-            })
+            .filter_map(|n| crate::config::split_layer_name(n).map(|(i, _)| i))
             .max();
         let hint = match deepest {
             Some(l) if l >= cfg.num_hidden_layers => format!(

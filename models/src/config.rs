@@ -1021,3 +1021,10 @@ mod hf_layout {
         Ok(())
     }
 }
+
+/// A decoder layer's weight name `model.layers.{i}.{local}` split into
+/// `(i, local)`; `None` for any other name.
+pub(crate) fn split_layer_name(name: &str) -> Option<(usize, &str)> {
+    let (i, local) = name.strip_prefix("model.layers.")?.split_once('.')?;
+    Some((i.parse().ok()?, local))
+}

@@ -5,7 +5,7 @@
 //! builder dequantizes them on the device into bf16
 //! ([`Llama::streamed_quantized`](crate::Llama::streamed_quantized)).
 //! Everything else (norms, embedding, head, biases) stays dense.
-use crate::config::LlamaConfig;
+use crate::config::{split_layer_name, LlamaConfig};
 use candle_core::{DType, Device, Result, Tensor};
 use std::collections::{BTreeMap, HashMap};
 use streamer_core::{SetupEvent, SetupHook, WeightSource};
@@ -70,11 +70,7 @@ impl LayerPacking {
 
 /// The decoder layer `name` belongs to, if any.
 fn layer_of(name: &str) -> Option<usize> {
-    name.strip_prefix("model.layers.")?
-        .split_once('.')?
-        .0
-        .parse()
-        .ok()
+    split_layer_name(name).map(|(i, _)| i)
 }
 
 impl QuantizedWeights {
@@ -260,11 +256,17 @@ impl QuantizedWeights {
     /// The names [`Self::over`] adds to a source: each layer image's, and
     /// each quantized weight's outside an image.
     pub(crate) fn source_names(&self) -> Vec<String> {
-        let images = self.images.keys().map(|i| image_name(*i));
-        let loose = (self.entries.keys())
-            .filter(|n| layer_of(n).is_none_or(|i| !self.images.contains_key(&i)))
-            .cloned();
-        images.chain(loose).collect()
+        self.source_tensors().map(|(n, _)| n).collect()
+    }
+
+    /// Each tensor [`Self::over`] adds, by its source name: the layers'
+    /// images and the quantized weights outside one.
+    fn source_tensors(&self) -> impl Iterator<Item = (String, &Tensor)> {
+        let images = self.images.iter().map(|(i, t)| (image_name(*i), t));
+        let loose = (self.entries.iter())
+            .filter(|(n, _)| layer_of(n).is_none_or(|i| !self.images.contains_key(&i)))
+            .map(|(n, (_, t))| (n.clone(), t));
+        images.chain(loose)
     }
 
     /// The layout of `name`, if quantized.
@@ -302,15 +304,9 @@ impl QuantizedWeights {
     /// as it holds them (in-memory ones shared; a dense copy of a quantized
     /// weight in `src` is skipped).
     pub(crate) fn over(&self, src: &WeightSource) -> Result<WeightSource> {
-        let mut all: HashMap<String, Tensor> = HashMap::new();
-        for name in self.source_names() {
-            let t = match (self.entries.get(&name), layer_of(&name)) {
-                (Some((_, t)), _) => t.clone(),
-                (None, Some(i)) => self.images[&i].clone(),
-                (None, None) => unreachable!("source_names names layers' images"),
-            };
-            all.insert(name, t);
-        }
+        let mut all: HashMap<String, Tensor> = (self.source_tensors())
+            .map(|(n, t)| (n, t.clone()))
+            .collect();
         for name in src.names().into_iter().filter(|n| !self.contains(n)) {
             // Shared where in memory: the masters made from this source copy
             // them once (`WeightSource::load_master`).
@@ -384,9 +380,7 @@ fn image_name(i: usize) -> String {
 /// Whether the Hugging Face name `name` is a quantizable weight
 /// (`model.layers.{i}.` and one of [`QUANTIZABLE`]).
 pub fn is_quantizable(name: &str) -> bool {
-    name.strip_prefix("model.layers.")
-        .and_then(|rest| rest.split_once('.'))
-        .is_some_and(|(_, local)| QUANTIZABLE.contains(&local))
+    split_layer_name(name).is_some_and(|(_, local)| QUANTIZABLE.contains(&local))
 }
 
 /// The quantizable weights of `cfg` and their shapes, layer by layer.
